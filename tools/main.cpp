@@ -2,8 +2,20 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "comm/comm.h"
 #include "kernels/backend.h"
+#include "tools/subcommand.h"
+
+namespace strata::tools {
+
+std::vector<SubcommandFactory>& subcommand_factories() {
+  static std::vector<SubcommandFactory> factories;
+  return factories;
+}
+
+}  // namespace strata::tools
 
 namespace {
 
@@ -30,10 +42,19 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   bool version = false;
   app.add_flag("--version", version, "Print the version, the backends built in and the GPUs seen");
-  CLI11_PARSE(app, argc, argv);
-  if (version || app.get_subcommands().empty()) {
-    print_version();
-    return 0;
+
+  std::vector<std::unique_ptr<strata::tools::Subcommand>> subcommands;
+  std::vector<CLI::App*> apps;
+  for (auto& factory : strata::tools::subcommand_factories()) {
+    subcommands.push_back(factory());
+    apps.push_back(subcommands.back()->add_to(app));
   }
+
+  CLI11_PARSE(app, argc, argv);
+  for (size_t i = 0; i < apps.size(); ++i) {
+    if (apps[i]->parsed()) return subcommands[i]->run();
+  }
+  if (!version) fmt::print("{}\n", app.help());
+  print_version();
   return 0;
 }
