@@ -1,0 +1,67 @@
+// Fused AdamW step over one contiguous shard of fp32 optimizer state.
+//
+// One pass reads the gradient (fp32, bf16 or fp16), multiplies it by
+// `grad_scale` (1 / loss scale times the clipping coefficient, computed once
+// by the caller), updates the fp32 master weights and the moments m and v in
+// place with torch.optim.AdamW's arithmetic (DESIGN.md section 5), and writes
+// the compute-precision copy of the new master (bf16 rounded to nearest even,
+// or fp16) in the same pass. About 28 bytes move per parameter in mixed mode
+// (bf16 gradient in, bf16 copy out), 28 in fp32 mode, and the pass runs at
+// the memory bandwidth of the machine.
+//
+// Per element, in fp32, with every constant rounded once from float64:
+//   g  = grad * grad_scale                      (+ weight_decay * p: plain Adam)
+//   p  = p * (1 - lr * weight_decay)            (decoupled, AdamW)
+//   m  = m * beta1 + (1 - beta1) * g
+//   v  = v * beta2 + (1 - beta2) * g * g
+//   p  = p + (-lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+// No fused multiply-adds, so the scalar, AVX2 and AVX-512 paths (simd.h) give
+// bitwise-identical results, for any number of threads.
+//
+// Threads: the current TBB arena, one contiguous range per thread
+// (for_each_static_range in simd.h). The arrays of one call must not overlap;
+// calls on disjoint shards may run concurrently.
+#pragma once
+
+#include <cstdint>
+
+#include "io/status.h"
+#include "kernels/cpu/simd.h"
+
+namespace strata::kernels::cpu {
+
+struct AdamWHyperparams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  int64_t step = 1;                    // t, 1 for the first update (bias corrections use it)
+  bool decoupled_weight_decay = true;  // true: AdamW; false: Adam with L2 (g += wd * p)
+  bool bias_correction = true;         // false: the 1 - beta^t terms are taken as 1
+  double grad_scale = 1.0;             // gradients are multiplied by this first
+};
+
+// One shard: every array has `numel` elements and they do not overlap.
+struct AdamWShard {
+  int64_t numel = 0;
+  float* master = nullptr;        // (numel) fp32 master weights, updated in place
+  float* exp_avg = nullptr;       // (numel) first moment m, updated in place
+  float* exp_avg_sq = nullptr;    // (numel) second moment v, updated in place
+  const void* grad = nullptr;     // (numel) of grad_type, read only
+  ElementType grad_type = ElementType::f32;
+  void* copy = nullptr;           // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
+  ElementType copy_type = ElementType::bf16;  // bf16 or f16
+};
+
+// Runs one step on `shard` with the active SIMD level. Fails (touching
+// nothing) on a missing array, a negative length, a copy of type fp32, a step
+// below 1 or hyperparameters outside torch's accepted ranges.
+Status adamw_step(const AdamWShard& shard, const AdamWHyperparams& hyper);
+
+// Zeroes `data` (n floats) with the same range-to-thread mapping as
+// adamw_step, so that fresh pages are first touched by the thread (and NUMA
+// node) that will update them.
+void first_touch_zero(float* data, int64_t n);
+
+}  // namespace strata::kernels::cpu

@@ -1,0 +1,87 @@
+#include "kernels/cpu/simd.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include <cpuid.h>
+
+namespace strata::kernels::cpu {
+namespace {
+
+// -1: automatic; otherwise a SimdLevel forced by force_simd_level().
+std::atomic<int> forced_level{-1};
+
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  return (ecx & bit_F16C) != 0;
+}
+
+SimdLevel detect_cpu_level() {
+  __builtin_cpu_init();
+  // __builtin_cpu_supports also checks that the OS saves the wider registers.
+  const bool avx2 = __builtin_cpu_supports("avx2") && cpu_has_f16c();
+  if (avx2 && __builtin_cpu_supports("avx512f")) return SimdLevel::avx512;
+  if (avx2) return SimdLevel::avx2;
+  return SimdLevel::scalar;
+}
+
+SimdLevel environment_cap(SimdLevel cpu) {
+  const char* value = std::getenv("STRATA_SIMD");
+  if (value == nullptr || *value == '\0') return cpu;
+  const std::string name(value);
+  SimdLevel wanted = cpu;
+  if (name == "scalar") wanted = SimdLevel::scalar;
+  if (name == "avx2") wanted = SimdLevel::avx2;
+  if (name == "avx512") wanted = SimdLevel::avx512;
+  return static_cast<int>(wanted) < static_cast<int>(cpu) ? wanted : cpu;
+}
+
+}  // namespace
+
+std::string_view simd_level_name(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::scalar: return "scalar";
+    case SimdLevel::avx2: return "avx2";
+    case SimdLevel::avx512: return "avx512";
+  }
+  return "unknown";
+}
+
+std::string_view element_type_name(ElementType type) {
+  switch (type) {
+    case ElementType::f32: return "fp32";
+    case ElementType::bf16: return "bf16";
+    case ElementType::f16: return "fp16";
+  }
+  return "unknown";
+}
+
+std::size_t element_size(ElementType type) { return type == ElementType::f32 ? 4 : 2; }
+
+SimdLevel cpu_simd_level() {
+  static const SimdLevel level = detect_cpu_level();
+  return level;
+}
+
+SimdLevel active_simd_level() {
+  const int forced = forced_level.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<SimdLevel>(forced);
+  static const SimdLevel automatic = environment_cap(cpu_simd_level());
+  return automatic;
+}
+
+Status force_simd_level(SimdLevel level) {
+  if (static_cast<int>(level) > static_cast<int>(cpu_simd_level())) {
+    return Status::error("force_simd_level: this CPU does not support " +
+                         std::string(simd_level_name(level)) + " (best: " +
+                         std::string(simd_level_name(cpu_simd_level())) + ")");
+  }
+  forced_level.store(static_cast<int>(level), std::memory_order_relaxed);
+  return Status::ok();
+}
+
+void reset_simd_level() { forced_level.store(-1, std::memory_order_relaxed); }
+
+}  // namespace strata::kernels::cpu

@@ -1,0 +1,121 @@
+// Internal to kernels/cpu: loads of fp32/bf16/fp16 arrays as fp32 vectors and
+// stores of fp32 vectors as bf16/fp16, for the scalar, AVX2 + F16C and
+// AVX-512 paths. Each vector function carries its own target attribute, so
+// this header may be included by files compiled for baseline x86-64; callers
+// run a vector function only when active_simd_level() allows it. All
+// conversions agree bit for bit with the scalar ones in simd.h.
+#pragma once
+
+#include <cstdint>
+
+#include <immintrin.h>
+
+#include "kernels/cpu/simd.h"
+
+#define STRATA_TARGET_AVX2 __attribute__((target("avx2,f16c")))
+#define STRATA_TARGET_AVX512 __attribute__((target("avx512f,avx2,f16c")))
+
+namespace strata::kernels::cpu {
+
+// Copy kinds: none (fp32 mode), bf16, fp16.
+enum class CopyKind { none, bf16, f16 };
+
+template <ElementType T>
+inline float load_as_float(const void* data, int64_t i) {
+  if constexpr (T == ElementType::f32) {
+    return static_cast<const float*>(data)[i];
+  } else if constexpr (T == ElementType::bf16) {
+    return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+  } else {
+    return f16_to_float(static_cast<const uint16_t*>(data)[i]);
+  }
+}
+
+template <CopyKind C>
+inline void store_from_float(void* data, int64_t i, float value) {
+  if constexpr (C == CopyKind::bf16) {
+    static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
+  } else if constexpr (C == CopyKind::f16) {
+    static_cast<uint16_t*>(data)[i] = float_to_f16(value);
+  }
+}
+
+// --- AVX2 + F16C: 8 elements ------------------------------------------------------
+
+template <ElementType T>
+STRATA_TARGET_AVX2 inline __m256 load8_as_float(const void* data, int64_t i) {
+  if constexpr (T == ElementType::f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(data) + i);
+  } else {
+    const __m128i half =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + i));
+    if constexpr (T == ElementType::bf16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    } else {
+      return _mm256_cvtph_ps(half);
+    }
+  }
+}
+
+template <CopyKind C>
+STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 value) {
+  if constexpr (C == CopyKind::none) {
+    return;
+  } else {
+    __m128i packed;
+    if constexpr (C == CopyKind::bf16) {
+      const __m256i bits = _mm256_castps_si256(value);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+      __m256i rounded = _mm256_srli_epi32(
+          _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+      const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+      rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
+      // packus works within 128-bit lanes: reorder the 64-bit quarters afterwards.
+      const __m256i pairs = _mm256_packus_epi32(rounded, rounded);
+      packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(pairs, 0xd8));
+    } else {
+      packed = _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i), packed);
+  }
+}
+
+// --- AVX-512: 16 elements ---------------------------------------------------------
+
+template <ElementType T>
+STRATA_TARGET_AVX512 inline __m512 load16_as_float(const void* data, int64_t i) {
+  if constexpr (T == ElementType::f32) {
+    return _mm512_loadu_ps(static_cast<const float*>(data) + i);
+  } else {
+    const __m256i half = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(data) + i));
+    if constexpr (T == ElementType::bf16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    } else {
+      return _mm512_cvtph_ps(half);
+    }
+  }
+}
+
+template <CopyKind C>
+STRATA_TARGET_AVX512 inline void store16_from_float(void* data, int64_t i, __m512 value) {
+  if constexpr (C == CopyKind::none) {
+    return;
+  } else {
+    __m256i packed;
+    if constexpr (C == CopyKind::bf16) {
+      const __m512i bits = _mm512_castps_si512(value);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i rounded = _mm512_srli_epi32(
+          _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+      const __mmask16 is_nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+      rounded = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7fc0));
+      packed = _mm512_cvtepi32_epi16(rounded);
+    } else {
+      packed = _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + i), packed);
+  }
+}
+
+}  // namespace strata::kernels::cpu
