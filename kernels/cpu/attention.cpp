@@ -1,0 +1,96 @@
+#include "kernels/cpu/attention.h"
+
+#include <cblas.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace strata::kernels::cpu {
+
+void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
+                       const AttentionShape& s) {
+  const int64_t T = s.T, D = s.D, group = s.H / s.KV, ld = s.row_stride;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t kvh = h / group;
+      const float* qh = q + b * T * ld + h * D;    // (T, D), leading dimension ld
+      const float* kh = k + b * T * ld + kvh * D;  // (T, D)
+      const float* vh = v + b * T * ld + kvh * D;  // (T, D)
+      float* p = probs + (b * s.H + h) * T * T;    // (T, T)
+      float* oh = out + b * T * s.H * D + h * D;   // (T, D), leading dimension H*D
+      // scores = scale * q k^T
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, scale, qh, ld, kh, ld, 0.0f,
+                  p, T);
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, T, 16), [&](const tbb::blocked_range<int64_t>& rows) {
+        for (int64_t i = rows.begin(); i < rows.end(); ++i) {
+          float* row = p + i * T;
+          float max_score = row[0];
+          for (int64_t j = 1; j <= i; ++j) max_score = std::max(max_score, row[j]);
+          float sum = 0.0f;
+          for (int64_t j = 0; j <= i; ++j) {
+            row[j] = std::exp(row[j] - max_score);
+            sum += row[j];
+          }
+          const float inv_sum = 1.0f / sum;
+          for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
+          std::fill(row + i + 1, row + T, 0.0f);
+        }
+      });
+      // out_h = p v
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, T, 1.0f, p, T, vh, ld, 0.0f,
+                  oh, s.H * D);
+    }
+  }
+}
+
+void attention_backward(float* dq, float* dk, float* dv, float* scratch, const float* dout,
+                        const float* probs, const float* q, const float* k, const float* v,
+                        const AttentionShape& s) {
+  const int64_t T = s.T, D = s.D, group = s.H / s.KV, ld = s.row_stride;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // dk and dv collect every query head of their group, so they start at zero.
+  for (int64_t n = 0; n < s.B * T; ++n) {
+    std::fill(dk + n * ld, dk + n * ld + s.KV * D, 0.0f);
+    std::fill(dv + n * ld, dv + n * ld + s.KV * D, 0.0f);
+  }
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t kvh = h / group;
+      const float* qh = q + b * T * ld + h * D;
+      const float* kh = k + b * T * ld + kvh * D;
+      const float* vh = v + b * T * ld + kvh * D;
+      float* dqh = dq + b * T * ld + h * D;
+      float* dkh = dk + b * T * ld + kvh * D;
+      float* dvh = dv + b * T * ld + kvh * D;
+      const float* p = probs + (b * s.H + h) * T * T;    // (T, T)
+      const float* doh = dout + b * T * s.H * D + h * D;  // (T, D), leading dimension H*D
+      float* dp = scratch;                                // (T, T)
+      // dv += p^T do;  dp = do v^T
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, 1.0f, p, T, doh, s.H * D, 1.0f,
+                  dvh, ld);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, 1.0f, doh, s.H * D, vh, ld,
+                  0.0f, dp, T);
+      // Softmax backward, in place: ds = p * (dp - sum_j p dp) * scale.
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, T, 16), [&](const tbb::blocked_range<int64_t>& rows) {
+        for (int64_t i = rows.begin(); i < rows.end(); ++i) {
+          const float* prow = p + i * T;
+          float* row = dp + i * T;
+          float dot = 0.0f;
+          for (int64_t j = 0; j <= i; ++j) dot += prow[j] * row[j];
+          for (int64_t j = 0; j <= i; ++j) row[j] = prow[j] * (row[j] - dot) * scale;
+          std::fill(row + i + 1, row + T, 0.0f);
+        }
+      });
+      // dq = ds k;  dk += ds^T q
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, T, 1.0f, dp, T, kh, ld, 0.0f,
+                  dqh, ld);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, 1.0f, dp, T, qh, ld, 1.0f, dkh,
+                  ld);
+    }
+  }
+}
+
+}  // namespace strata::kernels::cpu
