@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Reference test: strata's CPU backend against an independent Llama in PyTorch.
+
+Fresh random weights and tokens on every run (the seed is printed; pass --seed
+to repeat one). For each case the weights go to strata through safetensors
+files (F32, BF16 or F16, single or sharded) and a config.json; strata's driver
+returns logits, loss and every parameter gradient through safetensors as well.
+Each is compared by per-tensor relative error |a - b| / |b| against PyTorch in
+fp32; the test fails above 1e-5.
+
+The reference follows Hugging Face's LlamaForCausalLM (DESIGN.md section 5):
+RMSNorm in fp32, rotate_half rotary embeddings with llama3 scaling, grouped-
+query attention, SwiGLU, tied or untied lm_head, mean cross-entropy.
+Exit codes: 0 pass, 1 fail, 77 skipped (no torch).
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+try:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:  # pragma: no cover
+    print(f"skipping: {e}")
+    sys.exit(77)
+
+TOLERANCE = 1e-5
+
+# --- safetensors, written and read with struct + json --------------------------
+
+NP_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def tensor_bytes(tensor, dtype):
+    t = tensor.detach().contiguous()
+    if dtype == "BF16":
+        return t.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return t.numpy().astype(NP_DTYPES[dtype]).tobytes()
+
+
+def write_safetensors(path, tensors, dtype):
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        blob = tensor_bytes(t, dtype)
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        assert info["dtype"] == "F32", info
+        array = np.frombuffer(data[begin:end], dtype=np.float32).reshape(info["shape"])
+        out[name] = torch.from_numpy(array.copy())
+    return out
+
+
+def read_checkpoint(directory):
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return read_safetensors(os.path.join(directory, "model.safetensors"))
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    out = {}
+    for name in files:
+        out.update(read_safetensors(os.path.join(directory, name)))
+    return out
+
+
+def write_checkpoint(directory, tensors, dtype, shards):
+    names = list(tensors)
+    if shards == 1:
+        write_safetensors(os.path.join(directory, "model.safetensors"), tensors, dtype)
+        return
+    weight_map, per = {}, math.ceil(len(names) / shards)
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        write_safetensors(os.path.join(directory, file), part, dtype)
+        weight_map.update({n: file for n in part})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+
+
+# --- the reference model --------------------------------------------------------
+
+
+def inv_freq_of(cfg):
+    D, base = cfg["head_dim"], cfg["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    rs = cfg.get("rope_scaling")
+    if rs:  # transformers' _compute_llama3_parameters
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rmsnorm(x, weight, eps):
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def reference_forward(p, cfg, inputs, targets):
+    B, T = inputs.shape
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    inv_freq = inv_freq_of(cfg)
+    positions = torch.arange(T).float()
+    freqs = (inv_freq[None, :, None] @ positions[None, None, :]).transpose(1, 2)[0]  # (T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    x = p["model.embed_tokens.weight"][inputs]
+    for i in range(cfg["num_hidden_layers"]):
+        w = lambda n: p[f"model.layers.{i}.{n}.weight"]
+        h = rmsnorm(x, w("input_layernorm"), eps)
+        q = (h @ w("self_attn.q_proj").T).view(B, T, H, D).transpose(1, 2)
+        k = (h @ w("self_attn.k_proj").T).view(B, T, KV, D).transpose(1, 2)
+        v = (h @ w("self_attn.v_proj").T).view(B, T, KV, D).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = k.repeat_interleave(H // KV, dim=1)  # query head h reads kv head h // (H / KV)
+        v = v.repeat_interleave(H // KV, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, T, H * D)
+        x = x + y @ w("self_attn.o_proj").T
+        h = rmsnorm(x, w("post_attention_layernorm"), eps)
+        x = x + (F.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+    x = rmsnorm(x, p["model.norm.weight"], eps)
+    lm_head = p["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else p["lm_head.weight"]
+    logits = x @ lm_head.T
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+    return logits, loss
+
+
+def parameter_shapes(cfg):
+    C, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, C)}
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({
+            pre + "self_attn.q_proj.weight": (H * D, C), pre + "self_attn.k_proj.weight": (KV * D, C),
+            pre + "self_attn.v_proj.weight": (KV * D, C), pre + "self_attn.o_proj.weight": (C, H * D),
+            pre + "mlp.gate_proj.weight": (I, C), pre + "mlp.up_proj.weight": (I, C),
+            pre + "mlp.down_proj.weight": (C, I), pre + "input_layernorm.weight": (C,),
+            pre + "post_attention_layernorm.weight": (C,)})
+    shapes["model.norm.weight"] = (C,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
+def rel_error(a, b):
+    return (a.double() - b.double()).norm().item() / max(b.double().norm().item(), 1e-30)
+
+
+def run_case(args, case, generator, workdir):
+    cfg = dict(case["config"], model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
+    B, T, dtype = case["B"], case["T"], case["dtype"]
+    model_dir = os.path.join(workdir, case["name"])
+    os.makedirs(model_dir)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    params = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if len(shape) == 1:  # norm weights near 1, not exactly 1, so their gradients matter
+            t = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        else:
+            t = 0.08 * torch.randn(shape, generator=generator)
+        params[name] = t
+    write_checkpoint(model_dir, params, dtype, case["shards"])
+    if dtype == "BF16":  # the reference sees what strata reads
+        params = {n: t.to(torch.bfloat16).float() for n, t in params.items()}
+    elif dtype == "F16":
+        params = {n: t.half().float() for n, t in params.items()}
+    V = cfg["vocab_size"]
+    tokens = torch.randint(0, V, (B * T + 1,), generator=generator)
+    tokens_path = os.path.join(workdir, case["name"] + ".tokens")
+    tokens.numpy().astype(np.uint32).tofile(tokens_path)
+    rows = torch.stack([tokens[b * T:b * T + T + 1] for b in range(B)])
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+
+    out_dir = os.path.join(workdir, case["name"] + "-out")
+    driver = os.path.join(args.drivers, "model_ref")
+    run = subprocess.run([driver, model_dir, tokens_path, str(B), str(T), str(case["micro"]), out_dir],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"{case['name']}: driver failed ({run.returncode}): {run.stderr.strip()}")
+        return False
+    outputs = read_safetensors(os.path.join(out_dir, "outputs.safetensors"))
+    grads = read_checkpoint(os.path.join(out_dir, "grads"))
+
+    leaves = {n: t.clone().requires_grad_(True) for n, t in params.items()}
+    logits, loss = reference_forward(leaves, cfg, inputs, targets)
+    loss.backward()
+    errors = {"logits": rel_error(outputs["logits"], logits.detach()),
+              "loss": rel_error(outputs["loss"], loss.detach().reshape(1))}
+    missing = sorted(set(params) - set(grads))
+    if missing:
+        print(f"{case['name']}: strata wrote no gradient for {missing}")
+        return False
+    for name, leaf in leaves.items():
+        errors["grad " + name] = rel_error(grads[name], leaf.grad)
+    worst = max(errors, key=errors.get)
+    grad_worst = max(v for k, v in errors.items() if k.startswith("grad"))
+    ok = all(v <= TOLERANCE for v in errors.values())
+    print(f"{case['name']}: loss {loss.item():.6f}; relative error logits {errors['logits']:.2e}, "
+          f"loss {errors['loss']:.2e}, worst of {len(leaves)} gradients {grad_worst:.2e} "
+          f"-> {'ok' if ok else 'FAIL'} (tolerance {TOLERANCE:g})")
+    if not ok:
+        for k, v in sorted(errors.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {k}: {v:.3e}")
+        print(f"    worst: {worst}")
+    return ok
+
+
+CASES = [
+    # Untied, grouped-query heads (6 query heads on 2 kv heads), llama3 rope scaling whose
+    # original context makes the frequencies fall in all three bands; F32 in one file.
+    {"name": "untied-gqa-llama3", "B": 2, "T": 19, "micro": 1, "dtype": "F32", "shards": 1,
+     "config": {"vocab_size": 97, "hidden_size": 60, "intermediate_size": 100, "num_hidden_layers": 2,
+                "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 10,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}},
+    # Tied, one kv head for four query heads, head_dim * heads != hidden_size; BF16 weights in
+    # three shards with an index; two micro-batches accumulate into the gradients.
+    {"name": "tied-mqa-bf16-sharded", "B": 4, "T": 13, "micro": 2, "dtype": "BF16", "shards": 3,
+     "config": {"vocab_size": 83, "hidden_size": 44, "intermediate_size": 72, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12,
+                "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+                "tie_word_embeddings": True, "rope_scaling": None}},
+    # Tied with llama3 scaling, plain multi-head attention, F16 weights.
+    {"name": "tied-mha-llama3-f16", "B": 1, "T": 23, "micro": 1, "dtype": "F16", "shards": 1,
+     "config": {"vocab_size": 131, "hidden_size": 36, "intermediate_size": 90, "num_hidden_layers": 1,
+                "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 12,
+                "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "tie_word_embeddings": True,
+                "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}},
+]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build-dir")
+    parser.add_argument("--drivers", required=True)
+    parser.add_argument("--strata")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"model_ref: seed {seed} (rerun with --seed {seed}); torch {torch.__version__}")
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="strata-model-ref-") as workdir:
+        for case in CASES:
+            ok = run_case(args, case, generator, workdir) and ok
+    print("model_ref: " + ("PASS" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
