@@ -58,7 +58,11 @@ class Result {
   const T* operator->() const { return &value(); }
   T* operator->() { return &value(); }
 
-  Status status() const { return is_ok() ? Status::ok() : std::get<Status>(state_); }
+  // A reference that lives as long as this Result (so status().message() is safe to keep).
+  const Status& status() const {
+    static const Status kOk;
+    return is_ok() ? kOk : std::get<Status>(state_);
+  }
 
  private:
   std::variant<T, Status> state_;
