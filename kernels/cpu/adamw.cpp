@@ -28,7 +28,7 @@ struct StepConstants {
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float neg_step_size;  // -lr / (1 - beta1^t)
-  float bias_correction2_sqrt;
+  float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^t)
   float eps;
   bool decoupled;
 };
@@ -47,7 +47,7 @@ StepConstants make_constants(const AdamWHyperparams& h) {
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   c.neg_step_size = -static_cast<float>(h.lr / bias_correction1);
-  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
   c.eps = static_cast<float>(h.eps);
   return c;
 }
@@ -64,7 +64,7 @@ inline void update_element(const AdamWShard& s, const StepConstants& c, int64_t 
   }
   const float m = s.exp_avg[i] * c.beta1 + c.one_minus_beta1 * g;
   const float v = s.exp_avg_sq[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
-  const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+  const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
   p = p + (c.neg_step_size * m) / denom;
   s.exp_avg[i] = m;
   s.exp_avg_sq[i] = v;
@@ -90,28 +90,35 @@ STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c,
   const __m256 beta2 = _mm256_set1_ps(c.beta2);
   const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
   const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
-  const __m256 bias_correction2_sqrt = _mm256_set1_ps(c.bias_correction2_sqrt);
+  const __m256 inv_bias_correction2_sqrt = _mm256_set1_ps(c.inv_bias_correction2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps);
+  // Locals, so the compiler need not reload them after every store.
+  float* const master = s.master;
+  float* const exp_avg = s.exp_avg;
+  float* const exp_avg_sq = s.exp_avg_sq;
+  const void* const grad = s.grad;
+  void* const copy = s.copy;
+  const bool decoupled = c.decoupled;
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_mul_ps(load8_as_float<G>(s.grad, i), grad_scale);
-    __m256 p = _mm256_loadu_ps(s.master + i);
-    if (c.decoupled) {
+    __m256 g = _mm256_mul_ps(load8_as_float<G>(grad, i), grad_scale);
+    __m256 p = _mm256_loadu_ps(master + i);
+    if (decoupled) {
       p = _mm256_mul_ps(p, decay);
     } else {
       g = _mm256_add_ps(g, _mm256_mul_ps(l2, p));
     }
-    const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s.exp_avg + i), beta1),
+    const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), beta1),
                                    _mm256_mul_ps(one_minus_beta1, g));
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s.exp_avg_sq + i), beta2),
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2),
                                    _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
     const __m256 denom =
-        _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bias_correction2_sqrt), eps);
+        _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(s.exp_avg + i, m);
-    _mm256_storeu_ps(s.exp_avg_sq + i, v);
-    _mm256_storeu_ps(s.master + i, p);
-    store8_from_float<C>(s.copy, i, p);
+    _mm256_storeu_ps(exp_avg + i, m);
+    _mm256_storeu_ps(exp_avg_sq + i, v);
+    _mm256_storeu_ps(master + i, p);
+    store8_from_float<C>(copy, i, p);
   }
   for (; i < end; ++i) update_element<G, C>(s, c, i);
 }
@@ -129,28 +136,35 @@ STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants
   const __m512 beta2 = _mm512_set1_ps(c.beta2);
   const __m512 one_minus_beta2 = _mm512_set1_ps(c.one_minus_beta2);
   const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
-  const __m512 bias_correction2_sqrt = _mm512_set1_ps(c.bias_correction2_sqrt);
+  const __m512 inv_bias_correction2_sqrt = _mm512_set1_ps(c.inv_bias_correction2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps);
+  // Locals, so the compiler need not reload them after every store.
+  float* const master = s.master;
+  float* const exp_avg = s.exp_avg;
+  float* const exp_avg_sq = s.exp_avg_sq;
+  const void* const grad = s.grad;
+  void* const copy = s.copy;
+  const bool decoupled = c.decoupled;
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    __m512 g = _mm512_mul_ps(load16_as_float<G>(s.grad, i), grad_scale);
-    __m512 p = _mm512_loadu_ps(s.master + i);
-    if (c.decoupled) {
+    __m512 g = _mm512_mul_ps(load16_as_float<G>(grad, i), grad_scale);
+    __m512 p = _mm512_loadu_ps(master + i);
+    if (decoupled) {
       p = _mm512_mul_ps(p, decay);
     } else {
       g = _mm512_add_ps(g, _mm512_mul_ps(l2, p));
     }
-    const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s.exp_avg + i), beta1),
+    const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(exp_avg + i), beta1),
                                    _mm512_mul_ps(one_minus_beta1, g));
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s.exp_avg_sq + i), beta2),
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(exp_avg_sq + i), beta2),
                                    _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
     const __m512 denom =
-        _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias_correction2_sqrt), eps);
+        _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
-    _mm512_storeu_ps(s.exp_avg + i, m);
-    _mm512_storeu_ps(s.exp_avg_sq + i, v);
-    _mm512_storeu_ps(s.master + i, p);
-    store16_from_float<C>(s.copy, i, p);
+    _mm512_storeu_ps(exp_avg + i, m);
+    _mm512_storeu_ps(exp_avg_sq + i, v);
+    _mm512_storeu_ps(master + i, p);
+    store16_from_float<C>(copy, i, p);
   }
   for (; i < end; ++i) update_element<G, C>(s, c, i);
 }

@@ -5,18 +5,20 @@
 // by the caller), updates the fp32 master weights and the moments m and v in
 // place with torch.optim.AdamW's arithmetic (DESIGN.md section 5), and writes
 // the compute-precision copy of the new master (bf16 rounded to nearest even,
-// or fp16) in the same pass. About 28 bytes move per parameter in mixed mode
-// (bf16 gradient in, bf16 copy out), 28 in fp32 mode, and the pass runs at
-// the memory bandwidth of the machine.
+// or fp16) in the same pass. 28 bytes move per parameter both in fp32 mode
+// (fp32 gradient, no copy) and in mixed mode (bf16 gradient in, bf16 copy
+// out); the pass is meant to run at the memory bandwidth of the machine.
 //
 // Per element, in fp32, with every constant rounded once from float64:
 //   g  = grad * grad_scale                      (+ weight_decay * p: plain Adam)
 //   p  = p * (1 - lr * weight_decay)            (decoupled, AdamW)
 //   m  = m * beta1 + (1 - beta1) * g
 //   v  = v * beta2 + (1 - beta2) * g * g
-//   p  = p + (-lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-// No fused multiply-adds, so the scalar, AVX2 and AVX-512 paths (simd.h) give
-// bitwise-identical results, for any number of threads.
+//   p  = p + (-lr / (1 - beta1^t)) * m / (sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps)
+// (torch divides sqrt(v) by sqrt(1 - beta2^t); multiplying by the float64
+// reciprocal saves a division per element and differs by at most an ulp of
+// the denominator.) No fused multiply-adds, so the scalar, AVX2 and AVX-512
+// paths (simd.h) give bitwise-identical results, for any number of threads.
 //
 // Threads: the current TBB arena, one contiguous range per thread
 // (for_each_static_range in simd.h). The arrays of one call must not overlap;

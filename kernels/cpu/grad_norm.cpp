@@ -46,39 +46,49 @@ double block_scalar(const void* grad, int64_t begin, int64_t end) {
   return combine_lanes(lanes);
 }
 
+// Written out without arrays of vectors: at -O2 GCC keeps such arrays in
+// memory, and the store-to-load chains cost more than the memory reads.
 template <ElementType T>
 STRATA_TARGET_AVX2 double block_avx2(const void* grad, int64_t begin, int64_t end) {
-  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
-                    _mm256_setzero_pd()};
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  __m256d acc2 = _mm256_setzero_pd(), acc3 = _mm256_setzero_pd();
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     const __m256 low = load8_as_float<T>(grad, i);
     const __m256 high = load8_as_float<T>(grad, i + 8);
-    const __m256d d[4] = {_mm256_cvtps_pd(_mm256_castps256_ps128(low)),
-                          _mm256_cvtps_pd(_mm256_extractf128_ps(low, 1)),
-                          _mm256_cvtps_pd(_mm256_castps256_ps128(high)),
-                          _mm256_cvtps_pd(_mm256_extractf128_ps(high, 1))};
-    for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(d[k], d[k]));
+    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(low));
+    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(low, 1));
+    const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(high));
+    const __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(high, 1));
+    acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(d0, d0));
+    acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(d1, d1));
+    acc2 = _mm256_add_pd(acc2, _mm256_mul_pd(d2, d2));
+    acc3 = _mm256_add_pd(acc3, _mm256_mul_pd(d3, d3));
   }
   double lanes[kLanes];
-  for (int k = 0; k < 4; ++k) _mm256_storeu_pd(lanes + 4 * k, acc[k]);
+  _mm256_storeu_pd(lanes, acc0);
+  _mm256_storeu_pd(lanes + 4, acc1);
+  _mm256_storeu_pd(lanes + 8, acc2);
+  _mm256_storeu_pd(lanes + 12, acc3);
   accumulate_scalar<T>(grad, i, end, lanes);  // i - begin is a multiple of 16: lanes line up
   return combine_lanes(lanes);
 }
 
 template <ElementType T>
 STRATA_TARGET_AVX512 double block_avx512(const void* grad, int64_t begin, int64_t end) {
-  __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     const __m512 x = load16_as_float<T>(grad, i);
-    const __m512d d[2] = {
-        _mm512_cvtps_pd(_mm512_castps512_ps256(x)),
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))};
-    for (int k = 0; k < 2; ++k) acc[k] = _mm512_add_pd(acc[k], _mm512_mul_pd(d[k], d[k]));
+    const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d d1 =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    acc0 = _mm512_add_pd(acc0, _mm512_mul_pd(d0, d0));
+    acc1 = _mm512_add_pd(acc1, _mm512_mul_pd(d1, d1));
   }
   double lanes[kLanes];
-  for (int k = 0; k < 2; ++k) _mm512_storeu_pd(lanes + 8 * k, acc[k]);
+  _mm512_storeu_pd(lanes, acc0);
+  _mm512_storeu_pd(lanes + 8, acc1);
   accumulate_scalar<T>(grad, i, end, lanes);
   return combine_lanes(lanes);
 }
