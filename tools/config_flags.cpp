@@ -1,0 +1,34 @@
+#include "tools/config_flags.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+namespace strata::tools {
+
+void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
+  ConfigOverrides& o = overrides;
+  app.add_option("--config", config_path, "DeepSpeed JSON config (a \"strata\" block holds strata's own keys)");
+  app.add_option(with_plan_names ? "--stage,--zero-stage" : "--zero-stage,--stage", o.zero_stage,
+                 "ZeRO stage 0-3 (zero_optimization.stage)");
+  app.add_option("--offload-param", o.offload_param, "Home of the parameters: none | cpu | nvme (stage 3)");
+  app.add_option("--offload-optimizer", o.offload_optimizer, "Home of master/m/v: none | cpu | nvme");
+  app.add_option("--nvme-path", o.nvme_paths, "NVMe directory for swap files; repeat to stripe over several");
+  app.add_option("--micro-batch", o.micro_batch, "train_micro_batch_size_per_gpu");
+  app.add_option("--grad-accum", o.grad_accum, "gradient_accumulation_steps");
+  app.add_option("--global-batch", o.global_batch, "train_batch_size");
+  app.add_option("--world-size", o.world_size, "Number of ranks (default 1)");
+  app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (sets bf16.enabled / fp16.enabled)");
+  app.add_option("--lr", o.lr, "Learning rate (optimizer.params.lr and the warmup peak)");
+  app.add_option("--seq-len", o.seq_len, "Tokens per sequence");
+  app.add_option("--aio-block-size", o.aio_block_size, "aio.block_size, a size such as 1M");
+  app.add_option("--aio-queue-depth", o.aio_queue_depth, "aio.queue_depth");
+  app.add_option("--aio-threads", o.aio_threads, "aio.intra_op_parallelism (I/O threads)");
+  app.add_option("--device-mem-limit", o.device_mem_limit, "Device memory budget per rank, e.g. 80G");
+  app.add_option("--host-mem-limit", o.host_mem_limit, "Pinned host memory budget for the node, e.g. 512G");
+}
+
+void print_config_warnings(const TrainConfig& config) {
+  for (const std::string& warning : config.warnings) fmt::print(stderr, "warning: {}\n", warning);
+}
+
+}  // namespace strata::tools

@@ -1,0 +1,140 @@
+// `strata plan`: how many bytes each tier needs per rank, whether that fits,
+// the smallest change that makes it fit, and which link bounds the step.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/model_config.h"
+#include "core/planner.h"
+#include "core/units.h"
+#include "kernels/backend.h"
+#include "tools/config_flags.h"
+#include "tools/subcommand.h"
+
+namespace strata::tools {
+namespace {
+
+class PlanCommand : public Subcommand {
+ public:
+  CLI::App* add_to(CLI::App& app) override {
+    CLI::App* cmd = app.add_subcommand("plan", "Memory and traffic plan for a model, stage and offload");
+    cmd->add_option("--model", model_, "Preset, config.json or Hugging Face model directory");
+    cmd->add_option("--params", params_, "A bare parameter count instead of a model: 30e9, 7B");
+    flags_.add_to(*cmd, /*with_plan_names=*/true);
+    cmd->add_option("--accounting", accounting_, "strata (bytes the engine allocates) or zero (2+2+12 bytes)")
+        ->check(CLI::IsMember({"strata", "zero"}));
+    cmd->add_flag("--json", json_, "Print a JSON object instead of the table");
+    cmd->add_option("--net-bw", net_bw_, "Network bandwidth per rank for collectives (default 25GB/s)");
+    cmd->add_option("--pcie-bw", pcie_bw_, "Host-device bandwidth per direction (default 25GB/s)");
+    cmd->add_option("--nvme-bw", nvme_bw_, "NVMe bandwidth of the node (default 6GB/s)");
+    return cmd;
+  }
+
+  int run() override {
+    Result<int> status = plan();
+    if (!status.is_ok()) {
+      fmt::print(stderr, "strata plan: {}\n", status.status().message());
+      return 2;
+    }
+    return *status;
+  }
+
+ private:
+  Result<int> plan() {
+    if (model_.empty() == params_.empty()) {
+      return Status::error("give exactly one of --model PRESET|config.json|DIR and --params N");
+    }
+    Result<TrainConfig> config = load_train_config(flags_.config_path, flags_.overrides);
+    if (!config.is_ok()) return config.status();
+    print_config_warnings(*config);
+
+    PlanInput input;
+    if (!model_.empty()) {
+      Result<ModelConfig> model = load_model_config(model_);
+      if (!model.is_ok()) return model.status();
+      input.model = *model;
+    } else {
+      Result<int64_t> count = parse_count(params_);
+      if (!count.is_ok()) return count.status().with_context("--params");
+      input.parameters = *count;
+    }
+    const TrainConfig& c = *config;
+    input.world_size = c.world_size;
+    input.stage = c.zero.stage;
+    input.offload_optimizer = c.zero.offload_optimizer.device;
+    input.offload_param = c.zero.offload_param.device;
+    input.precision = c.precision;
+    input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
+    input.micro_batch = c.train_micro_batch_size_per_gpu;
+    input.grad_accum = c.gradient_accumulation_steps;
+    input.seq_len = c.strata.seq_len.value_or(
+        input.model ? std::min<int64_t>(2048, input.model->max_position_embeddings) : 2048);
+    input.param_buffer_count = c.zero.offload_param.buffer_count;
+    input.param_buffer_elements = c.zero.offload_param.buffer_size;
+    input.optimizer_buffer_count = c.zero.offload_optimizer.buffer_count;
+    input.sub_group_size = c.zero.sub_group_size;
+
+    // Budgets: given, else detected on this machine.
+    if (c.strata.device_mem_limit) {
+      input.device_budget = static_cast<int64_t>(*c.strata.device_mem_limit);
+      input.device_budget_source = "--device-mem-limit";
+    } else {
+      kernels::GpuQuery gpus = kernels::query_gpus();
+      if (!gpus.devices.empty()) {
+        input.device_budget = static_cast<int64_t>(gpus.devices.front().free_bytes);
+        input.device_budget_source = "free on " + gpus.devices.front().name;
+      }
+    }
+    if (c.strata.host_mem_limit) {
+      input.host_budget = static_cast<int64_t>(*c.strata.host_mem_limit);
+      input.host_budget_source = "--host-mem-limit";
+    } else if (auto available = detect_host_available_bytes()) {
+      input.host_budget = *available;
+      input.host_budget_source = "available on this machine";
+    }
+    std::vector<std::string> nvme_paths = c.effective_nvme_paths();
+    if (nvme_paths.empty()) nvme_paths = flags_.overrides.nvme_paths;
+    input.nvme_path_known = !nvme_paths.empty();
+    if (auto free_bytes = detect_free_bytes(nvme_paths)) {
+      input.nvme_budget = *free_bytes;
+      input.nvme_budget_source = "free under --nvme-path";
+    } else if (!nvme_paths.empty()) {
+      fmt::print(stderr, "warning: cannot read the free space under {}; NVMe not checked\n",
+                 nvme_paths.front());
+    }
+    for (auto [text, target, name] : {std::tuple{&net_bw_, &input.net_bandwidth, "--net-bw"},
+                                      std::tuple{&pcie_bw_, &input.pcie_bandwidth, "--pcie-bw"},
+                                      std::tuple{&nvme_bw_, &input.nvme_bandwidth, "--nvme-bw"}}) {
+      if (text->empty()) continue;
+      Result<double> bandwidth = parse_bandwidth(*text);
+      if (!bandwidth.is_ok()) return bandwidth.status().with_context(name);
+      *target = *bandwidth;
+    }
+    Status valid = validate_plan_input(input);
+    if (!valid.is_ok()) return valid;
+
+    MemoryPlan plan = plan_with_suggestion(input);
+    const bool zero = accounting_ == "zero";
+    if (json_) {
+      fmt::print("{}\n", plan_to_json(plan, zero).dump(2));
+    } else {
+      fmt::print("{}", format_plan_table(plan, zero));
+    }
+    return plan.fits ? 0 : 1;
+  }
+
+  std::string model_;
+  std::string params_;
+  ConfigFlags flags_;
+  std::string accounting_ = "strata";
+  bool json_ = false;
+  std::string net_bw_, pcie_bw_, nvme_bw_;
+};
+
+SubcommandRegistration registration([] { return std::make_unique<PlanCommand>(); });
+
+}  // namespace
+}  // namespace strata::tools
