@@ -1,0 +1,142 @@
+// The whole model's gradients: central differences of the loss on a few
+// parameters of every tensor (fp32 with a step large enough to drown rounding,
+// checked at 2%), gradient accumulation over micro-batches, tied embeddings
+// collecting both uses, and bad token ids refused.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "core/model.h"
+
+namespace strata {
+namespace {
+
+ModelConfig small_config(bool tied) {
+  ModelConfig c;
+  c.vocab_size = 29;
+  c.hidden_size = 24;
+  c.intermediate_size = 40;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 6;
+  c.max_position_embeddings = 64;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000.0;
+  c.rope_scaling.type = "llama3";
+  c.rope_scaling.factor = 4.0;
+  c.rope_scaling.original_max_position_embeddings = 16;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+struct Data {
+  std::vector<int32_t> tokens, targets;
+};
+
+Data random_data(int64_t n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab - 1));
+  Data d;
+  for (int64_t i = 0; i < n; ++i) {
+    d.tokens.push_back(pick(rng));
+    d.targets.push_back(pick(rng));
+  }
+  return d;
+}
+
+class ModelGradient : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ModelGradient, MatchesCentralDifferencesOfTheLoss) {
+  const ModelConfig config = small_config(GetParam());
+  HostModel model = make_host_model(config);
+  init_host_model(model, 3, /*init_std=*/0.3f);  // large weights: gradients well above fp32 noise
+  const int64_t B = 2, T = 5, N = B * T;
+  const Data data = random_data(N, config.vocab_size, 4);
+  UnitBatch batch{data.tokens.data(), data.targets.data(), B, T, 1.0f / N};
+  UnitWorkspace ws(config, B, T);
+  ASSERT_TRUE(model_forward_backward(model, batch, ws).is_ok());
+
+  auto loss_at = [&](float* p, float value) {
+    const float saved = *p;
+    *p = value;
+    const double loss = *model_forward(model, batch, ws) / N;
+    *p = saved;
+    return loss;
+  };
+  int checked = 0;
+  for (const NamedTensor& t : checkpoint_tensors(model.layout)) {
+    float* p = model.params[t.unit].data() + t.slot->offset;
+    const float* g = model.grads[t.unit].data() + t.slot->offset;
+    // The two entries with the largest gradients: the ones a sign or factor error would show in.
+    std::vector<int64_t> order(t.slot->numel);
+    for (int64_t i = 0; i < t.slot->numel; ++i) order[i] = i;
+    std::partial_sort(order.begin(), order.begin() + 2, order.end(),
+                      [&](int64_t a, int64_t b) { return std::abs(g[a]) > std::abs(g[b]); });
+    for (int k = 0; k < 2; ++k) {
+      const int64_t i = order[k];
+      const float h = 2e-3f;
+      const double numeric = (loss_at(p + i, p[i] + h) - loss_at(p + i, p[i] - h)) / (2.0 * h);
+      EXPECT_NEAR(g[i], numeric, 0.02 * std::abs(numeric) + 2e-5)
+          << t.slot->name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 20);
+}
+
+INSTANTIATE_TEST_SUITE_P(TiedAndUntied, ModelGradient, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "tied" : "untied"; });
+
+TEST(ModelGradients, AccumulateOverMicroBatches) {
+  const ModelConfig config = small_config(true);
+  HostModel whole = make_host_model(config), split = make_host_model(config);
+  init_host_model(whole, 5);
+  init_host_model(split, 5);
+  const int64_t B = 4, T = 6, N = B * T;
+  const Data data = random_data(N, config.vocab_size, 6);
+  UnitWorkspace ws_whole(config, B, T), ws_half(config, B / 2, T);
+  UnitBatch batch{data.tokens.data(), data.targets.data(), B, T, 1.0f / N};
+  const double loss = *model_forward_backward(whole, batch, ws_whole);
+  double loss_split = 0.0;
+  for (int64_t m = 0; m < 2; ++m) {
+    UnitBatch half{data.tokens.data() + m * N / 2, data.targets.data() + m * N / 2, B / 2, T, 1.0f / N};
+    loss_split += *model_forward_backward(split, half, ws_half);
+  }
+  EXPECT_NEAR(loss_split, loss, 1e-5 * loss);
+  for (size_t u = 0; u < whole.grads.size(); ++u) {
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < whole.grads[u].size(); ++i) {
+      diff += std::pow(whole.grads[u][i] - split.grads[u][i], 2);
+      norm += std::pow(whole.grads[u][i], 2);
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-5) << whole.layout.units[u].unit.name;
+  }
+  // A second identical pass doubles every gradient (up to the order BLAS adds in).
+  std::vector<std::vector<float>> once = whole.grads;
+  ASSERT_TRUE(model_forward_backward(whole, batch, ws_whole).is_ok());
+  for (size_t u = 0; u < once.size(); ++u) {
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < once[u].size(); ++i) {
+      diff += std::pow(whole.grads[u][i] - 2.0 * once[u][i], 2);
+      norm += std::pow(2.0 * once[u][i], 2);
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-6) << whole.layout.units[u].unit.name;
+  }
+}
+
+TEST(ModelGradients, TokensOutsideTheVocabularyAreRefused) {
+  const ModelConfig config = small_config(false);
+  HostModel model = make_host_model(config);
+  Data data = random_data(4, config.vocab_size, 1);
+  data.tokens[2] = static_cast<int32_t>(config.vocab_size);
+  UnitWorkspace ws(config, 1, 4);
+  Result<double> loss = model_forward_backward(model, {data.tokens.data(), data.targets.data(), 1, 4, 0.25f}, ws);
+  ASSERT_FALSE(loss.is_ok());
+  EXPECT_NE(loss.status().message().find("position 2"), std::string::npos) << loss.status().message();
+}
+
+}  // namespace
+}  // namespace strata

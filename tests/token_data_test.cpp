@@ -1,0 +1,113 @@
+// Token files: nanoGPT, llm.c (uint16 and uint32) and raw uint32; the sequential
+// order of DESIGN.md section 5; corrupt files refused with the reason.
+#include "core/token_data.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TokenData : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("strata-tokens-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  template <typename T>
+  std::string write(const std::string& name, const std::vector<T>& tokens,
+                    const std::vector<int32_t>& header = {}) {
+    const std::string path = (dir_ / name).string();
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), header.size() * 4);
+    out.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(T));
+    return path;
+  }
+  static std::vector<int32_t> llmc_header(int32_t magic, int32_t count) {
+    std::vector<int32_t> header(256, 0);
+    header[0] = magic;
+    header[1] = magic == kLlmcMagicUint16 ? 1 : 7;
+    header[2] = count;
+    return header;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(TokenData, NanoGptSequencesFollowTheSequentialOrder) {
+  std::vector<uint16_t> tokens(41);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  Result<TokenFile> file = TokenFile::open(write("train.bin", tokens));
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  EXPECT_EQ(file->format(), TokenFormat::nanogpt_uint16);
+  const int64_t T = 4;
+  EXPECT_EQ(file->sequence_count(T), 10);  // (41 - 1) / 4
+  // World 2, B 2: micro-batch 1 on rank 1 from offset 7 reads sequences 7 + (1*2+1)*2 + b = 13, 14 -> 3, 4.
+  std::vector<int32_t> inputs(2 * T), targets(2 * T);
+  ASSERT_TRUE(read_micro_batch(*file, 7, 1, 1, 2, 2, T, 100, inputs.data(), targets.data()).is_ok());
+  EXPECT_EQ(inputs, (std::vector<int32_t>{12, 13, 14, 15, 16, 17, 18, 19}));
+  EXPECT_EQ(targets, (std::vector<int32_t>{13, 14, 15, 16, 17, 18, 19, 20}));
+  EXPECT_EQ(sequence_index(7, 1, 1, 2, 2, 1, 10), 4);
+}
+
+TEST_F(TokenData, LlmcShardsOfBothWidthsAndRawUint32) {
+  std::vector<uint16_t> small = {5, 6, 7, 8, 9};
+  Result<TokenFile> u16 = TokenFile::open(write("a.bin", small, llmc_header(kLlmcMagicUint16, 5)));
+  ASSERT_TRUE(u16.is_ok()) << u16.status().message();
+  EXPECT_EQ(u16->format(), TokenFormat::llmc);
+  EXPECT_EQ(u16->size(), 5);
+  EXPECT_EQ(u16->at(4), 9u);
+  std::vector<uint32_t> big = {100000, 128000, 3, 4};
+  Result<TokenFile> u32 = TokenFile::open(write("b.bin", big, llmc_header(kLlmcMagicUint32, 4)));
+  ASSERT_TRUE(u32.is_ok()) << u32.status().message();
+  EXPECT_EQ(u32->bytes_per_token(), 4);
+  EXPECT_EQ(u32->at(1), 128000u);
+  Result<TokenFile> raw = TokenFile::open(write("c.u32", big), TokenFormat::raw_uint32);
+  ASSERT_TRUE(raw.is_ok());
+  EXPECT_EQ(raw->size(), 4);
+  EXPECT_EQ(raw->at(0), 100000u);
+}
+
+TEST_F(TokenData, CorruptOrMismatchedFilesAreRefusedWithTheReason) {
+  std::vector<uint16_t> five = {1, 2, 3, 4, 5};
+  Result<TokenFile> miscount = TokenFile::open(write("m.bin", five, llmc_header(kLlmcMagicUint16, 6)));
+  ASSERT_FALSE(miscount.is_ok());
+  EXPECT_NE(miscount.status().message().find("m.bin: corrupt llm.c shard: the header declares 6 tokens"),
+            std::string::npos)
+      << miscount.status().message();
+  Result<TokenFile> not_llmc = TokenFile::open(write("n.bin", five), TokenFormat::llmc);
+  ASSERT_FALSE(not_llmc.is_ok());
+  EXPECT_NE(not_llmc.status().message().find("not an llm.c token shard"), std::string::npos);
+  std::vector<uint8_t> odd = {1, 2, 3};
+  Result<TokenFile> odd_file = TokenFile::open(write("odd.bin", odd));
+  ASSERT_FALSE(odd_file.is_ok());
+  EXPECT_NE(odd_file.status().message().find("not a whole number of 2-byte tokens"), std::string::npos);
+  EXPECT_FALSE(TokenFile::open(write("empty.bin", std::vector<uint16_t>{})).is_ok());
+  EXPECT_FALSE(TokenFile::open((dir_ / "absent.bin").string()).is_ok());
+
+  // Tokens beyond the vocabulary name the file and the position.
+  Result<TokenFile> file = TokenFile::open(write("v.bin", std::vector<uint16_t>{1, 2, 300, 4, 5}));
+  ASSERT_TRUE(file.is_ok());
+  std::vector<int32_t> inputs(4), targets(4);
+  Status s = read_micro_batch(*file, 0, 0, 0, 1, 1, 4, 256, inputs.data(), targets.data());
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("v.bin: token 300 at position 2"), std::string::npos) << s.message();
+  // Too short for one sequence.
+  Status short_data = read_micro_batch(*file, 0, 0, 0, 1, 1, 8, 1000, inputs.data(), targets.data());
+  EXPECT_NE(short_data.message().find("fewer than one sequence"), std::string::npos) << short_data.message();
+  EXPECT_FALSE(parse_token_format("int8").is_ok());
+}
+
+}  // namespace
+}  // namespace strata
