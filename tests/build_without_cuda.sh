@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Configures and builds the `strata` command with -DSTRATA_CUDA=OFF and checks
+# that it runs and says it is CPU-only. Usage: build_without_cuda.sh REPO_ROOT BUILD_DIR
+set -euo pipefail
+root="$1"
+build="$2"
+cmake -S "$root" -B "$build" -DSTRATA_CUDA=OFF -DSTRATA_BUILD_TESTS=OFF -DSTRATA_BUILD_BENCHES=OFF >"$build.log" 2>&1 ||
+  { cat "$build.log"; exit 1; }
+grep -q "CUDA backend OFF" "$build.log"
+cmake --build "$build" --target strata -j"$(nproc)" >>"$build.log" 2>&1 || { tail -50 "$build.log"; exit 1; }
+"$build/tools/strata" --version | tee /dev/stderr | grep -q "CUDA backend: not built (CPU-only)"
+"$build/tools/strata" plan --model tiny --json >/dev/null
+echo "1 passed, 0 failed"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `strata plan` end to end: the table, the JSON, the exit status, the errors.
+# Usage: cli_plan.sh STRATA_BINARY REPO_ROOT
+set -uo pipefail
+strata="$1"
+failures=0
+total=0
+check() {  # check NAME CONDITION-STATUS
+  total=$((total + 1))
+  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
+}
+json_get() {  # json_get EXPRESSION < json
+  python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"
+}
+
+# A plan that fits: llama3.2-1b, bf16, stage 0, one rank, 80 GiB device, 1 TiB host.
+out=$("$strata" plan --model llama3.2-1b --precision bf16 --device-mem-limit 80G --host-mem-limit 1T --json)
+status=$?
+check "fitting plan exits 0" $status
+device=$(echo "$out" | json_get 'd["per_rank"]["device_bytes"]')
+shard=$(echo "$out" | json_get 'd["shard_elements"]')
+[ "$device" = "$((18 * shard))" ]; check "bf16 stage 0 is 18 bytes per padded parameter ($device)" $?
+params=$(echo "$out" | json_get 'd["parameters"]')
+[ "$params" = "1235814400" ]; check "llama3.2-1b has 1235814400 parameters" $?
+
+# The ZeRO paper's accounting for Llama 3 8B at stage 3 over 8 ranks: 16 * psi / 8.
+out=$("$strata" plan --model llama3-8b --stage 3 --world-size 8 --precision bf16 --accounting zero --json \
+      --device-mem-limit 80G --host-mem-limit 1T)
+device=$(echo "$out" | json_get 'd["per_rank"]["device_bytes"]')
+[ "$device" = "$((16 * 8030261248 / 8))" ]; check "ZeRO accounting 16 psi / 8 ($device)" $?
+
+# A plan that does not fit exits 1, names the tier and suggests a change.
+out=$("$strata" plan --model llama3-8b --precision bf16 --device-mem-limit 80G --host-mem-limit 1T)
+status=$?
+[ $status -eq 1 ]; check "overflowing plan exits 1" $?
+echo "$out" | grep -q "device .*DOES NOT FIT: over by"; check "names the overflowing tier" $?
+echo "$out" | grep -q "smallest change that fits: --offload-optimizer cpu"; check "suggests offloading the optimizer" $?
+
+# --params and traffic with bandwidths.
+out=$("$strata" plan --params 30e9 --stage 3 --world-size 4 --precision bf16 --net-bw 50GB/s \
+      --device-mem-limit 80G --host-mem-limit 1T --json)
+zero=$(echo "$out" | json_get 'd["traffic"]["collective_bytes_zero"]')
+[ "$zero" = "$((3 * 2 * 30000000000))" ]; check "stage 3 collective volume is 3 psi ($zero)" $?
+bw=$(echo "$out" | json_get 'int(d["traffic"]["net_bandwidth"])')
+[ "$bw" = "50000000000" ]; check "--net-bw 50GB/s is read" $?
+
+# NVMe free space is read from the directory given.
+nvme_dir=$(mktemp -d)
+out=$("$strata" plan --model tiny --stage 3 --offload-optimizer nvme --offload-param nvme \
+      --nvme-path "$nvme_dir" --host-mem-limit 1G --device-mem-limit 1G --json)
+check "tiny with everything on NVMe fits" $?
+src=$(echo "$out" | json_get '[b for b in d["budgets"] if b["tier"]=="nvme"][0]["budget_source"]')
+[ "$src" = "free under --nvme-path" ]; check "NVMe budget detected from the directory" $?
+rmdir "$nvme_dir"
+
+# Errors: one line, exit 2, naming the problem.
+err=$("$strata" plan --model llama3-8b --stage 2 --offload-param cpu 2>&1 >/dev/null)
+status=$?
+[ $status -eq 2 ] && echo "$err" | grep -q "needs ZeRO stage 3"; check "offload_param below stage 3 refused" $?
+[ "$(echo "$err" | wc -l)" -eq 1 ]; check "error is one line" $?
+err=$("$strata" plan --model nonesuch 2>&1 >/dev/null)
+echo "$err" | grep -q "not a preset and no such file"; check "unknown model named" $?
+err=$("$strata" plan --params lots 2>&1 >/dev/null)
+echo "$err" | grep -q -- "--params: 'lots' is not a count"; check "bad --params named" $?
+err=$("$strata" plan --model tiny --device-mem-limit 12X 2>&1 >/dev/null)
+echo "$err" | grep -q -- "--device-mem-limit"; check "bad size flag named" $?
+
+echo "$((total - failures)) passed, $failures failed"
+[ $failures -eq 0 ]
