@@ -40,8 +40,12 @@ void read_offload(JsonReader in, OffloadOptions& out, bool is_param) {
   } else {
     // DeepSpeed's pipelining knobs for the NVMe optimizer: strata's streamed
     // optimizer always reads ahead and writes behind, so these are decided by the plan.
-    for (const char* key : {"pipeline", "pipeline_read", "pipeline_write", "fast_init", "ratio"}) {
+    for (const char* key : {"pipeline", "pipeline_read", "pipeline_write", "fast_init"}) {
       in.accept(key);
+    }
+    double ratio = 1.0;
+    if (in.optional_double("ratio", ratio, 0.0, 1.0) && ratio != 1.0) {
+      in.fail("ratio", "partial optimizer offload is not supported by strata; remove ratio or set it to 1.0");
     }
   }
 }

@@ -263,6 +263,17 @@ TEST(Config, NvmeOffloadNeedsADirectory) {
   EXPECT_EQ(fixed->effective_nvme_paths(), (std::vector<std::string>{"/mnt/a", "/mnt/b"}));
 }
 
+TEST(Config, PartialOptimizerOffloadIsRefused) {
+  Result<TrainConfig> half = parse(json::parse(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})"));
+  ASSERT_FALSE(half.is_ok());
+  EXPECT_NE(half.status().message().find("offload_optimizer.ratio"), std::string::npos);
+  Result<TrainConfig> whole = parse(json::parse(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}})"));
+  ASSERT_TRUE(whole.is_ok()) << whole.status().message();
+  EXPECT_TRUE(whole->warnings.empty());
+}
+
 TEST(Config, BothHalfPrecisionsAtOnceAreRefused) {
   Result<TrainConfig> config = parse(json::parse(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})"));
   ASSERT_FALSE(config.is_ok());
