@@ -111,7 +111,7 @@ void BM_AdamWStep(benchmark::State& state, bool mixed) {
 
 void ceiling_scalar(Arrays& a, bool mixed, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    const float g = (mixed ? strata::kernels::cpu::bf16_to_float(a.grad16[i]) : a.grad32[i]) * 1e-30f;
+    const float g = (mixed ? strata::kernels::cpu::bf16_to_float(a.grad16[i]) : a.grad32[i]) * 0x1p-20f;
     a.master[i] += g;
     a.exp_avg[i] += g;
     a.exp_avg_sq[i] += g;
@@ -125,7 +125,7 @@ __attribute__((target("avx2"))) void ceiling_avx2(Arrays& a, bool mixed, int64_t
   float* p = a.master.get();
   float* m = a.exp_avg.get();
   float* v = a.exp_avg_sq.get();
-  const __m256 tiny = _mm256_set1_ps(1e-30f);
+  const __m256 tiny = _mm256_set1_ps(0x1p-20f);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     __m256 g;
@@ -135,7 +135,7 @@ __attribute__((target("avx2"))) void ceiling_avx2(Arrays& a, bool mixed, int64_t
     } else {
       g = _mm256_loadu_ps(a.grad32.get() + i);
     }
-    g = _mm256_mul_ps(g, tiny);  // keeps the values (and so the data) unchanged in practice
+    g = _mm256_mul_ps(g, tiny);  // small, normal (never denormal) changes keep the data random
     const __m256 pn = _mm256_add_ps(_mm256_loadu_ps(p + i), g);
     _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), g));
     _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), g));
