@@ -1,6 +1,8 @@
 #include "core/model.h"
 
 #include <fmt/format.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <cmath>
@@ -112,7 +114,12 @@ void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, fl
       std::fill(out, out + slot.numel, 1.0f);
       continue;
     }
-    for (int64_t i = 0; i < slot.numel; ++i) out[i] = init_std * init_normal(seed, slot.name, i);
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, slot.numel, 4096),
+                      [&](const tbb::blocked_range<int64_t>& range) {
+                        for (int64_t i = range.begin(); i < range.end(); ++i) {
+                          out[i] = init_std * init_normal(seed, slot.name, i);
+                        }
+                      });
   }
 }
 
@@ -149,6 +156,8 @@ UnitWorkspace::UnitWorkspace(const ModelConfig& c, int64_t B, int64_t T) : B_(B)
   d_attn.resize(N * H * D);
   d_qkv.resize(N * QKV);
   d_scores.resize(T * T);
+  head_xn.resize(N * C);
+  head_rstd.resize(N);
   head_rows = std::clamp<int64_t>(kHeadLogitElements / std::max<int64_t>(V, 1), 1, N);
   logits.resize(head_rows * V);
   losses.resize(N);
@@ -211,7 +220,7 @@ struct UnitKernels {
 
   static void layer_backward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
                              float* grad_flat, const float* x, const float* dout, float* dx,
-                             UnitWorkspace& ws) {
+                             bool recompute, UnitWorkspace& ws) {
     const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size, I = c.intermediate_size;
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
     const cpu::AttentionShape s = attention_shape(c, B, T);
@@ -219,7 +228,7 @@ struct UnitKernels {
     const LayerWeights<const float> w = layer_weights(layout, flat);
     const LayerWeights<float> g = layer_weights(layout, grad_flat);
     // Recompute the activations from the checkpointed input; the output is not needed.
-    layer_forward(c, layout, flat, x, nullptr, ws);
+    if (recompute) layer_forward(c, layout, flat, x, nullptr, ws);
 
     // dx starts as the residual gradient; each branch adds into it.
     if (dx != dout) std::copy(dout, dout + N * C, dx);
@@ -253,7 +262,7 @@ struct UnitKernels {
   // The head over rows [begin, begin + rows): logits into ws.logits.
   static void head_logits(const ModelConfig& c, const float* lm_head, int64_t begin, int64_t rows,
                           UnitWorkspace& ws) {
-    cpu::matmul_forward(ws.logits.data(), ws.xn2.data() + begin * c.hidden_size, lm_head, rows,
+    cpu::matmul_forward(ws.logits.data(), ws.head_xn.data() + begin * c.hidden_size, lm_head, rows,
                         c.hidden_size, c.vocab_size);
   }
 
@@ -261,7 +270,7 @@ struct UnitKernels {
                              const UnitBatch& batch, const float* x, float* logits_out,
                              UnitWorkspace& ws) {
     const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, V = c.vocab_size;
-    cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), x, norm, N, C,
+    cpu::rmsnorm_forward(ws.head_xn.data(), ws.head_rstd.data(), x, norm, N, C,
                          static_cast<float>(c.rms_norm_eps));
     double loss_sum = 0.0;
     for (int64_t begin = 0; begin < N; begin += ws.head_rows) {
@@ -281,23 +290,31 @@ struct UnitKernels {
     return loss_sum;
   }
 
-  static void head_backward(const ModelConfig& c, const float* norm, const float* lm_head,
-                            float* d_norm, float* d_lm_head, const UnitBatch& batch, const float* x,
-                            float* dx, UnitWorkspace& ws) {
+  // Forward and backward of the head in one pass over each block of logits.
+  static double head_forward_backward(const ModelConfig& c, const float* norm, const float* lm_head,
+                                      float* d_norm, float* d_lm_head, const UnitBatch& batch,
+                                      const float* x, float* dx, float* logits_out,
+                                      UnitWorkspace& ws) {
     const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, V = c.vocab_size;
-    cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), x, norm, N, C,
+    cpu::rmsnorm_forward(ws.head_xn.data(), ws.head_rstd.data(), x, norm, N, C,
                          static_cast<float>(c.rms_norm_eps));
     std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
     for (int64_t begin = 0; begin < N; begin += ws.head_rows) {
       const int64_t rows = std::min(ws.head_rows, N - begin);
       head_logits(c, lm_head, begin, rows, ws);
-      cpu::cross_entropy_backward(ws.logits.data(), ws.logits.data(), batch.targets + begin,
-                                  batch.loss_scale, rows, V);
+      if (logits_out != nullptr) {
+        std::copy(ws.logits.begin(), ws.logits.begin() + rows * V, logits_out + begin * V);
+      }
+      cpu::cross_entropy_forward_backward(ws.losses.data() + begin, ws.logits.data(), ws.logits.data(),
+                                          batch.targets + begin, batch.loss_scale, rows, V);
       cpu::matmul_backward(ws.d_xn.data() + begin * C, d_lm_head, ws.logits.data(),
-                           ws.xn2.data() + begin * C, lm_head, rows, C, V);
+                           ws.head_xn.data() + begin * C, lm_head, rows, C, V);
     }
     std::fill(dx, dx + N * C, 0.0f);
-    cpu::rmsnorm_backward(dx, d_norm, ws.d_xn.data(), x, norm, ws.rstd2.data(), N, C);
+    cpu::rmsnorm_backward(dx, d_norm, ws.d_xn.data(), x, norm, ws.head_rstd.data(), N, C);
+    double loss_sum = 0.0;
+    for (int64_t n = 0; n < N; ++n) loss_sum += ws.losses[n];
+    return loss_sum;
   }
 };
 
@@ -324,7 +341,7 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
 
 void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params,
                    const UnitBatch& batch, const float* input, const float* doutput, float* dinput,
-                   const UnitGrads& grads, UnitWorkspace& ws) {
+                   const UnitGrads& grads, UnitWorkspace& ws, bool recompute) {
   const ModelConfig& c = model.config;
   const UnitLayout& layout = model.units[u];
   const int64_t N = batch.B * batch.T;
@@ -333,18 +350,26 @@ void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params
       cpu::embedding_backward(grads.flat, doutput, batch.tokens, N, c.hidden_size);
       return;
     case UnitKind::decoder_layer:
-      UnitKernels::layer_backward(c, layout, params.flat, grads.flat, input, doutput, dinput, ws);
+      UnitKernels::layer_backward(c, layout, params.flat, grads.flat, input, doutput, dinput,
+                                  recompute, ws);
       return;
-    case UnitKind::head: {
-      const bool tied = c.tie_word_embeddings;
-      const int64_t lm_offset = tied ? 0 : layout.tensors[1].offset;
-      const float* lm_head = tied ? params.tied_embedding : params.flat + lm_offset;
-      float* d_lm_head = tied ? grads.tied_embedding : grads.flat + lm_offset;
-      UnitKernels::head_backward(c, params.flat, lm_head, grads.flat, d_lm_head, batch, input,
-                                 dinput, ws);
+    case UnitKind::head:
+      head_forward_backward(model, params, batch, input, dinput, grads, ws);
       return;
-    }
   }
+}
+
+double head_forward_backward(const ModelLayout& model, const UnitParams& params,
+                             const UnitBatch& batch, const float* input, float* dinput,
+                             const UnitGrads& grads, UnitWorkspace& ws, float* logits) {
+  const ModelConfig& c = model.config;
+  const UnitLayout& layout = model.units.back();
+  const bool tied = c.tie_word_embeddings;
+  const int64_t lm_offset = tied ? 0 : layout.tensors[1].offset;
+  const float* lm_head = tied ? params.tied_embedding : params.flat + lm_offset;
+  float* d_lm_head = tied ? grads.tied_embedding : grads.flat + lm_offset;
+  return UnitKernels::head_forward_backward(c, params.flat, lm_head, grads.flat, d_lm_head, batch,
+                                            input, dinput, logits, ws);
 }
 
 // --- HostModel -----------------------------------------------------------------
@@ -471,14 +496,21 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, 
   if (batch.targets == nullptr) return Status::error("model_forward_backward needs targets");
   const ModelLayout& layout = model.layout;
   const int64_t units = static_cast<int64_t>(layout.units.size());
-  std::vector<std::vector<float>> inputs;  // inputs[u - 1] is the input of unit u
-  const double loss_sum = forward_all(model, batch, ws, inputs, logits);
+  // Forward through the last layer keeping unit inputs; the head runs forward and
+  // backward at once, then the layers and the embedding go backward.
+  std::vector<std::vector<float>> inputs(units - 1, std::vector<float>(batch.B * batch.T * layout.config.hidden_size));
+  unit_forward(layout, 0, model.unit_params(0), batch, nullptr, inputs[0].data(), ws);
+  for (int64_t u = 1; u + 1 < units; ++u) {
+    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(), ws);
+  }
   std::vector<float> grad(inputs[0].size());
-  unit_backward(layout, units - 1, model.unit_params(units - 1), batch, inputs[units - 2].data(),
-                nullptr, grad.data(), model.unit_grads(units - 1), ws);
+  const double loss_sum = head_forward_backward(layout, model.unit_params(units - 1), batch,
+                                                inputs[units - 2].data(), grad.data(),
+                                                model.unit_grads(units - 1), ws, logits);
   for (int64_t u = units - 2; u >= 1; --u) {
+    // The last layer's activations are still in the workspace (the head keeps its own).
     unit_backward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), grad.data(),
-                  grad.data(), model.unit_grads(u), ws);
+                  grad.data(), model.unit_grads(u), ws, /*recompute=*/u != units - 2);
   }
   unit_backward(layout, 0, model.unit_params(0), batch, nullptr, grad.data(), nullptr,
                 model.unit_grads(0), ws);

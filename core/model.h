@@ -114,7 +114,9 @@ class UnitWorkspace {
   std::vector<float> mlp;          // (N, I)
   // Backward scratch.
   std::vector<float> d_mlp, d_gate_up, d_xn, d_attn, d_qkv, d_scores;
-  // Head: logits of a block of rows, the per-token losses.
+  // Head: its own norm output (so a layer's activations survive it), logits of a
+  // block of rows, the per-token losses.
+  std::vector<float> head_xn, head_rstd;  // (N, C), (N)
   std::vector<float> logits;  // (head_rows, V)
   std::vector<float> losses;  // (N)
   int64_t head_rows = 0;
@@ -132,10 +134,21 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
 //  embedding: grads += from doutput (B, T, C); dinput unused.
 //  layer:     dinput (B, T, C) = from doutput (B, T, C); dinput may alias doutput.
 //  head:      dinput (B, T, C) = from the loss (batch.targets, batch.loss_scale); doutput unused.
-// Parameter gradients accumulate (+=) into `grads`.
+// Parameter gradients accumulate (+=) into `grads`. A layer may skip the
+// recomputation (recompute = false) only when `ws` still holds its activations:
+// its unit_forward, with the same parameters and input, was the last layer
+// forward on `ws` (head_forward_backward leaves them alone).
 void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params,
                    const UnitBatch& batch, const float* input, const float* doutput, float* dinput,
-                   const UnitGrads& grads, UnitWorkspace& ws);
+                   const UnitGrads& grads, UnitWorkspace& ws, bool recompute = true);
+
+// The head's forward and backward in one pass (it is the last unit, so its
+// backward follows its forward at once and nothing is recomputed): returns the
+// sum of token losses; dinput (B, T, C) =; gradients +=; logits (B, T, V)
+// written unless null.
+double head_forward_backward(const ModelLayout& model, const UnitParams& params,
+                             const UnitBatch& batch, const float* input, float* dinput,
+                             const UnitGrads& grads, UnitWorkspace& ws, float* logits = nullptr);
 
 // --- a whole model in host memory, for one rank (tests, tools, benchmarks) ------
 
