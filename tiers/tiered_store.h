@@ -1,0 +1,138 @@
+// TieredStore: named shards in three tiers (device, pinned host, NVMe), each
+// with a home tier, moved to a faster tier ahead of use and back after, inside
+// fixed budgets.
+//
+// A shard is (unit, kind) with a size and a home tier. add_shard reserves its
+// home bytes (zeroed). prefetch(key, to) makes a copy in a faster tier: it
+// charges `to` first (and a host staging block when NVMe data goes to the
+// device), then starts the transfer; a request that does not fit fails with
+// the numbers and nothing moves. wait(key, at) blocks until the copy in `at`
+// is complete (loaded, or written back) and returns where its bytes are; the
+// caller may then read and change them. writeback(key, from) starts copying
+// that copy's bytes to the home; wait(key, from) returning ok means the home
+// holds them (for NVMe: in the page cache of the device, not yet durable).
+// release(key, at) waits for the copy's transfers and frees its bytes; changes
+// not written back are dropped. A prefetch to the device takes the host copy
+// when there is one (even if it was changed and not written back), else the
+// home. Copies in other tiers are never updated by a writeback.
+//
+// Every byte is charged against its tier: the device and host pools are the
+// --device-mem-limit / --host-mem-limit budgets, NVMe is one striped swap file
+// whose size is checked against the free space at open. usage(tier) reports
+// bytes in use and the peak, which never exceeds the capacity.
+//
+// Errors are values: an I/O failure surfaces from wait() (or release()) of the
+// copy it hit, naming the shard, the tiers and the engine's errno/file/offset;
+// a failed load leaves no copy behind, a failed writeback leaves the copy in
+// place (the home may hold part of it); other shards are never touched.
+//
+// Thread safety: every method may be called from any thread. Calls on the same
+// shard are serialised (a wait on one shard never blocks calls on another);
+// transfers of different shards run concurrently on the I/O threads.
+// Ownership: the store owns the tiers, the I/O engine and the swap file (removed
+// at destruction). A ShardView stays valid until the copy is released or the
+// shard removed.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "io/io_engine.h"
+#include "io/status.h"
+#include "tiers/device_tier.h"
+#include "tiers/host_tier.h"
+#include "tiers/nvme_tier.h"
+#include "tiers/tier.h"
+
+namespace strata::tiers {
+
+struct TieredStoreOptions {
+  uint64_t device_capacity = 0;  // device budget in bytes; 0: no device tier
+  uint64_t host_capacity = 0;    // host budget (the pinned pool); 0: no host tier
+  uint64_t nvme_capacity = 0;    // bytes of swap file; 0: no NVMe tier
+  io::IoOptions io;              // NVMe paths, block size, queue depth (when nvme_capacity > 0)
+  bool use_gpu = true;           // CUDA builds: the device tier on the GPU when one is present
+  int gpu_index = 0;
+  bool pin_host = true;
+  std::optional<unsigned> numa_node;  // default: chosen with hwloc
+  std::optional<uint64_t> memlock_limit_for_testing;
+  // One-line notices (fallbacks); default: stderr.
+  std::function<void(const std::string&)> notice{};
+};
+
+// Where a copy's bytes are: host memory, or device memory (a device pointer on a GPU).
+struct ShardView {
+  std::byte* data = nullptr;
+  uint64_t bytes = 0;
+  Tier tier = Tier::host;
+};
+
+// A shard's home, for passes that work on homes directly (StreamedPass).
+struct ShardHome {
+  Tier tier = Tier::host;
+  uint64_t bytes = 0;
+  std::byte* data = nullptr;  // host or device homes
+  NvmeExtent extent;          // NVMe homes
+};
+
+class TieredStore {
+ public:
+  static Result<std::unique_ptr<TieredStore>> open(TieredStoreOptions options);
+  ~TieredStore();
+  TieredStore(const TieredStore&) = delete;
+  TieredStore& operator=(const TieredStore&) = delete;
+
+  Status add_shard(ShardKey key, uint64_t bytes, Tier home);
+  // Waits for the shard's transfers and frees every copy and the home.
+  Status remove_shard(ShardKey key);
+
+  Status prefetch(ShardKey key, Tier to);
+  Result<ShardView> wait(ShardKey key, Tier at);
+  Status writeback(ShardKey key, Tier from);
+  Status release(ShardKey key, Tier at);
+
+  // Whole-shard copies into / out of the home, through a host staging block
+  // for NVMe homes (charged to the host budget while it lasts). Synchronous.
+  Status write_shard(ShardKey key, std::span<const std::byte> bytes);
+  Status read_shard(ShardKey key, std::span<std::byte> bytes);
+
+  Result<ShardHome> home(ShardKey key) const;
+  bool has_tier(Tier tier) const;
+  TierUsage usage(Tier tier) const;
+  HostTier& host_tier() { return *host_; }
+  DeviceTier* device_tier() { return device_.get(); }
+  NvmeTier* nvme_tier() { return nvme_.get(); }
+  // One line per tier: size, placement, pinning, paths.
+  std::string description() const;
+
+ private:
+  struct Copy;
+  struct Shard;
+  TieredStore() = default;
+  class ShardHold;
+  Result<Shard*> acquire(ShardKey key);
+  Result<ShardHold> hold(ShardKey key);
+  void unlock_shard(Shard* shard);
+  Status finish(Shard& shard, Tier tier);
+  void free_copy(Shard& shard, Tier tier);
+  Status check_tier(Tier tier, const char* operation, ShardKey key) const;
+
+  std::unique_ptr<HostTier> host_;
+  std::unique_ptr<DeviceTier> device_;
+  std::unique_ptr<NvmeTier> nvme_;
+  bool host_registered_ = false;
+  std::function<void(const std::string&)> notice_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable shard_released_;
+  std::map<ShardKey, std::unique_ptr<Shard>> shards_;
+};
+
+}  // namespace strata::tiers
