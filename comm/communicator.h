@@ -1,0 +1,51 @@
+// Communicator: collectives over flat buffers between the ranks of one run.
+//
+// Contract. Every rank calls the same collectives in the same order with the
+// same counts and dtype; each call returns when this rank's part is done and
+// its buffers may be reused. Reductions are sums. A collective whose ranks
+// disagree (count, dtype, root) fails on every rank with the same message.
+// One Communicator belongs to one rank and is used by one thread at a time.
+//
+// Layouts (count = elements per rank):
+//   all_gather:     send (count) on every rank -> recv (world * count), rank r's at r * count
+//   reduce_scatter: send (world * count) on every rank -> recv (count) = sum over ranks of
+//                   send[r * count, (r + 1) * count) on rank r
+//   all_reduce:     send (count) -> recv (count) = sum over ranks; send == recv is allowed
+//   broadcast:      buffer (count) on root -> buffer (count) on every rank
+//
+// Reproducibility: LocalComm adds the ranks' contributions in rank order
+// (0, 1, ..., W-1) in fp32, whatever the thread timing, so a run is bitwise
+// repeatable. bf16 buffers are summed in fp32 and rounded to nearest-even once.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "io/status.h"
+
+namespace strata::comm {
+
+enum class DataType { fp32, bf16 };
+
+size_t dtype_bytes(DataType dtype);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  virtual Status all_gather(const void* send, void* recv, size_t count, DataType dtype) = 0;
+  virtual Status reduce_scatter(const void* send, void* recv, size_t count, DataType dtype) = 0;
+  virtual Status all_reduce(const void* send, void* recv, size_t count, DataType dtype) = 0;
+  virtual Status broadcast(void* buffer, size_t count, DataType dtype, int root) = 0;
+  virtual Status barrier() = 0;
+};
+
+// W ranks as threads of one process. make_local_group(W) returns one
+// Communicator per rank; hand communicators[r] to the thread that runs rank r.
+// The communicators share state and must all outlive every call in flight.
+std::vector<std::unique_ptr<Communicator>> make_local_group(int world_size);
+
+}  // namespace strata::comm
