@@ -105,17 +105,20 @@ void BM_AdamWStep(benchmark::State& state, bool mixed) {
     ++hyper.step;
   }
   set_counters(state, 28.0);
-  state.SetLabel(std::string(strata::kernels::cpu::simd_level_name(
-      strata::kernels::cpu::active_simd_level())));
+  state.SetLabel(std::string(
+      strata::kernels::cpu::simd_level_name(strata::kernels::cpu::active_simd_level())));
 }
 
 void ceiling_scalar(Arrays& a, bool mixed, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    const float g = (mixed ? strata::kernels::cpu::bf16_to_float(a.grad16[i]) : a.grad32[i]) * 0x1p-20f;
+    const float g =
+        (mixed ? strata::kernels::cpu::bf16_to_float(a.grad16[i]) : a.grad32[i]) * 0x1p-20f;
     a.master[i] += g;
     a.exp_avg[i] += g;
     a.exp_avg_sq[i] += g;
-    if (mixed) a.copy[i] = static_cast<uint16_t>(strata::kernels::cpu::float_bits(a.master[i]) >> 16);
+    if (mixed) {
+      a.copy[i] = static_cast<uint16_t>(strata::kernels::cpu::float_bits(a.master[i]) >> 16);
+    }
   }
 }
 
@@ -152,7 +155,8 @@ __attribute__((target("avx2"))) void ceiling_avx2(Arrays& a, bool mixed, int64_t
 
 void BM_Ceiling(benchmark::State& state, bool mixed) {
   Arrays& a = arrays();
-  const bool avx2 = strata::kernels::cpu::active_simd_level() >= strata::kernels::cpu::SimdLevel::avx2;
+  const bool avx2 =
+      strata::kernels::cpu::active_simd_level() >= strata::kernels::cpu::SimdLevel::avx2;
   for (auto _ : state) {
     strata::kernels::cpu::for_each_static_range(g_params, [&](int64_t begin, int64_t end) {
       if (avx2) {
@@ -170,10 +174,9 @@ void BM_GradNorm(benchmark::State& state, bool bf16) {
   Arrays& a = arrays();
   double sink = 0;
   for (auto _ : state) {
-    auto result = bf16 ? strata::kernels::cpu::grad_norm_squared(a.grad16.get(), ElementType::bf16,
-                                                                 g_params)
-                       : strata::kernels::cpu::grad_norm_squared(a.grad32.get(), ElementType::f32,
-                                                                 g_params);
+    auto result =
+        bf16 ? strata::kernels::cpu::grad_norm_squared(a.grad16.get(), ElementType::bf16, g_params)
+             : strata::kernels::cpu::grad_norm_squared(a.grad32.get(), ElementType::f32, g_params);
     sink += result->sum_squares;
   }
   benchmark::DoNotOptimize(sink);

@@ -52,7 +52,8 @@ Status LossScaler::update(bool overflow) {
     if (options_.hysteresis == 1 || s.hysteresis_left == 1) {
       if (s.scale == options_.min_loss_scale && options_.raise_error_at_min_scale) {
         return Status::error(
-            "fp16 loss scale is already at its minimum (" + std::to_string(options_.min_loss_scale) +
+            "fp16 loss scale is already at its minimum (" +
+            std::to_string(options_.min_loss_scale) +
             ") and the gradients still overflow; lower fp16.min_loss_scale, lower the learning "
             "rate, or train in bf16");
       }

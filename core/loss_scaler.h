@@ -24,11 +24,11 @@ namespace strata {
 
 // DeepSpeed's "fp16" section, with its defaults.
 struct LossScalerOptions {
-  bool enabled = false;             // fp16.enabled; off: scale 1, nothing to do
-  double loss_scale = 0.0;          // 0: dynamic; > 0: this static scale
-  int initial_scale_power = 16;     // dynamic scale starts at 2^initial_scale_power
-  int64_t loss_scale_window = 1000; // clean steps before the scale doubles
-  int hysteresis = 2;               // overflows tolerated before the scale halves
+  bool enabled = false;              // fp16.enabled; off: scale 1, nothing to do
+  double loss_scale = 0.0;           // 0: dynamic; > 0: this static scale
+  int initial_scale_power = 16;      // dynamic scale starts at 2^initial_scale_power
+  int64_t loss_scale_window = 1000;  // clean steps before the scale doubles
+  int hysteresis = 2;                // overflows tolerated before the scale halves
   bool consecutive_hysteresis = false;
   double min_loss_scale = 1.0;
   bool raise_error_at_min_scale = true;
@@ -37,9 +37,9 @@ struct LossScalerOptions {
 // Everything that a checkpoint must keep to resume the scaler exactly.
 struct LossScalerState {
   double scale = 1.0;
-  int64_t iteration = 0;             // DeepSpeed's cur_iter
+  int64_t iteration = 0;  // DeepSpeed's cur_iter
   int64_t last_overflow_iteration = -1;
-  int hysteresis_left = 2;           // DeepSpeed's cur_hysteresis
+  int hysteresis_left = 2;  // DeepSpeed's cur_hysteresis
 };
 
 class LossScaler {

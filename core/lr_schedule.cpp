@@ -24,10 +24,14 @@ Result<WarmupType> parse_warmup_type(std::string_view name) {
 
 std::string_view lr_schedule_type_name(LrScheduleType type) {
   switch (type) {
-    case LrScheduleType::constant: return "constant";
-    case LrScheduleType::warmup_lr: return "WarmupLR";
-    case LrScheduleType::warmup_decay_lr: return "WarmupDecayLR";
-    case LrScheduleType::warmup_cosine_lr: return "WarmupCosineLR";
+    case LrScheduleType::constant:
+      return "constant";
+    case LrScheduleType::warmup_lr:
+      return "WarmupLR";
+    case LrScheduleType::warmup_decay_lr:
+      return "WarmupDecayLR";
+    case LrScheduleType::warmup_cosine_lr:
+      return "WarmupCosineLR";
   }
   return "unknown";
 }
@@ -46,7 +50,8 @@ Result<LrSchedule> LrSchedule::create(const LrScheduleOptions& options, double o
     return Status::error("scheduler.params.total_num_steps must be set to a positive integer for " +
                          std::string(lr_schedule_type_name(options.type)));
   }
-  if (!(options.warmup_min_lr >= 0.0) || (options.warmup_max_lr && !(*options.warmup_max_lr >= 0.0))) {
+  if (!(options.warmup_min_lr >= 0.0) ||
+      (options.warmup_max_lr && !(*options.warmup_max_lr >= 0.0))) {
     return Status::error("scheduler.params.warmup_min_lr and warmup_max_lr must be >= 0");
   }
   return LrSchedule(options, optimizer_lr);
@@ -70,7 +75,8 @@ double LrSchedule::warmup_fraction(int64_t iteration) const {
 
 double LrSchedule::lr_at(int64_t iteration) const {
   switch (options_.type) {
-    case LrScheduleType::constant: return optimizer_lr_;
+    case LrScheduleType::constant:
+      return optimizer_lr_;
     case LrScheduleType::warmup_lr:
     case LrScheduleType::warmup_decay_lr: {
       if (iteration < 0) return min_lr_;

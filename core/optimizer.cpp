@@ -10,12 +10,14 @@ namespace strata {
 namespace {
 
 Status check_adamw(const AdamWOptions& o) {
-  if (!(o.lr >= 0.0)) return Status::error("optimizer.params.lr must be >= 0, got " + std::to_string(o.lr));
+  if (!(o.lr >= 0.0))
+    return Status::error("optimizer.params.lr must be >= 0, got " + std::to_string(o.lr));
   if (!(o.beta1 >= 0.0 && o.beta1 < 1.0) || !(o.beta2 >= 0.0 && o.beta2 < 1.0)) {
     return Status::error("optimizer.params.betas must both lie in [0, 1), got [" +
                          std::to_string(o.beta1) + ", " + std::to_string(o.beta2) + "]");
   }
-  if (!(o.eps >= 0.0)) return Status::error("optimizer.params.eps must be >= 0, got " + std::to_string(o.eps));
+  if (!(o.eps >= 0.0))
+    return Status::error("optimizer.params.eps must be >= 0, got " + std::to_string(o.eps));
   if (!(o.weight_decay >= 0.0)) {
     return Status::error("optimizer.params.weight_decay must be >= 0, got " +
                          std::to_string(o.weight_decay));
@@ -24,7 +26,8 @@ Status check_adamw(const AdamWOptions& o) {
 }
 
 const void* offset_bytes(const void* base, int64_t elements, kernels::cpu::ElementType type) {
-  return static_cast<const char*>(base) + elements * static_cast<int64_t>(kernels::cpu::element_size(type));
+  return static_cast<const char*>(base) +
+         elements * static_cast<int64_t>(kernels::cpu::element_size(type));
 }
 
 }  // namespace
@@ -100,15 +103,17 @@ Status Optimizer::update_shard(const StepPlan& plan, const OptimizerShard& shard
   int64_t expected_begin = 0;
   for (const ShardSegment& segment : segments) {
     if (segment.begin != expected_begin || segment.end < segment.begin) {
-      return Status::error("Optimizer::update_shard: segments must be ordered and contiguous; got [" +
-                           std::to_string(segment.begin) + ", " + std::to_string(segment.end) +
-                           ") where " + std::to_string(expected_begin) + " was expected");
+      return Status::error(
+          "Optimizer::update_shard: segments must be ordered and contiguous; got [" +
+          std::to_string(segment.begin) + ", " + std::to_string(segment.end) + ") where " +
+          std::to_string(expected_begin) + " was expected");
     }
     expected_begin = segment.end;
   }
   if (expected_begin != whole.numel) {
-    return Status::error("Optimizer::update_shard: segments cover " + std::to_string(expected_begin) +
-                         " elements of a shard of " + std::to_string(whole.numel));
+    return Status::error("Optimizer::update_shard: segments cover " +
+                         std::to_string(expected_begin) + " elements of a shard of " +
+                         std::to_string(whole.numel));
   }
 
   kernels::cpu::AdamWHyperparams hyper;

@@ -41,7 +41,7 @@ namespace strata {
 // "Adam" is also decoupled AdamW unless params.adam_w_mode is false.
 struct AdamWOptions {
   double lr = 1e-3;
-  double beta1 = 0.9;  // params.betas[0]
+  double beta1 = 0.9;    // params.betas[0]
   double beta2 = 0.999;  // params.betas[1]
   double eps = 1e-8;
   double weight_decay = 0.0;
@@ -51,9 +51,9 @@ struct AdamWOptions {
 
 struct OptimizerOptions {
   AdamWOptions adamw;
-  LrScheduleOptions lr_schedule;  // "scheduler"; type constant when absent
-  LossScalerOptions loss_scaler;  // "fp16"; disabled for bf16 and fp32 training
-  double gradient_clipping = 0.0; // top-level "gradient_clipping"; 0: no clipping
+  LrScheduleOptions lr_schedule;   // "scheduler"; type constant when absent
+  LossScalerOptions loss_scaler;   // "fp16"; disabled for bf16 and fp32 training
+  double gradient_clipping = 0.0;  // top-level "gradient_clipping"; 0: no clipping
   // Without an fp16 loss scaler: skip a step whose gradients hold inf/NaN
   // instead of writing NaN into every weight. DeepSpeed's bf16.check_grad_overflow
   // (default true); DeepSpeed does not check in fp32 training. When false, with
@@ -84,11 +84,12 @@ struct OptimizerShard {
 
 // What begin_step() decided for one step.
 struct StepPlan {
-  bool apply = false;       // false: the step is skipped and shards stay as they are
-  bool overflow = false;    // the gradients held inf/NaN
-  int64_t step = 0;         // Adam's t of this update (1 for the first applied step); 0 if skipped
-  double lr = 0.0;          // learning rate of this update
-  double grad_norm = 0.0;   // global L2 norm of the unscaled gradients, before clipping (NaN if unknown)
+  bool apply = false;     // false: the step is skipped and shards stay as they are
+  bool overflow = false;  // the gradients held inf/NaN
+  int64_t step = 0;       // Adam's t of this update (1 for the first applied step); 0 if skipped
+  double lr = 0.0;        // learning rate of this update
+  double grad_norm =
+      0.0;  // global L2 norm of the unscaled gradients, before clipping (NaN if unknown)
   double clip_coef = 1.0;   // min(1, gradient_clipping / (grad_norm + 1e-6)), 1 without clipping
   double loss_scale = 1.0;  // the scale the gradients of this step carry
   double grad_scale = 1.0;  // clip_coef / loss_scale: what the AdamW pass multiplies gradients by
@@ -96,7 +97,7 @@ struct StepPlan {
 
 // What a checkpoint keeps to resume the driver exactly.
 struct OptimizerState {
-  int64_t applied_steps = 0;   // Adam's t of the last applied step
+  int64_t applied_steps = 0;  // Adam's t of the last applied step
   int64_t skipped_steps = 0;
   int64_t scheduler_iteration = -1;  // DeepSpeed's last_batch_iteration
   LossScalerState loss_scaler;

@@ -24,13 +24,23 @@ uint64_t fresh_seed() {
 std::vector<float> random_floats(size_t count, std::mt19937_64& rng) {
   std::vector<float> values(count);
   for (auto& v : values) v = bits_float(static_cast<uint32_t>(rng()));
-  const float specials[] = {0.0f, -0.0f, 1.0f, 65504.0f, 65519.99f, 65520.0f, 6.1035156e-05f,
-                            5.9604645e-08f, 2.9802322e-08f, 2.9802326e-08f,
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            65504.0f,
+                            65519.99f,
+                            65520.0f,
+                            6.1035156e-05f,
+                            5.9604645e-08f,
+                            2.9802322e-08f,
+                            2.9802326e-08f,
                             std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(),
                             std::numeric_limits<float>::denorm_min(),
-                            std::numeric_limits<float>::max(), bits_float(0x3f808000u),
-                            bits_float(0x3f818000u), bits_float(0x7f7fffffu)};
+                            std::numeric_limits<float>::max(),
+                            bits_float(0x3f808000u),
+                            bits_float(0x3f818000u),
+                            bits_float(0x7f7fffffu)};
   for (size_t i = 0; i < std::size(specials) && i < count; ++i) values[i] = specials[i];
   return values;
 }
@@ -44,8 +54,9 @@ uint16_t bf16_reference(float x) {
   const uint32_t high = low + 0x10000u;  // next bf16 away from zero (may be inf)
   const double d_low = std::fabs(double(x) - double(bits_float(low)));
   // Past the largest bf16, the next value up is 2^128, which the format writes as infinity.
-  const double high_value = (high & 0x7fffffffu) == 0x7f800000u ? std::ldexp(x < 0 ? -1.0 : 1.0, 128)
-                                                                : double(bits_float(high));
+  const double high_value = (high & 0x7fffffffu) == 0x7f800000u
+                                ? std::ldexp(x < 0 ? -1.0 : 1.0, 128)
+                                : double(bits_float(high));
   const double d_high = std::fabs(high_value - double(x));
   if (d_low < d_high) return static_cast<uint16_t>(low >> 16);
   if (d_high < d_low) return static_cast<uint16_t>(high >> 16);
@@ -79,8 +90,9 @@ TEST(AdamWConvert, Fp16WidensExactlyForEveryValue) {
       ASSERT_TRUE(mantissa ? std::isnan(x) : std::isinf(x)) << h;
       if (!mantissa) continue;
     } else {
-      const double expected = exponent == 0 ? sign * std::ldexp(double(mantissa), -24)
-                                            : sign * std::ldexp(1024.0 + mantissa, int(exponent) - 25);
+      const double expected = exponent == 0
+                                  ? sign * std::ldexp(double(mantissa), -24)
+                                  : sign * std::ldexp(1024.0 + mantissa, int(exponent) - 25);
       ASSERT_EQ(double(x), expected) << h;
       ASSERT_EQ(std::signbit(x), (h & 0x8000) != 0) << h;
       ASSERT_EQ(float_to_f16(x), h);  // round trip
@@ -111,7 +123,8 @@ TEST(AdamWConvert, Fp16MatchesF16cOnEveryInputKind) {
     ASSERT_EQ(float_to_f16(b), f16c_narrow(b)) << b;
   }
   for (uint32_t h = 0; h < 0x10000u; ++h) {
-    ASSERT_EQ(float_bits(f16_to_float(static_cast<uint16_t>(h))), f16c_widen_bits(uint16_t(h))) << h;
+    ASSERT_EQ(float_bits(f16_to_float(static_cast<uint16_t>(h))), f16c_widen_bits(uint16_t(h)))
+        << h;
   }
 }
 

@@ -1,8 +1,6 @@
 // The gradient norm reduction (kernels/cpu/grad_norm.h): float64 accuracy,
 // inf/NaN detection anywhere, and the same bits for every SIMD path and every
 // thread count.
-#include "kernels/cpu/grad_norm.h"
-
 #include <gtest/gtest.h>
 #include <tbb/task_arena.h>
 
@@ -11,6 +9,8 @@
 #include <limits>
 #include <random>
 #include <vector>
+
+#include "kernels/cpu/grad_norm.h"
 
 namespace strata::kernels::cpu {
 namespace {
@@ -33,8 +33,10 @@ struct Grad {
     return type == ElementType::bf16 ? bf16_to_float(half[i]) : f16_to_float(half[i]);
   }
   void set(size_t i, float value) {
-    if (type == ElementType::f32) f32[i] = value;
-    else half[i] = type == ElementType::bf16 ? float_to_bf16(value) : float_to_f16(value);
+    if (type == ElementType::f32)
+      f32[i] = value;
+    else
+      half[i] = type == ElementType::bf16 ? float_to_bf16(value) : float_to_f16(value);
   }
 };
 
@@ -42,8 +44,10 @@ Grad random_grad(ElementType type, int64_t n, std::mt19937_64& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> exponent(-4.0f, 2.0f);
   Grad g{type, {}, {}};
-  if (type == ElementType::f32) g.f32.resize(n);
-  else g.half.resize(n);
+  if (type == ElementType::f32)
+    g.f32.resize(n);
+  else
+    g.half.resize(n);
   for (int64_t i = 0; i < n; ++i) g.set(i, normal(rng) * std::pow(10.0f, exponent(rng)));
   return g;
 }
@@ -118,7 +122,8 @@ TEST(GradNorm, SameBitsForEverySimdPathAndThreadCount) {
           tbb::task_arena arena(threads);
           double sum = 0;
           arena.execute([&] { sum = grad_norm_squared(g.data(), type, n)->sum_squares; });
-          ASSERT_EQ(sum, expected) << simd_level_name(level) << " threads " << threads << " n " << n;
+          ASSERT_EQ(sum, expected)
+              << simd_level_name(level) << " threads " << threads << " n " << n;
         }
       }
     }

@@ -1,7 +1,5 @@
 // The fused CPU AdamW step (kernels/cpu/adamw.h) against a float64 scalar
 // reference, and every SIMD path against the scalar path, bit for bit.
-#include "kernels/cpu/adamw.h"
-
 #include <gtest/gtest.h>
 #include <tbb/task_arena.h>
 
@@ -11,6 +9,8 @@
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include "kernels/cpu/adamw.h"
 
 namespace strata::kernels::cpu {
 namespace {
@@ -215,9 +215,10 @@ void check_level_matches_scalar(SimdLevel level) {
         const State s = random_state(n, grad_type, rng);
         AdamWHyperparams h = random_hyper(rng);
         h.decoupled_weight_decay = n % 3 != 0;
-        SCOPED_TRACE(::testing::Message() << "grad " << element_type_name(grad_type) << " copy "
-                                          << copy << " n " << n);
-        const State scalar = step_at_level(s, SimdLevel::scalar, grad_type, with_copy, copy_type, h);
+        SCOPED_TRACE(::testing::Message()
+                     << "grad " << element_type_name(grad_type) << " copy " << copy << " n " << n);
+        const State scalar =
+            step_at_level(s, SimdLevel::scalar, grad_type, with_copy, copy_type, h);
         const State vector = step_at_level(s, level, grad_type, with_copy, copy_type, h);
         expect_bitwise_equal(scalar, vector);
       }

@@ -71,10 +71,10 @@ TEST(LrSchedule, WarmupDecayLrDecaysLinearlyToMinAfterWarmup) {
   const LrSchedule s = make(o, 0.7);  // warmup_max_lr defaults to 0.001, not the optimizer's lr
   EXPECT_DOUBLE_EQ(s.lr_at(0), 0.0);
   EXPECT_DOUBLE_EQ(s.lr_at(4), 0.001 * 4 / 5);
-  EXPECT_DOUBLE_EQ(s.lr_at(5), 0.001);               // (25 - 5) / 20
-  EXPECT_DOUBLE_EQ(s.lr_at(15), 0.001 * 10 / 20);    // halfway down
+  EXPECT_DOUBLE_EQ(s.lr_at(5), 0.001);             // (25 - 5) / 20
+  EXPECT_DOUBLE_EQ(s.lr_at(15), 0.001 * 10 / 20);  // halfway down
   EXPECT_DOUBLE_EQ(s.lr_at(25), 0.0);
-  EXPECT_DOUBLE_EQ(s.lr_at(40), 0.0);                // never below the minimum
+  EXPECT_DOUBLE_EQ(s.lr_at(40), 0.0);  // never below the minimum
 }
 
 TEST(LrSchedule, WarmupCosineLrUsesRatiosOfTheOptimizerLr) {
@@ -86,13 +86,13 @@ TEST(LrSchedule, WarmupCosineLrUsesRatiosOfTheOptimizerLr) {
   o.warmup_min_ratio = 0.1;
   o.cos_min_ratio = 0.01;
   const LrSchedule s = make(o, 0.5);
-  EXPECT_EQ(s.lr_at(-1), 0.0);                          // DeepSpeed starts it at 0
+  EXPECT_EQ(s.lr_at(-1), 0.0);  // DeepSpeed starts it at 0
   EXPECT_DOUBLE_EQ(s.lr_at(0), 0.5 * 0.1);
   EXPECT_DOUBLE_EQ(s.lr_at(2), 0.5 * (0.1 + 0.4 * 0.9));
   const double at5 = 0.01 + 0.99 * (1 + std::cos(std::numbers::pi / 14)) / 2;
-  EXPECT_DOUBLE_EQ(s.lr_at(5), 0.5 * at5);              // progress (5 - 5 + 1) / (19 - 5)
+  EXPECT_DOUBLE_EQ(s.lr_at(5), 0.5 * at5);                   // progress (5 - 5 + 1) / (19 - 5)
   EXPECT_DOUBLE_EQ(s.lr_at(11), 0.5 * (0.01 + 0.99 * 0.5));  // progress 7 / 14: cos = 0
-  EXPECT_DOUBLE_EQ(s.lr_at(19), 0.5 * 0.01);            // progress 1: the floor
+  EXPECT_DOUBLE_EQ(s.lr_at(19), 0.5 * 0.01);                 // progress 1: the floor
   EXPECT_DOUBLE_EQ(s.lr_at(100), 0.5 * 0.01);
 }
 

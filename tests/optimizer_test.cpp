@@ -80,8 +80,8 @@ TEST(Optimizer, SegmentsGetTheirGroupsWeightDecay) {
   EXPECT_FALSE(optimizer.needs_grad_norm());
   Buffers driven(300, rng);
   Buffers direct = driven;
-  const ShardSegment segments[] = {{0, 200, ParamGroup::decay}, {200, 264, ParamGroup::no_decay},
-                                   {264, 300, ParamGroup::decay}};
+  const ShardSegment segments[] = {
+      {0, 200, ParamGroup::decay}, {200, 264, ParamGroup::no_decay}, {264, 300, ParamGroup::decay}};
   const Result<StepPlan> plan = optimizer.begin_step(std::nullopt);
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   EXPECT_TRUE(plan->apply);

@@ -23,11 +23,11 @@ namespace {
 // Every constant of the update, rounded once to fp32 from float64.
 struct StepConstants {
   float grad_scale;
-  float decay;         // 1 - lr * wd (AdamW), 1 (Adam)
-  float l2;            // wd (Adam), 0 (AdamW)
+  float decay;  // 1 - lr * wd (AdamW), 1 (Adam)
+  float l2;     // wd (Adam), 0 (AdamW)
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
-  float neg_step_size;  // -lr / (1 - beta1^t)
+  float neg_step_size;              // -lr / (1 - beta1^t)
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^t)
   float eps;
   bool decoupled;
@@ -126,8 +126,8 @@ STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c,
 // --- AVX-512: 16 elements per iteration ---------------------------------------------
 
 template <ElementType G, CopyKind C>
-STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants& c,
-                                        int64_t begin, int64_t end) {
+STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants& c, int64_t begin,
+                                        int64_t end) {
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
   const __m512 decay = _mm512_set1_ps(c.decay);
   const __m512 l2 = _mm512_set1_ps(c.l2);
@@ -174,9 +174,12 @@ using RangeFunction = void (*)(const AdamWShard&, const StepConstants&, int64_t,
 template <ElementType G, CopyKind C>
 RangeFunction pick_for_level(SimdLevel level) {
   switch (level) {
-    case SimdLevel::avx512: return &update_avx512<G, C>;
-    case SimdLevel::avx2: return &update_avx2<G, C>;
-    case SimdLevel::scalar: break;
+    case SimdLevel::avx512:
+      return &update_avx512<G, C>;
+    case SimdLevel::avx2:
+      return &update_avx2<G, C>;
+    case SimdLevel::scalar:
+      break;
   }
   return &update_scalar<G, C>;
 }
@@ -190,24 +193,31 @@ RangeFunction pick_for_copy(const AdamWShard& s, SimdLevel level) {
 
 RangeFunction pick(const AdamWShard& s, SimdLevel level) {
   switch (s.grad_type) {
-    case ElementType::f32: return pick_for_copy<ElementType::f32>(s, level);
-    case ElementType::bf16: return pick_for_copy<ElementType::bf16>(s, level);
-    case ElementType::f16: return pick_for_copy<ElementType::f16>(s, level);
+    case ElementType::f32:
+      return pick_for_copy<ElementType::f32>(s, level);
+    case ElementType::bf16:
+      return pick_for_copy<ElementType::bf16>(s, level);
+    case ElementType::f16:
+      return pick_for_copy<ElementType::f16>(s, level);
   }
   return nullptr;
 }
 
 Status check(const AdamWShard& s, const AdamWHyperparams& h) {
-  if (s.numel < 0) return Status::error("adamw_step: negative shard length " + std::to_string(s.numel));
+  if (s.numel < 0)
+    return Status::error("adamw_step: negative shard length " + std::to_string(s.numel));
   if (s.numel > 0 && (s.master == nullptr || s.exp_avg == nullptr || s.exp_avg_sq == nullptr ||
                       s.grad == nullptr)) {
     return Status::error("adamw_step: master, exp_avg, exp_avg_sq and grad must all be given");
   }
   if (s.copy != nullptr && s.copy_type == ElementType::f32) {
-    return Status::error("adamw_step: the compute copy must be bf16 or fp16 (fp32 mode has no copy)");
+    return Status::error(
+        "adamw_step: the compute copy must be bf16 or fp16 (fp32 mode has no copy)");
   }
-  if (h.step < 1) return Status::error("adamw_step: step must be >= 1, got " + std::to_string(h.step));
-  if (!(h.lr >= 0.0)) return Status::error("adamw_step: invalid learning rate " + std::to_string(h.lr));
+  if (h.step < 1)
+    return Status::error("adamw_step: step must be >= 1, got " + std::to_string(h.step));
+  if (!(h.lr >= 0.0))
+    return Status::error("adamw_step: invalid learning rate " + std::to_string(h.lr));
   if (!(h.eps >= 0.0)) return Status::error("adamw_step: invalid eps " + std::to_string(h.eps));
   if (!(h.beta1 >= 0.0 && h.beta1 < 1.0) || !(h.beta2 >= 0.0 && h.beta2 < 1.0)) {
     return Status::error("adamw_step: betas must lie in [0, 1), got " + std::to_string(h.beta1) +
@@ -225,9 +235,8 @@ Status adamw_step(const AdamWShard& shard, const AdamWHyperparams& hyper) {
   if (Status status = check(shard, hyper); !status) return status;
   const StepConstants constants = make_constants(hyper);
   const RangeFunction update = pick(shard, active_simd_level());
-  for_each_static_range(shard.numel, [&](int64_t begin, int64_t end) {
-    update(shard, constants, begin, end);
-  });
+  for_each_static_range(shard.numel,
+                        [&](int64_t begin, int64_t end) { update(shard, constants, begin, end); });
   return Status::ok();
 }
 

@@ -47,12 +47,12 @@ struct AdamWHyperparams {
 // One shard: every array has `numel` elements and they do not overlap.
 struct AdamWShard {
   int64_t numel = 0;
-  float* master = nullptr;        // (numel) fp32 master weights, updated in place
-  float* exp_avg = nullptr;       // (numel) first moment m, updated in place
-  float* exp_avg_sq = nullptr;    // (numel) second moment v, updated in place
-  const void* grad = nullptr;     // (numel) of grad_type, read only
+  float* master = nullptr;      // (numel) fp32 master weights, updated in place
+  float* exp_avg = nullptr;     // (numel) first moment m, updated in place
+  float* exp_avg_sq = nullptr;  // (numel) second moment v, updated in place
+  const void* grad = nullptr;   // (numel) of grad_type, read only
   ElementType grad_type = ElementType::f32;
-  void* copy = nullptr;           // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
+  void* copy = nullptr;  // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
   ElementType copy_type = ElementType::bf16;  // bf16 or f16
 };
 

@@ -10,10 +10,10 @@
 
 #include "kernels/cpu/grad_norm.h"
 
+#include <tbb/parallel_reduce.h>
+
 #include <cmath>
 #include <string>
-
-#include <tbb/parallel_reduce.h>
 
 #include "kernels/cpu/simd_convert.h"
 
@@ -98,18 +98,24 @@ using BlockFunction = double (*)(const void*, int64_t, int64_t);
 template <ElementType T>
 BlockFunction pick_for_level(SimdLevel level) {
   switch (level) {
-    case SimdLevel::avx512: return &block_avx512<T>;
-    case SimdLevel::avx2: return &block_avx2<T>;
-    case SimdLevel::scalar: break;
+    case SimdLevel::avx512:
+      return &block_avx512<T>;
+    case SimdLevel::avx2:
+      return &block_avx2<T>;
+    case SimdLevel::scalar:
+      break;
   }
   return &block_scalar<T>;
 }
 
 BlockFunction pick(ElementType type, SimdLevel level) {
   switch (type) {
-    case ElementType::f32: return pick_for_level<ElementType::f32>(level);
-    case ElementType::bf16: return pick_for_level<ElementType::bf16>(level);
-    case ElementType::f16: return pick_for_level<ElementType::f16>(level);
+    case ElementType::f32:
+      return pick_for_level<ElementType::f32>(level);
+    case ElementType::bf16:
+      return pick_for_level<ElementType::bf16>(level);
+    case ElementType::f16:
+      return pick_for_level<ElementType::f16>(level);
   }
   return nullptr;
 }

@@ -1,10 +1,10 @@
 #include "kernels/cpu/simd.h"
 
+#include <cpuid.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <string>
-
-#include <cpuid.h>
 
 namespace strata::kernels::cpu {
 namespace {
@@ -42,23 +42,31 @@ SimdLevel environment_cap(SimdLevel cpu) {
 
 std::string_view simd_level_name(SimdLevel level) {
   switch (level) {
-    case SimdLevel::scalar: return "scalar";
-    case SimdLevel::avx2: return "avx2";
-    case SimdLevel::avx512: return "avx512";
+    case SimdLevel::scalar:
+      return "scalar";
+    case SimdLevel::avx2:
+      return "avx2";
+    case SimdLevel::avx512:
+      return "avx512";
   }
   return "unknown";
 }
 
 std::string_view element_type_name(ElementType type) {
   switch (type) {
-    case ElementType::f32: return "fp32";
-    case ElementType::bf16: return "bf16";
-    case ElementType::f16: return "fp16";
+    case ElementType::f32:
+      return "fp32";
+    case ElementType::bf16:
+      return "bf16";
+    case ElementType::f16:
+      return "fp16";
   }
   return "unknown";
 }
 
-std::size_t element_size(ElementType type) { return type == ElementType::f32 ? 4 : 2; }
+std::size_t element_size(ElementType type) {
+  return type == ElementType::f32 ? 4 : 2;
+}
 
 SimdLevel cpu_simd_level() {
   static const SimdLevel level = detect_cpu_level();
@@ -75,13 +83,15 @@ SimdLevel active_simd_level() {
 Status force_simd_level(SimdLevel level) {
   if (static_cast<int>(level) > static_cast<int>(cpu_simd_level())) {
     return Status::error("force_simd_level: this CPU does not support " +
-                         std::string(simd_level_name(level)) + " (best: " +
-                         std::string(simd_level_name(cpu_simd_level())) + ")");
+                         std::string(simd_level_name(level)) +
+                         " (best: " + std::string(simd_level_name(cpu_simd_level())) + ")");
   }
   forced_level.store(static_cast<int>(level), std::memory_order_relaxed);
   return Status::ok();
 }
 
-void reset_simd_level() { forced_level.store(-1, std::memory_order_relaxed); }
+void reset_simd_level() {
+  forced_level.store(-1, std::memory_order_relaxed);
+}
 
 }  // namespace strata::kernels::cpu

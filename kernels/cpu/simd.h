@@ -15,14 +15,14 @@
 // force_simd_level() should be called while no kernel is running.
 #pragma once
 
-#include <cstdint>
-#include <cstring>
-#include <string_view>
-
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string_view>
 
 #include "io/status.h"
 
@@ -63,7 +63,9 @@ inline float bits_float(uint32_t bits) {
   return value;
 }
 
-inline float bf16_to_float(uint16_t bits) { return bits_float(uint32_t{bits} << 16); }
+inline float bf16_to_float(uint16_t bits) {
+  return bits_float(uint32_t{bits} << 16);
+}
 
 // Round to nearest even, as PyTorch's c10::BFloat16 (every NaN becomes 0x7fc0).
 inline uint16_t float_to_bf16(float value) {

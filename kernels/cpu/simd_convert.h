@@ -6,9 +6,9 @@
 // conversions agree bit for bit with the scalar ones in simd.h.
 #pragma once
 
-#include <cstdint>
-
 #include <immintrin.h>
+
+#include <cstdint>
 
 #include "kernels/cpu/simd.h"
 

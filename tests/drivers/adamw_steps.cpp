@@ -12,11 +12,10 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/optimizer.h"
 
@@ -67,7 +66,8 @@ strata::OptimizerOptions options_from(const nlohmann::json& config) {
     if (!warmup) throw std::runtime_error(warmup.status().message());
     o.lr_schedule.warmup_type = *warmup;
     o.lr_schedule.warmup_min_lr = value_or(s, "warmup_min_lr", 0.0);
-    if (s.contains("warmup_max_lr")) o.lr_schedule.warmup_max_lr = s.at("warmup_max_lr").get<double>();
+    if (s.contains("warmup_max_lr"))
+      o.lr_schedule.warmup_max_lr = s.at("warmup_max_lr").get<double>();
     o.lr_schedule.warmup_num_steps = value_or<int64_t>(s, "warmup_num_steps", 1000);
     o.lr_schedule.total_num_steps = value_or<int64_t>(s, "total_num_steps", 0);
     o.lr_schedule.warmup_min_ratio = value_or(s, "warmup_min_ratio", 0.0);
@@ -136,9 +136,13 @@ int run(const std::string& dir) {
     if (strata::Status status = optimizer.update_shard(*plan, shard); !status) {
       throw std::runtime_error(status.message());
     }
-    log.push_back({{"apply", plan->apply}, {"overflow", plan->overflow}, {"step", plan->step},
-                   {"lr", plan->lr}, {"grad_norm", plan->apply ? plan->grad_norm : 0.0},
-                   {"clip_coef", plan->clip_coef}, {"loss_scale", loss_scale}});
+    log.push_back({{"apply", plan->apply},
+                   {"overflow", plan->overflow},
+                   {"step", plan->step},
+                   {"lr", plan->lr},
+                   {"grad_norm", plan->apply ? plan->grad_norm : 0.0},
+                   {"clip_coef", plan->clip_coef},
+                   {"loss_scale", loss_scale}});
   }
   write_bytes(dir + "/out_master.bin", master.data(), master.size() * 4);
   write_bytes(dir + "/out_exp_avg.bin", exp_avg.data(), exp_avg.size() * 4);
