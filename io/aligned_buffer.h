@@ -1,5 +1,7 @@
 // AlignedBuffer: heap memory whose start and size are multiples of an alignment,
-// as O_DIRECT transfers need. Owns its memory; move-only; not thread-safe.
+// as O_DIRECT transfers need. Buffers of 2 MiB or more are 2 MiB-aligned, sized
+// in whole 2 MiB units and ask for transparent huge pages, which keeps large
+// requests in few segments. Owns its memory; move-only; not thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +13,7 @@ namespace strata::io {
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // Size is rounded up to a multiple of `alignment` (a power of two). Contents zeroed.
+  // Size is rounded up to a multiple of the alignment (a power of two). Contents zeroed.
   AlignedBuffer(size_t size, size_t alignment = 4096);
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
