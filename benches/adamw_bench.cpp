@@ -146,10 +146,12 @@ __attribute__((target("avx2"))) void ceiling_avx2(Arrays& a, bool mixed, int64_t
     if (mixed) {
       const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(pn), 16);
       const __m256i pairs = _mm256_packus_epi32(bits, bits);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.copy.get() + i),
+      // Non-temporal, as the kernel writes its copy (ranges start on 64 elements).
+      _mm_stream_si128(reinterpret_cast<__m128i*>(a.copy.get() + i),
                        _mm256_castsi256_si128(_mm256_permute4x64_epi64(pairs, 0xd8)));
     }
   }
+  _mm_sfence();
   ceiling_scalar(a, mixed, i, end);
 }
 

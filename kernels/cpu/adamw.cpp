@@ -100,6 +100,14 @@ STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c,
   void* const copy = s.copy;
   const bool decoupled = c.decoupled;
   int64_t i = begin;
+  // The copy is written with non-temporal stores (it goes to the GPU, not back
+  // to this CPU, and they save reading each line first): peel elements until
+  // it is aligned.
+  if constexpr (C != CopyKind::none) {
+    while (i < end && (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(copy) + i) & 15) != 0) {
+      update_element<G, C>(s, c, i++);
+    }
+  }
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(load8_as_float<G>(grad, i), grad_scale);
     __m256 p = _mm256_loadu_ps(master + i);
@@ -118,8 +126,9 @@ STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c,
     _mm256_storeu_ps(exp_avg + i, m);
     _mm256_storeu_ps(exp_avg_sq + i, v);
     _mm256_storeu_ps(master + i, p);
-    store8_from_float<C>(copy, i, p);
+    store8_from_float<C, true>(copy, i, p);
   }
+  if constexpr (C != CopyKind::none) _mm_sfence();  // order the streamed stores before returning
   for (; i < end; ++i) update_element<G, C>(s, c, i);
 }
 
@@ -146,6 +155,14 @@ STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants
   void* const copy = s.copy;
   const bool decoupled = c.decoupled;
   int64_t i = begin;
+  // The copy is written with non-temporal stores (it goes to the GPU, not back
+  // to this CPU, and they save reading each line first): peel elements until
+  // it is aligned.
+  if constexpr (C != CopyKind::none) {
+    while (i < end && (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(copy) + i) & 31) != 0) {
+      update_element<G, C>(s, c, i++);
+    }
+  }
   for (; i + 16 <= end; i += 16) {
     __m512 g = _mm512_mul_ps(load16_as_float<G>(grad, i), grad_scale);
     __m512 p = _mm512_loadu_ps(master + i);
@@ -164,8 +181,9 @@ STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants
     _mm512_storeu_ps(exp_avg + i, m);
     _mm512_storeu_ps(exp_avg_sq + i, v);
     _mm512_storeu_ps(master + i, p);
-    store16_from_float<C>(copy, i, p);
+    store16_from_float<C, true>(copy, i, p);
   }
+  if constexpr (C != CopyKind::none) _mm_sfence();
   for (; i < end; ++i) update_element<G, C>(s, c, i);
 }
 

@@ -57,7 +57,9 @@ STRATA_TARGET_AVX2 inline __m256 load8_as_float(const void* data, int64_t i) {
   }
 }
 
-template <CopyKind C>
+// Stream: a non-temporal store (data + i must be 16-byte aligned), for output
+// that the CPU will not read again soon; it also saves reading the line first.
+template <CopyKind C, bool Stream = false>
 STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 value) {
   if constexpr (C == CopyKind::none) {
     return;
@@ -76,7 +78,12 @@ STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 v
     } else {
       packed = _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i), packed);
+    __m128i* const target = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i);
+    if constexpr (Stream) {
+      _mm_stream_si128(target, packed);
+    } else {
+      _mm_storeu_si128(target, packed);
+    }
   }
 }
 
@@ -97,7 +104,8 @@ STRATA_TARGET_AVX512 inline __m512 load16_as_float(const void* data, int64_t i) 
   }
 }
 
-template <CopyKind C>
+// Stream: as store8_from_float, with data + i 32-byte aligned.
+template <CopyKind C, bool Stream = false>
 STRATA_TARGET_AVX512 inline void store16_from_float(void* data, int64_t i, __m512 value) {
   if constexpr (C == CopyKind::none) {
     return;
@@ -114,7 +122,12 @@ STRATA_TARGET_AVX512 inline void store16_from_float(void* data, int64_t i, __m51
     } else {
       packed = _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + i), packed);
+    __m256i* const target = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + i);
+    if constexpr (Stream) {
+      _mm256_stream_si256(target, packed);
+    } else {
+      _mm256_storeu_si256(target, packed);
+    }
   }
 }
 
