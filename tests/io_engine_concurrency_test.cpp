@@ -29,9 +29,10 @@ TEST(IoEngineConcurrency, ManyTransfersFromSeveralThreadsRoundTrip) {
   constexpr int kThreads = 4;
   constexpr int kTransfersPerThread = 24;
   constexpr uint64_t kRegion = 100 << 10;  // not a multiple of the block size; ends on a 4 KiB boundary
-  Result<FileId> file = engine.create_file("concurrent.swap", kThreads * kTransfersPerThread * kRegion);
+  constexpr uint64_t kTotal = kThreads * kTransfersPerThread * kRegion;
+  Result<FileId> file = engine.create_file("concurrent.swap", kTotal);
   ASSERT_TRUE(file.is_ok()) << file.status().message();
-  AlignedBuffer buffer(kThreads * kTransfersPerThread * kRegion);
+  AlignedBuffer buffer(kTotal);
   ASSERT_TRUE(engine.register_buffer(buffer.data(), buffer.size()).is_ok());
   fill_random(buffer.data(), buffer.size(), 21);
   AlignedBuffer expected(buffer.size());
@@ -66,8 +67,8 @@ TEST(IoEngineConcurrency, ManyTransfersFromSeveralThreadsRoundTrip) {
   for (std::thread& thread : threads) thread.join();
   for (int thread = 0; thread < kThreads; ++thread) EXPECT_EQ(failures[thread], 0) << "thread " << thread;
   EXPECT_EQ(std::memcmp(buffer.data(), expected.data(), buffer.size()), 0);
-  EXPECT_EQ(engine.counters().bytes_written, buffer.size());
-  EXPECT_EQ(engine.counters().bytes_read, buffer.size());
+  EXPECT_EQ(engine.counters().bytes_written, kTotal);
+  EXPECT_EQ(engine.counters().bytes_read, kTotal);
   EXPECT_TRUE(engine.unregister_buffer(buffer.data()).is_ok());
   EXPECT_TRUE(engine.remove_file(*file).is_ok());
 }
