@@ -72,7 +72,8 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<tbb::global_control> thread_limit;
   if (threads > 0) {
-    thread_limit = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, threads);
+    thread_limit = std::make_unique<tbb::global_control>(
+        tbb::global_control::max_allowed_parallelism, threads);
   }
   strata::kernels::cpu::set_blas_threads(threads);
 
@@ -89,7 +90,8 @@ int main(int argc, char** argv) {
   if (model_dir.empty()) {
     strata::init_host_model(*model, 1);
   } else {
-    strata::Result<strata::SafetensorsCheckpoint> ckpt = strata::SafetensorsCheckpoint::open(model_dir);
+    strata::Result<strata::SafetensorsCheckpoint> ckpt =
+        strata::SafetensorsCheckpoint::open(model_dir);
     strata::Status s = ckpt.is_ok() ? strata::load_host_model(*model, *ckpt) : ckpt.status();
     if (!s) {
       fmt::print(stderr, "model_bench: {}\n", s.message());
@@ -103,18 +105,23 @@ int main(int argc, char** argv) {
 
   const std::string name = fmt::format("model_forward_backward/{}/params:{}/B:{}/T:{}", config.name,
                                        config.parameter_count(), B, T);
-  benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& state) {
-    strata::UnitBatch batch{tokens->data(), tokens->data() + 1, B, T, 1.0f / static_cast<float>(B * T)};
-    const std::clock_t cpu_start = std::clock();  // every thread of the process
-    for (auto _ : state) {
-      strata::Result<double> loss = strata::model_forward_backward(*model, batch, *ws);
-      benchmark::DoNotOptimize(loss);
-    }
-    state.counters["process_cpu_s"] =
-        static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC / static_cast<double>(state.iterations());
-    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(B * T) * state.iterations(),
-                                                    benchmark::Counter::kIsRate);
-  })->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark(
+      name.c_str(),
+      [=](benchmark::State& state) {
+        strata::UnitBatch batch{tokens->data(), tokens->data() + 1, B, T,
+                                1.0f / static_cast<float>(B * T)};
+        const std::clock_t cpu_start = std::clock();  // every thread of the process
+        for (auto _ : state) {
+          strata::Result<double> loss = strata::model_forward_backward(*model, batch, *ws);
+          benchmark::DoNotOptimize(loss);
+        }
+        state.counters["process_cpu_s"] = static_cast<double>(std::clock() - cpu_start) /
+                                          CLOCKS_PER_SEC / static_cast<double>(state.iterations());
+        state.counters["tokens/s"] = benchmark::Counter(
+            static_cast<double>(B * T) * state.iterations(), benchmark::Counter::kIsRate);
+      })
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -234,18 +234,16 @@ struct UnitKernels {
     if (dx != dout) std::copy(dout, dout + N * C, dx);
     // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))).
     std::fill(ws.d_mlp.begin(), ws.d_mlp.end(), 0.0f);
-    cpu::matmul_backward(ws.d_mlp.data(), g.down, dout, ws.mlp.data(), w.down,
-                         N, I, C);
+    cpu::matmul_backward(ws.d_mlp.data(), g.down, dout, ws.mlp.data(), w.down, N, I, C);
     cpu::swiglu_backward(ws.d_gate_up.data(), ws.d_mlp.data(), ws.gate_up.data(), N, I);
     std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
-    cpu::matmul_backward(ws.d_xn.data(), g.gate_up, ws.d_gate_up.data(),
-                         ws.xn2.data(), w.gate_up, N, C, 2 * I);
-    cpu::rmsnorm_backward(dx, g.norm_post, ws.d_xn.data(), ws.x2.data(),
-                          w.norm_post, ws.rstd2.data(), N, C);
+    cpu::matmul_backward(ws.d_xn.data(), g.gate_up, ws.d_gate_up.data(), ws.xn2.data(), w.gate_up,
+                         N, C, 2 * I);
+    cpu::rmsnorm_backward(dx, g.norm_post, ws.d_xn.data(), ws.x2.data(), w.norm_post,
+                          ws.rstd2.data(), N, C);
     // dx now holds d(x2). Attention branch: x2 = x + o(attention(rope(qkv(norm_in(x))))).
     std::fill(ws.d_attn.begin(), ws.d_attn.end(), 0.0f);
-    cpu::matmul_backward(ws.d_attn.data(), g.o, dx, ws.attn.data(), w.o, N,
-                         H * D, C);
+    cpu::matmul_backward(ws.d_attn.data(), g.o, dx, ws.attn.data(), w.o, N, H * D, C);
     const float* q = ws.qkv.data();
     float* dq = ws.d_qkv.data();
     cpu::attention_backward(dq, dq + H * D, dq + (H + KV) * D, ws.d_scores.data(), ws.d_attn.data(),
@@ -253,10 +251,8 @@ struct UnitKernels {
     cpu::rope_backward(dq, ws.rope_cos.data(), ws.rope_sin.data(), B, T, H, D, QKV);
     cpu::rope_backward(dq + H * D, ws.rope_cos.data(), ws.rope_sin.data(), B, T, KV, D, QKV);
     std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
-    cpu::matmul_backward(ws.d_xn.data(), g.qkv, dq, ws.xn1.data(), w.qkv, N, C,
-                         QKV);
-    cpu::rmsnorm_backward(dx, g.norm_in, ws.d_xn.data(), x, w.norm_in,
-                          ws.rstd1.data(), N, C);
+    cpu::matmul_backward(ws.d_xn.data(), g.qkv, dq, ws.xn1.data(), w.qkv, N, C, QKV);
+    cpu::rmsnorm_backward(dx, g.norm_in, ws.d_xn.data(), x, w.norm_in, ws.rstd1.data(), N, C);
   }
 
   // The head over rows [begin, begin + rows): logits into ws.logits.
@@ -280,8 +276,8 @@ struct UnitKernels {
         std::copy(ws.logits.begin(), ws.logits.begin() + rows * V, logits_out + begin * V);
       }
       if (batch.targets != nullptr) {
-        cpu::cross_entropy_forward(ws.losses.data() + begin, ws.logits.data(), batch.targets + begin,
-                                   rows, V);
+        cpu::cross_entropy_forward(ws.losses.data() + begin, ws.logits.data(),
+                                   batch.targets + begin, rows, V);
       }
     }
     if (batch.targets != nullptr) {
@@ -305,8 +301,9 @@ struct UnitKernels {
       if (logits_out != nullptr) {
         std::copy(ws.logits.begin(), ws.logits.begin() + rows * V, logits_out + begin * V);
       }
-      cpu::cross_entropy_forward_backward(ws.losses.data() + begin, ws.logits.data(), ws.logits.data(),
-                                          batch.targets + begin, batch.loss_scale, rows, V);
+      cpu::cross_entropy_forward_backward(ws.losses.data() + begin, ws.logits.data(),
+                                          ws.logits.data(), batch.targets + begin, batch.loss_scale,
+                                          rows, V);
       cpu::matmul_backward(ws.d_xn.data() + begin * C, d_lm_head, ws.logits.data(),
                            ws.head_xn.data() + begin * C, lm_head, rows, C, V);
     }
@@ -331,8 +328,8 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
       UnitKernels::layer_forward(c, layout, params.flat, input, output, ws);
       return 0.0;
     case UnitKind::head: {
-      const float* lm_head = c.tie_word_embeddings ? params.tied_embedding
-                                                   : params.flat + layout.tensors[1].offset;
+      const float* lm_head =
+          c.tie_word_embeddings ? params.tied_embedding : params.flat + layout.tensors[1].offset;
       return UnitKernels::head_forward(c, params.flat, lm_head, batch, input, output, ws);
     }
   }
@@ -396,10 +393,12 @@ namespace {
 template <typename Buffers>
 auto find_tensor(const ModelLayout& layout, Buffers& buffers, const std::string& name)
     -> decltype(buffers[0].data()) {
-  const std::string target =
-      name == "lm_head.weight" && layout.config.tie_word_embeddings ? "model.embed_tokens.weight" : name;
+  const std::string target = name == "lm_head.weight" && layout.config.tie_word_embeddings
+                                 ? "model.embed_tokens.weight"
+                                 : name;
   for (size_t u = 0; u < layout.units.size(); ++u) {
-    if (const TensorSlot* slot = layout.units[u].find(target)) return buffers[u].data() + slot->offset;
+    if (const TensorSlot* slot = layout.units[u].find(target))
+      return buffers[u].data() + slot->offset;
   }
   return nullptr;
 }
@@ -409,7 +408,9 @@ const float* HostModel::tensor(const std::string& name) const {
   return find_tensor(layout, params, name);
 }
 
-float* HostModel::tensor_grad(const std::string& name) { return find_tensor(layout, grads, name); }
+float* HostModel::tensor_grad(const std::string& name) {
+  return find_tensor(layout, grads, name);
+}
 
 HostModel make_host_model(const ModelConfig& config, int world_size) {
   HostModel model;
@@ -423,7 +424,8 @@ HostModel make_host_model(const ModelConfig& config, int world_size) {
 
 void init_host_model(HostModel& model, uint64_t seed, float init_std) {
   for (size_t u = 0; u < model.layout.units.size(); ++u) {
-    init_unit_parameters(model.layout, static_cast<int64_t>(u), seed, model.params[u].data(), init_std);
+    init_unit_parameters(model.layout, static_cast<int64_t>(u), seed, model.params[u].data(),
+                         init_std);
   }
 }
 
@@ -435,7 +437,8 @@ std::vector<NamedTensor> checkpoint_tensors(const ModelLayout& layout) {
   // Hugging Face order: embeddings, layers, final norm, lm_head.
   std::vector<NamedTensor> list;
   for (size_t u = 0; u < layout.units.size(); ++u) {
-    for (const TensorSlot& slot : layout.units[u].tensors) list.push_back({static_cast<int64_t>(u), &slot});
+    for (const TensorSlot& slot : layout.units[u].tensors)
+      list.push_back({static_cast<int64_t>(u), &slot});
   }
   return list;
 }
@@ -444,8 +447,9 @@ Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t co
                        bool allow_negative, const std::string& origin) {
   for (int64_t i = 0; i < count; ++i) {
     if (ids[i] >= config.vocab_size || (ids[i] < 0 && !allow_negative)) {
-      return Status::error(fmt::format("{}: token id {} at position {} is outside the vocabulary [0, {})",
-                                       origin, ids[i], i, config.vocab_size));
+      return Status::error(
+          fmt::format("{}: token id {} at position {} is outside the vocabulary [0, {})", origin,
+                      ids[i], i, config.vocab_size));
     }
   }
   return Status::ok();
@@ -459,9 +463,11 @@ Status check_batch(const HostModel& model, const UnitBatch& batch, const UnitWor
                                      batch.T, ws.B(), ws.T()));
   }
   const int64_t N = batch.B * batch.T;
-  if (Status s = check_token_ids(model.layout.config, batch.tokens, N, false, "input tokens"); !s) return s;
+  if (Status s = check_token_ids(model.layout.config, batch.tokens, N, false, "input tokens"); !s)
+    return s;
   if (batch.targets != nullptr) {
-    if (Status s = check_token_ids(model.layout.config, batch.targets, N, true, "targets"); !s) return s;
+    if (Status s = check_token_ids(model.layout.config, batch.targets, N, true, "targets"); !s)
+      return s;
   }
   return Status::ok();
 }
@@ -475,7 +481,8 @@ double forward_all(const HostModel& model, const UnitBatch& batch, UnitWorkspace
   inputs.assign(units - 1, std::vector<float>(NC));
   unit_forward(layout, 0, model.unit_params(0), batch, nullptr, inputs[0].data(), ws);
   for (int64_t u = 1; u + 1 < units; ++u) {
-    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(), ws);
+    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(),
+                 ws);
   }
   return unit_forward(layout, units - 1, model.unit_params(units - 1), batch,
                       inputs[units - 2].data(), logits, ws);
@@ -498,15 +505,17 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, 
   const int64_t units = static_cast<int64_t>(layout.units.size());
   // Forward through the last layer keeping unit inputs; the head runs forward and
   // backward at once, then the layers and the embedding go backward.
-  std::vector<std::vector<float>> inputs(units - 1, std::vector<float>(batch.B * batch.T * layout.config.hidden_size));
+  std::vector<std::vector<float>> inputs(
+      units - 1, std::vector<float>(batch.B * batch.T * layout.config.hidden_size));
   unit_forward(layout, 0, model.unit_params(0), batch, nullptr, inputs[0].data(), ws);
   for (int64_t u = 1; u + 1 < units; ++u) {
-    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(), ws);
+    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(),
+                 ws);
   }
   std::vector<float> grad(inputs[0].size());
-  const double loss_sum = head_forward_backward(layout, model.unit_params(units - 1), batch,
-                                                inputs[units - 2].data(), grad.data(),
-                                                model.unit_grads(units - 1), ws, logits);
+  const double loss_sum =
+      head_forward_backward(layout, model.unit_params(units - 1), batch, inputs[units - 2].data(),
+                            grad.data(), model.unit_grads(units - 1), ws, logits);
   for (int64_t u = units - 2; u >= 1; --u) {
     // The last layer's activations are still in the workspace (the head keeps its own).
     unit_backward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), grad.data(),
@@ -536,7 +545,9 @@ Status save_host_model(const HostModel& model, const std::string& dir, DType dty
   });
   if (!s) return s;
   nlohmann::json config = model_config_to_json(model.layout.config);
-  config["torch_dtype"] = dtype == DType::f32 ? "float32" : dtype == DType::bf16 ? "bfloat16" : "float16";
+  config["torch_dtype"] = dtype == DType::f32    ? "float32"
+                          : dtype == DType::bf16 ? "bfloat16"
+                                                 : "float16";
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
   std::ofstream out(path + ".tmp");
   out << config.dump(2) << "\n";

@@ -40,7 +40,7 @@ struct TensorSlot {
   int64_t offset = 0;          // elements from the start of the unit's flat buffer
   std::vector<int64_t> shape;  // Hugging Face shape, [out, in] for projections
   int64_t numel = 0;
-  bool weight_decay = false;   // 2-D tensors decay; norm weights do not (DESIGN.md section 5)
+  bool weight_decay = false;  // 2-D tensors decay; norm weights do not (DESIGN.md section 5)
 };
 
 struct UnitLayout {
@@ -77,8 +77,9 @@ struct UnitParams {
   const float* tied_embedding = nullptr;  // head of a tied model: (V, C) of the embedding unit
 };
 struct UnitGrads {
-  float* flat = nullptr;            // (padded_numel), +=
-  float* tied_embedding = nullptr;  // head of a tied model: (V, C) of the embedding unit's grads, +=
+  float* flat = nullptr;  // (padded_numel), +=
+  float* tied_embedding =
+      nullptr;  // head of a tied model: (V, C) of the embedding unit's grads, +=
 };
 
 // One micro-batch: B sequences of T tokens.
@@ -104,21 +105,21 @@ class UnitWorkspace {
   int64_t B_, T_;
   std::vector<float> rope_cos, rope_sin;  // (T, D/2)
   // Decoder layer activations (N = B*T), recomputed in the backward.
-  std::vector<float> xn1, rstd1;   // (N, C), (N)
-  std::vector<float> qkv;          // (N, (H + 2 KV) D), q and k rotated
-  std::vector<float> probs;        // (B, H, T, T)
-  std::vector<float> attn;         // (N, H D)
-  std::vector<float> x2;           // (N, C) residual after attention
-  std::vector<float> xn2, rstd2;   // (N, C), (N)
-  std::vector<float> gate_up;      // (N, 2 I)
-  std::vector<float> mlp;          // (N, I)
+  std::vector<float> xn1, rstd1;  // (N, C), (N)
+  std::vector<float> qkv;         // (N, (H + 2 KV) D), q and k rotated
+  std::vector<float> probs;       // (B, H, T, T)
+  std::vector<float> attn;        // (N, H D)
+  std::vector<float> x2;          // (N, C) residual after attention
+  std::vector<float> xn2, rstd2;  // (N, C), (N)
+  std::vector<float> gate_up;     // (N, 2 I)
+  std::vector<float> mlp;         // (N, I)
   // Backward scratch.
   std::vector<float> d_mlp, d_gate_up, d_xn, d_attn, d_qkv, d_scores;
   // Head: its own norm output (so a layer's activations survive it), logits of a
   // block of rows, the per-token losses.
   std::vector<float> head_xn, head_rstd;  // (N, C), (N)
-  std::vector<float> logits;  // (head_rows, V)
-  std::vector<float> losses;  // (N)
+  std::vector<float> logits;              // (head_rows, V)
+  std::vector<float> losses;              // (N)
   int64_t head_rows = 0;
 };
 

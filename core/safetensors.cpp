@@ -21,9 +21,11 @@ namespace strata {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the limit the safetensors library sets
-constexpr int64_t kChunkElements = 1 << 18;          // conversion buffer: 1 MiB of fp32
+constexpr int64_t kChunkElements = 1 << 18;         // conversion buffer: 1 MiB of fp32
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
 Status pread_all(int fd, void* out, uint64_t bytes, uint64_t offset, const std::string& path,
                  const std::string& what) {
@@ -32,11 +34,12 @@ Status pread_all(int fd, void* out, uint64_t bytes, uint64_t offset, const std::
     const ssize_t got = ::pread(fd, p, bytes, static_cast<off_t>(offset));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) {
-      return Status::error(fmt::format("{}: reading {} at byte {}: {}", path, what, offset, errno_text()));
+      return Status::error(
+          fmt::format("{}: reading {} at byte {}: {}", path, what, offset, errno_text()));
     }
     if (got == 0) {
-      return Status::error(fmt::format("{}: truncated: {} ends past the end of the file (byte {})", path,
-                                       what, offset));
+      return Status::error(fmt::format("{}: truncated: {} ends past the end of the file (byte {})",
+                                       path, what, offset));
     }
     p += got;
     bytes -= static_cast<uint64_t>(got);
@@ -70,14 +73,19 @@ Result<DType> float_dtype(const TensorEntry& entry, const std::string& path) {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "F32";
-    case DType::bf16: return "BF16";
-    case DType::f16: return "F16";
+    case DType::f32:
+      return "F32";
+    case DType::bf16:
+      return "BF16";
+    case DType::f16:
+      return "F16";
   }
   return "?";
 }
 
-int64_t dtype_bytes(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+int64_t dtype_bytes(DType dtype) {
+  return dtype == DType::f32 ? 4 : 2;
+}
 
 Result<DType> parse_dtype(const std::string& text) {
   if (text == "F32" || text == "fp32" || text == "float32") return DType::f32;
@@ -93,7 +101,9 @@ uint16_t float_to_bf16(float value) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-float bf16_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+float bf16_to_float(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
 
 uint16_t float_to_f16(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
@@ -104,7 +114,8 @@ uint16_t float_to_f16(float value) {
   }
   if (abs_bits >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // rounds past 65504
   if (abs_bits < 0x38800000) {  // below the smallest normal half: subnormal or zero
-    if (abs_bits < 0x33000000) return static_cast<uint16_t>(sign);  // under half the smallest subnormal
+    if (abs_bits < 0x33000000)
+      return static_cast<uint16_t>(sign);  // under half the smallest subnormal
     const uint32_t mantissa = (abs_bits & 0x7fffff) | 0x800000;
     // value / 2^-24 = mantissa * 2^(exponent - 126); the shift is 14..24.
     const int shift = 126 - static_cast<int>(abs_bits >> 23);
@@ -173,11 +184,12 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   if (file_size < 8) {
     return Status::error(fmt::format(
-        "{}: truncated or not a safetensors file: {} bytes, less than the 8-byte header length", path,
-        file_size));
+        "{}: truncated or not a safetensors file: {} bytes, less than the 8-byte header length",
+        path, file_size));
   }
   unsigned char length_bytes[8];
-  if (Status s = pread_all(file.handle_->fd, length_bytes, 8, 0, path, "the header length"); !s) return s;
+  if (Status s = pread_all(file.handle_->fd, length_bytes, 8, 0, path, "the header length"); !s)
+    return s;
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];
   if (header_bytes > kMaxHeaderBytes) {
@@ -191,14 +203,16 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
         path, header_bytes, file_size - 8));
   }
   std::string header(header_bytes, '\0');
-  if (Status s = pread_all(file.handle_->fd, header.data(), header_bytes, 8, path, "the header"); !s) {
+  if (Status s = pread_all(file.handle_->fd, header.data(), header_bytes, 8, path, "the header");
+      !s) {
     return s;
   }
   file.data_offset_ = 8 + header_bytes;
   const uint64_t data_bytes = file_size - file.data_offset_;
   Result<nlohmann::json> json = parse_json_text(header, path + " (safetensors header)");
   if (!json.is_ok()) return Status::error(fmt::format("bad header: {}", json.status().message()));
-  if (!json->is_object()) return Status::error(fmt::format("{}: bad header: not a JSON object", path));
+  if (!json->is_object())
+    return Status::error(fmt::format("{}: bad header: not a JSON object", path));
   for (const auto& [name, value] : json->items()) {
     if (name == "__metadata__") {
       if (!value.is_object()) {
@@ -219,7 +233,8 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
     entry.dtype = value["dtype"].get<std::string>();
     if (!value.contains("shape") || !value["shape"].is_array()) return bad("missing shape");
     for (const auto& d : value["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad("shape holds a non-integer or negative");
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        return bad("shape holds a non-integer or negative");
       entry.shape.push_back(d.get<int64_t>());
     }
     const auto& offsets = value.contains("data_offsets") ? value["data_offsets"] : nlohmann::json();
@@ -239,8 +254,8 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
     }
     if (entry.end > data_bytes) {
       return Status::error(fmt::format(
-          "{}: truncated: tensor {} needs data bytes [{}, {}) but the file holds only {}", path, name,
-          entry.begin, entry.end, data_bytes));
+          "{}: truncated: tensor {} needs data bytes [{}, {}) but the file holds only {}", path,
+          name, entry.begin, entry.end, data_bytes));
     }
     file.by_name_[name] = file.entries_.size();
     file.entries_.push_back(std::move(entry));
@@ -270,15 +285,16 @@ Status SafetensorsFile::read_f32(const std::string& name, const std::vector<int6
   const int64_t element_bytes = dtype_bytes(*dtype);
   const std::string what = fmt::format("tensor {}", name);
   if (*dtype == DType::f32) {
-    return pread_all(handle_->fd, out, static_cast<uint64_t>(numel) * 4, data_offset_ + entry->begin,
-                     path_, what);
+    return pread_all(handle_->fd, out, static_cast<uint64_t>(numel) * 4,
+                     data_offset_ + entry->begin, path_, what);
   }
   std::vector<uint16_t> buffer(static_cast<size_t>(std::min(numel, kChunkElements)));
   for (int64_t start = 0; start < numel; start += kChunkElements) {
     const int64_t count = std::min(kChunkElements, numel - start);
-    if (Status s = pread_all(handle_->fd, buffer.data(), static_cast<uint64_t>(count * element_bytes),
-                             data_offset_ + entry->begin + static_cast<uint64_t>(start * element_bytes),
-                             path_, what);
+    if (Status s =
+            pread_all(handle_->fd, buffer.data(), static_cast<uint64_t>(count * element_bytes),
+                      data_offset_ + entry->begin + static_cast<uint64_t>(start * element_bytes),
+                      path_, what);
         !s) {
       return s;
     }
@@ -318,30 +334,32 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
   }
   Result<nlohmann::json> index = read_json_file(target.string());
   if (!index.is_ok()) return index.status();
-  if (!index->is_object() || !index->contains("weight_map") || !(*index)["weight_map"].is_object()) {
-    return Status::error(fmt::format("{}: bad index: expected an object with a \"weight_map\" object",
-                                     target.string()));
+  if (!index->is_object() || !index->contains("weight_map") ||
+      !(*index)["weight_map"].is_object()) {
+    return Status::error(fmt::format(
+        "{}: bad index: expected an object with a \"weight_map\" object", target.string()));
   }
   std::map<std::string, size_t> file_index;
   for (const auto& [name, file_name] : (*index)["weight_map"].items()) {
     if (!file_name.is_string()) {
-      return Status::error(fmt::format("{}: bad index: weight_map.{} is not a file name",
-                                       target.string(), name));
+      return Status::error(
+          fmt::format("{}: bad index: weight_map.{} is not a file name", target.string(), name));
     }
     const std::string shard = file_name.get<std::string>();
     auto it = file_index.find(shard);
     if (it == file_index.end()) {
       Result<SafetensorsFile> file = SafetensorsFile::open((target.parent_path() / shard).string());
       if (!file.is_ok()) {
-        return file.status().with_context(fmt::format("{} (shard listed in the index for {})",
-                                                      target.string(), name));
+        return file.status().with_context(
+            fmt::format("{} (shard listed in the index for {})", target.string(), name));
       }
       it = file_index.emplace(shard, checkpoint.files_.size()).first;
       checkpoint.files_.push_back(std::move(file).value());
     }
     if (checkpoint.files_[it->second].find(name) == nullptr) {
-      return Status::error(fmt::format("{}: the index places tensor {} in {}, which has no such tensor",
-                                       target.string(), name, shard));
+      return Status::error(
+          fmt::format("{}: the index places tensor {} in {}, which has no such tensor",
+                      target.string(), name, shard));
     }
     checkpoint.file_of_[name] = it->second;
   }
@@ -366,17 +384,17 @@ Status SafetensorsCheckpoint::read_f32(const std::string& name, const std::vecto
                                        float* out) const {
   auto it = file_of_.find(name);
   if (it == file_of_.end()) {
-    return Status::error(fmt::format("{}: missing tensor {} (shape {})", path_, name,
-                                     shape_string(shape)));
+    return Status::error(
+        fmt::format("{}: missing tensor {} (shape {})", path_, name, shape_string(shape)));
   }
   return files_[it->second].read_f32(name, shape, out);
 }
 
 // --- writing -------------------------------------------------------------------
 
-Result<SafetensorsWriter> SafetensorsWriter::create(const std::string& path,
-                                                    std::vector<TensorSpec> tensors, DType dtype,
-                                                    const std::map<std::string, std::string>& metadata) {
+Result<SafetensorsWriter> SafetensorsWriter::create(
+    const std::string& path, std::vector<TensorSpec> tensors, DType dtype,
+    const std::map<std::string, std::string>& metadata) {
   std::set<std::string> seen;
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -409,7 +427,9 @@ Result<SafetensorsWriter> SafetensorsWriter::create(const std::string& path,
   return writer;
 }
 
-SafetensorsWriter::SafetensorsWriter(SafetensorsWriter&& other) noexcept { *this = std::move(other); }
+SafetensorsWriter::SafetensorsWriter(SafetensorsWriter&& other) noexcept {
+  *this = std::move(other);
+}
 
 SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexcept {
   if (this != &other) {
@@ -433,9 +453,9 @@ SafetensorsWriter::~SafetensorsWriter() {
 Status SafetensorsWriter::write(const std::string& name, const float* data) {
   if (fd_ < 0) return Status::error(fmt::format("{}: writer is closed", path_));
   if (next_ >= tensors_.size() || tensors_[next_].name != name) {
-    return Status::error(fmt::format("{}: tensor {} written out of the declared order (expected {})",
-                                     path_, name,
-                                     next_ < tensors_.size() ? tensors_[next_].name : "none"));
+    return Status::error(
+        fmt::format("{}: tensor {} written out of the declared order (expected {})", path_, name,
+                    next_ < tensors_.size() ? tensors_[next_].name : "none"));
   }
   const int64_t numel = tensors_[next_].numel();
   if (dtype_ == DType::f32) {
@@ -445,9 +465,11 @@ Status SafetensorsWriter::write(const std::string& name, const float* data) {
     for (int64_t start = 0; start < numel; start += kChunkElements) {
       const int64_t count = std::min(kChunkElements, numel - start);
       for (int64_t i = 0; i < count; ++i) {
-        buffer[i] = dtype_ == DType::bf16 ? float_to_bf16(data[start + i]) : float_to_f16(data[start + i]);
+        buffer[i] =
+            dtype_ == DType::bf16 ? float_to_bf16(data[start + i]) : float_to_f16(data[start + i]);
       }
-      if (Status s = write_all(fd_, buffer.data(), static_cast<uint64_t>(count) * 2, tmp_path_); !s) {
+      if (Status s = write_all(fd_, buffer.data(), static_cast<uint64_t>(count) * 2, tmp_path_);
+          !s) {
         return s;
       }
     }
@@ -462,7 +484,8 @@ Status SafetensorsWriter::finish() {
     return Status::error(fmt::format("{}: finished after {} of {} tensors (next: {})", path_, next_,
                                      tensors_.size(), tensors_[next_].name));
   }
-  if (::fsync(fd_) != 0) return Status::error(fmt::format("{}: fsync: {}", tmp_path_, errno_text()));
+  if (::fsync(fd_) != 0)
+    return Status::error(fmt::format("{}: fsync: {}", tmp_path_, errno_text()));
   ::close(std::exchange(fd_, -1));
   if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
     const std::string why = errno_text();
@@ -495,8 +518,9 @@ Status write_safetensors_checkpoint(const std::string& dir, const std::vector<Te
   const size_t count = shards.size();
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   for (size_t s = 0; s < count; ++s) {
-    const std::string name = count == 1 ? "model.safetensors"
-                                        : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, count);
+    const std::string name = count == 1
+                                 ? "model.safetensors"
+                                 : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, count);
     std::vector<TensorSpec> specs;
     for (size_t i : shards[s]) specs.push_back(tensors[i]);
     Result<SafetensorsWriter> writer =
@@ -524,7 +548,8 @@ Status write_safetensors_checkpoint(const std::string& dir, const std::vector<Te
   ::close(fd);
   if (!st) return st;
   if (::rename(tmp.c_str(), index_path.c_str()) != 0) {
-    return Status::error(fmt::format("{}: cannot rename into place: {}", index_path.string(), errno_text()));
+    return Status::error(
+        fmt::format("{}: cannot rename into place: {}", index_path.string(), errno_text()));
   }
   return Status::ok();
 }

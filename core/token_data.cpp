@@ -30,10 +30,14 @@ Result<TokenFormat> parse_token_format(const std::string& text) {
 
 const char* token_format_name(TokenFormat format) {
   switch (format) {
-    case TokenFormat::automatic: return "auto";
-    case TokenFormat::nanogpt_uint16: return "nanogpt";
-    case TokenFormat::llmc: return "llmc";
-    case TokenFormat::raw_uint32: return "uint32";
+    case TokenFormat::automatic:
+      return "auto";
+    case TokenFormat::nanogpt_uint16:
+      return "nanogpt";
+    case TokenFormat::llmc:
+      return "llmc";
+    case TokenFormat::raw_uint32:
+      return "uint32";
   }
   return "?";
 }
@@ -70,7 +74,8 @@ Result<TokenFile> TokenFile::open(const std::string& path, TokenFormat format) {
   int32_t first = 0;
   if (bytes >= 4) std::memcpy(&first, data, 4);
   const bool llmc_magic = first == kLlmcMagicUint16 || first == kLlmcMagicUint32;
-  if (format == TokenFormat::automatic) format = llmc_magic ? TokenFormat::llmc : TokenFormat::nanogpt_uint16;
+  if (format == TokenFormat::automatic)
+    format = llmc_magic ? TokenFormat::llmc : TokenFormat::nanogpt_uint16;
   file.format_ = format;
 
   if (format == TokenFormat::llmc) {
@@ -81,8 +86,9 @@ Result<TokenFile> TokenFile::open(const std::string& path, TokenFormat format) {
           path, first, kLlmcMagicUint16, kLlmcMagicUint32));
     }
     if (bytes < header_bytes) {
-      return Status::error(fmt::format("{}: truncated llm.c shard: {} bytes, less than its {}-byte header",
-                                       path, bytes, header_bytes));
+      return Status::error(
+          fmt::format("{}: truncated llm.c shard: {} bytes, less than its {}-byte header", path,
+                      bytes, header_bytes));
     }
     int32_t header[kLlmcHeaderInts];
     std::memcpy(header, data, header_bytes);
@@ -100,14 +106,16 @@ Result<TokenFile> TokenFile::open(const std::string& path, TokenFormat format) {
   } else {
     file.token_bytes_ = format == TokenFormat::raw_uint32 ? 4 : 2;
     if (bytes % file.token_bytes_ != 0) {
-      return Status::error(fmt::format("{}: {} bytes is not a whole number of {}-byte tokens ({} format)",
-                                       path, bytes, file.token_bytes_, token_format_name(format)));
+      return Status::error(
+          fmt::format("{}: {} bytes is not a whole number of {}-byte tokens ({} format)", path,
+                      bytes, file.token_bytes_, token_format_name(format)));
     }
     file.tokens_begin_ = data;
     file.tokens_ = static_cast<int64_t>(bytes / file.token_bytes_);
   }
   if (file.tokens_ < 2) {
-    return Status::error(fmt::format("{}: holds {} token(s); training needs at least 2", path, file.tokens_));
+    return Status::error(
+        fmt::format("{}: holds {} token(s); training needs at least 2", path, file.tokens_));
   }
   return file;
 }
@@ -127,8 +135,9 @@ Status TokenFile::read_sequence(int64_t j, int64_t T, int64_t vocab_size, int32_
                                 int32_t* targets) const {
   const int64_t sequences = sequence_count(T);
   if (j < 0 || j >= sequences) {
-    return Status::error(fmt::format("{}: sequence {} out of range: {} tokens hold {} sequences of {}+1",
-                                     path_, j, tokens_, sequences, T));
+    return Status::error(
+        fmt::format("{}: sequence {} out of range: {} tokens hold {} sequences of {}+1", path_, j,
+                    tokens_, sequences, T));
   }
   const int64_t start = j * T;
   for (int64_t t = 0; t <= T; ++t) {
@@ -155,13 +164,15 @@ Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, in
                         int32_t* targets) {
   const int64_t sequences = file.sequence_count(T);
   if (sequences == 0) {
-    return Status::error(fmt::format(
-        "{}: {} tokens are fewer than one sequence of {} + 1; use a shorter sequence length or more data",
-        file.path(), file.size(), T));
+    return Status::error(
+        fmt::format("{}: {} tokens are fewer than one sequence of {} + 1; use a shorter sequence "
+                    "length or more data",
+                    file.path(), file.size(), T));
   }
   for (int64_t b = 0; b < B; ++b) {
     const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
-    if (Status s = file.read_sequence(j, T, vocab_size, inputs + b * T, targets + b * T); !s) return s;
+    if (Status s = file.read_sequence(j, T, vocab_size, inputs + b * T, targets + b * T); !s)
+      return s;
   }
   return Status::ok();
 }

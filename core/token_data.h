@@ -37,11 +37,12 @@ inline constexpr int64_t kLlmcHeaderInts = 256;
 
 class TokenFile {
  public:
-  static Result<TokenFile> open(const std::string& path, TokenFormat format = TokenFormat::automatic);
+  static Result<TokenFile> open(const std::string& path,
+                                TokenFormat format = TokenFormat::automatic);
 
   const std::string& path() const { return path_; }
   TokenFormat format() const { return format_; }  // never automatic
-  int64_t size() const { return tokens_; }         // tokens in the file
+  int64_t size() const { return tokens_; }        // tokens in the file
   int bytes_per_token() const { return token_bytes_; }
   uint32_t at(int64_t i) const;
   // Whole sequences of T + 1 tokens: (size - 1) / T.

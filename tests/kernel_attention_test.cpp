@@ -41,9 +41,12 @@ std::vector<double> attention_ref(const std::vector<double>& qkv, const Attentio
   return out;
 }
 
-TEST(KernelAttention, GroupedQueryCausalMatchesFloat64AndItsGradient) {
+class KernelAttention : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(KernelAttention, GroupedQueryCausalMatchesFloat64AndItsGradient) {
   std::mt19937 rng(7);
   AttentionShape s;
+  s.row_block = GetParam();
   s.B = 2;
   s.T = 7;
   s.H = 6;
@@ -61,7 +64,8 @@ TEST(KernelAttention, GroupedQueryCausalMatchesFloat64AndItsGradient) {
   }
 
   auto dout = random_floats(out.size(), rng);
-  std::vector<float> dqkv(qkv.size(), 123.0f), scratch(s.T * s.T);  // = semantics: garbage overwritten
+  std::vector<float> dqkv(qkv.size(), 123.0f),
+      scratch(s.T * s.T);  // = semantics: garbage overwritten
   float* dq = dqkv.data();
   attention_backward(dq, dq + s.H * s.D, dq + (s.H + s.KV) * s.D, scratch.data(), dout.data(),
                      probs.data(), q, q + s.H * s.D, q + (s.H + s.KV) * s.D, s);
@@ -69,6 +73,9 @@ TEST(KernelAttention, GroupedQueryCausalMatchesFloat64AndItsGradient) {
                                to_double(dout));
   EXPECT_LT(relative_error(dqkv, ref), kFp32Tolerance);
 }
+
+// One block of rows, and blocks of 3 rows with a ragged last block.
+INSTANTIATE_TEST_SUITE_P(RowBlocks, KernelAttention, ::testing::Values(64, 3));
 
 }  // namespace
 }  // namespace strata::testing

@@ -10,8 +10,8 @@ namespace {
 
 using namespace kernels::cpu;
 
-std::vector<double> losses_ref(const std::vector<double>& x, const std::vector<int32_t>& t, int64_t N,
-                               int64_t V) {
+std::vector<double> losses_ref(const std::vector<double>& x, const std::vector<int32_t>& t,
+                               int64_t N, int64_t V) {
   std::vector<double> loss(N, 0.0);
   for (int64_t n = 0; n < N; ++n) {
     if (t[n] < 0) continue;

@@ -13,7 +13,8 @@ using kernels::cpu::matmul_forward;
 TEST(KernelMatmul, ForwardAndBackwardMatchFloat64AndAccumulate) {
   std::mt19937 rng(1);
   const int64_t N = 37, C = 53, OC = 29;
-  auto inp = random_floats(N * C, rng), weight = random_floats(OC * C, rng), dout = random_floats(N * OC, rng);
+  auto inp = random_floats(N * C, rng), weight = random_floats(OC * C, rng),
+       dout = random_floats(N * OC, rng);
   std::vector<double> out_ref(N * OC), dinp_ref(N * C), dweight_ref(OC * C);
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t o = 0; o < OC; ++o) {

@@ -18,7 +18,9 @@ inline std::vector<float> random_floats(size_t n, std::mt19937& rng, float scale
   return v;
 }
 
-inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+inline std::vector<double> to_double(const std::vector<float>& v) {
+  return {v.begin(), v.end()};
+}
 
 // |a - b| / |b| over the whole tensor (DESIGN.md section 5).
 inline double relative_error(const std::vector<float>& a, const std::vector<double>& b) {
@@ -31,9 +33,9 @@ inline double relative_error(const std::vector<float>& a, const std::vector<doub
 }
 
 // d/dx of sum(dy * f(x)), by central differences in float64.
-inline std::vector<double> numeric_vjp(const std::function<std::vector<double>(const std::vector<double>&)>& f,
-                                       std::vector<double> x, const std::vector<double>& dy,
-                                       double h = 1e-6) {
+inline std::vector<double> numeric_vjp(
+    const std::function<std::vector<double>(const std::vector<double>&)>& f, std::vector<double> x,
+    const std::vector<double>& dy, double h = 1e-6) {
   std::vector<double> dx(x.size());
   for (size_t i = 0; i < x.size(); ++i) {
     const double saved = x[i];

@@ -9,8 +9,8 @@ namespace {
 
 using namespace kernels::cpu;
 
-std::vector<double> rmsnorm_ref(const std::vector<double>& x, const std::vector<double>& w, int64_t N,
-                                int64_t C, double eps) {
+std::vector<double> rmsnorm_ref(const std::vector<double>& x, const std::vector<double>& w,
+                                int64_t N, int64_t C, double eps) {
   std::vector<double> y(N * C);
   for (int64_t n = 0; n < N; ++n) {
     double ms = 0.0;
@@ -31,10 +31,12 @@ TEST(KernelRmsnorm, MatchesFloat64AndItsGradient) {
   rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, static_cast<float>(eps));
   EXPECT_LT(relative_error(y, rmsnorm_ref(to_double(x), to_double(w), N, C, eps)), kFp32Tolerance);
 
-  const auto dx_ref = numeric_vjp([&](const auto& xs) { return rmsnorm_ref(xs, to_double(w), N, C, eps); },
-                                  to_double(x), to_double(dy));
-  const auto dw_ref = numeric_vjp([&](const auto& ws) { return rmsnorm_ref(to_double(x), ws, N, C, eps); },
-                                  to_double(w), to_double(dy));
+  const auto dx_ref =
+      numeric_vjp([&](const auto& xs) { return rmsnorm_ref(xs, to_double(w), N, C, eps); },
+                  to_double(x), to_double(dy));
+  const auto dw_ref =
+      numeric_vjp([&](const auto& ws) { return rmsnorm_ref(to_double(x), ws, N, C, eps); },
+                  to_double(w), to_double(dy));
   auto dx0 = random_floats(N * C, rng), dw0 = random_floats(C, rng);
   auto dx = dx0, dw = dw0;
   rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);

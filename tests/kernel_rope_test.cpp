@@ -18,7 +18,8 @@ TEST(KernelRope, Llama3ScalingKeepsHighDividesLowAndSmoothsMediumFrequencies) {
   p.theta = 10000.0;
   std::vector<float> plain(5), scaled(5);
   rope_inv_freq(plain.data(), p);
-  for (int i = 0; i < 5; ++i) EXPECT_NEAR(plain[i], std::pow(10000.0, -2.0 * i / 10), 1e-6 * plain[i]);
+  for (int i = 0; i < 5; ++i)
+    EXPECT_NEAR(plain[i], std::pow(10000.0, -2.0 * i / 10), 1e-6 * plain[i]);
   p.llama3_scaling = true;
   p.factor = 8.0;
   p.low_freq_factor = 1.0;
@@ -47,7 +48,8 @@ TEST(KernelRope, RotatesLikeRotateHalfAndBackwardIsTheTranspose) {
       const double t = static_cast<double>(n % T);
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t i = 0; i < D / 2; ++i) {
-          const double angle = static_cast<double>(inv[i]) * t, c = std::cos(angle), s = std::sin(angle);
+          const double angle = static_cast<double>(inv[i]) * t, c = std::cos(angle),
+                       s = std::sin(angle);
           const double a = x[n * stride + h * D + i], b = x[n * stride + h * D + i + D / 2];
           y[n * stride + h * D + i] = a * c - b * s;
           y[n * stride + h * D + i + D / 2] = b * c + a * s;

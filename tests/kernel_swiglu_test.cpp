@@ -28,8 +28,8 @@ TEST(KernelSwiglu, MatchesFloat64AndItsGradient) {
   swiglu_forward(y.data(), gu.data(), N, I);
   EXPECT_LT(relative_error(y, swiglu_ref(to_double(gu), N, I)), kFp32Tolerance);
   swiglu_backward(dgu.data(), dy.data(), gu.data(), N, I);
-  const auto dgu_ref = numeric_vjp([&](const auto& v) { return swiglu_ref(v, N, I); }, to_double(gu),
-                                   to_double(dy));
+  const auto dgu_ref =
+      numeric_vjp([&](const auto& v) { return swiglu_ref(v, N, I); }, to_double(gu), to_double(dy));
   EXPECT_LT(relative_error(dgu, dgu_ref), kFp32Tolerance);
 }
 

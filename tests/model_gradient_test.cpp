@@ -102,7 +102,8 @@ TEST(ModelGradients, AccumulateOverMicroBatches) {
   const double loss = *model_forward_backward(whole, batch, ws_whole);
   double loss_split = 0.0;
   for (int64_t m = 0; m < 2; ++m) {
-    UnitBatch half{data.tokens.data() + m * N / 2, data.targets.data() + m * N / 2, B / 2, T, 1.0f / N};
+    UnitBatch half{data.tokens.data() + m * N / 2, data.targets.data() + m * N / 2, B / 2, T,
+                   1.0f / N};
     loss_split += *model_forward_backward(split, half, ws_half);
   }
   EXPECT_NEAR(loss_split, loss, 1e-5 * loss);
@@ -133,9 +134,11 @@ TEST(ModelGradients, TokensOutsideTheVocabularyAreRefused) {
   Data data = random_data(4, config.vocab_size, 1);
   data.tokens[2] = static_cast<int32_t>(config.vocab_size);
   UnitWorkspace ws(config, 1, 4);
-  Result<double> loss = model_forward_backward(model, {data.tokens.data(), data.targets.data(), 1, 4, 0.25f}, ws);
+  Result<double> loss =
+      model_forward_backward(model, {data.tokens.data(), data.targets.data(), 1, 4, 0.25f}, ws);
   ASSERT_FALSE(loss.is_ok());
-  EXPECT_NE(loss.status().message().find("position 2"), std::string::npos) << loss.status().message();
+  EXPECT_NE(loss.status().message().find("position 2"), std::string::npos)
+      << loss.status().message();
 }
 
 }  // namespace

@@ -33,9 +33,11 @@ TEST(ModelLayout, UnitsHoldHuggingFaceTensorsBackToBackAndAgreeWithModelUnits) {
   }
   const TensorSlot* q = layout.units[1].find("model.layers.0.self_attn.q_proj.weight");
   ASSERT_NE(q, nullptr);
-  EXPECT_EQ(q->shape, (std::vector<int64_t>{config.num_attention_heads * config.head_dim, config.hidden_size}));
+  EXPECT_EQ(q->shape, (std::vector<int64_t>{config.num_attention_heads * config.head_dim,
+                                            config.hidden_size}));
   const TensorSlot* k = layout.units[1].find("model.layers.0.self_attn.k_proj.weight");
-  EXPECT_EQ(k->shape, (std::vector<int64_t>{config.num_key_value_heads * config.head_dim, config.hidden_size}));
+  EXPECT_EQ(k->shape, (std::vector<int64_t>{config.num_key_value_heads * config.head_dim,
+                                            config.hidden_size}));
   EXPECT_NE(layout.units.back().find("lm_head.weight"), nullptr);
 }
 
@@ -68,8 +70,10 @@ TEST(ModelInit, DependsOnlyOnSeedNameAndIndex) {
     std::vector<float> a(one.units[u].padded_numel), b(four.units[u].padded_numel);
     init_unit_parameters(one, static_cast<int64_t>(u), 7, a.data());
     init_unit_parameters(four, static_cast<int64_t>(u), 7, b.data());
-    ASSERT_TRUE(std::equal(a.begin(), a.begin() + one.units[u].numel, b.begin())) << one.units[u].unit.name;
-    for (int64_t i = four.units[u].numel; i < four.units[u].padded_numel; ++i) ASSERT_EQ(b[i], 0.0f);
+    ASSERT_TRUE(std::equal(a.begin(), a.begin() + one.units[u].numel, b.begin()))
+        << one.units[u].unit.name;
+    for (int64_t i = four.units[u].numel; i < four.units[u].padded_numel; ++i)
+      ASSERT_EQ(b[i], 0.0f);
   }
   EXPECT_NE(init_normal(7, "model.norm.weight", 3), init_normal(8, "model.norm.weight", 3));
   EXPECT_NE(init_normal(7, "lm_head.weight", 3), init_normal(7, "model.embed_tokens.weight", 3));

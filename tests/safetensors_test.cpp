@@ -31,7 +31,8 @@ class Safetensors : public ::testing::Test {
 
   // Writes a file with tensors "a" (2, 3) and "b" (5).
   std::string write_sample(const std::string& name, DType dtype) {
-    Result<SafetensorsWriter> w = SafetensorsWriter::create(path(name), {{"a", {2, 3}}, {"b", {5}}}, dtype);
+    Result<SafetensorsWriter> w =
+        SafetensorsWriter::create(path(name), {{"a", {2, 3}}, {"b", {5}}}, dtype);
     EXPECT_TRUE(w.is_ok()) << w.status().message();
     EXPECT_TRUE(w->write("a", a_.data()).is_ok());
     EXPECT_TRUE(w->write("b", b_.data()).is_ok());
@@ -52,19 +53,21 @@ TEST(SafetensorsDtypes, ConvertWithRoundToNearestEven) {
   EXPECT_EQ(float_to_f16(1.0f), 0x3c00);
   EXPECT_EQ(float_to_f16(-2.0f), 0xc000);
   EXPECT_EQ(float_to_f16(65504.0f), 0x7bff);
-  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);           // rounds to infinity
+  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);               // rounds to infinity
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)), 0x0000);  // tie to even: zero
   EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -25)), 0x0002);  // 1.5 ulp: tie to even 2
   EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(std::numeric_limits<float>::quiet_NaN()))));
-  for (uint32_t bits = 0; bits < 0x7c00; bits += 7) {  // every finite half survives f16 -> f32 -> f16
+  for (uint32_t bits = 0; bits < 0x7c00;
+       bits += 7) {  // every finite half survives f16 -> f32 -> f16
     ASSERT_EQ(float_to_f16(f16_to_float(static_cast<uint16_t>(bits))), bits);
   }
 }
 
 TEST_F(Safetensors, RoundTripsEveryDtype) {
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    const std::string file = write_sample(std::string("sample-") + dtype_name(dtype) + ".safetensors", dtype);
+    const std::string file =
+        write_sample(std::string("sample-") + dtype_name(dtype) + ".safetensors", dtype);
     Result<SafetensorsFile> f = SafetensorsFile::open(file);
     ASSERT_TRUE(f.is_ok()) << f.status().message();
     EXPECT_EQ(f->metadata().at("format"), "pt");
@@ -134,9 +137,9 @@ TEST_F(Safetensors, ShardedCheckpointsWriteAnIndexAndReadBack) {
     specs.push_back({"t" + std::to_string(i), {100, i + 1}});
     data.emplace_back(100 * (i + 1), static_cast<float>(i));
   }
-  ASSERT_TRUE(write_safetensors_checkpoint(path("ckpt"), specs, DType::bf16, 1000,
-                                           [&](size_t i) { return data[i].data(); })
-                  .is_ok());
+  ASSERT_TRUE(write_safetensors_checkpoint(path("ckpt"), specs, DType::bf16, 1000, [&](size_t i) {
+                return data[i].data();
+              }).is_ok());
   EXPECT_TRUE(fs::exists(path("ckpt/model.safetensors.index.json")));
   EXPECT_TRUE(fs::exists(path("ckpt/model-00001-of-00004.safetensors")));
   Result<SafetensorsCheckpoint> ckpt = SafetensorsCheckpoint::open(path("ckpt"));
@@ -149,9 +152,9 @@ TEST_F(Safetensors, ShardedCheckpointsWriteAnIndexAndReadBack) {
   EXPECT_NE(missing.message().find("missing tensor t9"), std::string::npos) << missing.message();
 
   // One shard when everything fits; the stale index goes away.
-  ASSERT_TRUE(write_safetensors_checkpoint(path("ckpt"), specs, DType::f32, 1 << 20,
-                                           [&](size_t i) { return data[i].data(); })
-                  .is_ok());
+  ASSERT_TRUE(write_safetensors_checkpoint(path("ckpt"), specs, DType::f32, 1 << 20, [&](size_t i) {
+                return data[i].data();
+              }).is_ok());
   EXPECT_FALSE(fs::exists(path("ckpt/model.safetensors.index.json")));
   EXPECT_TRUE(SafetensorsCheckpoint::open(path("ckpt")).is_ok());
 }
@@ -162,12 +165,14 @@ TEST_F(Safetensors, AnIndexPointingAtAMissingTensorIsRefused) {
       << R"({"weight_map": {"a": "model-00001-of-00001.safetensors", "zz": "model-00001-of-00001.safetensors"}})";
   Result<SafetensorsCheckpoint> ckpt = SafetensorsCheckpoint::open(dir_.string());
   ASSERT_FALSE(ckpt.is_ok());
-  EXPECT_NE(ckpt.status().message().find("tensor zz"), std::string::npos) << ckpt.status().message();
+  EXPECT_NE(ckpt.status().message().find("tensor zz"), std::string::npos)
+      << ckpt.status().message();
 }
 
 TEST_F(Safetensors, UnfinishedWritersLeaveNothingUnderTheRealName) {
   {
-    Result<SafetensorsWriter> w = SafetensorsWriter::create(path("partial.safetensors"), {{"a", {2, 3}}}, DType::f32);
+    Result<SafetensorsWriter> w =
+        SafetensorsWriter::create(path("partial.safetensors"), {{"a", {2, 3}}}, DType::f32);
     ASSERT_TRUE(w.is_ok());
     EXPECT_FALSE(w->write("b", b_.data()).is_ok());  // out of the declared order
   }
@@ -198,7 +203,8 @@ TEST_F(Safetensors, ModelCheckpointsRoundTripAndNameMissingOrMisShapedTensors) {
   ASSERT_TRUE(save_host_model(tied_model, path("tied"), DType::bf16).is_ok());
   Result<SafetensorsCheckpoint> tied_ckpt = SafetensorsCheckpoint::open(path("tied"));
   Status missing = load_host_model(copy, *tied_ckpt);
-  EXPECT_NE(missing.message().find("missing tensor lm_head.weight"), std::string::npos) << missing.message();
+  EXPECT_NE(missing.message().find("missing tensor lm_head.weight"), std::string::npos)
+      << missing.message();
   EXPECT_NE(missing.message().find("model.safetensors"), std::string::npos);
   // A model of another width: the first tensor's shape is named.
   ModelConfig wider = *config;
@@ -206,7 +212,8 @@ TEST_F(Safetensors, ModelCheckpointsRoundTripAndNameMissingOrMisShapedTensors) {
   wider.head_dim = wider.hidden_size / wider.num_attention_heads;
   HostModel wide = make_host_model(wider);
   Status shape = load_host_model(wide, *ckpt);
-  EXPECT_NE(shape.message().find("tensor model.embed_tokens.weight has shape [256, 96], expected [256, 102]"),
+  EXPECT_NE(shape.message().find(
+                "tensor model.embed_tokens.weight has shape [256, 96], expected [256, 102]"),
             std::string::npos)
       << shape.message();
 }

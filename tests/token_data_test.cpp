@@ -53,9 +53,11 @@ TEST_F(TokenData, NanoGptSequencesFollowTheSequentialOrder) {
   EXPECT_EQ(file->format(), TokenFormat::nanogpt_uint16);
   const int64_t T = 4;
   EXPECT_EQ(file->sequence_count(T), 10);  // (41 - 1) / 4
-  // World 2, B 2: micro-batch 1 on rank 1 from offset 7 reads sequences 7 + (1*2+1)*2 + b = 13, 14 -> 3, 4.
+  // World 2, B 2: micro-batch 1 on rank 1 from offset 7 reads sequences 7 + (1*2+1)*2 + b = 13, 14
+  // -> 3, 4.
   std::vector<int32_t> inputs(2 * T), targets(2 * T);
-  ASSERT_TRUE(read_micro_batch(*file, 7, 1, 1, 2, 2, T, 100, inputs.data(), targets.data()).is_ok());
+  ASSERT_TRUE(
+      read_micro_batch(*file, 7, 1, 1, 2, 2, T, 100, inputs.data(), targets.data()).is_ok());
   EXPECT_EQ(inputs, (std::vector<int32_t>{12, 13, 14, 15, 16, 17, 18, 19}));
   EXPECT_EQ(targets, (std::vector<int32_t>{13, 14, 15, 16, 17, 18, 19, 20}));
   EXPECT_EQ(sequence_index(7, 1, 1, 2, 2, 1, 10), 4);
@@ -81,10 +83,12 @@ TEST_F(TokenData, LlmcShardsOfBothWidthsAndRawUint32) {
 
 TEST_F(TokenData, CorruptOrMismatchedFilesAreRefusedWithTheReason) {
   std::vector<uint16_t> five = {1, 2, 3, 4, 5};
-  Result<TokenFile> miscount = TokenFile::open(write("m.bin", five, llmc_header(kLlmcMagicUint16, 6)));
+  Result<TokenFile> miscount =
+      TokenFile::open(write("m.bin", five, llmc_header(kLlmcMagicUint16, 6)));
   ASSERT_FALSE(miscount.is_ok());
-  EXPECT_NE(miscount.status().message().find("m.bin: corrupt llm.c shard: the header declares 6 tokens"),
-            std::string::npos)
+  EXPECT_NE(
+      miscount.status().message().find("m.bin: corrupt llm.c shard: the header declares 6 tokens"),
+      std::string::npos)
       << miscount.status().message();
   Result<TokenFile> not_llmc = TokenFile::open(write("n.bin", five), TokenFormat::llmc);
   ASSERT_FALSE(not_llmc.is_ok());
@@ -92,7 +96,8 @@ TEST_F(TokenData, CorruptOrMismatchedFilesAreRefusedWithTheReason) {
   std::vector<uint8_t> odd = {1, 2, 3};
   Result<TokenFile> odd_file = TokenFile::open(write("odd.bin", odd));
   ASSERT_FALSE(odd_file.is_ok());
-  EXPECT_NE(odd_file.status().message().find("not a whole number of 2-byte tokens"), std::string::npos);
+  EXPECT_NE(odd_file.status().message().find("not a whole number of 2-byte tokens"),
+            std::string::npos);
   EXPECT_FALSE(TokenFile::open(write("empty.bin", std::vector<uint16_t>{})).is_ok());
   EXPECT_FALSE(TokenFile::open((dir_ / "absent.bin").string()).is_ok());
 
@@ -104,8 +109,10 @@ TEST_F(TokenData, CorruptOrMismatchedFilesAreRefusedWithTheReason) {
   ASSERT_FALSE(s.is_ok());
   EXPECT_NE(s.message().find("v.bin: token 300 at position 2"), std::string::npos) << s.message();
   // Too short for one sequence.
-  Status short_data = read_micro_batch(*file, 0, 0, 0, 1, 1, 8, 1000, inputs.data(), targets.data());
-  EXPECT_NE(short_data.message().find("fewer than one sequence"), std::string::npos) << short_data.message();
+  Status short_data =
+      read_micro_batch(*file, 0, 0, 0, 1, 1, 8, 1000, inputs.data(), targets.data());
+  EXPECT_NE(short_data.message().find("fewer than one sequence"), std::string::npos)
+      << short_data.message();
   EXPECT_FALSE(parse_token_format("int8").is_ok());
 }
 

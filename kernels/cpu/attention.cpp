@@ -21,27 +21,32 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
       const float* vh = v + b * T * ld + kvh * D;  // (T, D)
       float* p = probs + (b * s.H + h) * T * T;    // (T, T)
       float* oh = out + b * T * s.H * D + h * D;   // (T, D), leading dimension H*D
-      // scores = scale * q k^T
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, scale, qh, ld, kh, ld, 0.0f,
-                  p, T);
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, T, 16), [&](const tbb::blocked_range<int64_t>& rows) {
-        for (int64_t i = rows.begin(); i < rows.end(); ++i) {
-          float* row = p + i * T;
-          float max_score = row[0];
-          for (int64_t j = 1; j <= i; ++j) max_score = std::max(max_score, row[j]);
-          float sum = 0.0f;
-          for (int64_t j = 0; j <= i; ++j) {
-            row[j] = std::exp(row[j] - max_score);
-            sum += row[j];
-          }
-          const float inv_sum = 1.0f / sum;
-          for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
-          std::fill(row + i + 1, row + T, 0.0f);
-        }
-      });
-      // out_h = p v
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, T, 1.0f, p, T, vh, ld, 0.0f,
-                  oh, s.H * D);
+      for (int64_t r0 = 0; r0 < T; r0 += s.row_block) {
+        // Rows [r0, r1) attend to keys [0, r1): scores = scale * q k^T, softmax, out = p v.
+        const int64_t r1 = std::min(T, r0 + s.row_block), rows_n = r1 - r0;
+        float* pb = p + r0 * T;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows_n, r1, D, scale, qh + r0 * ld, ld,
+                    kh, ld, 0.0f, pb, T);
+        tbb::parallel_for(tbb::blocked_range<int64_t>(r0, r1, 16),
+                          [&](const tbb::blocked_range<int64_t>& rows) {
+                            for (int64_t i = rows.begin(); i < rows.end(); ++i) {
+                              float* row = p + i * T;
+                              float max_score = row[0];
+                              for (int64_t j = 1; j <= i; ++j)
+                                max_score = std::max(max_score, row[j]);
+                              float sum = 0.0f;
+                              for (int64_t j = 0; j <= i; ++j) {
+                                row[j] = std::exp(row[j] - max_score);
+                                sum += row[j];
+                              }
+                              const float inv_sum = 1.0f / sum;
+                              for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
+                              std::fill(row + i + 1, row + T, 0.0f);
+                            }
+                          });
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_n, D, r1, 1.0f, pb, T, vh, ld,
+                    0.0f, oh + r0 * s.H * D, s.H * D);
+      }
     }
   }
 }
@@ -65,30 +70,39 @@ void attention_backward(float* dq, float* dk, float* dv, float* scratch, const f
       float* dqh = dq + b * T * ld + h * D;
       float* dkh = dk + b * T * ld + kvh * D;
       float* dvh = dv + b * T * ld + kvh * D;
-      const float* p = probs + (b * s.H + h) * T * T;    // (T, T)
+      const float* p = probs + (b * s.H + h) * T * T;     // (T, T)
       const float* doh = dout + b * T * s.H * D + h * D;  // (T, D), leading dimension H*D
       float* dp = scratch;                                // (T, T)
-      // dv += p^T do;  dp = do v^T
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, 1.0f, p, T, doh, s.H * D, 1.0f,
-                  dvh, ld);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, 1.0f, doh, s.H * D, vh, ld,
-                  0.0f, dp, T);
-      // Softmax backward, in place: ds = p * (dp - sum_j p dp) * scale.
-      tbb::parallel_for(tbb::blocked_range<int64_t>(0, T, 16), [&](const tbb::blocked_range<int64_t>& rows) {
-        for (int64_t i = rows.begin(); i < rows.end(); ++i) {
-          const float* prow = p + i * T;
-          float* row = dp + i * T;
-          float dot = 0.0f;
-          for (int64_t j = 0; j <= i; ++j) dot += prow[j] * row[j];
-          for (int64_t j = 0; j <= i; ++j) row[j] = prow[j] * (row[j] - dot) * scale;
-          std::fill(row + i + 1, row + T, 0.0f);
-        }
-      });
-      // dq = ds k;  dk += ds^T q
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, T, 1.0f, dp, T, kh, ld, 0.0f,
-                  dqh, ld);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, 1.0f, dp, T, qh, ld, 1.0f, dkh,
-                  ld);
+      for (int64_t r0 = 0; r0 < T; r0 += s.row_block) {
+        // Rows [r0, r1) of p touch keys [0, r1) only.
+        const int64_t r1 = std::min(T, r0 + s.row_block), rows_n = r1 - r0;
+        const float* pb = p + r0 * T;
+        const float* dob = doh + r0 * s.H * D;
+        float* dpb = dp + r0 * T;
+        // dv += p^T do;  dp = do v^T
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, D, rows_n, 1.0f, pb, T, dob,
+                    s.H * D, 1.0f, dvh, ld);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows_n, r1, D, 1.0f, dob, s.H * D, vh,
+                    ld, 0.0f, dpb, T);
+        // Softmax backward, in place: ds = p * (dp - sum_j p dp) * scale.
+        tbb::parallel_for(tbb::blocked_range<int64_t>(r0, r1, 16),
+                          [&](const tbb::blocked_range<int64_t>& rows) {
+                            for (int64_t i = rows.begin(); i < rows.end(); ++i) {
+                              const float* prow = p + i * T;
+                              float* row = dp + i * T;
+                              float dot = 0.0f;
+                              for (int64_t j = 0; j <= i; ++j) dot += prow[j] * row[j];
+                              for (int64_t j = 0; j <= i; ++j)
+                                row[j] = prow[j] * (row[j] - dot) * scale;
+                              std::fill(row + i + 1, row + r1, 0.0f);
+                            }
+                          });
+        // dq = ds k;  dk += ds^T q
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_n, D, r1, 1.0f, dpb, T, kh, ld,
+                    0.0f, dqh + r0 * ld, ld);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, D, rows_n, 1.0f, dpb, T,
+                    qh + r0 * ld, ld, 1.0f, dkh, ld);
+      }
     }
   }
 }

@@ -21,13 +21,16 @@ struct AttentionShape {
   int64_t KV = 0;          // key/value heads; H % KV == 0
   int64_t D = 0;           // head dimension
   int64_t row_stride = 0;  // floats between tokens in q, k, v (and dq, dk, dv)
+  // Queries are taken in blocks of this many rows; a block's products stop at
+  // its last row's key (causality), which skips about half of the T x T work.
+  int64_t row_block = 64;
 };
 
-void attention_forward(float* out,       // (B, T, H*D)
-                       float* probs,     // (B, H, T, T), zero above the diagonal
-                       const float* q,   // (B, T, row_stride), H heads of D
-                       const float* k,   // (B, T, row_stride), KV heads of D
-                       const float* v,   // (B, T, row_stride), KV heads of D
+void attention_forward(float* out,      // (B, T, H*D)
+                       float* probs,    // (B, H, T, T), zero above the diagonal
+                       const float* q,  // (B, T, row_stride), H heads of D
+                       const float* k,  // (B, T, row_stride), KV heads of D
+                       const float* v,  // (B, T, row_stride), KV heads of D
                        const AttentionShape& shape);
 
 void attention_backward(float* dq,           // (B, T, row_stride), H heads of D; =

@@ -16,9 +16,9 @@ void embedding_forward(float* out,             // (N, C)
                        const float* weight,    // (V, C)
                        int64_t N, int64_t C);
 
-void embedding_backward(float* dweight,          // (V, C), +=
-                        const float* dout,       // (N, C)
-                        const int32_t* tokens,   // (N)
+void embedding_backward(float* dweight,         // (V, C), +=
+                        const float* dout,      // (N, C)
+                        const int32_t* tokens,  // (N)
                         int64_t N, int64_t C);
 
 }  // namespace strata::kernels::cpu

@@ -56,30 +56,31 @@ namespace {
 void rotate(float* x, const float* cos, const float* sin, int64_t B, int64_t T, int64_t heads,
             int64_t D, int64_t row_stride, float sign) {
   const int64_t half = D / 2;
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, B * T), [&](const tbb::blocked_range<int64_t>& rows) {
-    for (int64_t n = rows.begin(); n < rows.end(); ++n) {
-      const int64_t t = n % T;
-      const float* c = cos + t * half;
-      const float* s = sin + t * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* first = x + n * row_stride + h * D;
-        float* second = first + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = first[i];
-          const float b = second[i];
-          // x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1).
-          first[i] = a * c[i] - sign * b * s[i];
-          second[i] = b * c[i] + sign * a * s[i];
-        }
-      }
-    }
-  });
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, B * T),
+                    [&](const tbb::blocked_range<int64_t>& rows) {
+                      for (int64_t n = rows.begin(); n < rows.end(); ++n) {
+                        const int64_t t = n % T;
+                        const float* c = cos + t * half;
+                        const float* s = sin + t * half;
+                        for (int64_t h = 0; h < heads; ++h) {
+                          float* first = x + n * row_stride + h * D;
+                          float* second = first + half;
+                          for (int64_t i = 0; i < half; ++i) {
+                            const float a = first[i];
+                            const float b = second[i];
+                            // x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1).
+                            first[i] = a * c[i] - sign * b * s[i];
+                            second[i] = b * c[i] + sign * a * s[i];
+                          }
+                        }
+                      }
+                    });
 }
 
 }  // namespace
 
-void rope_forward(float* x, const float* cos, const float* sin, int64_t B, int64_t T,
-                  int64_t heads, int64_t D, int64_t row_stride) {
+void rope_forward(float* x, const float* cos, const float* sin, int64_t B, int64_t T, int64_t heads,
+                  int64_t D, int64_t row_stride) {
   rotate(x, cos, sin, B, T, heads, D, row_stride, 1.0f);
 }
 

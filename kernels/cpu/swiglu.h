@@ -12,13 +12,13 @@
 
 namespace strata::kernels::cpu {
 
-void swiglu_forward(float* out,             // (N, I)
-                    const float* gate_up,   // (N, 2*I): gate then up
+void swiglu_forward(float* out,            // (N, I)
+                    const float* gate_up,  // (N, 2*I): gate then up
                     int64_t N, int64_t I);
 
-void swiglu_backward(float* dgate_up,        // (N, 2*I), =
-                     const float* dout,      // (N, I)
-                     const float* gate_up,   // (N, 2*I)
+void swiglu_backward(float* dgate_up,       // (N, 2*I), =
+                     const float* dout,     // (N, I)
+                     const float* gate_up,  // (N, 2*I)
                      int64_t N, int64_t I);
 
 }  // namespace strata::kernels::cpu

@@ -52,11 +52,13 @@ int main(int argc, char** argv) {
   std::vector<float> logits(B * T * V);
   double loss_sum = 0.0;
   for (int64_t m = 0; m < micro; ++m) {
-    if (Status s = read_micro_batch(*tokens, 0, m, 0, 1, Bm, T, V, inputs.data(), targets.data()); !s) {
+    if (Status s = read_micro_batch(*tokens, 0, m, 0, 1, Bm, T, V, inputs.data(), targets.data());
+        !s) {
       return fail(s);
     }
     UnitBatch batch{inputs.data(), targets.data(), Bm, T, 1.0f / static_cast<float>(B * T)};
-    Result<double> loss = model_forward_backward(model, batch, workspace, logits.data() + m * Bm * T * V);
+    Result<double> loss =
+        model_forward_backward(model, batch, workspace, logits.data() + m * Bm * T * V);
     if (!loss.is_ok()) return fail(loss.status());
     loss_sum += *loss;
   }
@@ -70,7 +72,8 @@ int main(int argc, char** argv) {
   if (Status s = writer->write("loss", &loss); !s) return fail(s);
   if (Status s = writer->finish(); !s) return fail(s);
   // Small shards so that the gradients exercise the sharded form and its index.
-  if (Status s = save_host_model(model, out_dir + "/grads", DType::f32, 64 << 10, true); !s) return fail(s);
+  if (Status s = save_host_model(model, out_dir + "/grads", DType::f32, 64 << 10, true); !s)
+    return fail(s);
   fmt::print("model_ref: loss {:.7f}\n", loss);
   return 0;
 }
