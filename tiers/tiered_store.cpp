@@ -317,6 +317,13 @@ Status TieredStore::prefetch(ShardKey key, Tier to) {
     if (Status status = finish(shard, Tier::host); !status) return status;
     if (shard.at(Tier::host).present) source = Tier::host;
   }
+  if (source == shard.home) {  // a write-back to the home must land before the home is read
+    for (int tier = 0; tier < kTierCount; ++tier) {
+      if (shard.at(Tier(tier)).phase == Copy::Phase::writing) {
+        if (Status status = finish(shard, Tier(tier)); !status) return status;
+      }
+    }
+  }
   const std::string what = shard_name(key);
   const Copy& from = shard.at(source);
   if (to == Tier::host) {  // from the NVMe home
@@ -373,10 +380,11 @@ Status TieredStore::writeback(ShardKey key, Tier from) {
                                      tier_name(from),
                                      from == shard.home ? "that is its home"
                                                         : "no copy there; prefetch it first"));
-  // The load must be complete, and only one copy writes the home at a time.
+  // The load must be complete; nothing else may read or write the home meanwhile
+  // (another copy's write-back, or a load from the home).
   if (Status status = finish(shard, from); !status) return status;
   for (int tier = 0; tier < kTierCount; ++tier) {
-    if (Tier(tier) != from && shard.at(Tier(tier)).phase == Copy::Phase::writing) {
+    if (Tier(tier) != from && shard.at(Tier(tier)).phase != Copy::Phase::idle) {
       if (Status status = finish(shard, Tier(tier)); !status) return status;
     }
   }
@@ -449,6 +457,10 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
   if (bytes.size() != shard.bytes)
     return Status::error(fmt::format("tiers: write_shard {}: {} bytes given, the shard has {}",
                                      shard_name(key), bytes.size(), shard.bytes));
+  // Transfers in flight read or write the home: let them end first.
+  for (int tier = 0; tier < kTierCount; ++tier) {
+    if (Status status = finish(shard, Tier(tier)); !status) return status;
+  }
   Copy& home = shard.at(shard.home);
   switch (shard.home) {
     case Tier::host: std::memcpy(home.host.data, bytes.data(), bytes.size()); return Status::ok();
@@ -472,6 +484,10 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
   if (bytes.size() != shard.bytes)
     return Status::error(fmt::format("tiers: read_shard {}: {} bytes given, the shard has {}",
                                      shard_name(key), bytes.size(), shard.bytes));
+  // Transfers in flight read or write the home: let them end first.
+  for (int tier = 0; tier < kTierCount; ++tier) {
+    if (Status status = finish(shard, Tier(tier)); !status) return status;
+  }
   Copy& home = shard.at(shard.home);
   switch (shard.home) {
     case Tier::host: std::memcpy(bytes.data(), home.host.data, bytes.size()); return Status::ok();

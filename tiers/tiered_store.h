@@ -14,7 +14,8 @@
 // release(key, at) waits for the copy's transfers and frees its bytes; changes
 // not written back are dropped. A prefetch to the device takes the host copy
 // when there is one (even if it was changed and not written back), else the
-// home. Copies in other tiers are never updated by a writeback.
+// home; the source must not be changed until the new copy's wait() returns.
+// Copies in other tiers are never updated by a writeback.
 //
 // Every byte is charged against its tier: the device and host pools are the
 // --device-mem-limit / --host-mem-limit budgets, NVMe is one striped swap file

@@ -1,0 +1,397 @@
+// TieredStore: shards keep their bytes through any sequence of prefetch, wait,
+// change, writeback and release across the three tiers; budgets are never
+// exceeded and a request that does not fit fails with the numbers before
+// anything moves; several threads at once; injected I/O faults surface as
+// errors and leave other shards intact.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "tiers_test_support.h"
+
+namespace strata::tiers {
+namespace {
+
+using io::testing::TemporaryDirectory;
+using testing::Notices;
+using testing::StoreSizes;
+using testing::fresh_seed;
+using testing::open_test_store;
+using testing::random_bytes;
+
+void expect_within_budgets(TieredStore& store) {
+  for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
+    TierUsage usage = store.usage(tier);
+    EXPECT_LE(usage.used, usage.capacity) << tier_name(tier);
+    EXPECT_LE(usage.peak, usage.capacity) << tier_name(tier);
+    EXPECT_LE(usage.used, usage.peak) << tier_name(tier);
+  }
+}
+
+// What every copy of one shard must hold, by the store's contract.
+struct ShardModel {
+  ShardKey key;
+  Tier home = Tier::nvme;
+  std::vector<std::byte> home_bytes;
+  std::map<Tier, std::vector<std::byte>> copies;  // non-home copies
+};
+
+// Random operations on a set of shards that only this driver touches.
+class RandomDriver {
+ public:
+  RandomDriver(TieredStore& store, std::vector<ShardModel>& shards, uint64_t seed)
+      : store_(store), shards_(shards), random_(seed) {}
+
+  int budget_failures = 0;
+
+  void step() {
+    ShardModel& shard = shards_[random_() % shards_.size()];
+    std::vector<Tier> faster;
+    for (Tier tier : {Tier::device, Tier::host})
+      if (faster_than(tier, shard.home)) faster.push_back(tier);
+    if (faster.empty()) return check_home(shard);
+    const Tier tier = faster[random_() % faster.size()];
+    const bool present = shard.copies.count(tier) > 0;
+    switch (random_() % 6) {
+      case 0:
+      case 1: {  // prefetch
+        Status status = store_.prefetch(shard.key, tier);
+        if (present) {
+          EXPECT_TRUE(status.is_ok()) << status.message();
+          return;
+        }
+        if (!status) {
+          // Only a budget may refuse; nothing was charged and no copy appeared.
+          EXPECT_NE(status.message().find(" tier: "), std::string::npos) << status.message();
+          EXPECT_FALSE(store_.wait(shard.key, tier).is_ok());
+          ++budget_failures;
+          return;
+        }
+        const bool from_host = tier == Tier::device && shard.home == Tier::nvme &&
+                               shard.copies.count(Tier::host);
+        shard.copies[tier] = from_host ? shard.copies[Tier::host] : shard.home_bytes;
+        return;
+      }
+      case 2: {  // wait and compare
+        Result<ShardView> view = store_.wait(shard.key, tier);
+        ASSERT_EQ(view.is_ok(), present) << shard_name(shard.key) << " " << tier_name(tier) << ": "
+                                         << view.status().message();
+        if (present) {
+          ASSERT_EQ(view->bytes, shard.copies[tier].size());
+          ASSERT_EQ(std::memcmp(view->data, shard.copies[tier].data(), view->bytes), 0)
+              << shard_name(shard.key) << " in " << tier_name(tier) << " holds wrong bytes";
+        }
+        return;
+      }
+      case 3: {  // change the copy in place
+        if (!present) return;
+        Result<ShardView> view = store_.wait(shard.key, tier);
+        ASSERT_TRUE(view.is_ok()) << view.status().message();
+        std::vector<std::byte> changed = random_bytes(view->bytes, random_);
+        std::memcpy(view->data, changed.data(), changed.size());
+        shard.copies[tier] = std::move(changed);
+        return;
+      }
+      case 4: {  // write back
+        Status status = store_.writeback(shard.key, tier);
+        if (present && !status) {
+          // Device to NVMe stages through the host, whose budget may refuse.
+          EXPECT_NE(status.message().find("host tier: "), std::string::npos) << status.message();
+          ++budget_failures;
+          return;
+        }
+        EXPECT_EQ(status.is_ok(), present) << status.message();
+        if (!status) return;
+        shard.home_bytes = shard.copies[tier];
+        return;
+      }
+      case 5: {  // release
+        Status status = store_.release(shard.key, tier);
+        EXPECT_TRUE(status.is_ok()) << status.message();
+        shard.copies.erase(tier);
+        return;
+      }
+    }
+  }
+
+  void check_home(const ShardModel& shard) {
+    std::vector<std::byte> back(shard.home_bytes.size());
+    Status status = store_.read_shard(shard.key, back);
+    ASSERT_TRUE(status.is_ok()) << status.message();
+    ASSERT_EQ(std::memcmp(back.data(), shard.home_bytes.data(), back.size()), 0)
+        << shard_name(shard.key) << " home holds wrong bytes";
+  }
+
+ private:
+  TieredStore& store_;
+  std::vector<ShardModel>& shards_;
+  std::mt19937_64 random_;
+};
+
+std::vector<ShardModel> add_random_shards(TieredStore& store, int first_unit, int count,
+                                          std::mt19937_64& random) {
+  std::vector<ShardModel> shards;
+  for (int i = 0; i < count; ++i) {
+    ShardModel shard;
+    shard.key = {first_unit + i, ShardKind(random() % 5)};
+    const uint64_t roll = random() % 10;
+    shard.home = roll < 6 ? Tier::nvme : roll < 9 ? Tier::host : Tier::device;
+    // Sizes that are and are not multiples of the I/O alignment.
+    const size_t size = random() % 2 ? (1 + random() % 64) * 4096 : 1 + random() % (256 << 10);
+    Status added = store.add_shard(shard.key, size, shard.home);
+    EXPECT_TRUE(added.is_ok()) << added.message();
+    if (!added) continue;
+    shard.home_bytes = random_bytes(size, random);
+    Status written = store.write_shard(shard.key, shard.home_bytes);
+    EXPECT_TRUE(written.is_ok()) << written.message();
+    shards.push_back(std::move(shard));
+  }
+  return shards;
+}
+
+TEST(TieredStoreTest, RandomSequencesKeepEveryShardsBytes) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  const uint64_t seed = fresh_seed("RandomSequencesKeepEveryShardsBytes");
+  std::mt19937_64 random(seed);
+  Notices notices;
+  // Small device and host budgets, so that requests are refused now and then.
+  auto store = open_test_store(directory.path(), StoreSizes{2 << 20, 3 << 20, 64 << 20}, notices);
+  ASSERT_TRUE(store.is_ok()) << store.status().message();
+  std::vector<ShardModel> shards = add_random_shards(**store, 0, 24, random);
+  RandomDriver driver(**store, shards, random());
+  for (int i = 0; i < 3000; ++i) {
+    driver.step();
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_within_budgets(**store);
+  }
+  for (ShardModel& shard : shards) {
+    for (auto& [tier, bytes] : shard.copies) {
+      Result<ShardView> view = (*store)->wait(shard.key, tier);
+      ASSERT_TRUE(view.is_ok()) << view.status().message();
+      EXPECT_EQ(std::memcmp(view->data, bytes.data(), bytes.size()), 0);
+      EXPECT_TRUE((*store)->release(shard.key, tier).is_ok());
+    }
+    driver.check_home(shard);
+  }
+  std::printf("budget refusals: %d\n", driver.budget_failures);
+  // Only homes remain.
+  uint64_t host_homes = 0;
+  for (const ShardModel& shard : shards)
+    if (shard.home == Tier::host) host_homes += (shard.home_bytes.size() + 4095) / 4096 * 4096;
+  EXPECT_EQ((*store)->usage(Tier::host).used, host_homes);
+}
+
+TEST(TieredStoreTest, OverBudgetRequestFailsWithTheNumbersBeforeAnythingMoves) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{4 << 20, 8 << 20, 16 << 20}, notices);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+  std::mt19937_64 random(7);
+  std::vector<std::vector<std::byte>> contents;
+  for (int unit = 0; unit < 4; ++unit) {
+    ASSERT_TRUE(store.add_shard({unit, ShardKind::m}, 3 << 20, Tier::nvme).is_ok());
+    contents.push_back(random_bytes(3 << 20, random));
+    ASSERT_TRUE(store.write_shard({unit, ShardKind::m}, contents.back()).is_ok());
+  }
+  // NVMe: 12 MiB of 16 MiB used; 6 MiB more does not fit.
+  Status nvme_full = store.add_shard({9, ShardKind::v}, 6 << 20, Tier::nvme);
+  ASSERT_FALSE(nvme_full.is_ok());
+  EXPECT_NE(nvme_full.message().find("nvme tier"), std::string::npos) << nvme_full.message();
+  EXPECT_NE(nvme_full.message().find("6.0 MiB"), std::string::npos) << nvme_full.message();
+
+  ASSERT_TRUE(store.prefetch({0, ShardKind::m}, Tier::host).is_ok());
+  ASSERT_TRUE(store.prefetch({1, ShardKind::m}, Tier::host).is_ok());
+  const TierUsage before = store.usage(Tier::host);
+  Status refused = store.prefetch({2, ShardKind::m}, Tier::host);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.message().find("host tier: cannot hold 3.0 MiB more for (unit 2, m)"),
+            std::string::npos)
+      << refused.message();
+  EXPECT_NE(refused.message().find("6.0 MiB of 8.0 MiB in use"), std::string::npos)
+      << refused.message();
+  EXPECT_NE(refused.message().find("--host-mem-limit"), std::string::npos) << refused.message();
+  EXPECT_EQ(store.usage(Tier::host).used, before.used);
+  EXPECT_FALSE(store.wait({2, ShardKind::m}, Tier::host).is_ok());
+
+  // NVMe -> device stages through the host: the device has room, the host does not.
+  const TierUsage device_before = store.usage(Tier::device);
+  Status staged = store.prefetch({3, ShardKind::m}, Tier::device);
+  ASSERT_FALSE(staged.is_ok());
+  EXPECT_NE(staged.message().find("staging"), std::string::npos) << staged.message();
+  EXPECT_EQ(store.usage(Tier::device).used, device_before.used);
+
+  // Through the host copy it fits.
+  ASSERT_TRUE(store.prefetch({0, ShardKind::m}, Tier::device).is_ok());
+  Result<ShardView> on_device = store.wait({0, ShardKind::m}, Tier::device);
+  ASSERT_TRUE(on_device.is_ok()) << on_device.status().message();
+  EXPECT_EQ(std::memcmp(on_device->data, contents[0].data(), contents[0].size()), 0);
+  Status device_full = store.prefetch({1, ShardKind::m}, Tier::device);
+  EXPECT_FALSE(device_full.is_ok());
+  EXPECT_NE(device_full.message().find("--device-mem-limit"), std::string::npos)
+      << device_full.message();
+
+  for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
+    EXPECT_LE(store.usage(tier).peak, store.usage(tier).capacity);
+  }
+  EXPECT_EQ(store.usage(Tier::host).peak, 6u << 20);
+  EXPECT_EQ(store.usage(Tier::device).peak, 3u << 20);
+  // Everything else is unchanged.
+  ASSERT_TRUE(store.release({0, ShardKind::m}, Tier::host).is_ok());
+  ASSERT_TRUE(store.release({1, ShardKind::m}, Tier::host).is_ok());
+  for (int unit = 0; unit < 4; ++unit) {
+    std::vector<std::byte> back(3 << 20);
+    Status read = store.read_shard({unit, ShardKind::m}, back);
+    ASSERT_TRUE(read.is_ok()) << read.message();
+    EXPECT_EQ(back, contents[unit]);
+  }
+}
+
+TEST(TieredStoreTest, ContractMisusesAreErrors) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{}, notices);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+  ASSERT_TRUE(store.add_shard({0, ShardKind::grad}, 4096, Tier::host).is_ok());
+  EXPECT_FALSE(store.add_shard({0, ShardKind::grad}, 4096, Tier::host).is_ok());
+  EXPECT_FALSE(store.prefetch({0, ShardKind::grad}, Tier::host).is_ok());  // its home
+  EXPECT_FALSE(store.prefetch({0, ShardKind::grad}, Tier::nvme).is_ok());  // slower
+  EXPECT_FALSE(store.writeback({0, ShardKind::grad}, Tier::device).is_ok());  // no copy
+  EXPECT_FALSE(store.release({0, ShardKind::grad}, Tier::host).is_ok());   // its home
+  Status missing = store.prefetch({5, ShardKind::m}, Tier::host);
+  EXPECT_NE(missing.message().find("no shard (unit 5, m)"), std::string::npos) << missing.message();
+  EXPECT_TRUE(store.remove_shard({0, ShardKind::grad}).is_ok());
+  EXPECT_EQ(store.usage(Tier::host).used, 0u);
+}
+
+TEST(TieredStoreTest, SeveralThreadsAtOnce) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  const uint64_t seed = fresh_seed("SeveralThreadsAtOnce");
+  std::mt19937_64 random(seed);
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{4 << 20, 8 << 20, 96 << 20}, notices);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+
+  // Shared, read-only shards every thread prefetches and checks.
+  std::vector<std::vector<std::byte>> shared;
+  for (int unit = 1000; unit < 1004; ++unit) {
+    ASSERT_TRUE(store.add_shard({unit, ShardKind::param}, 100000, Tier::nvme).is_ok());
+    shared.push_back(random_bytes(100000, random));
+    ASSERT_TRUE(store.write_shard({unit, ShardKind::param}, shared.back()).is_ok());
+  }
+  constexpr int kThreads = 4;
+  std::vector<std::vector<ShardModel>> owned(kThreads);
+  for (int t = 0; t < kThreads; ++t) owned[t] = add_random_shards(store, t * 100, 6, random);
+  std::vector<uint64_t> seeds;
+  for (int t = 0; t < kThreads; ++t) seeds.push_back(random());
+
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      RandomDriver driver(store, owned[t], seeds[t]);
+      std::mt19937_64 local(seeds[t] + 1);
+      for (int i = 0; i < 600; ++i) {
+        driver.step();
+        if (i % 10 == 0) {
+          const int s = int(local() % shared.size());
+          const ShardKey key{1000 + s, ShardKind::param};
+          Status prefetched = store.prefetch(key, Tier::host);
+          if (!prefetched) continue;  // another thread holds the budget
+          Result<ShardView> view = store.wait(key, Tier::host);
+          EXPECT_TRUE(view.is_ok()) << view.status().message();
+          if (view) {
+            EXPECT_EQ(std::memcmp(view->data, shared[s].data(), shared[s].size()), 0);
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  expect_within_budgets(store);
+  RandomDriver checker(store, owned[0], 0);
+  for (int t = 0; t < kThreads; ++t)
+    for (const ShardModel& shard : owned[t]) {
+      checker.check_home(shard);
+      for (const auto& [tier, bytes] : shard.copies) {
+        Result<ShardView> view = store.wait(shard.key, tier);
+        ASSERT_TRUE(view.is_ok()) << view.status().message();
+        EXPECT_EQ(std::memcmp(view->data, bytes.data(), bytes.size()), 0);
+      }
+    }
+}
+
+TEST(TieredStoreTest, InjectedFaultsSurfaceWithoutCorruptingOtherShards) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  auto injector = std::make_shared<io::FaultInjector>();
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{}, notices, injector);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+  std::mt19937_64 random(3);
+  std::vector<std::vector<std::byte>> contents;
+  for (int unit = 0; unit < 3; ++unit) {
+    ASSERT_TRUE(store.add_shard({unit, ShardKind::v}, 300000, Tier::nvme).is_ok());
+    contents.push_back(random_bytes(300000, random));
+    ASSERT_TRUE(store.write_shard({unit, ShardKind::v}, contents.back()).is_ok());
+  }
+
+  // A read fails: the load reports it, leaves no copy and charges nothing.
+  injector->add({.op = io::RingOp::kRead, .nth_call = injector->calls(io::RingOp::kRead) + 2,
+                 .kind = io::FaultKind::kError, .error_number = EIO});
+  ASSERT_TRUE(store.prefetch({0, ShardKind::v}, Tier::host).is_ok());
+  Result<ShardView> failed = store.wait({0, ShardKind::v}, Tier::host);
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_NE(failed.status().message().find("loading (unit 0, v) into host from nvme"),
+            std::string::npos)
+      << failed.status().message();
+  EXPECT_EQ(store.usage(Tier::host).used, 0u);
+  // Tried again, it works.
+  ASSERT_TRUE(store.prefetch({0, ShardKind::v}, Tier::host).is_ok());
+  Result<ShardView> loaded = store.wait({0, ShardKind::v}, Tier::host);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().message();
+  EXPECT_EQ(std::memcmp(loaded->data, contents[0].data(), contents[0].size()), 0);
+
+  // A write-back fails: reported, the copy is kept, a second write-back lands.
+  std::vector<std::byte> changed = random_bytes(300000, random);
+  std::memcpy(loaded->data, changed.data(), changed.size());
+  injector->add({.op = io::RingOp::kWrite, .nth_call = injector->calls(io::RingOp::kWrite) + 1,
+                 .kind = io::FaultKind::kError, .error_number = ENOSPC});
+  ASSERT_TRUE(store.writeback({0, ShardKind::v}, Tier::host).is_ok());
+  Result<ShardView> write_failed = store.wait({0, ShardKind::v}, Tier::host);
+  ASSERT_FALSE(write_failed.is_ok());
+  EXPECT_NE(write_failed.status().message().find("writing back (unit 0, v) from host"),
+            std::string::npos)
+      << write_failed.status().message();
+  ASSERT_TRUE(store.writeback({0, ShardKind::v}, Tier::host).is_ok());
+  ASSERT_TRUE(store.wait({0, ShardKind::v}, Tier::host).is_ok());
+  ASSERT_TRUE(store.release({0, ShardKind::v}, Tier::host).is_ok());
+
+  // Short transfers are retried by the engine and never seen here.
+  injector->add({.op = io::RingOp::kRead, .nth_call = injector->calls(io::RingOp::kRead) + 1,
+                 .kind = io::FaultKind::kShortTransfer, .times = 3});
+  ASSERT_TRUE(store.prefetch({1, ShardKind::v}, Tier::device).is_ok());
+  Result<ShardView> staged = store.wait({1, ShardKind::v}, Tier::device);
+  ASSERT_TRUE(staged.is_ok()) << staged.status().message();
+  EXPECT_EQ(std::memcmp(staged->data, contents[1].data(), contents[1].size()), 0);
+
+  contents[0] = changed;
+  for (int unit = 0; unit < 3; ++unit) {
+    std::vector<std::byte> back(300000);
+    ASSERT_TRUE(store.read_shard({unit, ShardKind::v}, back).is_ok());
+    EXPECT_EQ(back, contents[unit]) << "unit " << unit;
+  }
+  EXPECT_GE(injector->faults_injected(), 3u);
+}
+
+}  // namespace
+}  // namespace strata::tiers
