@@ -254,16 +254,46 @@ void check_unaligned_shards_match_scalar(SimdLevel level) {
   }
 }
 
+// Inf and NaN gradients (an fp16 overflow that was not skipped) make NaN
+// weights; every path must write the same NaN bits and the same copies.
+void check_nonfinite_gradients_match_scalar(SimdLevel level) {
+  SimdLevelGuard guard;
+  std::mt19937_64 rng(fresh_seed() + 40 + static_cast<int>(level));
+  for (ElementType grad_type : kGradTypes) {
+    for (int copy = 1; copy < 3; ++copy) {
+      const ElementType copy_type = copy == 2 ? ElementType::f16 : ElementType::bf16;
+      State s = random_state(1003, grad_type, rng);
+      for (int64_t i = 0; i < 1003; i += 97) {
+        const float bad = i % 2 ? INFINITY : NAN;
+        if (grad_type == ElementType::f32) {
+          s.grad32[i] = bad;
+        } else {
+          s.grad16[i] = grad_type == ElementType::bf16 ? float_to_bf16(bad) : float_to_f16(bad);
+        }
+      }
+      const AdamWHyperparams h = random_hyper(rng);
+      const State scalar = step_at_level(s, SimdLevel::scalar, grad_type, true, copy_type, h);
+      const State vector = step_at_level(s, level, grad_type, true, copy_type, h);
+      SCOPED_TRACE(::testing::Message() << "grad " << element_type_name(grad_type) << " copy "
+                                        << element_type_name(copy_type));
+      expect_bitwise_equal(scalar, vector);
+      EXPECT_TRUE(std::isnan(scalar.master[0]));
+    }
+  }
+}
+
 TEST(AdamWKernel, Avx2PathEqualsScalarPathBitwise) {
   if (cpu_simd_level() < SimdLevel::avx2) GTEST_SKIP() << "this CPU has no AVX2 + F16C";
   check_level_matches_scalar(SimdLevel::avx2);
   check_unaligned_shards_match_scalar(SimdLevel::avx2);
+  check_nonfinite_gradients_match_scalar(SimdLevel::avx2);
 }
 
 TEST(AdamWKernel, Avx512PathEqualsScalarPathBitwise) {
   if (cpu_simd_level() < SimdLevel::avx512) GTEST_SKIP() << "this CPU has no AVX-512";
   check_level_matches_scalar(SimdLevel::avx512);
   check_unaligned_shards_match_scalar(SimdLevel::avx512);
+  check_nonfinite_gradients_match_scalar(SimdLevel::avx512);
 }
 
 TEST(AdamWKernel, ResultDoesNotDependOnThreadCount) {
