@@ -1,11 +1,12 @@
 // The whole model's gradients: central differences of the loss on a few
 // parameters of every tensor (fp32 with a step large enough to drown rounding,
-// checked at 2%), gradient accumulation over micro-batches, tied embeddings
+// checked at 0.5%), gradient accumulation over micro-batches, tied embeddings
 // collecting both uses, and bad token ids refused.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 
 #include "core/model.h"
@@ -67,6 +68,7 @@ TEST_P(ModelGradient, MatchesCentralDifferencesOfTheLoss) {
     return loss;
   };
   int checked = 0;
+  double worst = 0.0;
   for (const NamedTensor& t : checkpoint_tensors(model.layout)) {
     float* p = model.params[t.unit].data() + t.slot->offset;
     const float* g = model.grads[t.unit].data() + t.slot->offset;
@@ -79,12 +81,14 @@ TEST_P(ModelGradient, MatchesCentralDifferencesOfTheLoss) {
       const int64_t i = order[k];
       const float h = 2e-3f;
       const double numeric = (loss_at(p + i, p[i] + h) - loss_at(p + i, p[i] - h)) / (2.0 * h);
-      EXPECT_NEAR(g[i], numeric, 0.02 * std::abs(numeric) + 2e-5)
+      EXPECT_NEAR(g[i], numeric, 5e-3 * std::abs(numeric) + 1e-6)
           << t.slot->name << "[" << i << "]";
+      worst = std::max(worst, std::abs(g[i] - numeric) / std::abs(numeric));
       ++checked;
     }
   }
   EXPECT_GT(checked, 20);
+  std::printf("checked %d parameters; worst relative difference %.2e\n", checked, worst);
 }
 
 INSTANTIATE_TEST_SUITE_P(TiedAndUntied, ModelGradient, ::testing::Values(false, true),
@@ -125,6 +129,50 @@ TEST(ModelGradients, AccumulateOverMicroBatches) {
       norm += std::pow(2.0 * once[u][i], 2);
     }
     EXPECT_LT(std::sqrt(diff / norm), 1e-6) << whole.layout.units[u].unit.name;
+  }
+}
+
+// An engine's loop: units one at a time, only unit inputs kept, every unit
+// recomputed in its backward, the head's forward and backward as two calls.
+TEST(ModelGradients, UnitByUnitCallsMatchTheWholeModelPath) {
+  const ModelConfig config = small_config(true);
+  HostModel whole = make_host_model(config), units = make_host_model(config);
+  init_host_model(whole, 8);
+  init_host_model(units, 8);
+  const int64_t B = 2, T = 7, N = B * T, C = config.hidden_size;
+  const Data data = random_data(N, config.vocab_size, 9);
+  const UnitBatch batch{data.tokens.data(), data.targets.data(), B, T, 1.0f / N};
+  UnitWorkspace ws(config, B, T);
+  const double loss = *model_forward_backward(whole, batch, ws);
+
+  const ModelLayout& layout = units.layout;
+  const int64_t count = static_cast<int64_t>(layout.units.size());
+  std::vector<std::vector<float>> inputs(count,
+                                         std::vector<float>(N * C));  // inputs[u] feeds unit u + 1
+  unit_forward(layout, 0, units.unit_params(0), batch, nullptr, inputs[0].data(), ws);
+  for (int64_t u = 1; u + 1 < count; ++u) {
+    unit_forward(layout, u, units.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(),
+                 ws);
+  }
+  const double unit_loss = unit_forward(layout, count - 1, units.unit_params(count - 1), batch,
+                                        inputs[count - 2].data(), nullptr, ws);
+  EXPECT_NEAR(unit_loss, loss, 1e-6 * loss);
+  std::vector<float> grad(N * C);
+  unit_backward(layout, count - 1, units.unit_params(count - 1), batch, inputs[count - 2].data(),
+                nullptr, grad.data(), units.unit_grads(count - 1), ws);
+  for (int64_t u = count - 2; u >= 1; --u) {
+    unit_backward(layout, u, units.unit_params(u), batch, inputs[u - 1].data(), grad.data(),
+                  grad.data(), units.unit_grads(u), ws);
+  }
+  unit_backward(layout, 0, units.unit_params(0), batch, nullptr, grad.data(), nullptr,
+                units.unit_grads(0), ws);
+  for (size_t u = 0; u < units.grads.size(); ++u) {
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < units.grads[u].size(); ++i) {
+      diff += std::pow(units.grads[u][i] - whole.grads[u][i], 2);
+      norm += std::pow(whole.grads[u][i], 2);
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-6) << layout.units[u].unit.name;
   }
 }
 
