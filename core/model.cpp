@@ -526,10 +526,19 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, 
   return loss_sum;
 }
 
+Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
+                            int64_t u, float* flat) {
+  for (const TensorSlot& slot : layout.units[u].tensors) {
+    if (Status s = checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset); !s) return s;
+  }
+  return Status::ok();
+}
+
 Status load_host_model(HostModel& model, const SafetensorsCheckpoint& checkpoint) {
-  for (const NamedTensor& t : checkpoint_tensors(model.layout)) {
-    float* out = model.params[t.unit].data() + t.slot->offset;
-    if (Status s = checkpoint.read_f32(t.slot->name, t.slot->shape, out); !s) return s;
+  for (size_t u = 0; u < model.layout.units.size(); ++u) {
+    Status s = load_unit_parameters(checkpoint, model.layout, static_cast<int64_t>(u),
+                                    model.params[u].data());
+    if (!s) return s;
   }
   return Status::ok();
 }

@@ -190,6 +190,12 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, 
 Result<double> model_forward(const HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
                              float* logits = nullptr);
 
+// Loads the tensors of unit `u` into its flat buffer (padding left untouched),
+// so an engine can load a checkpoint one unit at a time. A tied head reads
+// nothing beyond model.norm.weight.
+Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
+                            int64_t u, float* flat);
+
 // Loads every tensor from a checkpoint (F32/BF16/F16 converted to fp32). A tied
 // model ignores a stored lm_head.weight; an untied one requires it.
 Status load_host_model(HostModel& model, const SafetensorsCheckpoint& checkpoint);
