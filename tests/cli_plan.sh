@@ -50,7 +50,7 @@ out=$("$strata" plan --model tiny --stage 3 --offload-optimizer nvme --offload-p
       --nvme-path "$nvme_dir" --host-mem-limit 1G --device-mem-limit 1G --json)
 check "tiny with everything on NVMe fits" $?
 src=$(echo "$out" | json_get '[b for b in d["budgets"] if b["tier"]=="nvme"][0]["budget_source"]')
-[ "$src" = "free under --nvme-path" ]; check "NVMe budget detected from the directory" $?
+[ "$src" = "free under the NVMe paths" ]; check "NVMe budget detected from the directory" $?
 rmdir "$nvme_dir"
 
 # Errors: one line, exit 2, naming the problem.

@@ -80,7 +80,7 @@ class PlanCommand : public Subcommand {
     // Budgets: given, else detected on this machine.
     if (c.strata.device_mem_limit) {
       input.device_budget = static_cast<int64_t>(*c.strata.device_mem_limit);
-      input.device_budget_source = "--device-mem-limit";
+      input.device_budget_source = "given";
     } else {
       kernels::GpuQuery gpus = kernels::query_gpus();
       if (!gpus.devices.empty()) {
@@ -90,7 +90,7 @@ class PlanCommand : public Subcommand {
     }
     if (c.strata.host_mem_limit) {
       input.host_budget = static_cast<int64_t>(*c.strata.host_mem_limit);
-      input.host_budget_source = "--host-mem-limit";
+      input.host_budget_source = "given";
     } else if (auto available = detect_host_available_bytes()) {
       input.host_budget = *available;
       input.host_budget_source = "available on this machine";
@@ -100,7 +100,7 @@ class PlanCommand : public Subcommand {
     input.nvme_path_known = !nvme_paths.empty();
     if (auto free_bytes = detect_free_bytes(nvme_paths)) {
       input.nvme_budget = *free_bytes;
-      input.nvme_budget_source = "free under --nvme-path";
+      input.nvme_budget_source = "free under the NVMe paths";
     } else if (!nvme_paths.empty()) {
       fmt::print(stderr, "warning: cannot read the free space under {}; NVMe not checked\n",
                  nvme_paths.front());
