@@ -20,6 +20,10 @@
 // the denominator.) No fused multiply-adds, so the scalar, AVX2 and AVX-512
 // paths (simd.h) give bitwise-identical results, for any number of threads.
 //
+// The copy is written with non-temporal stores (it is on its way to the
+// device, and this saves reading each of its cache lines first), so it is not
+// left in the CPU caches.
+//
 // Threads: the current TBB arena, one contiguous range per thread
 // (for_each_static_range in simd.h). The arrays of one call must not overlap;
 // calls on disjoint shards may run concurrently.
