@@ -52,8 +52,7 @@ struct UnitLayout {
   const TensorSlot* find(const std::string& name) const;
 };
 
-// Shards are multiples of this many elements: 4 KiB in a 2-byte dtype.
-inline constexpr int64_t kShardAlignElements = 2048;
+// Shards are multiples of kShardAlignElements (core/model_config.h).
 
 struct ModelLayout {
   ModelConfig config;

@@ -46,6 +46,11 @@ struct ModelConfig {
   int64_t parameter_count() const;
 };
 
+// A unit's flat buffer is padded so that it splits into equal shards over the
+// ranks, each a multiple of this many elements: 4 KiB in every 2-byte dtype
+// (O_DIRECT needs aligned offsets and lengths; DESIGN.md section 1).
+inline constexpr int64_t kShardAlignElements = 2048;
+
 enum class UnitKind { embedding, decoder_layer, head };
 
 struct UnitShape {

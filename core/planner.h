@@ -23,16 +23,13 @@
 
 namespace strata {
 
-// Every shard of a unit's flat buffer is padded to a multiple of this many
-// elements, so it is a multiple of 4 KiB in every 2-byte dtype (and in fp32).
-inline constexpr int64_t kShardAlignElements = 2048;
-
 // The streamed optimizer (state on NVMe) works through a unit's shard in chunks
 // of at most this many elements (64 MiB per fp32 state), so its pinned buffers
 // stay small whatever the unit size; sub_group_size can lower it further.
 inline constexpr int64_t kOptimizerChunkElements = int64_t{1} << 24;
 
-// Elements of rank r's shard of a unit with `numel` parameters over `world_size` ranks.
+// Elements of each rank's shard of a unit with `numel` parameters over
+// `world_size` ranks (padded to kShardAlignElements, as model_layout pads).
 int64_t padded_shard_elements(int64_t numel, int world_size);
 
 struct PlanInput {

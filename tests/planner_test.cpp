@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/model.h"
 #include "core/planner.h"
 
 namespace strata {
@@ -144,6 +145,21 @@ TEST(Planner, ABudgetThatOverflowsNamesTheTierAndSuggestsTheSmallestChange) {
   in.host_budget = 1LL << 40;
   MemoryPlan ranks = plan_with_suggestion(in);
   EXPECT_EQ(ranks.suggestion, "--stage 1");
+}
+
+TEST(Planner, ShardSizesAreTheModelLayoutsOwn) {
+  for (const char* preset : {"tiny", "small", "llama3.2-1b"}) {
+    for (int world : {1, 3, 8}) {
+      PlanInput in;
+      in.model = *load_model_config(preset);
+      in.world_size = world;
+      in.stage = 3;
+      ModelLayout layout = model_layout(*in.model, world);
+      int64_t shards = 0;
+      for (const UnitLayout& unit : layout.units) shards += unit.shard_numel;
+      EXPECT_EQ(plan_memory(in).shard_elements, shards) << preset << " over " << world;
+    }
+  }
 }
 
 TEST(Planner, OffloadingParametersBelowStageThreeIsRefused) {
