@@ -56,7 +56,6 @@ class FaultInjector {
 
 // Wraps `ring` so that its calls consult `injector`.
 std::unique_ptr<Ring> wrap_with_faults(std::unique_ptr<Ring> ring,
-                                       std::shared_ptr<FaultInjector> injector,
-                                       uint64_t alignment);
+                                       std::shared_ptr<FaultInjector> injector, uint64_t alignment);
 
 }  // namespace strata::io

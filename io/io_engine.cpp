@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -48,9 +49,19 @@ class IoEngineImpl {
   uint64_t alignment = 4096;
   std::vector<DirectoryInfo> directories;  // index = path
   IoWorker::Counters counters;
-  std::vector<std::unique_ptr<IoWorker>> workers;  // path p owns [p * T, (p + 1) * T)
+  std::vector<std::unique_ptr<IoWorker>> workers;        // path p owns [p * T, (p + 1) * T)
   std::unique_ptr<std::atomic<uint64_t>[]> next_worker;  // per path, round robin
   std::string backend_description;
+
+  // Transfers handed to the workers and not finished; the destructor waits for 0.
+  std::mutex running_mutex;
+  std::condition_variable running_changed;
+  uint64_t transfers_running = 0;
+
+  void count_transfer_started() {
+    std::lock_guard lock(running_mutex);
+    ++transfers_running;
+  }
 
   std::mutex files_mutex;
   std::vector<std::unique_ptr<FileRecord>> files;  // index = FileId = file slot in every ring
@@ -71,6 +82,12 @@ class IoEngineImpl {
     return files[file].get();
   }
 
+  void finish_transfer(TransferState& transfer) {
+    finish_transfer_now(transfer);
+    std::lock_guard lock(running_mutex);
+    if (--transfers_running == 0) running_changed.notify_all();
+  }
+
   // Called by the workers for each finished block request.
   void finish_request(const std::shared_ptr<TransferState>& transfer, Status status) {
     if (!status) transfer->record_error(std::move(status));
@@ -80,7 +97,7 @@ class IoEngineImpl {
       enqueue_syncs(transfer);
       return;
     }
-    finish_transfer_now(*transfer);
+    finish_transfer(*transfer);
   }
 
   void enqueue_syncs(const std::shared_ptr<TransferState>& transfer) {
@@ -89,7 +106,7 @@ class IoEngineImpl {
     for (size_t path = 0; path < options.paths.size(); ++path) {
       if (transfer->touched_paths & (uint64_t{1} << path)) paths.push_back(path);
     }
-    if (paths.empty()) return finish_transfer_now(*transfer);
+    if (paths.empty()) return finish_transfer(*transfer);
     transfer->pending_requests.store(uint32_t(paths.size()), std::memory_order_release);
     for (size_t path : paths) {
       std::vector<BlockRequest> sync(1);
@@ -105,16 +122,18 @@ class IoEngineImpl {
                   bool durable) {
     const FileRecord* record = file_record(file);
     const char* what = op == RingOp::kRead ? "read" : "write";
-    if (record == nullptr) return failed_handle(Status::error(fmt::format("{}: no open file {}", what, file)));
+    if (record == nullptr)
+      return failed_handle(Status::error(fmt::format("{}: no open file {}", what, file)));
     if (offset % alignment != 0 || uintptr_t(buffer) % alignment != 0) {
-      return failed_handle(Status::error(fmt::format(
-          "{} of {} bytes at offset {} in {}: offset and buffer address must be multiples of {} (O_DIRECT)",
-          what, length, offset, record->name, alignment)));
+      return failed_handle(
+          Status::error(fmt::format("{} of {} bytes at offset {} in {}: offset and buffer address "
+                                    "must be multiples of {} (O_DIRECT)",
+                                    what, length, offset, record->name, alignment)));
     }
     if (offset + length > record->capacity) {
-      return failed_handle(Status::error(fmt::format(
-          "{} of {} bytes at offset {} in {}: past its capacity of {} bytes", what, length, offset,
-          record->name, record->capacity)));
+      return failed_handle(Status::error(
+          fmt::format("{} of {} bytes at offset {} in {}: past its capacity of {} bytes", what,
+                      length, offset, record->name, record->capacity)));
     }
 
     auto transfer = std::make_shared<TransferState>();
@@ -161,6 +180,7 @@ class IoEngineImpl {
       return IoHandle(std::move(transfer));
     }
     transfer->pending_requests.store(request_count, std::memory_order_release);
+    count_transfer_started();
     for (size_t worker = 0; worker < workers.size(); ++worker) {
       if (!batches[worker].empty()) workers[worker]->enqueue(std::move(batches[worker]));
     }
@@ -204,13 +224,16 @@ std::chrono::nanoseconds IoHandle::latency() const {
 IoEngine::IoEngine(std::unique_ptr<IoEngineImpl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<IoEngine>> IoEngine::open(IoOptions options) {
-  if (options.paths.empty()) return Status::error("no NVMe path given; name at least one directory");
+  if (options.paths.empty())
+    return Status::error("no NVMe path given; name at least one directory");
   if (options.paths.size() > kMaxPaths)
-    return Status::error(fmt::format("{} NVMe paths given; at most {} are supported", options.paths.size(), kMaxPaths));
+    return Status::error(fmt::format("{} NVMe paths given; at most {} are supported",
+                                     options.paths.size(), kMaxPaths));
   if (options.queue_depth == 0 || options.threads_per_path == 0 || options.block_size == 0)
     return Status::error("block size, queue depth and threads per path must be at least 1");
   if (options.block_size > (uint64_t{1} << 31))
-    return Status::error(fmt::format("block size {} is over the 2 GiB a request can carry", options.block_size));
+    return Status::error(
+        fmt::format("block size {} is over the 2 GiB a request can carry", options.block_size));
   if (!options.notice) {
     options.notice = [](const std::string& text) { fmt::print(stderr, "strata: {}\n", text); };
   }
@@ -223,25 +246,29 @@ Result<std::unique_ptr<IoEngine>> IoEngine::open(IoOptions options) {
     std::error_code ignored;
     std::string resolved = std::filesystem::weakly_canonical(path, ignored).string();
     if (std::find(canonical.begin(), canonical.end(), resolved) != canonical.end())
-      return Status::error(fmt::format("NVMe path '{}' is given twice; each path must be a different directory", path));
+      return Status::error(fmt::format(
+          "NVMe path '{}' is given twice; each path must be a different directory", path));
     canonical.push_back(resolved);
     if (!info->direct_io) {
       if (!options.allow_buffered_io) {
         return Status::error(fmt::format(
-            "NVMe path '{}' ({}) does not support O_DIRECT; use a directory on a filesystem that does "
+            "NVMe path '{}' ({}) does not support O_DIRECT; use a directory on a filesystem that "
+            "does "
             "(ext4, xfs on NVMe), or allow buffered I/O through the page cache (--buffered-io)",
             path, info->filesystem));
       }
-      options.notice(fmt::format("'{}' ({}) has no O_DIRECT; using buffered I/O through the page cache, as asked",
-                                 path, info->filesystem));
+      options.notice(fmt::format(
+          "'{}' ({}) has no O_DIRECT; using buffered I/O through the page cache, as asked", path,
+          info->filesystem));
     }
     impl->alignment = std::max(impl->alignment, info->alignment);
     impl->directories.push_back(*info);
   }
   // 4096 unless a path reports more; smaller reported values still work with 4096.
   if (options.block_size % impl->alignment != 0) {
-    return Status::error(fmt::format("block size {} is not a multiple of the direct I/O alignment {}",
-                                     options.block_size, impl->alignment));
+    return Status::error(
+        fmt::format("block size {} is not a multiple of the direct I/O alignment {}",
+                    options.block_size, impl->alignment));
   }
 
   impl->options = options;
@@ -268,8 +295,10 @@ Result<std::unique_ptr<IoEngine>> IoEngine::open(IoOptions options) {
     Status started = worker->start(fell_back, description);
     if (!started) return started;
     if (fell_back) {
-      options.notice(fmt::format("io_uring is not available ({}); using pread/pwrite threads on the "
-                                 "same O_DIRECT files", description));
+      options.notice(
+          fmt::format("io_uring is not available ({}); using pread/pwrite threads on the "
+                      "same O_DIRECT files",
+                      description));
       backend = IoBackend::kPosix;
       description = "pread/pwrite";
     }
@@ -280,7 +309,13 @@ Result<std::unique_ptr<IoEngine>> IoEngine::open(IoOptions options) {
 }
 
 IoEngine::~IoEngine() {
-  impl_->workers.clear();  // each finishes its queue first
+  // Every transfer finishes first: a durable write may still queue its
+  // fdatasync on another path's worker.
+  {
+    std::unique_lock lock(impl_->running_mutex);
+    impl_->running_changed.wait(lock, [&] { return impl_->transfers_running == 0; });
+  }
+  impl_->workers.clear();
   for (auto& record : impl_->files) {
     if (!record) continue;
     for (PathFile& file : record->path_files) close(file.fd);
@@ -313,7 +348,8 @@ Result<FileId> IoEngine::create_file(const std::string& name, uint64_t capacity)
   while (size_t(id) < impl_->files.size() && impl_->files[id]) ++id;
   if (unsigned(id) >= impl_->options.max_files) {
     for (PathFile& file : record->path_files) close(file.fd);
-    return Status::error(fmt::format("too many open swap files (max_files = {})", impl_->options.max_files));
+    return Status::error(
+        fmt::format("too many open swap files (max_files = {})", impl_->options.max_files));
   }
   for (size_t worker = 0; worker < impl_->workers.size(); ++worker) {
     const PathFile& file = record->path_files[worker / impl_->options.threads_per_path];
@@ -357,22 +393,27 @@ uint64_t IoEngine::capacity(FileId file) const {
 
 Status IoEngine::register_buffer(void* data, size_t size) {
   if (uintptr_t(data) % impl_->alignment != 0)
-    return Status::error(fmt::format("register_buffer: address is not a multiple of {}", impl_->alignment));
+    return Status::error(
+        fmt::format("register_buffer: address is not a multiple of {}", impl_->alignment));
   std::lock_guard lock(impl_->buffers_mutex);
-  if (impl_->buffer_slots.count(data)) return Status::error("register_buffer: buffer already registered");
+  if (impl_->buffer_slots.count(data))
+    return Status::error("register_buffer: buffer already registered");
   std::vector<int> slots;
   auto release = [&] {
     for (size_t part = 0; part < slots.size(); ++part) {
       for (auto& worker : impl_->workers)
-        worker->remove_buffer(slots[part], static_cast<std::byte*>(data) + part * kMaxRegisteredBytes);
+        worker->remove_buffer(slots[part],
+                              static_cast<std::byte*>(data) + part * kMaxRegisteredBytes);
       impl_->buffer_slot_used[slots[part]] = false;
     }
   };
   for (uint64_t start = 0; start < size; start += kMaxRegisteredBytes) {
-    auto free_slot = std::find(impl_->buffer_slot_used.begin(), impl_->buffer_slot_used.end(), false);
+    auto free_slot =
+        std::find(impl_->buffer_slot_used.begin(), impl_->buffer_slot_used.end(), false);
     if (free_slot == impl_->buffer_slot_used.end()) {
       release();
-      return Status::error(fmt::format("register_buffer: all {} fixed-buffer slots are taken", kMaxBufferSlots));
+      return Status::error(
+          fmt::format("register_buffer: all {} fixed-buffer slots are taken", kMaxBufferSlots));
     }
     *free_slot = true;
     const int slot = int(free_slot - impl_->buffer_slot_used.begin());
@@ -394,12 +435,14 @@ Status IoEngine::register_buffer(void* data, size_t size) {
 Status IoEngine::unregister_buffer(void* data) {
   std::lock_guard lock(impl_->buffers_mutex);
   auto found = impl_->buffer_slots.find(data);
-  if (found == impl_->buffer_slots.end()) return Status::error("unregister_buffer: buffer is not registered");
+  if (found == impl_->buffer_slots.end())
+    return Status::error("unregister_buffer: buffer is not registered");
   Status result;
   for (size_t part = 0; part < found->second.size(); ++part) {
     const int slot = found->second[part];
     for (auto& worker : impl_->workers) {
-      Status status = worker->remove_buffer(slot, static_cast<std::byte*>(data) + part * kMaxRegisteredBytes);
+      Status status =
+          worker->remove_buffer(slot, static_cast<std::byte*>(data) + part * kMaxRegisteredBytes);
       if (!status && result) result = status;
     }
     impl_->buffer_slot_used[slot] = false;
@@ -431,13 +474,20 @@ IoHandle IoEngine::sync(FileId file) {
                                 ? ~uint64_t{0}
                                 : (uint64_t{1} << impl_->options.paths.size()) - 1;
   transfer->sync_issued = true;
+  impl_->count_transfer_started();
   impl_->enqueue_syncs(transfer);
   return IoHandle(std::move(transfer));
 }
 
-uint64_t IoEngine::alignment() const { return impl_->alignment; }
-const IoOptions& IoEngine::options() const { return impl_->options; }
-std::string IoEngine::backend_description() const { return impl_->backend_description; }
+uint64_t IoEngine::alignment() const {
+  return impl_->alignment;
+}
+const IoOptions& IoEngine::options() const {
+  return impl_->options;
+}
+std::string IoEngine::backend_description() const {
+  return impl_->backend_description;
+}
 
 IoCounters IoEngine::counters() const {
   const IoWorker::Counters& counters = impl_->counters;

@@ -97,9 +97,9 @@ class IoHandle {
 struct IoCounters {
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
-  uint64_t requests = 0;      // requests completed by the rings (retries included)
-  uint64_t retries = 0;       // short transfers, -EAGAIN and -EINTR resubmitted
-  uint64_t syncs = 0;         // fdatasync calls
+  uint64_t requests = 0;  // requests completed by the rings (retries included)
+  uint64_t retries = 0;   // short transfers, -EAGAIN and -EINTR resubmitted
+  uint64_t syncs = 0;     // fdatasync calls
 };
 
 class IoEngine {

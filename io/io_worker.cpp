@@ -14,9 +14,12 @@ namespace {
 
 const char* operation_name(RingOp op) {
   switch (op) {
-    case RingOp::kRead: return "read";
-    case RingOp::kWrite: return "write";
-    case RingOp::kSync: return "fdatasync";
+    case RingOp::kRead:
+      return "read";
+    case RingOp::kWrite:
+      return "write";
+    case RingOp::kSync:
+      return "fdatasync";
   }
   return "?";
 }
@@ -38,15 +41,14 @@ IoWorker::~IoWorker() {
 }
 
 Status IoWorker::start(bool& fell_back, std::string& ring_description) {
-  std::promise<Status> started;
-  std::future<Status> result = started.get_future();
-  thread_ = std::thread([&] { run(started, fell_back, ring_description); });
+  std::future<Status> result = started_.get_future();
+  thread_ = std::thread([&] { run(fell_back, ring_description); });
   Status status = result.get();
   if (!status) thread_.join();
   return status;
 }
 
-void IoWorker::run(std::promise<Status>& started, bool& fell_back, std::string& ring_description) {
+void IoWorker::run(bool& fell_back, std::string& ring_description) {
   // The ring is created here so that this thread is its single issuer.
   if (settings_.backend == IoBackend::kPosix) {
     ring_ = make_posix_ring(settings_.limits);
@@ -59,7 +61,7 @@ void IoWorker::run(std::promise<Status>& started, bool& fell_back, std::string& 
       ring_description = uring.status().message();
       ring_ = make_posix_ring(settings_.limits);
     } else {
-      started.set_value(uring.status().with_context("io_uring unavailable"));
+      started_.set_value(uring.status().with_context("io_uring unavailable"));
       return;
     }
   }
@@ -70,15 +72,16 @@ void IoWorker::run(std::promise<Status>& started, bool& fell_back, std::string& 
   const unsigned capacity = ring_->capacity();
   slots_.resize(capacity);
   for (unsigned slot = capacity; slot-- > 0;) free_slots_.push_back(slot);
-  started.set_value(Status::ok());  // `started` and the out-parameters are gone after this
+  started_.set_value(Status::ok());  // the out-parameters are gone after this
 
   std::vector<RingCompletion> completions;
-  std::vector<Control*> controls;
+  std::vector<std::shared_ptr<Control>> controls;
   while (true) {
     {
       std::unique_lock lock(mutex_);
       if (in_flight_ == 0 && ready_.empty()) {
-        queue_changed_.wait(lock, [&] { return stopping_ || !queue_.empty() || !controls_.empty(); });
+        queue_changed_.wait(lock,
+                            [&] { return stopping_ || !queue_.empty() || !controls_.empty(); });
         if (stopping_ && queue_.empty() && controls_.empty()) break;
       }
       while (!free_slots_.empty() && !queue_.empty()) {
@@ -94,7 +97,9 @@ void IoWorker::run(std::promise<Status>& started, bool& fell_back, std::string& 
       // From here until the wait returns, new work must wake the ring.
       if (in_flight_ > 0 || !ready_.empty()) waiting_in_ring_.store(true);
     }
-    for (Control* control : controls) control->result.set_value(control->call(*ring_));
+    for (const std::shared_ptr<Control>& control : controls) {
+      control->result.set_value(control->call(*ring_));
+    }
     controls.clear();
     while (!ready_.empty()) {
       issue(ready_.front());
@@ -130,12 +135,12 @@ void IoWorker::enqueue(std::vector<BlockRequest>&& requests) {
 }
 
 Status IoWorker::run_on_ring(std::function<Status(Ring&)> call) {
-  Control control{std::move(call), {}};
-  std::future<Status> result = control.result.get_future();
+  auto control = std::make_shared<Control>(std::move(call), std::promise<Status>());
+  std::future<Status> result = control->result.get_future();
   bool wake_ring;
   {
     std::lock_guard lock(mutex_);
-    controls_.push_back(&control);
+    controls_.push_back(std::move(control));
     wake_ring = waiting_in_ring_.exchange(false);
   }
   queue_changed_.notify_one();
@@ -183,7 +188,8 @@ void IoWorker::issue(uint32_t slot) {
     // A tail: read the whole alignment block into the bounce block; a write
     // then patches its bytes in and writes the block back.
     if (!flight.bounce) {
-      flight.bounce = {static_cast<std::byte*>(std::aligned_alloc(alignment, alignment)), std::free};
+      flight.bounce = {static_cast<std::byte*>(std::aligned_alloc(alignment, alignment)),
+                       std::free};
     }
     ring_request.op = flight.tail_read_done ? RingOp::kWrite : RingOp::kRead;
     ring_request.buffer = flight.bounce.get();
@@ -206,7 +212,8 @@ void IoWorker::complete(uint32_t slot, int64_t result) {
   const uint64_t alignment = settings_.alignment;
   {
     float latency_us = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() -
-                                                                flight.issued_at).count();
+                                                                flight.issued_at)
+                           .count();
     std::lock_guard lock(latencies_mutex_);
     latencies_us_.push_back(latency_us);
   }
@@ -221,7 +228,8 @@ void IoWorker::complete(uint32_t slot, int64_t result) {
     if (made_progress) {
       flight.retries_without_progress = 0;
     } else if (++flight.retries_without_progress > settings_.max_retries) {
-      return finish(slot, describe(fmt::format("no progress after {} retries", settings_.max_retries)));
+      return finish(slot,
+                    describe(fmt::format("no progress after {} retries", settings_.max_retries)));
     }
     counters_.retries.fetch_add(1, std::memory_order_relaxed);
     ready_.push_back(slot);
@@ -255,8 +263,10 @@ void IoWorker::complete(uint32_t slot, int64_t result) {
     }
     // Read stage of a tail write. 0 means the block lies past the end of the
     // file (nothing to keep); a partial block is retried rather than guessed.
-    if (result == 0) std::memset(bounce, 0, alignment);
-    else if (uint64_t(result) < alignment) return retry(false);
+    if (result == 0)
+      std::memset(bounce, 0, alignment);
+    else if (uint64_t(result) < alignment)
+      return retry(false);
     std::memcpy(bounce, request.buffer, request.length);
     flight.tail_read_done = true;
     ready_.push_back(slot);
@@ -266,8 +276,9 @@ void IoWorker::complete(uint32_t slot, int64_t result) {
   const uint32_t remaining = request.length - flight.done;
   if (result == 0 && request.op == RingOp::kRead) return finish(slot, describe("end of file"));
   // A short O_DIRECT transfer resumes at an aligned point; bytes past it are redone.
-  const uint32_t advanced =
-      uint64_t(result) >= remaining ? remaining : uint32_t(uint64_t(result) / alignment * alignment);
+  const uint32_t advanced = uint64_t(result) >= remaining
+                                ? remaining
+                                : uint32_t(uint64_t(result) / alignment * alignment);
   flight.done += advanced;
   count_bytes(advanced);
   if (flight.done == request.length) return finish(slot, Status::ok());

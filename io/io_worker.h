@@ -73,7 +73,7 @@ class IoWorker {
     int slot;
   };
 
-  void run(std::promise<Status>& started, bool& fell_back, std::string& ring_description);
+  void run(bool& fell_back, std::string& ring_description);
   void issue(uint32_t slot);
   void complete(uint32_t slot, int64_t result);
   void finish(uint32_t slot, Status status);
@@ -83,12 +83,14 @@ class IoWorker {
   FinishRequest finish_request_;
   Counters& counters_;
   std::unique_ptr<Ring> ring_;
+  std::promise<Status> started_;  // a member, so it outlives the thread's set_value
   std::thread thread_;
 
   std::mutex mutex_;  // guards queue_, controls_, stopping_, waiting_in_ring_ (writes of true)
   std::condition_variable queue_changed_;
   std::deque<BlockRequest> queue_;
-  std::deque<Control*> controls_;
+  std::deque<std::shared_ptr<Control>>
+      controls_;  // shared: the caller may return before set_value does
   bool stopping_ = false;
   std::atomic<bool> waiting_in_ring_{false};
 

@@ -13,9 +13,9 @@
 namespace strata::io {
 
 struct DirectoryInfo {
-  bool direct_io = false;    // O_DIRECT opens, writes and reads there
-  uint64_t alignment = 4096; // statx(STATX_DIOALIGN) where reported, else 4096
-  std::string filesystem;    // "ext4", "xfs", "tmpfs", ... or "unknown (0x...)"
+  bool direct_io = false;     // O_DIRECT opens, writes and reads there
+  uint64_t alignment = 4096;  // statx(STATX_DIOALIGN) where reported, else 4096
+  std::string filesystem;     // "ext4", "xfs", "tmpfs", ... or "unknown (0x...)"
 };
 
 // Exists, is a directory, is writable, and whether O_DIRECT works there

@@ -20,9 +20,9 @@ struct TransferState {
   IoEngineImpl* engine = nullptr;
   FileId file = -1;
   std::atomic<uint32_t> pending_requests{0};
-  std::atomic<int> done{0};  // 0 while running; waited on with std::atomic::wait
-  bool durable = false;      // fdatasync every touched path after the data requests
-  bool sync_issued = false;  // touched only by the thread that finishes the data requests
+  std::atomic<int> done{0};    // 0 while running; waited on with std::atomic::wait
+  bool durable = false;        // fdatasync every touched path after the data requests
+  bool sync_issued = false;    // touched only by the thread that finishes the data requests
   uint64_t touched_paths = 0;  // bit p: path p holds part of the range
   std::chrono::steady_clock::time_point submitted_at;
   std::chrono::steady_clock::time_point completed_at;

@@ -86,7 +86,8 @@ class UringRing final : public Ring {
 
   Status register_file(int slot, int fd) override {
     int rc = io_uring_register_files_update(&ring_, slot, &fd, 1);
-    if (rc < 0) return Status::error(fmt::format("io_uring file registration: {}", errno_text(-rc)));
+    if (rc < 0)
+      return Status::error(fmt::format("io_uring file registration: {}", errno_text(-rc)));
     return Status::ok();
   }
   Status unregister_file(int slot) override { return register_file(slot, -1); }
@@ -96,7 +97,8 @@ class UringRing final : public Ring {
     iovec vector{data, size};
     __u64 tag = 0;
     int rc = io_uring_register_buffers_update_tag(&ring_, slot, &vector, &tag, 1);
-    if (rc < 0) return Status::error(fmt::format("io_uring buffer registration: {}", errno_text(-rc)));
+    if (rc < 0)
+      return Status::error(fmt::format("io_uring buffer registration: {}", errno_text(-rc)));
     return Status::ok();
   }
   Status unregister_buffer(int slot) override {

@@ -11,8 +11,8 @@
 namespace strata::io {
 namespace {
 
-using testing::TemporaryDirectory;
 using testing::fill_random;
+using testing::TemporaryDirectory;
 
 TEST(IoEngineConcurrency, ManyTransfersFromSeveralThreadsRoundTrip) {
   TemporaryDirectory directory;
@@ -28,7 +28,8 @@ TEST(IoEngineConcurrency, ManyTransfersFromSeveralThreadsRoundTrip) {
 
   constexpr int kThreads = 4;
   constexpr int kTransfersPerThread = 24;
-  constexpr uint64_t kRegion = 100 << 10;  // not a multiple of the block size; ends on a 4 KiB boundary
+  constexpr uint64_t kRegion = 100
+                               << 10;  // not a multiple of the block size; ends on a 4 KiB boundary
   constexpr uint64_t kTotal = kThreads * kTransfersPerThread * kRegion;
   Result<FileId> file = engine.create_file("concurrent.swap", kTotal);
   ASSERT_TRUE(file.is_ok()) << file.status().message();
@@ -65,7 +66,8 @@ TEST(IoEngineConcurrency, ManyTransfersFromSeveralThreadsRoundTrip) {
     });
   }
   for (std::thread& thread : threads) thread.join();
-  for (int thread = 0; thread < kThreads; ++thread) EXPECT_EQ(failures[thread], 0) << "thread " << thread;
+  for (int thread = 0; thread < kThreads; ++thread)
+    EXPECT_EQ(failures[thread], 0) << "thread " << thread;
   EXPECT_EQ(std::memcmp(buffer.data(), expected.data(), buffer.size()), 0);
   EXPECT_EQ(engine.counters().bytes_written, kTotal);
   EXPECT_EQ(engine.counters().bytes_read, kTotal);
@@ -76,8 +78,8 @@ TEST(IoEngineConcurrency, ManyTransfersFromSeveralThreadsRoundTrip) {
 TEST(IoEngineConcurrency, DroppingAHandleWaitsForItsTransfer) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
-  Result<std::unique_ptr<IoEngine>> opened =
-      IoEngine::open({.paths = {directory.path()}, .block_size = 64 << 10, .notice = [](const std::string&) {}});
+  Result<std::unique_ptr<IoEngine>> opened = IoEngine::open(
+      {.paths = {directory.path()}, .block_size = 64 << 10, .notice = [](const std::string&) {}});
   ASSERT_TRUE(opened.is_ok()) << opened.status().message();
   IoEngine& engine = **opened;
   Result<FileId> file = engine.create_file("dropped.swap", 4 << 20);
@@ -91,11 +93,32 @@ TEST(IoEngineConcurrency, DroppingAHandleWaitsForItsTransfer) {
   EXPECT_TRUE(engine.remove_file(*file).is_ok());
 }
 
+TEST(IoEngineConcurrency, ClosingTheEngineWaitsForRunningTransfers) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  Result<std::unique_ptr<IoEngine>> opened =
+      IoEngine::open({.paths = {directory.subdirectory("a"), directory.subdirectory("b")},
+                      .block_size = 64 << 10,
+                      .notice = [](const std::string&) {}});
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  std::unique_ptr<IoEngine> engine = std::move(opened).value();
+  Result<FileId> file = engine->create_file("closing.swap", 8 << 20);
+  ASSERT_TRUE(file.is_ok());
+  AlignedBuffer data(8 << 20);
+  fill_random(data.data(), data.size(), 9);
+  // A durable write queues its fdatasync on both paths after its last write.
+  IoHandle handle = engine->write(*file, 0, data.data(), 8 << 20, Durability::kSync);
+  engine.reset();
+  EXPECT_TRUE(handle.is_done());
+  EXPECT_TRUE(handle.wait().is_ok());
+}
+
 TEST(IoEngineConcurrency, SyncCoversEveryPath) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
   Result<std::unique_ptr<IoEngine>> opened =
-      IoEngine::open({.paths = {directory.subdirectory("a"), directory.subdirectory("b"), directory.subdirectory("c")},
+      IoEngine::open({.paths = {directory.subdirectory("a"), directory.subdirectory("b"),
+                                directory.subdirectory("c")},
                       .notice = [](const std::string&) {}});
   ASSERT_TRUE(opened.is_ok()) << opened.status().message();
   IoEngine& engine = **opened;

@@ -12,8 +12,8 @@
 namespace strata::io {
 namespace {
 
-using testing::TemporaryDirectory;
 using testing::fill_random;
+using testing::TemporaryDirectory;
 
 std::unique_ptr<IoEngine> open_engine(IoOptions options) {
   options.notice = [](const std::string&) {};
@@ -42,7 +42,8 @@ void check_random_round_trips(IoEngine& engine, uint64_t seed, int transfers) {
   for (int i = 0; i < transfers; ++i) {
     const uint64_t offset = random() % (capacity / alignment) * alignment;
     uint64_t length = random() % (capacity - offset) + 1;
-    if (i % 4 == 0) length = std::min<uint64_t>(length, random() % alignment + 1);  // shorter than a block
+    if (i % 4 == 0)
+      length = std::min<uint64_t>(length, random() % alignment + 1);  // shorter than a block
     fill_random(data.data(), length, seed + i + 1);
     Status written = engine.write(*file, offset, data.data(), length).wait();
     ASSERT_TRUE(written.is_ok()) << written.message();
@@ -63,7 +64,8 @@ void check_random_round_trips(IoEngine& engine, uint64_t seed, int transfers) {
 TEST(IoEngineRoundTrip, RandomSizesAndOffsetsOnOnePath) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
-  auto engine = open_engine({.paths = {directory.path()}, .block_size = 64 << 10, .queue_depth = 8});
+  auto engine =
+      open_engine({.paths = {directory.path()}, .block_size = 64 << 10, .queue_depth = 8});
   ASSERT_NE(engine, nullptr);
   check_random_round_trips(*engine, 1, 40);
 }
@@ -71,9 +73,10 @@ TEST(IoEngineRoundTrip, RandomSizesAndOffsetsOnOnePath) {
 TEST(IoEngineRoundTrip, StripedOverTwoPaths) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
-  auto engine = open_engine({.paths = {directory.subdirectory("nvme0"), directory.subdirectory("nvme1")},
-                             .block_size = 64 << 10,
-                             .queue_depth = 4});
+  auto engine =
+      open_engine({.paths = {directory.subdirectory("nvme0"), directory.subdirectory("nvme1")},
+                   .block_size = 64 << 10,
+                   .queue_depth = 4});
   ASSERT_NE(engine, nullptr);
   check_random_round_trips(*engine, 2, 30);
 }
@@ -101,7 +104,8 @@ TEST(IoEngineRoundTrip, StripesLandOnEveryPathInBlockUnits) {
   Result<FileId> file = engine->create_file("stripes.swap", 6 * block);
   ASSERT_TRUE(file.is_ok());
   AlignedBuffer data(6 * block);
-  for (uint64_t unit = 0; unit < 6; ++unit) std::memset(data.data() + unit * block, int('A' + unit), block);
+  for (uint64_t unit = 0; unit < 6; ++unit)
+    std::memset(data.data() + unit * block, int('A' + unit), block);
   ASSERT_TRUE(engine->write(*file, 0, data.data(), 6 * block, Durability::kSync).wait().is_ok());
   // Unit u is on path u % 3 at offset (u / 3) * block.
   for (uint64_t unit = 0; unit < 6; ++unit) {
@@ -112,13 +116,15 @@ TEST(IoEngineRoundTrip, StripesLandOnEveryPathInBlockUnits) {
     std::fclose(stream);
   }
   EXPECT_TRUE(engine->remove_file(*file).is_ok());
-  for (const std::string& path : paths) EXPECT_FALSE(std::filesystem::exists(path + "/stripes.swap"));
+  for (const std::string& path : paths)
+    EXPECT_FALSE(std::filesystem::exists(path + "/stripes.swap"));
 }
 
 TEST(IoEngineRoundTrip, RegisteredBuffersUseFixedCallsAndRoundTrip) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
-  auto engine = open_engine({.paths = {directory.path()}, .block_size = 128 << 10, .queue_depth = 8});
+  auto engine =
+      open_engine({.paths = {directory.path()}, .block_size = 128 << 10, .queue_depth = 8});
   ASSERT_NE(engine, nullptr);
   const uint64_t size = 3 << 20;
   AlignedBuffer out(size), in(size);

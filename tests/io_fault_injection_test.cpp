@@ -14,8 +14,8 @@
 namespace strata::io {
 namespace {
 
-using testing::TemporaryDirectory;
 using testing::fill_random;
+using testing::TemporaryDirectory;
 
 constexpr uint64_t kBlock = 64 << 10;
 constexpr uint64_t kFileSize = 16 * kBlock;  // 16 block requests per whole-file transfer
@@ -25,14 +25,13 @@ class FaultInjectionTest : public ::testing::TestWithParam<IoBackend> {
   void SetUp() override {
     STRATA_SKIP_WITHOUT_DIRECT_IO(directory_);
     injector_ = std::make_shared<FaultInjector>();
-    Result<std::unique_ptr<IoEngine>> engine =
-        IoEngine::open({.paths = {directory_.path()},
-                        .block_size = kBlock,
-                        .queue_depth = 4,
-                        .backend = GetParam(),
-                        .max_retries = 8,
-                        .notice = [](const std::string&) {},
-                        .fault_injector = injector_});
+    Result<std::unique_ptr<IoEngine>> engine = IoEngine::open({.paths = {directory_.path()},
+                                                               .block_size = kBlock,
+                                                               .queue_depth = 4,
+                                                               .backend = GetParam(),
+                                                               .max_retries = 8,
+                                                               .notice = [](const std::string&) {},
+                                                               .fault_injector = injector_});
     ASSERT_TRUE(engine.is_ok()) << engine.status().message();
     engine_ = std::move(engine).value();
     Result<FileId> file = engine_->create_file("faults.swap", kFileSize);
@@ -77,7 +76,8 @@ void expect_names_location(const Status& status, const std::string& errno_name,
 }
 
 TEST_P(FaultInjectionTest, EioOnReadIsReportedWithErrnoFileOffsetAndLength) {
-  injector_->add({.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 3), .error_number = EIO});
+  injector_->add(
+      {.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 3), .error_number = EIO});
   AlignedBuffer back(kFileSize);
   Status read = engine_->read(file_, 0, back.data(), kFileSize).wait();
   expect_names_location(read, "EIO", "faults.swap", "read of");
@@ -89,7 +89,8 @@ TEST_P(FaultInjectionTest, EnospcOnWriteIsReportedAndCompletedWritesAreKept) {
   AlignedBuffer update(kFileSize);
   fill_random(update.data(), kFileSize, 12);
   // Four separate transfers of four blocks; the 6th write call (in the second) fails.
-  injector_->add({.op = RingOp::kWrite, .nth_call = next_call(RingOp::kWrite, 6), .error_number = ENOSPC});
+  injector_->add(
+      {.op = RingOp::kWrite, .nth_call = next_call(RingOp::kWrite, 6), .error_number = ENOSPC});
   std::vector<Status> results;
   for (uint64_t part = 0; part < 4; ++part) {
     const uint64_t offset = part * 4 * kBlock;
@@ -108,7 +109,9 @@ TEST_P(FaultInjectionTest, EnospcOnWriteIsReportedAndCompletedWritesAreKept) {
 }
 
 TEST_P(FaultInjectionTest, ShortReadIsRetriedToTheExactBytes) {
-  injector_->add({.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 2), .kind = FaultKind::kShortTransfer});
+  injector_->add({.op = RingOp::kRead,
+                  .nth_call = next_call(RingOp::kRead, 2),
+                  .kind = FaultKind::kShortTransfer});
   const uint64_t retries_before = engine_->counters().retries;
   EXPECT_TRUE(file_matches(written_));
   EXPECT_EQ(injector_->faults_injected(), 1u);
@@ -118,7 +121,10 @@ TEST_P(FaultInjectionTest, ShortReadIsRetriedToTheExactBytes) {
 TEST_P(FaultInjectionTest, ShortWriteIsRetriedAndNothingIsLost) {
   AlignedBuffer update(kFileSize);
   fill_random(update.data(), kFileSize, 13);
-  injector_->add({.op = RingOp::kWrite, .nth_call = next_call(RingOp::kWrite, 1), .kind = FaultKind::kShortTransfer, .times = 3});
+  injector_->add({.op = RingOp::kWrite,
+                  .nth_call = next_call(RingOp::kWrite, 1),
+                  .kind = FaultKind::kShortTransfer,
+                  .times = 3});
   Status written = engine_->write(file_, 0, update.data(), kFileSize, Durability::kSync).wait();
   ASSERT_TRUE(written.is_ok()) << written.message();
   EXPECT_EQ(injector_->faults_injected(), 3u);
@@ -128,9 +134,14 @@ TEST_P(FaultInjectionTest, ShortWriteIsRetriedAndNothingIsLost) {
 TEST_P(FaultInjectionTest, EagainAndEintrAreRetried) {
   AlignedBuffer update(kFileSize);
   fill_random(update.data(), kFileSize, 14);
-  injector_->add({.op = RingOp::kWrite, .nth_call = next_call(RingOp::kWrite, 2), .error_number = EAGAIN, .times = 2});
-  injector_->add({.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 1), .error_number = EINTR});
-  injector_->add({.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 5), .error_number = EAGAIN});
+  injector_->add({.op = RingOp::kWrite,
+                  .nth_call = next_call(RingOp::kWrite, 2),
+                  .error_number = EAGAIN,
+                  .times = 2});
+  injector_->add(
+      {.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 1), .error_number = EINTR});
+  injector_->add(
+      {.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead, 5), .error_number = EAGAIN});
   Status written = engine_->write(file_, 0, update.data(), kFileSize).wait();
   ASSERT_TRUE(written.is_ok()) << written.message();
   EXPECT_TRUE(file_matches(update));
@@ -139,11 +150,15 @@ TEST_P(FaultInjectionTest, EagainAndEintrAreRetried) {
 }
 
 TEST_P(FaultInjectionTest, EagainForeverGivesUpAfterMaxRetries) {
-  injector_->add({.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead), .error_number = EAGAIN, .times = 1000});
+  injector_->add({.op = RingOp::kRead,
+                  .nth_call = next_call(RingOp::kRead),
+                  .error_number = EAGAIN,
+                  .times = 1000});
   AlignedBuffer back(kBlock);
   Status read = engine_->read(file_, 3 * kBlock, back.data(), kBlock).wait();
   EXPECT_FALSE(read.is_ok());
-  EXPECT_NE(read.message().find("no progress after 8 retries"), std::string::npos) << read.message();
+  EXPECT_NE(read.message().find("no progress after 8 retries"), std::string::npos)
+      << read.message();
   EXPECT_NE(read.message().find("at offset 196608"), std::string::npos) << read.message();
 }
 
@@ -157,7 +172,9 @@ TEST_P(FaultInjectionTest, FailedFdatasyncFailsTheDurableWrite) {
 
 TEST_P(FaultInjectionTest, DurableWriteSyncsOnlyAfterItsWritesComplete) {
   // The first write call stalls; the fdatasync must still come after it.
-  injector_->add({.op = RingOp::kWrite, .nth_call = next_call(RingOp::kWrite), .kind = FaultKind::kStall,
+  injector_->add({.op = RingOp::kWrite,
+                  .nth_call = next_call(RingOp::kWrite),
+                  .kind = FaultKind::kStall,
                   .stall = std::chrono::milliseconds(50)});
   const uint64_t syncs_before = injector_->calls(RingOp::kSync);
   IoHandle handle = engine_->write(file_, 0, written_.data(), kFileSize, Durability::kSync);
@@ -173,8 +190,11 @@ TEST_P(FaultInjectionTest, ShortTailWriteKeepsNeighbouringBytes) {
   const uint64_t length = kBlock + kBlock / 2 + 100;
   AlignedBuffer update(length);
   fill_random(update.data(), length, 15);
-  injector_->add({.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead), .error_number = EAGAIN});
-  injector_->add({.op = RingOp::kWrite, .nth_call = next_call(RingOp::kWrite), .kind = FaultKind::kShortTransfer});
+  injector_->add(
+      {.op = RingOp::kRead, .nth_call = next_call(RingOp::kRead), .error_number = EAGAIN});
+  injector_->add({.op = RingOp::kWrite,
+                  .nth_call = next_call(RingOp::kWrite),
+                  .kind = FaultKind::kShortTransfer});
   ASSERT_TRUE(engine_->write(file_, kBlock, update.data(), length).wait().is_ok());
   std::memcpy(written_.data() + kBlock, update.data(), length);
   EXPECT_TRUE(file_matches(written_));

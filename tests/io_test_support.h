@@ -18,7 +18,8 @@ namespace strata::io::testing {
 class TemporaryDirectory {
  public:
   TemporaryDirectory() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "strata-io-test-XXXXXX").string();
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "strata-io-test-XXXXXX").string();
     if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
   }
   ~TemporaryDirectory() {
@@ -39,7 +40,8 @@ class TemporaryDirectory {
     if (path_.empty()) return "could not create a temporary directory";
     Result<DirectoryInfo> info = inspect_swap_directory(path_);
     if (!info) return info.status().message();
-    if (!info->direct_io) return "the temporary directory's filesystem (" + info->filesystem + ") has no O_DIRECT";
+    if (!info->direct_io)
+      return "the temporary directory's filesystem (" + info->filesystem + ") has no O_DIRECT";
     return "";
   }
 
@@ -59,8 +61,8 @@ inline void fill_random(std::byte* data, size_t size, uint64_t seed) {
 
 }  // namespace strata::io::testing
 
-#define STRATA_SKIP_WITHOUT_DIRECT_IO(directory)                                  \
-  do {                                                                            \
-    std::string why = (directory).why_unusable();                                 \
+#define STRATA_SKIP_WITHOUT_DIRECT_IO(directory)                                          \
+  do {                                                                                    \
+    std::string why = (directory).why_unusable();                                         \
     if (!why.empty()) GTEST_SKIP() << "O_DIRECT tests need a suitable temp dir: " << why; \
   } while (0)

@@ -3,6 +3,7 @@
 // block sizes x queue depths x threads and prints the best as DeepSpeed's `aio`
 // block. The file is removed afterwards, also on Ctrl-C.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -13,7 +14,6 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
-#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -34,7 +34,9 @@ using Clock = std::chrono::steady_clock;
 
 std::atomic<bool> interrupted{false};
 
-void on_interrupt(int) { interrupted.store(true); }
+void on_interrupt(int) {
+  interrupted.store(true);
+}
 
 // Ctrl-C (and SIGTERM) set a flag; the bench stops submitting, waits for what
 // is in flight, removes its file and exits 130.
@@ -68,7 +70,7 @@ struct ProcessSnapshot {
   static ProcessSnapshot now() {
     ProcessSnapshot snapshot;
     snapshot.time = Clock::now();
-    rusage usage {};
+    rusage usage{};
     getrusage(RUSAGE_SELF, &usage);
     auto seconds = [](timeval value) { return double(value.tv_sec) + value.tv_usec * 1e-6; };
     snapshot.cpu_seconds = seconds(usage.ru_utime) + seconds(usage.ru_stime);
@@ -133,7 +135,10 @@ std::string size_label(uint64_t bytes) {
 class ProgressLine {
  public:
   explicit ProgressLine(std::string label, uint64_t total)
-      : label_(std::move(label)), total_(total), enabled_(isatty(STDERR_FILENO)), start_(Clock::now()) {}
+      : label_(std::move(label)),
+        total_(total),
+        enabled_(isatty(STDERR_FILENO)),
+        start_(Clock::now()) {}
   ~ProgressLine() {
     if (enabled_ && shown_) fmt::print(stderr, "\r\033[K");
   }
@@ -160,26 +165,33 @@ class NvmeBenchCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
     CLI::App* cmd = app.add_subcommand(
-        "nvme-bench", "Measure NVMe read/write bandwidth through strata's I/O engine (and tune aio)");
+        "nvme-bench",
+        "Measure NVMe read/write bandwidth through strata's I/O engine (and tune aio)");
     cmd->add_option("--path", paths_, "Directory on an NVMe device; repeat to stripe over several")
         ->required();
     cmd->add_option("--size", size_text_, "File size (default 4G; 1G per setting with --sweep)");
     cmd->add_option("--block-size", block_size_text_, "Request size and stripe unit (default 1M)");
     cmd->add_option("--queue-depth", queue_depth_, "Requests in flight per I/O thread (default 32)")
         ->check(CLI::Range(1, 4096));
-    cmd->add_option("--threads", threads_, "I/O threads per path (default 1)")->check(CLI::Range(1, 64));
+    cmd->add_option("--threads", threads_, "I/O threads per path (default 1)")
+        ->check(CLI::Range(1, 64));
     cmd->add_option("--mode", mode_, "read, write or both (default both)")
         ->check(CLI::IsMember({"read", "write", "both"}));
     cmd->add_flag("--json", json_, "Print one JSON object on stdout instead of the text report");
-    cmd->add_flag("--sweep", sweep_, "Try every setting in the lists below; print the best as an aio block");
-    cmd->add_option("--sweep-block-sizes", sweep_block_sizes_, "Block sizes for --sweep (default 256K,1M,4M,8M)")
+    cmd->add_flag("--sweep", sweep_,
+                  "Try every setting in the lists below; print the best as an aio block");
+    cmd->add_option("--sweep-block-sizes", sweep_block_sizes_,
+                    "Block sizes for --sweep (default 256K,1M,4M,8M)")
         ->delimiter(',');
-    cmd->add_option("--sweep-queue-depths", sweep_queue_depths_, "Queue depths for --sweep (default 8,32,64)")
+    cmd->add_option("--sweep-queue-depths", sweep_queue_depths_,
+                    "Queue depths for --sweep (default 8,32,64)")
         ->delimiter(',');
-    cmd->add_option("--sweep-threads", sweep_threads_, "Threads per path for --sweep (default 1,2,4)")
+    cmd->add_option("--sweep-threads", sweep_threads_,
+                    "Threads per path for --sweep (default 1,2,4)")
         ->delimiter(',');
-    cmd->add_flag("--buffered-io", buffered_io_,
-                  "Allow a filesystem without O_DIRECT (goes through the page cache; numbers mean less)");
+    cmd->add_flag(
+        "--buffered-io", buffered_io_,
+        "Allow a filesystem without O_DIRECT (goes through the page cache; numbers mean less)");
     cmd->add_option("--io-backend", backend_, "auto, io_uring or posix (pread/pwrite threads)")
         ->check(CLI::IsMember({"auto", "io_uring", "posix"}));
     return cmd;
@@ -202,10 +214,12 @@ class NvmeBenchCommand : public Subcommand {
     Result<std::vector<Setting>> settings = settings_to_try();
     if (!settings) return settings.status();
     uint64_t largest_block = 0;
-    for (const Setting& setting : *settings) largest_block = std::max(largest_block, setting.block_size);
+    for (const Setting& setting : *settings)
+      largest_block = std::max(largest_block, setting.block_size);
     size_ = *size / largest_block * largest_block;  // whole blocks, like fio
     if (size_ == 0) {
-      return Status::error(fmt::format("--size {} is smaller than one block ({})", format_bytes(double(*size)),
+      return Status::error(fmt::format("--size {} is smaller than one block ({})",
+                                       format_bytes(double(*size)),
                                        format_bytes(double(largest_block))));
     }
     Status space = check_free_space();
@@ -267,9 +281,10 @@ class NvmeBenchCommand : public Subcommand {
       const uint64_t needed = size_ / paths_.size();
       const uint64_t available = io::free_bytes(path);
       if (available < needed) {
-        return Status::error(fmt::format("not enough free space in '{}': the benchmark needs {} there, {} is "
-                                         "available; pass a smaller --size",
-                                         path, format_bytes(double(needed)), format_bytes(double(available))));
+        return Status::error(
+            fmt::format("not enough free space in '{}': the benchmark needs {} there, {} is "
+                        "available; pass a smaller --size",
+                        path, format_bytes(double(needed)), format_bytes(double(available))));
       }
     }
     return Status::ok();
@@ -297,8 +312,10 @@ class NvmeBenchCommand : public Subcommand {
     const size_t workers = paths_.size() * setting.threads;
     const size_t transfers_in_flight = 2 * workers;
     uint64_t transfer_size = setting.block_size * setting.queue_depth;
-    transfer_size = std::max<uint64_t>(setting.block_size, std::min<uint64_t>(transfer_size, (uint64_t{1} << 30) / transfers_in_flight) /
-                                                            setting.block_size * setting.block_size);
+    transfer_size = std::max<uint64_t>(
+        setting.block_size,
+        std::min<uint64_t>(transfer_size, (uint64_t{1} << 30) / transfers_in_flight) /
+            setting.block_size * setting.block_size);
     io::AlignedBuffer buffer(transfer_size * transfers_in_flight, engine.alignment());
     std::mt19937_64 random(42);
     for (size_t i = 0; i + 8 <= buffer.size(); i += 8) {
@@ -306,7 +323,8 @@ class NvmeBenchCommand : public Subcommand {
       std::memcpy(buffer.data() + i, &word, 8);
     }
     Status registered = engine.register_buffer(buffer.data(), buffer.size());
-    if (!registered && !json_) fmt::print(stderr, "  note: {}; using unregistered buffers\n", registered.message());
+    if (!registered && !json_)
+      fmt::print(stderr, "  note: {}; using unregistered buffers\n", registered.message());
 
     Status status;
     const bool wants_write = mode_ != "read";
@@ -325,8 +343,8 @@ class NvmeBenchCommand : public Subcommand {
     return result;
   }
 
-  PhaseResult run_phase(IoEngine& engine, io::FileId file, bool write, const io::AlignedBuffer& buffer,
-                        uint64_t transfer_size, Status& status) {
+  PhaseResult run_phase(IoEngine& engine, io::FileId file, bool write,
+                        const io::AlignedBuffer& buffer, uint64_t transfer_size, Status& status) {
     ProgressLine progress(write ? "write" : "read ", size_);
     const size_t slots = buffer.size() / transfer_size;
     engine.take_request_latencies_us();  // drop earlier samples
@@ -370,14 +388,17 @@ class NvmeBenchCommand : public Subcommand {
     const Setting& setting = result.setting;
     if (!sweep_) {
       fmt::print("  engine: {}, alignment {}\n", result.backend, result.alignment);
-      fmt::print("  block {}, queue depth {}, {} thread{} per path\n", size_label(setting.block_size),
-                 setting.queue_depth, setting.threads, setting.threads == 1 ? "" : "s");
+      fmt::print("  block {}, queue depth {}, {} thread{} per path\n",
+                 size_label(setting.block_size), setting.queue_depth, setting.threads,
+                 setting.threads == 1 ? "" : "s");
       auto line = [&](const char* name, const PhaseResult& phase, const char* note) {
-        fmt::print("  {}  {:6.2f} GB/s  {} in {:.2f} s{}  latency p50 {:.0f} us  p99 {:.0f} us  CPU {:.2f} s "
-                   "({:.3f} s/GB)  kernel-accounted {} bytes\n",
-                   name, phase.gb_per_second(), format_bytes(double(phase.bytes)), phase.seconds, note,
-                   phase.latency_p50_us, phase.latency_p99_us, phase.cpu_seconds, phase.cpu_seconds_per_gb(),
-                   phase.kernel_bytes);
+        fmt::print(
+            "  {}  {:6.2f} GB/s  {} in {:.2f} s{}  latency p50 {:.0f} us  p99 {:.0f} us  CPU "
+            "{:.2f} s "
+            "({:.3f} s/GB)  kernel-accounted {} bytes\n",
+            name, phase.gb_per_second(), format_bytes(double(phase.bytes)), phase.seconds, note,
+            phase.latency_p50_us, phase.latency_p99_us, phase.cpu_seconds,
+            phase.cpu_seconds_per_gb(), phase.kernel_bytes);
       };
       if (result.write) line("write", *result.write, " incl. fdatasync");
       if (result.read) line("read ", *result.read, "");
@@ -385,8 +406,8 @@ class NvmeBenchCommand : public Subcommand {
     }
     if (first_of_sweep) {
       fmt::print("  engine: {}, alignment {}\n", result.backend, result.alignment);
-      fmt::print("  {:>6} {:>6} {:>8} {:>11} {:>11} {:>10} {:>10}\n", "block", "depth", "threads", "write GB/s",
-                 "read GB/s", "p99 write", "p99 read");
+      fmt::print("  {:>6} {:>6} {:>8} {:>11} {:>11} {:>10} {:>10}\n", "block", "depth", "threads",
+                 "write GB/s", "read GB/s", "p99 write", "p99 read");
     }
     fmt::print("  {:>6} {:>6} {:>8} {:>11} {:>11} {:>10} {:>10}\n", size_label(setting.block_size),
                setting.queue_depth, setting.threads,
@@ -401,10 +422,12 @@ class NvmeBenchCommand : public Subcommand {
   // queue, then smallest block) within 3% of it: the rest is noise.
   const SettingResult& best_of(const std::vector<SettingResult>& results) const {
     double fastest = 1e300;
-    for (const SettingResult& result : results) fastest = std::min(fastest, result.seconds_per_pass(size_));
+    for (const SettingResult& result : results)
+      fastest = std::min(fastest, result.seconds_per_pass(size_));
     const SettingResult* best = nullptr;
     auto lighter = [](const Setting& a, const Setting& b) {
-      return std::tie(a.threads, a.queue_depth, a.block_size) < std::tie(b.threads, b.queue_depth, b.block_size);
+      return std::tie(a.threads, a.queue_depth, a.block_size) <
+             std::tie(b.threads, b.queue_depth, b.block_size);
     };
     for (const SettingResult& result : results) {
       if (result.seconds_per_pass(size_) > fastest * 1.03) continue;
@@ -414,30 +437,36 @@ class NvmeBenchCommand : public Subcommand {
   }
 
   static nlohmann::json aio_block(const Setting& setting) {
-    return {{"block_size", setting.block_size},   {"queue_depth", setting.queue_depth},
-            {"intra_op_parallelism", setting.threads}, {"single_submit", false},
-            {"overlap_events", true},             {"use_gds", false}};
+    return {{"block_size", setting.block_size},
+            {"queue_depth", setting.queue_depth},
+            {"intra_op_parallelism", setting.threads},
+            {"single_submit", false},
+            {"overlap_events", true},
+            {"use_gds", false}};
   }
 
   void print_best(const SettingResult& best) const {
     const Setting& setting = best.setting;
-    fmt::print("best: block {}, queue depth {}, {} thread{} per path", size_label(setting.block_size),
-               setting.queue_depth, setting.threads, setting.threads == 1 ? "" : "s");
+    fmt::print("best: block {}, queue depth {}, {} thread{} per path",
+               size_label(setting.block_size), setting.queue_depth, setting.threads,
+               setting.threads == 1 ? "" : "s");
     if (best.write) fmt::print(", write {:.2f} GB/s", best.write->gb_per_second());
     if (best.read) fmt::print(", read {:.2f} GB/s", best.read->gb_per_second());
     fmt::print(" (fastest, or the lightest within 3% of it)\n");
-    fmt::print("DeepSpeed config block (also read by strata):\n\"aio\": {}\n", aio_block(setting).dump(2));
+    fmt::print("DeepSpeed config block (also read by strata):\n\"aio\": {}\n",
+               aio_block(setting).dump(2));
   }
 
   nlohmann::json to_json(const std::vector<SettingResult>& results) const {
     auto phase_json = [](const PhaseResult& phase) {
-      return nlohmann::json{{"bytes", phase.bytes},
-                            {"seconds", phase.seconds},
-                            {"gb_per_s", phase.gb_per_second()},
-                            {"latency_us", {{"p50", phase.latency_p50_us}, {"p99", phase.latency_p99_us}}},
-                            {"cpu_seconds", phase.cpu_seconds},
-                            {"cpu_seconds_per_gb", phase.cpu_seconds_per_gb()},
-                            {"kernel_bytes", phase.kernel_bytes}};
+      return nlohmann::json{
+          {"bytes", phase.bytes},
+          {"seconds", phase.seconds},
+          {"gb_per_s", phase.gb_per_second()},
+          {"latency_us", {{"p50", phase.latency_p50_us}, {"p99", phase.latency_p99_us}}},
+          {"cpu_seconds", phase.cpu_seconds},
+          {"cpu_seconds_per_gb", phase.cpu_seconds_per_gb()},
+          {"kernel_bytes", phase.kernel_bytes}};
     };
     auto result_json = [&](const SettingResult& result) {
       nlohmann::json json{{"block_size", result.setting.block_size},
