@@ -234,6 +234,7 @@ class NvmeBenchCommand : public Subcommand {
       if (interrupted) break;
       Result<SettingResult> result = measure(setting);
       if (!result) return result.status();
+      if (interrupted) break;  // a partial measurement means nothing
       if (!json_) print_result(*result, sweep_ && results.empty());
       results.push_back(*result);
     }
