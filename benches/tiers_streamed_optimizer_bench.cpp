@@ -73,7 +73,8 @@ strata::Optimizer make_optimizer() {
 void StreamedStep(benchmark::State& state) {
   const Shape shape;
   const char* given_path = std::getenv("STRATA_BENCH_PATH");
-  const std::string path = given_path ? given_path : std::filesystem::temp_directory_path().string();
+  const std::string path =
+      given_path ? given_path : std::filesystem::temp_directory_path().string();
   const unsigned buffers = unsigned(env_number("STRATA_BENCH_BUFFERS", 5));
   strata::StreamedOptimizerOptions streamed_options{shape.chunk, buffers};
 
@@ -99,7 +100,8 @@ void StreamedStep(benchmark::State& state) {
   std::vector<uint16_t> copy(shape.chunk);
   std::vector<strata::StreamedOptimizerUnit> units;
   for (int unit = 0; unit < shape.units(); ++unit)
-    units.push_back({unit, shape.chunk, {}, grad.data(), ElementType::bf16, copy.data(), ElementType::bf16});
+    units.push_back(
+        {unit, shape.chunk, {}, grad.data(), ElementType::bf16, copy.data(), ElementType::bf16});
   strata::Optimizer optimizer = make_optimizer();
 
   // Untimed: writes every block of the state once.
@@ -109,7 +111,8 @@ void StreamedStep(benchmark::State& state) {
   double read_wait = 0, write_wait = 0, visit = 0;
   uint64_t moved = 0;
   for (auto _ : state) {
-    strata::Status status = (*streamed)->step(optimizer, *optimizer.begin_step(std::nullopt), units);
+    strata::Status status =
+        (*streamed)->step(optimizer, *optimizer.begin_step(std::nullopt), units);
     if (!status) return state.SkipWithError(status.message().c_str());
     const strata::tiers::StreamedPassStats& stats = (*streamed)->last_step();
     read_wait += stats.read_wait_seconds;
@@ -120,7 +123,8 @@ void StreamedStep(benchmark::State& state) {
   const double steps = double(state.iterations());
   state.counters["state_bytes"] = double(shape.total_state_bytes());
   state.counters["moved_bytes_per_step"] = moved / steps;
-  state.counters["bytes_per_second"] = benchmark::Counter(double(moved), benchmark::Counter::kIsRate);
+  state.counters["bytes_per_second"] =
+      benchmark::Counter(double(moved), benchmark::Counter::kIsRate);
   state.counters["read_wait_s"] = read_wait / steps;
   state.counters["write_wait_s"] = write_wait / steps;
   state.counters["visit_s"] = visit / steps;
@@ -144,14 +148,18 @@ void InMemoryStep(benchmark::State& state) {
                       reinterpret_cast<float*>(master.data()) + begin,
                       reinterpret_cast<float*>(m.data()) + begin,
                       reinterpret_cast<float*>(v.data()) + begin,
-                      grad.data(), ElementType::bf16, copy.data(), ElementType::bf16};
+                      grad.data(),
+                      ElementType::bf16,
+                      copy.data(),
+                      ElementType::bf16};
       if (strata::Status status = optimizer.update_shard(plan, shard); !status) return status;
     }
     return strata::Status::ok();
   };
   if (strata::Status warm = step(); !warm) return state.SkipWithError(warm.message().c_str());
   for (auto _ : state) {
-    if (strata::Status status = step(); !status) return state.SkipWithError(status.message().c_str());
+    if (strata::Status status = step(); !status)
+      return state.SkipWithError(status.message().c_str());
   }
   state.counters["state_bytes"] = double(shape.total_state_bytes());
   state.counters["peak_rss_bytes"] = peak_rss_bytes();

@@ -33,13 +33,15 @@ Result<std::unique_ptr<StreamedOptimizer>> StreamedOptimizer::create(
     tiers::TieredStore& store, StreamedOptimizerOptions options) {
   // Chunks start at multiples of chunk_elements * 4 bytes, which must be I/O-aligned.
   if (options.chunk_elements <= 0 || options.chunk_elements % 1024 != 0)
-    return Status::error(fmt::format("streamed optimizer: chunk of {} elements; it must be a "
-                                     "positive multiple of 1024 (4 KiB of fp32); check sub_group_size",
-                                     options.chunk_elements));
+    return Status::error(
+        fmt::format("streamed optimizer: chunk of {} elements; it must be a "
+                    "positive multiple of 1024 (4 KiB of fp32); check sub_group_size",
+                    options.chunk_elements));
   tiers::StreamedPassOptions pass_options;
   pass_options.buffer_count = options.buffer_count;
   pass_options.buffer_bytes = uint64_t(options.chunk_elements) * 12;
-  Result<std::unique_ptr<tiers::StreamedPass>> pass = tiers::StreamedPass::create(store, pass_options);
+  Result<std::unique_ptr<tiers::StreamedPass>> pass =
+      tiers::StreamedPass::create(store, pass_options);
   if (!pass) return pass.status().with_context("streamed optimizer");
   return std::unique_ptr<StreamedOptimizer>(new StreamedOptimizer(options, std::move(*pass)));
 }
@@ -67,7 +69,8 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
       chunks.push_back({u, begin, numel});
       StreamItem item;
       for (ShardKind kind : {ShardKind::master, ShardKind::m, ShardKind::v})
-        item.pieces.push_back(StreamPiece{{unit.unit, kind}, uint64_t(begin) * 4, uint64_t(numel) * 4});
+        item.pieces.push_back(
+            StreamPiece{{unit.unit, kind}, uint64_t(begin) * 4, uint64_t(numel) * 4});
       items.push_back(std::move(item));
     }
   }
@@ -81,7 +84,8 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     for (const ShardSegment& segment : unit.segments) {
       const int64_t begin = std::max(segment.begin, chunk.begin);
       const int64_t stop = std::min(segment.end, end);
-      if (begin < stop) segments.push_back({begin - chunk.begin, stop - chunk.begin, segment.group});
+      if (begin < stop)
+        segments.push_back({begin - chunk.begin, stop - chunk.begin, segment.group});
     }
     OptimizerShard shard;
     shard.arrays.numel = chunk.numel;
@@ -91,11 +95,13 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     shard.arrays.grad = offset_elements(unit.grad, chunk.begin, unit.grad_type);
     shard.arrays.grad_type = unit.grad_type;
     shard.arrays.copy =
-        unit.copy ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type)) : nullptr;
+        unit.copy ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
+                  : nullptr;
     shard.arrays.copy_type = unit.copy_type;
     shard.segments = segments;
     Status status = optimizer.update_shard(plan, shard);
-    return status.with_context(fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
+    return status.with_context(
+        fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
   };
   return pass_->run(items, update_chunk).with_context("streamed optimizer step");
 }

@@ -36,7 +36,7 @@ inline constexpr int64_t kStreamedChunkElements = int64_t{1} << 24;
 
 struct StreamedOptimizerOptions {
   int64_t chunk_elements = kStreamedChunkElements;  // a multiple of 1024
-  unsigned buffer_count = 4;                         // offload_optimizer.buffer_count
+  unsigned buffer_count = 4;                        // offload_optimizer.buffer_count
 };
 
 // One unit's shard as the step sees it.
@@ -56,7 +56,8 @@ class StreamedOptimizer {
                                                            StreamedOptimizerOptions options);
 
   // Adds (unit, master), (unit, m), (unit, v) of numel fp32 elements, homed in `home`.
-  static Status add_unit_state(tiers::TieredStore& store, int unit, int64_t numel, tiers::Tier home);
+  static Status add_unit_state(tiers::TieredStore& store, int unit, int64_t numel,
+                               tiers::Tier home);
 
   // Host bytes create() takes from the host tier.
   static uint64_t host_buffer_bytes(const StreamedOptimizerOptions& options);

@@ -72,7 +72,8 @@ class StreamedOptimizerTest : public ::testing::Test {
       int64_t begin = 0;
       while (begin < unit.numel) {
         const int64_t end = std::min(unit.numel, begin + 1 + int64_t(random() % 9000));
-        unit.segments.push_back({begin, end, random() % 2 ? ParamGroup::decay : ParamGroup::no_decay});
+        unit.segments.push_back(
+            {begin, end, random() % 2 ? ParamGroup::decay : ParamGroup::no_decay});
         begin = end;
       }
       ASSERT_TRUE(StreamedOptimizer::add_unit_state(*store_, u, unit.numel, unit.home).is_ok());
@@ -99,8 +100,8 @@ class StreamedOptimizerTest : public ::testing::Test {
   void reference_step(const Optimizer& optimizer, const StepPlan& plan) {
     for (UnitState& unit : units_) {
       OptimizerShard shard;
-      shard.arrays = {unit.numel, unit.master.data(), unit.m.data(), unit.v.data(), unit.grad.data(),
-                      ElementType::bf16, unit.copy.data(), ElementType::bf16};
+      shard.arrays = {unit.numel,       unit.master.data(), unit.m.data(),    unit.v.data(),
+                      unit.grad.data(), ElementType::bf16,  unit.copy.data(), ElementType::bf16};
       shard.segments = unit.segments;
       ASSERT_TRUE(optimizer.update_shard(plan, shard).is_ok());
     }
@@ -109,8 +110,9 @@ class StreamedOptimizerTest : public ::testing::Test {
   void expect_state_matches(const std::vector<std::vector<uint16_t>>& copies) {
     for (size_t u = 0; u < units_.size(); ++u) {
       const UnitState& unit = units_[u];
-      for (auto [kind, values] : {std::pair{ShardKind::master, &unit.master},
-                                  std::pair{ShardKind::m, &unit.m}, std::pair{ShardKind::v, &unit.v}}) {
+      for (auto [kind, values] :
+           {std::pair{ShardKind::master, &unit.master}, std::pair{ShardKind::m, &unit.m},
+            std::pair{ShardKind::v, &unit.v}}) {
         std::vector<std::byte> back(unit.numel * 4);
         ASSERT_TRUE(store_->read_shard({int(u), kind}, back).is_ok());
         EXPECT_EQ(std::memcmp(back.data(), values->data(), back.size()), 0)
@@ -182,13 +184,16 @@ TEST_F(StreamedOptimizerTest, AnIoFaultIsAnErrorNamingTheUnit) {
   Result<Optimizer> created = Optimizer::create(options_with_clipping());
   ASSERT_TRUE(created.is_ok());
   const StepPlan plan = begin(*created, units_);
-  injector_->add({.op = io::RingOp::kWrite, .nth_call = injector_->calls(io::RingOp::kWrite) + 4,
-                  .kind = io::FaultKind::kError, .error_number = EIO});
+  injector_->add({.op = io::RingOp::kWrite,
+                  .nth_call = injector_->calls(io::RingOp::kWrite) + 4,
+                  .kind = io::FaultKind::kError,
+                  .error_number = EIO});
   std::vector<std::vector<uint16_t>> copies;
   std::vector<StreamedOptimizerUnit> units = streamed_units(copies);
   Status status = (*streamed)->step(*created, plan, units);
   ASSERT_FALSE(status.is_ok());
-  EXPECT_NE(status.message().find("streamed optimizer step: streamed pass: item"), std::string::npos)
+  EXPECT_NE(status.message().find("streamed optimizer step: streamed pass: item"),
+            std::string::npos)
       << status.message();
   EXPECT_NE(status.message().find("(write-back)"), std::string::npos) << status.message();
 }

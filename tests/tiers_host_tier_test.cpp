@@ -103,7 +103,8 @@ TEST(DeviceTierTest, HostMemoryStandsInWithTheSameBudgetRules) {
 
 TEST(TopologyTest, ReportsNodesCpusAndPaths) {
   io::testing::TemporaryDirectory directory;
-  Result<TopologyReport> report = inspect_topology({directory.path(), "/nonexistent-strata-path"}, 2);
+  Result<TopologyReport> report =
+      inspect_topology({directory.path(), "/nonexistent-strata-path"}, 2);
   ASSERT_TRUE(report.is_ok()) << report.status().message();
   ASSERT_FALSE(report->nodes.empty());
   EXPECT_FALSE(report->io_cpus.empty());

@@ -16,11 +16,11 @@ namespace strata::tiers {
 namespace {
 
 using io::testing::TemporaryDirectory;
-using testing::Notices;
-using testing::StoreSizes;
 using testing::fresh_seed;
+using testing::Notices;
 using testing::open_test_store;
 using testing::random_bytes;
+using testing::StoreSizes;
 
 void expect_within_budgets(TieredStore& store) {
   for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {
@@ -70,15 +70,15 @@ class RandomDriver {
           ++budget_failures;
           return;
         }
-        const bool from_host = tier == Tier::device && shard.home == Tier::nvme &&
-                               shard.copies.count(Tier::host);
+        const bool from_host =
+            tier == Tier::device && shard.home == Tier::nvme && shard.copies.count(Tier::host);
         shard.copies[tier] = from_host ? shard.copies[Tier::host] : shard.home_bytes;
         return;
       }
       case 2: {  // wait and compare
         Result<ShardView> view = store_.wait(shard.key, tier);
-        ASSERT_EQ(view.is_ok(), present) << shard_name(shard.key) << " " << tier_name(tier) << ": "
-                                         << view.status().message();
+        ASSERT_EQ(view.is_ok(), present)
+            << shard_name(shard.key) << " " << tier_name(tier) << ": " << view.status().message();
         if (present) {
           ASSERT_EQ(view->bytes, shard.copies[tier].size());
           ASSERT_EQ(std::memcmp(view->data, shard.copies[tier].data(), view->bytes), 0)
@@ -261,10 +261,10 @@ TEST(TieredStoreTest, ContractMisusesAreErrors) {
   TieredStore& store = **opened;
   ASSERT_TRUE(store.add_shard({0, ShardKind::grad}, 4096, Tier::host).is_ok());
   EXPECT_FALSE(store.add_shard({0, ShardKind::grad}, 4096, Tier::host).is_ok());
-  EXPECT_FALSE(store.prefetch({0, ShardKind::grad}, Tier::host).is_ok());  // its home
-  EXPECT_FALSE(store.prefetch({0, ShardKind::grad}, Tier::nvme).is_ok());  // slower
+  EXPECT_FALSE(store.prefetch({0, ShardKind::grad}, Tier::host).is_ok());     // its home
+  EXPECT_FALSE(store.prefetch({0, ShardKind::grad}, Tier::nvme).is_ok());     // slower
   EXPECT_FALSE(store.writeback({0, ShardKind::grad}, Tier::device).is_ok());  // no copy
-  EXPECT_FALSE(store.release({0, ShardKind::grad}, Tier::host).is_ok());   // its home
+  EXPECT_FALSE(store.release({0, ShardKind::grad}, Tier::host).is_ok());      // its home
   Status missing = store.prefetch({5, ShardKind::m}, Tier::host);
   EXPECT_NE(missing.message().find("no shard (unit 5, m)"), std::string::npos) << missing.message();
   EXPECT_TRUE(store.remove_shard({0, ShardKind::grad}).is_ok());
@@ -349,8 +349,10 @@ TEST(TieredStoreTest, InjectedFaultsSurfaceWithoutCorruptingOtherShards) {
   }
 
   // A read fails: the load reports it, leaves no copy and charges nothing.
-  injector->add({.op = io::RingOp::kRead, .nth_call = injector->calls(io::RingOp::kRead) + 2,
-                 .kind = io::FaultKind::kError, .error_number = EIO});
+  injector->add({.op = io::RingOp::kRead,
+                 .nth_call = injector->calls(io::RingOp::kRead) + 2,
+                 .kind = io::FaultKind::kError,
+                 .error_number = EIO});
   ASSERT_TRUE(store.prefetch({0, ShardKind::v}, Tier::host).is_ok());
   Result<ShardView> failed = store.wait({0, ShardKind::v}, Tier::host);
   ASSERT_FALSE(failed.is_ok());
@@ -367,8 +369,10 @@ TEST(TieredStoreTest, InjectedFaultsSurfaceWithoutCorruptingOtherShards) {
   // A write-back fails: reported, the copy is kept, a second write-back lands.
   std::vector<std::byte> changed = random_bytes(300000, random);
   std::memcpy(loaded->data, changed.data(), changed.size());
-  injector->add({.op = io::RingOp::kWrite, .nth_call = injector->calls(io::RingOp::kWrite) + 1,
-                 .kind = io::FaultKind::kError, .error_number = ENOSPC});
+  injector->add({.op = io::RingOp::kWrite,
+                 .nth_call = injector->calls(io::RingOp::kWrite) + 1,
+                 .kind = io::FaultKind::kError,
+                 .error_number = ENOSPC});
   ASSERT_TRUE(store.writeback({0, ShardKind::v}, Tier::host).is_ok());
   Result<ShardView> write_failed = store.wait({0, ShardKind::v}, Tier::host);
   ASSERT_FALSE(write_failed.is_ok());
@@ -380,8 +384,10 @@ TEST(TieredStoreTest, InjectedFaultsSurfaceWithoutCorruptingOtherShards) {
   ASSERT_TRUE(store.release({0, ShardKind::v}, Tier::host).is_ok());
 
   // Short transfers are retried by the engine and never seen here.
-  injector->add({.op = io::RingOp::kRead, .nth_call = injector->calls(io::RingOp::kRead) + 1,
-                 .kind = io::FaultKind::kShortTransfer, .times = 3});
+  injector->add({.op = io::RingOp::kRead,
+                 .nth_call = injector->calls(io::RingOp::kRead) + 1,
+                 .kind = io::FaultKind::kShortTransfer,
+                 .times = 3});
   ASSERT_TRUE(store.prefetch({1, ShardKind::v}, Tier::device).is_ok());
   Result<ShardView> staged = store.wait({1, ShardKind::v}, Tier::device);
   ASSERT_TRUE(staged.is_ok()) << staged.status().message();

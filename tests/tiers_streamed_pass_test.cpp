@@ -13,11 +13,11 @@ namespace strata::tiers {
 namespace {
 
 using io::testing::TemporaryDirectory;
-using testing::Notices;
-using testing::StoreSizes;
 using testing::fresh_seed;
+using testing::Notices;
 using testing::open_test_store;
 using testing::random_bytes;
+using testing::StoreSizes;
 
 constexpr uint64_t kAlign = 4096;
 
@@ -163,15 +163,18 @@ TEST(StreamedPassTest, AnInjectedReadFaultNamesTheItemAndCorruptsNothing) {
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
   auto injector = std::make_shared<io::FaultInjector>();
   Notices notices;
-  auto opened = open_test_store(directory.path(), StoreSizes{0, 4 << 20, 16 << 20}, notices, injector);
+  auto opened =
+      open_test_store(directory.path(), StoreSizes{0, 4 << 20, 16 << 20}, notices, injector);
   ASSERT_TRUE(opened.is_ok()) << opened.status().message();
   std::mt19937_64 random(6);
   ChainOfItems chain = make_chain(**opened, 12, random);
   auto pass = StreamedPass::create(**opened, {4, 2 * kAlign});
   ASSERT_TRUE(pass.is_ok()) << pass.status().message();
   // Each item is one read request; the 8th read of the pass fails.
-  injector->add({.op = io::RingOp::kRead, .nth_call = injector->calls(io::RingOp::kRead) + 8,
-                 .kind = io::FaultKind::kError, .error_number = EIO});
+  injector->add({.op = io::RingOp::kRead,
+                 .nth_call = injector->calls(io::RingOp::kRead) + 8,
+                 .kind = io::FaultKind::kError,
+                 .error_number = EIO});
   size_t visited = 0;
   Status ran = (*pass)->run(chain.items, [&](size_t, std::span<std::byte* const> pieces) {
     add_one(pieces[0], 2 * kAlign);

@@ -40,7 +40,9 @@ DeviceCopy& DeviceCopy::operator=(DeviceCopy&& other) noexcept {
   return *this;
 }
 
-DeviceCopy::~DeviceCopy() { (void)wait(); }
+DeviceCopy::~DeviceCopy() {
+  (void)wait();
+}
 
 bool DeviceCopy::is_done() const {
 #ifdef STRATA_HAS_CUDA
@@ -111,8 +113,7 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
     tier->to_host_stream_ = to_host;
     return tier;
   }
-  if (options.use_gpu)
-    notice("device tier: no GPU found; host memory stands in for device memory");
+  if (options.use_gpu) notice("device tier: no GPU found; host memory stands in for device memory");
 #else
   (void)notice;
 #endif
@@ -149,13 +150,16 @@ Result<DeviceBlock> DeviceTier::allocate(uint64_t bytes, std::string_view what) 
   return DeviceBlock{base_ + *offset, bytes, *offset};
 }
 
-void DeviceTier::free(const DeviceBlock& block) { allocator_.free(block.offset); }
+void DeviceTier::free(const DeviceBlock& block) {
+  allocator_.free(block.offset);
+}
 
 Status DeviceTier::zero(const DeviceBlock& block) {
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
     cudaStream_t stream = static_cast<cudaStream_t>(to_device_stream_);
-    Status status = cuda_status(cudaMemsetAsync(block.data, 0, block.size, stream), "zeroing a block");
+    Status status =
+        cuda_status(cudaMemsetAsync(block.data, 0, block.size, stream), "zeroing a block");
     if (status) status = cuda_status(cudaStreamSynchronize(stream), "zeroing a block");
     return status;
   }
@@ -177,7 +181,8 @@ DeviceCopy DeviceTier::copy_to_device(const DeviceBlock& destination, uint64_t o
     copy.status_ = cuda_status(
         cudaMemcpyAsync(destination.data + offset, source, bytes, cudaMemcpyHostToDevice, stream),
         "copy to the device");
-    if (copy.status_) copy.status_ = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
+    if (copy.status_)
+      copy.status_ = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
     if (!copy.status_) {
       cudaEventDestroy(event);
       return copy;
@@ -203,7 +208,8 @@ DeviceCopy DeviceTier::copy_to_host(void* destination, const DeviceBlock& source
     copy.status_ = cuda_status(
         cudaMemcpyAsync(destination, source.data + offset, bytes, cudaMemcpyDeviceToHost, stream),
         "copy to the host");
-    if (copy.status_) copy.status_ = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
+    if (copy.status_)
+      copy.status_ = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
     if (!copy.status_) {
       cudaEventDestroy(event);
       return copy;

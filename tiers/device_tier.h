@@ -79,7 +79,8 @@ class DeviceTier {
 
   bool on_gpu() const { return on_gpu_; }
   TierUsage usage() const { return allocator_.usage(); }
-  std::string description() const;  // "4.0 GiB cudaMalloc pool on GPU 0" / "... host memory standing in"
+  std::string description()
+      const;  // "4.0 GiB cudaMalloc pool on GPU 0" / "... host memory standing in"
 
  private:
   explicit DeviceTier(uint64_t capacity);

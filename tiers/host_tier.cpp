@@ -37,7 +37,9 @@ bool gpu_present() {
 }  // namespace
 
 HostTier::HostTier(std::byte* base, uint64_t capacity)
-    : base_(base), capacity_(capacity), allocator_(capacity, kPage, "host tier", "--host-mem-limit") {}
+    : base_(base),
+      capacity_(capacity),
+      allocator_(capacity, kPage, "host tier", "--host-mem-limit") {}
 
 Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
   auto notice = options.notice ? options.notice : [](const std::string& line) {
@@ -90,18 +92,21 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
       allowed = raised.rlim_cur == RLIM_INFINITY ? UINT64_MAX : raised.rlim_cur;
   }
   // root (CAP_IPC_LOCK) may lock past the limit; mlock itself is the judge then.
-  if (allowed < capacity && !options.memlock_limit_for_testing && geteuid() == 0) allowed = capacity;
+  if (allowed < capacity && !options.memlock_limit_for_testing && geteuid() == 0)
+    allowed = capacity;
   if (allowed < capacity) {
-    notice(fmt::format("host tier: RLIMIT_MEMLOCK is {}, below the {} pool; the pool is not "
-                       "pinned (pages may be swapped out); raise it with `ulimit -l` or "
-                       "LimitMEMLOCK= in the service unit",
-                       io::format_bytes(allowed), io::format_bytes(capacity)));
+    notice(
+        fmt::format("host tier: RLIMIT_MEMLOCK is {}, below the {} pool; the pool is not "
+                    "pinned (pages may be swapped out); raise it with `ulimit -l` or "
+                    "LimitMEMLOCK= in the service unit",
+                    io::format_bytes(allowed), io::format_bytes(capacity)));
     return tier;
   }
   if (mlock(base, capacity) != 0) {
-    notice(fmt::format("host tier: mlock of {} failed ({}); the pool is not pinned; raise "
-                       "RLIMIT_MEMLOCK (`ulimit -l`)",
-                       io::format_bytes(capacity), std::strerror(errno)));
+    notice(
+        fmt::format("host tier: mlock of {} failed ({}); the pool is not pinned; raise "
+                    "RLIMIT_MEMLOCK (`ulimit -l`)",
+                    io::format_bytes(capacity), std::strerror(errno)));
     return tier;
   }
   tier->pinning_ = HostPinning::mlock;
@@ -122,7 +127,9 @@ Result<HostBlock> HostTier::allocate(uint64_t bytes, std::string_view what) {
   return HostBlock{base_ + *offset, bytes, *offset};
 }
 
-void HostTier::free(const HostBlock& block) { allocator_.free(block.offset); }
+void HostTier::free(const HostBlock& block) {
+  allocator_.free(block.offset);
+}
 
 std::string HostTier::description() const {
   const char* pinned = pinning_ == HostPinning::mlock                ? "mlock-ed"

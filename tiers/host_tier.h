@@ -27,7 +27,7 @@
 namespace strata::tiers {
 
 struct HostTierOptions {
-  uint64_t capacity = 0;           // bytes; rounded down to 4 KiB
+  uint64_t capacity = 0;              // bytes; rounded down to 4 KiB
   std::optional<unsigned> numa_node;  // default: choose_host_node()
   int gpu_index = 0;
   bool pin = true;

@@ -48,7 +48,9 @@ Result<NvmeExtent> NvmeTier::allocate(uint64_t bytes, std::string_view what) {
   return NvmeExtent{*offset, bytes};
 }
 
-void NvmeTier::free(const NvmeExtent& extent) { allocator_.free(extent.offset); }
+void NvmeTier::free(const NvmeExtent& extent) {
+  allocator_.free(extent.offset);
+}
 
 io::IoHandle NvmeTier::read(const NvmeExtent& extent, uint64_t offset, void* buffer,
                             uint64_t length) {

@@ -43,16 +43,16 @@ Result<uint64_t> PoolAllocator::allocate(uint64_t bytes, std::string_view what) 
   }
   using io::format_bytes;
   if (capacity_ - used_ >= size) {
-    return Status::error(fmt::format(
-        "{}: cannot place {} for {}: {} of {} free but the largest free range is {} "
-        "(fragmented); release shards first or raise {}",
-        tier_, format_bytes(size), what, format_bytes(capacity_ - used_), format_bytes(capacity_),
-        format_bytes(largest), limit_hint_));
+    return Status::error(
+        fmt::format("{}: cannot place {} for {}: {} of {} free but the largest free range is {} "
+                    "(fragmented); release shards first or raise {}",
+                    tier_, format_bytes(size), what, format_bytes(capacity_ - used_),
+                    format_bytes(capacity_), format_bytes(largest), limit_hint_));
   }
-  return Status::error(fmt::format("{}: cannot hold {} more for {}: {} of {} in use (budget); "
-                                   "release shards first or raise {}",
-                                   tier_, format_bytes(size), what, format_bytes(used_),
-                                   format_bytes(capacity_), limit_hint_));
+  return Status::error(fmt::format(
+      "{}: cannot hold {} more for {}: {} of {} in use (budget); "
+      "release shards first or raise {}",
+      tier_, format_bytes(size), what, format_bytes(used_), format_bytes(capacity_), limit_hint_));
 }
 
 void PoolAllocator::free(uint64_t offset) {

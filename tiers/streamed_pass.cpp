@@ -30,9 +30,9 @@ struct Slot {
   size_t item = SIZE_MAX;
   std::vector<PieceTransfer> reads;
   std::vector<PieceTransfer> writes;
-  std::vector<std::byte*> pointers;       // per piece, for the visitor
-  std::vector<ShardHome> homes;           // per piece
-  std::vector<uint64_t> io_lengths;       // per piece (NVMe pieces)
+  std::vector<std::byte*> pointers;  // per piece, for the visitor
+  std::vector<ShardHome> homes;      // per piece
+  std::vector<uint64_t> io_lengths;  // per piece (NVMe pieces)
 };
 
 bool all_done(const std::vector<PieceTransfer>& transfers) {
@@ -96,7 +96,8 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
     for (PieceTransfer& transfer : transfers) {
       Status status = transfer.handle.wait();
       if (!status)
-        fail(status.with_context(fmt::format("{} ({})", piece_text(item, items[item].pieces[transfer.piece]), what)));
+        fail(status.with_context(
+            fmt::format("{} ({})", piece_text(item, items[item].pieces[transfer.piece]), what)));
     }
     transfers.clear();
   };
@@ -122,15 +123,18 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
       Result<ShardHome> home = store_.home(piece.shard);
       if (!home) return home.status().with_context(piece_text(j, piece));
       if (piece.offset + piece.length > home->bytes)
-        return Status::error(fmt::format("{}: past the shard's end ({} bytes)", piece_text(j, piece), home->bytes));
+        return Status::error(
+            fmt::format("{}: past the shard's end ({} bytes)", piece_text(j, piece), home->bytes));
       slot.homes[p] = *home;
       if (home->tier == Tier::host) {
         slot.pointers[p] = home->data + piece.offset;
         continue;
       }
       if (home->tier != Tier::nvme)
-        return Status::error(fmt::format("{}: its home is the device; a streamed pass visits NVMe "
-                                         "or host homes", piece_text(j, piece)));
+        return Status::error(
+            fmt::format("{}: its home is the device; a streamed pass visits NVMe "
+                        "or host homes",
+                        piece_text(j, piece)));
       if (piece.offset % alignment != 0)
         return Status::error(fmt::format("{}: offset is not a multiple of the I/O alignment ({})",
                                          piece_text(j, piece), alignment));
@@ -146,7 +150,8 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
       slot.pointers[p] = buffer + used;
       used += round_up(piece.length, alignment);
       if (piece.read) {
-        slot.reads.push_back({nvme->read(home->extent, piece.offset, slot.pointers[p], slot.io_lengths[p]), p});
+        slot.reads.push_back(
+            {nvme->read(home->extent, piece.offset, slot.pointers[p], slot.io_lengths[p]), p});
         stats_.bytes_read += slot.io_lengths[p];
       }
     }
@@ -187,7 +192,8 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
       const StreamPiece& piece = item.pieces[p];
       if (slot.homes[p].tier != Tier::nvme || !piece.write) continue;
       slot.writes.push_back(
-          {nvme->write(slot.homes[p].extent, piece.offset, slot.pointers[p], slot.io_lengths[p]), p});
+          {nvme->write(slot.homes[p].extent, piece.offset, slot.pointers[p], slot.io_lengths[p]),
+           p});
       stats_.bytes_written += slot.io_lengths[p];
     }
     ++stats_.items;

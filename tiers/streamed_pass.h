@@ -41,8 +41,8 @@ struct StreamPiece {
   ShardKey shard;
   uint64_t offset = 0;  // bytes into the shard; a multiple of the I/O alignment
   uint64_t length = 0;
-  bool read = true;     // false: write-only (its bytes in the buffer start undefined)
-  bool write = true;    // false: read-only (not written back)
+  bool read = true;   // false: write-only (its bytes in the buffer start undefined)
+  bool write = true;  // false: read-only (not written back)
 };
 
 struct StreamItem {
@@ -61,10 +61,10 @@ struct StreamedPassStats {
   uint64_t items = 0;
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
-  double seconds = 0;            // the whole run
-  double visit_seconds = 0;      // inside the visitor
-  double read_wait_seconds = 0;  // waiting for an item's reads (the drives were behind)
-  double write_wait_seconds = 0; // waiting for a buffer's write-back before reusing it
+  double seconds = 0;             // the whole run
+  double visit_seconds = 0;       // inside the visitor
+  double read_wait_seconds = 0;   // waiting for an item's reads (the drives were behind)
+  double write_wait_seconds = 0;  // waiting for a buffer's write-back before reusing it
 };
 
 class StreamedPass {

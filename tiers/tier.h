@@ -13,7 +13,9 @@ inline constexpr int kTierCount = 3;
 const char* tier_name(Tier tier);  // "device", "host", "nvme"
 
 // A faster tier is closer to compute: device < host < nvme.
-inline bool faster_than(Tier a, Tier b) { return static_cast<int>(a) < static_cast<int>(b); }
+inline bool faster_than(Tier a, Tier b) {
+  return static_cast<int>(a) < static_cast<int>(b);
+}
 
 enum class ShardKind { param, master, m, v, grad };
 const char* shard_kind_name(ShardKind kind);  // "param", "master", "m", "v", "grad"

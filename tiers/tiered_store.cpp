@@ -22,7 +22,7 @@ struct TieredStore::Copy {
   io::IoHandle io;
   DeviceCopy device_copy;
   std::optional<HostBlock> staging;  // NVMe <-> device goes through the host
-  bool staging_to_device = false;     // load: after the NVMe read, copy staging -> device
+  bool staging_to_device = false;    // load: after the NVMe read, copy staging -> device
 };
 
 struct TieredStore::Shard {
@@ -36,7 +36,9 @@ struct TieredStore::Shard {
 
 namespace {
 
-void print_notice(const std::string& line) { std::fprintf(stderr, "strata: %s\n", line.c_str()); }
+void print_notice(const std::string& line) {
+  std::fprintf(stderr, "strata: %s\n", line.c_str());
+}
 
 }  // namespace
 
@@ -81,9 +83,10 @@ Result<std::unique_ptr<TieredStore>> TieredStore::open(TieredStoreOptions option
       if (registered) {
         store->host_registered_ = true;
       } else {
-        store->notice_(fmt::format("host tier: pool not registered with the I/O rings ({}); "
-                                   "NVMe transfers use unregistered buffers",
-                                   registered.message()));
+        store->notice_(
+            fmt::format("host tier: pool not registered with the I/O rings ({}); "
+                        "NVMe transfers use unregistered buffers",
+                        registered.message()));
       }
     }
   }
@@ -114,25 +117,32 @@ TieredStore::~TieredStore() {
 
 bool TieredStore::has_tier(Tier tier) const {
   switch (tier) {
-    case Tier::device: return device_ != nullptr;
-    case Tier::host: return host_ && host_->capacity() > 0;
-    case Tier::nvme: return nvme_ != nullptr;
+    case Tier::device:
+      return device_ != nullptr;
+    case Tier::host:
+      return host_ && host_->capacity() > 0;
+    case Tier::nvme:
+      return nvme_ != nullptr;
   }
   return false;
 }
 
 Status TieredStore::check_tier(Tier tier, const char* operation, ShardKey key) const {
   if (has_tier(tier)) return Status::ok();
-  return Status::error(fmt::format("tiers: {} {}: the store has no {} tier; give it a budget "
-                                   "(device/host capacity or NVMe paths and capacity)",
-                                   operation, shard_name(key), tier_name(tier)));
+  return Status::error(
+      fmt::format("tiers: {} {}: the store has no {} tier; give it a budget "
+                  "(device/host capacity or NVMe paths and capacity)",
+                  operation, shard_name(key), tier_name(tier)));
 }
 
 TierUsage TieredStore::usage(Tier tier) const {
   switch (tier) {
-    case Tier::device: return device_ ? device_->usage() : TierUsage{};
-    case Tier::host: return host_->usage();
-    case Tier::nvme: return nvme_ ? nvme_->usage() : TierUsage{};
+    case Tier::device:
+      return device_ ? device_->usage() : TierUsage{};
+    case Tier::host:
+      return host_->usage();
+    case Tier::nvme:
+      return nvme_ ? nvme_->usage() : TierUsage{};
   }
   return {};
 }
@@ -193,9 +203,15 @@ void TieredStore::free_copy(Shard& shard, Tier tier) {
   Copy& copy = shard.at(tier);
   if (!copy.present) return;
   switch (tier) {
-    case Tier::device: device_->free(copy.device); break;
-    case Tier::host: host_->free(copy.host); break;
-    case Tier::nvme: nvme_->free(copy.nvme); break;
+    case Tier::device:
+      device_->free(copy.device);
+      break;
+    case Tier::host:
+      host_->free(copy.host);
+      break;
+    case Tier::nvme:
+      nvme_->free(copy.nvme);
+      break;
   }
   copy.present = false;
 }
@@ -228,10 +244,10 @@ Status TieredStore::finish(Shard& shard, Tier tier) {
                                            shard_name(shard.key), tier_name(tier),
                                            tier_name(copy.source)));
   }
-  return status.with_context(fmt::format("tiers: writing back {} from {} to its home ({}); the "
-                                         "home may hold part of it, the {} copy is kept",
-                                         shard_name(shard.key), tier_name(tier),
-                                         tier_name(shard.home), tier_name(tier)));
+  return status.with_context(
+      fmt::format("tiers: writing back {} from {} to its home ({}); the "
+                  "home may hold part of it, the {} copy is kept",
+                  shard_name(shard.key), tier_name(tier), tier_name(shard.home), tier_name(tier)));
 }
 
 Status TieredStore::add_shard(ShardKey key, uint64_t bytes, Tier home) {
@@ -243,7 +259,8 @@ Status TieredStore::add_shard(ShardKey key, uint64_t bytes, Tier home) {
   {
     std::lock_guard lock(mutex_);
     if (shards_.count(key))
-      return Status::error(fmt::format("tiers: add_shard {}: the shard exists already", shard_name(key)));
+      return Status::error(
+          fmt::format("tiers: add_shard {}: the shard exists already", shard_name(key)));
   }
   Copy& copy = shard->at(home);
   const std::string what = shard_name(key);
@@ -306,9 +323,10 @@ Status TieredStore::prefetch(ShardKey key, Tier to) {
   if (!held) return held.status();
   Shard& shard = held->shard();
   if (!faster_than(to, shard.home))
-    return Status::error(fmt::format("tiers: prefetch {} to {}: its home is {}; a prefetch moves "
-                                     "a shard to a faster tier than its home",
-                                     shard_name(key), tier_name(to), tier_name(shard.home)));
+    return Status::error(
+        fmt::format("tiers: prefetch {} to {}: its home is {}; a prefetch moves "
+                    "a shard to a faster tier than its home",
+                    shard_name(key), tier_name(to), tier_name(shard.home)));
   Copy& copy = shard.at(to);
   if (copy.present) return Status::ok();  // there already, or on its way
 
@@ -376,10 +394,9 @@ Status TieredStore::writeback(ShardKey key, Tier from) {
   Shard& shard = held->shard();
   Copy& copy = shard.at(from);
   if (from == shard.home || !copy.present)
-    return Status::error(fmt::format("tiers: writeback {} from {}: {}", shard_name(key),
-                                     tier_name(from),
-                                     from == shard.home ? "that is its home"
-                                                        : "no copy there; prefetch it first"));
+    return Status::error(
+        fmt::format("tiers: writeback {} from {}: {}", shard_name(key), tier_name(from),
+                    from == shard.home ? "that is its home" : "no copy there; prefetch it first"));
   // The load must be complete; nothing else may read or write the home meanwhile
   // (another copy's write-back, or a load from the home).
   if (Status status = finish(shard, from); !status) return status;
@@ -400,7 +417,8 @@ Status TieredStore::writeback(ShardKey key, Tier from) {
     Status copied = device_->copy_to_host(staging->data, copy.device, 0, shard.bytes).wait();
     if (!copied) {
       host_->free(*staging);
-      return copied.with_context(fmt::format("tiers: writing back {} from device", shard_name(key)));
+      return copied.with_context(
+          fmt::format("tiers: writing back {} from device", shard_name(key)));
     }
     copy.staging = *staging;
     copy.io = nvme_->write(home.nvme, 0, staging->data, nvme_->rounded(shard.bytes));
@@ -414,8 +432,9 @@ Status TieredStore::release(ShardKey key, Tier at) {
   if (!held) return held.status();
   Shard& shard = held->shard();
   if (at == shard.home)
-    return Status::error(fmt::format("tiers: release {} in {}: that is its home; remove_shard frees it",
-                                     shard_name(key), tier_name(at)));
+    return Status::error(
+        fmt::format("tiers: release {} in {}: that is its home; remove_shard frees it",
+                    shard_name(key), tier_name(at)));
   Copy& copy = shard.at(at);
   if (!copy.present) return Status::ok();
   Status result;
@@ -463,12 +482,16 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
   }
   Copy& home = shard.at(shard.home);
   switch (shard.home) {
-    case Tier::host: std::memcpy(home.host.data, bytes.data(), bytes.size()); return Status::ok();
+    case Tier::host:
+      std::memcpy(home.host.data, bytes.data(), bytes.size());
+      return Status::ok();
     case Tier::device:
       return device_->copy_to_device(home.device, 0, bytes.data(), bytes.size()).wait();
-    case Tier::nvme: break;
+    case Tier::nvme:
+      break;
   }
-  Result<HostBlock> staging = host_->allocate(shard.bytes, shard_name(key) + " (write_shard staging)");
+  Result<HostBlock> staging =
+      host_->allocate(shard.bytes, shard_name(key) + " (write_shard staging)");
   if (!staging) return staging.status();
   std::memcpy(staging->data, bytes.data(), bytes.size());
   std::memset(staging->data + bytes.size(), 0, nvme_->rounded(shard.bytes) - bytes.size());
@@ -490,12 +513,16 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
   }
   Copy& home = shard.at(shard.home);
   switch (shard.home) {
-    case Tier::host: std::memcpy(bytes.data(), home.host.data, bytes.size()); return Status::ok();
+    case Tier::host:
+      std::memcpy(bytes.data(), home.host.data, bytes.size());
+      return Status::ok();
     case Tier::device:
       return device_->copy_to_host(bytes.data(), home.device, 0, bytes.size()).wait();
-    case Tier::nvme: break;
+    case Tier::nvme:
+      break;
   }
-  Result<HostBlock> staging = host_->allocate(shard.bytes, shard_name(key) + " (read_shard staging)");
+  Result<HostBlock> staging =
+      host_->allocate(shard.bytes, shard_name(key) + " (read_shard staging)");
   if (!staging) return staging.status();
   Status status = nvme_->read(home.nvme, 0, staging->data, nvme_->rounded(shard.bytes)).wait();
   if (status) std::memcpy(bytes.data(), staging->data, bytes.size());

@@ -81,12 +81,12 @@ GpuPlacement locate_gpu(hwloc_topology_t topology, int gpu_index) {
   }
   cudaDeviceProp properties{};
   if (cudaGetDeviceProperties(&properties, gpu_index) != cudaSuccess) return placement;
-  placement.description = fmt::format("{} ({:04x}:{:02x}:{:02x}.0)", properties.name,
-                                      properties.pciDomainID, properties.pciBusID,
-                                      properties.pciDeviceID);
-  hwloc_obj_t pci = hwloc_get_pcidev_by_busid(topology, unsigned(properties.pciDomainID),
-                                              unsigned(properties.pciBusID),
-                                              unsigned(properties.pciDeviceID), 0);
+  placement.description =
+      fmt::format("{} ({:04x}:{:02x}:{:02x}.0)", properties.name, properties.pciDomainID,
+                  properties.pciBusID, properties.pciDeviceID);
+  hwloc_obj_t pci =
+      hwloc_get_pcidev_by_busid(topology, unsigned(properties.pciDomainID),
+                                unsigned(properties.pciBusID), unsigned(properties.pciDeviceID), 0);
   if (pci) {
     hwloc_obj_t ancestor = hwloc_get_non_io_ancestor_obj(topology, pci);
     if (ancestor && ancestor->cpuset) placement.node = node_of_cpuset(topology, ancestor->cpuset);
@@ -147,7 +147,8 @@ Result<TopologyReport> inspect_topology(const std::vector<std::string>& nvme_pat
                                         unsigned io_threads, int gpu_index) {
   Hwloc hwloc;
   if (!hwloc.loaded())
-    return Status::error("topology: hwloc could not read this machine's topology (is /sys mounted?)");
+    return Status::error(
+        "topology: hwloc could not read this machine's topology (is /sys mounted?)");
   hwloc_topology_t topology = hwloc.get();
   TopologyReport report;
   const int count = hwloc_get_nbobjs_by_type(topology, HWLOC_OBJ_NUMANODE);
@@ -247,9 +248,10 @@ void first_touch_on_node(void* data, size_t size, unsigned node_index, std::stri
                         hwloc_set_cpubind(topology, node->cpuset, HWLOC_CPUBIND_THREAD) == 0;
       bound = cpus;
       if ((!memory || !cpus) && notice)
-        *notice = fmt::format("host tier: could not bind the pool to numa node {} ({}); its pages "
-                              "are first-touched where the process runs",
-                              node_index, std::strerror(errno));
+        *notice = fmt::format(
+            "host tier: could not bind the pool to numa node {} ({}); its pages "
+            "are first-touched where the process runs",
+            node_index, std::strerror(errno));
     }
   }
   std::memset(data, 0, size);

@@ -29,18 +29,18 @@ struct NvmePathInfo {
   std::string filesystem;  // "ext4", "xfs", ... (io::inspect_swap_directory)
   bool direct_io = false;
   uint64_t free_bytes = 0;
-  std::string block_device;       // "nvme0n1p1", or "" when unknown
+  std::string block_device;           // "nvme0n1p1", or "" when unknown
   std::optional<unsigned> numa_node;  // the device's node, when the kernel says
   std::string error;                  // why the path cannot be used, or ""
 };
 
 struct TopologyReport {
   std::vector<NumaNodeInfo> nodes;
-  unsigned host_node = 0;              // where the pinned host pool lives
-  std::optional<unsigned> gpu_node;    // the GPU's node (CUDA build, GPU present)
-  std::string gpu;                     // "NVIDIA H100 (0000:1b:00.0)", or "" without one
-  std::string io_cpus;                 // the host node's CPUs for I/O threads
-  std::string optimizer_cpus;          // the rest of the node, for the optimizer's threads
+  unsigned host_node = 0;            // where the pinned host pool lives
+  std::optional<unsigned> gpu_node;  // the GPU's node (CUDA build, GPU present)
+  std::string gpu;                   // "NVIDIA H100 (0000:1b:00.0)", or "" without one
+  std::string io_cpus;               // the host node's CPUs for I/O threads
+  std::string optimizer_cpus;        // the rest of the node, for the optimizer's threads
   std::vector<NvmePathInfo> nvme;
 };
 

@@ -3,9 +3,10 @@
 // CPUs for I/O threads and for the optimizer, and each NVMe path's filesystem,
 // device, node and free space. NVMe paths come from --nvme-path or the config
 // file's offload blocks / strata.nvme_paths.
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
@@ -37,7 +38,8 @@ class TopoCommand : public Subcommand {
       return 2;
     }
     const std::vector<std::string> paths = config->effective_nvme_paths();
-    const unsigned per_path = io_threads_ > 0 ? io_threads_ : unsigned(std::max(1, config->aio.intra_op_parallelism));
+    const unsigned per_path =
+        io_threads_ > 0 ? io_threads_ : unsigned(std::max(1, config->aio.intra_op_parallelism));
     Result<tiers::TopologyReport> report =
         tiers::inspect_topology(paths, per_path * unsigned(std::max<size_t>(1, paths.size())));
     if (!report) {
@@ -56,7 +58,8 @@ class TopoCommand : public Subcommand {
                                       {"memory_bytes", node.memory_bytes}});
       json["host_pool_node"] = report->host_node;
       json["gpu"] = report->gpu.empty() ? nlohmann::json(nullptr) : nlohmann::json(report->gpu);
-      json["gpu_node"] = report->gpu_node ? nlohmann::json(*report->gpu_node) : nlohmann::json(nullptr);
+      json["gpu_node"] =
+          report->gpu_node ? nlohmann::json(*report->gpu_node) : nlohmann::json(nullptr);
       json["io_cpus"] = report->io_cpus;
       json["optimizer_cpus"] = report->optimizer_cpus;
       json["nvme_paths"] = nlohmann::json::array();
@@ -67,7 +70,8 @@ class TopoCommand : public Subcommand {
         } else {
           entry["filesystem"] = path.filesystem;
           entry["block_device"] = path.block_device;
-          entry["numa_node"] = path.numa_node ? nlohmann::json(*path.numa_node) : nlohmann::json(nullptr);
+          entry["numa_node"] =
+              path.numa_node ? nlohmann::json(*path.numa_node) : nlohmann::json(nullptr);
           entry["free_bytes"] = path.free_bytes;
           entry["direct_io"] = path.direct_io;
         }
