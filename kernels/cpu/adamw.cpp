@@ -77,21 +77,51 @@ void update_scalar(const AdamWShard& s, const StepConstants& c, int64_t begin, i
   for (int64_t i = begin; i < end; ++i) update_element<G, C>(s, c, i);
 }
 
-// --- AVX2 + F16C: 8 elements per iteration ---------------------------------------
+// --- AVX2 + F16C: 16 elements (two vectors) per iteration --------------------------
+
+struct Avx2Constants {
+  __m256 grad_scale, decay, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_step_size,
+      inv_bias_correction2_sqrt, eps;
+};
+
+// Updates elements [i, i + 8) of master, m and v; returns the new master.
+template <ElementType G>
+STRATA_TARGET_AVX2 inline __m256 update8(const Avx2Constants& k, bool decoupled, float* master,
+                                         float* exp_avg, float* exp_avg_sq, const void* grad,
+                                         int64_t i) {
+  __m256 g = _mm256_mul_ps(load8_as_float<G>(grad, i), k.grad_scale);
+  __m256 p = _mm256_loadu_ps(master + i);
+  if (decoupled) {
+    p = _mm256_mul_ps(p, k.decay);
+  } else {
+    g = _mm256_add_ps(g, _mm256_mul_ps(k.l2, p));
+  }
+  const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), k.beta1),
+                                 _mm256_mul_ps(k.one_minus_beta1, g));
+  const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), k.beta2),
+                                 _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, g), g));
+  const __m256 denom =
+      _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), k.inv_bias_correction2_sqrt), k.eps);
+  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(k.neg_step_size, m), denom));
+  _mm256_storeu_ps(exp_avg + i, m);
+  _mm256_storeu_ps(exp_avg_sq + i, v);
+  _mm256_storeu_ps(master + i, p);
+  return p;
+}
 
 template <ElementType G, CopyKind C>
 STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c, int64_t begin,
                                     int64_t end) {
-  const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
-  const __m256 decay = _mm256_set1_ps(c.decay);
-  const __m256 l2 = _mm256_set1_ps(c.l2);
-  const __m256 beta1 = _mm256_set1_ps(c.beta1);
-  const __m256 one_minus_beta1 = _mm256_set1_ps(c.one_minus_beta1);
-  const __m256 beta2 = _mm256_set1_ps(c.beta2);
-  const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
-  const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
-  const __m256 inv_bias_correction2_sqrt = _mm256_set1_ps(c.inv_bias_correction2_sqrt);
-  const __m256 eps = _mm256_set1_ps(c.eps);
+  const Avx2Constants k{_mm256_set1_ps(c.grad_scale),
+                        _mm256_set1_ps(c.decay),
+                        _mm256_set1_ps(c.l2),
+                        _mm256_set1_ps(c.beta1),
+                        _mm256_set1_ps(c.one_minus_beta1),
+                        _mm256_set1_ps(c.beta2),
+                        _mm256_set1_ps(c.one_minus_beta2),
+                        _mm256_set1_ps(c.neg_step_size),
+                        _mm256_set1_ps(c.inv_bias_correction2_sqrt),
+                        _mm256_set1_ps(c.eps)};
   // Locals, so the compiler need not reload them after every store.
   float* const master = s.master;
   float* const exp_avg = s.exp_avg;
@@ -100,35 +130,25 @@ STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c,
   void* const copy = s.copy;
   const bool decoupled = c.decoupled;
   int64_t i = begin;
-  // The copy is written with non-temporal stores (it goes to the GPU, not back
-  // to this CPU, and they save reading each line first): peel elements until
-  // it is aligned.
-  if constexpr (C != CopyKind::none) {
-    while (i < end && (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(copy) + i) & 15) != 0) {
+  if constexpr (C == CopyKind::none) {
+    for (; i + 8 <= end; i += 8) update8<G>(k, decoupled, master, exp_avg, exp_avg_sq, grad, i);
+  } else {
+    // The copy is written 32 bytes at a time with non-temporal stores (it goes
+    // to the GPU, not back to this CPU, and they save reading each line
+    // first): peel elements until it is aligned.
+    while (i < end && (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(copy) + i) & 31) != 0) {
       update_element<G, C>(s, c, i++);
     }
-  }
-  for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_mul_ps(load8_as_float<G>(grad, i), grad_scale);
-    __m256 p = _mm256_loadu_ps(master + i);
-    if (decoupled) {
-      p = _mm256_mul_ps(p, decay);
-    } else {
-      g = _mm256_add_ps(g, _mm256_mul_ps(l2, p));
+    for (; i + 16 <= end; i += 16) {
+      const __m256 low = update8<G>(k, decoupled, master, exp_avg, exp_avg_sq, grad, i);
+      const __m256 high = update8<G>(k, decoupled, master, exp_avg, exp_avg_sq, grad, i + 8);
+      store16_from_float_avx2<C>(copy, i, low, high);
     }
-    const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), beta1),
-                                   _mm256_mul_ps(one_minus_beta1, g));
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2),
-                                   _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
-    const __m256 denom =
-        _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(exp_avg + i, m);
-    _mm256_storeu_ps(exp_avg_sq + i, v);
-    _mm256_storeu_ps(master + i, p);
-    store8_from_float<C, true>(copy, i, p);
+    _mm_sfence();  // order the streamed stores before returning
+    for (; i + 8 <= end; i += 8) {
+      store8_from_float<C>(copy, i, update8<G>(k, decoupled, master, exp_avg, exp_avg_sq, grad, i));
+    }
   }
-  if constexpr (C != CopyKind::none) _mm_sfence();  // order the streamed stores before returning
   for (; i < end; ++i) update_element<G, C>(s, c, i);
 }
 

@@ -87,6 +87,42 @@ STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 v
   }
 }
 
+// Round-to-nearest-even bf16 bits of 8 floats, in the low 16 bits of each
+// 32-bit lane. NaN lanes are not fixed here (see the callers).
+STRATA_TARGET_AVX2 inline __m256i bf16_round8_unchecked(__m256 value) {
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                           16);
+}
+
+// Stores 16 floats (low: elements i..i+7, high: i+8..i+15) as bf16 or fp16
+// with one 32-byte non-temporal store; data + i must be 32-byte aligned.
+template <CopyKind C>
+STRATA_TARGET_AVX2 inline void store16_from_float_avx2(void* data, int64_t i, __m256 low,
+                                                       __m256 high) {
+  __m256i packed;
+  if constexpr (C == CopyKind::bf16) {
+    __m256i r_low = bf16_round8_unchecked(low);
+    __m256i r_high = bf16_round8_unchecked(high);
+    // One unordered compare finds a NaN in either vector; NaN is rare, so
+    // the fix-up (every NaN becomes 0x7fc0, as in PyTorch) sits off the hot path.
+    if (_mm256_movemask_ps(_mm256_cmp_ps(low, high, _CMP_UNORD_Q)) != 0) {
+      const __m256i nan = _mm256_set1_epi32(0x7fc0);
+      r_low = _mm256_blendv_epi8(r_low, nan,
+                                 _mm256_castps_si256(_mm256_cmp_ps(low, low, _CMP_UNORD_Q)));
+      r_high = _mm256_blendv_epi8(r_high, nan,
+                                  _mm256_castps_si256(_mm256_cmp_ps(high, high, _CMP_UNORD_Q)));
+    }
+    // packus works within 128-bit lanes: reorder the 64-bit quarters afterwards.
+    packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r_low, r_high), 0xd8);
+  } else {
+    packed = _mm256_set_m128i(_mm256_cvtps_ph(high, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                              _mm256_cvtps_ph(low, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + i), packed);
+}
+
 // --- AVX-512: 16 elements ---------------------------------------------------------
 
 template <ElementType T>
