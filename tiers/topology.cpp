@@ -215,7 +215,7 @@ std::string format_topology(const TopologyReport& report) {
     text += fmt::format("gpu: {}, numa node {}\n", report.gpu,
                         report.gpu_node ? std::to_string(*report.gpu_node) : "unknown");
   } else {
-    text += "gpu: none (CPU backend; device memory is host memory standing in)\n";
+    text += "gpu: none found (device memory is host memory standing in)\n";
   }
   text += fmt::format("cpus for I/O threads: {}\n", report.io_cpus);
   text += fmt::format("cpus for the optimizer: {}\n", report.optimizer_cpus);
