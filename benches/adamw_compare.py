@@ -17,8 +17,9 @@ parameters (default 64 Mi) and T threads (default: all cores):
   torch         torch.optim.AdamW (fused=True where this torch has it, else the
                 default), torch.set_num_threads(T)
 
-The methods run in interleaved rounds and each keeps its best rate, so that
-other load on the machine disturbs the ratios less. Every array holds random
+The methods run in interleaved rounds; each ratio is printed from the best
+rates and as the median of the per-round ratios, so that other load on the
+machine disturbs them less. Every array holds random
 data. Prints parameters/s, GB/s (10^9 bytes, counted
 as the bytes each method must move) and every ratio.
 """
@@ -134,6 +135,7 @@ def main():
         print(f"torch: left out ({error})")
 
     best = {}
+    per_round = []  # the rates of each round, for per-round ratios
     simd = "?"
     for round_index in range(args.rounds):
         strata, simd = run_strata(args.bench, params, threads, args.min_time)
@@ -143,6 +145,7 @@ def main():
         print(f"round {round_index + 1}: " +
               ", ".join(f"{name} {rate / 1e9:.3f}" for name, rate in measured.items()) +
               " G params/s")
+        per_round.append(measured)
         for name, rate in measured.items():
             best[name] = max(best.get(name, 0.0), rate)
     strata = best
@@ -165,20 +168,22 @@ def main():
     for name, rate, bytes_per_param in rows:
         print(f"{name:44s} {rate / 1e9:11.3f} {rate * bytes_per_param / 1e9:8.2f}")
 
-    print("ratios:")
-    ratios = [("strata fp32 / ceiling fp32", strata["AdamWStep/fp32"], strata["Ceiling/fp32"]),
-              ("strata mixed / ceiling mixed", strata["AdamWStep/mixed"], strata["Ceiling/mixed"])]
+    # Each ratio twice: from the best rates, and the median of the ratios
+    # within each round (methods of one round run seconds apart).
+    names = [("strata fp32 / ceiling fp32", "AdamWStep/fp32", "Ceiling/fp32"),
+             ("strata mixed / ceiling mixed", "AdamWStep/mixed", "Ceiling/mixed")]
     if deepspeed:
-        ratios += [("strata fp32 / DeepSpeed fp32", strata["AdamWStep/fp32"], deepspeed["fp32"]),
-                   ("strata mixed / DeepSpeed step+copy", strata["AdamWStep/mixed"], deepspeed["mixed"]),
-                   ("DeepSpeed fp32 / ceiling fp32", deepspeed["fp32"], strata["Ceiling/fp32"])]
+        names += [("strata fp32 / DeepSpeed fp32", "AdamWStep/fp32", "DeepSpeed fp32"),
+                  ("strata mixed / DeepSpeed step+copy", "AdamWStep/mixed", "DeepSpeed mixed"),
+                  ("DeepSpeed fp32 / ceiling fp32", "DeepSpeed fp32", "Ceiling/fp32")]
     if torch_rate:
-        ratios.append((f"strata fp32 / {torch_label}", strata["AdamWStep/fp32"], torch_rate))
+        names.append((f"strata fp32 / {torch_label}", "AdamWStep/fp32", "torch"))
         if deepspeed:
-            ratios.append((f"DeepSpeed fp32 / {torch_label}", deepspeed["fp32"], torch_rate))
-    for name, a, b in ratios:
-        print(f"  {name:50s} {a / b:6.3f}")
-
+            names.append((f"DeepSpeed fp32 / {torch_label}", "DeepSpeed fp32", "torch"))
+    print(f"ratios: {'':44s} {'best':>6s} {'median of rounds':>17s}")
+    for label, a, b in names:
+        median = statistics.median(r[a] / r[b] for r in per_round)
+        print(f"  {label:50s} {best[a] / best[b]:6.3f} {median:17.3f}")
 
 if __name__ == "__main__":
     main()
