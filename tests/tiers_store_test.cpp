@@ -271,6 +271,26 @@ TEST(TieredStoreTest, ContractMisusesAreErrors) {
   EXPECT_EQ(store.usage(Tier::host).used, 0u);
 }
 
+TEST(TieredStoreTest, WholeShardCopiesStageThroughABoundedBlock) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{0, 70 << 20, 160 << 20}, notices);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+  std::mt19937_64 random(11);
+  const size_t size = (150 << 20) + 123;  // three staging blocks, the last one ragged
+  ASSERT_TRUE(store.add_shard({0, ShardKind::master}, size, Tier::nvme).is_ok());
+  const std::vector<std::byte> bytes = random_bytes(size, random);
+  Status written = store.write_shard({0, ShardKind::master}, bytes);
+  ASSERT_TRUE(written.is_ok()) << written.message();
+  std::vector<std::byte> back(size);
+  Status read = store.read_shard({0, ShardKind::master}, back);
+  ASSERT_TRUE(read.is_ok()) << read.message();
+  EXPECT_TRUE(back == bytes);
+  EXPECT_EQ(store.usage(Tier::host).peak, 64u << 20);
+}
+
 TEST(TieredStoreTest, SeveralThreadsAtOnce) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);

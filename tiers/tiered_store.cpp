@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <utility>
@@ -35,6 +36,9 @@ struct TieredStore::Shard {
 };
 
 namespace {
+
+// write_shard / read_shard stage NVMe homes through blocks of at most this size.
+constexpr uint64_t kStagingChunkBytes = uint64_t{64} << 20;
 
 void print_notice(const std::string& line) {
   std::fprintf(stderr, "strata: %s\n", line.c_str());
@@ -490,12 +494,20 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
     case Tier::nvme:
       break;
   }
-  Result<HostBlock> staging =
-      host_->allocate(shard.bytes, shard_name(key) + " (write_shard staging)");
+  // Through a bounded staging block, so a large shard needs little host budget.
+  const uint64_t padded = nvme_->rounded(shard.bytes);
+  const uint64_t step = std::min(padded, kStagingChunkBytes);
+  Result<HostBlock> staging = host_->allocate(step, shard_name(key) + " (write_shard staging)");
   if (!staging) return staging.status();
-  std::memcpy(staging->data, bytes.data(), bytes.size());
-  std::memset(staging->data + bytes.size(), 0, nvme_->rounded(shard.bytes) - bytes.size());
-  Status status = nvme_->write(home.nvme, 0, staging->data, nvme_->rounded(shard.bytes)).wait();
+  Status status;
+  for (uint64_t offset = 0; offset < padded && status; offset += step) {
+    const uint64_t length = std::min(step, padded - offset);
+    const uint64_t given =
+        offset < bytes.size() ? std::min<uint64_t>(length, bytes.size() - offset) : 0;
+    std::memcpy(staging->data, bytes.data() + offset, given);
+    std::memset(staging->data + given, 0, length - given);
+    status = nvme_->write(home.nvme, offset, staging->data, length).wait();
+  }
   host_->free(*staging);
   return status.with_context(fmt::format("tiers: write_shard {}", shard_name(key)));
 }
@@ -521,11 +533,18 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
     case Tier::nvme:
       break;
   }
-  Result<HostBlock> staging =
-      host_->allocate(shard.bytes, shard_name(key) + " (read_shard staging)");
+  const uint64_t padded = nvme_->rounded(shard.bytes);
+  const uint64_t step = std::min(padded, kStagingChunkBytes);
+  Result<HostBlock> staging = host_->allocate(step, shard_name(key) + " (read_shard staging)");
   if (!staging) return staging.status();
-  Status status = nvme_->read(home.nvme, 0, staging->data, nvme_->rounded(shard.bytes)).wait();
-  if (status) std::memcpy(bytes.data(), staging->data, bytes.size());
+  Status status;
+  for (uint64_t offset = 0; offset < padded && status; offset += step) {
+    const uint64_t length = std::min(step, padded - offset);
+    status = nvme_->read(home.nvme, offset, staging->data, length).wait();
+    if (status && offset < bytes.size())
+      std::memcpy(bytes.data() + offset, staging->data,
+                  std::min<uint64_t>(length, bytes.size() - offset));
+  }
   host_->free(*staging);
   return status.with_context(fmt::format("tiers: read_shard {}", shard_name(key)));
 }

@@ -99,8 +99,9 @@ class TieredStore {
   Status writeback(ShardKey key, Tier from);
   Status release(ShardKey key, Tier at);
 
-  // Whole-shard copies into / out of the home, through a host staging block
-  // for NVMe homes (charged to the host budget while it lasts). Synchronous.
+  // Whole-shard copies into / out of the home, for NVMe homes through a host
+  // staging block of at most 64 MiB (charged to the host budget while it
+  // lasts). Synchronous.
   Status write_shard(ShardKey key, std::span<const std::byte> bytes);
   Status read_shard(ShardKey key, std::span<std::byte> bytes);
 
