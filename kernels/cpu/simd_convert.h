@@ -57,36 +57,6 @@ STRATA_TARGET_AVX2 inline __m256 load8_as_float(const void* data, int64_t i) {
   }
 }
 
-// Stream: a non-temporal store (data + i must be 16-byte aligned), for output
-// that the CPU will not read again soon; it also saves reading the line first.
-template <CopyKind C, bool Stream = false>
-STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 value) {
-  if constexpr (C == CopyKind::none) {
-    return;
-  } else {
-    __m128i packed;
-    if constexpr (C == CopyKind::bf16) {
-      const __m256i bits = _mm256_castps_si256(value);
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-      __m256i rounded = _mm256_srli_epi32(
-          _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-      const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
-      rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
-      // packus works within 128-bit lanes: reorder the 64-bit quarters afterwards.
-      const __m256i pairs = _mm256_packus_epi32(rounded, rounded);
-      packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(pairs, 0xd8));
-    } else {
-      packed = _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    __m128i* const target = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i);
-    if constexpr (Stream) {
-      _mm_stream_si128(target, packed);
-    } else {
-      _mm_storeu_si128(target, packed);
-    }
-  }
-}
-
 // Round-to-nearest-even bf16 bits of 8 floats, in the low 16 bits of each
 // 32-bit lane. NaN lanes are not fixed here (see the callers).
 STRATA_TARGET_AVX2 inline __m256i bf16_round8_unchecked(__m256 value) {
@@ -94,6 +64,26 @@ STRATA_TARGET_AVX2 inline __m256i bf16_round8_unchecked(__m256 value) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
                            16);
+}
+
+template <CopyKind C>
+STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 value) {
+  if constexpr (C == CopyKind::none) {
+    return;
+  } else {
+    __m128i packed;
+    if constexpr (C == CopyKind::bf16) {
+      const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+      const __m256i rounded =
+          _mm256_blendv_epi8(bf16_round8_unchecked(value), _mm256_set1_epi32(0x7fc0), is_nan);
+      // packus works within 128-bit lanes: reorder the 64-bit quarters afterwards.
+      const __m256i pairs = _mm256_packus_epi32(rounded, rounded);
+      packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(pairs, 0xd8));
+    } else {
+      packed = _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i), packed);
+  }
 }
 
 // Stores 16 floats (low: elements i..i+7, high: i+8..i+15) as bf16 or fp16
@@ -140,7 +130,8 @@ STRATA_TARGET_AVX512 inline __m512 load16_as_float(const void* data, int64_t i) 
   }
 }
 
-// Stream: as store8_from_float, with data + i 32-byte aligned.
+// Stream: a non-temporal store (data + i must be 32-byte aligned), for output
+// that the CPU will not read again soon; it also saves reading the line first.
 template <CopyKind C, bool Stream = false>
 STRATA_TARGET_AVX512 inline void store16_from_float(void* data, int64_t i, __m512 value) {
   if constexpr (C == CopyKind::none) {
