@@ -26,7 +26,7 @@ bool parse_offload_device(const std::string& text, OffloadDevice& out) {
   return true;
 }
 
-void read_offload(JsonReader in, OffloadOptions& out, bool is_param) {
+void read_offload(JsonReader in, OffloadConfig& out, bool is_param) {
   std::string device;
   if (in.optional_choice("device", device, {"none", "cpu", "nvme"})) {
     parse_offload_device(device, out.device);
@@ -50,7 +50,7 @@ void read_offload(JsonReader in, OffloadOptions& out, bool is_param) {
   }
 }
 
-void read_scheduler(JsonReader in, SchedulerOptions& out) {
+void read_scheduler(JsonReader in, SchedulerConfig& out) {
   if (!in.optional_choice("type", out.type, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"})) {
     if (in.has("type")) return;  // error already recorded
   }
@@ -69,7 +69,7 @@ void read_scheduler(JsonReader in, SchedulerOptions& out) {
   params.accept("last_batch_iteration");  // DeepSpeed's resume index: strata's checkpoints keep the step
 }
 
-void read_optimizer(JsonReader in, OptimizerOptions& out) {
+void read_optimizer(JsonReader in, OptimizerConfig& out) {
   std::string type;
   if (in.optional_string("type", type)) {
     std::string name = lower(type);
@@ -99,7 +99,7 @@ void read_optimizer(JsonReader in, OptimizerOptions& out) {
   params.accept("torch_adam");  // which implementation DeepSpeed picks; strata has one
 }
 
-void read_fp16(JsonReader in, Fp16Options& out) {
+void read_fp16(JsonReader in, Fp16Config& out) {
   in.optional_bool("enabled", out.enabled);
   in.optional_double("loss_scale", out.loss_scale, 0.0);
   in.optional_int("initial_scale_power", out.initial_scale_power, 0, 63);
@@ -110,7 +110,7 @@ void read_fp16(JsonReader in, Fp16Options& out) {
   in.accept("auto_cast");  // strata casts inside its kernels
 }
 
-void read_zero(JsonReader in, ZeroOptions& out) {
+void read_zero(JsonReader in, ZeroConfig& out) {
   in.optional_int("stage", out.stage, 0, 3);
   out.overlap_comm = out.stage == 3;  // DeepSpeed's default depends on the stage
   in.optional_bool("overlap_comm", out.overlap_comm);
@@ -136,7 +136,7 @@ void read_zero(JsonReader in, ZeroOptions& out) {
   }
 }
 
-void read_aio(JsonReader in, AioOptions& out) {
+void read_aio(JsonReader in, AioConfig& out) {
   if (in.optional_int("block_size", out.block_size, 4096) && out.block_size % 4096 != 0) {
     in.fail("block_size", fmt::format("must be a multiple of 4096 (O_DIRECT); got {}", out.block_size));
   }
@@ -154,7 +154,7 @@ void read_aio(JsonReader in, AioOptions& out) {
   }
 }
 
-void read_activation_checkpointing(JsonReader in, ActivationCheckpointingOptions& out) {
+void read_activation_checkpointing(JsonReader in, ActivationCheckpointingConfig& out) {
   in.optional_bool("partition_activations", out.partition_activations);
   in.optional_bool("cpu_checkpointing", out.cpu_checkpointing);
   in.optional_bool("contiguous_memory_optimization", out.contiguous_memory_optimization);
@@ -163,7 +163,7 @@ void read_activation_checkpointing(JsonReader in, ActivationCheckpointingOptions
   in.optional_bool("profile", out.profile);
 }
 
-void read_strata_block(JsonReader in, StrataOptions& out, const nlohmann::json& block) {
+void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& block) {
   for (const char* key : {"device_mem_limit", "host_mem_limit"}) {
     in.accept(key);
     if (!block.is_object() || !block.contains(key) || block[key].is_null()) continue;
@@ -267,7 +267,7 @@ Status resolve_batch(TrainConfig& config, BatchValue train, BatchValue micro, Ba
 }
 
 Status validate(const TrainConfig& config, const std::string& origin) {
-  const ZeroOptions& zero = config.zero;
+  const ZeroConfig& zero = config.zero;
   if (zero.offload_param.device != OffloadDevice::none && zero.stage < 3) {
     return Status::error(fmt::format(
         "{}: zero_optimization.offload_param: offloading parameters needs ZeRO stage 3 (stage is {}); "
@@ -314,7 +314,7 @@ int compute_bytes(Precision precision) { return precision == Precision::fp32 ? 4
 std::vector<std::string> TrainConfig::effective_nvme_paths() const {
   if (!strata.nvme_paths.empty()) return strata.nvme_paths;
   std::vector<std::string> paths;
-  for (const OffloadOptions* offload : {&zero.offload_optimizer, &zero.offload_param}) {
+  for (const OffloadConfig* offload : {&zero.offload_optimizer, &zero.offload_param}) {
     if (offload->device != OffloadDevice::nvme || offload->nvme_path.empty()) continue;
     if (std::find(paths.begin(), paths.end(), offload->nvme_path) == paths.end()) {
       paths.push_back(offload->nvme_path);
@@ -427,7 +427,7 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   }
   if (!overrides.nvme_paths.empty()) {
     config.strata.nvme_paths = overrides.nvme_paths;
-    for (OffloadOptions* offload : {&config.zero.offload_param, &config.zero.offload_optimizer}) {
+    for (OffloadConfig* offload : {&config.zero.offload_param, &config.zero.offload_optimizer}) {
       offload->nvme_path = overrides.nvme_paths.front();
     }
   }
@@ -502,7 +502,7 @@ Result<TrainConfig> load_train_config(const std::string& config_path, const Conf
 
 nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
   using json = nlohmann::ordered_json;
-  auto offload = [](const OffloadOptions& o, bool is_param) {
+  auto offload = [](const OffloadConfig& o, bool is_param) {
     json j = {{"device", offload_device_name(o.device)},
               {"nvme_path", o.nvme_path.empty() ? json(nullptr) : json(o.nvme_path)},
               {"pin_memory", o.pin_memory},
@@ -559,7 +559,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
                         {"weight_decay", c.optimizer.weight_decay},
                         {"adam_w_mode", c.optimizer.adam_w_mode}}}};
   out["scheduler"] = scheduler;
-  const ZeroOptions& z = c.zero;
+  const ZeroConfig& z = c.zero;
   out["zero_optimization"] = {
       {"stage", z.stage},
       {"overlap_comm", z.overlap_comm},
@@ -580,7 +580,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
                 {"intra_op_parallelism", c.aio.intra_op_parallelism},
                 {"single_submit", c.aio.single_submit},
                 {"overlap_events", c.aio.overlap_events}};
-  const ActivationCheckpointingOptions& a = c.activation_checkpointing;
+  const ActivationCheckpointingConfig& a = c.activation_checkpointing;
   out["activation_checkpointing"] = {
       {"partition_activations", a.partition_activations},
       {"cpu_checkpointing", a.cpu_checkpointing},

@@ -28,7 +28,7 @@ const char* offload_device_name(OffloadDevice device);
 // Bytes of one parameter in the compute precision (4, 2, 2).
 int compute_bytes(Precision precision);
 
-struct Fp16Options {
+struct Fp16Config {
   bool enabled = false;
   double loss_scale = 0.0;  // 0 = dynamic
   int initial_scale_power = 16;
@@ -38,7 +38,7 @@ struct Fp16Options {
   double min_loss_scale = 1.0;
 };
 
-struct OptimizerOptions {
+struct OptimizerConfig {
   std::string type = "AdamW";  // "AdamW" or "Adam" (as written, case kept)
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -48,7 +48,7 @@ struct OptimizerOptions {
   bool adam_w_mode = true;  // false only for type Adam with adam_w_mode false: L2 in the gradient
 };
 
-struct SchedulerOptions {
+struct SchedulerConfig {
   std::string type;  // "" (constant lr), "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
   double warmup_min_lr = 0.0;
   double warmup_max_lr = 1e-3;
@@ -59,7 +59,7 @@ struct SchedulerOptions {
   double cos_min_ratio = 1e-4;      // WarmupCosineLR
 };
 
-struct OffloadOptions {
+struct OffloadConfig {
   OffloadDevice device = OffloadDevice::none;
   std::string nvme_path;
   bool pin_memory = false;
@@ -68,7 +68,7 @@ struct OffloadOptions {
   int64_t max_in_cpu = 0;   // elements (offload_param only)
 };
 
-struct ZeroOptions {
+struct ZeroConfig {
   int stage = 0;
   bool overlap_comm = false;  // DeepSpeed: true for stage 3, false below
   bool contiguous_gradients = true;
@@ -80,11 +80,11 @@ struct ZeroOptions {
   int64_t stage3_max_reuse_distance = 1000000000;
   int64_t stage3_param_persistence_threshold = 100000;
   int64_t sub_group_size = 1000000000;
-  OffloadOptions offload_param{OffloadDevice::none, "", false, 5, 100000000, 1000000000};
-  OffloadOptions offload_optimizer{OffloadDevice::none, "", false, 4, 0, 0};
+  OffloadConfig offload_param{OffloadDevice::none, "", false, 5, 100000000, 1000000000};
+  OffloadConfig offload_optimizer{OffloadDevice::none, "", false, 4, 0, 0};
 };
 
-struct AioOptions {
+struct AioConfig {
   int64_t block_size = 1048576;
   int queue_depth = 8;
   int intra_op_parallelism = 1;
@@ -92,7 +92,7 @@ struct AioOptions {
   bool overlap_events = true;
 };
 
-struct ActivationCheckpointingOptions {
+struct ActivationCheckpointingConfig {
   bool partition_activations = false;
   bool cpu_checkpointing = false;
   bool contiguous_memory_optimization = false;
@@ -102,7 +102,7 @@ struct ActivationCheckpointingOptions {
 };
 
 // strata's own settings: the "strata" block of the config file.
-struct StrataOptions {
+struct StrataConfig {
   std::optional<uint64_t> device_mem_limit;  // bytes per rank; unset: detected
   std::optional<uint64_t> host_mem_limit;    // bytes per node; unset: detected
   std::vector<std::string> nvme_paths;       // striped; unset: the offload blocks' nvme_path
@@ -118,16 +118,16 @@ struct TrainConfig {
   int64_t gradient_accumulation_steps = 0;
   int world_size = 1;
   Precision precision = Precision::fp32;
-  Fp16Options fp16;
+  Fp16Config fp16;
   bool bf16_enabled = false;
   double gradient_clipping = 0.0;  // 0 = off (DeepSpeed's behaviour)
   int steps_per_print = 10;
-  OptimizerOptions optimizer;
-  SchedulerOptions scheduler;
-  ZeroOptions zero;
-  AioOptions aio;
-  ActivationCheckpointingOptions activation_checkpointing;
-  StrataOptions strata;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  ZeroConfig zero;
+  AioConfig aio;
+  ActivationCheckpointingConfig activation_checkpointing;
+  StrataConfig strata;
 
   // Unknown or unused keys, one line each ("config.json: unknown key 'x' ignored").
   std::vector<std::string> warnings;

@@ -176,15 +176,17 @@ MemoryPlan plan_memory(const PlanInput& in) {
 
   // Host staging (pinned): NVMe parameter reads, the streamed optimizer's
   // buffers, and the new compute-precision shard on its way to the device.
-  const int64_t optimizer_chunk =
-      std::min({sizes.largest_unit_shard, kOptimizerChunkElements, std::max<int64_t>(in.sub_group_size, 1)});
+  // The streamed optimizer's chunk: whole multiples of 1024 elements (its SIMD and
+  // O_DIRECT granule), at most the largest shard, 2^24 elements and sub_group_size.
+  const int64_t optimizer_chunk = std::max<int64_t>(
+      1024, std::min({sizes.largest_unit_shard, kOptimizerChunkElements, in.sub_group_size}) / 1024 * 1024);
   if (in.offload_param == OffloadDevice::nvme) {
     const int64_t buffer = std::min(sizes.largest_unit_shard, std::max<int64_t>(in.param_buffer_elements, 1));
     plan.host_staging_bytes += in.param_buffer_count * buffer * cb;
   }
   if (in.offload_optimizer == OffloadDevice::nvme) {
-    const int64_t state_bytes = (separate_master ? 12 : 8);
-    plan.host_staging_bytes += in.optimizer_buffer_count * optimizer_chunk * state_bytes;
+    // master (or, in fp32, the parameters that are the master), m and v: 12 bytes.
+    plan.host_staging_bytes += in.optimizer_buffer_count * optimizer_chunk * 12;
   }
   if (optimizer_offloaded && param_home == Tier::device) {
     plan.host_staging_bytes += 2 * optimizer_chunk * cb;  // new compute copy, double-buffered
@@ -232,13 +234,15 @@ MemoryPlan plan_memory(const PlanInput& in) {
   }
   if (optimizer_offloaded) t.d2h_bytes += g * grad_elements * 4;
   if (in.offload_optimizer == OffloadDevice::nvme) {
-    const int64_t state_bytes = (separate_master ? 12 : 8) * optimizer_elements;
-    t.nvme_read_bytes += state_bytes;
-    t.nvme_write_bytes += state_bytes;
+    // The streamed step reads and writes master (or the fp32 parameters that are
+    // the master), m and v.
+    t.nvme_read_bytes += 12 * optimizer_elements;
+    t.nvme_write_bytes += 12 * optimizer_elements;
   }
   if (in.offload_param == OffloadDevice::nvme) {
     t.nvme_read_bytes += 2 * g * param_elements * cb;
-    t.nvme_write_bytes += param_elements * cb;  // the updated compute copy
+    // The updated compute copy, unless the optimizer's write of the master was it.
+    if (separate_master) t.nvme_write_bytes += param_elements * cb;
   }
   t.collective_seconds = t.collective_bytes / in.net_bandwidth;
   t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;

@@ -86,6 +86,20 @@ TEST(Planner, EverythingOnNvmeStagesThroughPinnedBuffers) {
   EXPECT_EQ(plan.traffic.slowest_link, "NVMe");
 }
 
+TEST(Planner, FpThirtyTwoOnNvmeStreamsTheParametersAsTheMaster) {
+  PlanInput in = bare(1000000000, 1, 3, Precision::fp32);
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.offload_param = OffloadDevice::nvme;
+  in.sub_group_size = 5000000;  // not a multiple of 1024: the chunk rounds down to 4882 * 1024
+  MemoryPlan plan = plan_memory(in);
+  const int64_t s = plan.shard_elements;
+  EXPECT_EQ(plan.model_states.nvme, 12 * s);  // params (the master), m, v
+  EXPECT_EQ(plan.model_states.host, 4 * s);
+  EXPECT_EQ(plan.host_staging_bytes, 5 * 100000000LL * 4 + 4 * (4882LL * 1024) * 12);
+  EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * s + 2 * 4 * s);
+  EXPECT_EQ(plan.traffic.nvme_write_bytes, 12 * s);  // the optimizer's write is the parameters'
+}
+
 TEST(Planner, CollectiveVolumeFollowsTheStage) {
   PlanInput in = bare(1000000000, 4, 3, Precision::bf16);
   in.grad_accum = 2;
