@@ -1,8 +1,9 @@
 // The AdamW kernel: one scalar element function and two vector loops
-// (AVX2 + F16C, AVX-512) that perform the same IEEE operations in the same
-// order. This file is compiled with -ffp-contract=off (kernels/CMakeLists.txt)
-// so the compiler cannot fuse a multiply and an add in one path but not in
-// another; that is what keeps the paths bitwise identical.
+// (AVX2 + F16C + FMA, AVX-512) that perform the same IEEE operations, fused
+// multiply-adds included, in the same order. This file is compiled with
+// -ffp-contract=off (kernels/CMakeLists.txt) so that the compiler fuses no
+// other multiply and add in one path but not in another; that is what keeps
+// the paths bitwise identical.
 // GCC 12 warns inside its own avx512fintrin.h (the _mm512_undefined_* idiom,
 // GCC bug 105593) when AVX-512 intrinsics are used under a target attribute.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -60,11 +61,11 @@ inline void update_element(const AdamWShard& s, const StepConstants& c, int64_t 
   if (c.decoupled) {
     p = p * c.decay;
   } else {
-    g = g + c.l2 * p;
+    g = std::fma(c.l2, p, g);
   }
-  const float m = s.exp_avg[i] * c.beta1 + c.one_minus_beta1 * g;
-  const float v = s.exp_avg_sq[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
-  const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
+  const float m = std::fma(c.one_minus_beta1, g, s.exp_avg[i] * c.beta1);
+  const float v = std::fma(c.one_minus_beta2 * g, g, s.exp_avg_sq[i] * c.beta2);
+  const float denom = std::fma(std::sqrt(v), c.inv_bias_correction2_sqrt, c.eps);
   p = p + (c.neg_step_size * m) / denom;
   s.exp_avg[i] = m;
   s.exp_avg_sq[i] = v;
@@ -77,7 +78,7 @@ void update_scalar(const AdamWShard& s, const StepConstants& c, int64_t begin, i
   for (int64_t i = begin; i < end; ++i) update_element<G, C>(s, c, i);
 }
 
-// --- AVX2 + F16C: 16 elements (two vectors) per iteration --------------------------
+// --- AVX2 + F16C + FMA: 16 elements (two vectors) per iteration --------------------------
 
 struct Avx2Constants {
   __m256 grad_scale, decay, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_step_size,
@@ -94,14 +95,13 @@ STRATA_TARGET_AVX2 inline __m256 update8(const Avx2Constants& k, bool decoupled,
   if (decoupled) {
     p = _mm256_mul_ps(p, k.decay);
   } else {
-    g = _mm256_add_ps(g, _mm256_mul_ps(k.l2, p));
+    g = _mm256_fmadd_ps(k.l2, p, g);
   }
-  const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), k.beta1),
-                                 _mm256_mul_ps(k.one_minus_beta1, g));
-  const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), k.beta2),
-                                 _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, g), g));
-  const __m256 denom =
-      _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), k.inv_bias_correction2_sqrt), k.eps);
+  const __m256 m =
+      _mm256_fmadd_ps(k.one_minus_beta1, g, _mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), k.beta1));
+  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(k.one_minus_beta2, g), g,
+                                   _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), k.beta2));
+  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), k.inv_bias_correction2_sqrt, k.eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(k.neg_step_size, m), denom));
   _mm256_storeu_ps(exp_avg + i, m);
   _mm256_storeu_ps(exp_avg_sq + i, v);
@@ -189,14 +189,13 @@ STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants
     if (decoupled) {
       p = _mm512_mul_ps(p, decay);
     } else {
-      g = _mm512_add_ps(g, _mm512_mul_ps(l2, p));
+      g = _mm512_fmadd_ps(l2, p, g);
     }
-    const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(exp_avg + i), beta1),
-                                   _mm512_mul_ps(one_minus_beta1, g));
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(exp_avg_sq + i), beta2),
-                                   _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
-    const __m512 denom =
-        _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), inv_bias_correction2_sqrt), eps);
+    const __m512 m =
+        _mm512_fmadd_ps(one_minus_beta1, g, _mm512_mul_ps(_mm512_loadu_ps(exp_avg + i), beta1));
+    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g,
+                                     _mm512_mul_ps(_mm512_loadu_ps(exp_avg_sq + i), beta2));
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bias_correction2_sqrt, eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_storeu_ps(exp_avg + i, m);
     _mm512_storeu_ps(exp_avg_sq + i, v);

@@ -9,16 +9,18 @@
 // (fp32 gradient, no copy) and in mixed mode (bf16 gradient in, bf16 copy
 // out); the pass is meant to run at the memory bandwidth of the machine.
 //
-// Per element, in fp32, with every constant rounded once from float64:
-//   g  = grad * grad_scale                      (+ weight_decay * p: plain Adam)
-//   p  = p * (1 - lr * weight_decay)            (decoupled, AdamW)
-//   m  = m * beta1 + (1 - beta1) * g
-//   v  = v * beta2 + (1 - beta2) * g * g
-//   p  = p + (-lr / (1 - beta1^t)) * m / (sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps)
-// (torch divides sqrt(v) by sqrt(1 - beta2^t); multiplying by the float64
-// reciprocal saves a division per element and differs by at most an ulp of
-// the denominator.) No fused multiply-adds, so the scalar, AVX2 and AVX-512
-// paths (simd.h) give bitwise-identical results, for any number of threads.
+// Per element, in fp32, with every constant rounded once from float64
+// (fma: one fused multiply-add, a single rounding):
+//   g  = grad * grad_scale                   (plain Adam: g = fma(wd, p, g))
+//   p  = p * (1 - lr * weight_decay)         (decoupled, AdamW)
+//   m  = fma(1 - beta1, g, m * beta1)
+//   v  = fma((1 - beta2) * g, g, v * beta2)
+//   p  = p + (-lr / (1 - beta1^t)) * m / fma(sqrt(v), 1 / sqrt(1 - beta2^t), eps)
+// torch rounds after every multiply and divides sqrt(v) by sqrt(1 - beta2^t);
+// the fused forms and the float64 reciprocal save work per element and stay
+// within an ulp or so of it. Every path (scalar with std::fma, AVX2 and
+// AVX-512; simd.h) uses exactly these operations in this order, so they give
+// bitwise-identical results, for any number of threads.
 //
 // The copy is written with non-temporal stores (it is on its way to the
 // device, and this saves reading each of its cache lines first), so it is not

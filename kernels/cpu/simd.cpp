@@ -21,7 +21,8 @@ bool cpu_has_f16c() {
 SimdLevel detect_cpu_level() {
   __builtin_cpu_init();
   // __builtin_cpu_supports also checks that the OS saves the wider registers.
-  const bool avx2 = __builtin_cpu_supports("avx2") && cpu_has_f16c();
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   if (avx2 && __builtin_cpu_supports("avx512f")) return SimdLevel::avx512;
   if (avx2) return SimdLevel::avx2;
   return SimdLevel::scalar;

@@ -2,11 +2,11 @@
 // shared by the CPU optimizer kernels (adamw.h, grad_norm.h).
 //
 // One binary runs on any x86-64: the best instruction set the CPU has (AVX-512,
-// AVX2 + F16C, or plain scalar code) is chosen the first time a kernel runs.
+// AVX2 + FMA + F16C, or plain scalar code) is chosen the first time a kernel runs.
 // The environment variable STRATA_SIMD (scalar | avx2 | avx512) lowers the
 // choice for a whole process; tests call force_simd_level() to run each path.
 // Every path computes bitwise-identical results (the kernels use the same IEEE
-// operations in the same order, without fused multiply-adds), so the choice
+// operations in the same order, fused multiply-adds included), so the choice
 // changes speed, never numbers.
 //
 // The conversions here are exact (bf16/fp16 -> fp32) or round to nearest even

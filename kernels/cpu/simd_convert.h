@@ -12,8 +12,8 @@
 
 #include "kernels/cpu/simd.h"
 
-#define STRATA_TARGET_AVX2 __attribute__((target("avx2,f16c")))
-#define STRATA_TARGET_AVX512 __attribute__((target("avx512f,avx2,f16c")))
+#define STRATA_TARGET_AVX2 __attribute__((target("avx2,f16c,fma")))
+#define STRATA_TARGET_AVX512 __attribute__((target("avx512f,avx2,f16c,fma")))
 
 namespace strata::kernels::cpu {
 
