@@ -96,6 +96,7 @@ void read_optimizer(JsonReader in, OptimizerConfig& out) {
     }
     out.adam_w_mode = adam_w_mode;
   }
+  params.optional_bool("bias_correction", out.bias_correction);
   params.accept("torch_adam");  // which implementation DeepSpeed picks; strata has one
 }
 
@@ -557,7 +558,8 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
                         {"betas", {c.optimizer.beta1, c.optimizer.beta2}},
                         {"eps", c.optimizer.eps},
                         {"weight_decay", c.optimizer.weight_decay},
-                        {"adam_w_mode", c.optimizer.adam_w_mode}}}};
+                        {"adam_w_mode", c.optimizer.adam_w_mode},
+                        {"bias_correction", c.optimizer.bias_correction}}}};
   out["scheduler"] = scheduler;
   const ZeroConfig& z = c.zero;
   out["zero_optimization"] = {

@@ -46,6 +46,7 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool adam_w_mode = true;  // false only for type Adam with adam_w_mode false: L2 in the gradient
+  bool bias_correction = true;
 };
 
 struct SchedulerConfig {

@@ -82,6 +82,7 @@ std::vector<KeyCase> key_cases() {
       {"optimizer.params.eps", 1e-8, 1e-6, "tiny"},
       {"optimizer.params.weight_decay", 0.0, 0.1, -0.1},
       {"optimizer.params.adam_w_mode", true, false, "no", "", {{"optimizer", {{"type", "Adam"}}}}},
+      {"optimizer.params.bias_correction", true, false, 0},
       {"scheduler.type", nullptr, "WarmupLR", "OneCycle", "scheduler"},
       {"scheduler.params.warmup_min_lr", 0.0, 1e-5, -1, "", warmup},
       {"scheduler.params.warmup_max_lr", 1e-3, 5e-4, "high", "", warmup},
