@@ -3,6 +3,7 @@
 #include <cpuid.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -36,6 +37,9 @@ SimdLevel environment_cap(SimdLevel cpu) {
   if (name == "scalar") wanted = SimdLevel::scalar;
   if (name == "avx2") wanted = SimdLevel::avx2;
   if (name == "avx512") wanted = SimdLevel::avx512;
+  if (name != "scalar" && name != "avx2" && name != "avx512") {
+    std::fprintf(stderr, "warning: STRATA_SIMD='%s' is not scalar, avx2 or avx512; ignored\n", value);
+  }
   return static_cast<int>(wanted) < static_cast<int>(cpu) ? wanted : cpu;
 }
 
