@@ -111,10 +111,11 @@ void read_fp16(JsonReader in, Fp16Config& out) {
   in.accept("auto_cast");  // strata casts inside its kernels
 }
 
-void read_zero(JsonReader in, ZeroConfig& out) {
+// Returns whether the file gave overlap_comm (else its default follows the stage).
+bool read_zero(JsonReader in, ZeroConfig& out) {
   in.optional_int("stage", out.stage, 0, 3);
   out.overlap_comm = out.stage == 3;  // DeepSpeed's default depends on the stage
-  in.optional_bool("overlap_comm", out.overlap_comm);
+  const bool overlap_given = in.optional_bool("overlap_comm", out.overlap_comm);
   in.optional_bool("contiguous_gradients", out.contiguous_gradients);
   in.optional_bool("reduce_scatter", out.reduce_scatter);
   in.optional_int("reduce_bucket_size", out.reduce_bucket_size, 0);
@@ -135,6 +136,7 @@ void read_zero(JsonReader in, ZeroConfig& out) {
       out.offload_optimizer.device == OffloadDevice::none) {
     out.offload_optimizer.device = OffloadDevice::cpu;
   }
+  return overlap_given;
 }
 
 void read_aio(JsonReader in, AioConfig& out) {
@@ -356,7 +358,7 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   in.accept("zero_allow_untested_optimizer");
   read_optimizer(in.object("optimizer"), config.optimizer);
   read_scheduler(in.object("scheduler"), config.scheduler);
-  read_zero(in.object("zero_optimization"), config.zero);
+  const bool overlap_comm_given = read_zero(in.object("zero_optimization"), config.zero);
   read_aio(in.object("aio"), config.aio);
   read_activation_checkpointing(in.object("activation_checkpointing"),
                                 config.activation_checkpointing);
@@ -411,12 +413,8 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     if (*overrides.zero_stage < 0 || *overrides.zero_stage > 3) {
       return Status::error(fmt::format("--zero-stage: expected 0, 1, 2 or 3, got {}", *overrides.zero_stage));
     }
-    bool overlap_was_default = config.zero.overlap_comm == (config.zero.stage == 3) &&
-                               !(json.contains("zero_optimization") &&
-                                 json["zero_optimization"].is_object() &&
-                                 json["zero_optimization"].contains("overlap_comm"));
     config.zero.stage = *overrides.zero_stage;
-    if (overlap_was_default) config.zero.overlap_comm = config.zero.stage == 3;
+    if (!overlap_comm_given) config.zero.overlap_comm = config.zero.stage == 3;
   }
   for (auto [flag, name, target] :
        {std::tuple{&overrides.offload_param, "--offload-param", &config.zero.offload_param},

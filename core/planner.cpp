@@ -210,7 +210,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
   Traffic& t = plan.traffic;
   const int64_t g = in.grad_accum;
   if (w > 1) {
-    const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype) == 2 ? 2 : 4;
+    const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype);
     // Gradients are reduced per micro-batch when they are sharded or leave the
     // device; once per step when every rank keeps them whole on the device.
     const int64_t reductions = (in.stage >= 2 || optimizer_offloaded) ? g : 1;

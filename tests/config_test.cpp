@@ -241,6 +241,12 @@ TEST(Config, StageThreeDefaultsOverlapCommOn) {
   Result<TrainConfig> flagged = parse(json::object(), with_overrides([](ConfigOverrides& o) { o.zero_stage = 3; }));
   ASSERT_TRUE(flagged.is_ok());
   EXPECT_TRUE(flagged->zero.overlap_comm);
+  // A value the file gives stays, whatever stage the flag picks.
+  ConfigOverrides to_stage3;
+  to_stage3.zero_stage = 3;
+  Result<TrainConfig> kept = parse(json::parse(R"({"zero_optimization": {"overlap_comm": false}})"), to_stage3);
+  ASSERT_TRUE(kept.is_ok());
+  EXPECT_FALSE(kept->zero.overlap_comm);
 }
 
 TEST(Config, OffloadParamBelowStageThreeIsRefusedWithTheReason) {

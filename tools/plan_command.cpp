@@ -95,8 +95,8 @@ class PlanCommand : public Subcommand {
       input.host_budget = *available;
       input.host_budget_source = "available on this machine";
     }
-    std::vector<std::string> nvme_paths = c.effective_nvme_paths();
-    if (nvme_paths.empty()) nvme_paths = flags_.overrides.nvme_paths;
+    // --nvme-path is already in the config's stripe set.
+    const std::vector<std::string> nvme_paths = c.effective_nvme_paths();
     input.nvme_path_known = !nvme_paths.empty();
     if (auto free_bytes = detect_free_bytes(nvme_paths)) {
       input.nvme_budget = *free_bytes;
