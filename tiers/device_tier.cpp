@@ -24,6 +24,25 @@ Status cuda_status(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return Status::ok();
   return Status::error(fmt::format("device tier: {}: {}", what, cudaGetErrorString(error)));
 }
+
+// Enqueues one copy on `stream` and records an event after it. On failure
+// nothing is left behind and `event_out` is untouched.
+Status enqueue_copy(void* destination, const void* source, uint64_t bytes, cudaMemcpyKind kind,
+                    void* stream_handle, const char* what, void*& event_out) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  cudaEvent_t event = nullptr;
+  Status status = cuda_status(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                              "creating a copy event");
+  if (!status) return status;
+  status = cuda_status(cudaMemcpyAsync(destination, source, bytes, kind, stream), what);
+  if (status) status = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
+  if (!status) {
+    cudaEventDestroy(event);
+    return status;
+  }
+  event_out = event;
+  return status;
+}
 #endif
 
 }  // namespace
@@ -173,21 +192,8 @@ DeviceCopy DeviceTier::copy_to_device(const DeviceBlock& destination, uint64_t o
   DeviceCopy copy;
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
-    cudaStream_t stream = static_cast<cudaStream_t>(to_device_stream_);
-    cudaEvent_t event = nullptr;
-    copy.status_ = cuda_status(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
-                               "creating a copy event");
-    if (!copy.status_) return copy;
-    copy.status_ = cuda_status(
-        cudaMemcpyAsync(destination.data + offset, source, bytes, cudaMemcpyHostToDevice, stream),
-        "copy to the device");
-    if (copy.status_)
-      copy.status_ = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
-    if (!copy.status_) {
-      cudaEventDestroy(event);
-      return copy;
-    }
-    copy.event_ = event;
+    copy.status_ = enqueue_copy(destination.data + offset, source, bytes, cudaMemcpyHostToDevice,
+                                to_device_stream_, "copy to the device", copy.event_);
     return copy;
   }
 #endif
@@ -200,21 +206,8 @@ DeviceCopy DeviceTier::copy_to_host(void* destination, const DeviceBlock& source
   DeviceCopy copy;
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
-    cudaStream_t stream = static_cast<cudaStream_t>(to_host_stream_);
-    cudaEvent_t event = nullptr;
-    copy.status_ = cuda_status(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
-                               "creating a copy event");
-    if (!copy.status_) return copy;
-    copy.status_ = cuda_status(
-        cudaMemcpyAsync(destination, source.data + offset, bytes, cudaMemcpyDeviceToHost, stream),
-        "copy to the host");
-    if (copy.status_)
-      copy.status_ = cuda_status(cudaEventRecord(event, stream), "recording a copy event");
-    if (!copy.status_) {
-      cudaEventDestroy(event);
-      return copy;
-    }
-    copy.event_ = event;
+    copy.status_ = enqueue_copy(destination, source.data + offset, bytes, cudaMemcpyDeviceToHost,
+                                to_host_stream_, "copy to the host", copy.event_);
     return copy;
   }
 #endif

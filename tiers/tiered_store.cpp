@@ -473,16 +473,25 @@ Result<ShardHome> TieredStore::home(ShardKey key) const {
   return result;
 }
 
+Status TieredStore::settle_for_whole_copy(Shard& shard, ShardKey key, size_t given,
+                                          const char* operation) {
+  if (given != shard.bytes) {
+    return Status::error(fmt::format("tiers: {} {}: {} bytes given, the shard has {}", operation,
+                                     shard_name(key), given, shard.bytes));
+  }
+  // Transfers in flight read or write the home: let them end first.
+  for (int tier = 0; tier < kTierCount; ++tier) {
+    if (Status status = finish(shard, Tier(tier)); !status) return status;
+  }
+  return Status::ok();
+}
+
 Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) {
   Result<ShardHold> held = hold(key);
   if (!held) return held.status();
   Shard& shard = held->shard();
-  if (bytes.size() != shard.bytes)
-    return Status::error(fmt::format("tiers: write_shard {}: {} bytes given, the shard has {}",
-                                     shard_name(key), bytes.size(), shard.bytes));
-  // Transfers in flight read or write the home: let them end first.
-  for (int tier = 0; tier < kTierCount; ++tier) {
-    if (Status status = finish(shard, Tier(tier)); !status) return status;
+  if (Status settled = settle_for_whole_copy(shard, key, bytes.size(), "write_shard"); !settled) {
+    return settled;
   }
   Copy& home = shard.at(shard.home);
   switch (shard.home) {
@@ -516,12 +525,8 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
   Result<ShardHold> held = hold(key);
   if (!held) return held.status();
   Shard& shard = held->shard();
-  if (bytes.size() != shard.bytes)
-    return Status::error(fmt::format("tiers: read_shard {}: {} bytes given, the shard has {}",
-                                     shard_name(key), bytes.size(), shard.bytes));
-  // Transfers in flight read or write the home: let them end first.
-  for (int tier = 0; tier < kTierCount; ++tier) {
-    if (Status status = finish(shard, Tier(tier)); !status) return status;
+  if (Status settled = settle_for_whole_copy(shard, key, bytes.size(), "read_shard"); !settled) {
+    return settled;
   }
   Copy& home = shard.at(shard.home);
   switch (shard.home) {

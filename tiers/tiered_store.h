@@ -123,6 +123,8 @@ class TieredStore {
   Result<ShardHold> hold(ShardKey key);
   void unlock_shard(Shard* shard);
   Status finish(Shard& shard, Tier tier);
+  // write_shard / read_shard: checks the length and lets every transfer of the shard end.
+  Status settle_for_whole_copy(Shard& shard, ShardKey key, size_t given, const char* operation);
   void free_copy(Shard& shard, Tier tier);
   Status check_tier(Tier tier, const char* operation, ShardKey key) const;
 
