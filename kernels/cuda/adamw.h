@@ -1,0 +1,41 @@
+// AdamW on the GPU, for runs that keep the optimizer state on the device.
+//
+// The same step as kernels/cpu/adamw.h, element for element: the constants are
+// rounded once from float64 on the host exactly as the CPU kernel rounds them,
+// and the kernel performs the same IEEE fp32 operations in the same order
+// (explicit round-to-nearest multiplies, adds, fused multiply-adds, square
+// root and division; nvcc may not contract them), so a GPU step is bitwise
+// equal to the CPU step on the same inputs. Gradient fp32, bf16 or fp16; the
+// compute-precision copy (bf16 or fp16) is written in the same pass.
+//
+// Asynchronous on `stream`; every pointer is device memory; arrays of one call
+// must not overlap.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "io/status.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cuda/ops.h"
+
+namespace strata::kernels::cuda {
+
+struct AdamWDeviceShard {
+  int64_t numel = 0;
+  float* master = nullptr;      // (numel) fp32 master weights, updated in place
+  float* exp_avg = nullptr;     // (numel) first moment m, updated in place
+  float* exp_avg_sq = nullptr;  // (numel) second moment v, updated in place
+  const void* grad = nullptr;   // (numel) of grad_type
+  DType grad_type = DType::f32;
+  void* copy = nullptr;  // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
+  DType copy_type = DType::bf16;  // bf16 or f16
+};
+
+// Fails (enqueueing nothing) on a missing array, a negative length, an fp32
+// copy, a step below 1 or hyperparameters outside torch's accepted ranges.
+Status adamw_step(const AdamWDeviceShard& shard, const cpu::AdamWHyperparams& hyper,
+                  cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda

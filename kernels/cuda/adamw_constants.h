@@ -1,0 +1,34 @@
+// Internal to kernels/cuda: the per-step constants of AdamW (rounded once to
+// fp32 from float64 by adamw.cpp, as kernels/cpu/adamw.cpp rounds them) and
+// the launcher in adamw.cu that applies them. Kept free of TBB and of CUDA
+// device headers so that both compilers read it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "io/status.h"
+#include "kernels/cuda/ops.h"
+
+namespace strata::kernels::cuda::detail {
+
+struct AdamWConstants {
+  float grad_scale;
+  float decay;  // 1 - lr * wd (AdamW), 1 (Adam)
+  float l2;     // wd (Adam), 0 (AdamW)
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float neg_step_size;              // -lr / (1 - beta1^t)
+  float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^t)
+  float eps;
+  bool decoupled;
+};
+
+// The arrays of kernels/cuda/adamw.h's AdamWDeviceShard, checked by adamw_step.
+Status adamw_launch(float* master, float* exp_avg, float* exp_avg_sq,  // (numel) each
+                    const void* grad, DType grad_type,                 // (numel)
+                    void* copy, DType copy_type,                       // (numel) or null
+                    int64_t numel, const AdamWConstants& constants, cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda::detail

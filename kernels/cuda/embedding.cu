@@ -1,0 +1,138 @@
+// Token embedding on the GPU: row lookup forward; backward by sorting the
+// tokens (a stable radix sort keeps equal tokens in row order) and letting one
+// block per distinct token add that token's rows in order, so the sum order is
+// the CPU backend's and no atomics are needed.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda/common.cuh"
+
+namespace strata::kernels::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__global__ void embedding_forward_kernel(T* out,                 // (N, C)
+                                         const int32_t* tokens,  // (N)
+                                         const T* weight,        // (V, C)
+                                         int64_t N, int64_t C) {
+  const int64_t n = blockIdx.x;
+  const T* row = weight + static_cast<int64_t>(tokens[n]) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) out[n * C + c] = row[c];
+}
+
+__global__ void embedding_sort_input_kernel(int32_t* keys,          // (N)
+                                            int32_t* rows,          // (N)
+                                            const int32_t* tokens,  // (N)
+                                            int64_t N) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  keys[n] = tokens[n];
+  rows[n] = static_cast<int32_t>(n);
+}
+
+// blockIdx.x: a position in sorted order (only the first of each token works),
+// blockIdx.y: a chunk of kThreads columns.
+template <typename T>
+__global__ void embedding_backward_kernel(float* dweight,               // (V, C), +=
+                                          const T* dout,                // (N, C)
+                                          const int32_t* sorted_tokens,  // (N)
+                                          const int32_t* sorted_rows,    // (N)
+                                          int64_t N, int64_t C) {
+  const int64_t first = blockIdx.x;
+  const int32_t token = sorted_tokens[first];
+  if (first > 0 && sorted_tokens[first - 1] == token) return;
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  // Added one row at a time into the running value, as the CPU backend does.
+  float sum = dweight[static_cast<int64_t>(token) * C + c];
+  for (int64_t p = first; p < N && sorted_tokens[p] == token; ++p) {
+    sum += to_float(dout[static_cast<int64_t>(sorted_rows[p]) * C + c]);
+  }
+  dweight[static_cast<int64_t>(token) * C + c] = sum;
+}
+
+int key_bits(int64_t V) {
+  int bits = 1;
+  while (bits < 31 && (int64_t{1} << bits) < V) ++bits;
+  return bits;
+}
+
+std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+std::size_t sort_temp_bytes(int64_t N, int64_t V) {
+  std::size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr),
+                                  static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), static_cast<int>(N), 0,
+                                  key_bits(V));
+  return bytes;
+}
+
+}  // namespace
+
+Status embedding_forward(void* out, const int32_t* tokens, const void* weight, int64_t N,
+                         int64_t C, DType type, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}});
+  if (N < 0 || C <= 0 || N > INT32_MAX) {
+    return argument_error("embedding_forward", type, shape, "bad shape");
+  }
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    embedding_forward_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        static_cast<T*>(out), tokens, static_cast<const T*>(weight), N, C);
+    return check_launch("embedding_forward", type, shape);
+  });
+}
+
+std::size_t embedding_backward_scratch_bytes(int64_t N, int64_t V) {
+  return 4 * align_up(static_cast<std::size_t>(N) * sizeof(int32_t)) +
+         align_up(sort_temp_bytes(N, V));
+}
+
+Status embedding_backward(float* dweight, const void* dout, const int32_t* tokens, int64_t N,
+                          int64_t C, int64_t V, DType type, void* scratch,
+                          std::size_t scratch_bytes, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"V", V}});
+  if (N < 0 || C <= 0 || V <= 0 || N > INT32_MAX || C > int64_t{kThreads} * 65535) {
+    return argument_error("embedding_backward", type, shape, "bad shape");
+  }
+  if (N == 0) return Status::ok();
+  if (scratch == nullptr || scratch_bytes < embedding_backward_scratch_bytes(N, V)) {
+    return argument_error("embedding_backward", type, shape,
+                          "scratch is smaller than embedding_backward_scratch_bytes");
+  }
+  const std::size_t ints = align_up(static_cast<std::size_t>(N) * sizeof(int32_t));
+  char* base = static_cast<char*>(scratch);
+  int32_t* keys = reinterpret_cast<int32_t*>(base);                  // (N)
+  int32_t* rows = reinterpret_cast<int32_t*>(base + ints);           // (N)
+  int32_t* sorted_keys = reinterpret_cast<int32_t*>(base + 2 * ints);  // (N)
+  int32_t* sorted_rows = reinterpret_cast<int32_t*>(base + 3 * ints);  // (N)
+  void* temp = base + 4 * ints;
+  std::size_t temp_bytes = scratch_bytes - 4 * ints;
+
+  embedding_sort_input_kernel<<<blocks_for(N, kThreads), kThreads, 0, stream>>>(keys, rows,
+                                                                                 tokens, N);
+  if (Status s = check_launch("embedding_backward (sort input)", type, shape); !s) return s;
+  const cudaError_t sorted = cub::DeviceRadixSort::SortPairs(
+      temp, temp_bytes, keys, sorted_keys, rows, sorted_rows, static_cast<int>(N), 0, key_bits(V),
+      stream);
+  if (sorted != cudaSuccess) {
+    cudaGetLastError();
+    return argument_error("embedding_backward (radix sort)", type, shape,
+                          cudaGetErrorString(sorted));
+  }
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    const dim3 grid(static_cast<unsigned>(N), blocks_for(C, kThreads));
+    embedding_backward_kernel<T><<<grid, kThreads, 0, stream>>>(
+        dweight, static_cast<const T*>(dout), sorted_keys, sorted_rows, N, C);
+    return check_launch("embedding_backward", type, shape);
+  });
+}
+
+}  // namespace strata::kernels::cuda

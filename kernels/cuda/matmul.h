@@ -1,0 +1,83 @@
+// Matrix products of the CUDA backend, through cuBLASLt.
+//
+// The same products as kernels/cpu/matmul.h (row-major; a linear layer's
+// weight is [out, in] and out = inp @ weight^T), on device pointers:
+//  - forward:  out (N, OC) of type, = or += (accumulate), from inp and weight;
+//  - backward: dinp (N, C) of type, +=; dweight (OC, C) in fp32, +=, so
+//    parameter gradients accumulate in fp32 over micro-batches (DESIGN.md
+//    section 1) while activations stay in the compute type.
+// bf16 and fp16 products accumulate in fp32 (CUBLAS_COMPUTE_32F); fp32
+// products use true fp32 unless allow_tf32 is set (CUBLAS_COMPUTE_32F_FAST_TF32).
+//
+// A Matmuls object owns one cuBLASLt handle and one workspace on the device
+// that was current when it was created. The first product of each (operation,
+// type, shape, accumulate, tf32) builds the descriptors and asks cuBLASLt's
+// heuristic for an algorithm; the choice is cached and reused, so later calls
+// only enqueue the product. Calls may come from several threads (the cache is
+// locked); a call's work runs on its `stream`, and products that share the
+// workspace must be ordered (one stream, or streams the caller serialises).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "io/status.h"
+#include "kernels/cuda/ops.h"
+
+namespace strata::kernels::cuda {
+
+class Matmuls {
+ public:
+  static constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{32} << 20;
+
+  // Creates the handle and allocates the workspace on the current device.
+  static Result<std::unique_ptr<Matmuls>> create(std::size_t workspace_bytes = kDefaultWorkspaceBytes);
+  ~Matmuls();
+  Matmuls(const Matmuls&) = delete;
+  Matmuls& operator=(const Matmuls&) = delete;
+
+  // TF32 tensor cores for fp32 products (off by default: tests compare fp32 at 1e-4).
+  void set_allow_tf32(bool allow) { allow_tf32_ = allow; }
+
+  Status forward(void* out,           // (N, OC) of type, = (or += with accumulate)
+                 const void* inp,     // (N, C) of type
+                 const void* weight,  // (OC, C) of type
+                 int64_t N, int64_t C, int64_t OC, DType type, bool accumulate,
+                 cudaStream_t stream);
+
+  Status backward(void* dinp,          // (N, C) of type, +=; null to skip
+                  float* dweight,      // (OC, C) fp32, +=; null to skip
+                  const void* dout,    // (N, OC) of type
+                  const void* inp,     // (N, C) of type
+                  const void* weight,  // (OC, C) of type
+                  int64_t N, int64_t C, int64_t OC, DType type, cudaStream_t stream);
+
+  // Distinct product shapes seen so far (each planned once).
+  std::size_t cached_plans() const;
+
+ private:
+  struct Plan;  // descriptors and the chosen algorithm of one product shape
+  enum class Op { forward, backward_input, backward_weight };
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool>;  // op, type, m, n, k, beta, tf32
+
+  Matmuls() = default;
+  // D (m, n) = alpha op(A) op(B) + beta C in cuBLAS's column-major terms.
+  Status run(Op op, DType type, int64_t m, int64_t n, int64_t k, const void* a, const void* b,
+             void* d, bool accumulate, cudaStream_t stream);
+  Result<Plan*> plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k, bool accumulate);
+
+  void* handle_ = nullptr;     // cublasLtHandle_t
+  void* workspace_ = nullptr;  // device, workspace_bytes_
+  std::size_t workspace_bytes_ = 0;
+  bool allow_tf32_ = false;
+  mutable std::mutex mutex_;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace strata::kernels::cuda
