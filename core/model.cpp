@@ -163,6 +163,20 @@ UnitWorkspace::UnitWorkspace(const ModelConfig& c, int64_t B, int64_t T) : B_(B)
   losses.resize(N);
 }
 
+int64_t UnitWorkspace::bytes_for(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t N = B * T, C = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, V = c.vocab_size;
+  const int64_t QKV = (H + 2 * KV) * D;
+  const int64_t head_rows = std::clamp<int64_t>(kHeadLogitElements / std::max<int64_t>(V, 1), 1, N);
+  const int64_t floats = T * D                                // rope cos, sin
+                         + 4 * N * C + 2 * N                  // xn1, x2, xn2, d_xn; rstd1, rstd2
+                         + 2 * N * QKV + 2 * N * H * D        // qkv, d_qkv; attn, d_attn
+                         + B * H * T * T + T * T              // probs, d_scores
+                         + 2 * N * 2 * I + 2 * N * I          // gate_up, d_gate_up; mlp, d_mlp
+                         + N * C + N + head_rows * V + N;     // head_xn, head_rstd, logits, losses
+  return floats * int64_t(sizeof(float));
+}
+
 // The unit computations; a struct so it can reach the workspace's buffers.
 struct UnitKernels {
   template <typename T>  // const float for parameters, float for gradients

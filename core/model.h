@@ -98,6 +98,8 @@ class UnitWorkspace {
   UnitWorkspace(const ModelConfig& config, int64_t B, int64_t T);
   int64_t B() const { return B_; }
   int64_t T() const { return T_; }
+  // Bytes a workspace for (config, B, T) holds, for memory plans.
+  static int64_t bytes_for(const ModelConfig& config, int64_t B, int64_t T);
 
  private:
   friend struct UnitKernels;

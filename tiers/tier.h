@@ -28,6 +28,10 @@ struct ShardKey {
 };
 std::string shard_name(ShardKey key);  // "(unit 3, m)"
 
+// TieredStore::write_shard / read_shard stage NVMe homes through one host
+// block of at most this many bytes (charged to the host budget while the call lasts).
+inline constexpr uint64_t kShardStagingBytes = uint64_t{64} << 20;
+
 // Bytes a tier holds now, the most it ever held, and its budget.
 struct TierUsage {
   uint64_t used = 0;

@@ -37,8 +37,6 @@ struct TieredStore::Shard {
 
 namespace {
 
-// write_shard / read_shard stage NVMe homes through blocks of at most this size.
-constexpr uint64_t kStagingChunkBytes = uint64_t{64} << 20;
 
 void print_notice(const std::string& line) {
   std::fprintf(stderr, "strata: %s\n", line.c_str());
@@ -77,6 +75,7 @@ Result<std::unique_ptr<TieredStore>> TieredStore::open(TieredStoreOptions option
     nvme.io = options.io;
     if (!nvme.io.notice) nvme.io.notice = store->notice_;
     nvme.capacity = options.nvme_capacity;
+    nvme.file_name = options.nvme_file_name;
     Result<std::unique_ptr<NvmeTier>> nvme_tier = NvmeTier::open(nvme);
     if (!nvme_tier) return nvme_tier.status();
     store->nvme_ = std::move(*nvme_tier);
@@ -505,7 +504,7 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
   }
   // Through a bounded staging block, so a large shard needs little host budget.
   const uint64_t padded = nvme_->rounded(shard.bytes);
-  const uint64_t step = std::min(padded, kStagingChunkBytes);
+  const uint64_t step = std::min(padded, kShardStagingBytes);
   Result<HostBlock> staging = host_->allocate(step, shard_name(key) + " (write_shard staging)");
   if (!staging) return staging.status();
   Status status;
@@ -539,7 +538,7 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
       break;
   }
   const uint64_t padded = nvme_->rounded(shard.bytes);
-  const uint64_t step = std::min(padded, kStagingChunkBytes);
+  const uint64_t step = std::min(padded, kShardStagingBytes);
   Result<HostBlock> staging = host_->allocate(step, shard_name(key) + " (read_shard staging)");
   if (!staging) return staging.status();
   Status status;

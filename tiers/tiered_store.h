@@ -59,6 +59,7 @@ struct TieredStoreOptions {
   uint64_t host_capacity = 0;    // host budget (the pinned pool); 0: no host tier
   uint64_t nvme_capacity = 0;    // bytes of swap file; 0: no NVMe tier
   io::IoOptions io;              // NVMe paths, block size, queue depth (when nvme_capacity > 0)
+  std::string nvme_file_name = "strata-tiers.swap";  // one per store sharing a directory
   bool use_gpu = true;           // CUDA builds: the device tier on the GPU when one is present
   int gpu_index = 0;
   bool pin_host = true;

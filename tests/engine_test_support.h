@@ -1,0 +1,207 @@
+// Shared by the engine_* tests: a small grouped-query model, token data drawn
+// from a fresh seed, and one call that trains it with a given stage, offload,
+// world size and precision and returns the losses, the weights and what the
+// tiers recorded.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/engine.h"
+#include "core/model.h"
+#include "core/token_data.h"
+#include "tiers_test_support.h"
+
+namespace strata::testing {
+
+inline ModelConfig small_gqa_model(bool tied = false) {
+  ModelConfig c;
+  c.vocab_size = 96;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.max_position_embeddings = 256;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+inline std::vector<int32_t> random_tokens(int64_t count, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 random(seed);
+  std::vector<int32_t> tokens(static_cast<size_t>(count));
+  for (auto& t : tokens) t = int32_t(random() % uint64_t(vocab));
+  return tokens;
+}
+
+// DESIGN.md section 5's sequential order over an in-memory token array.
+inline BatchReader memory_reader(std::shared_ptr<const std::vector<int32_t>> tokens) {
+  return [tokens](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
+                  int32_t* inputs, int32_t* targets) -> Status {
+    const int64_t sequences = (int64_t(tokens->size()) - 1) / T;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
+      std::memcpy(inputs + b * T, tokens->data() + j * T, size_t(T) * 4);
+      std::memcpy(targets + b * T, tokens->data() + j * T + 1, size_t(T) * 4);
+    }
+    return Status::ok();
+  };
+}
+
+struct EngineRun {
+  int stage = 0;
+  std::string offload_param = "none";
+  std::string offload_optimizer = "none";
+  int world = 1;
+  std::string precision = "fp32";
+  int64_t micro_batch = 2;
+  int64_t grad_accum = 2;
+  int64_t seq_len = 16;
+  bool overlap_comm = true;
+  bool reduce_scatter = true;
+  double clipping = 1.0;
+  double lr = 3e-3;
+  int steps = 3;
+  bool tied = false;
+  uint64_t device_budget = 64ull << 20;
+  uint64_t host_budget = 64ull << 20;
+  std::string scheduler;  // "" or a DeepSpeed scheduler type
+  std::string label() const {
+    return "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
+           offload_optimizer + " world " + std::to_string(world) + " " + precision +
+           (overlap_comm ? "" : " no-overlap") + (reduce_scatter ? "" : " all-reduce");
+  }
+};
+
+struct EngineOutcome {
+  std::vector<StepResult> steps;
+  HostModel weights;
+  TrainingPlan plan;
+  uint64_t nvme_read = 0, nvme_written = 0;  // during the steps, after initialisation
+  tiers::TierUsage rank_usage[tiers::kTierCount];  // the largest peak over the ranks
+};
+
+inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string& nvme_dir) {
+  nlohmann::json j;
+  j["train_micro_batch_size_per_gpu"] = run.micro_batch;
+  j["gradient_accumulation_steps"] = run.grad_accum;
+  j["gradient_clipping"] = run.clipping;
+  j["optimizer"] = {{"type", "AdamW"},
+                    {"params", {{"lr", run.lr}, {"weight_decay", 0.1}, {"betas", {0.9, 0.95}}}}};
+  if (!run.scheduler.empty())
+    j["scheduler"] = {{"type", run.scheduler},
+                      {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", run.lr},
+                                  {"warmup_num_steps", 2}, {"total_num_steps", 8}}}};
+  if (run.precision == "bf16") j["bf16"] = {{"enabled", true}};
+  if (run.precision == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 12}};
+  nlohmann::json zero = {{"stage", run.stage},
+                         {"overlap_comm", run.overlap_comm},
+                         {"reduce_scatter", run.reduce_scatter},
+                         {"sub_group_size", 4096}};
+  zero["offload_param"] = {{"device", run.offload_param}, {"buffer_count", 3}};
+  zero["offload_optimizer"] = {{"device", run.offload_optimizer}, {"buffer_count", 3}};
+  if (run.offload_param == "nvme") zero["offload_param"]["nvme_path"] = nvme_dir;
+  if (run.offload_optimizer == "nvme") zero["offload_optimizer"]["nvme_path"] = nvme_dir;
+  j["zero_optimization"] = zero;
+  j["aio"] = {{"block_size", 65536}, {"queue_depth", 8}};
+  j["strata"] = {{"seq_len", run.seq_len}};
+  ConfigOverrides overrides;
+  overrides.world_size = run.world;
+  return train_config_from_json(j, "test config", overrides);
+}
+
+inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::string& nvme_dir,
+                                          std::shared_ptr<const std::vector<int32_t>> tokens,
+                                          uint64_t seed) {
+  Result<TrainConfig> config = engine_config(run, nvme_dir);
+  if (!config) return config.status();
+  EngineOptions options;
+  options.model = small_gqa_model(run.tied);
+  options.config = *config;
+  options.total_steps = run.steps;
+  options.device_budget = run.device_budget;
+  options.host_budget = run.host_budget;
+  options.nvme_paths = {nvme_dir};
+  options.seed = seed;
+  options.data = memory_reader(tokens);
+  options.pin_host = false;
+  options.notice = [](const std::string&) {};
+  Result<std::unique_ptr<Engine>> engine = Engine::create(options);
+  if (!engine) return engine.status();
+  EngineOutcome outcome;
+  outcome.plan = (*engine)->plan();
+  const uint64_t read0 = (*engine)->nvme_bytes_read(), written0 = (*engine)->nvme_bytes_written();
+  for (int s = 0; s < run.steps; ++s) {
+    Result<StepResult> step = (*engine)->step();
+    if (!step) return step.status();
+    outcome.steps.push_back(*step);
+  }
+  if (Status s = (*engine)->finish(); !s) return s;
+  outcome.nvme_read = (*engine)->nvme_bytes_read() - read0;
+  outcome.nvme_written = (*engine)->nvme_bytes_written() - written0;
+  for (int t = 0; t < tiers::kTierCount; ++t) {
+    for (int r = 0; r < run.world; ++r) {
+      tiers::TierUsage u = (*engine)->rank_usage(r, static_cast<tiers::Tier>(t));
+      if (u.peak >= outcome.rank_usage[t].peak) outcome.rank_usage[t] = u;
+    }
+  }
+  Result<HostModel> weights = (*engine)->read_model();
+  if (!weights) return weights.status();
+  outcome.weights = std::move(*weights);
+  return outcome;
+}
+
+// Largest per-tensor relative error |a - b| / |b| over the model.
+inline double weights_relative_error(const HostModel& a, const HostModel& b) {
+  double worst = 0;
+  for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
+    const float* x = a.params[size_t(t.unit)].data() + t.slot->offset;
+    const float* y = b.params[size_t(t.unit)].data() + t.slot->offset;
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < t.slot->numel; ++i) {
+      diff += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+      norm += double(y[i]) * y[i];
+    }
+    worst = std::max(worst, std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30));
+  }
+  return worst;
+}
+
+inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
+  for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
+    if (std::memcmp(a.params[size_t(t.unit)].data() + t.slot->offset,
+                    b.params[size_t(t.unit)].data() + t.slot->offset, size_t(t.slot->numel) * 4) != 0)
+      return false;
+  }
+  return true;
+}
+
+// Every valid (stage, offload_param, offload_optimizer): parameter offload needs stage 3.
+inline std::vector<EngineRun> every_placement(int world, const std::string& precision) {
+  std::vector<EngineRun> runs;
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (const char* param : {"none", "cpu", "nvme"}) {
+      if (stage < 3 && std::string(param) != "none") continue;
+      for (const char* optimizer : {"none", "cpu", "nvme"}) {
+        EngineRun run;
+        run.stage = stage;
+        run.offload_param = param;
+        run.offload_optimizer = optimizer;
+        run.world = world;
+        run.precision = precision;
+        runs.push_back(run);
+      }
+    }
+  }
+  return runs;
+}
+
+}  // namespace strata::testing
