@@ -1,0 +1,708 @@
+// The CUDA kernels other than attention (tests/cuda_attention_test.cpp), each
+// forward and backward on fresh random inputs:
+//  - fp32 against the CPU backend (kernels/cpu), per-tensor relative error <= 1e-4;
+//  - bf16 and fp16 against a float64 reference, at most twice the error of
+//    PyTorch's low-precision version as emulated in tests/cuda_test_support.h
+//    (each reference below says where PyTorch rounds);
+//  - AdamW bitwise equal to the CPU kernel; the gradient norm equal to the CPU
+//    one to float64 rounding; argument errors naming the kernel and the shape.
+// Skipped when no GPU can be used; argument checks run everywhere.
+#include <gtest/gtest.h>
+
+#if STRATA_HAS_CUDA
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/grad_norm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/swiglu.h"
+#include "kernels/cuda/adamw.h"
+#include "kernels/cuda/matmul.h"
+#include "kernels/cuda/ops.h"
+#include "tests/cuda_test_support.h"
+
+namespace strata::testing {
+namespace {
+
+namespace cuda = kernels::cuda;
+namespace cpu = kernels::cpu;
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab - 1));
+  std::vector<int32_t> tokens(n);
+  for (auto& t : tokens) t = pick(rng);
+  return tokens;
+}
+
+std::vector<double> map_round(const std::vector<double>& v, const Round& round) {
+  std::vector<double> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = round(v[i]);
+  return out;
+}
+
+class CudaKernels : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    seed_ = fresh_seed();
+    rng_.seed(seed_);
+  }
+  uint32_t seed_ = 0;
+  std::mt19937 rng_;
+};
+
+class CudaKernelsLowPrecision : public CudaTestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    seed_ = fresh_seed();
+    rng_.seed(seed_);
+  }
+  DType type() const { return GetParam(); }
+  // Random values already representable in the compute type.
+  std::vector<float> random(size_t n, float scale = 1.0f) {
+    return rounded(random_floats(n, rng_, scale), type());
+  }
+  uint32_t seed_ = 0;
+  std::mt19937 rng_;
+};
+
+INSTANTIATE_TEST_SUITE_P(Types, CudaKernelsLowPrecision, ::testing::Values(DType::bf16, DType::f16),
+                         [](const auto& info) { return std::string(type_label(info.param)); });
+
+// --- embedding ------------------------------------------------------------------------
+
+TEST_F(CudaKernels, EmbeddingMatchesCpuBitwise) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t V = 50, C = 70, N = 300;  // many repeated tokens
+  const auto weight = random_floats(V * C, rng_);
+  const auto tokens = random_tokens(N, V, rng_);
+  const auto dout = random_floats(N * C, rng_);
+  const auto prefill = random_floats(V * C, rng_);
+
+  auto d_weight = upload(weight, DType::f32);
+  auto d_tokens = upload_raw(tokens);
+  DeviceBuffer d_out(N * C * 4);
+  expect_ok(cuda::embedding_forward(d_out.get(), static_cast<int32_t*>(d_tokens->get()),
+                                    d_weight->get(), N, C, DType::f32, nullptr));
+  std::vector<float> cpu_out(N * C);
+  cpu::embedding_forward(cpu_out.data(), tokens.data(), weight.data(), N, C);
+  EXPECT_EQ(download(d_out, N * C, DType::f32), cpu_out);
+
+  auto d_dout = upload(dout, DType::f32);
+  auto d_dweight = upload(prefill, DType::f32);
+  DeviceBuffer scratch(cuda::embedding_backward_scratch_bytes(N, V));
+  expect_ok(cuda::embedding_backward(d_dweight->f32(), d_dout->get(),
+                                     static_cast<int32_t*>(d_tokens->get()), N, C, V, DType::f32,
+                                     scratch.get(), scratch.bytes(), nullptr));
+  std::vector<float> cpu_dweight = prefill;
+  cpu::embedding_backward(cpu_dweight.data(), dout.data(), tokens.data(), N, C);
+  // Same rows added in the same order: the same bits.
+  EXPECT_EQ(download(*d_dweight, V * C, DType::f32), cpu_dweight);
+}
+
+TEST_P(CudaKernelsLowPrecision, Embedding) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t V = 64, C = 96, N = 500;
+  const auto weight = random(V * C);
+  const auto tokens = random_tokens(N, V, rng_);
+  const auto dout = random(N * C);
+  auto d_weight = upload(weight, type());
+  auto d_tokens = upload_raw(tokens);
+  DeviceBuffer d_out(N * C * 2);
+  expect_ok(cuda::embedding_forward(d_out.get(), static_cast<int32_t*>(d_tokens->get()),
+                                    d_weight->get(), N, C, type(), nullptr));
+  std::vector<double> lookup(N * C);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) lookup[n * C + c] = weight[tokens[n] * C + c];
+  // A lookup is exact in PyTorch too: the GPU must be exact.
+  expect_within_twice_emulated(download(d_out, N * C, type()), lookup, lookup, "forward");
+
+  auto d_dout = upload(dout, type());
+  DeviceBuffer d_dweight(V * C * 4);
+  DeviceBuffer scratch(cuda::embedding_backward_scratch_bytes(N, V));
+  expect_ok(cuda::embedding_backward(d_dweight.f32(), d_dout->get(),
+                                     static_cast<int32_t*>(d_tokens->get()), N, C, V, type(),
+                                     scratch.get(), scratch.bytes(), nullptr));
+  std::vector<double> reference(V * C, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) reference[tokens[n] * C + c] += dout[n * C + c];
+  // PyTorch's bf16 model keeps a bf16 .grad: the sum, rounded once.
+  expect_within_twice_emulated(download(d_dweight, V * C, DType::f32),
+                               map_round(reference, rounding_to(type())), reference, "dweight");
+}
+
+// --- RMSNorm --------------------------------------------------------------------------
+
+TEST_F(CudaKernels, RmsnormMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37, C = 300;
+  const float eps = 1e-5f;
+  auto x = random_floats(N * C, rng_), w = random_floats(C, rng_), dy = random_floats(N * C, rng_);
+  for (float& v : w) v += 1.0f;
+  const auto dx_prefill = random_floats(N * C, rng_), dw_prefill = random_floats(C, rng_);
+
+  std::vector<float> out(N * C), rstd(N), dx = dx_prefill, dw = dw_prefill;
+  cpu::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, eps);
+  cpu::rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);
+
+  auto d_x = upload(x, DType::f32), d_w = upload(w, DType::f32), d_dy = upload(dy, DType::f32);
+  auto d_dx = upload(dx_prefill, DType::f32), d_dw = upload(dw_prefill, DType::f32);
+  DeviceBuffer d_out(N * C * 4), d_rstd(N * 4);
+  DeviceBuffer scratch(cuda::rmsnorm_backward_scratch_bytes(N, C));
+  expect_ok(cuda::rmsnorm_forward(d_out.get(), d_rstd.f32(), d_x->get(), d_w->get(), N, C, eps,
+                                  DType::f32, nullptr));
+  expect_ok(cuda::rmsnorm_backward(d_dx->get(), d_dw->f32(), d_dy->get(), d_x->get(), d_w->get(),
+                                   d_rstd.f32(), N, C, DType::f32, scratch.get(), scratch.bytes(),
+                                   nullptr));
+  expect_matches_cpu(download(d_out, N * C, DType::f32), out, "out");
+  expect_matches_cpu(download(d_rstd, N, DType::f32), rstd, "rstd");
+  expect_matches_cpu(download(*d_dx, N * C, DType::f32), dx, "dinp (+=)");
+  expect_matches_cpu(download(*d_dw, C, DType::f32), dw, "dweight (+=)");
+}
+
+// Hugging Face's LlamaRMSNorm in a bf16 model: h = (x.float() * rstd).to(bf16)
+// [round], y = w * h [round]. Autograd: dh = dy * w [round], dx in fp32 from dh
+// then cast to bf16 [round]; dw = sum(dy * h) [round: a bf16 .grad].
+struct RmsnormReference {
+  std::vector<double> y, dx, dw;
+};
+RmsnormReference rmsnorm_reference(const std::vector<float>& x, const std::vector<float>& w,
+                                   const std::vector<float>& dy, int64_t N, int64_t C, double eps,
+                                   const Round& round) {
+  RmsnormReference ref{std::vector<double>(N * C), std::vector<double>(N * C),
+                       std::vector<double>(C, 0.0)};
+  std::vector<double> dw_sum(C, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    double ms = 0.0;
+    for (int64_t c = 0; c < C; ++c) ms += double{x[n * C + c]} * x[n * C + c];
+    const double r = 1.0 / std::sqrt(ms / C + eps);
+    double dot = 0.0;
+    std::vector<double> dh(C);
+    for (int64_t c = 0; c < C; ++c) {
+      const double h = round(x[n * C + c] * r);
+      ref.y[n * C + c] = round(w[c] * h);
+      dh[c] = round(double{dy[n * C + c]} * w[c]);
+      dot += dh[c] * x[n * C + c] * r;
+      dw_sum[c] += double{dy[n * C + c]} * h;
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      ref.dx[n * C + c] = round(r * (dh[c] - x[n * C + c] * r * dot / C));
+    }
+  }
+  for (int64_t c = 0; c < C; ++c) ref.dw[c] = round(dw_sum[c]);
+  return ref;
+}
+
+TEST_P(CudaKernelsLowPrecision, Rmsnorm) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 45, C = 512;
+  const float eps = 1e-5f;
+  auto x = random(N * C), dy = random(N * C);
+  auto w = random_floats(C, rng_, 0.1f);
+  for (float& v : w) v = round_to(v + 1.0f, type());
+  const RmsnormReference exact_ref = rmsnorm_reference(x, w, dy, N, C, eps, exact());
+  const RmsnormReference emulated = rmsnorm_reference(x, w, dy, N, C, eps, rounding_to(type()));
+
+  auto d_x = upload(x, type()), d_w = upload(w, type()), d_dy = upload(dy, type());
+  DeviceBuffer d_out(N * C * 2), d_rstd(N * 4), d_dx(N * C * 2), d_dw(C * 4);
+  DeviceBuffer scratch(cuda::rmsnorm_backward_scratch_bytes(N, C));
+  expect_ok(cuda::rmsnorm_forward(d_out.get(), d_rstd.f32(), d_x->get(), d_w->get(), N, C, eps,
+                                  type(), nullptr));
+  expect_ok(cuda::rmsnorm_backward(d_dx.get(), d_dw.f32(), d_dy->get(), d_x->get(), d_w->get(),
+                                   d_rstd.f32(), N, C, type(), scratch.get(), scratch.bytes(),
+                                   nullptr));
+  expect_within_twice_emulated(download(d_out, N * C, type()), emulated.y, exact_ref.y, "out");
+  expect_within_twice_emulated(download(d_dx, N * C, type()), emulated.dx, exact_ref.dx, "dinp");
+  expect_within_twice_emulated(download(d_dw, C, DType::f32), emulated.dw, exact_ref.dw,
+                               "dweight");
+}
+
+// --- rotary embedding -----------------------------------------------------------------
+
+struct RopeTables {
+  std::vector<float> cos, sin;
+};
+RopeTables rope_tables(int64_t T, int64_t D) {
+  cpu::RopeParams params;
+  params.head_dim = D;
+  params.theta = 500000.0;
+  params.llama3_scaling = true;
+  params.factor = 32.0;
+  params.original_max_positions = 16;
+  std::vector<float> inv_freq(D / 2);
+  cpu::rope_inv_freq(inv_freq.data(), params);
+  RopeTables tables{std::vector<float>(T * D / 2), std::vector<float>(T * D / 2)};
+  cpu::rope_cos_sin(tables.cos.data(), tables.sin.data(), inv_freq.data(), T, D);
+  return tables;
+}
+
+TEST_F(CudaKernels, RopeMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t B = 2, T = 13, heads = 3, D = 16, stride = heads * D + 5;
+  const RopeTables tables = rope_tables(T, D);
+  const auto x = random_floats(B * T * stride, rng_);
+  auto d_cos = upload(tables.cos, DType::f32), d_sin = upload(tables.sin, DType::f32);
+  for (const bool forward : {true, false}) {
+    std::vector<float> cpu_x = x;
+    auto d_x = upload(x, DType::f32);
+    if (forward) {
+      cpu::rope_forward(cpu_x.data(), tables.cos.data(), tables.sin.data(), B, T, heads, D, stride);
+      expect_ok(cuda::rope_forward(d_x->get(), d_cos->f32(), d_sin->f32(), B, T, heads, D, stride,
+                                   DType::f32, nullptr));
+    } else {
+      cpu::rope_backward(cpu_x.data(), tables.cos.data(), tables.sin.data(), B, T, heads, D,
+                         stride);
+      expect_ok(cuda::rope_backward(d_x->get(), d_cos->f32(), d_sin->f32(), B, T, heads, D, stride,
+                                    DType::f32, nullptr));
+    }
+    // The whole rows, so columns past heads*D are checked to be untouched.
+    expect_matches_cpu(download(*d_x, x.size(), DType::f32), cpu_x,
+                       forward ? "forward" : "backward");
+  }
+}
+
+// PyTorch: cos/sin cast to the compute type [round]; q*cos [round];
+// rotate_half(q)*sin [round]; the sum [round]. The backward (autograd):
+// dy*cos [round], dy*sin [round], rotated back and added [round].
+std::vector<double> rope_reference(const std::vector<float>& x, const RopeTables& tables,
+                                   int64_t rows, int64_t T, int64_t heads, int64_t D,
+                                   int64_t stride, bool forward, const Round& round) {
+  std::vector<double> y(x.begin(), x.end());
+  const int64_t half = D / 2;
+  for (int64_t n = 0; n < rows; ++n) {
+    const int64_t t = n % T;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double c = round(tables.cos[t * half + i]), s = round(tables.sin[t * half + i]);
+        const double x1 = x[n * stride + h * D + i], x2 = x[n * stride + h * D + half + i];
+        if (forward) {
+          y[n * stride + h * D + i] = round(round(x1 * c) + round(-x2 * s));
+          y[n * stride + h * D + half + i] = round(round(x2 * c) + round(x1 * s));
+        } else {
+          y[n * stride + h * D + i] = round(round(x1 * c) + round(x2 * s));
+          y[n * stride + h * D + half + i] = round(round(x2 * c) - round(x1 * s));
+        }
+      }
+    }
+  }
+  return y;
+}
+
+TEST_P(CudaKernelsLowPrecision, Rope) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t B = 2, T = 40, heads = 4, D = 64, stride = 3 * heads * D;
+  const RopeTables tables = rope_tables(T, D);
+  const auto x = random(B * T * stride);
+  auto d_cos = upload(tables.cos, DType::f32), d_sin = upload(tables.sin, DType::f32);
+  for (const bool forward : {true, false}) {
+    auto d_x = upload(x, type());
+    if (forward) {
+      expect_ok(cuda::rope_forward(d_x->get(), d_cos->f32(), d_sin->f32(), B, T, heads, D, stride,
+                                   type(), nullptr));
+    } else {
+      expect_ok(cuda::rope_backward(d_x->get(), d_cos->f32(), d_sin->f32(), B, T, heads, D, stride,
+                                    type(), nullptr));
+    }
+    expect_within_twice_emulated(
+        download(*d_x, x.size(), type()),
+        rope_reference(x, tables, B * T, T, heads, D, stride, forward, rounding_to(type())),
+        rope_reference(x, tables, B * T, T, heads, D, stride, forward, exact()),
+        forward ? "forward" : "backward");
+  }
+}
+
+// --- SwiGLU ---------------------------------------------------------------------------
+
+TEST_F(CudaKernels, SwigluMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 29, I = 300;
+  const auto gate_up = random_floats(N * 2 * I, rng_, 2.0f), dout = random_floats(N * I, rng_);
+  std::vector<float> out(N * I), dgate_up(N * 2 * I);
+  cpu::swiglu_forward(out.data(), gate_up.data(), N, I);
+  cpu::swiglu_backward(dgate_up.data(), dout.data(), gate_up.data(), N, I);
+  auto d_gate_up = upload(gate_up, DType::f32), d_dout = upload(dout, DType::f32);
+  DeviceBuffer d_out(N * I * 4), d_dgate_up(N * 2 * I * 4);
+  expect_ok(cuda::swiglu_forward(d_out.get(), d_gate_up->get(), N, I, DType::f32, nullptr));
+  expect_ok(cuda::swiglu_backward(d_dgate_up.get(), d_dout->get(), d_gate_up->get(), N, I,
+                                  DType::f32, nullptr));
+  expect_matches_cpu(download(d_out, N * I, DType::f32), out, "out");
+  expect_matches_cpu(download(d_dgate_up, N * 2 * I, DType::f32), dgate_up, "dgate_up");
+}
+
+// PyTorch: a = silu(gate) [round], out = a * up [round]. Autograd: dup = dy * a
+// [round], da = dy * up [round], dgate = silu_backward(da, gate) [round].
+struct SwigluReference {
+  std::vector<double> out, dgate_up;
+};
+SwigluReference swiglu_reference(const std::vector<float>& gate_up, const std::vector<float>& dout,
+                                 int64_t N, int64_t I, const Round& round) {
+  SwigluReference ref{std::vector<double>(N * I), std::vector<double>(N * 2 * I)};
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < I; ++i) {
+      const double g = gate_up[n * 2 * I + i], u = gate_up[n * 2 * I + I + i];
+      const double dy = dout[n * I + i];
+      const double sigmoid = 1.0 / (1.0 + std::exp(-g));
+      const double a = round(g * sigmoid);
+      ref.out[n * I + i] = round(a * u);
+      const double da = round(dy * u);
+      ref.dgate_up[n * 2 * I + i] = round(da * sigmoid * (1.0 + g * (1.0 - sigmoid)));
+      ref.dgate_up[n * 2 * I + I + i] = round(dy * a);
+    }
+  }
+  return ref;
+}
+
+TEST_P(CudaKernelsLowPrecision, Swiglu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 33, I = 512;
+  const auto gate_up = random(N * 2 * I, 2.0f), dout = random(N * I);
+  const SwigluReference exact_ref = swiglu_reference(gate_up, dout, N, I, exact());
+  const SwigluReference emulated = swiglu_reference(gate_up, dout, N, I, rounding_to(type()));
+  auto d_gate_up = upload(gate_up, type()), d_dout = upload(dout, type());
+  DeviceBuffer d_out(N * I * 2), d_dgate_up(N * 2 * I * 2);
+  expect_ok(cuda::swiglu_forward(d_out.get(), d_gate_up->get(), N, I, type(), nullptr));
+  expect_ok(cuda::swiglu_backward(d_dgate_up.get(), d_dout->get(), d_gate_up->get(), N, I, type(),
+                                  nullptr));
+  expect_within_twice_emulated(download(d_out, N * I, type()), emulated.out, exact_ref.out, "out");
+  expect_within_twice_emulated(download(d_dgate_up, N * 2 * I, type()), emulated.dgate_up,
+                               exact_ref.dgate_up, "dgate_up");
+}
+
+// --- cross-entropy --------------------------------------------------------------------
+
+TEST_F(CudaKernels, CrossEntropyMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 9, V = 5003;
+  const auto logits = random_floats(N * V, rng_, 3.0f);
+  auto targets = random_tokens(N, V, rng_);
+  targets[4] = -100;  // ignored
+  const float dloss = 1.0f / 8;
+  std::vector<float> losses(N), dlogits(N * V);
+  cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), N, V);
+  cpu::cross_entropy_backward(dlogits.data(), logits.data(), targets.data(), dloss, N, V);
+
+  auto d_targets = upload_raw(targets);
+  const int32_t* t = static_cast<int32_t*>(d_targets->get());
+  auto d_logits = upload(logits, DType::f32);
+  DeviceBuffer d_losses(N * 4), d_dlogits(N * V * 4);
+  expect_ok(cuda::cross_entropy_forward(d_losses.f32(), d_logits->get(), t, N, V, DType::f32,
+                                        nullptr));
+  expect_matches_cpu(download(d_losses, N, DType::f32), losses, "losses (forward)");
+  expect_ok(cuda::cross_entropy_forward_backward(nullptr, d_dlogits.get(), d_logits->get(), t,
+                                                 dloss, N, V, DType::f32, nullptr));
+  expect_matches_cpu(download(d_dlogits, N * V, DType::f32), dlogits, "dlogits");
+  // In place: the gradient over the logits, and the losses of the same pass.
+  DeviceBuffer d_losses2(N * 4);
+  expect_ok(cuda::cross_entropy_forward_backward(d_losses2.f32(), d_logits->get(), d_logits->get(),
+                                                 t, dloss, N, V, DType::f32, nullptr));
+  expect_matches_cpu(download(d_losses2, N, DType::f32), losses, "losses (in place)");
+  expect_matches_cpu(download(*d_logits, N * V, DType::f32), dlogits, "dlogits (in place)");
+}
+
+// Hugging Face upcasts the logits to fp32 for the loss: losses in fp32
+// [round to fp32], the gradient cast back to the logits' type [round].
+TEST_P(CudaKernelsLowPrecision, CrossEntropy) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 12, V = 32000;
+  const auto logits = random(N * V, 3.0f);
+  auto targets = random_tokens(N, V, rng_);
+  targets[0] = -100;
+  const float dloss = 1.0f / 11;
+  std::vector<double> losses(N, 0.0), dlogits(N * V, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] < 0) continue;
+    double max = -1e300, sum = 0.0;
+    for (int64_t v = 0; v < V; ++v) max = std::max(max, double{logits[n * V + v]});
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(logits[n * V + v] - max);
+    const double lse = max + std::log(sum);
+    losses[n] = lse - logits[n * V + targets[n]];
+    for (int64_t v = 0; v < V; ++v) {
+      dlogits[n * V + v] = dloss * (std::exp(logits[n * V + v] - lse) - (v == targets[n] ? 1 : 0));
+    }
+  }
+  std::vector<double> losses_fp32(N);
+  for (int64_t n = 0; n < N; ++n) losses_fp32[n] = static_cast<float>(losses[n]);
+
+  auto d_targets = upload_raw(targets);
+  auto d_logits = upload(logits, type());
+  DeviceBuffer d_losses(N * 4);
+  expect_ok(cuda::cross_entropy_forward_backward(d_losses.f32(), d_logits->get(), d_logits->get(),
+                                                 static_cast<int32_t*>(d_targets->get()), dloss, N,
+                                                 V, type(), nullptr));
+  expect_within_twice_emulated(download(d_losses, N, DType::f32), losses_fp32, losses, "losses");
+  expect_within_twice_emulated(download(*d_logits, N * V, type()),
+                               map_round(dlogits, rounding_to(type())), dlogits, "dlogits");
+}
+
+// --- residual add and casts -----------------------------------------------------------
+
+TEST_F(CudaKernels, ResidualAddMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t n = 10007;
+  const auto a = random_floats(n, rng_), b = random_floats(n, rng_);
+  std::vector<float> sum(n);
+  for (int64_t i = 0; i < n; ++i) sum[i] = a[i] + b[i];
+  auto d_a = upload(a, DType::f32), d_b = upload(b, DType::f32);
+  expect_ok(cuda::residual_forward(d_a->get(), d_a->get(), d_b->get(), n, DType::f32, nullptr));
+  EXPECT_EQ(download(*d_a, n, DType::f32), sum);
+}
+
+TEST_P(CudaKernelsLowPrecision, ResidualAddAndCasts) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t n = 10007;
+  const auto a = random(n), b = random(n);
+  std::vector<double> exact_sum(n), rounded_sum(n);
+  for (int64_t i = 0; i < n; ++i) {
+    exact_sum[i] = double{a[i]} + b[i];
+    rounded_sum[i] = round_to(a[i] + b[i], type());  // PyTorch: fp32 add, one rounding
+  }
+  auto d_a = upload(a, type()), d_b = upload(b, type());
+  DeviceBuffer d_sum(n * 2);
+  expect_ok(cuda::residual_forward(d_sum.get(), d_a->get(), d_b->get(), n, type(), nullptr));
+  expect_within_twice_emulated(download(d_sum, n, type()), rounded_sum, exact_sum, "a + b");
+  EXPECT_EQ(download(d_sum, n, type()), std::vector<float>(rounded_sum.begin(), rounded_sum.end()));
+
+  // fp32 -> type rounds to nearest even like the CPU conversions; back is exact.
+  const auto wide = random_floats(n, rng_);
+  auto d_wide = upload(wide, DType::f32);
+  DeviceBuffer d_narrow(n * 2), d_back(n * 4);
+  expect_ok(cuda::cast(d_narrow.get(), type(), d_wide->get(), DType::f32, n, nullptr));
+  expect_ok(cuda::cast(d_back.get(), DType::f32, d_narrow.get(), type(), n, nullptr));
+  EXPECT_EQ(download(d_back, n, DType::f32), rounded(wide, type()));
+}
+
+// --- gradient norm --------------------------------------------------------------------
+
+TEST_F(CudaKernels, GradNormMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  for (const DType type : {DType::f32, DType::bf16, DType::f16}) {
+    SCOPED_TRACE(type_label(type));
+    for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{8191}, int64_t{300007}}) {
+      const auto grad = rounded(random_floats(n, rng_, 0.01f), type);
+      const cpu::ElementType cpu_type = type == DType::f32    ? cpu::ElementType::f32
+                                        : type == DType::bf16 ? cpu::ElementType::bf16
+                                                              : cpu::ElementType::f16;
+      auto d_grad = upload(grad, type);
+      // The CPU kernel reads the same bits.
+      std::vector<uint16_t> bits(n);
+      for (int64_t i = 0; i < n; ++i) {
+        bits[i] = type == DType::bf16 ? cpu::float_to_bf16(grad[i]) : cpu::float_to_f16(grad[i]);
+      }
+      const void* host = type == DType::f32 ? static_cast<const void*>(grad.data()) : bits.data();
+      const Result<cpu::GradNormPartial> expected = cpu::grad_norm_squared(host, cpu_type, n);
+      ASSERT_TRUE(expected.is_ok());
+      DeviceBuffer scratch(cuda::grad_norm_scratch_bytes(n)), d_result(sizeof(cuda::GradNormResult));
+      expect_ok(cuda::grad_norm_squared(static_cast<cuda::GradNormResult*>(d_result.get()),
+                                        d_grad->get(), type, n, scratch.get(), scratch.bytes(),
+                                        nullptr));
+      cuda::GradNormResult result;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(&result, d_result.get(), sizeof result, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(result.nonfinite, 0);
+      // Float64 sums in different orders: equal to float64 rounding.
+      EXPECT_NEAR(result.sum_squares, expected->sum_squares, 1e-12 * expected->sum_squares) << n;
+
+      if (n == 0) continue;
+      for (const float bad : {std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN()}) {
+        auto poisoned = grad;
+        poisoned[n / 2] = bad;
+        auto d_poisoned = upload(poisoned, type);
+        expect_ok(cuda::grad_norm_squared(static_cast<cuda::GradNormResult*>(d_result.get()),
+                                          d_poisoned->get(), type, n, scratch.get(),
+                                          scratch.bytes(), nullptr));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(&result, d_result.get(), sizeof result, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        EXPECT_EQ(result.nonfinite, 1) << "value " << bad << " n " << n;
+      }
+    }
+  }
+}
+
+// --- AdamW ----------------------------------------------------------------------------
+
+TEST_F(CudaKernels, AdamWIsBitwiseTheCpuStep) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t n = 40000 + 13;
+  for (const DType grad_type : {DType::f32, DType::bf16, DType::f16}) {
+    for (const DType copy_type : {DType::f32, DType::bf16, DType::f16}) {  // f32: no copy
+      for (const bool decoupled : {true, false}) {
+        SCOPED_TRACE(std::string(type_label(grad_type)) + " grad, " + type_label(copy_type) +
+                     " copy, " + (decoupled ? "AdamW" : "Adam"));
+        auto master = random_floats(n, rng_), m = random_floats(n, rng_, 0.01f);
+        auto v = random_floats(n, rng_, 0.01f);
+        for (float& x : v) x = x * x;
+        const auto grad = rounded(random_floats(n, rng_, 0.1f), grad_type);
+        cpu::AdamWHyperparams hyper;
+        hyper.lr = 3e-4;
+        hyper.weight_decay = 0.1;
+        hyper.step = 7;
+        hyper.grad_scale = 0.5;
+        hyper.decoupled_weight_decay = decoupled;
+
+        auto d_master = upload(master, DType::f32), d_m = upload(m, DType::f32);
+        auto d_v = upload(v, DType::f32), d_grad = upload(grad, grad_type);
+        DeviceBuffer d_copy(n * 2);
+        cuda::AdamWDeviceShard shard;
+        shard.numel = n;
+        shard.master = d_master->f32();
+        shard.exp_avg = d_m->f32();
+        shard.exp_avg_sq = d_v->f32();
+        shard.grad = d_grad->get();
+        shard.grad_type = grad_type;
+        shard.copy = copy_type == DType::f32 ? nullptr : d_copy.get();
+        shard.copy_type = copy_type;
+        expect_ok(cuda::adamw_step(shard, hyper, nullptr));
+
+        std::vector<uint16_t> grad_bits(n), copy_bits(n);
+        for (int64_t i = 0; i < n; ++i) {
+          grad_bits[i] = grad_type == DType::bf16 ? cpu::float_to_bf16(grad[i])
+                                                  : cpu::float_to_f16(grad[i]);
+        }
+        cpu::AdamWShard host;
+        host.numel = n;
+        host.master = master.data();
+        host.exp_avg = m.data();
+        host.exp_avg_sq = v.data();
+        host.grad = grad_type == DType::f32 ? static_cast<const void*>(grad.data())
+                                            : grad_bits.data();
+        host.grad_type = grad_type == DType::f32    ? cpu::ElementType::f32
+                         : grad_type == DType::bf16 ? cpu::ElementType::bf16
+                                                    : cpu::ElementType::f16;
+        host.copy = copy_type == DType::f32 ? nullptr : copy_bits.data();
+        host.copy_type = copy_type == DType::f16 ? cpu::ElementType::f16 : cpu::ElementType::bf16;
+        ASSERT_TRUE(cpu::adamw_step(host, hyper).is_ok());
+
+        EXPECT_EQ(download(*d_master, n, DType::f32), master);
+        EXPECT_EQ(download(*d_m, n, DType::f32), m);
+        EXPECT_EQ(download(*d_v, n, DType::f32), v);
+        if (copy_type != DType::f32) {
+          std::vector<uint16_t> gpu_copy(n);
+          ASSERT_EQ(cudaMemcpy(gpu_copy.data(), d_copy.get(), n * 2, cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+          EXPECT_EQ(gpu_copy, copy_bits);
+        }
+      }
+    }
+  }
+}
+
+// --- matrix products ------------------------------------------------------------------
+
+TEST_F(CudaKernels, MatmulMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  auto matmuls = cuda::Matmuls::create();
+  ASSERT_TRUE(matmuls.is_ok()) << matmuls.status().message();
+  const int64_t N = 67, C = 130, OC = 45;
+  const auto inp = random_floats(N * C, rng_), weight = random_floats(OC * C, rng_);
+  const auto dout = random_floats(N * OC, rng_), out_prefill = random_floats(N * OC, rng_);
+  const auto dinp_prefill = random_floats(N * C, rng_), dw_prefill = random_floats(OC * C, rng_);
+  std::vector<float> out(N * OC), out_acc = out_prefill, dinp = dinp_prefill, dw = dw_prefill;
+  cpu::matmul_forward(out.data(), inp.data(), weight.data(), N, C, OC);
+  cpu::matmul_forward(out_acc.data(), inp.data(), weight.data(), N, C, OC, /*accumulate=*/true);
+  cpu::matmul_backward(dinp.data(), dw.data(), dout.data(), inp.data(), weight.data(), N, C, OC);
+
+  auto d_inp = upload(inp, DType::f32), d_weight = upload(weight, DType::f32);
+  auto d_dout = upload(dout, DType::f32), d_acc = upload(out_prefill, DType::f32);
+  auto d_dinp = upload(dinp_prefill, DType::f32), d_dw = upload(dw_prefill, DType::f32);
+  DeviceBuffer d_out(N * OC * 4);
+  cuda::Matmuls& mm = **matmuls;
+  expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false,
+                       nullptr));
+  expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false,
+                       nullptr));
+  EXPECT_EQ(mm.cached_plans(), 1u) << "the second product of a shape reuses its plan";
+  expect_ok(mm.forward(d_acc->get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, true,
+                       nullptr));
+  expect_ok(mm.backward(d_dinp->get(), d_dw->f32(), d_dout->get(), d_inp->get(), d_weight->get(),
+                        N, C, OC, DType::f32, nullptr));
+  expect_matches_cpu(download(d_out, N * OC, DType::f32), out, "out");
+  expect_matches_cpu(download(*d_acc, N * OC, DType::f32), out_acc, "out (accumulate)");
+  expect_matches_cpu(download(*d_dinp, N * C, DType::f32), dinp, "dinp (+=)");
+  expect_matches_cpu(download(*d_dw, OC * C, DType::f32), dw, "dweight (+=)");
+}
+
+// PyTorch's bf16 linear: cuBLAS with fp32 accumulation, each output rounded
+// once; a bf16 model's weight gradient is bf16 [round], ours stays fp32.
+TEST_P(CudaKernelsLowPrecision, Matmul) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  auto matmuls = cuda::Matmuls::create();
+  ASSERT_TRUE(matmuls.is_ok()) << matmuls.status().message();
+  const int64_t N = 96, C = 256, OC = 160;
+  const auto inp = random(N * C), weight = random(OC * C), dout = random(N * OC);
+  std::vector<double> out(N * OC, 0.0), dinp(N * C, 0.0), dw(OC * C, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t o = 0; o < OC; ++o) {
+      for (int64_t c = 0; c < C; ++c) {
+        out[n * OC + o] += double{inp[n * C + c]} * weight[o * C + c];
+        dinp[n * C + c] += double{dout[n * OC + o]} * weight[o * C + c];
+        dw[o * C + c] += double{dout[n * OC + o]} * inp[n * C + c];
+      }
+    }
+  }
+  auto d_inp = upload(inp, type()), d_weight = upload(weight, type()), d_dout = upload(dout, type());
+  DeviceBuffer d_out(N * OC * 2), d_dinp(N * C * 2), d_dw(OC * C * 4);
+  cuda::Matmuls& mm = **matmuls;
+  expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, type(), false,
+                       nullptr));
+  expect_ok(mm.backward(d_dinp.get(), d_dw.f32(), d_dout->get(), d_inp->get(), d_weight->get(), N,
+                        C, OC, type(), nullptr));
+  const Round round = rounding_to(type());
+  expect_within_twice_emulated(download(d_out, N * OC, type()), map_round(out, round), out, "out");
+  expect_within_twice_emulated(download(d_dinp, N * C, type()), map_round(dinp, round), dinp,
+                               "dinp");
+  expect_within_twice_emulated(download(d_dw, OC * C, DType::f32), map_round(dw, round), dw,
+                               "dweight");
+}
+
+// --- errors ---------------------------------------------------------------------------
+
+// Argument checks come before any CUDA call, so these run without a GPU too.
+TEST(CudaKernelErrors, NameTheKernelTypeAndShape) {
+  cuda::AttentionShape shape;
+  shape.B = 1;
+  shape.T = 2048;
+  shape.H = 32;
+  shape.KV = 8;
+  shape.D = 256;
+  shape.row_stride = 48 * 256;
+  const Status status = cuda::attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, shape,
+                                                DType::bf16, nullptr);
+  ASSERT_FALSE(status.is_ok());
+  EXPECT_NE(status.message().find("attention_forward<bf16>"), std::string::npos)
+      << status.message();
+  EXPECT_NE(status.message().find("D=256"), std::string::npos) << status.message();
+
+  const Status rope =
+      cuda::rope_forward(nullptr, nullptr, nullptr, 1, 4, 2, 7, 14, DType::f16, nullptr);
+  ASSERT_FALSE(rope.is_ok());
+  EXPECT_NE(rope.message().find("rope_forward<fp16> (B=1 T=4 heads=2 D=7"), std::string::npos)
+      << rope.message();
+
+  const Status scratch = cuda::rmsnorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                nullptr, 64, 128, DType::f32, nullptr, 0, nullptr);
+  ASSERT_FALSE(scratch.is_ok());
+  EXPECT_NE(scratch.message().find("rmsnorm_backward<fp32> (N=64 C=128)"), std::string::npos)
+      << scratch.message();
+}
+
+}  // namespace
+}  // namespace strata::testing
+
+#else  // a CPU-only build has no CUDA kernels to test
+
+TEST(CudaKernels, NeedACudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
