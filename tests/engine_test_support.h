@@ -74,6 +74,10 @@ struct EngineRun {
   uint64_t device_budget = 64ull << 20;
   uint64_t host_budget = 64ull << 20;
   std::string scheduler;  // "" or a DeepSpeed scheduler type
+  int param_buffers = 3;      // offload_param.buffer_count
+  int optimizer_buffers = 3;  // offload_optimizer.buffer_count
+  int64_t sub_group_size = 4096;
+  std::shared_ptr<io::FaultInjector> fault_injector;
   std::string label() const {
     return "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
            offload_optimizer + " world " + std::to_string(world) + " " + precision +
@@ -105,9 +109,10 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   nlohmann::json zero = {{"stage", run.stage},
                          {"overlap_comm", run.overlap_comm},
                          {"reduce_scatter", run.reduce_scatter},
-                         {"sub_group_size", 4096}};
-  zero["offload_param"] = {{"device", run.offload_param}, {"buffer_count", 3}};
-  zero["offload_optimizer"] = {{"device", run.offload_optimizer}, {"buffer_count", 3}};
+                         {"sub_group_size", run.sub_group_size}};
+  zero["offload_param"] = {{"device", run.offload_param}, {"buffer_count", run.param_buffers}};
+  zero["offload_optimizer"] = {{"device", run.offload_optimizer},
+                               {"buffer_count", run.optimizer_buffers}};
   if (run.offload_param == "nvme") zero["offload_param"]["nvme_path"] = nvme_dir;
   if (run.offload_optimizer == "nvme") zero["offload_optimizer"]["nvme_path"] = nvme_dir;
   j["zero_optimization"] = zero;
@@ -134,6 +139,7 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   options.data = memory_reader(tokens);
   options.pin_host = false;
   options.notice = [](const std::string&) {};
+  options.fault_injector = run.fault_injector;
   Result<std::unique_ptr<Engine>> engine = Engine::create(options);
   if (!engine) return engine.status();
   EngineOutcome outcome;
