@@ -11,6 +11,7 @@
 
 #if STRATA_HAS_CUDA
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -630,6 +631,17 @@ TEST_F(CudaKernels, MatmulMatchesCpu) {
                         N, C, OC, DType::f32, nullptr));
   expect_matches_cpu(download(d_out, N * OC, DType::f32), out, "out");
   expect_matches_cpu(download(*d_acc, N * OC, DType::f32), out_acc, "out (accumulate)");
+
+  // A weight 16 bytes into a flat buffer (as tensors sit inside a unit's buffer)
+  // gets a plan of its own for that alignment.
+  std::vector<float> flat(4 + OC * C, 0.0f);
+  std::copy(weight.begin(), weight.end(), flat.begin() + 4);
+  auto d_flat = upload(flat, DType::f32);
+  DeviceBuffer d_out2(N * OC * 4);
+  expect_ok(mm.forward(d_out2.get(), d_inp->get(), d_flat->f32() + 4, N, C, OC, DType::f32, false,
+                       nullptr));
+  EXPECT_EQ(mm.cached_plans(), 3u);
+  expect_matches_cpu(download(d_out2, N * OC, DType::f32), out, "out (weight at 16 bytes)");
   expect_matches_cpu(download(*d_dinp, N * C, DType::f32), dinp, "dinp (+=)");
   expect_matches_cpu(download(*d_dw, OC * C, DType::f32), dw, "dweight (+=)");
 }

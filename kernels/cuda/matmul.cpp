@@ -9,6 +9,8 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "kernels/cuda/launch.h"
@@ -43,6 +45,16 @@ cudaDataType_t cuda_type(DType type) {
 
 const char* op_name(int op) {
   return op == 0 ? "matmul_forward" : op == 1 ? "matmul_backward (dinp)" : "matmul_backward (dweight)";
+}
+
+// The largest power of two (at most 256) that divides every address.
+uint32_t alignment_of(std::initializer_list<const void*> pointers) {
+  uint32_t alignment = 256;
+  for (const void* p : pointers) {
+    const auto address = reinterpret_cast<uintptr_t>(p);
+    while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  }
+  return alignment;
 }
 
 Status cublas_error(const char* name, DType type, const std::string& shape, const char* call,
@@ -84,9 +96,9 @@ std::size_t Matmuls::cached_plans() const {
 }
 
 Result<Matmuls::Plan*> Matmuls::plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k,
-                                         bool accumulate) {
+                                         bool accumulate, uint32_t alignment) {
   const bool tf32 = type == DType::f32 && allow_tf32_;
-  const Key key{static_cast<int>(op), static_cast<int>(type), m, n, k, accumulate, tf32};
+  const Key key{static_cast<int>(op), static_cast<int>(type), m, n, k, accumulate, tf32, alignment};
   std::lock_guard<std::mutex> lock(mutex_);
   if (auto found = plans_.find(key); found != plans_.end()) return found->second.get();
 
@@ -117,6 +129,13 @@ Result<Matmuls::Plan*> Matmuls::plan_for(Op op, DType type, int64_t m, int64_t n
   }
   cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                        &workspace_bytes_, sizeof workspace_bytes_);
+  // The heuristic otherwise assumes 256-byte aligned pointers; tensors inside a
+  // unit's flat buffer may sit at smaller alignments.
+  for (const auto attribute :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment, sizeof alignment);
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   s = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->desc, plan->a,
@@ -134,7 +153,7 @@ Result<Matmuls::Plan*> Matmuls::plan_for(Op op, DType type, int64_t m, int64_t n
 
 Status Matmuls::run(Op op, DType type, int64_t m, int64_t n, int64_t k, const void* a,
                     const void* b, void* d, bool accumulate, cudaStream_t stream) {
-  Result<Plan*> plan = plan_for(op, type, m, n, k, accumulate);
+  Result<Plan*> plan = plan_for(op, type, m, n, k, accumulate, alignment_of({a, b, d}));
   if (!plan) return plan.status();
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const Plan& p = **plan;

@@ -11,7 +11,7 @@
 //
 // A Matmuls object owns one cuBLASLt handle and one workspace on the device
 // that was current when it was created. The first product of each (operation,
-// type, shape, accumulate, tf32) builds the descriptors and asks cuBLASLt's
+// type, shape, accumulate, tf32, pointer alignment) builds the descriptors and asks cuBLASLt's
 // heuristic for an algorithm; the choice is cached and reused, so later calls
 // only enqueue the product. Calls may come from several threads (the cache is
 // locked); a call's work runs on its `stream`, and products that share the
@@ -64,13 +64,15 @@ class Matmuls {
  private:
   struct Plan;  // descriptors and the chosen algorithm of one product shape
   enum class Op { forward, backward_input, backward_weight };
-  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool>;  // op, type, m, n, k, beta, tf32
+  // op, type, m, n, k, accumulate, tf32, alignment of the pointers (the smallest, <= 256 bytes)
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, uint32_t>;
 
   Matmuls() = default;
   // D (m, n) = alpha op(A) op(B) + beta C in cuBLAS's column-major terms.
   Status run(Op op, DType type, int64_t m, int64_t n, int64_t k, const void* a, const void* b,
              void* d, bool accumulate, cudaStream_t stream);
-  Result<Plan*> plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k, bool accumulate);
+  Result<Plan*> plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k, bool accumulate,
+                         uint32_t alignment);
 
   void* handle_ = nullptr;     // cublasLtHandle_t
   void* workspace_ = nullptr;  // device, workspace_bytes_
