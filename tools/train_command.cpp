@@ -1,70 +1,537 @@
-// `strata train`: reads the model and the configuration. Until the engine
-// lands, it can print the merged configuration (--print-config) and refuses to
-// train with a message saying so.
+// `strata train`: trains a model on a token file with the engine (core/engine.h),
+// and shows what it does: progress on the terminal, --metrics per step,
+// --trace of every plan operation, a summary at the end, --export of the
+// final weights.
+//
+// Exit status: 0 after the last step, 1 when training fails or the plan does
+// not fit the budgets, 2 for a usage error (bad flag, missing file, bad config).
+// Every error is one line on stderr.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/backend_choice.h"
 #include "core/config.h"
+#include "core/engine.h"
+#include "core/model.h"
 #include "core/model_config.h"
+#include "core/planner.h"
+#include "core/safetensors.h"
+#include "core/token_data.h"
+#include "core/training_plan.h"
+#include "core/units.h"
 #include "tools/config_flags.h"
 #include "tools/subcommand.h"
+#include "tools/train_report.h"
 
 namespace strata::tools {
 namespace {
 
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// Where state homed on NVMe goes when no directory is configured.
+constexpr const char* kDefaultNvmePath = "strata-swap";
+
+// Ctrl-C stops after the step under way; the run then finishes as if it had
+// reached --steps (summary, export).
+std::atomic<bool> stop_requested{false};
+void request_stop(int) { stop_requested.store(true); }
+
+// Two kinds of failure: the user's input (2) and the run itself (1).
+struct Failure {
+  int exit_code;
+  std::string message;
+};
+Failure usage_error(const Status& status) { return {2, status.message()}; }
+Failure run_error(const Status& status) { return {1, status.message()}; }
+
+// The token file, its optional loss mask (one byte per token, 0: do not count
+// that token as a target), read in DESIGN.md section 5's order.
+struct TrainData {
+  TokenFile file;
+  std::vector<uint8_t> mask;  // (file.size()) or empty
+  int64_t vocab = 0;
+};
+
+Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens) {
+  std::error_code error;
+  const uintmax_t size = fs::file_size(path, error);
+  if (error) return Status::error(fmt::format("--loss-mask {}: {}", path, error.message()));
+  if (int64_t(size) != tokens)
+    return Status::error(fmt::format(
+        "--loss-mask {}: {} bytes, but the data file has {} tokens; the mask needs one byte per token",
+        path, size, tokens));
+  std::vector<uint8_t> mask(static_cast<size_t>(size));
+  std::ifstream in(path, std::ios::binary);
+  if (!in.read(reinterpret_cast<char*>(mask.data()), std::streamsize(size)))
+    return Status::error(fmt::format("--loss-mask {}: read failed", path));
+  return mask;
+}
+
+BatchReader batch_reader(std::shared_ptr<const TrainData> data) {
+  return [data](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T, int32_t* inputs,
+                int32_t* targets) -> Status {
+    Status s = read_micro_batch(data->file, offset, micro, rank, world, B, T, data->vocab, inputs, targets);
+    if (!s || data->mask.empty()) return s;
+    // Target t of sequence j is token j*T + t + 1; its mask byte decides whether it counts.
+    const int64_t sequences = data->file.sequence_count(T);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
+      const uint8_t* mask = data->mask.data() + j * T + 1;
+      for (int64_t t = 0; t < T; ++t)
+        if (mask[t] == 0) targets[b * T + t] = -1;
+    }
+    return Status::ok();
+  };
+}
+
+struct EvalResult {
+  double loss = 0;
+  int64_t tokens = 0;
+};
+
+// The validation loss: the first `batches` micro-batches of (B, T) of the eval
+// file in sequential order, forward only, on the weights as they are after the
+// last update. The engine has no forward-only entry yet, so this runs the CPU
+// model on a one-rank copy of the weights (Engine::read_model).
+Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batches, int64_t B, int64_t T) {
+  Result<HostModel> model = engine.read_model();
+  if (!model) return model.status();
+  const ModelConfig& config = model->layout.config;
+  UnitWorkspace workspace(config, B, T);
+  std::vector<int32_t> inputs(size_t(B * T)), targets(size_t(B * T));
+  double sum = 0;
+  for (int64_t k = 0; k < batches; ++k) {
+    if (Status s = read_micro_batch(file, 0, k, 0, 1, B, T, config.vocab_size, inputs.data(), targets.data()); !s)
+      return s.with_context("--eval-data");
+    UnitBatch batch;
+    batch.tokens = inputs.data();
+    batch.targets = targets.data();
+    batch.B = B;
+    batch.T = T;
+    Result<double> loss = model_forward(*model, batch, workspace);
+    if (!loss) return loss.status();
+    sum += *loss;
+  }
+  return EvalResult{sum / double(batches * B * T), batches * B * T};
+}
+
+// --export: a .safetensors file, or else a Hugging Face directory (config.json + model.safetensors).
+Status export_model(const HostModel& model, const std::string& path, DType dtype) {
+  if (fs::path(path).extension() != ".safetensors") return save_host_model(model, path, dtype);
+  std::vector<NamedTensor> named = checkpoint_tensors(model.layout);
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& t : named) specs.push_back({t.slot->name, t.slot->shape});
+  Result<SafetensorsWriter> writer = SafetensorsWriter::create(path, specs, dtype);
+  if (!writer) return writer.status();
+  for (const NamedTensor& t : named) {
+    const float* data = model.params[size_t(t.unit)].data() + t.slot->offset;
+    if (Status s = writer->write(t.slot->name, data); !s) return s;
+  }
+  return writer->finish();
+}
+
+uint64_t round_up(uint64_t bytes, uint64_t unit) { return (bytes + unit - 1) / unit * unit; }
+
 class TrainCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
-    CLI::App* cmd = app.add_subcommand("train", "Train a model");
-    cmd->add_option("--model", model_, "Preset, config.json or Hugging Face model directory");
+    CLI::App* cmd = app.add_subcommand("train", "Train a model on a token file");
+    cmd->footer(
+        "Flags override the --config file (DeepSpeed JSON); --print-config shows the merged result.\n"
+        "Sizes: 512M, 16G (powers of 1024), 16GB (powers of 1000). Ctrl-C stops after the current step.");
+    const std::string data_group = "Model and data";
+    const std::string batch_group = "Batch, precision and optimizer";
+    const std::string zero_group = "ZeRO and offload";
+    const std::string io_group = "NVMe I/O";
+    const std::string memory_group = "Memory budgets";
+    const std::string output_group = "Output";
+
+    cmd->add_option("--model", model_, "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
+        ->group(data_group);
+    cmd->add_option("--data", data_path_,
+                    "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see --data-format); "
+                    "`strata demo-data` writes one")
+        ->group(data_group);
+    cmd->add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
+        ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
+        ->group(data_group);
+    cmd->add_option("--loss-mask", loss_mask_path_,
+                    "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
+        ->group(data_group);
+    cmd->add_option("--eval-data", eval_path_, "Token file for a validation loss (same format as --data)")
+        ->group(data_group);
+    cmd->add_option("--eval-every", eval_every_, "Validation every N steps, and after the last (default: only after the last)")
+        ->group(data_group);
+    cmd->add_option("--eval-batches", eval_batches_, "Micro-batches of the eval file per validation (default 8)")
+        ->group(data_group);
+    cmd->add_option("--init", init_path_, "Start from these weights: .safetensors file or Hugging Face directory "
+                                          "(default: random from --seed)")
+        ->group(data_group);
+    cmd->add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")->group(data_group);
+    cmd->add_option("--backend", backend_, "cpu | cuda | auto (default auto: cuda when a GPU is present)")
+        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+        ->group(data_group);
+
+    cmd->add_option("--steps", steps_, "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
+                                       "when the config leaves it 0)")
+        ->group(batch_group);
+
     flags_.add_to(*cmd, /*with_plan_names=*/false);
-    cmd->add_option("--backend", backend_, "cpu | cuda | auto (default: cuda when a GPU is present)")
-        ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-    cmd->add_flag("--print-config", print_config_, "Print the merged effective configuration as JSON and exit");
+    // The shared flags, grouped, each with its default and the DeepSpeed key it overrides.
+    struct Placement {
+      const char* name;
+      const std::string* group;
+      const char* description;
+    };
+    const Placement placements[] = {
+        {"--config", &data_group, "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
+        {"--micro-batch", &batch_group, "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
+        {"--grad-accum", &batch_group, "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
+        {"--global-batch", &batch_group, "Sequences per step over all ranks (train_batch_size; default: derived)"},
+        {"--world-size", &batch_group, "Ranks; on the CPU backend, threads of this process (strata.world_size; default 1)"},
+        {"--seq-len", &batch_group, "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
+        {"--precision", &batch_group, "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
+        {"--lr", &batch_group, "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
+        {"--zero-stage", &zero_group, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
+        {"--offload-param", &zero_group,
+         "Home of the parameters: none | cpu | nvme, stage 3 only (zero_optimization.offload_param.device; default none)"},
+        {"--offload-optimizer", &zero_group,
+         "Home of fp32 master, Adam m and v: none | cpu | nvme (zero_optimization.offload_optimizer.device; default none)"},
+        {"--nvme-path", &zero_group,
+         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, offload_*.nvme_path; default "
+         "./strata-swap when something is on NVMe)"},
+        {"--aio-block-size", &io_group, "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
+        {"--aio-queue-depth", &io_group, "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
+        {"--aio-threads", &io_group, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
+        {"--device-mem-limit", &memory_group,
+         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend (strata.device_mem_limit; "
+         "default: the plan's peak + 25%)"},
+        {"--host-mem-limit", &memory_group,
+         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's peak + 25%)"},
+    };
+    for (const Placement& p : placements) {
+      CLI::Option* option = cmd->get_option_no_throw(p.name);
+      if (option == nullptr) continue;
+      option->group(*p.group);
+      option->description(p.description);
+    }
+
+    cmd->add_option("--metrics", metrics_path_, "Write one JSON object per step to this .jsonl file")
+        ->group(output_group);
+    cmd->add_option("--trace", trace_path_,
+                    "Write a Chrome/Perfetto trace of every plan operation on its lane (open in ui.perfetto.dev)")
+        ->group(output_group);
+    cmd->add_option("--export", export_path_,
+                    "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
+                    "(config.json + model.safetensors)")
+        ->group(output_group);
+    cmd->add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
+        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+        ->group(output_group);
+    cmd->add_flag("--print-config", print_config_, "Print the merged effective configuration as JSON and exit")
+        ->group(output_group);
+    cmd->add_flag("--print-plan", print_plan_, "Print the training plan (operations, lanes, buffers per tier) and exit")
+        ->group(output_group);
     return cmd;
   }
 
   int run() override {
-    Result<TrainConfig> config = load_train_config(flags_.config_path, flags_.overrides);
-    if (!config.is_ok()) {
-      fmt::print(stderr, "strata train: {}\n", config.status().message());
-      return 2;
+    std::optional<Failure> failure = train();
+    if (failure) {
+      if (progress_) progress_->end();
+      fmt::print(stderr, "strata train: {}\n", failure->message);
+      return failure->exit_code;
     }
-    print_config_warnings(*config);
-    nlohmann::ordered_json effective = train_config_to_json(*config);
+    return 0;
+  }
+
+ private:
+  std::optional<Failure> train() {
+    Result<TrainConfig> loaded = load_train_config(flags_.config_path, flags_.overrides);
+    if (!loaded && flags_.overrides.nvme_paths.empty() &&
+        loaded.status().message().find("no NVMe directory") != std::string::npos) {
+      // NVMe offload without a directory: swap under the current directory.
+      ConfigOverrides with_default = flags_.overrides;
+      with_default.nvme_paths = {kDefaultNvmePath};
+      loaded = load_train_config(flags_.config_path, with_default);
+      if (loaded) fmt::print(stderr, "strata: no --nvme-path given; swapping to ./{}\n", kDefaultNvmePath);
+    }
+    if (!loaded) return usage_error(loaded.status());
+    TrainConfig config = *loaded;
+    print_config_warnings(config);
+    nlohmann::ordered_json effective = train_config_to_json(config);
+    std::optional<ModelConfig> model;
     if (!model_.empty()) {
-      Result<ModelConfig> model = load_model_config(model_);
-      if (!model.is_ok()) {
-        fmt::print(stderr, "strata train: {}\n", model.status().message());
-        return 2;
-      }
+      Result<ModelConfig> loaded_model = load_model_config(model_);
+      if (!loaded_model) return usage_error(loaded_model.status());
+      model = *loaded_model;
       effective["strata"]["model"] = model->name;
       effective["strata"]["parameters"] = model->parameter_count();
     }
     if (print_config_) {
       fmt::print("{}\n", effective.dump(2));
-      return 0;
+      return std::nullopt;
     }
+    if (!model)
+      return Failure{2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
+    if (steps_ < 1) return Failure{2, fmt::format("--steps must be at least 1, got {}", steps_)};
+
+    Result<TrainingPlan> plan = build_training_plan(training_plan_input(*model, config));
+    if (!plan) return usage_error(plan.status());
+    if (print_plan_) {
+      std::string text = format_training_plan(*plan);
+      if (!text.empty() && text.back() != '\n') text += '\n';
+      fmt::print("{}", text);
+      return std::nullopt;
+    }
+
     Result<BackendChoice> backend = choose_backend(backend_);
-    if (!backend.is_ok()) {
-      fmt::print(stderr, "strata train: {}\n", backend.status().message());
-      return 2;
-    }
+    if (!backend) return usage_error(backend.status());
     if (!backend->notice.empty()) fmt::print(stderr, "{}\n", backend->notice);
-    fmt::print(stderr,
-               "strata train: this build has no training engine yet; use --print-config to check a "
-               "configuration, or `strata plan` to size a run\n");
-    return 2;
+    if (backend->kind == kernels::BackendKind::cuda) {
+      if (backend_ == "cuda")
+        return Failure{2, "--backend cuda: the training engine computes on the CPU in this version; "
+                          "run with --backend cpu"};
+      fmt::print(stderr, "strata: the training engine computes on the CPU in this version; using the CPU backend\n");
+    }
+
+    // Data, before anything is allocated.
+    const int64_t T = plan->input.seq_len, B = plan->input.micro_batch;
+    if (data_path_.empty())
+      return Failure{2, "--data FILE is required: a token file (nanoGPT .bin, llm.c shard or uint32); "
+                        "`strata demo-data --out DIR` writes one"};
+    Result<TokenFormat> format = parse_token_format(data_format_);
+    if (!format) return usage_error(format.status().with_context("--data-format"));
+    auto data = std::make_shared<TrainData>();
+    {
+      Result<TokenFile> file = TokenFile::open(data_path_, *format);
+      if (!file) return usage_error(file.status().with_context("--data"));
+      data->file = std::move(*file);
+    }
+    data->vocab = model->vocab_size;
+    if (data->file.sequence_count(T) < 1)
+      return Failure{2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
+                                    data_path_, data->file.size(), T)};
+    if (!loss_mask_path_.empty()) {
+      Result<std::vector<uint8_t>> mask = read_loss_mask(loss_mask_path_, data->file.size());
+      if (!mask) return usage_error(mask.status());
+      data->mask = std::move(*mask);
+    }
+    std::optional<TokenFile> eval_file;
+    if (!eval_path_.empty()) {
+      Result<TokenFile> file = TokenFile::open(eval_path_, *format);
+      if (!file) return usage_error(file.status().with_context("--eval-data"));
+      if (file->sequence_count(T) < 1)
+        return Failure{2, fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one", eval_path_, T)};
+      eval_file.emplace(std::move(*file));
+      if (eval_batches_ < 1) return Failure{2, "--eval-batches must be at least 1"};
+    } else if (eval_every_ > 0) {
+      return Failure{2, "--eval-every needs --eval-data FILE"};
+    }
+
+    // NVMe: the configured directories, else ./strata-swap; created if missing.
+    std::vector<std::string> nvme_paths = config.effective_nvme_paths();
+    if (plan->peak(tiers::Tier::nvme) > 0) {
+      if (nvme_paths.empty()) nvme_paths = {kDefaultNvmePath};
+      for (const std::string& path : nvme_paths) {
+        std::error_code error;
+        fs::create_directories(path, error);
+        if (error || !fs::is_directory(path, error))
+          return Failure{2, fmt::format("--nvme-path {}: cannot create the directory: {}; give a writable directory",
+                                        path, error ? error.message() : std::string("not a directory"))};
+        if (access(path.c_str(), W_OK | X_OK) != 0)
+          return Failure{2, fmt::format("--nvme-path {}: not writable: {}; give a writable directory", path,
+                                        std::strerror(errno))};
+      }
+    }
+
+    // Output files, opened before training so a bad path costs nothing.
+    if (!export_path_.empty()) {
+      const fs::path parent = fs::absolute(export_path_).parent_path();
+      if (!fs::is_directory(parent))
+        return Failure{2, fmt::format("--export {}: the directory {} does not exist", export_path_, parent.string())};
+    }
+    Result<DType> export_dtype = parse_dtype(export_dtype_);
+    if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
+    std::optional<MetricsWriter> metrics;
+    if (!metrics_path_.empty()) {
+      Result<MetricsWriter> opened = MetricsWriter::open(metrics_path_);
+      if (!opened) return usage_error(opened.status());
+      metrics.emplace(std::move(*opened));
+    }
+
+    // Budgets: given, else the plan's peaks with room to spare.
+    const int W = plan->input.world_size;
+    constexpr uint64_t kMiB = uint64_t{1} << 20;
+    auto with_margin = [&](int64_t peak) { return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB); };
+    EngineOptions options;
+    std::string budget_note;
+    if (config.strata.device_mem_limit) {
+      options.device_budget = *config.strata.device_mem_limit;
+      budget_note += fmt::format("device {} per rank (given)", format_bytes(double(options.device_budget)));
+    } else {
+      options.device_budget = with_margin(plan->peak(tiers::Tier::device));
+      budget_note += fmt::format("device {} per rank (plan peak {} + 25%)", format_bytes(double(options.device_budget)),
+                                 format_bytes(double(plan->peak(tiers::Tier::device))));
+    }
+    if (config.strata.host_mem_limit) {
+      options.host_budget = *config.strata.host_mem_limit;
+      budget_note += fmt::format(", host {} for the node (given)", format_bytes(double(options.host_budget)));
+    } else {
+      options.host_budget = with_margin(plan->peak(tiers::Tier::host)) * uint64_t(W);
+      budget_note += fmt::format(", host {} for the node (plan peak {} per rank + 25%)",
+                                 format_bytes(double(options.host_budget)),
+                                 format_bytes(double(plan->peak(tiers::Tier::host))));
+      // The CPU backend's device memory is host memory too.
+      const std::optional<int64_t> available = detect_host_available_bytes();
+      const uint64_t wanted = options.host_budget + options.device_budget * uint64_t(W);
+      if (available && wanted > uint64_t(*available))
+        fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
+                   format_bytes(double(wanted)), format_bytes(double(*available)));
+    }
+    if (plan->peak(tiers::Tier::nvme) > 0)
+      budget_note += fmt::format(", nvme {} per rank under {}", format_bytes(double(plan->peak(tiers::Tier::nvme))),
+                                 fmt::join(nvme_paths, ", "));
+
+    options.model = *model;
+    options.config = config;
+    options.total_steps = steps_;
+    options.nvme_paths = nvme_paths;
+    options.seed = seed_;
+    options.init_checkpoint = init_path_;
+    options.data = batch_reader(data);
+
+    const int64_t tokens_per_step = B * T * plan->input.grad_accum * W;
+    fmt::print("{}: {} parameters, {} units; stage {}, params on {}, optimizer on {}; {} rank{} on the CPU\n",
+               model->name, format_count(double(model->parameter_count())), plan->layout.units.size(),
+               plan->input.stage, tiers::tier_name(plan->homes.param), tiers::tier_name(plan->homes.optimizer), W,
+               W == 1 ? "" : "s");
+    fmt::print("batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W, B, T,
+               plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
+               init_path_.empty() ? fmt::format("random init (seed {})", seed_) : "from " + init_path_);
+    fmt::print("budgets: {}\n", budget_note);
+    std::fflush(stdout);
+
+    Result<std::unique_ptr<Engine>> created = Engine::create(std::move(options));
+    if (!created) return run_error(created.status());
+    Engine& engine = **created;
+
+    std::optional<TraceWriter> trace;
+    if (!trace_path_.empty()) {
+      Result<TraceWriter> opened = TraceWriter::open(trace_path_, engine.plan());
+      if (!opened) return usage_error(opened.status());
+      trace.emplace(std::move(*opened));
+    }
+
+    stop_requested.store(false);
+    std::signal(SIGINT, request_stop);
+    progress_.emplace(steps_, config.steps_per_print);
+    RunSummary summary;
+    summary.world = W;
+    const bool fp16 = config.precision == Precision::fp16;
+    const Clock::time_point start = Clock::now();
+    (void)engine.take_timings();  // initialisation is not part of the trace
+    auto drain_timings = [&]() -> std::optional<Failure> {
+      std::vector<OpTiming> timings = engine.take_timings();
+      summary.lanes.add(engine.plan(), timings);
+      if (trace)
+        if (Status s = trace->write(timings); !s) return run_error(s);
+      return std::nullopt;
+    };
+    auto run_eval = [&](int64_t step) -> Result<double> {
+      Result<EvalResult> eval = evaluate(engine, *eval_file, eval_batches_, B, T);
+      if (!eval) return eval.status();
+      progress_->eval(step, eval->loss, eval->tokens);
+      return eval->loss;
+    };
+
+    for (int64_t s = 1; s <= steps_; ++s) {
+      Result<StepResult> step = engine.step();
+      if (!step) {
+        (void)drain_timings();
+        if (trace) (void)trace->finish();
+        return run_error(step.status());
+      }
+      StepReport report;
+      report.result = *step;
+      report.tokens_processed = tokens_per_step;
+      report.fp16 = fp16;
+      summary.steps = s;
+      summary.tokens += tokens_per_step;
+      summary.stall_seconds += step->stall_seconds;
+      summary.nvme_read += step->nvme_read_bytes;
+      summary.nvme_written += step->nvme_written_bytes;
+      if (s == 1) {
+        summary.first_loss = step->loss;
+        summary.first_step_seconds = step->seconds;
+      }
+      summary.last_loss = step->loss;
+      const bool last = s == steps_ || stop_requested.load();
+      progress_->step(report, std::chrono::duration<double>(Clock::now() - start).count());
+      if (eval_file && (last || (eval_every_ > 0 && s % eval_every_ == 0))) {
+        Result<double> loss = run_eval(s);
+        if (!loss) return run_error(loss.status());
+        report.eval_loss = *loss;
+      }
+      if (metrics)
+        if (Status w = metrics->write(report); !w) return run_error(w);
+      if (std::optional<Failure> f = drain_timings()) return f;
+      if (last) break;
+    }
+    if (Status s = engine.finish(); !s) return run_error(s);
+    summary.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    std::signal(SIGINT, SIG_DFL);
+    if (std::optional<Failure> f = drain_timings()) return f;
+    if (trace)
+      if (Status s = trace->finish(); !s) return run_error(s);
+    for (int t = 0; t < tiers::kTierCount; ++t) summary.usage[t] = engine.usage(static_cast<tiers::Tier>(t));
+    progress_->end();
+    if (stop_requested.load()) fmt::print("stopped by Ctrl-C after step {}\n", summary.steps);
+    fmt::print("{}", format_run_summary(summary));
+
+    if (!export_path_.empty()) {
+      Result<HostModel> weights = engine.read_model();
+      if (!weights) return run_error(weights.status());
+      if (Status s = export_model(*weights, export_path_, *export_dtype); !s)
+        return run_error(s.with_context("--export " + export_path_));
+      fmt::print("exported the weights ({}) to {}\n", dtype_name(*export_dtype), export_path_);
+    }
+    if (!metrics_path_.empty()) fmt::print("metrics: {}\n", metrics_path_);
+    if (!trace_path_.empty()) fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", trace_path_);
+    return std::nullopt;
   }
 
- private:
   std::string model_;
   ConfigFlags flags_;
   std::string backend_ = "auto";
+  std::string data_path_;
+  std::string data_format_ = "auto";
+  std::string loss_mask_path_;
+  std::string eval_path_;
+  int64_t eval_every_ = 0;
+  int64_t eval_batches_ = 8;
+  std::string init_path_;
+  uint64_t seed_ = 1234;
+  int64_t steps_ = 100;
+  std::string metrics_path_;
+  std::string trace_path_;
+  std::string export_path_;
+  std::string export_dtype_ = "fp32";
   bool print_config_ = false;
+  bool print_plan_ = false;
+  std::optional<ProgressPrinter> progress_;
 };
 
 SubcommandRegistration registration([] { return std::make_unique<TrainCommand>(); });

@@ -1,0 +1,279 @@
+#include "tools/train_report.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/units.h"
+
+namespace strata::tools {
+namespace {
+
+Result<std::FILE*> open_for_writing(const std::string& path, const char* flag) {
+  std::FILE* file = std::fopen(path.c_str(), "w");
+  if (file == nullptr)
+    return Status::error(fmt::format("{} {}: cannot open for writing: {}", flag, path, std::strerror(errno)));
+  return file;
+}
+
+Status write_text(std::FILE* file, const std::string& path, const std::string& text) {
+  if (std::fwrite(text.data(), 1, text.size(), file) != text.size() || std::fflush(file) != 0)
+    return Status::error(fmt::format("{}: write failed: {}", path, std::strerror(errno)));
+  return Status::ok();
+}
+
+// JSON numbers cannot be NaN or infinite; such values are written as null.
+nlohmann::ordered_json number(double value) {
+  if (!std::isfinite(value)) return nullptr;
+  return value;
+}
+
+}  // namespace
+
+// --- metrics ---------------------------------------------------------------------
+
+Result<MetricsWriter> MetricsWriter::open(const std::string& path) {
+  Result<std::FILE*> file = open_for_writing(path, "--metrics");
+  if (!file) return file.status();
+  MetricsWriter writer;
+  writer.path_ = path;
+  writer.file_ = *file;
+  return writer;
+}
+
+MetricsWriter::MetricsWriter(MetricsWriter&& other) noexcept
+    : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+
+MetricsWriter& MetricsWriter::operator=(MetricsWriter&& other) noexcept {
+  if (this != &other) {
+    if (file_ != nullptr) std::fclose(file_);
+    path_ = std::move(other.path_);
+    file_ = std::exchange(other.file_, nullptr);
+  }
+  return *this;
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+Status MetricsWriter::write(const StepReport& report) {
+  const StepResult& r = report.result;
+  nlohmann::ordered_json j;
+  j["step"] = r.step;
+  j["loss"] = number(r.loss);
+  j["lr"] = r.lr;
+  j["grad_norm"] = number(r.grad_norm);
+  j["tokens"] = report.tokens_processed;
+  j["loss_tokens"] = r.tokens;
+  j["tokens_per_s"] = r.seconds > 0 ? double(report.tokens_processed) / r.seconds : 0.0;
+  j["step_time_s"] = r.seconds;
+  j["nvme_read_bytes"] = r.nvme_read_bytes;
+  j["nvme_written_bytes"] = r.nvme_written_bytes;
+  j["stall_s"] = r.stall_seconds;
+  j["sequence_offset"] = r.sequence_offset;
+  if (report.fp16) j["loss_scale"] = r.loss_scale;
+  j["skipped"] = r.skipped;
+  if (report.eval_loss) j["eval_loss"] = number(*report.eval_loss);
+  return write_text(file_, path_, j.dump() + "\n");
+}
+
+// --- trace -----------------------------------------------------------------------
+
+std::string op_display_name(const TrainingPlan& plan, const PlanOp& op) {
+  std::string out = op_kind_name(op.kind);
+  if (op.unit >= 0 && op.unit < int(plan.layout.units.size()))
+    out += "(" + plan.layout.units[size_t(op.unit)].unit.name + ")";
+  if (op.micro >= 0) out += fmt::format(" mb {}", op.micro);
+  return out;
+}
+
+Result<TraceWriter> TraceWriter::open(const std::string& path, const TrainingPlan& plan) {
+  Result<std::FILE*> file = open_for_writing(path, "--trace");
+  if (!file) return file.status();
+  TraceWriter writer;
+  writer.path_ = path;
+  writer.file_ = *file;
+  writer.plan_ = &plan;
+  // Names for the processes (ranks) and threads (lanes), lanes in plan order.
+  std::string head = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+  bool first = true;
+  for (int r = 0; r < plan.input.world_size; ++r) {
+    nlohmann::ordered_json process = {{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0},
+                                      {"args", {{"name", fmt::format("rank {}", r)}}}};
+    head += (first ? "" : ",\n") + process.dump();
+    first = false;
+    for (int lane = 0; lane < kLaneCount; ++lane) {
+      nlohmann::ordered_json thread = {{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", lane},
+                                       {"args", {{"name", lane_name(static_cast<Lane>(lane))}}}};
+      nlohmann::ordered_json order = {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", r},
+                                      {"tid", lane}, {"args", {{"sort_index", lane}}}};
+      head += ",\n" + thread.dump() + ",\n" + order.dump();
+    }
+  }
+  if (Status s = write_text(writer.file_, path, head); !s) return s;
+  return writer;
+}
+
+TraceWriter::TraceWriter(TraceWriter&& other) noexcept
+    : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)), plan_(other.plan_) {}
+
+TraceWriter& TraceWriter::operator=(TraceWriter&& other) noexcept {
+  if (this != &other) {
+    if (file_ != nullptr) std::fclose(file_);
+    path_ = std::move(other.path_);
+    file_ = std::exchange(other.file_, nullptr);
+    plan_ = other.plan_;
+  }
+  return *this;
+}
+
+TraceWriter::~TraceWriter() {
+  if (file_ != nullptr) (void)finish();
+}
+
+Status TraceWriter::write(const std::vector<OpTiming>& timings) {
+  if (file_ == nullptr || timings.empty()) return Status::ok();
+  std::string text;
+  for (const OpTiming& t : timings) {
+    if (t.op < 0 || t.op >= int(plan_->ops.size())) continue;
+    const PlanOp& op = plan_->ops[size_t(t.op)];
+    nlohmann::ordered_json event;
+    event["name"] = op_display_name(*plan_, op);
+    event["cat"] = op_kind_name(op.kind);
+    event["ph"] = "X";
+    event["pid"] = t.rank;
+    event["tid"] = static_cast<int>(op.lane);
+    event["ts"] = t.start_seconds * 1e6;
+    event["dur"] = std::max(0.0, t.end_seconds - t.start_seconds) * 1e6;
+    nlohmann::ordered_json args;
+    args["op"] = t.op;
+    args["step"] = t.step;
+    if (op.unit >= 0) args["unit"] = op.unit;
+    if (op.micro >= 0) args["micro"] = op.micro;
+    if (op.bytes > 0) args["bytes"] = op.bytes;
+    event["args"] = args;
+    text += ",\n" + event.dump();
+  }
+  return write_text(file_, path_, text);
+}
+
+Status TraceWriter::finish() {
+  if (file_ == nullptr) return Status::ok();
+  Status s = write_text(file_, path_, "\n]}\n");
+  if (std::fclose(file_) != 0 && s)
+    s = Status::error(fmt::format("{}: close failed: {}", path_, std::strerror(errno)));
+  file_ = nullptr;
+  return s;
+}
+
+// --- lane totals -------------------------------------------------------------------
+
+void LaneTotals::add(const TrainingPlan& plan, const std::vector<OpTiming>& timings) {
+  for (const OpTiming& t : timings) {
+    if (t.op < 0 || t.op >= int(plan.ops.size())) continue;
+    const PlanOp& op = plan.ops[size_t(t.op)];
+    const double seconds = std::max(0.0, t.end_seconds - t.start_seconds);
+    lane_seconds[static_cast<int>(op.lane)] += seconds;
+    const size_t kind = static_cast<size_t>(op.kind);
+    if (kind < kind_seconds.size()) kind_seconds[kind] += seconds;
+  }
+}
+
+// --- progress ----------------------------------------------------------------------
+
+ProgressPrinter::ProgressPrinter(int64_t total_steps, int print_every)
+    : total_steps_(total_steps), print_every_(std::max(1, print_every)), terminal_(isatty(STDOUT_FILENO) != 0) {}
+
+void ProgressPrinter::step(const StepReport& report, double elapsed_seconds) {
+  const StepResult& r = report.result;
+  // The first step warms up; the ETA follows the recent steps.
+  recent_step_seconds_ = r.step <= 2 ? r.seconds : 0.8 * recent_step_seconds_ + 0.2 * r.seconds;
+  const double eta = recent_step_seconds_ * double(total_steps_ - r.step);
+  const double nvme_gbps =
+      r.seconds > 0 ? double(r.nvme_read_bytes + r.nvme_written_bytes) / r.seconds / 1e9 : 0.0;
+  std::string text = fmt::format(
+      "step {:>{}}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  nvme {:.2f} GB/s  {:.2f} s/step", r.step,
+      fmt::formatted_size("{}", total_steps_), total_steps_, r.loss, r.lr,
+      r.seconds > 0 ? double(report.tokens_processed) / r.seconds : 0.0, nvme_gbps, r.seconds);
+  if (report.fp16) text += fmt::format("  scale {:g}", r.loss_scale);
+  if (r.skipped) text += "  (skipped: overflow)";
+  const bool permanent = r.step == 1 || r.step % print_every_ == 0 || r.step == total_steps_;
+  if (terminal_) {
+    text += fmt::format("  elapsed {}  eta {}", format_seconds(elapsed_seconds), format_seconds(eta));
+    fmt::print("\r\033[K{}", text);
+    if (permanent) fmt::print("\n");
+    open_line_ = !permanent;
+    std::fflush(stdout);
+  } else if (permanent) {
+    fmt::print("{}\n", text);
+    std::fflush(stdout);
+  }
+}
+
+void ProgressPrinter::eval(int64_t step, double loss, int64_t tokens) {
+  line(fmt::format("eval at step {}: loss {:.4f} over {} tokens", step, loss, tokens));
+}
+
+void ProgressPrinter::line(const std::string& text) {
+  end();
+  fmt::print("{}\n", text);
+  std::fflush(stdout);
+}
+
+void ProgressPrinter::end() {
+  if (open_line_) fmt::print("\n");
+  open_line_ = false;
+  std::fflush(stdout);
+}
+
+// --- summary -----------------------------------------------------------------------
+
+std::string format_run_summary(const RunSummary& s) {
+  std::string out;
+  const double later_seconds = s.seconds - s.first_step_seconds;
+  const double tokens_per_step = s.steps > 0 ? double(s.tokens) / double(s.steps) : 0.0;
+  out += fmt::format("trained {} steps, {} tokens in {}: {:.0f} tokens/s", s.steps, format_count(double(s.tokens)),
+                     format_seconds(s.seconds), s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0);
+  if (s.steps > 1 && later_seconds > 0)
+    out += fmt::format(" ({:.0f} tokens/s after the first step)", tokens_per_step * double(s.steps - 1) / later_seconds);
+  out += "\n";
+  if (s.first_loss && s.last_loss)
+    out += fmt::format("loss {:.4f} -> {:.4f}\n", *s.first_loss, *s.last_loss);
+  out += "peak memory per rank:";
+  for (int t = 0; t < tiers::kTierCount; ++t) {
+    const tiers::TierUsage& u = s.usage[t];
+    out += fmt::format("  {} {} (budget {})", tiers::tier_name(static_cast<tiers::Tier>(t)),
+                       format_bytes(double(u.peak)), format_bytes(double(u.capacity) / s.world));
+  }
+  out += "\n";
+  if (s.nvme_read + s.nvme_written > 0)
+    out += fmt::format("nvme: read {}, written {} ({:.2f} GB/s over the run)\n", format_bytes(double(s.nvme_read)),
+                       format_bytes(double(s.nvme_written)),
+                       s.seconds > 0 ? double(s.nvme_read + s.nvme_written) / s.seconds / 1e9 : 0.0);
+  out += fmt::format("stalled (compute waiting on other lanes, mean over ranks): {} ({:.1f}% of the run)\n",
+                     format_seconds(s.stall_seconds), s.seconds > 0 ? 100.0 * s.stall_seconds / s.seconds : 0.0);
+  out += "where the time went (busy time per lane, mean over ranks, % of the run):";
+  for (int lane = 0; lane < kLaneCount; ++lane) {
+    const double busy = s.lanes.lane_seconds[lane] / std::max(1, s.world);
+    out += fmt::format("  {} {} ({:.0f}%)", lane_name(static_cast<Lane>(lane)), format_seconds(busy),
+                       s.seconds > 0 ? 100.0 * busy / s.seconds : 0.0);
+  }
+  out += "\nby operation:";
+  static constexpr OpKind kinds[] = {OpKind::fetch,    OpKind::gather,   OpKind::forward,   OpKind::release,
+                                     OpKind::backward, OpKind::reduce,   OpKind::exchange,  OpKind::optimizer,
+                                     OpKind::writeback, OpKind::sync};
+  for (OpKind kind : kinds) {
+    const double seconds = s.lanes.kind_seconds[static_cast<size_t>(kind)] / std::max(1, s.world);
+    if (seconds <= 0) continue;
+    out += fmt::format("  {} {}", op_kind_name(kind), format_seconds(seconds));
+  }
+  out += "\n";
+  return out;
+}
+
+}  // namespace strata::tools
