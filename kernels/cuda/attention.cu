@@ -64,6 +64,30 @@ __device__ __forceinline__ void load_rows(float (*tile)[kStride], const T* base,
   }
 }
 
+// dots[r] = a[first_row + r] . b[lane] over kMaxD columns, for the rows of one
+// warp. Each b element is loaded once and reused for every row; a's rows
+// (16-byte aligned) are read as float4 broadcasts. Columns are added in
+// increasing order.
+template <int kRowCount, int kMaxD, int kStrideA, int kStrideB>
+__device__ __forceinline__ void row_dots(float (&dots)[kRowCount], const float (*a)[kStrideA],
+                                         int first_row, const float (*b)[kStrideB], int lane) {
+  static_assert(kStrideA % 4 == 0 && kMaxD % 4 == 0, "rows of a must be float4-aligned");
+#pragma unroll
+  for (int r = 0; r < kRowCount; ++r) dots[r] = 0.0f;
+#pragma unroll 2
+  for (int d = 0; d < kMaxD; d += 4) {
+    const float b0 = b[lane][d], b1 = b[lane][d + 1], b2 = b[lane][d + 2], b3 = b[lane][d + 3];
+#pragma unroll
+    for (int r = 0; r < kRowCount; ++r) {
+      const float4 av = *reinterpret_cast<const float4*>(&a[first_row + r][d]);
+      dots[r] = fmaf(av.x, b0, dots[r]);
+      dots[r] = fmaf(av.y, b1, dots[r]);
+      dots[r] = fmaf(av.z, b2, dots[r]);
+      dots[r] = fmaf(av.w, b3, dots[r]);
+    }
+  }
+}
+
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(T* out,        // (B, T, H*D)
@@ -73,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
                              const T* v,    // (B, T, row_stride), KV heads of D
                              Params p) {
   constexpr int kMaxD = 32 * DPL;
-  __shared__ float q_tile[kRows][kMaxD];      // scaled by 1/sqrt(D); read as broadcasts
+  __shared__ __align__(16) float q_tile[kRows][kMaxD];  // scaled by 1/sqrt(D); broadcasts
   __shared__ float k_tile[kKeys][kMaxD + 1];  // padded: lane j reads row j without conflicts
   __shared__ float v_tile[kKeys][kMaxD];      // lanes read consecutive columns of one row
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -100,16 +124,13 @@ __global__ void __launch_bounds__(kThreads)
                                kKeys, p.T, p.D, 1.0f);
     __syncthreads();
     const int64_t key = k0 + lane;
-    float prob[kRowsPerWarp];
+    float prob[kRowsPerWarp], scores[kRowsPerWarp];
+    row_dots<kRowsPerWarp, kMaxD>(scores, q_tile, warp * kRowsPerWarp, k_tile, lane);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int row = warp * kRowsPerWarp + r;
-      const int64_t i = q0 + row;
-      float score = 0.0f;
-#pragma unroll 16
-      for (int d = 0; d < kMaxD; ++d) score = fmaf(q_tile[row][d], k_tile[lane][d], score);
+      const int64_t i = q0 + warp * kRowsPerWarp + r;
       const bool visible = key <= i && i < p.T;
-      score = visible ? score : -INFINITY;
+      const float score = visible ? scores[r] : -INFINITY;
       const float new_max = fmaxf(row_max[r], warp_max(score));
       // A row with nothing visible yet (only rows past T) keeps max -inf: use 0
       // as the reference so no inf - inf appears.
@@ -179,8 +200,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kMaxD = 32 * DPL;
   constexpr int kRowsW = dq_rows_per_warp(DPL);
   constexpr int kRowsB = kWarps * kRowsW;
-  __shared__ float q_tile[kRowsB][kMaxD];       // scaled by 1/sqrt(D)
-  __shared__ float dout_tile[kRowsB][kMaxD];
+  __shared__ __align__(16) float q_tile[kRowsB][kMaxD];  // scaled by 1/sqrt(D)
+  __shared__ __align__(16) float dout_tile[kRowsB][kMaxD];
   __shared__ float k_tile[kKeys][kMaxD + 1];  // lane-indexed rows (scores) and columns (dq)
   __shared__ float v_tile[kKeys][kMaxD + 1];  // lane-indexed rows (dp)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -210,20 +231,15 @@ __global__ void __launch_bounds__(kThreads)
                                    k0, kKeys, p.T, p.D, 1.0f);
     __syncthreads();
     const int64_t key = k0 + lane;
-    float dscore[kRowsW];
+    float dscore[kRowsW], scores[kRowsW], dprobs[kRowsW];
+    row_dots<kRowsW, kMaxD>(scores, q_tile, warp * kRowsW, k_tile, lane);
+    row_dots<kRowsW, kMaxD>(dprobs, dout_tile, warp * kRowsW, v_tile, lane);
 #pragma unroll
     for (int r = 0; r < kRowsW; ++r) {
-      const int row = warp * kRowsW + r;
-      const int64_t i = q0 + row;
-      float score = 0.0f, dprob = 0.0f;
-#pragma unroll 16
-      for (int d = 0; d < kMaxD; ++d) {
-        score = fmaf(q_tile[row][d], k_tile[lane][d], score);
-        dprob = fmaf(dout_tile[row][d], v_tile[lane][d], dprob);
-      }
+      const int64_t i = q0 + warp * kRowsW + r;
       const bool visible = key <= i && i < p.T;
-      const float prob = visible ? __expf(score - row_lse[r]) : 0.0f;
-      dscore[r] = prob * (dprob - row_delta[r]);
+      const float prob = visible ? __expf(scores[r] - row_lse[r]) : 0.0f;
+      dscore[r] = prob * (dprobs[r] - row_delta[r]);
     }
 #pragma unroll 4
     for (int j = 0; j < kKeys; ++j) {
@@ -264,8 +280,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kOwned = kMaxD / kWarps;  // (key, column) elements of dk and dv per thread
   __shared__ float k_tile[kKeys][kMaxD + 1];
   __shared__ float v_tile[kKeys][kMaxD + 1];
-  __shared__ float q_tile[kBackwardRows][kMaxD];  // scaled by 1/sqrt(D)
-  __shared__ float dout_tile[kBackwardRows][kMaxD];
+  __shared__ __align__(16) float q_tile[kBackwardRows][kMaxD];  // scaled by 1/sqrt(D)
+  __shared__ __align__(16) float dout_tile[kBackwardRows][kMaxD];
   __shared__ float prob_tile[kBackwardRows][kKeys];
   __shared__ float dscore_tile[kBackwardRows][kKeys];
   __shared__ float row_lse[kBackwardRows], row_delta[kBackwardRows];
@@ -296,20 +312,19 @@ __global__ void __launch_bounds__(kThreads)
         row_delta[threadIdx.x] = delta[(b * p.H + h) * p.T + i];
       }
       __syncthreads();
+      float scores[kBackwardRowsPerWarp], dprobs[kBackwardRowsPerWarp];
+      row_dots<kBackwardRowsPerWarp, kMaxD>(scores, q_tile, warp * kBackwardRowsPerWarp, k_tile,
+                                            lane);
+      row_dots<kBackwardRowsPerWarp, kMaxD>(dprobs, dout_tile, warp * kBackwardRowsPerWarp,
+                                            v_tile, lane);
 #pragma unroll
       for (int r = 0; r < kBackwardRowsPerWarp; ++r) {
         const int row = warp * kBackwardRowsPerWarp + r;
         const int64_t i = i0 + row;
-        float score = 0.0f, dprob = 0.0f;
-#pragma unroll 16
-        for (int d = 0; d < kMaxD; ++d) {
-          score = fmaf(q_tile[row][d], k_tile[lane][d], score);
-          dprob = fmaf(dout_tile[row][d], v_tile[lane][d], dprob);
-        }
         const bool visible = key <= i && i < p.T;
-        const float prob = visible ? __expf(score - row_lse[row]) : 0.0f;
+        const float prob = visible ? __expf(scores[r] - row_lse[row]) : 0.0f;
         prob_tile[row][lane] = prob;
-        dscore_tile[row][lane] = prob * (dprob - row_delta[row]);
+        dscore_tile[row][lane] = prob * (dprobs[r] - row_delta[row]);
       }
       __syncthreads();
 #pragma unroll
