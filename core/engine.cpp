@@ -703,7 +703,7 @@ void Engine::Impl::run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int o
   {
     std::lock_guard lock(run->mutex);
     if (!status && !run->error)
-      run->error = status.with_context(fmt::format("rank {}, {}", rank.rank, op.text()));
+      run->error = status.with_context(fmt::format("rank {}, {}", rank.rank, op_label(plan, op)));
     run->done[size_t(rank.rank)][size_t(op_index)] = 1;
     run->remaining -= 1;
     if (op.kind == OpKind::exchange) run->exchanged[size_t(rank.rank)] = 1;

@@ -247,6 +247,13 @@ std::string PlanOp::text() const {
   return out;
 }
 
+std::string op_label(const TrainingPlan& plan, const PlanOp& op) {
+  std::string out = op_kind_name(op.kind);
+  if (op.unit >= 0) out += "(" + unit_label(plan, op.unit) + ")";
+  if (op.micro >= 0) out += fmt::format(" mb {}", op.micro);
+  return out;
+}
+
 int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
   return input.stage == 0 ? 0 : int64_t(rank) * units[size_t(u)].shard_numel;
 }
@@ -404,14 +411,12 @@ std::string format_training_plan(const TrainingPlan& plan) {
   out += "units:";
   for (size_t u = 0; u < plan.layout.units.size(); ++u)
     out += fmt::format(" {}={}", u, plan.layout.units[u].unit.name);
-  out += "\n\n   #  operation                  lane       bytes       after\n";
+  out += "\n\n   #  operation                  lane           bytes  after\n";
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
     std::string deps;
     for (int d : op.deps) deps += (deps.empty() ? "" : ", ") + std::to_string(d);
-    std::string label = op.text();
-    if (op.unit >= 0) label += " " + unit_label(plan, op.unit);
-    out += fmt::format("{:>4}  {:<26} {:<9} {:>10}  {}\n", i, label, lane_name(op.lane),
+    out += fmt::format("{:>4}  {:<26} {:<9} {:>10}  {}\n", i, op_label(plan, op), lane_name(op.lane),
                        op.bytes > 0 ? format_bytes(uint64_t(op.bytes)) : "", deps);
   }
   out += "\nMemory per rank (peak, every buffer allocated before the first step):\n";

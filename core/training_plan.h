@@ -139,6 +139,9 @@ struct TrainingPlan {
 
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
 
+// "gather(layers.3) mb 1", "optimizer(embedding)", "exchange".
+std::string op_label(const TrainingPlan& plan, const PlanOp& op);
+
 // Extra bytes a NVMe swap file needs beyond the sum of its extents' sizes.
 int64_t nvme_bytes_needed(const TrainingPlan& plan);
 

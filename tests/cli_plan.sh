@@ -65,5 +65,17 @@ echo "$err" | grep -q -- "--params: 'lots' is not a count"; check "bad --params 
 err=$("$strata" plan --model tiny --device-mem-limit 12X 2>&1 >/dev/null)
 echo "$err" | grep -q -- "--device-mem-limit"; check "bad size flag named" $?
 
+# The engine's per-step schedule of a real model.
+out=$("$strata" plan --model tiny --schedule --stage 3 --offload-param nvme --offload-optimizer nvme \
+      --nvme-path . --world-size 2 --grad-accum 2 --micro-batch 1 2>&1)
+echo "$out" | grep -q "fetch(layers.0) mb 0 .* io" && echo "$out" | grep -q "gather(head) mb 1" &&
+  echo "$out" | grep -q "^ *[0-9]* *exchange" && echo "$out" | grep -q "optimizer(embedding)"
+check "--schedule prints every kind of operation" $?
+echo "$out" | grep -q "NVMe traffic per step and rank: [0-9.]* [KM]iB read"; check "--schedule prints NVMe traffic" $?
+"$strata" plan --model tiny --schedule --json --stage 3 --world-size 2 | python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["ops"] and j["peak_bytes"]["device"] > 0'
+check "--schedule --json parses" $?
+err=$("$strata" plan --params 7B --schedule 2>&1 >/dev/null)
+echo "$err" | grep -q -- "--schedule needs --model"; check "--schedule without a model refused" $?
+
 echo "$((total - failures)) passed, $failures failed"
 [ $failures -eq 0 ]

@@ -7,8 +7,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
+#include "core/engine.h"
 #include "core/model_config.h"
 #include "core/planner.h"
+#include "core/training_plan.h"
 #include "core/units.h"
 #include "kernels/backend.h"
 #include "tools/config_flags.h"
@@ -27,6 +29,9 @@ class PlanCommand : public Subcommand {
     cmd->add_option("--accounting", accounting_, "strata (bytes the engine allocates) or zero (2+2+12 bytes)")
         ->check(CLI::IsMember({"strata", "zero"}));
     cmd->add_flag("--json", json_, "Print a JSON object instead of the table");
+    cmd->add_flag("--schedule", schedule_,
+                  "Print the engine's plan of one step (every operation, its lane, bytes and "
+                  "dependencies) and its buffers per tier; needs --model");
     cmd->add_option("--net-bw", net_bw_, "Network bandwidth per rank for collectives (default 25GB/s)");
     cmd->add_option("--pcie-bw", pcie_bw_, "Host-device bandwidth per direction (default 25GB/s)");
     cmd->add_option("--nvme-bw", nvme_bw_, "NVMe bandwidth of the node (default 6GB/s)");
@@ -116,6 +121,17 @@ class PlanCommand : public Subcommand {
     Status valid = validate_plan_input(input);
     if (!valid.is_ok()) return valid;
 
+    if (schedule_) {
+      if (!input.model) return Status::error("--schedule needs --model (a plan is made of the model's units)");
+      Result<TrainingPlan> steps = build_training_plan(training_plan_input(*input.model, c));
+      if (!steps.is_ok()) return steps.status();
+      if (json_) {
+        fmt::print("{}\n", training_plan_to_json(*steps).dump(2));
+      } else {
+        fmt::print("{}", format_training_plan(*steps));
+      }
+      return 0;
+    }
     MemoryPlan plan = plan_with_suggestion(input);
     const bool zero = accounting_ == "zero";
     if (json_) {
@@ -131,6 +147,7 @@ class PlanCommand : public Subcommand {
   ConfigFlags flags_;
   std::string accounting_ = "strata";
   bool json_ = false;
+  bool schedule_ = false;
   std::string net_bw_, pcie_bw_, nvme_bw_;
 };
 
