@@ -278,6 +278,7 @@ __global__ void __launch_bounds__(kThreads)
                                   Params p) {
   constexpr int kMaxD = 32 * DPL;
   constexpr int kOwned = kMaxD / kWarps;  // (key, column) elements of dk and dv per thread
+  static_assert(kOwned % 4 == 0, "owned columns are read four at a time");
   __shared__ float k_tile[kKeys][kMaxD + 1];
   __shared__ float v_tile[kKeys][kMaxD + 1];
   __shared__ __align__(16) float q_tile[kBackwardRows][kMaxD];  // scaled by 1/sqrt(D)
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(kThreads)
                                  k0, kKeys, p.T, p.D, 1.0f);
   load_rows<T, kMaxD, kMaxD + 1>(v_tile, v + sequence * p.row_stride + kvh * p.D, p.row_stride,
                                  k0, kKeys, p.T, p.D, 1.0f);
-  // This thread owns key `lane` of the tile, columns warp + kWarps * m.
+  // This thread owns key `lane` of the tile, columns [warp * kOwned, (warp + 1) * kOwned).
   float dk_acc[kOwned], dv_acc[kOwned];
 #pragma unroll
   for (int m = 0; m < kOwned; ++m) dk_acc[m] = dv_acc[m] = 0.0f;
@@ -331,11 +332,19 @@ __global__ void __launch_bounds__(kThreads)
       for (int row = 0; row < kBackwardRows; ++row) {
         const float prob = prob_tile[row][lane];
         const float ds = dscore_tile[row][lane];
+        // The warp's columns are contiguous: float4 broadcasts of dout and q.
 #pragma unroll
-        for (int m = 0; m < kOwned; ++m) {
-          const int d = warp + kWarps * m;
-          dv_acc[m] = fmaf(prob, dout_tile[row][d], dv_acc[m]);
-          dk_acc[m] = fmaf(ds, q_tile[row][d], dk_acc[m]);  // q_tile holds scale * q
+        for (int m = 0; m < kOwned; m += 4) {
+          const float4 dy = *reinterpret_cast<const float4*>(&dout_tile[row][warp * kOwned + m]);
+          const float4 qs = *reinterpret_cast<const float4*>(&q_tile[row][warp * kOwned + m]);
+          dv_acc[m] = fmaf(prob, dy.x, dv_acc[m]);
+          dv_acc[m + 1] = fmaf(prob, dy.y, dv_acc[m + 1]);
+          dv_acc[m + 2] = fmaf(prob, dy.z, dv_acc[m + 2]);
+          dv_acc[m + 3] = fmaf(prob, dy.w, dv_acc[m + 3]);
+          dk_acc[m] = fmaf(ds, qs.x, dk_acc[m]);  // q_tile holds scale * q
+          dk_acc[m + 1] = fmaf(ds, qs.y, dk_acc[m + 1]);
+          dk_acc[m + 2] = fmaf(ds, qs.z, dk_acc[m + 2]);
+          dk_acc[m + 3] = fmaf(ds, qs.w, dk_acc[m + 3]);
         }
       }
     }
@@ -345,7 +354,7 @@ __global__ void __launch_bounds__(kThreads)
   T* dv_row = dv + (sequence + key) * p.row_stride + kvh * p.D;
 #pragma unroll
   for (int m = 0; m < kOwned; ++m) {
-    const int d = warp + kWarps * m;
+    const int d = warp * kOwned + m;
     if (d < p.D) {
       dk_row[d] = from_float<T>(dk_acc[m]);
       dv_row[d] = from_float<T>(dv_acc[m]);
