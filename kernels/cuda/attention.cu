@@ -88,6 +88,45 @@ __device__ __forceinline__ void row_dots(float (&dots)[kRowCount], const float (
   }
 }
 
+// acc[r][m] += sum over keys j of weight[r] (held by lane j) * tile[j][lane + 32 m],
+// for the rows of one warp. The weights pass through the warp's `staging`
+// (32 keys x kRowCount, 16-byte aligned rows) so that one vector broadcast
+// gives every row's weight of key j, instead of a shuffle per row and key.
+template <int kRowCount, int DPL, int kStride>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kRowCount][DPL],
+                                                const float (&weight)[kRowCount],
+                                                float (*staging)[kRowCount],
+                                                const float (*tile)[kStride], int lane) {
+  static_assert(kRowCount == 2 || kRowCount == 4, "staged as float2 or float4");
+#pragma unroll
+  for (int r = 0; r < kRowCount; ++r) staging[lane][r] = weight[r];
+  __syncwarp();
+#pragma unroll 4
+  for (int j = 0; j < kKeys; ++j) {
+    float value[DPL];
+#pragma unroll
+    for (int m = 0; m < DPL; ++m) value[m] = tile[j][lane + 32 * m];
+    float w[kRowCount];
+    if constexpr (kRowCount == 4) {
+      const float4 w4 = *reinterpret_cast<const float4*>(&staging[j][0]);
+      w[0] = w4.x;
+      w[1] = w4.y;
+      w[2] = w4.z;
+      w[3] = w4.w;
+    } else {
+      const float2 w2 = *reinterpret_cast<const float2*>(&staging[j][0]);
+      w[0] = w2.x;
+      w[1] = w2.y;
+    }
+#pragma unroll
+    for (int r = 0; r < kRowCount; ++r) {
+#pragma unroll
+      for (int m = 0; m < DPL; ++m) acc[r][m] = fmaf(w[r], value[m], acc[r][m]);
+    }
+  }
+  __syncwarp();  // staging may be overwritten by the next call
+}
+
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(T* out,        // (B, T, H*D)
@@ -100,6 +139,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(16) float q_tile[kRows][kMaxD];  // scaled by 1/sqrt(D); broadcasts
   __shared__ float k_tile[kKeys][kMaxD + 1];  // padded: lane j reads row j without conflicts
   __shared__ float v_tile[kKeys][kMaxD];      // lanes read consecutive columns of one row
+  __shared__ __align__(16) float staging[kWarps][kKeys][kRowsPerWarp];  // probabilities
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.y / p.H, h = blockIdx.y % p.H, kvh = h / (p.H / p.KV);
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -142,18 +182,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int m = 0; m < DPL; ++m) acc[r][m] *= correction;
       row_max[r] = new_max;
     }
-#pragma unroll 4
-    for (int j = 0; j < kKeys; ++j) {
-      float value[DPL];
-#pragma unroll
-      for (int m = 0; m < DPL; ++m) value[m] = v_tile[j][lane + 32 * m];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const float pj = __shfl_sync(0xffffffffu, prob[r], j);
-#pragma unroll
-        for (int m = 0; m < DPL; ++m) acc[r][m] = fmaf(pj, value[m], acc[r][m]);
-      }
-    }
+    accumulate_rows<kRowsPerWarp, DPL>(acc, prob, staging[warp], v_tile, lane);
   }
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -204,6 +233,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(16) float dout_tile[kRowsB][kMaxD];
   __shared__ float k_tile[kKeys][kMaxD + 1];  // lane-indexed rows (scores) and columns (dq)
   __shared__ float v_tile[kKeys][kMaxD + 1];  // lane-indexed rows (dp)
+  __shared__ __align__(16) float staging[kWarps][kKeys][kRowsW];  // dscores
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.y / p.H, h = blockIdx.y % p.H, kvh = h / (p.H / p.KV);
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kRowsB;
@@ -241,18 +271,7 @@ __global__ void __launch_bounds__(kThreads)
       const float prob = visible ? __expf(scores[r] - row_lse[r]) : 0.0f;
       dscore[r] = prob * (dprobs[r] - row_delta[r]);
     }
-#pragma unroll 4
-    for (int j = 0; j < kKeys; ++j) {
-      float key_value[DPL];
-#pragma unroll
-      for (int m = 0; m < DPL; ++m) key_value[m] = k_tile[j][lane + 32 * m];
-#pragma unroll
-      for (int r = 0; r < kRowsW; ++r) {
-        const float ds = __shfl_sync(0xffffffffu, dscore[r], j);
-#pragma unroll
-        for (int m = 0; m < DPL; ++m) acc[r][m] = fmaf(ds, key_value[m], acc[r][m]);
-      }
-    }
+    accumulate_rows<kRowsW, DPL>(acc, dscore, staging[warp], k_tile, lane);
   }
 #pragma unroll
   for (int r = 0; r < kRowsW; ++r) {
