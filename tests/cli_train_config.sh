@@ -48,9 +48,9 @@ grep -q "absent.json" "$dir/err"; check "missing file named" $?
 out=$("$strata" train --model tiny --print-config 2>/dev/null)
 [ "$(echo "$out" | json_get 'd["strata"]["parameters"]')" = "190944" ]; check "model named in the effective config" $?
 
-# Without the engine, training refuses clearly rather than pretending.
+# Training needs data: without --data it refuses in one line, saying how to get some.
 "$strata" train --model tiny --backend cpu >/dev/null 2>"$dir/err"
-[ $? -eq 2 ] && grep -q "no training engine" "$dir/err"; check "train without engine refuses" $?
+[ $? -eq 2 ] && grep -q "\-\-data FILE is required" "$dir/err"; check "train without --data refuses" $?
 
 echo "$((total - failures)) passed, $failures failed"
 [ $failures -eq 0 ]

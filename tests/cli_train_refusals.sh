@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# `strata train` refuses what cannot work before training starts, each time
+# with one line on stderr that says what, where and what to do, and a
+# non-zero exit: a missing data file, a plan that does not fit the budgets,
+# an unwritable NVMe path, a GPU backend where there is none, bad masks.
+# Usage: cli_train_refusals.sh STRATA_BINARY REPO_ROOT
+set -uo pipefail
+strata="$1"
+failures=0
+total=0
+check() {
+  total=$((total + 1))
+  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
+}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$strata" demo-data --out "$dir/data" --tokens 20000 --val-tokens 2000 >/dev/null
+common=(--model tiny --backend cpu --seq-len 32 --micro-batch 2 --steps 2)
+
+# refuse NAME EXPECTED_STATUS PATTERN -- ARGS...: exit status, one line, the pattern in it.
+refuse() {
+  local name="$1" expected="$2" pattern="$3"
+  shift 4
+  "$strata" train "$@" >"$dir/out" 2>"$dir/err"
+  local status=$?
+  local ok=0
+  [ "$status" -eq "$expected" ] || ok=1
+  [ "$(wc -l <"$dir/err")" -eq 1 ] || ok=1
+  grep -q -- "$pattern" "$dir/err" || ok=1
+  [ $ok -eq 0 ] || { echo "  status $status, stderr:"; sed 's/^/    /' "$dir/err"; }
+  check "$name" $ok
+}
+
+refuse "missing data file" 2 "absent.bin" -- "${common[@]}" --data "$dir/absent.bin"
+refuse "no --data" 2 "demo-data" -- "${common[@]}"
+"$strata" demo-data --out "$dir/short" --tokens 20 --val-tokens 20 >/dev/null
+refuse "data shorter than one sequence" 2 "fewer than one sequence" -- "${common[@]}" --data "$dir/short/train.bin"
+refuse "plan does not fit --device-mem-limit" 1 "does not fit.*--device-mem-limit" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --device-mem-limit 1M
+refuse "plan does not fit --host-mem-limit" 1 "does not fit.*--host-mem-limit" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --offload-optimizer cpu --host-mem-limit 64K
+: >"$dir/file"
+refuse "NVMe path that cannot be created" 2 "nvme-path $dir/file/swap" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --offload-optimizer nvme --nvme-path "$dir/file/swap"
+refuse "NVMe path that is a file" 2 "nvme-path $dir/file" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --offload-optimizer nvme --nvme-path "$dir/file"
+refuse "loss mask of the wrong size" 2 "one byte per token" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --loss-mask "$dir/file"
+refuse "--eval-every without --eval-data" 2 "needs --eval-data" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --eval-every 2
+refuse "unwritable --metrics" 2 "metrics $dir/file/m.jsonl" -- \
+  "${common[@]}" --data "$dir/data/train.bin" --metrics "$dir/file/m.jsonl"
+refuse "no --model" 2 "model" -- --data "$dir/data/train.bin"
+
+# --backend cuda: refused on a machine without a GPU (and, while the engine
+# computes on the CPU, on one with a GPU too), pointing at --backend cpu.
+"$strata" train --model tiny --backend cuda --seq-len 32 --steps 1 --data "$dir/data/train.bin" >/dev/null 2>"$dir/err"
+[ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--backend cpu" "$dir/err"
+check "--backend cuda without GPU lanes" $?
+
+# A plan that does not fit is refused before the swap file is made.
+"$strata" train "${common[@]}" --data "$dir/data/train.bin" --offload-optimizer nvme --nvme-path "$dir/swap" \
+  --device-mem-limit 1M >/dev/null 2>&1
+[ -z "$(ls -A "$dir/swap")" ]; check "a refused plan writes nothing under the NVMe path" $?
+
+echo "$((total - failures)) passed, $failures failed"
+[ $failures -eq 0 ]

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# `strata train` end to end on the CPU: the metrics file, the trace (valid
+# JSON, every plan operation on every rank), progress lines and the summary,
+# swap files cleaned up, the validation loss and the loss mask.
+# Usage: cli_train_run.sh STRATA_BINARY REPO_ROOT
+set -uo pipefail
+strata="$1"
+failures=0
+total=0
+check() {
+  total=$((total + 1))
+  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
+}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+
+"$strata" demo-data --out "$dir/data" --tokens 200000 --val-tokens 20000 >/dev/null
+check "demo-data writes train.bin and val.bin" $?
+[ "$(stat -c %s "$dir/data/train.bin")" -eq 400000 ]; check "train.bin holds uint16 tokens" $?
+
+# Two ranks, ZeRO-3, parameters and optimizer state on NVMe.
+common=(--model tiny --backend cpu --seq-len 32 --micro-batch 2 --world-size 2 --zero-stage 3
+        --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --lr 3e-3)
+"$strata" train "${common[@]}" --data "$dir/data/train.bin" --steps 12 --eval-data "$dir/data/val.bin" \
+  --eval-every 6 --eval-batches 2 --metrics "$dir/m.jsonl" --trace "$dir/t.json" >"$dir/out" 2>"$dir/err"
+check "train exits 0" $?
+[ ! -s "$dir/err" ]; check "nothing on stderr" $?
+[ -z "$(ls -A "$dir/swap")" ]; check "swap files removed at exit" $?
+
+python3 - "$dir/m.jsonl" <<'PY'
+import json, math, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert [l["step"] for l in lines] == list(range(1, 13)), [l["step"] for l in lines]
+keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "nvme_read_bytes",
+        "nvme_written_bytes", "stall_s", "skipped", "tokens", "loss_tokens"}
+for l in lines:
+    assert keys <= set(l), keys - set(l)
+    assert math.isfinite(l["loss"]) and l["grad_norm"] > 0 and l["step_time_s"] > 0 and l["tokens_per_s"] > 0
+    assert l["tokens"] == 2 * 2 * 32 and l["loss_tokens"] == 128 and l["lr"] == 3e-3
+    assert l["skipped"] is False and "loss_scale" not in l
+assert all(l["nvme_read_bytes"] > 0 and l["nvme_written_bytes"] > 0 for l in lines[1:])
+assert lines[-1]["loss"] < lines[0]["loss"] - 0.5, (lines[0]["loss"], lines[-1]["loss"])
+assert [l["step"] for l in lines if "eval_loss" in l] == [6, 12]
+assert lines[11]["eval_loss"] < lines[5]["eval_loss"]
+PY
+check "metrics: one object per step with every field, loss falling, eval at 6 and 12" $?
+
+"$strata" train "${common[@]}" --print-plan >"$dir/plan" 2>/dev/null
+check "--print-plan exits 0" $?
+python3 - "$dir/t.json" "$dir/plan" <<'PY'
+import json, re, sys
+trace = json.load(open(sys.argv[1]))
+# The plan's operation lines: "  12  gather(unit 1) mb 0 layers.0 comm ..."
+plan_kinds = {}
+for line in open(sys.argv[2]):
+    m = re.match(r"\s+(\d+)\s+([a-z_]+)", line)
+    if m and not line.lstrip().startswith(("nvme", "host", "device")):
+        plan_kinds[int(m.group(1))] = m.group(2)
+assert plan_kinds and sorted(plan_kinds) == list(range(len(plan_kinds))), "plan ops not found"
+events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+assert events, "no events"
+lanes = {"io": 0, "comm": 1, "compute": 2, "optimizer": 3}
+names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+for rank in (0, 1):
+    ops = {e["args"]["op"] for e in events if e["pid"] == rank}
+    assert ops == set(plan_kinds), (rank, set(plan_kinds) - ops)
+for e in events:
+    assert e["dur"] >= 0 and e["ts"] >= 0 and e["pid"] in (0, 1)
+    assert e["name"].split("(")[0].split(" ")[0] == plan_kinds[e["args"]["op"]], e
+    assert names[(e["pid"], e["tid"])] in lanes
+steps = {e["args"]["step"] for e in events}
+assert len(steps) == 12, steps
+PY
+check "trace: valid JSON, every plan operation on both ranks, on named lanes, 12 steps" $?
+
+grep -q "^step  1/12  loss" "$dir/out" && grep -q "^step 12/12  loss" "$dir/out"
+check "plain progress lines when not a terminal" $?
+! grep -q $'\r' "$dir/out"; check "no carriage returns when not a terminal" $?
+grep -q "^eval at step 12: loss" "$dir/out"; check "validation loss printed" $?
+grep -q "tokens/s" "$dir/out" && grep -q "^peak memory per rank:.*nvme" "$dir/out" &&
+  grep -q "^where the time went" "$dir/out" && grep -q "^stalled" "$dir/out"
+check "summary: throughput, peak memory per tier, stall, time per lane" $?
+
+# fp16: the loss scale is reported.
+"$strata" train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --precision fp16 --steps 2 \
+  --data "$dir/data/train.bin" --metrics "$dir/fp16.jsonl" >/dev/null 2>"$dir/err"
+check "fp16 run exits 0" $?
+python3 -c "
+import json,sys
+l=[json.loads(x) for x in open(sys.argv[1])]
+assert len(l)==2 and all(x['loss_scale']>=1 for x in l)" "$dir/fp16.jsonl"
+check "fp16 metrics carry loss_scale" $?
+
+# Loss mask: one byte per token; zero bytes take those targets out of the loss.
+python3 - "$dir/data/train.bin" "$dir/half.mask" "$dir/none.mask" <<'PY'
+import os, sys
+tokens = os.path.getsize(sys.argv[1]) // 2
+open(sys.argv[2], "wb").write(bytes(i % 2 for i in range(tokens)))
+open(sys.argv[3], "wb").write(bytes(tokens))
+PY
+"$strata" train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --steps 2 --data "$dir/data/train.bin" \
+  --loss-mask "$dir/half.mask" --metrics "$dir/mask.jsonl" >/dev/null 2>"$dir/err"
+check "masked run exits 0" $?
+python3 -c "
+import json,sys
+l=[json.loads(x) for x in open(sys.argv[1])]
+assert all(x['loss_tokens']==32 and x['tokens']==64 for x in l), l" "$dir/mask.jsonl"
+check "loss mask: half the targets counted" $?
+"$strata" train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --steps 2 --data "$dir/data/train.bin" \
+  --loss-mask "$dir/none.mask" >/dev/null 2>"$dir/err"
+[ $? -eq 1 ] && grep -q "masked out" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
+check "a mask with nothing to learn is refused in one line" $?
+
+echo "$((total - failures)) passed, $failures failed"
+[ $failures -eq 0 ]
