@@ -276,6 +276,7 @@ TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfi
   in.grad_accum = config.gradient_accumulation_steps;
   in.overlap_comm = config.zero.overlap_comm;
   in.reduce_scatter = config.zero.reduce_scatter;
+  in.reduce_in_bf16 = config.strata.gradient_reduce_dtype == Precision::bf16;
   in.fetch_slots = std::max(1, config.zero.offload_param.buffer_count);
   in.optimizer_buffers = std::max(2, config.zero.offload_optimizer.buffer_count);
   in.optimizer_chunk_elements =
@@ -297,10 +298,6 @@ Engine::~Engine() {
 Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   auto impl = std::make_unique<Impl>();
   const TrainConfig& config = options.config;
-  if (config.strata.gradient_reduce_dtype != Precision::fp32)
-    return Status::error(
-        "strata.gradient_reduce_dtype bf16: the CPU engine reduces gradients in fp32 only; drop the "
-        "setting");
   if (!options.data) return Status::error("engine: no data source");
   TrainingPlanInput input = training_plan_input(options.model, config);
   Result<TrainingPlan> plan = build_training_plan(input);
@@ -855,19 +852,29 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
   float* accumulator = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::grad}));
   const int stage = plan.input.stage;
   const bool scatter = stage >= 2 && plan.input.reduce_scatter && world() > 1;
-  const float* reduced = nullptr;
-  int64_t count = 0;
-  if (scatter) {
+  // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
+  const int64_t count = stage >= 2 ? p.shard_numel : p.padded_numel;
+  const int64_t kept_from = stage >= 2 && !scatter ? int64_t(r) * p.shard_numel : 0;
+  float* reduced = scatter ? rank.reduce_out : buffer + kept_from;
+  if (plan.input.reduce_in_bf16) {
+    // Narrowed in place (element i's two bytes land at or below where its
+    // fp32 was read, so a forward pass is safe), reduced in bf16 (summed in
+    // fp32, rounded once), widened back into the fp32 buffer it came from.
+    auto* bits = reinterpret_cast<uint16_t*>(buffer);
+    for (int64_t i = 0; i < p.padded_numel; ++i) bits[i] = kernels::cpu::float_to_bf16(buffer[i]);
+    auto* out_bits = scatter ? reinterpret_cast<uint16_t*>(rank.reduce_out) : bits;
+    Status status = scatter ? rank.comm->reduce_scatter(bits, out_bits, size_t(p.shard_numel), comm::DataType::bf16)
+                            : rank.comm->all_reduce(bits, bits, size_t(p.padded_numel), comm::DataType::bf16);
+    if (!status) return status;
+    // Widen backwards so no bf16 value is overwritten before it is read.
+    const uint16_t* kept = out_bits + kept_from;
+    for (int64_t i = count - 1; i >= 0; --i) reduced[i] = kernels::cpu::bf16_to_float(kept[i]);
+  } else if (scatter) {
     if (Status s = rank.comm->reduce_scatter(buffer, rank.reduce_out, size_t(p.shard_numel), comm::DataType::fp32); !s)
       return s;
-    reduced = rank.reduce_out;
-    count = p.shard_numel;
   } else {
     if (Status s = rank.comm->all_reduce(buffer, buffer, size_t(p.padded_numel), comm::DataType::fp32); !s)
       return s;
-    // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
-    reduced = stage >= 2 ? buffer + int64_t(r) * p.shard_numel : buffer;
-    count = stage >= 2 ? p.shard_numel : p.padded_numel;
   }
   if (op.micro == 0) {
     std::memcpy(accumulator, reduced, size_t(count) * 4);

@@ -167,7 +167,7 @@ class PlanBuilder {
         const UnitPlacement& p = plan_.units[size_t(cu.unit)];
         const bool scatter = in.stage >= 2 && in.reduce_scatter;
         // Ring collectives: reduce-scatter sends (W-1)/W of the unit, all-reduce twice that.
-        reduce.bytes = p.shard_numel * 4 * (in.world_size - 1) * (scatter ? 1 : 2);
+        reduce.bytes = p.shard_numel * (in.reduce_in_bf16 ? 2 : 4) * (in.world_size - 1) * (scatter ? 1 : 2);
         const int index = add(std::move(reduce));
         last_reduce[size_t(cu.unit)] = index;
         if (uses_rotating_grad) {

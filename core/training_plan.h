@@ -61,6 +61,7 @@ struct TrainingPlanInput {
   int64_t grad_accum = 1;
   bool overlap_comm = true;    // false: collectives run on the compute lane, between computations
   bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
+  bool reduce_in_bf16 = false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
   int fetch_slots = 5;         // offload_param.buffer_count
   int optimizer_buffers = 4;   // offload_optimizer.buffer_count
   int64_t optimizer_chunk_elements = int64_t{1} << 24;  // streamed optimizer chunk (multiple of 1024)

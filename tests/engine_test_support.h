@@ -77,6 +77,9 @@ struct EngineRun {
   int param_buffers = 3;      // offload_param.buffer_count
   int optimizer_buffers = 3;  // offload_optimizer.buffer_count
   int64_t sub_group_size = 4096;
+  bool reduce_in_bf16 = false;
+  std::string init;  // safetensors checkpoint to start from; empty: the seed
+  int initial_scale_power = 12;  // fp16
   std::shared_ptr<io::FaultInjector> fault_injector;
   std::string label() const {
     return "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
@@ -105,7 +108,8 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
                       {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", run.lr},
                                   {"warmup_num_steps", 2}, {"total_num_steps", 8}}}};
   if (run.precision == "bf16") j["bf16"] = {{"enabled", true}};
-  if (run.precision == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 12}};
+  if (run.precision == "fp16")
+    j["fp16"] = {{"enabled", true}, {"initial_scale_power", run.initial_scale_power}, {"hysteresis", 1}};
   nlohmann::json zero = {{"stage", run.stage},
                          {"overlap_comm", run.overlap_comm},
                          {"reduce_scatter", run.reduce_scatter},
@@ -118,6 +122,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["zero_optimization"] = zero;
   j["aio"] = {{"block_size", 65536}, {"queue_depth", 8}};
   j["strata"] = {{"seq_len", run.seq_len}};
+  if (run.reduce_in_bf16) j["strata"]["gradient_reduce_dtype"] = "bf16";
   ConfigOverrides overrides;
   overrides.world_size = run.world;
   return train_config_from_json(j, "test config", overrides);
@@ -140,6 +145,7 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   options.pin_host = false;
   options.notice = [](const std::string&) {};
   options.fault_injector = run.fault_injector;
+  options.init_checkpoint = run.init;
   Result<std::unique_ptr<Engine>> engine = Engine::create(options);
   if (!engine) return engine.status();
   EngineOutcome outcome;
