@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""What NVMe offload costs a training step, side by side with its references.
+
+One command runs, on the same directory and the same aio settings:
+  - fio rw=readwrite (io_uring, O_DIRECT) at the engine's block size and queue
+    depth: the bandwidth B of the path when reads and writes mix, as in a step;
+  - `strata train` with everything in memory (ZeRO-3, offload none) and with
+    parameters and optimizer state on NVMe (offload nvme), at a sweep of tokens
+    per step (micro-batch sizes), one rank, and the median step time of each
+    after the warm-up steps; the NVMe run's bytes per step (read + written, from
+    --metrics) over B is its I/O floor.
+Then:
+  (a) compute-bound: the largest tokens per step whose I/O floor is still at
+      least 0.7 of the in-memory step time (hiding the I/O is necessary, not
+      free); ratio NVMe step / in-memory step, target <= 1.10;
+  (b) I/O-bound: the fewest tokens per step; ratio NVMe step / I/O floor,
+      target <= 1.15;
+  (c) the trace of (a)'s NVMe run: the fraction of io-lane time and of
+      optimizer-lane time that overlaps compute-lane time (hidden under compute).
+
+    benches/train_offload_bench.py --strata build/tools/strata --path /mnt/nvme0 \
+        [--model small] [--seq-len 128] [--micro-batches 1,2,4,8,16] [--steps 12]
+
+Needs fio. Prints a table and a JSON object (--json FILE writes it too).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run_fio(args, block, queue_depth):
+    """fio rw=readwrite on the path; returns read + write bytes per second."""
+    command = [
+        args.fio, "--name=strata-train-floor", f"--filename={os.path.join(args.path, 'fio-train-floor.data')}",
+        "--ioengine=io_uring", "--direct=1", "--rw=readwrite", f"--bs={block}", f"--iodepth={queue_depth}",
+        f"--size={args.fio_size}", "--time_based", f"--runtime={args.fio_seconds}", "--thread",
+        "--group_reporting", "--output-format=json",
+    ]
+    try:
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    finally:
+        try:
+            os.remove(os.path.join(args.path, "fio-train-floor.data"))
+        except FileNotFoundError:
+            pass
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["read"]["bw_bytes"] + job["write"]["bw_bytes"]
+
+
+def run_train(args, micro_batch, offload, workdir, trace=None):
+    """One `strata train` run; returns the per-step metrics after the warm-up."""
+    metrics = os.path.join(workdir, f"m-{offload}-{micro_batch}.jsonl")
+    command = [
+        args.strata, "train", "--model", args.model, "--backend", "cpu", "--data", args.data,
+        "--seq-len", str(args.seq_len), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
+        "--zero-stage", "3", "--offload-param", offload, "--offload-optimizer", offload,
+        "--aio-block-size", args.block_size, "--aio-queue-depth", str(args.queue_depth),
+        "--metrics", metrics,
+    ]
+    if offload == "nvme":
+        command += ["--nvme-path", args.path]
+    if trace:
+        command += ["--trace", trace]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = [json.loads(line) for line in open(metrics)]
+    return lines[args.warmup:]
+
+
+def median_step(lines):
+    return statistics.median(l["step_time_s"] for l in lines)
+
+
+def union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def overlap(a, b):
+    """Total length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, end - start)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def hidden_fractions(trace_path, warmup):
+    """Per lane (io, optimizer): time overlapping the compute lane / lane busy time, after the warm-up."""
+    events = [e for e in json.load(open(trace_path))["traceEvents"]
+              if e["ph"] == "X" and e["args"]["step"] >= warmup]
+    result = {}
+    for rank in sorted({e["pid"] for e in events}):
+        lanes = {}
+        for e in events:
+            if e["pid"] == rank:
+                lanes.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+        compute = union(lanes.get(2, []))
+        for tid, name in ((0, "io"), (3, "optimizer")):
+            busy = union(lanes.get(tid, []))
+            length = sum(end - start for start, end in busy)
+            result[name] = overlap(busy, compute) / length if length > 0 else None
+            result[name + "_busy_s"] = length / 1e6
+        result["compute_busy_s"] = sum(end - start for start, end in compute) / 1e6
+        break  # one rank
+    return result
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strata", default="build/tools/strata")
+    parser.add_argument("--path", required=True, help="NVMe directory (swap files and fio's file)")
+    parser.add_argument("--data", help="token file (default: strata demo-data in a temporary directory)")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batches", default="1,2,4,8,16")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    parser.add_argument("--block-size", default="1M")
+    parser.add_argument("--queue-depth", type=int, default=8)
+    parser.add_argument("--fio", default=shutil.which("fio") or "fio")
+    parser.add_argument("--fio-size", default="1G")
+    parser.add_argument("--fio-seconds", type=int, default=5)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    os.makedirs(args.path, exist_ok=True)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        if not args.data:
+            subprocess.run([args.strata, "demo-data", "--out", workdir, "--tokens", "1000000"], check=True,
+                           stdout=subprocess.DEVNULL)
+            args.data = os.path.join(workdir, "train.bin")
+        bandwidth = run_fio(args, parse_size(args.block_size), args.queue_depth)
+        print(f"fio rw=readwrite bs={args.block_size} iodepth={args.queue_depth} on {args.path}: "
+              f"{bandwidth / 1e9:.3f} GB/s (read + write)")
+        rows = []
+        print(f"{'tokens/step':>11} {'in-memory s':>11} {'nvme s':>9} {'MB/step':>8} {'floor s':>8} "
+              f"{'floor/mem':>9} {'nvme/mem':>8} {'nvme/floor':>10}")
+        for micro_batch in [int(m) for m in args.micro_batches.split(",")]:
+            memory = median_step(run_train(args, micro_batch, "none", workdir))
+            nvme_lines = run_train(args, micro_batch, "nvme", workdir)
+            nvme = median_step(nvme_lines)
+            moved = statistics.median(l["nvme_read_bytes"] + l["nvme_written_bytes"] for l in nvme_lines)
+            floor = moved / bandwidth
+            row = {"micro_batch": micro_batch, "tokens_per_step": micro_batch * args.seq_len,
+                   "in_memory_step_s": memory, "nvme_step_s": nvme, "nvme_bytes_per_step": moved,
+                   "io_floor_s": floor, "floor_over_memory": floor / memory, "nvme_over_memory": nvme / memory,
+                   "nvme_over_floor": nvme / floor if floor > 0 else None}
+            rows.append(row)
+            print(f"{row['tokens_per_step']:>11} {memory:>11.4f} {nvme:>9.4f} {moved / 1e6:>8.1f} {floor:>8.4f} "
+                  f"{row['floor_over_memory']:>9.2f} {row['nvme_over_memory']:>8.3f} {row['nvme_over_floor']:>10.3f}")
+
+        qualifying = [r for r in rows if r["floor_over_memory"] >= 0.7]
+        compute_case = max(qualifying, key=lambda r: r["tokens_per_step"]) if qualifying else \
+            max(rows, key=lambda r: r["tokens_per_step"])
+        io_case = min(rows, key=lambda r: r["tokens_per_step"])
+        trace = os.path.join(workdir, "a.json")
+        run_train(args, compute_case["micro_batch"], "nvme", workdir, trace=trace)
+        hidden = hidden_fractions(trace, args.warmup)
+
+    result = {
+        "fio_readwrite_bytes_per_s": bandwidth,
+        "rows": rows,
+        "a_compute_bound": {**compute_case, "condition_floor_at_least_0.7_of_memory": bool(qualifying),
+                            "ratio": compute_case["nvme_over_memory"], "target": 1.10},
+        "b_io_bound": {**io_case, "ratio": io_case["nvme_over_floor"], "target": 1.15},
+        "c_hidden_under_compute": hidden,
+    }
+    a, b = result["a_compute_bound"], result["b_io_bound"]
+    print(f"(a) compute-bound, {a['tokens_per_step']} tokens/step (floor {a['floor_over_memory']:.2f} of the "
+          f"in-memory step{'' if qualifying else ', below 0.7: no size qualified'}): NVMe / in-memory = "
+          f"{a['ratio']:.3f} (target <= 1.10)")
+    print(f"(b) I/O-bound, {b['tokens_per_step']} tokens/step: NVMe step / I/O floor = {b['ratio']:.3f} "
+          f"(target <= 1.15)")
+    fmt = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"
+    print(f"(c) trace of (a): io lane {fmt(hidden.get('io'))} hidden under compute "
+          f"({hidden.get('io_busy_s', 0):.2f} s busy), optimizer lane {fmt(hidden.get('optimizer'))} "
+          f"({hidden.get('optimizer_busy_s', 0):.2f} s busy); compute busy {hidden.get('compute_busy_s', 0):.2f} s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
