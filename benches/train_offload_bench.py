@@ -13,7 +13,7 @@ Then:
   (a) compute-bound: the largest tokens per step whose I/O floor is still at
       least 0.7 of the in-memory step time (hiding the I/O is necessary, not
       free); ratio NVMe step / in-memory step, target <= 1.10;
-  (b) I/O-bound: the fewest tokens per step; ratio NVMe step / I/O floor,
+  (b) I/O-bound: one sequence of --io-seq-len tokens per step; ratio NVMe step / I/O floor,
       target <= 1.15;
   (c) the trace of (a)'s NVMe run: the fraction of io-lane time and of
       optimizer-lane time that overlaps compute-lane time (hidden under compute).
@@ -52,12 +52,13 @@ def run_fio(args, block, queue_depth):
     return job["read"]["bw_bytes"] + job["write"]["bw_bytes"]
 
 
-def run_train(args, micro_batch, offload, workdir, trace=None):
+def run_train(args, micro_batch, offload, workdir, trace=None, seq_len=None):
     """One `strata train` run; returns the per-step metrics after the warm-up."""
-    metrics = os.path.join(workdir, f"m-{offload}-{micro_batch}.jsonl")
+    seq_len = seq_len or args.seq_len
+    metrics = os.path.join(workdir, f"m-{offload}-{micro_batch}-{seq_len}.jsonl")
     command = [
         args.strata, "train", "--model", args.model, "--backend", "cpu", "--data", args.data,
-        "--seq-len", str(args.seq_len), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
+        "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
         "--zero-stage", "3", "--offload-param", offload, "--offload-optimizer", offload,
         "--aio-block-size", args.block_size, "--aio-queue-depth", str(args.queue_depth),
         "--metrics", metrics,
@@ -133,6 +134,7 @@ def main():
     parser.add_argument("--model", default="small")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batches", default="1,2,4,8,16")
+    parser.add_argument("--io-seq-len", type=int, default=16, help="tokens per step of the I/O-bound case")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--block-size", default="1M")
@@ -155,13 +157,15 @@ def main():
         rows = []
         print(f"{'tokens/step':>11} {'in-memory s':>11} {'nvme s':>9} {'MB/step':>8} {'floor s':>8} "
               f"{'floor/mem':>9} {'nvme/mem':>8} {'nvme/floor':>10}")
-        for micro_batch in [int(m) for m in args.micro_batches.split(",")]:
-            memory = median_step(run_train(args, micro_batch, "none", workdir))
-            nvme_lines = run_train(args, micro_batch, "nvme", workdir)
+        # The I/O-bound case first (one short sequence per step), then the sweep.
+        shapes = [(1, args.io_seq_len)] + [(int(m), args.seq_len) for m in args.micro_batches.split(",")]
+        for micro_batch, seq_len in shapes:
+            memory = median_step(run_train(args, micro_batch, "none", workdir, seq_len=seq_len))
+            nvme_lines = run_train(args, micro_batch, "nvme", workdir, seq_len=seq_len)
             nvme = median_step(nvme_lines)
             moved = statistics.median(l["nvme_read_bytes"] + l["nvme_written_bytes"] for l in nvme_lines)
             floor = moved / bandwidth
-            row = {"micro_batch": micro_batch, "tokens_per_step": micro_batch * args.seq_len,
+            row = {"micro_batch": micro_batch, "seq_len": seq_len, "tokens_per_step": micro_batch * seq_len,
                    "in_memory_step_s": memory, "nvme_step_s": nvme, "nvme_bytes_per_step": moved,
                    "io_floor_s": floor, "floor_over_memory": floor / memory, "nvme_over_memory": nvme / memory,
                    "nvme_over_floor": nvme / floor if floor > 0 else None}
@@ -174,7 +178,7 @@ def main():
             max(rows, key=lambda r: r["tokens_per_step"])
         io_case = min(rows, key=lambda r: r["tokens_per_step"])
         trace = os.path.join(workdir, "a.json")
-        run_train(args, compute_case["micro_batch"], "nvme", workdir, trace=trace)
+        run_train(args, compute_case["micro_batch"], "nvme", workdir, trace=trace, seq_len=compute_case["seq_len"])
         hidden = hidden_fractions(trace, args.warmup)
 
     result = {

@@ -203,8 +203,8 @@ void ProgressPrinter::step(const StepReport& report, double elapsed_seconds) {
   if (report.fp16) text += fmt::format("  scale {:g}", r.loss_scale);
   if (r.skipped) text += "  (skipped: overflow)";
   const bool permanent = r.step == 1 || r.step % print_every_ == 0 || r.step == total_steps_;
+  text += fmt::format("  elapsed {}  eta {}", format_seconds(elapsed_seconds), format_seconds(eta));
   if (terminal_) {
-    text += fmt::format("  elapsed {}  eta {}", format_seconds(elapsed_seconds), format_seconds(eta));
     fmt::print("\r\033[K{}", text);
     if (permanent) fmt::print("\n");
     open_line_ = !permanent;
