@@ -185,7 +185,7 @@ class TrainCommand : public Subcommand {
         ->group(data_group);
 
     cmd->add_option("--steps", steps_, "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
-                                       "when the config leaves it 0)")
+                                       "when the config leaves it 0); 0 with --init and --export converts")
         ->group(batch_group);
 
     flags_.add_to(*cmd, /*with_plan_names=*/false);
@@ -286,7 +286,7 @@ class TrainCommand : public Subcommand {
     }
     if (!model)
       return Failure{2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
-    if (steps_ < 1) return Failure{2, fmt::format("--steps must be at least 1, got {}", steps_)};
+    if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
 
     Result<TrainingPlan> plan = build_training_plan(training_plan_input(*model, config));
     if (!plan) return usage_error(plan.status());
@@ -295,16 +295,6 @@ class TrainCommand : public Subcommand {
       if (!text.empty() && text.back() != '\n') text += '\n';
       fmt::print("{}", text);
       return std::nullopt;
-    }
-
-    Result<BackendChoice> backend = choose_backend(backend_);
-    if (!backend) return usage_error(backend.status());
-    if (!backend->notice.empty()) fmt::print(stderr, "{}\n", backend->notice);
-    if (backend->kind == kernels::BackendKind::cuda) {
-      if (backend_ == "cuda")
-        return Failure{2, "--backend cuda: the training engine computes on the CPU in this version; "
-                          "run with --backend cpu"};
-      fmt::print(stderr, "strata: the training engine computes on the CPU in this version; using the CPU backend\n");
     }
 
     // Data, before anything is allocated.
@@ -407,11 +397,23 @@ class TrainCommand : public Subcommand {
 
     options.model = *model;
     options.config = config;
-    options.total_steps = steps_;
+    options.total_steps = std::max<int64_t>(1, steps_);
     options.nvme_paths = nvme_paths;
     options.seed = seed_;
     options.init_checkpoint = init_path_;
     options.data = batch_reader(data);
+
+    // The backend last, so that input errors above stay one line without its notice.
+    Result<BackendChoice> backend = choose_backend(backend_);
+    if (!backend) return usage_error(backend.status());
+    if (backend->kind == kernels::BackendKind::cuda) {
+      if (backend_ == "cuda")
+        return Failure{2, "--backend cuda: the training engine computes on the CPU in this version; "
+                          "run with --backend cpu"};
+      fmt::print(stderr, "strata: the training engine computes on the CPU in this version; using the CPU backend\n");
+    } else if (!backend->notice.empty()) {
+      fmt::print(stderr, "{}\n", backend->notice);
+    }
 
     const int64_t tokens_per_step = B * T * plan->input.grad_accum * W;
     fmt::print("{}: {} parameters, {} units; stage {}, params on {}, optimizer on {}; {} rank{} on the CPU\n",
