@@ -412,8 +412,12 @@ Status Engine::Impl::open_rank(Rank& rank) {
   const int r = rank.rank;
   const int W = world();
   tiers::TieredStoreOptions store;
-  store.device_capacity = options.device_budget;
-  store.host_capacity = options.host_budget / uint64_t(W);
+  // The pools hold what the plan needs (plus a page per buffer of slack),
+  // never more than the budgets: a budget is a limit, and the host pool is
+  // resident (first-touched, pinned) from the start.
+  const uint64_t slack = (plan.buffers.size() + 16) * 4096;
+  store.device_capacity = std::min<uint64_t>(options.device_budget, uint64_t(plan.peak(tiers::Tier::device)) + slack);
+  store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(W), uint64_t(plan.peak(tiers::Tier::host)) + slack);
   store.use_gpu = false;  // the CPU backend: host memory stands in for the device
   store.pin_host = options.pin_host;
   store.notice = options.notice;
@@ -671,17 +675,23 @@ void Engine::Impl::post_step(const std::shared_ptr<StepRun>& run) {
 
 void Engine::Impl::run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int op_index) {
   const PlanOp& op = plan.ops[size_t(op_index)];
+  // Dependencies of the same step, same rank.
+  const Clock::time_point wait_start = Clock::now();
   {
-    // Dependencies of the same step, same rank.
-    const Clock::time_point wait_start = Clock::now();
     std::unique_lock lock(run->mutex);
     run->changed.wait(lock, [&] {
       for (int d : op.deps)
         if (!run->done[size_t(rank.rank)][size_t(d)]) return false;
       return true;
     });
-    if (op.lane == Lane::compute)
-      run->stall_seconds[size_t(rank.rank)] += seconds_between(wait_start, Clock::now());
+  }
+  // And the previous step's update of the parameters it reads.
+  const bool reads_params = op.kind == OpKind::fetch || op.kind == OpKind::gather ||
+                            (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
+  if (reads_params) wait_params(run->index, rank, op.unit);
+  if (op.lane == Lane::compute) {
+    std::lock_guard lock(run->mutex);
+    run->stall_seconds[size_t(rank.rank)] += seconds_between(wait_start, Clock::now());
   }
   const Clock::time_point start = Clock::now();
   Status status = Status::ok();
@@ -724,12 +734,8 @@ void Engine::Impl::publish_params(Rank& rank, int unit, int64_t step_index) {
 Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
   const PlanOp& op = plan.ops[size_t(op_index)];
   switch (op.kind) {
-    case OpKind::fetch:
-      wait_params(run.index, rank, op.unit);
-      return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
-    case OpKind::gather:
-      wait_params(run.index, rank, op.unit);
-      return gather(rank, op);
+    case OpKind::fetch: return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
+    case OpKind::gather: return gather(rank, op);
     case OpKind::forward: return forward(rank, run, op_index, op);
     case OpKind::backward: return backward(rank, run, op_index, op);
     case OpKind::release: return Status::ok();

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -111,6 +112,14 @@ int main(int argc, char** argv) {
   }
   if (strata::Status s = (*engine)->finish(); !s) return fail(s);
   const strata::TrainingPlan& plan = (*engine)->plan();
+  // Where the time went: seconds per kind of operation, summed over ranks and steps.
+  std::map<std::string, double> seconds;
+  for (const strata::OpTiming& t : (*engine)->take_timings())
+    seconds[strata::op_kind_name(plan.ops[size_t(t.op)].kind)] += t.end_seconds - t.start_seconds;
+  for (const auto& [kind, total] : seconds) {
+    std::printf("  %-10s %8.3f s\n", kind.c_str(), total);
+    report["op_seconds"][kind] = total;
+  }
   for (auto tier : {strata::tiers::Tier::device, strata::tiers::Tier::host, strata::tiers::Tier::nvme}) {
     const strata::tiers::TierUsage usage = (*engine)->usage(tier);
     report["tiers"][strata::tiers::tier_name(tier)] = {
