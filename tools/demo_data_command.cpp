@@ -6,9 +6,9 @@
 // The text is simple enough that a small model learns it in minutes (words,
 // then which word follows which) and regular enough that the loss falls far
 // below the 5.55 nats of a uniform byte: a clear curve for a demo.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <array>
 #include <cerrno>
 #include <cstdint>
@@ -27,26 +27,31 @@ namespace {
 namespace fs = std::filesystem;
 
 const std::vector<std::string> kSubjects = {
-    "the old farmer", "a young girl", "the small dog",  "my brother",    "the tired king",
-    "a grey cat",     "the baker",    "our teacher",    "the children",  "a quiet sailor",
-    "the red fox",    "her mother",   "the little bird", "a tall soldier", "the miller's son",
-    "the captain"};
+    "the old farmer",  "a young girl",   "the small dog",    "my brother",
+    "the tired king",  "a grey cat",     "the baker",        "our teacher",
+    "the children",    "a quiet sailor", "the red fox",      "her mother",
+    "the little bird", "a tall soldier", "the miller's son", "the captain"};
 const std::vector<std::string> kVerbs = {
-    "found",  "carried", "painted", "followed", "watched", "lost",   "mended", "wanted",
-    "opened", "hid",     "sold",    "counted",  "buried",  "cleaned", "drew",  "remembered"};
+    "found",  "carried", "painted", "followed", "watched", "lost",    "mended", "wanted",
+    "opened", "hid",     "sold",    "counted",  "buried",  "cleaned", "drew",   "remembered"};
 const std::vector<std::string> kObjects = {
-    "a wooden box",   "the silver key", "an old map",      "the broken cart", "a basket of apples",
-    "the blue door",  "a long letter",  "the garden gate", "a warm loaf",     "the heavy stone",
-    "a bright lamp",  "the last candle", "a pair of boots", "the green flag",  "a jar of honey",
-    "the little boat"};
+    "a wooden box",       "the silver key",  "an old map",     "the broken cart",
+    "a basket of apples", "the blue door",   "a long letter",  "the garden gate",
+    "a warm loaf",        "the heavy stone", "a bright lamp",  "the last candle",
+    "a pair of boots",    "the green flag",  "a jar of honey", "the little boat"};
 const std::vector<std::string> kPlaces = {
-    "in the morning", "near the river", "by the mill",     "after the storm", "at the market",
-    "under the bridge", "before dinner", "on the hill",    "in the dark",     "behind the barn",
-    "at the harbour", "during the winter", "beside the well", "in the forest", "at noon",
-    "on the road home"};
-const std::vector<std::string> kEndings = {
-    "and smiled.", "and went home.", "and said nothing.", "and sang a song.", "and began to laugh.",
-    "and sat down to rest.", "and told the whole village.", "and thought about it for a long time."};
+    "in the morning",  "near the river",   "by the mill",    "after the storm",
+    "at the market",   "under the bridge", "before dinner",  "on the hill",
+    "in the dark",     "behind the barn",  "at the harbour", "during the winter",
+    "beside the well", "in the forest",    "at noon",        "on the road home"};
+const std::vector<std::string> kEndings = {"and smiled.",
+                                           "and went home.",
+                                           "and said nothing.",
+                                           "and sang a song.",
+                                           "and began to laugh.",
+                                           "and sat down to rest.",
+                                           "and told the whole village.",
+                                           "and thought about it for a long time."};
 
 std::string capitalised(std::string text) {
   if (!text.empty() && text[0] >= 'a' && text[0] <= 'z') text[0] = char(text[0] - 'a' + 'A');
@@ -65,8 +70,8 @@ std::string generate_text(uint64_t seed, size_t bytes) {
   while (text.size() < bytes) {
     const int sentences = 3 + int(random() % 4);
     for (int s = 0; s < sentences; ++s) {
-      std::string sentence = capitalised(pick(kSubjects)) + " " + pick(kVerbs) + " " + pick(kObjects) + " " +
-                             pick(kPlaces);
+      std::string sentence = capitalised(pick(kSubjects)) + " " + pick(kVerbs) + " " +
+                             pick(kObjects) + " " + pick(kPlaces);
       sentence += random() % 2 == 0 ? " " + pick(kEndings) : ".";
       text += sentence;
       text += s + 1 < sentences ? " " : "\n\n";
@@ -99,9 +104,11 @@ bool write_tokens(const std::string& path, const std::string& text, std::string&
 class DemoDataCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
-    CLI::App* cmd = app.add_subcommand(
-        "demo-data", "Write a generated English-like text as byte tokens (train.bin, val.bin) for demos and tests");
-    cmd->add_option("--out", out_, "Directory to write train.bin, val.bin and train.txt into (created if missing)")
+    CLI::App* cmd = app.add_subcommand("demo-data",
+                                       "Write a generated English-like text as byte tokens "
+                                       "(train.bin, val.bin) for demos and tests");
+    cmd->add_option("--out", out_,
+                    "Directory to write train.bin, val.bin and train.txt into (created if missing)")
         ->required();
     cmd->add_option("--tokens", tokens_, "Tokens (bytes of text) in train.bin (default 2M)");
     cmd->add_option("--val-tokens", val_tokens_, "Tokens in val.bin (default 64K)");
@@ -117,7 +124,8 @@ class DemoDataCommand : public Subcommand {
     std::error_code ec;
     fs::create_directories(out_, ec);
     if (ec) {
-      fmt::print(stderr, "strata demo-data: --out {}: cannot create the directory: {}\n", out_, ec.message());
+      fmt::print(stderr, "strata demo-data: --out {}: cannot create the directory: {}\n", out_,
+                 ec.message());
       return 2;
     }
     const std::string train = generate_text(seed_, size_t(tokens_));
@@ -133,8 +141,9 @@ class DemoDataCommand : public Subcommand {
       std::fwrite(train.data(), 1, train.size(), text);
       std::fclose(text);
     }
-    fmt::print("wrote {} tokens to {}, {} to {} (byte tokens, nanoGPT uint16; text in {})\n", tokens_,
-               (dir / "train.bin").string(), val_tokens_, (dir / "val.bin").string(), (dir / "train.txt").string());
+    fmt::print("wrote {} tokens to {}, {} to {} (byte tokens, nanoGPT uint16; text in {})\n",
+               tokens_, (dir / "train.bin").string(), val_tokens_, (dir / "val.bin").string(),
+               (dir / "train.txt").string());
     return 0;
   }
 

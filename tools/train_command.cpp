@@ -6,11 +6,11 @@
 // Exit status: 0 after the last step, 1 when training fails or the plan does
 // not fit the budgets, 2 for a usage error (bad flag, missing file, bad config).
 // Every error is one line on stderr.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -46,15 +46,21 @@ constexpr const char* kDefaultNvmePath = "strata-swap";
 // Ctrl-C stops after the step under way; the run then finishes as if it had
 // reached --steps (summary, export).
 std::atomic<bool> stop_requested{false};
-void request_stop(int) { stop_requested.store(true); }
+void request_stop(int) {
+  stop_requested.store(true);
+}
 
 // Two kinds of failure: the user's input (2) and the run itself (1).
 struct Failure {
   int exit_code;
   std::string message;
 };
-Failure usage_error(const Status& status) { return {2, status.message()}; }
-Failure run_error(const Status& status) { return {1, status.message()}; }
+Failure usage_error(const Status& status) {
+  return {2, status.message()};
+}
+Failure run_error(const Status& status) {
+  return {1, status.message()};
+}
 
 // The token file, its optional loss mask (one byte per token, 0: do not count
 // that token as a target), read in DESIGN.md section 5's order.
@@ -69,9 +75,10 @@ Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tok
   const uintmax_t size = fs::file_size(path, error);
   if (error) return Status::error(fmt::format("--loss-mask {}: {}", path, error.message()));
   if (int64_t(size) != tokens)
-    return Status::error(fmt::format(
-        "--loss-mask {}: {} bytes, but the data file has {} tokens; the mask needs one byte per token",
-        path, size, tokens));
+    return Status::error(
+        fmt::format("--loss-mask {}: {} bytes, but the data file has {} tokens; the mask needs one "
+                    "byte per token",
+                    path, size, tokens));
   std::vector<uint8_t> mask(static_cast<size_t>(size));
   std::ifstream in(path, std::ios::binary);
   if (!in.read(reinterpret_cast<char*>(mask.data()), std::streamsize(size)))
@@ -80,9 +87,10 @@ Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tok
 }
 
 BatchReader batch_reader(std::shared_ptr<const TrainData> data) {
-  return [data](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T, int32_t* inputs,
-                int32_t* targets) -> Status {
-    Status s = read_micro_batch(data->file, offset, micro, rank, world, B, T, data->vocab, inputs, targets);
+  return [data](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
+                int32_t* inputs, int32_t* targets) -> Status {
+    Status s = read_micro_batch(data->file, offset, micro, rank, world, B, T, data->vocab, inputs,
+                                targets);
     if (!s || data->mask.empty()) return s;
     // Target t of sequence j is token j*T + t + 1; its mask byte decides whether it counts.
     const int64_t sequences = data->file.sequence_count(T);
@@ -105,7 +113,8 @@ struct EvalResult {
 // file in sequential order, forward only, on the weights as they are after the
 // last update. The engine has no forward-only entry yet, so this runs the CPU
 // model on a one-rank copy of the weights (Engine::read_model).
-Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batches, int64_t B, int64_t T) {
+Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batches, int64_t B,
+                            int64_t T) {
   Result<HostModel> model = engine.read_model();
   if (!model) return model.status();
   const ModelConfig& config = model->layout.config;
@@ -113,7 +122,9 @@ Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batch
   std::vector<int32_t> inputs(size_t(B * T)), targets(size_t(B * T));
   double sum = 0;
   for (int64_t k = 0; k < batches; ++k) {
-    if (Status s = read_micro_batch(file, 0, k, 0, 1, B, T, config.vocab_size, inputs.data(), targets.data()); !s)
+    if (Status s = read_micro_batch(file, 0, k, 0, 1, B, T, config.vocab_size, inputs.data(),
+                                    targets.data());
+        !s)
       return s.with_context("--eval-data");
     UnitBatch batch;
     batch.tokens = inputs.data();
@@ -127,7 +138,8 @@ Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batch
   return EvalResult{sum / double(batches * B * T), batches * B * T};
 }
 
-// --export: a .safetensors file, or else a Hugging Face directory (config.json + model.safetensors).
+// --export: a .safetensors file, or else a Hugging Face directory (config.json +
+// model.safetensors).
 Status export_model(const HostModel& model, const std::string& path, DType dtype) {
   if (fs::path(path).extension() != ".safetensors") return save_host_model(model, path, dtype);
   std::vector<NamedTensor> named = checkpoint_tensors(model.layout);
@@ -142,15 +154,19 @@ Status export_model(const HostModel& model, const std::string& path, DType dtype
   return writer->finish();
 }
 
-uint64_t round_up(uint64_t bytes, uint64_t unit) { return (bytes + unit - 1) / unit * unit; }
+uint64_t round_up(uint64_t bytes, uint64_t unit) {
+  return (bytes + unit - 1) / unit * unit;
+}
 
 class TrainCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
     CLI::App* cmd = app.add_subcommand("train", "Train a model on a token file");
     cmd->footer(
-        "Flags override the --config file (DeepSpeed JSON); --print-config shows the merged result.\n"
-        "Sizes: 512M, 16G (powers of 1024), 16GB (powers of 1000). Ctrl-C stops after the current step.");
+        "Flags override the --config file (DeepSpeed JSON); --print-config shows the merged "
+        "result.\n"
+        "Sizes: 512M, 16G (powers of 1024), 16GB (powers of 1000). Ctrl-C stops after the current "
+        "step.");
     const std::string data_group = "Model and data";
     const std::string batch_group = "Batch, precision and optimizer";
     const std::string zero_group = "ZeRO and offload";
@@ -158,34 +174,44 @@ class TrainCommand : public Subcommand {
     const std::string memory_group = "Memory budgets";
     const std::string output_group = "Output";
 
-    cmd->add_option("--model", model_, "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
+    cmd->add_option("--model", model_,
+                    "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
         ->group(data_group);
     cmd->add_option("--data", data_path_,
-                    "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see --data-format); "
+                    "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see "
+                    "--data-format); "
                     "`strata demo-data` writes one")
         ->group(data_group);
     cmd->add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
         ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
         ->group(data_group);
-    cmd->add_option("--loss-mask", loss_mask_path_,
-                    "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
+    cmd->add_option(
+           "--loss-mask", loss_mask_path_,
+           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
         ->group(data_group);
-    cmd->add_option("--eval-data", eval_path_, "Token file for a validation loss (same format as --data)")
+    cmd->add_option("--eval-data", eval_path_,
+                    "Token file for a validation loss (same format as --data)")
         ->group(data_group);
-    cmd->add_option("--eval-every", eval_every_, "Validation every N steps, and after the last (default: only after the last)")
+    cmd->add_option("--eval-every", eval_every_,
+                    "Validation every N steps, and after the last (default: only after the last)")
         ->group(data_group);
-    cmd->add_option("--eval-batches", eval_batches_, "Micro-batches of the eval file per validation (default 8)")
+    cmd->add_option("--eval-batches", eval_batches_,
+                    "Micro-batches of the eval file per validation (default 8)")
         ->group(data_group);
-    cmd->add_option("--init", init_path_, "Start from these weights: .safetensors file or Hugging Face directory "
-                                          "(default: random from --seed)")
+    cmd->add_option("--init", init_path_,
+                    "Start from these weights: .safetensors file or Hugging Face directory "
+                    "(default: random from --seed)")
         ->group(data_group);
-    cmd->add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")->group(data_group);
-    cmd->add_option("--backend", backend_, "cpu | cuda | auto (default auto: cuda when a GPU is present)")
+    cmd->add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
+        ->group(data_group);
+    cmd->add_option("--backend", backend_,
+                    "cpu | cuda | auto (default auto: cuda when a GPU is present)")
         ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
         ->group(data_group);
 
-    cmd->add_option("--steps", steps_, "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
-                                       "when the config leaves it 0); 0 with --init and --export converts")
+    cmd->add_option("--steps", steps_,
+                    "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
+                    "when the config leaves it 0); 0 with --init and --export converts")
         ->group(batch_group);
 
     flags_.add_to(*cmd, /*with_plan_names=*/false);
@@ -196,30 +222,45 @@ class TrainCommand : public Subcommand {
       const char* description;
     };
     const Placement placements[] = {
-        {"--config", &data_group, "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
-        {"--micro-batch", &batch_group, "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
-        {"--grad-accum", &batch_group, "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
-        {"--global-batch", &batch_group, "Sequences per step over all ranks (train_batch_size; default: derived)"},
-        {"--world-size", &batch_group, "Ranks; on the CPU backend, threads of this process (strata.world_size; default 1)"},
-        {"--seq-len", &batch_group, "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
-        {"--precision", &batch_group, "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
-        {"--lr", &batch_group, "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
+        {"--config", &data_group,
+         "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
+        {"--micro-batch", &batch_group,
+         "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
+        {"--grad-accum", &batch_group,
+         "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
+        {"--global-batch", &batch_group,
+         "Sequences per step over all ranks (train_batch_size; default: derived)"},
+        {"--world-size", &batch_group,
+         "Ranks; on the CPU backend, threads of this process (strata.world_size; default 1)"},
+        {"--seq-len", &batch_group,
+         "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
+        {"--precision", &batch_group,
+         "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
+        {"--lr", &batch_group,
+         "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
         {"--zero-stage", &zero_group, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
         {"--offload-param", &zero_group,
-         "Home of the parameters: none | cpu | nvme, stage 3 only (zero_optimization.offload_param.device; default none)"},
+         "Home of the parameters: none | cpu | nvme, stage 3 only "
+         "(zero_optimization.offload_param.device; default none)"},
         {"--offload-optimizer", &zero_group,
-         "Home of fp32 master, Adam m and v: none | cpu | nvme (zero_optimization.offload_optimizer.device; default none)"},
+         "Home of fp32 master, Adam m and v: none | cpu | nvme "
+         "(zero_optimization.offload_optimizer.device; default none)"},
         {"--nvme-path", &zero_group,
-         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, offload_*.nvme_path; default "
+         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
+         "offload_*.nvme_path; default "
          "./strata-swap when something is on NVMe)"},
-        {"--aio-block-size", &io_group, "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
-        {"--aio-queue-depth", &io_group, "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
+        {"--aio-block-size", &io_group,
+         "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
+        {"--aio-queue-depth", &io_group,
+         "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
         {"--aio-threads", &io_group, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
         {"--device-mem-limit", &memory_group,
-         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend (strata.device_mem_limit; "
+         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
+         "(strata.device_mem_limit; "
          "default: the plan's peak + 25%)"},
         {"--host-mem-limit", &memory_group,
-         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's peak + 25%)"},
+         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
+         "peak + 25%)"},
     };
     for (const Placement& p : placements) {
       CLI::Option* option = cmd->get_option_no_throw(p.name);
@@ -228,21 +269,26 @@ class TrainCommand : public Subcommand {
       option->description(p.description);
     }
 
-    cmd->add_option("--metrics", metrics_path_, "Write one JSON object per step to this .jsonl file")
+    cmd->add_option("--metrics", metrics_path_,
+                    "Write one JSON object per step to this .jsonl file")
         ->group(output_group);
     cmd->add_option("--trace", trace_path_,
-                    "Write a Chrome/Perfetto trace of every plan operation on its lane (open in ui.perfetto.dev)")
+                    "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
+                    "ui.perfetto.dev)")
         ->group(output_group);
-    cmd->add_option("--export", export_path_,
-                    "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
-                    "(config.json + model.safetensors)")
+    cmd->add_option(
+           "--export", export_path_,
+           "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
+           "(config.json + model.safetensors)")
         ->group(output_group);
     cmd->add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->group(output_group);
-    cmd->add_flag("--print-config", print_config_, "Print the merged effective configuration as JSON and exit")
+    cmd->add_flag("--print-config", print_config_,
+                  "Print the merged effective configuration as JSON and exit")
         ->group(output_group);
-    cmd->add_flag("--print-plan", print_plan_, "Print the training plan (operations, lanes, buffers per tier) and exit")
+    cmd->add_flag("--print-plan", print_plan_,
+                  "Print the training plan (operations, lanes, buffers per tier) and exit")
         ->group(output_group);
     return cmd;
   }
@@ -266,7 +312,8 @@ class TrainCommand : public Subcommand {
       ConfigOverrides with_default = flags_.overrides;
       with_default.nvme_paths = {kDefaultNvmePath};
       loaded = load_train_config(flags_.config_path, with_default);
-      if (loaded) fmt::print(stderr, "strata: no --nvme-path given; swapping to ./{}\n", kDefaultNvmePath);
+      if (loaded)
+        fmt::print(stderr, "strata: no --nvme-path given; swapping to ./{}\n", kDefaultNvmePath);
     }
     if (!loaded) return usage_error(loaded.status());
     TrainConfig config = *loaded;
@@ -285,7 +332,8 @@ class TrainCommand : public Subcommand {
       return std::nullopt;
     }
     if (!model)
-      return Failure{2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
+      return Failure{
+          2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
     if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
 
     Result<TrainingPlan> plan = build_training_plan(training_plan_input(*model, config));
@@ -300,8 +348,9 @@ class TrainCommand : public Subcommand {
     // Data, before anything is allocated.
     const int64_t T = plan->input.seq_len, B = plan->input.micro_batch;
     if (data_path_.empty())
-      return Failure{2, "--data FILE is required: a token file (nanoGPT .bin, llm.c shard or uint32); "
-                        "`strata demo-data --out DIR` writes one"};
+      return Failure{2,
+                     "--data FILE is required: a token file (nanoGPT .bin, llm.c shard or uint32); "
+                     "`strata demo-data --out DIR` writes one"};
     Result<TokenFormat> format = parse_token_format(data_format_);
     if (!format) return usage_error(format.status().with_context("--data-format"));
     auto data = std::make_shared<TrainData>();
@@ -312,8 +361,9 @@ class TrainCommand : public Subcommand {
     }
     data->vocab = model->vocab_size;
     if (data->file.sequence_count(T) < 1)
-      return Failure{2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
-                                    data_path_, data->file.size(), T)};
+      return Failure{
+          2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
+                         data_path_, data->file.size(), T)};
     if (!loss_mask_path_.empty()) {
       Result<std::vector<uint8_t>> mask = read_loss_mask(loss_mask_path_, data->file.size());
       if (!mask) return usage_error(mask.status());
@@ -324,7 +374,9 @@ class TrainCommand : public Subcommand {
       Result<TokenFile> file = TokenFile::open(eval_path_, *format);
       if (!file) return usage_error(file.status().with_context("--eval-data"));
       if (file->sequence_count(T) < 1)
-        return Failure{2, fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one", eval_path_, T)};
+        return Failure{
+            2, fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one",
+                           eval_path_, T)};
       eval_file.emplace(std::move(*file));
       if (eval_batches_ < 1) return Failure{2, "--eval-batches must be at least 1"};
     } else if (eval_every_ > 0) {
@@ -339,11 +391,14 @@ class TrainCommand : public Subcommand {
         std::error_code error;
         fs::create_directories(path, error);
         if (error || !fs::is_directory(path, error))
-          return Failure{2, fmt::format("--nvme-path {}: cannot create the directory: {}; give a writable directory",
-                                        path, error ? error.message() : std::string("not a directory"))};
+          return Failure{
+              2, fmt::format(
+                     "--nvme-path {}: cannot create the directory: {}; give a writable directory",
+                     path, error ? error.message() : std::string("not a directory"))};
         if (access(path.c_str(), W_OK | X_OK) != 0)
-          return Failure{2, fmt::format("--nvme-path {}: not writable: {}; give a writable directory", path,
-                                        std::strerror(errno))};
+          return Failure{
+              2, fmt::format("--nvme-path {}: not writable: {}; give a writable directory", path,
+                             std::strerror(errno))};
       }
     }
 
@@ -351,7 +406,8 @@ class TrainCommand : public Subcommand {
     if (!export_path_.empty()) {
       const fs::path parent = fs::absolute(export_path_).parent_path();
       if (!fs::is_directory(parent))
-        return Failure{2, fmt::format("--export {}: the directory {} does not exist", export_path_, parent.string())};
+        return Failure{2, fmt::format("--export {}: the directory {} does not exist", export_path_,
+                                      parent.string())};
     }
     Result<DType> export_dtype = parse_dtype(export_dtype_);
     if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
@@ -365,20 +421,25 @@ class TrainCommand : public Subcommand {
     // Budgets: given, else the plan's peaks with room to spare.
     const int W = plan->input.world_size;
     constexpr uint64_t kMiB = uint64_t{1} << 20;
-    auto with_margin = [&](int64_t peak) { return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB); };
+    auto with_margin = [&](int64_t peak) {
+      return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB);
+    };
     EngineOptions options;
     std::string budget_note;
     if (config.strata.device_mem_limit) {
       options.device_budget = *config.strata.device_mem_limit;
-      budget_note += fmt::format("device {} per rank (given)", format_bytes(double(options.device_budget)));
+      budget_note +=
+          fmt::format("device {} per rank (given)", format_bytes(double(options.device_budget)));
     } else {
       options.device_budget = with_margin(plan->peak(tiers::Tier::device));
-      budget_note += fmt::format("device {} per rank (plan peak {} + 25%)", format_bytes(double(options.device_budget)),
+      budget_note += fmt::format("device {} per rank (plan peak {} + 25%)",
+                                 format_bytes(double(options.device_budget)),
                                  format_bytes(double(plan->peak(tiers::Tier::device))));
     }
     if (config.strata.host_mem_limit) {
       options.host_budget = *config.strata.host_mem_limit;
-      budget_note += fmt::format(", host {} for the node (given)", format_bytes(double(options.host_budget)));
+      budget_note +=
+          fmt::format(", host {} for the node (given)", format_bytes(double(options.host_budget)));
     } else {
       options.host_budget = with_margin(plan->peak(tiers::Tier::host)) * uint64_t(W);
       budget_note += fmt::format(", host {} for the node (plan peak {} per rank + 25%)",
@@ -392,7 +453,8 @@ class TrainCommand : public Subcommand {
                    format_bytes(double(wanted)), format_bytes(double(*available)));
     }
     if (plan->peak(tiers::Tier::nvme) > 0)
-      budget_note += fmt::format(", nvme {} per rank under {}", format_bytes(double(plan->peak(tiers::Tier::nvme))),
+      budget_note += fmt::format(", nvme {} per rank under {}",
+                                 format_bytes(double(plan->peak(tiers::Tier::nvme))),
                                  fmt::join(nvme_paths, ", "));
 
     options.model = *model;
@@ -408,21 +470,27 @@ class TrainCommand : public Subcommand {
     if (!backend) return usage_error(backend.status());
     if (backend->kind == kernels::BackendKind::cuda) {
       if (backend_ == "cuda")
-        return Failure{2, "--backend cuda: the training engine computes on the CPU in this version; "
-                          "run with --backend cpu"};
-      fmt::print(stderr, "strata: the training engine computes on the CPU in this version; using the CPU backend\n");
+        return Failure{2,
+                       "--backend cuda: the training engine computes on the CPU in this version; "
+                       "run with --backend cpu"};
+      fmt::print(stderr,
+                 "strata: the training engine computes on the CPU in this version; using the CPU "
+                 "backend\n");
     } else if (!backend->notice.empty()) {
       fmt::print(stderr, "{}\n", backend->notice);
     }
 
     const int64_t tokens_per_step = B * T * plan->input.grad_accum * W;
-    fmt::print("{}: {} parameters, {} units; stage {}, params on {}, optimizer on {}; {} rank{} on the CPU\n",
-               model->name, format_count(double(model->parameter_count())), plan->layout.units.size(),
-               plan->input.stage, tiers::tier_name(plan->homes.param), tiers::tier_name(plan->homes.optimizer), W,
-               W == 1 ? "" : "s");
-    fmt::print("batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W, B, T,
-               plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
-               init_path_.empty() ? fmt::format("random init (seed {})", seed_) : "from " + init_path_);
+    fmt::print(
+        "{}: {} parameters, {} units; stage {}, params on {}, optimizer on {}; {} rank{} on the "
+        "CPU\n",
+        model->name, format_count(double(model->parameter_count())), plan->layout.units.size(),
+        plan->input.stage, tiers::tier_name(plan->homes.param),
+        tiers::tier_name(plan->homes.optimizer), W, W == 1 ? "" : "s");
+    fmt::print(
+        "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
+        B, T, plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
+        init_path_.empty() ? fmt::format("random init (seed {})", seed_) : "from " + init_path_);
     fmt::print("budgets: {}\n", budget_note);
     std::fflush(stdout);
 
@@ -498,7 +566,8 @@ class TrainCommand : public Subcommand {
     if (std::optional<Failure> f = drain_timings()) return f;
     if (trace)
       if (Status s = trace->finish(); !s) return run_error(s);
-    for (int t = 0; t < tiers::kTierCount; ++t) summary.usage[t] = engine.usage(static_cast<tiers::Tier>(t));
+    for (int t = 0; t < tiers::kTierCount; ++t)
+      summary.usage[t] = engine.usage(static_cast<tiers::Tier>(t));
     progress_->end();
     if (stop_requested.load()) fmt::print("stopped by Ctrl-C after step {}\n", summary.steps);
     fmt::print("{}", format_run_summary(summary));
@@ -511,7 +580,8 @@ class TrainCommand : public Subcommand {
       fmt::print("exported the weights ({}) to {}\n", dtype_name(*export_dtype), export_path_);
     }
     if (!metrics_path_.empty()) fmt::print("metrics: {}\n", metrics_path_);
-    if (!trace_path_.empty()) fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", trace_path_);
+    if (!trace_path_.empty())
+      fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", trace_path_);
     return std::nullopt;
   }
 

@@ -16,7 +16,8 @@ namespace {
 Result<std::FILE*> open_for_writing(const std::string& path, const char* flag) {
   std::FILE* file = std::fopen(path.c_str(), "w");
   if (file == nullptr)
-    return Status::error(fmt::format("{} {}: cannot open for writing: {}", flag, path, std::strerror(errno)));
+    return Status::error(
+        fmt::format("{} {}: cannot open for writing: {}", flag, path, std::strerror(errno)));
   return file;
 }
 
@@ -103,15 +104,24 @@ Result<TraceWriter> TraceWriter::open(const std::string& path, const TrainingPla
   std::string head = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
   bool first = true;
   for (int r = 0; r < plan.input.world_size; ++r) {
-    nlohmann::ordered_json process = {{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0},
+    nlohmann::ordered_json process = {{"name", "process_name"},
+                                      {"ph", "M"},
+                                      {"pid", r},
+                                      {"tid", 0},
                                       {"args", {{"name", fmt::format("rank {}", r)}}}};
     head += (first ? "" : ",\n") + process.dump();
     first = false;
     for (int lane = 0; lane < kLaneCount; ++lane) {
-      nlohmann::ordered_json thread = {{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", lane},
+      nlohmann::ordered_json thread = {{"name", "thread_name"},
+                                       {"ph", "M"},
+                                       {"pid", r},
+                                       {"tid", lane},
                                        {"args", {{"name", lane_name(static_cast<Lane>(lane))}}}};
-      nlohmann::ordered_json order = {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", r},
-                                      {"tid", lane}, {"args", {{"sort_index", lane}}}};
+      nlohmann::ordered_json order = {{"name", "thread_sort_index"},
+                                      {"ph", "M"},
+                                      {"pid", r},
+                                      {"tid", lane},
+                                      {"args", {{"sort_index", lane}}}};
       head += ",\n" + thread.dump() + ",\n" + order.dump();
     }
   }
@@ -120,7 +130,9 @@ Result<TraceWriter> TraceWriter::open(const std::string& path, const TrainingPla
 }
 
 TraceWriter::TraceWriter(TraceWriter&& other) noexcept
-    : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)), plan_(other.plan_) {}
+    : path_(std::move(other.path_)),
+      file_(std::exchange(other.file_, nullptr)),
+      plan_(other.plan_) {}
 
 TraceWriter& TraceWriter::operator=(TraceWriter&& other) noexcept {
   if (this != &other) {
@@ -187,7 +199,9 @@ void LaneTotals::add(const TrainingPlan& plan, const std::vector<OpTiming>& timi
 // --- progress ----------------------------------------------------------------------
 
 ProgressPrinter::ProgressPrinter(int64_t total_steps, int print_every)
-    : total_steps_(total_steps), print_every_(std::max(1, print_every)), terminal_(isatty(STDOUT_FILENO) != 0) {}
+    : total_steps_(total_steps),
+      print_every_(std::max(1, print_every)),
+      terminal_(isatty(STDOUT_FILENO) != 0) {}
 
 void ProgressPrinter::step(const StepReport& report, double elapsed_seconds) {
   const StepResult& r = report.result;
@@ -197,8 +211,8 @@ void ProgressPrinter::step(const StepReport& report, double elapsed_seconds) {
   const double nvme_gbps =
       r.seconds > 0 ? double(r.nvme_read_bytes + r.nvme_written_bytes) / r.seconds / 1e9 : 0.0;
   std::string text = fmt::format(
-      "step {:>{}}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  nvme {:.2f} GB/s  {:.2f} s/step", r.step,
-      fmt::formatted_size("{}", total_steps_), total_steps_, r.loss, r.lr,
+      "step {:>{}}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  nvme {:.2f} GB/s  {:.2f} s/step",
+      r.step, fmt::formatted_size("{}", total_steps_), total_steps_, r.loss, r.lr,
       r.seconds > 0 ? double(report.tokens_processed) / r.seconds : 0.0, nvme_gbps, r.seconds);
   if (report.fp16) text += fmt::format("  scale {:g}", r.loss_scale);
   if (r.skipped) text += "  (skipped: overflow)";
@@ -237,10 +251,12 @@ std::string format_run_summary(const RunSummary& s) {
   std::string out;
   const double later_seconds = s.seconds - s.first_step_seconds;
   const double tokens_per_step = s.steps > 0 ? double(s.tokens) / double(s.steps) : 0.0;
-  out += fmt::format("trained {} steps, {} tokens in {}: {:.0f} tokens/s", s.steps, format_count(double(s.tokens)),
-                     format_seconds(s.seconds), s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0);
+  out += fmt::format("trained {} steps, {} tokens in {}: {:.0f} tokens/s", s.steps,
+                     format_count(double(s.tokens)), format_seconds(s.seconds),
+                     s.seconds > 0 ? double(s.tokens) / s.seconds : 0.0);
   if (s.steps > 1 && later_seconds > 0)
-    out += fmt::format(" ({:.0f} tokens/s after the first step)", tokens_per_step * double(s.steps - 1) / later_seconds);
+    out += fmt::format(" ({:.0f} tokens/s after the first step)",
+                       tokens_per_step * double(s.steps - 1) / later_seconds);
   out += "\n";
   if (s.first_loss && s.last_loss)
     out += fmt::format("loss {:.4f} -> {:.4f}\n", *s.first_loss, *s.last_loss);
@@ -252,21 +268,23 @@ std::string format_run_summary(const RunSummary& s) {
   }
   out += "\n";
   if (s.nvme_read + s.nvme_written > 0)
-    out += fmt::format("nvme: read {}, written {} ({:.2f} GB/s over the run)\n", format_bytes(double(s.nvme_read)),
-                       format_bytes(double(s.nvme_written)),
-                       s.seconds > 0 ? double(s.nvme_read + s.nvme_written) / s.seconds / 1e9 : 0.0);
-  out += fmt::format("stalled (compute waiting on other lanes, mean over ranks): {} ({:.1f}% of the run)\n",
-                     format_seconds(s.stall_seconds), s.seconds > 0 ? 100.0 * s.stall_seconds / s.seconds : 0.0);
+    out +=
+        fmt::format("nvme: read {}, written {} ({:.2f} GB/s over the run)\n",
+                    format_bytes(double(s.nvme_read)), format_bytes(double(s.nvme_written)),
+                    s.seconds > 0 ? double(s.nvme_read + s.nvme_written) / s.seconds / 1e9 : 0.0);
+  out += fmt::format(
+      "stalled (compute waiting on other lanes, mean over ranks): {} ({:.1f}% of the run)\n",
+      format_seconds(s.stall_seconds), s.seconds > 0 ? 100.0 * s.stall_seconds / s.seconds : 0.0);
   out += "where the time went (busy time per lane, mean over ranks, % of the run):";
   for (int lane = 0; lane < kLaneCount; ++lane) {
     const double busy = s.lanes.lane_seconds[lane] / std::max(1, s.world);
-    out += fmt::format("  {} {} ({:.0f}%)", lane_name(static_cast<Lane>(lane)), format_seconds(busy),
-                       s.seconds > 0 ? 100.0 * busy / s.seconds : 0.0);
+    out += fmt::format("  {} {} ({:.0f}%)", lane_name(static_cast<Lane>(lane)),
+                       format_seconds(busy), s.seconds > 0 ? 100.0 * busy / s.seconds : 0.0);
   }
   out += "\nby operation:";
-  static constexpr OpKind kinds[] = {OpKind::fetch,    OpKind::gather,   OpKind::forward,   OpKind::release,
-                                     OpKind::backward, OpKind::reduce,   OpKind::exchange,  OpKind::optimizer,
-                                     OpKind::writeback, OpKind::sync};
+  static constexpr OpKind kinds[] = {
+      OpKind::fetch,  OpKind::gather,   OpKind::forward,   OpKind::release,   OpKind::backward,
+      OpKind::reduce, OpKind::exchange, OpKind::optimizer, OpKind::writeback, OpKind::sync};
   for (OpKind kind : kinds) {
     const double seconds = s.lanes.kind_seconds[static_cast<size_t>(kind)] / std::max(1, s.world);
     if (seconds <= 0) continue;

@@ -79,7 +79,7 @@ class ProgressPrinter {
   ProgressPrinter(int64_t total_steps, int print_every);
   void step(const StepReport& report, double elapsed_seconds);
   void eval(int64_t step, double loss, int64_t tokens);
-  void end();  // ends an in-place line
+  void end();                          // ends an in-place line
   void line(const std::string& text);  // a permanent line, not overwritten
 
  private:
