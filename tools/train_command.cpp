@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/backend_choice.h"
 #include "core/config.h"
@@ -30,6 +31,7 @@
 #include "core/token_data.h"
 #include "core/training_plan.h"
 #include "core/units.h"
+#include "kernels/cpu/matmul.h"
 #include "tools/config_flags.h"
 #include "tools/subcommand.h"
 #include "tools/train_report.h"
@@ -494,6 +496,12 @@ class TrainCommand : public Subcommand {
     fmt::print("budgets: {}\n", budget_note);
     std::fflush(stdout);
 
+    // Ranks are threads that each call OpenBLAS: split the cores between them
+    // rather than letting every rank's BLAS use them all.
+    if (W > 1) {
+      const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+      kernels::cpu::set_blas_threads(std::max(1, cores / W));
+    }
     Result<std::unique_ptr<Engine>> created = Engine::create(std::move(options));
     if (!created) return run_error(created.status());
     Engine& engine = **created;
