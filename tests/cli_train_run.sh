@@ -81,6 +81,13 @@ grep -q "tokens/s" "$dir/out" && grep -q "^peak memory per rank:.*nvme" "$dir/ou
   grep -q "^where the time went" "$dir/out" && grep -q "^stalled" "$dir/out"
 check "summary: throughput, peak memory per tier, stall, time per lane" $?
 
+# On a terminal: one line updated in place (carriage return, erase line), with the ETA.
+if command -v script >/dev/null 2>&1; then
+  script -qec "$strata train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --steps 12 \
+    --data $dir/data/train.bin" /dev/null >"$dir/tty" 2>&1
+  grep -q $'\r\033\[Kstep  5/12  loss.*eta' "$dir/tty"; check "terminal: progress updated in place with an ETA" $?
+fi
+
 # fp16: the loss scale is reported.
 "$strata" train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --precision fp16 --steps 2 \
   --data "$dir/data/train.bin" --metrics "$dir/fp16.jsonl" >/dev/null 2>"$dir/err"
