@@ -88,6 +88,18 @@ if command -v script >/dev/null 2>&1; then
   grep -q $'\r\033\[Kstep  5/12  loss.*eta' "$dir/tty"; check "terminal: progress updated in place with an ETA" $?
 fi
 
+# Ctrl-C: stops after the step under way, writes the summary and the export, exits 130.
+"$strata" train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --steps 1000000 \
+  --data "$dir/data/train.bin" --export "$dir/int.safetensors" >"$dir/int" 2>&1 &
+pid=$!
+for _ in $(seq 100); do grep -Eq "^step +1/" "$dir/int" && break; sleep 0.1; done
+kill -INT $pid
+wait $pid
+status=$?
+[ $status -eq 130 ] && grep -q "^stopped by Ctrl-C after step" "$dir/int" && grep -q "^trained" "$dir/int" &&
+  [ -f "$dir/int.safetensors" ]
+check "Ctrl-C stops cleanly: summary, export, exit 130" $?
+
 # fp16: the loss scale is reported.
 "$strata" train --model tiny --backend cpu --seq-len 32 --micro-batch 2 --precision fp16 --steps 2 \
   --data "$dir/data/train.bin" --metrics "$dir/fp16.jsonl" >/dev/null 2>"$dir/err"

@@ -4,7 +4,8 @@
 // final weights.
 //
 // Exit status: 0 after the last step, 1 when training fails or the plan does
-// not fit the budgets, 2 for a usage error (bad flag, missing file, bad config).
+// not fit the budgets, 2 for a usage error (bad flag, missing file, bad config),
+// 130 when Ctrl-C stopped it early (after writing the summary and the export).
 // Every error is one line on stderr.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -302,7 +303,8 @@ class TrainCommand : public Subcommand {
       fmt::print(stderr, "strata train: {}\n", failure->message);
       return failure->exit_code;
     }
-    return 0;
+    // Stopped by Ctrl-C: the summary and export are written, but the run is not the one asked for.
+    return stop_requested.load() ? 130 : 0;
   }
 
  private:
