@@ -161,6 +161,43 @@ uint64_t round_up(uint64_t bytes, uint64_t unit) {
   return (bytes + unit - 1) / unit * unit;
 }
 
+// The device budget per rank and the host budget for the node: as given, else
+// the plan's peak plus a quarter and 64 MiB (the host tier maps and pins its
+// whole budget up front, so a default of "most of the machine" would lock it).
+struct Budgets {
+  uint64_t device = 0;
+  uint64_t host = 0;
+  std::string note;  // what was chosen and why, for the header
+};
+
+Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan) {
+  constexpr uint64_t kMiB = uint64_t{1} << 20;
+  const uint64_t W = uint64_t(plan.input.world_size);
+  auto with_margin = [&](int64_t peak) {
+    return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB);
+  };
+  const int64_t device_peak = plan.peak(tiers::Tier::device);
+  const int64_t host_peak = plan.peak(tiers::Tier::host);
+  Budgets b;
+  b.device = config.strata.device_mem_limit.value_or(with_margin(device_peak));
+  b.host = config.strata.host_mem_limit.value_or(with_margin(host_peak) * W);
+  b.note = config.strata.device_mem_limit
+               ? fmt::format("device {} per rank (given)", format_bytes(double(b.device)))
+               : fmt::format("device {} per rank (plan peak {} + 25% + 64 MiB)",
+                             format_bytes(double(b.device)), format_bytes(double(device_peak)));
+  b.note += config.strata.host_mem_limit
+                ? fmt::format(", host {} for the node (given)", format_bytes(double(b.host)))
+                : fmt::format(", host {} for the node (plan peak {} per rank + 25% + 64 MiB)",
+                              format_bytes(double(b.host)), format_bytes(double(host_peak)));
+  // On the CPU backend the device budget is host memory too.
+  const std::optional<int64_t> available = detect_host_available_bytes();
+  const uint64_t wanted = b.host + b.device * W;
+  if (available && wanted > uint64_t(*available))
+    fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
+               format_bytes(double(wanted)), format_bytes(double(*available)));
+  return b;
+}
+
 class TrainCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
@@ -250,8 +287,7 @@ class TrainCommand : public Subcommand {
          "(zero_optimization.offload_optimizer.device; default none)"},
         {"--nvme-path", &zero_group,
          "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
-         "offload_*.nvme_path; default "
-         "./strata-swap when something is on NVMe)"},
+         "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
         {"--aio-block-size", &io_group,
          "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
         {"--aio-queue-depth", &io_group,
@@ -259,11 +295,10 @@ class TrainCommand : public Subcommand {
         {"--aio-threads", &io_group, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
         {"--device-mem-limit", &memory_group,
          "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
-         "(strata.device_mem_limit; "
-         "default: the plan's peak + 25%)"},
+         "(strata.device_mem_limit; default: the plan's peak + 25% + 64M)"},
         {"--host-mem-limit", &memory_group,
          "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
-         "peak + 25%)"},
+         "peak + 25% + 64M per rank)"},
     };
     for (const Placement& p : placements) {
       CLI::Option* option = cmd->get_option_no_throw(p.name);
@@ -422,40 +457,12 @@ class TrainCommand : public Subcommand {
       metrics.emplace(std::move(*opened));
     }
 
-    // Budgets: given, else the plan's peaks with room to spare.
     const int W = plan->input.world_size;
-    constexpr uint64_t kMiB = uint64_t{1} << 20;
-    auto with_margin = [&](int64_t peak) {
-      return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB);
-    };
     EngineOptions options;
-    std::string budget_note;
-    if (config.strata.device_mem_limit) {
-      options.device_budget = *config.strata.device_mem_limit;
-      budget_note +=
-          fmt::format("device {} per rank (given)", format_bytes(double(options.device_budget)));
-    } else {
-      options.device_budget = with_margin(plan->peak(tiers::Tier::device));
-      budget_note += fmt::format("device {} per rank (plan peak {} + 25%)",
-                                 format_bytes(double(options.device_budget)),
-                                 format_bytes(double(plan->peak(tiers::Tier::device))));
-    }
-    if (config.strata.host_mem_limit) {
-      options.host_budget = *config.strata.host_mem_limit;
-      budget_note +=
-          fmt::format(", host {} for the node (given)", format_bytes(double(options.host_budget)));
-    } else {
-      options.host_budget = with_margin(plan->peak(tiers::Tier::host)) * uint64_t(W);
-      budget_note += fmt::format(", host {} for the node (plan peak {} per rank + 25%)",
-                                 format_bytes(double(options.host_budget)),
-                                 format_bytes(double(plan->peak(tiers::Tier::host))));
-      // The CPU backend's device memory is host memory too.
-      const std::optional<int64_t> available = detect_host_available_bytes();
-      const uint64_t wanted = options.host_budget + options.device_budget * uint64_t(W);
-      if (available && wanted > uint64_t(*available))
-        fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
-                   format_bytes(double(wanted)), format_bytes(double(*available)));
-    }
+    const Budgets budgets = choose_budgets(config, *plan);
+    options.device_budget = budgets.device;
+    options.host_budget = budgets.host;
+    std::string budget_note = budgets.note;
     if (plan->peak(tiers::Tier::nvme) > 0)
       budget_note += fmt::format(", nvme {} per rank under {}",
                                  format_bytes(double(plan->peak(tiers::Tier::nvme))),
