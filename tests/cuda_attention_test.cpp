@@ -199,6 +199,29 @@ TEST_P(CudaAttention, LowPrecisionWithinTwicePyTorchError) {
   }
 }
 
+// No atomics: the same inputs give the same bits, run after run.
+TEST_F(CudaTest, AttentionIsBitwiseReproducible) {
+  const cuda::AttentionShape s = shape_of({2, 100, 8, 2, 64, 0});
+  std::mt19937 rng(fresh_seed());
+  const auto qkv = rounded(random_floats(s.B * s.T * s.row_stride, rng), DType::bf16);
+  const auto dout = rounded(random_floats(s.B * s.T * s.H * s.D, rng), DType::bf16);
+  std::vector<float> first_out, first_dqkv;
+  for (int run = 0; run < 2; ++run) {
+    AttentionBuffers gpu(qkv, dout, s, DType::bf16);
+    expect_ok(gpu.forward());
+    expect_ok(gpu.backward());
+    auto out = download(gpu.out_, s.B * s.T * s.H * s.D, DType::bf16);
+    auto dqkv = download(gpu.dqkv_, qkv.size(), DType::bf16);
+    if (run == 0) {
+      first_out = std::move(out);
+      first_dqkv = std::move(dqkv);
+    } else {
+      EXPECT_EQ(out, first_out);
+      EXPECT_EQ(dqkv, first_dqkv);
+    }
+  }
+}
+
 // The GPU never holds a T x T matrix: a long sequence runs with buffers linear in T.
 TEST_F(CudaTest, AttentionAtLongSequenceNeedsNoQuadraticMemory) {
   Case c{1, 8192, 32, 8, 64, 0};

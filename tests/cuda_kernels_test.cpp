@@ -679,6 +679,45 @@ TEST_P(CudaKernelsLowPrecision, Matmul) {
                                "dweight");
 }
 
+// --- determinism ----------------------------------------------------------------------
+
+// The reductions over rows (embedding and RMSNorm weight gradients) use no
+// atomics: the same inputs give the same bits, run after run.
+TEST_F(CudaKernels, ParameterGradientsAreBitwiseReproducible) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t V = 40, C = 200, N = 700;
+  const auto x = rounded(random_floats(N * C, rng_), DType::bf16);
+  const auto dy = rounded(random_floats(N * C, rng_), DType::bf16);
+  const auto w = rounded(random_floats(C, rng_), DType::bf16);
+  const auto tokens = random_tokens(N, V, rng_);
+  auto d_x = upload(x, DType::bf16), d_dy = upload(dy, DType::bf16), d_w = upload(w, DType::bf16);
+  auto d_tokens = upload_raw(tokens);
+  DeviceBuffer d_out(N * C * 2), d_rstd(N * 4);
+  expect_ok(cuda::rmsnorm_forward(d_out.get(), d_rstd.f32(), d_x->get(), d_w->get(), N, C, 1e-5f,
+                                  DType::bf16, nullptr));
+  std::vector<float> first_dw, first_dtable;
+  for (int run = 0; run < 2; ++run) {
+    DeviceBuffer d_dx(N * C * 2), d_dw(C * 4), d_dtable(V * C * 4);
+    DeviceBuffer scratch(std::max(cuda::rmsnorm_backward_scratch_bytes(N, C),
+                                  cuda::embedding_backward_scratch_bytes(N, V)));
+    expect_ok(cuda::rmsnorm_backward(d_dx.get(), d_dw.f32(), d_dy->get(), d_x->get(), d_w->get(),
+                                     d_rstd.f32(), N, C, DType::bf16, scratch.get(),
+                                     scratch.bytes(), nullptr));
+    expect_ok(cuda::embedding_backward(d_dtable.f32(), d_dy->get(),
+                                       static_cast<int32_t*>(d_tokens->get()), N, C, V,
+                                       DType::bf16, scratch.get(), scratch.bytes(), nullptr));
+    auto dw = download(d_dw, C, DType::f32);
+    auto dtable = download(d_dtable, V * C, DType::f32);
+    if (run == 0) {
+      first_dw = std::move(dw);
+      first_dtable = std::move(dtable);
+    } else {
+      EXPECT_EQ(dw, first_dw);
+      EXPECT_EQ(dtable, first_dtable);
+    }
+  }
+}
+
 // --- errors ---------------------------------------------------------------------------
 
 // Argument checks come before any CUDA call, so these run without a GPU too.
