@@ -277,6 +277,8 @@ TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfi
   in.overlap_comm = config.zero.overlap_comm;
   in.reduce_scatter = config.zero.reduce_scatter;
   in.reduce_in_bf16 = config.strata.gradient_reduce_dtype == Precision::bf16;
+  // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
+  in.optimizer_during_backward = config.gradient_clipping == 0.0 && config.precision == Precision::fp32;
   in.fetch_slots = std::max(1, config.zero.offload_param.buffer_count);
   in.optimizer_buffers = std::max(2, config.zero.offload_optimizer.buffer_count);
   in.optimizer_chunk_elements =
@@ -741,6 +743,13 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
     case OpKind::release: return Status::ok();
     case OpKind::reduce: return reduce(rank, op);
     case OpKind::exchange: return exchange(rank, run);
+    case OpKind::decide: {
+      Result<StepPlan> decision = rank.optimizer->begin_step(std::nullopt);
+      if (!decision) return decision.status();
+      std::lock_guard lock(run.mutex);
+      run.decisions[size_t(rank.rank)] = *decision;
+      return Status::ok();
+    }
     case OpKind::optimizer: return optimize(rank, run, op);
     case OpKind::writeback:
       if (!run.decisions[size_t(rank.rank)].apply) return Status::ok();
@@ -931,9 +940,16 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
         if (all[size_t(r) * per_rank + size_t(U + u)] != 0.0 && where.find(plan.layout.units[size_t(u)].unit.name) == std::string::npos)
           where += (where.empty() ? "" : ", ") + plan.layout.units[size_t(u)].unit.name;
     return Status::error(fmt::format(
-        "the gradients hold inf or NaN (in {}); nothing was updated. Lower the learning rate, "
+        "the gradients hold inf or NaN (in {}); the step failed and the run cannot go on. Lower the learning rate, "
         "enable gradient_clipping, or check the data",
         where));
+  }
+  if (plan.input.optimizer_during_backward) {
+    // `decide` ran at the start of the step; the norm is for the report.
+    std::lock_guard lock(run.mutex);
+    run.loss_sum[size_t(rank.rank)] = loss;
+    run.grad_norm[size_t(rank.rank)] = std::sqrt(global.sum_squares);
+    return Status::ok();
   }
   Result<StepPlan> decision = rank.optimizer->begin_step(global);
   if (!decision) return decision.status();
@@ -952,6 +968,11 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   }
   if (!decision.apply) return Status::ok();
   const int u = op.unit;
+  if (plan.input.optimizer_during_backward && rank.partials[size_t(u)].nonfinite)
+    return Status::error(fmt::format(
+        "the gradients of {} hold inf or NaN; it was not updated. Lower the learning rate, enable "
+        "gradient_clipping, or check the data",
+        plan.layout.units[size_t(u)].unit.name));
   const int r = rank.rank;
   const UnitPlacement& p = plan.units[size_t(u)];
   const int cb = plan.compute_bytes;

@@ -128,6 +128,28 @@ class PlanBuilder {
       }
     };
 
+    const bool early = in.optimizer_during_backward;
+    const bool writeback = plan_.homes.param == Tier::nvme && plan_.homes.separate_master;
+    int decide_index = -1;
+    if (early) decide_index = add(make_op(OpKind::decide, Lane::optimizer));
+    // optimizer(u) and, for NVMe parameter homes, writeback(u).
+    auto emit_update = [&](int u, std::vector<int> deps) {
+      PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
+      optimizer.deps = std::move(deps);
+      const int64_t n = plan_.units[size_t(u)].optimizer_numel;
+      optimizer.bytes = plan_.homes.optimizer == Tier::nvme ? 2 * 3 * n * 4 : 0;
+      int last = add(std::move(optimizer));
+      if (writeback) {
+        PlanOp write = make_op(OpKind::writeback, Lane::optimizer, u);
+        write.deps.push_back(last);
+        write.bytes = plan_.units[size_t(u)].param_numel * plan_.compute_bytes;
+        last = add(std::move(write));
+      }
+      return last;
+    };
+    std::vector<int> update_done(size_t(U), -1);
+    std::vector<int> update_order;
+
     if (stage3 && in.offload_param == OffloadDevice::nvme) emit_fetches();
     size_t use_index = 0;
     std::vector<int> last_reduce(size_t(U), -1);
@@ -174,6 +196,10 @@ class PlanBuilder {
           reduce_of_grad_use.push_back(index);
           ++grad_use;
         }
+        if (early && cu.micro == in.grad_accum - 1) {
+          update_done[size_t(cu.unit)] = emit_update(cu.unit, {decide_index, index});
+          update_order.push_back(cu.unit);
+        }
       }
     }
 
@@ -181,23 +207,16 @@ class PlanBuilder {
     for (int u = 0; u < U; ++u) exchange.deps.push_back(last_reduce[size_t(u)]);
     const int exchange_index = add(std::move(exchange));
 
-    const bool writeback = plan_.homes.param == Tier::nvme && plan_.homes.separate_master;
-    for (int u = 0; u < U; ++u) {
-      PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
-      optimizer.deps.push_back(exchange_index);
-      const int64_t n = plan_.units[size_t(u)].optimizer_numel;
-      optimizer.bytes = plan_.homes.optimizer == Tier::nvme ? 2 * 3 * n * 4 : 0;
-      const int optimizer_index = add(std::move(optimizer));
-      int last = optimizer_index;
-      if (writeback) {
-        PlanOp write = make_op(OpKind::writeback, Lane::optimizer, u);
-        write.deps.push_back(last);
-        write.bytes = plan_.units[size_t(u)].param_numel * plan_.compute_bytes;
-        last = add(std::move(write));
+    if (!early) {
+      for (int u = 0; u < U; ++u) {
+        update_done[size_t(u)] = emit_update(u, {exchange_index});
+        update_order.push_back(u);
       }
-      if (in.stage == 1 || in.stage == 2) {
+    }
+    if (in.stage == 1 || in.stage == 2) {
+      for (int u : update_order) {
         PlanOp sync = make_op(OpKind::sync, comm_lane, u);
-        sync.deps.push_back(last);
+        sync.deps.push_back(update_done[size_t(u)]);
         sync.bytes = plan_.units[size_t(u)].shard_numel * plan_.compute_bytes * (in.world_size - 1);
         add(std::move(sync));
       }
@@ -223,6 +242,7 @@ const char* op_kind_name(OpKind kind) {
     case OpKind::backward: return "backward";
     case OpKind::reduce: return "reduce";
     case OpKind::exchange: return "exchange";
+    case OpKind::decide: return "decide";
     case OpKind::optimizer: return "optimizer";
     case OpKind::writeback: return "writeback";
     case OpKind::sync: return "sync";

@@ -22,7 +22,8 @@
 // optimizer driver decides the step, and the optimizer runs unit by unit in
 // forward order, overlapping the next step's forward (forward of unit u waits
 // only for optimizer(u), and at stages 1-2 for sync(u), the all-gather of the
-// updated parameters). At stage 3 a unit is gathered before each use into one
+// updated parameters); without clipping or loss scaling it runs during
+// backward instead, unit by unit as gradients become final. At stage 3 a unit is gathered before each use into one
 // of `gather_slots` buffers and released after; a fetch brings a parameter
 // shard homed on NVMe into host memory ahead of its gather, at most
 // `fetch_slots` at a time. Buffers are reused in a ring; the dependency on the
@@ -62,13 +63,17 @@ struct TrainingPlanInput {
   bool overlap_comm = true;    // false: collectives run on the compute lane, between computations
   bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
   bool reduce_in_bf16 = false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
+  // No clipping and no loss scaling: the update needs no global result, so
+  // `decide` runs at the start and each unit's optimizer as soon as its
+  // gradient is final, during backward (DESIGN.md section 2).
+  bool optimizer_during_backward = false;
   int fetch_slots = 5;         // offload_param.buffer_count
   int optimizer_buffers = 4;   // offload_optimizer.buffer_count
   int64_t optimizer_chunk_elements = int64_t{1} << 24;  // streamed optimizer chunk (multiple of 1024)
   uint64_t nvme_alignment = 4096;
 };
 
-enum class OpKind { fetch, gather, forward, release, backward, reduce, exchange, optimizer, writeback, sync };
+enum class OpKind { fetch, gather, forward, release, backward, reduce, exchange, decide, optimizer, writeback, sync };
 enum class Lane { io, comm, compute, optimizer };
 inline constexpr int kLaneCount = 4;
 const char* op_kind_name(OpKind kind);

@@ -120,6 +120,30 @@ TEST_F(EngineEquivalence, Bf16GradientReductionIsCloseAndPlacementIndependent) {
   }
 }
 
+TEST_F(EngineEquivalence, OptimizerDuringBackwardChangesTimingNotResults) {
+  // Without clipping (fp32) each unit's update runs as soon as its gradient is
+  // final; a clipping bound no norm reaches keeps the exact schedule and the
+  // same arithmetic (a multiply by 1).
+  for (EngineRun run : testing::every_placement(2, "fp32")) {
+    if (run.stage == 0 && run.offload_optimizer != "none") continue;
+    run.clipping = 1e9;
+    const EngineOutcome exact = train(run);
+    run.clipping = 0.0;
+    Result<TrainConfig> config = testing::engine_config(run, dir_.path());
+    ASSERT_TRUE(config.is_ok());
+    Result<TrainingPlan> plan = build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
+    ASSERT_TRUE(plan.is_ok());
+    ASSERT_TRUE(plan->input.optimizer_during_backward);
+    size_t first_update = 0, exchange = 0;
+    for (size_t i = 0; i < plan->ops.size(); ++i) {
+      if (plan->ops[i].kind == OpKind::optimizer && first_update == 0) first_update = i;
+      if (plan->ops[i].kind == OpKind::exchange) exchange = i;
+    }
+    EXPECT_LT(first_update, exchange) << run.label();
+    expect_identical(train(run), exact, "during backward, " + run.label());
+  }
+}
+
 TEST_F(EngineEquivalence, TiedEmbeddingsAcrossStages) {
   EngineRun base;
   base.tied = true;
