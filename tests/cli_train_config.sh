@@ -52,5 +52,16 @@ out=$("$strata" train --model tiny --print-config 2>/dev/null)
 "$strata" train --model tiny --backend cpu >/dev/null 2>"$dir/err"
 [ $? -eq 2 ] && grep -q "\-\-data FILE is required" "$dir/err"; check "train without --data refuses" $?
 
+# --help: flags grouped, each with its default and the DeepSpeed key it overrides.
+help=$("$strata" train --help)
+for group in "Model and data:" "Batch, precision and optimizer:" "ZeRO and offload:" "NVMe I/O:" \
+             "Memory budgets:" "Output:"; do
+  echo "$help" | grep -q "^$group"; check "help group $group" $?
+done
+echo "$help" | grep -q -- "--zero-stage.*zero_optimization.stage; default 0" &&
+  echo "$help" | grep -q -- "--micro-batch.*train_micro_batch_size_per_gpu; default 1" &&
+  echo "$help" | grep -q -- "--aio-queue-depth.*aio.queue_depth; default 8"
+check "help shows defaults and DeepSpeed keys" $?
+
 echo "$((total - failures)) passed, $failures failed"
 [ $failures -eq 0 ]
