@@ -67,7 +67,7 @@ void check(const Status& status, const std::string& what) {
 }
 
 // Mean milliseconds per call of `body` over `reps` calls, after two warm-up calls.
-double time_ms(int reps, const std::function<Status()>& body, const std::string& what) {
+double time_ms(const std::string& what, int reps, const std::function<Status()>& body) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
@@ -129,17 +129,17 @@ int run(int64_t N, int64_t T, int reps) {
   {
     const int64_t S = 8192;
     Buffer a(S * S * e), b(S * S * e), c(S * S * e);
-    const double ms = time_ms(reps, [&] {
+    const double ms = time_ms("peak product", reps, [&] {
       return mm.forward(c.get(), a.get(), b.get(), S, S, S, bf16, false, nullptr);
-    }, "peak product");
+    });
     peaks.tflops = 2.0 * S * S * S / (ms * 1e-3) / 1e12;
     const std::size_t bytes = std::size_t{2} << 30;
     Buffer src(bytes), dst(bytes);
-    const double copy_ms = time_ms(reps, [&] {
+    const double copy_ms = time_ms("peak copy", reps, [&] {
       return cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice) == cudaSuccess
                  ? Status::ok()
                  : Status::error("cudaMemcpyAsync");
-    }, "peak copy");
+    });
     peaks.gbps = 2.0 * bytes / (copy_ms * 1e-3) / 1e9;
   }
   std::printf("peaks: %.1f TFLOP/s (cuBLASLt bf16 8192^3), %.0f GB/s (device copy, read + write)\n",
@@ -153,8 +153,10 @@ int run(int64_t N, int64_t T, int reps) {
     const char* name;
     int64_t C, OC;
   };
-  const Product products[] = {{"qkv_proj", C, QKV},     {"o_proj", H * D, C},
-                              {"gate_up_proj", C, 2 * I}, {"down_proj", I, C},
+  const Product products[] = {{"qkv_proj", C, QKV},
+                              {"o_proj", H * D, C},
+                              {"gate_up_proj", C, 2 * I},
+                              {"down_proj", I, C},
                               {"lm_head", C, V}};
   for (const Product& p : products) {
     Buffer inp(N * p.C * e), weight(p.OC * p.C * e), out(N * p.OC * e), dinp(N * p.C * e);
@@ -162,20 +164,26 @@ int run(int64_t N, int64_t T, int reps) {
     const std::string shape = fmt::format("{}x{} . {}x{}", N, p.C, p.OC, p.C);
     const double flop = 2.0 * N * p.C * p.OC;
     report.flops(std::string(p.name) + " forward", shape,
-                 time_ms(reps, [&] {
-                   return mm.forward(out.get(), inp.get(), weight.get(), N, p.C, p.OC, bf16, false,
-                                     nullptr);
-                 }, p.name), flop);
+                 time_ms(p.name, reps,
+                         [&] {
+                           return mm.forward(out.get(), inp.get(), weight.get(), N, p.C, p.OC, bf16,
+                                             false, nullptr);
+                         }),
+                 flop);
     report.flops(std::string(p.name) + " backward dinp", shape,
-                 time_ms(reps, [&] {
-                   return mm.backward(dinp.get(), nullptr, out.get(), inp.get(), weight.get(), N,
-                                      p.C, p.OC, bf16, nullptr);
-                 }, p.name), flop);
+                 time_ms(p.name, reps,
+                         [&] {
+                           return mm.backward(dinp.get(), nullptr, out.get(), inp.get(),
+                                              weight.get(), N, p.C, p.OC, bf16, nullptr);
+                         }),
+                 flop);
     report.flops(std::string(p.name) + " backward dweight", shape + " fp32 dW",
-                 time_ms(reps, [&] {
-                   return mm.backward(nullptr, dweight.f32(), out.get(), inp.get(), weight.get(),
-                                      N, p.C, p.OC, bf16, nullptr);
-                 }, p.name), flop);
+                 time_ms(p.name, reps,
+                         [&] {
+                           return mm.backward(nullptr, dweight.f32(), out.get(), inp.get(),
+                                              weight.get(), N, p.C, p.OC, bf16, nullptr);
+                         }),
+                 flop);
   }
 
   // --- kernels ---
@@ -184,27 +192,45 @@ int run(int64_t N, int64_t T, int reps) {
                           std::max(cuda::embedding_backward_scratch_bytes(N, V),
                                    cuda::grad_norm_scratch_bytes(V * C))));
   const std::string nc = fmt::format("N={} C={}", N, C);
-  report.bytes("rmsnorm forward", nc, time_ms(reps, [&] {
-    return cuda::rmsnorm_forward(y.get(), rstd.f32(), x.get(), w.get(), N, C, 1e-5f, bf16, nullptr);
-  }, "rmsnorm_forward"), 2.0 * N * C * e);
-  report.bytes("rmsnorm backward", nc, time_ms(reps, [&] {
-    return cuda::rmsnorm_backward(y.get(), dweight_c.f32(), x.get(), x.get(), w.get(), rstd.f32(),
-                                  N, C, bf16, scratch.get(), scratch.bytes(), nullptr);
-  }, "rmsnorm_backward"), 4.0 * N * C * e);  // dout, inp, dinp read and written
-  report.bytes("residual add", nc, time_ms(reps, [&] {
-    return cuda::residual_forward(y.get(), y.get(), x.get(), N * C, bf16, nullptr);
-  }, "residual_forward"), 3.0 * N * C * e);
+  report.bytes("rmsnorm forward", nc,
+               time_ms("rmsnorm_forward", reps,
+                       [&] {
+                         return cuda::rmsnorm_forward(y.get(), rstd.f32(), x.get(), w.get(), N, C,
+                                                      1e-5f, bf16, nullptr);
+                       }),
+               2.0 * N * C * e);
+  report.bytes("rmsnorm backward", nc,
+               time_ms("rmsnorm_backward", reps,
+                       [&] {
+                         return cuda::rmsnorm_backward(y.get(), dweight_c.f32(), x.get(), x.get(),
+                                                       w.get(), rstd.f32(), N, C, bf16,
+                                                       scratch.get(), scratch.bytes(), nullptr);
+                       }),
+               4.0 * N * C * e);  // dout, inp, dinp read and written
+  report.bytes(
+      "residual add", nc,
+      time_ms(
+          "residual_forward", reps,
+          [&] { return cuda::residual_forward(y.get(), y.get(), x.get(), N * C, bf16, nullptr); }),
+      3.0 * N * C * e);
 
   Buffer qkv(N * QKV * e), attn(N * H * D * e), lse(B * H * T * 4), delta(B * H * T * 4);
   Buffer dqkv(N * QKV * e), cos(T * D / 2 * 4), sin(T * D / 2 * 4);
   const std::string rope_shape = fmt::format("N={} heads={} D={}", N, H + KV, D);
-  report.bytes("rope forward (q and k)", rope_shape, time_ms(reps, [&] {
-    return cuda::rope_forward(qkv.get(), cos.f32(), sin.f32(), B, T, H + KV, D, QKV, bf16, nullptr);
-  }, "rope_forward"), 2.0 * N * (H + KV) * D * e);
-  report.bytes("rope backward (q and k)", rope_shape, time_ms(reps, [&] {
-    return cuda::rope_backward(qkv.get(), cos.f32(), sin.f32(), B, T, H + KV, D, QKV, bf16,
-                               nullptr);
-  }, "rope_backward"), 2.0 * N * (H + KV) * D * e);
+  report.bytes("rope forward (q and k)", rope_shape,
+               time_ms("rope_forward", reps,
+                       [&] {
+                         return cuda::rope_forward(qkv.get(), cos.f32(), sin.f32(), B, T, H + KV, D,
+                                                   QKV, bf16, nullptr);
+                       }),
+               2.0 * N * (H + KV) * D * e);
+  report.bytes("rope backward (q and k)", rope_shape,
+               time_ms("rope_backward", reps,
+                       [&] {
+                         return cuda::rope_backward(qkv.get(), cos.f32(), sin.f32(), B, T, H + KV,
+                                                    D, QKV, bf16, nullptr);
+                       }),
+               2.0 * N * (H + KV) * D * e);
 
   cuda::AttentionShape s;
   s.B = B;
@@ -217,25 +243,38 @@ int run(int64_t N, int64_t T, int reps) {
   char* dq = static_cast<char*>(dqkv.get());
   const double causal_flop = 4.0 * B * H * D * (T * (T + 1) / 2.0);  // QK^T and PV, causal half
   const std::string attn_shape = fmt::format("B={} T={} H={} KV={} D={}", B, T, H, KV, D);
-  report.flops("attention forward", attn_shape, time_ms(reps, [&] {
-    return cuda::attention_forward(attn.get(), lse.f32(), q, q + H * D * e, q + (H + KV) * D * e,
-                                   s, bf16, nullptr);
-  }, "attention_forward"), causal_flop);
+  report.flops("attention forward", attn_shape,
+               time_ms("attention_forward", reps,
+                       [&] {
+                         return cuda::attention_forward(attn.get(), lse.f32(), q, q + H * D * e,
+                                                        q + (H + KV) * D * e, s, bf16, nullptr);
+                       }),
+               causal_flop);
   // Backward recomputes QK^T twice (dq and dk/dv passes) and does four more products.
-  report.flops("attention backward", attn_shape, time_ms(reps, [&] {
-    return cuda::attention_backward(dq, dq + H * D * e, dq + (H + KV) * D * e, delta.f32(),
-                                    attn.get(), attn.get(), lse.f32(), q, q + H * D * e,
-                                    q + (H + KV) * D * e, s, bf16, nullptr);
-  }, "attention_backward"), 2.5 * causal_flop);
+  report.flops("attention backward", attn_shape,
+               time_ms("attention_backward", reps,
+                       [&] {
+                         return cuda::attention_backward(dq, dq + H * D * e, dq + (H + KV) * D * e,
+                                                         delta.f32(), attn.get(), attn.get(),
+                                                         lse.f32(), q, q + H * D * e,
+                                                         q + (H + KV) * D * e, s, bf16, nullptr);
+                       }),
+               2.5 * causal_flop);
 
   Buffer gate_up(N * 2 * I * e), mlp(N * I * e), dgate_up(N * 2 * I * e);
   const std::string ni = fmt::format("N={} I={}", N, I);
-  report.bytes("swiglu forward", ni, time_ms(reps, [&] {
-    return cuda::swiglu_forward(mlp.get(), gate_up.get(), N, I, bf16, nullptr);
-  }, "swiglu_forward"), 3.0 * N * I * e);
-  report.bytes("swiglu backward", ni, time_ms(reps, [&] {
-    return cuda::swiglu_backward(dgate_up.get(), mlp.get(), gate_up.get(), N, I, bf16, nullptr);
-  }, "swiglu_backward"), 5.0 * N * I * e);
+  report.bytes(
+      "swiglu forward", ni,
+      time_ms("swiglu_forward", reps,
+              [&] { return cuda::swiglu_forward(mlp.get(), gate_up.get(), N, I, bf16, nullptr); }),
+      3.0 * N * I * e);
+  report.bytes("swiglu backward", ni,
+               time_ms("swiglu_backward", reps,
+                       [&] {
+                         return cuda::swiglu_backward(dgate_up.get(), mlp.get(), gate_up.get(), N,
+                                                      I, bf16, nullptr);
+                       }),
+               5.0 * N * I * e);
 
   std::vector<int32_t> host_tokens(N);
   std::mt19937 rng(1);
@@ -247,17 +286,27 @@ int run(int64_t N, int64_t T, int reps) {
   const std::string nv = fmt::format("N={} V={}", N, V);
   // Each pass reads the logits and writes them (in place) once; logits are
   // re-filled by nothing, so values drift, which does not change the speed.
-  report.bytes("cross-entropy forward+backward", nv, time_ms(reps, [&] {
-    return cuda::cross_entropy_forward_backward(losses.f32(), logits.get(), logits.get(), tok,
-                                                1.0f / N, N, V, bf16, nullptr);
-  }, "cross_entropy"), 3.0 * N * V * e);  // read twice (max/sum pass, gradient pass), write once
-  report.bytes("embedding forward", nc, time_ms(reps, [&] {
-    return cuda::embedding_forward(y.get(), tok, table.get(), N, C, bf16, nullptr);
-  }, "embedding_forward"), 2.0 * N * C * e);
-  report.bytes("embedding backward", nc, time_ms(reps, [&] {
-    return cuda::embedding_backward(dtable.f32(), x.get(), tok, N, C, V, bf16, scratch.get(),
-                                    scratch.bytes(), nullptr);
-  }, "embedding_backward"), N * C * (e + 8.0));  // dout read, fp32 rows read and written
+  report.bytes("cross-entropy forward+backward", nv,
+               time_ms("cross_entropy", reps,
+                       [&] {
+                         return cuda::cross_entropy_forward_backward(losses.f32(), logits.get(),
+                                                                     logits.get(), tok, 1.0f / N, N,
+                                                                     V, bf16, nullptr);
+                       }),
+               3.0 * N * V * e);  // read twice (max/sum pass, gradient pass), write once
+  report.bytes(
+      "embedding forward", nc,
+      time_ms(
+          "embedding_forward", reps,
+          [&] { return cuda::embedding_forward(y.get(), tok, table.get(), N, C, bf16, nullptr); }),
+      2.0 * N * C * e);
+  report.bytes("embedding backward", nc,
+               time_ms("embedding_backward", reps,
+                       [&] {
+                         return cuda::embedding_backward(dtable.f32(), x.get(), tok, N, C, V, bf16,
+                                                         scratch.get(), scratch.bytes(), nullptr);
+                       }),
+               N * C * (e + 8.0));  // dout read, fp32 rows read and written
 
   // --- optimizer-side kernels over the embedding's V x C parameters ---
   const int64_t P = V * C;
@@ -273,16 +322,22 @@ int run(int64_t N, int64_t T, int reps) {
   shard.copy = copy.get();
   shard.copy_type = bf16;
   strata::kernels::cpu::AdamWHyperparams hyper;
-  report.bytes("adamw (fp32 grad, bf16 copy)", pn, time_ms(reps, [&] {
-    return cuda::adamw_step(shard, hyper, nullptr);
-  }, "adamw_step"), P * (3 * 8.0 + 4 + e));
-  report.bytes("grad norm (fp32)", pn, time_ms(reps, [&] {
-    return cuda::grad_norm_squared(static_cast<cuda::GradNormResult*>(result.get()), grad.get(),
-                                   DType::f32, P, scratch.get(), scratch.bytes(), nullptr);
-  }, "grad_norm_squared"), P * 4.0);
-  report.bytes("cast fp32 -> bf16", pn, time_ms(reps, [&] {
-    return cuda::cast(copy.get(), bf16, master.get(), DType::f32, P, nullptr);
-  }, "cast"), P * (4.0 + e));
+  report.bytes("adamw (fp32 grad, bf16 copy)", pn,
+               time_ms("adamw_step", reps, [&] { return cuda::adamw_step(shard, hyper, nullptr); }),
+               P * (3 * 8.0 + 4 + e));
+  report.bytes("grad norm (fp32)", pn,
+               time_ms("grad_norm_squared", reps,
+                       [&] {
+                         return cuda::grad_norm_squared(
+                             static_cast<cuda::GradNormResult*>(result.get()), grad.get(),
+                             DType::f32, P, scratch.get(), scratch.bytes(), nullptr);
+                       }),
+               P * 4.0);
+  report.bytes(
+      "cast fp32 -> bf16", pn,
+      time_ms("cast", reps,
+              [&] { return cuda::cast(copy.get(), bf16, master.get(), DType::f32, P, nullptr); }),
+      P * (4.0 + e));
   return 0;
 }
 
@@ -294,9 +349,12 @@ int main(int argc, char** argv) {
   long long tokens = 4096, seq = 2048;
   int reps = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--tokens") == 0) tokens = std::atoll(argv[i + 1]);
-    else if (std::strcmp(argv[i], "--seq") == 0) seq = std::atoll(argv[i + 1]);
-    else if (std::strcmp(argv[i], "--reps") == 0) reps = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--tokens") == 0)
+      tokens = std::atoll(argv[i + 1]);
+    else if (std::strcmp(argv[i], "--seq") == 0)
+      seq = std::atoll(argv[i + 1]);
+    else if (std::strcmp(argv[i], "--reps") == 0)
+      reps = std::atoi(argv[i + 1]);
   }
   if (seq <= 0 || tokens < seq || tokens % seq != 0 || reps <= 0) {
     std::fprintf(stderr, "cuda_kernels_bench: --tokens must be a positive multiple of --seq\n");

@@ -167,8 +167,8 @@ TEST_P(CudaAttention, Fp32MatchesCpuForwardAndBackward) {
   cpu::attention_forward(out.data(), probs.data(), qkv.data(), qkv.data() + H * D,
                          qkv.data() + (H + KV) * D, cs);
   cpu::attention_backward(dqkv.data(), dqkv.data() + H * D, dqkv.data() + (H + KV) * D,
-                          scratch.data(), dout.data(), probs.data(), qkv.data(),
-                          qkv.data() + H * D, qkv.data() + (H + KV) * D, cs);
+                          scratch.data(), dout.data(), probs.data(), qkv.data(), qkv.data() + H * D,
+                          qkv.data() + (H + KV) * D, cs);
 
   AttentionBuffers gpu(qkv, dout, s, DType::f32);
   expect_ok(gpu.forward());
@@ -244,6 +244,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention, ::testing::ValuesIn(kCases),
 
 #else  // a CPU-only build has no CUDA kernels to test
 
-TEST(CudaAttention, NeedsACudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+TEST(CudaAttention, NeedsACudaBuild) {
+  GTEST_SKIP() << "built without CUDA";
+}
 
 #endif

@@ -224,8 +224,7 @@ TEST_P(CudaKernelsLowPrecision, Rmsnorm) {
                                    nullptr));
   expect_within_twice_emulated(download(d_out, N * C, type()), emulated.y, exact_ref.y, "out");
   expect_within_twice_emulated(download(d_dx, N * C, type()), emulated.dx, exact_ref.dx, "dinp");
-  expect_within_twice_emulated(download(d_dw, C, DType::f32), emulated.dw, exact_ref.dw,
-                               "dweight");
+  expect_within_twice_emulated(download(d_dw, C, DType::f32), emulated.dw, exact_ref.dw, "dweight");
 }
 
 // --- rotary embedding -----------------------------------------------------------------
@@ -396,8 +395,8 @@ TEST_F(CudaKernels, CrossEntropyMatchesCpu) {
   const int32_t* t = static_cast<int32_t*>(d_targets->get());
   auto d_logits = upload(logits, DType::f32);
   DeviceBuffer d_losses(N * 4), d_dlogits(N * V * 4);
-  expect_ok(cuda::cross_entropy_forward(d_losses.f32(), d_logits->get(), t, N, V, DType::f32,
-                                        nullptr));
+  expect_ok(
+      cuda::cross_entropy_forward(d_losses.f32(), d_logits->get(), t, N, V, DType::f32, nullptr));
   expect_matches_cpu(download(d_losses, N, DType::f32), losses, "losses (forward)");
   expect_ok(cuda::cross_entropy_forward_backward(nullptr, d_dlogits.get(), d_logits->get(), t,
                                                  dloss, N, V, DType::f32, nullptr));
@@ -502,7 +501,8 @@ TEST_F(CudaKernels, GradNormMatchesCpu) {
       const void* host = type == DType::f32 ? static_cast<const void*>(grad.data()) : bits.data();
       const Result<cpu::GradNormPartial> expected = cpu::grad_norm_squared(host, cpu_type, n);
       ASSERT_TRUE(expected.is_ok());
-      DeviceBuffer scratch(cuda::grad_norm_scratch_bytes(n)), d_result(sizeof(cuda::GradNormResult));
+      DeviceBuffer scratch(cuda::grad_norm_scratch_bytes(n)),
+          d_result(sizeof(cuda::GradNormResult));
       expect_ok(cuda::grad_norm_squared(static_cast<cuda::GradNormResult*>(d_result.get()),
                                         d_grad->get(), type, n, scratch.get(), scratch.bytes(),
                                         nullptr));
@@ -515,8 +515,8 @@ TEST_F(CudaKernels, GradNormMatchesCpu) {
       EXPECT_NEAR(result.sum_squares, expected->sum_squares, 1e-10 * expected->sum_squares) << n;
 
       if (n == 0) continue;
-      for (const float bad : {std::numeric_limits<float>::infinity(),
-                              std::numeric_limits<float>::quiet_NaN()}) {
+      for (const float bad :
+           {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
         auto poisoned = grad;
         poisoned[n / 2] = bad;
         auto d_poisoned = upload(poisoned, type);
@@ -569,16 +569,16 @@ TEST_F(CudaKernels, AdamWIsBitwiseTheCpuStep) {
 
         std::vector<uint16_t> grad_bits(n), copy_bits(n);
         for (int64_t i = 0; i < n; ++i) {
-          grad_bits[i] = grad_type == DType::bf16 ? cpu::float_to_bf16(grad[i])
-                                                  : cpu::float_to_f16(grad[i]);
+          grad_bits[i] =
+              grad_type == DType::bf16 ? cpu::float_to_bf16(grad[i]) : cpu::float_to_f16(grad[i]);
         }
         cpu::AdamWShard host;
         host.numel = n;
         host.master = master.data();
         host.exp_avg = m.data();
         host.exp_avg_sq = v.data();
-        host.grad = grad_type == DType::f32 ? static_cast<const void*>(grad.data())
-                                            : grad_bits.data();
+        host.grad =
+            grad_type == DType::f32 ? static_cast<const void*>(grad.data()) : grad_bits.data();
         host.grad_type = grad_type == DType::f32    ? cpu::ElementType::f32
                          : grad_type == DType::bf16 ? cpu::ElementType::bf16
                                                     : cpu::ElementType::f16;
@@ -620,15 +620,15 @@ TEST_F(CudaKernels, MatmulMatchesCpu) {
   auto d_dinp = upload(dinp_prefill, DType::f32), d_dw = upload(dw_prefill, DType::f32);
   DeviceBuffer d_out(N * OC * 4);
   cuda::Matmuls& mm = **matmuls;
-  expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false,
-                       nullptr));
-  expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false,
-                       nullptr));
+  expect_ok(
+      mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false, nullptr));
+  expect_ok(
+      mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false, nullptr));
   EXPECT_EQ(mm.cached_plans(), 1u) << "the second product of a shape reuses its plan";
-  expect_ok(mm.forward(d_acc->get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, true,
-                       nullptr));
-  expect_ok(mm.backward(d_dinp->get(), d_dw->f32(), d_dout->get(), d_inp->get(), d_weight->get(),
-                        N, C, OC, DType::f32, nullptr));
+  expect_ok(
+      mm.forward(d_acc->get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, true, nullptr));
+  expect_ok(mm.backward(d_dinp->get(), d_dw->f32(), d_dout->get(), d_inp->get(), d_weight->get(), N,
+                        C, OC, DType::f32, nullptr));
   expect_matches_cpu(download(d_out, N * OC, DType::f32), out, "out");
   expect_matches_cpu(download(*d_acc, N * OC, DType::f32), out_acc, "out (accumulate)");
 
@@ -664,11 +664,12 @@ TEST_P(CudaKernelsLowPrecision, Matmul) {
       }
     }
   }
-  auto d_inp = upload(inp, type()), d_weight = upload(weight, type()), d_dout = upload(dout, type());
+  auto d_inp = upload(inp, type()), d_weight = upload(weight, type()),
+       d_dout = upload(dout, type());
   DeviceBuffer d_out(N * OC * 2), d_dinp(N * C * 2), d_dw(OC * C * 4);
   cuda::Matmuls& mm = **matmuls;
-  expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, type(), false,
-                       nullptr));
+  expect_ok(
+      mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, type(), false, nullptr));
   expect_ok(mm.backward(d_dinp.get(), d_dw.f32(), d_dout->get(), d_inp->get(), d_weight->get(), N,
                         C, OC, type(), nullptr));
   const Round round = rounding_to(type());
@@ -704,8 +705,8 @@ TEST_F(CudaKernels, ParameterGradientsAreBitwiseReproducible) {
                                      d_rstd.f32(), N, C, DType::bf16, scratch.get(),
                                      scratch.bytes(), nullptr));
     expect_ok(cuda::embedding_backward(d_dtable.f32(), d_dy->get(),
-                                       static_cast<int32_t*>(d_tokens->get()), N, C, V,
-                                       DType::bf16, scratch.get(), scratch.bytes(), nullptr));
+                                       static_cast<int32_t*>(d_tokens->get()), N, C, V, DType::bf16,
+                                       scratch.get(), scratch.bytes(), nullptr));
     auto dw = download(d_dw, C, DType::f32);
     auto dtable = download(d_dtable, V * C, DType::f32);
     if (run == 0) {
@@ -754,6 +755,8 @@ TEST(CudaKernelErrors, NameTheKernelTypeAndShape) {
 
 #else  // a CPU-only build has no CUDA kernels to test
 
-TEST(CudaKernels, NeedACudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+TEST(CudaKernels, NeedACudaBuild) {
+  GTEST_SKIP() << "built without CUDA";
+}
 
 #endif

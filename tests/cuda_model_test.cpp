@@ -120,8 +120,8 @@ class GpuUnits {
     const int32_t* tgt = static_cast<int32_t*>(d_targets->get());
     const int64_t units = static_cast<int64_t>(layout_.units.size());
     const int64_t N = B_ * T_, C = c_.hidden_size, V = c_.vocab_size;
-    expect_ok(cuda::embedding_forward(units_in_[0]->get(), tok, params_[0]->get(), N, C, type_,
-                                      nullptr));
+    expect_ok(
+        cuda::embedding_forward(units_in_[0]->get(), tok, params_[0]->get(), N, C, type_, nullptr));
     for (int64_t u = 1; u + 1 < units; ++u) {
       layer_forward(u, units_in_[u - 1]->get(), units_in_[u]->get());
     }
@@ -191,8 +191,8 @@ class GpuUnits {
     expect_ok(cuda::swiglu_forward(mlp_->get(), gate_up_->get(), N, I, type_, nullptr));
     if (out == nullptr) return;  // recomputation for the backward stops here
     copy(out, x2_->get(), N * C);
-    expect_ok(mm_.forward(out, mlp_->get(), at(w, slot(u, 6).offset), N, I, C, type_, true,
-                          nullptr));
+    expect_ok(
+        mm_.forward(out, mlp_->get(), at(w, slot(u, 6).offset), N, I, C, type_, true, nullptr));
   }
 
   void layer_backward(int64_t u, const void* x, const void* dout, void* dx) {
@@ -216,10 +216,10 @@ class GpuUnits {
     zero(*d_attn_);
     expect_ok(mm_.backward(d_attn_->get(), g + slot(u, 3).offset, dx, attn_->get(),
                            at(w, slot(u, 3).offset), N, H * D, C, type_, nullptr));
-    expect_ok(cuda::attention_backward(
-        at(*d_qkv_, 0), at(*d_qkv_, H * D), at(*d_qkv_, (H + KV) * D), delta_->f32(),
-        d_attn_->get(), attn_->get(), lse_->f32(), at(*qkv_, 0), at(*qkv_, H * D),
-        at(*qkv_, (H + KV) * D), attention_shape(), type_, nullptr));
+    expect_ok(cuda::attention_backward(at(*d_qkv_, 0), at(*d_qkv_, H * D),
+                                       at(*d_qkv_, (H + KV) * D), delta_->f32(), d_attn_->get(),
+                                       attn_->get(), lse_->f32(), at(*qkv_, 0), at(*qkv_, H * D),
+                                       at(*qkv_, (H + KV) * D), attention_shape(), type_, nullptr));
     expect_ok(cuda::rope_backward(at(*d_qkv_, 0), cos_->f32(), sin_->f32(), B_, T_, H, D,
                                   qkv_width_, type_, nullptr));
     expect_ok(cuda::rope_backward(at(*d_qkv_, H * D), cos_->f32(), sin_->f32(), B_, T_, KV, D,
@@ -331,6 +331,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 #else  // a CPU-only build has no CUDA kernels to test
 
-TEST(CudaModel, NeedsACudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+TEST(CudaModel, NeedsACudaBuild) {
+  GTEST_SKIP() << "built without CUDA";
+}
 
 #endif

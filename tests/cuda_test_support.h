@@ -188,6 +188,8 @@ inline const char* type_label(DType type) {
   return type == DType::bf16 ? "bf16" : type == DType::f16 ? "fp16" : "fp32";
 }
 
-inline void expect_ok(const Status& status) { EXPECT_TRUE(status.is_ok()) << status.message(); }
+inline void expect_ok(const Status& status) {
+  EXPECT_TRUE(status.is_ok()) << status.message();
+}
 
 }  // namespace strata::testing

@@ -1,10 +1,11 @@
 // AdamW on the GPU, host side: argument checks and the per-step constants,
 // rounded from float64 exactly as kernels/cpu/adamw.cpp rounds them (that is
 // half of what keeps the two backends bitwise equal; adamw.cu is the other).
+#include "kernels/cuda/adamw.h"
+
 #include <cmath>
 #include <string>
 
-#include "kernels/cuda/adamw.h"
 #include "kernels/cuda/adamw_constants.h"
 
 namespace strata::kernels::cuda {

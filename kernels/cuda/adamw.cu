@@ -56,7 +56,7 @@ Status adamw_launch(float* master, float* exp_avg, float* exp_avg_sq, const void
     const G* grad = static_cast<const G*>(grad_data);
     if (copy == nullptr) {
       adamw_kernel<G, NoCopy><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, grad,
-                                                              nullptr, constants, numel);
+                                                               nullptr, constants, numel);
     } else if (copy_type == DType::bf16) {
       adamw_kernel<G, bf16><<<blocks, kThreads, 0, stream>>>(
           master, exp_avg, exp_avg_sq, grad, static_cast<bf16*>(copy), constants, numel);

@@ -29,7 +29,7 @@ struct AdamWDeviceShard {
   float* exp_avg_sq = nullptr;  // (numel) second moment v, updated in place
   const void* grad = nullptr;   // (numel) of grad_type
   DType grad_type = DType::f32;
-  void* copy = nullptr;  // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
+  void* copy = nullptr;           // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
   DType copy_type = DType::bf16;  // bf16 or f16
 };
 

@@ -44,7 +44,9 @@ constexpr int kBackwardRows = kWarps * kBackwardRowsPerWarp;  // query rows per 
 // The dq pass keeps two more tiles in shared memory than the forward; at
 // D = 128 it takes 2 rows per warp to stay within the 48 KiB of static
 // shared memory.
-constexpr int dq_rows_per_warp(int DPL) { return DPL == 4 ? 2 : kRowsPerWarp; }
+constexpr int dq_rows_per_warp(int DPL) {
+  return DPL == 4 ? 2 : kRowsPerWarp;
+}
 
 struct Params {
   int64_t B, T, H, KV, D, row_stride;
@@ -129,11 +131,11 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[kRowCount][DPL],
 
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kThreads)
-    attention_forward_kernel(T* out,        // (B, T, H*D)
-                             float* lse,    // (B, H, T)
-                             const T* q,    // (B, T, row_stride), H heads of D
-                             const T* k,    // (B, T, row_stride), KV heads of D
-                             const T* v,    // (B, T, row_stride), KV heads of D
+    attention_forward_kernel(T* out,      // (B, T, H*D)
+                             float* lse,  // (B, H, T)
+                             const T* q,  // (B, T, row_stride), H heads of D
+                             const T* k,  // (B, T, row_stride), KV heads of D
+                             const T* v,  // (B, T, row_stride), KV heads of D
                              Params p) {
   constexpr int kMaxD = 32 * DPL;
   __shared__ __align__(16) float q_tile[kRows][kMaxD];  // scaled by 1/sqrt(D); broadcasts
@@ -144,8 +146,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t b = blockIdx.y / p.H, h = blockIdx.y % p.H, kvh = h / (p.H / p.KV);
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const int64_t sequence = b * p.T;  // first token row of this sequence
-  load_rows<T, kMaxD, kMaxD>(q_tile, q + sequence * p.row_stride + h * p.D, p.row_stride, q0,
-                             kRows, p.T, p.D, p.scale);
+  load_rows<T, kMaxD, kMaxD>(q_tile, q + sequence * p.row_stride + h * p.D, p.row_stride, q0, kRows,
+                             p.T, p.D, p.scale);
 
   float row_max[kRowsPerWarp], row_sum[kRowsPerWarp], acc[kRowsPerWarp][DPL];
 #pragma unroll
@@ -201,9 +203,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // delta[(b, h, t)] = sum_d dout * out: one warp per (token row, head).
 template <typename T>
-__global__ void attention_delta_kernel(float* delta,      // (B, H, T)
-                                       const T* dout,     // (B, T, H*D)
-                                       const T* out,      // (B, T, H*D)
+__global__ void attention_delta_kernel(float* delta,   // (B, H, T)
+                                       const T* dout,  // (B, T, H*D)
+                                       const T* out,   // (B, T, H*D)
                                        Params p) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
@@ -220,9 +222,9 @@ __global__ void attention_delta_kernel(float* delta,      // (B, H, T)
 
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_kernel(T* dq,              // (B, T, row_stride), H heads of D, =
-                                 const T* dout,      // (B, T, H*D)
-                                 const float* lse,   // (B, H, T)
+    attention_backward_dq_kernel(T* dq,               // (B, T, row_stride), H heads of D, =
+                                 const T* dout,       // (B, T, H*D)
+                                 const float* lse,    // (B, H, T)
                                  const float* delta,  // (B, H, T)
                                  const T* q, const T* k, const T* v,  // (B, T, row_stride)
                                  Params p) {
@@ -288,10 +290,10 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dkv_kernel(T* dk,              // (B, T, row_stride), KV heads of D, =
-                                  T* dv,              // (B, T, row_stride), KV heads of D, =
-                                  const T* dout,      // (B, T, H*D)
-                                  const float* lse,   // (B, H, T)
+    attention_backward_dkv_kernel(T* dk,               // (B, T, row_stride), KV heads of D, =
+                                  T* dv,               // (B, T, row_stride), KV heads of D, =
+                                  const T* dout,       // (B, T, H*D)
+                                  const float* lse,    // (B, H, T)
                                   const float* delta,  // (B, H, T)
                                   const T* q, const T* k, const T* v,  // (B, T, row_stride)
                                   Params p) {
@@ -309,10 +311,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t b = blockIdx.y / p.KV, kvh = blockIdx.y % p.KV, group = p.H / p.KV;
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t sequence = b * p.T;
-  load_rows<T, kMaxD, kMaxD + 1>(k_tile, k + sequence * p.row_stride + kvh * p.D, p.row_stride,
-                                 k0, kKeys, p.T, p.D, 1.0f);
-  load_rows<T, kMaxD, kMaxD + 1>(v_tile, v + sequence * p.row_stride + kvh * p.D, p.row_stride,
-                                 k0, kKeys, p.T, p.D, 1.0f);
+  load_rows<T, kMaxD, kMaxD + 1>(k_tile, k + sequence * p.row_stride + kvh * p.D, p.row_stride, k0,
+                                 kKeys, p.T, p.D, 1.0f);
+  load_rows<T, kMaxD, kMaxD + 1>(v_tile, v + sequence * p.row_stride + kvh * p.D, p.row_stride, k0,
+                                 kKeys, p.T, p.D, 1.0f);
   // This thread owns key `lane` of the tile, columns [warp * kOwned, (warp + 1) * kOwned).
   float dk_acc[kOwned], dv_acc[kOwned];
 #pragma unroll
@@ -335,8 +337,8 @@ __global__ void __launch_bounds__(kThreads)
       float scores[kBackwardRowsPerWarp], dprobs[kBackwardRowsPerWarp];
       row_dots<kBackwardRowsPerWarp, kMaxD>(scores, q_tile, warp * kBackwardRowsPerWarp, k_tile,
                                             lane);
-      row_dots<kBackwardRowsPerWarp, kMaxD>(dprobs, dout_tile, warp * kBackwardRowsPerWarp,
-                                            v_tile, lane);
+      row_dots<kBackwardRowsPerWarp, kMaxD>(dprobs, dout_tile, warp * kBackwardRowsPerWarp, v_tile,
+                                            lane);
 #pragma unroll
       for (int r = 0; r < kBackwardRowsPerWarp; ++r) {
         const int row = warp * kBackwardRowsPerWarp + r;
@@ -417,9 +419,9 @@ Status attention_forward(void* out, float* lse, const void* q, const void* k, co
   const dim3 grid(blocks_for(shape.T, kRows), static_cast<unsigned>(shape.B * shape.H));
   return dispatch_attention(type, shape.D, [&](auto tag, auto dpl) {
     using T = decltype(tag);
-    attention_forward_kernel<T, decltype(dpl)::value><<<grid, kThreads, 0, stream>>>(
-        static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k),
-        static_cast<const T*>(v), p);
+    attention_forward_kernel<T, decltype(dpl)::value>
+        <<<grid, kThreads, 0, stream>>>(static_cast<T*>(out), lse, static_cast<const T*>(q),
+                                        static_cast<const T*>(k), static_cast<const T*>(v), p);
     return check_launch("attention_forward", type, text);
   });
 }

@@ -21,8 +21,7 @@ __global__ void cast_kernel(To* dst,          // (n)
 
 Status cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n,
             cudaStream_t stream) {
-  const std::string shape =
-      shape_text({{"n", n}}) + " from " + std::string(dtype_name(src_type));
+  const std::string shape = shape_text({{"n", n}}) + " from " + std::string(dtype_name(src_type));
   if (n < 0) return argument_error("cast", dst_type, shape, "negative length");
   if (n == 0) return Status::ok();
   return dispatch_type(dst_type, [&](auto to_tag) {

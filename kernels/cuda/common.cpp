@@ -26,7 +26,9 @@ std::string_view dtype_name(DType type) {
   return "unknown";
 }
 
-std::size_t dtype_size(DType type) { return type == DType::f32 ? 4 : 2; }
+std::size_t dtype_size(DType type) {
+  return type == DType::f32 ? 4 : 2;
+}
 
 namespace detail {
 

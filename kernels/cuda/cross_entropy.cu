@@ -87,8 +87,8 @@ Status cross_entropy_launch(const char* name, float* losses, void* dlogits, cons
 
 Status cross_entropy_forward(float* losses, const void* logits, const int32_t* targets, int64_t N,
                              int64_t V, DType type, cudaStream_t stream) {
-  return cross_entropy_launch("cross_entropy_forward", losses, nullptr, logits, targets, 0.0f, N,
-                              V, type, stream);
+  return cross_entropy_launch("cross_entropy_forward", losses, nullptr, logits, targets, 0.0f, N, V,
+                              type, stream);
 }
 
 Status cross_entropy_forward_backward(float* losses, void* dlogits, const void* logits,

@@ -36,8 +36,8 @@ __global__ void embedding_sort_input_kernel(int32_t* keys,          // (N)
 // blockIdx.x: a position in sorted order (only the first of each token works),
 // blockIdx.y: a chunk of kThreads columns.
 template <typename T>
-__global__ void embedding_backward_kernel(float* dweight,               // (V, C), +=
-                                          const T* dout,                // (N, C)
+__global__ void embedding_backward_kernel(float* dweight,                // (V, C), +=
+                                          const T* dout,                 // (N, C)
                                           const int32_t* sorted_tokens,  // (N)
                                           const int32_t* sorted_rows,    // (N)
                                           int64_t N, int64_t C) {
@@ -60,22 +60,23 @@ int key_bits(int64_t V) {
   return bits;
 }
 
-std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+std::size_t align_up(std::size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
 
 std::size_t sort_temp_bytes(int64_t N, int64_t V) {
   std::size_t bytes = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr),
-                                  static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr), static_cast<int>(N), 0,
-                                  key_bits(V));
+  cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(N), 0,
+      key_bits(V));
   return bytes;
 }
 
 }  // namespace
 
-Status embedding_forward(void* out, const int32_t* tokens, const void* weight, int64_t N,
-                         int64_t C, DType type, cudaStream_t stream) {
+Status embedding_forward(void* out, const int32_t* tokens, const void* weight, int64_t N, int64_t C,
+                         DType type, cudaStream_t stream) {
   const std::string shape = shape_text({{"N", N}, {"C", C}});
   if (N < 0 || C <= 0 || N > INT32_MAX) {
     return argument_error("embedding_forward", type, shape, "bad shape");
@@ -108,19 +109,19 @@ Status embedding_backward(float* dweight, const void* dout, const int32_t* token
   }
   const std::size_t ints = align_up(static_cast<std::size_t>(N) * sizeof(int32_t));
   char* base = static_cast<char*>(scratch);
-  int32_t* keys = reinterpret_cast<int32_t*>(base);                  // (N)
-  int32_t* rows = reinterpret_cast<int32_t*>(base + ints);           // (N)
+  int32_t* keys = reinterpret_cast<int32_t*>(base);                    // (N)
+  int32_t* rows = reinterpret_cast<int32_t*>(base + ints);             // (N)
   int32_t* sorted_keys = reinterpret_cast<int32_t*>(base + 2 * ints);  // (N)
   int32_t* sorted_rows = reinterpret_cast<int32_t*>(base + 3 * ints);  // (N)
   void* temp = base + 4 * ints;
   std::size_t temp_bytes = scratch_bytes - 4 * ints;
 
-  embedding_sort_input_kernel<<<blocks_for(N, kThreads), kThreads, 0, stream>>>(keys, rows,
-                                                                                 tokens, N);
+  embedding_sort_input_kernel<<<blocks_for(N, kThreads), kThreads, 0, stream>>>(keys, rows, tokens,
+                                                                                N);
   if (Status s = check_launch("embedding_backward (sort input)", type, shape); !s) return s;
-  const cudaError_t sorted = cub::DeviceRadixSort::SortPairs(
-      temp, temp_bytes, keys, sorted_keys, rows, sorted_rows, static_cast<int>(N), 0, key_bits(V),
-      stream);
+  const cudaError_t sorted =
+      cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, sorted_keys, rows, sorted_rows,
+                                      static_cast<int>(N), 0, key_bits(V), stream);
   if (sorted != cudaSuccess) {
     cudaGetLastError();
     return argument_error("embedding_backward (radix sort)", type, shape,

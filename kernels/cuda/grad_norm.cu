@@ -23,9 +23,9 @@ __device__ __forceinline__ double block_sum_double(double x, double* shared) {
 }
 
 template <typename T>
-__global__ void grad_norm_chunk_kernel(double* chunk_sums,      // (chunks)
-                                       int32_t* chunk_flags,    // (chunks)
-                                       const T* grad,           // (numel)
+__global__ void grad_norm_chunk_kernel(double* chunk_sums,    // (chunks)
+                                       int32_t* chunk_flags,  // (chunks)
+                                       const T* grad,         // (numel)
                                        int64_t numel) {
   __shared__ double shared[32];
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
@@ -67,7 +67,9 @@ __global__ void grad_norm_total_kernel(GradNormResult* result,      // (1)
   }
 }
 
-int64_t chunk_count(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
+int64_t chunk_count(int64_t numel) {
+  return (numel + kChunk - 1) / kChunk;
+}
 
 }  // namespace
 
@@ -86,8 +88,8 @@ Status grad_norm_squared(GradNormResult* result, const void* grad, DType type, i
                           "scratch is smaller than grad_norm_scratch_bytes");
   }
   const int64_t chunks = chunk_count(numel);
-  double* chunk_sums = static_cast<double*>(scratch);                           // (chunks)
-  int32_t* chunk_flags = reinterpret_cast<int32_t*>(chunk_sums + chunks);       // (chunks)
+  double* chunk_sums = static_cast<double*>(scratch);                      // (chunks)
+  int32_t* chunk_flags = reinterpret_cast<int32_t*>(chunk_sums + chunks);  // (chunks)
   return dispatch_type(type, [&](auto tag) {
     using T = decltype(tag);
     if (chunks > 0) {

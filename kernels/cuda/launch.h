@@ -21,7 +21,6 @@ std::string shape_text(std::initializer_list<std::pair<const char*, int64_t>> di
 Status check_launch(const char* kernel, DType type, const std::string& shape);
 
 // An argument error in the same form as a launch error.
-Status argument_error(const char* kernel, DType type, const std::string& shape,
-                      const char* what);
+Status argument_error(const char* kernel, DType type, const std::string& shape, const char* what);
 
 }  // namespace strata::kernels::cuda::detail

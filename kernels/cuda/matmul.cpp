@@ -44,7 +44,9 @@ cudaDataType_t cuda_type(DType type) {
 }
 
 const char* op_name(int op) {
-  return op == 0 ? "matmul_forward" : op == 1 ? "matmul_backward (dinp)" : "matmul_backward (dweight)";
+  return op == 0   ? "matmul_forward"
+         : op == 1 ? "matmul_backward (dinp)"
+                   : "matmul_backward (dweight)";
 }
 
 // The largest power of two (at most 256) that divides every address.
@@ -170,8 +172,8 @@ Status Matmuls::run(Op op, DType type, int64_t m, int64_t n, int64_t k, const vo
 Status Matmuls::forward(void* out, const void* inp, const void* weight, int64_t N, int64_t C,
                         int64_t OC, DType type, bool accumulate, cudaStream_t stream) {
   if (N <= 0 || C <= 0 || OC <= 0) {
-    return detail::argument_error("matmul_forward", type,
-                                  detail::shape_text({{"N", N}, {"C", C}, {"OC", OC}}), "bad shape");
+    return detail::argument_error(
+        "matmul_forward", type, detail::shape_text({{"N", N}, {"C", C}, {"OC", OC}}), "bad shape");
   }
   return run(Op::forward, type, OC, N, C, weight, inp, out, accumulate, stream);
 }
@@ -180,8 +182,8 @@ Status Matmuls::backward(void* dinp, float* dweight, const void* dout, const voi
                          const void* weight, int64_t N, int64_t C, int64_t OC, DType type,
                          cudaStream_t stream) {
   if (N <= 0 || C <= 0 || OC <= 0) {
-    return detail::argument_error("matmul_backward", type,
-                                  detail::shape_text({{"N", N}, {"C", C}, {"OC", OC}}), "bad shape");
+    return detail::argument_error(
+        "matmul_backward", type, detail::shape_text({{"N", N}, {"C", C}, {"OC", OC}}), "bad shape");
   }
   if (dinp != nullptr) {
     if (Status s = run(Op::backward_input, type, C, N, OC, weight, dout, dinp, true, stream); !s)

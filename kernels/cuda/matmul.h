@@ -37,7 +37,8 @@ class Matmuls {
   static constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{32} << 20;
 
   // Creates the handle and allocates the workspace on the current device.
-  static Result<std::unique_ptr<Matmuls>> create(std::size_t workspace_bytes = kDefaultWorkspaceBytes);
+  static Result<std::unique_ptr<Matmuls>> create(
+      std::size_t workspace_bytes = kDefaultWorkspaceBytes);
   ~Matmuls();
   Matmuls(const Matmuls&) = delete;
   Matmuls& operator=(const Matmuls&) = delete;

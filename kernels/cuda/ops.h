@@ -99,15 +99,15 @@ Status rmsnorm_backward(void* dinp,          // (N, C) of type, +=
 Status rope_forward(void* x,           // (B*T, row_stride) of type, heads*D used
                     const float* cos,  // (T, D/2)
                     const float* sin,  // (T, D/2)
-                    int64_t B, int64_t T, int64_t heads, int64_t D, int64_t row_stride,
-                    DType type, cudaStream_t stream);
+                    int64_t B, int64_t T, int64_t heads, int64_t D, int64_t row_stride, DType type,
+                    cudaStream_t stream);
 
 // The transposed rotation, in place on the gradient (=).
 Status rope_backward(void* dx,          // (B*T, row_stride) of type, heads*D used
                      const float* cos,  // (T, D/2)
                      const float* sin,  // (T, D/2)
-                     int64_t B, int64_t T, int64_t heads, int64_t D, int64_t row_stride,
-                     DType type, cudaStream_t stream);
+                     int64_t B, int64_t T, int64_t heads, int64_t D, int64_t row_stride, DType type,
+                     cudaStream_t stream);
 
 // --- causal grouped-query attention (kernels/cuda/attention.cu) ----------------------
 
@@ -117,22 +117,22 @@ using AttentionShape = cpu::AttentionShape;
 // Flash-style: tiles of keys stream through shared memory and an online
 // softmax keeps a running max and sum per query row, so no T x T matrix exists
 // in memory. Saves the log-sum-exp of every row's scaled scores for the backward.
-Status attention_forward(void* out,        // (B, T, H*D) of type, =
-                         float* lse,       // (B, H, T), =
-                         const void* q,    // (B, T, row_stride) of type, H heads of D
-                         const void* k,    // (B, T, row_stride) of type, KV heads of D
-                         const void* v,    // (B, T, row_stride) of type, KV heads of D
+Status attention_forward(void* out,      // (B, T, H*D) of type, =
+                         float* lse,     // (B, H, T), =
+                         const void* q,  // (B, T, row_stride) of type, H heads of D
+                         const void* k,  // (B, T, row_stride) of type, KV heads of D
+                         const void* v,  // (B, T, row_stride) of type, KV heads of D
                          const AttentionShape& shape, DType type, cudaStream_t stream);
 
 // Recomputes the probabilities tile by tile from q, k and lse. dk/dv sum over
 // the query heads of their group. = semantics, like the CPU backend.
-Status attention_backward(void* dq,           // (B, T, row_stride) of type, H heads of D, =
-                          void* dk,           // (B, T, row_stride) of type, KV heads of D, =
-                          void* dv,           // (B, T, row_stride) of type, KV heads of D, =
-                          float* delta,       // (B, H, T) scratch: rowsum(dout * out)
-                          const void* dout,   // (B, T, H*D) of type
-                          const void* out,    // (B, T, H*D) of type, from attention_forward
-                          const float* lse,   // (B, H, T), from attention_forward
+Status attention_backward(void* dq,          // (B, T, row_stride) of type, H heads of D, =
+                          void* dk,          // (B, T, row_stride) of type, KV heads of D, =
+                          void* dv,          // (B, T, row_stride) of type, KV heads of D, =
+                          float* delta,      // (B, H, T) scratch: rowsum(dout * out)
+                          const void* dout,  // (B, T, H*D) of type
+                          const void* out,   // (B, T, H*D) of type, from attention_forward
+                          const float* lse,  // (B, H, T), from attention_forward
                           const void* q, const void* k, const void* v,  // as in the forward
                           const AttentionShape& shape, DType type, cudaStream_t stream);
 
@@ -178,7 +178,7 @@ Status residual_forward(void* out,      // (n) of type
 
 // Converts n elements (round to nearest even when narrowing). src and dst must
 // not overlap unless they are the same buffer of the same type.
-Status cast(void* dst, DType dst_type,  // (n)
+Status cast(void* dst, DType dst_type,        // (n)
             const void* src, DType src_type,  // (n)
             int64_t n, cudaStream_t stream);
 

@@ -17,10 +17,10 @@ constexpr int kThreads = 256;
 constexpr int64_t kRowsPerChunk = 32;
 
 template <typename T>
-__global__ void rmsnorm_forward_kernel(T* out,            // (N, C)
-                                       float* rstd,       // (N)
-                                       const T* inp,      // (N, C)
-                                       const T* weight,   // (C)
+__global__ void rmsnorm_forward_kernel(T* out,           // (N, C)
+                                       float* rstd,      // (N)
+                                       const T* inp,     // (N, C)
+                                       const T* weight,  // (C)
                                        int64_t C, float eps) {
   __shared__ float reduce[32];
   const int64_t n = blockIdx.x;
@@ -83,7 +83,9 @@ __global__ void rmsnorm_dweight_kernel(float* dweight,        // (C), +=
   dweight[c] += sum;
 }
 
-int64_t chunk_count(int64_t N) { return (N + kRowsPerChunk - 1) / kRowsPerChunk; }
+int64_t chunk_count(int64_t N) {
+  return (N + kRowsPerChunk - 1) / kRowsPerChunk;
+}
 
 }  // namespace
 
@@ -126,7 +128,7 @@ Status rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void
         static_cast<const T*>(weight), rstd, N, C);
     if (Status s = check_launch("rmsnorm_backward", type, shape); !s) return s;
     rmsnorm_dweight_kernel<<<blocks_for(C, kThreads), kThreads, 0, stream>>>(dweight, partial,
-                                                                            chunks, C);
+                                                                             chunks, C);
     return check_launch("rmsnorm_backward (dweight)", type, shape);
   });
 }

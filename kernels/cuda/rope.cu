@@ -15,8 +15,8 @@ template <typename E>
 __global__ void rope_kernel(E* x,              // (B*T, row_stride), heads*D used
                             const float* cos,  // (T, D/2)
                             const float* sin,  // (T, D/2)
-                            int64_t rows, int64_t T, int64_t heads, int64_t D,
-                            int64_t row_stride, float direction) {
+                            int64_t rows, int64_t T, int64_t heads, int64_t D, int64_t row_stride,
+                            float direction) {
   const int64_t half = D / 2;
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= rows * heads * half) return;
@@ -37,8 +37,8 @@ __global__ void rope_kernel(E* x,              // (B*T, row_stride), heads*D use
 Status rope_apply(const char* name, void* x, const float* cos, const float* sin, int64_t B,
                   int64_t T, int64_t heads, int64_t D, int64_t row_stride, DType type,
                   float direction, cudaStream_t stream) {
-  const std::string shape = shape_text(
-      {{"B", B}, {"T", T}, {"heads", heads}, {"D", D}, {"row_stride", row_stride}});
+  const std::string shape =
+      shape_text({{"B", B}, {"T", T}, {"heads", heads}, {"D", D}, {"row_stride", row_stride}});
   if (B < 0 || T < 0 || heads <= 0 || D <= 0 || D % 2 != 0 || row_stride < heads * D) {
     return argument_error(name, type, shape, "bad shape (D must be even, row_stride >= heads*D)");
   }
@@ -55,16 +55,14 @@ Status rope_apply(const char* name, void* x, const float* cos, const float* sin,
 }  // namespace
 
 Status rope_forward(void* x, const float* cos, const float* sin, int64_t B, int64_t T,
-                    int64_t heads, int64_t D, int64_t row_stride, DType type,
-                    cudaStream_t stream) {
+                    int64_t heads, int64_t D, int64_t row_stride, DType type, cudaStream_t stream) {
   return rope_apply("rope_forward", x, cos, sin, B, T, heads, D, row_stride, type, 1.0f, stream);
 }
 
 Status rope_backward(void* dx, const float* cos, const float* sin, int64_t B, int64_t T,
                      int64_t heads, int64_t D, int64_t row_stride, DType type,
                      cudaStream_t stream) {
-  return rope_apply("rope_backward", dx, cos, sin, B, T, heads, D, row_stride, type, -1.0f,
-                    stream);
+  return rope_apply("rope_backward", dx, cos, sin, B, T, heads, D, row_stride, type, -1.0f, stream);
 }
 
 }  // namespace strata::kernels::cuda
