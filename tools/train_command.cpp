@@ -584,7 +584,13 @@ class TrainCommand : public Subcommand {
     if (trace)
       if (Status s = trace->finish(); !s) return run_error(s);
     for (int t = 0; t < tiers::kTierCount; ++t)
-      summary.usage[t] = engine.usage(static_cast<tiers::Tier>(t));
+      for (int r = 0; r < W; ++r) {
+        const tiers::TierUsage u = engine.rank_usage(r, static_cast<tiers::Tier>(t));
+        if (r == 0 || u.peak > summary.usage[t].peak) summary.usage[t] = u;
+      }
+    summary.budget[int(tiers::Tier::device)] = budgets.device;
+    summary.budget[int(tiers::Tier::host)] = budgets.host / uint64_t(W);
+    summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
     if (stop_requested.load()) fmt::print("stopped by Ctrl-C after step {}\n", summary.steps);
     fmt::print("{}", format_run_summary(summary));

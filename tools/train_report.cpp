@@ -264,7 +264,7 @@ std::string format_run_summary(const RunSummary& s) {
   for (int t = 0; t < tiers::kTierCount; ++t) {
     const tiers::TierUsage& u = s.usage[t];
     out += fmt::format("  {} {} (budget {})", tiers::tier_name(static_cast<tiers::Tier>(t)),
-                       format_bytes(double(u.peak)), format_bytes(double(u.capacity) / s.world));
+                       format_bytes(double(u.peak)), format_bytes(double(s.budget[t])));
   }
   out += "\n";
   if (s.nvme_read + s.nvme_written > 0)

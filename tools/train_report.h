@@ -99,7 +99,9 @@ struct RunSummary {
   uint64_t nvme_read = 0, nvme_written = 0;
   std::optional<double> first_loss, last_loss;
   LaneTotals lanes;
-  tiers::TierUsage usage[tiers::kTierCount];
+  tiers::TierUsage usage[tiers::kTierCount];  // the rank with the largest peak
+  uint64_t budget[tiers::kTierCount] = {0, 0,
+                                        0};  // per rank: as given or chosen; nvme: the swap file
   int world = 1;
 };
 
