@@ -10,12 +10,16 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <csignal>
+#include <unistd.h>
 #include <mutex>
 #include <span>
 #include <thread>
 #include <utility>
 
 #include "comm/communicator.h"
+#include "core/checkpoint.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 #include "core/units.h"
@@ -138,6 +142,7 @@ struct StepRun {
 }  // namespace
 
 struct Engine::Impl {
+  uint64_t engine_serial = 0;  // names this engine's swap files
   struct Rank {
     int rank = 0;
     std::unique_ptr<comm::Communicator> comm;
@@ -190,6 +195,9 @@ struct Engine::Impl {
   Status open_rank(Rank& rank);
   Status init_rank(Rank& rank, const std::vector<std::vector<float>>* loaded);
   Status init_unit(Rank& rank, int u, const float* full);
+  Status load_moments(Rank& rank, int u, const float* m, const float* v);
+  Status resume(const CheckpointReader& checkpoint);
+  Status save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets);
 
   // --- execution -------------------------------------------------------------------
 
@@ -288,6 +296,41 @@ TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfi
 
 // --- creation ------------------------------------------------------------------------
 
+namespace {
+
+// Swap files are named strata-<pid>-<engine>-rank<r>.swap; one whose process
+// is gone was left by a run that was killed, and its space is reclaimed.
+void remove_stale_swap_files(const std::vector<std::string>& directories,
+                             const std::function<void(const std::string&)>& notice) {
+  namespace fs = std::filesystem;
+  uint64_t count = 0, bytes = 0;
+  std::string first;
+  for (const std::string& directory : directories) {
+    std::error_code error;
+    for (const auto& entry : fs::directory_iterator(directory, error)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("strata-", 0) != 0 || name.size() < 12 || name.substr(name.size() - 5) != ".swap") continue;
+      char* end = nullptr;
+      const long pid = std::strtol(name.c_str() + 7, &end, 10);
+      if (end == name.c_str() + 7 || *end != '-' || pid <= 0) continue;
+      if (::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;  // its process still runs
+      const uint64_t size = entry.file_size(error);
+      if (fs::remove(entry.path(), error)) {
+        ++count;
+        bytes += size;
+        if (first.empty()) first = entry.path().string();
+      }
+    }
+  }
+  if (count == 0) return;
+  const std::string line = fmt::format(
+      "removed {} swap file(s) ({}) left by a run that did not finish, e.g. {}", count,
+      format_bytes(double(bytes)), first);
+  if (notice) notice(line); else std::fprintf(stderr, "strata: %s\n", line.c_str());
+}
+
+}  // namespace
+
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Engine::~Engine() {
@@ -357,6 +400,9 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
 
   impl->options = std::move(options);
   impl->sequence_offset = impl->options.sequence_offset;
+  static std::atomic<uint64_t> serials{0};
+  impl->engine_serial = serials.fetch_add(1);
+  if (p.peak(tiers::Tier::nvme) > 0) remove_stale_swap_files(impl->options.nvme_paths, impl->options.notice);
   std::vector<std::unique_ptr<comm::Communicator>> group = comm::make_local_group(W);
   for (int r = 0; r < W; ++r) {
     auto rank = std::make_unique<Impl::Rank>();
@@ -385,6 +431,17 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   }
   for (const Status& s : results)
     if (!s) return s;
+  if (!impl->options.resume_from.empty()) {
+    Result<CheckpointReader> checkpoint = CheckpointReader::open(impl->options.resume_from);
+    if (!checkpoint) return checkpoint.status().with_context("--resume");
+    if (Status s = impl->resume(*checkpoint); !s) return s.with_context("--resume " + impl->options.resume_from);
+    for (auto& rank : impl->ranks)
+      for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
+    auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
+    engine->impl_->last_read = engine->nvme_bytes_read();
+    engine->impl_->last_written = engine->nvme_bytes_written();
+    return engine;
+  }
   // One unit at a time: the full fp32 unit is made once and every rank takes its part.
   std::vector<float> full;
   for (int u = 0; u < impl->units(); ++u) {
@@ -433,7 +490,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
     // Extents are rounded to the alignment; a stripe of slack covers the last block.
     const uint64_t stripe = store.io.block_size * std::max<size_t>(1, options.nvme_paths.size());
     store.nvme_capacity = (uint64_t(plan.peak(tiers::Tier::nvme)) + stripe - 1) / stripe * stripe + stripe;
-    store.nvme_file_name = fmt::format("strata-rank{}.swap", r);
+    // One file per engine and rank: engines of one process (or of several) may share a directory.
+    store.nvme_file_name = fmt::format("strata-{}-{}-rank{}.swap", ::getpid(), engine_serial, r);
   }
   Result<std::unique_ptr<tiers::TieredStore>> opened = tiers::TieredStore::open(store);
   if (!opened) return opened.status().with_context(fmt::format("rank {}", r));
@@ -578,6 +636,178 @@ Status Engine::Impl::init_unit(Rank& rank, int u, const float* full) {
   }
   return Status::ok();
 }
+
+Status Engine::Impl::load_moments(Rank& rank, int u, const float* m, const float* v) {
+  const UnitPlacement& p = plan.units[size_t(u)];
+  const int64_t begin = plan.optimizer_offset(u, rank.rank);
+  const size_t bytes = size_t(p.optimizer_numel) * 4;
+  if (Status s = rank.store->write_shard({u, ShardKind::m}, {reinterpret_cast<const std::byte*>(m + begin), bytes}); !s)
+    return s;
+  return rank.store->write_shard({u, ShardKind::v}, {reinterpret_cast<const std::byte*>(v + begin), bytes});
+}
+
+// --- checkpoints -----------------------------------------------------------------------
+
+namespace {
+
+// The shape keys a checkpoint must share with the model it resumes.
+nlohmann::json model_shape(const nlohmann::json& config) {
+  nlohmann::json shape;
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"})
+    shape[key] = config.contains(key) ? config[key] : nlohmann::json();
+  return shape;
+}
+
+}  // namespace
+
+Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
+  const nlohmann::json here = model_shape(model_config_to_json(plan.layout.config));
+  const nlohmann::json there = model_shape(checkpoint.model);
+  for (const auto& [key, value] : here.items()) {
+    if (there[key] != value)
+      return Status::error(fmt::format("the checkpoint belongs to another model shape: {} is {} there and {} "
+                                       "here; pass the model it was trained with",
+                                       key, there[key].dump(), value.dump()));
+  }
+  const nlohmann::json& state = checkpoint.state;
+  int64_t offset = 0;
+  std::vector<float> master, m, v;
+  for (int u = 0; u < units(); ++u) {
+    const UnitLayout& unit = plan.layout.units[size_t(u)];
+    const nlohmann::json& stored = state["units"][size_t(u)];
+    if (stored.value("numel", int64_t{-1}) != unit.numel || stored.value("name", std::string()) != unit.unit.name)
+      return Status::error(fmt::format("state.json: unit {} differs from this model's {}", u, unit.unit.name));
+    const size_t padded = size_t(unit.padded_numel);
+    master.assign(padded, 0.0f);
+    m.assign(padded, 0.0f);
+    v.assign(padded, 0.0f);
+    const uint64_t bytes = uint64_t(unit.numel) * 4;
+    if (Status s = checkpoint.read(0, uint64_t(offset) * 4, master.data(), bytes); !s) return s;
+    if (Status s = checkpoint.read(1, uint64_t(offset) * 4, m.data(), bytes); !s) return s;
+    if (Status s = checkpoint.read(2, uint64_t(offset) * 4, v.data(), bytes); !s) return s;
+    for (auto& rank : ranks) {
+      if (Status s = init_unit(*rank, u, master.data()); !s) return s;
+      if (Status s = load_moments(*rank, u, m.data(), v.data()); !s) return s;
+    }
+    offset += unit.numel;
+  }
+  OptimizerState optimizer;
+  const nlohmann::json& o = state["optimizer"];
+  optimizer.applied_steps = o.value("applied_steps", int64_t{0});
+  optimizer.skipped_steps = o.value("skipped_steps", int64_t{0});
+  optimizer.scheduler_iteration = o.value("scheduler_iteration", int64_t{-1});
+  optimizer.loss_scaler.scale = o["loss_scaler"].value("scale", 1.0);
+  optimizer.loss_scaler.iteration = o["loss_scaler"].value("iteration", int64_t{0});
+  optimizer.loss_scaler.last_overflow_iteration = o["loss_scaler"].value("last_overflow_iteration", int64_t{-1});
+  optimizer.loss_scaler.hysteresis_left = o["loss_scaler"].value("hysteresis_left", 2);
+  for (auto& rank : ranks) rank->optimizer->restore(optimizer);
+  steps_done = state.value("step", int64_t{0});
+  sequence_offset = state.value("sequence_offset", int64_t{0});
+  // The loaded parameters are the update of the step before the next one.
+  for (auto& rank : ranks)
+    for (int u = 0; u < units(); ++u) rank->params_ready[size_t(u)] = steps_done - 1;
+  return Status::ok();
+}
+
+Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets) {
+  const bool master_is_param = !plan.homes.separate_master;
+  for (int u = 0; u < units(); ++u) {
+    const UnitLayout& unit = plan.layout.units[size_t(u)];
+    const UnitPlacement& p = plan.units[size_t(u)];
+    const int64_t begin = plan.optimizer_offset(u, rank.rank);
+    const int64_t count = std::min(unit.numel, begin + p.optimizer_numel) - begin;  // unpadded part
+    if (count <= 0) continue;
+    const uint64_t file_offset = uint64_t(unit_offsets[size_t(u)] + begin) * 4;
+    const ShardKey keys[3] = {{u, master_is_param ? ShardKind::param : ShardKind::master},
+                              {u, ShardKind::m},
+                              {u, ShardKind::v}};
+    // Element `begin` of the unit sits at this element of each shard.
+    const int64_t master_start = master_is_param && plan.input.stage < 3 ? begin : 0;
+    if (plan.homes.optimizer != tiers::Tier::nvme) {
+      for (int f = 0; f < 3; ++f) {
+        const std::byte* data = home_data(rank, keys[f]) + (f == 0 ? master_start : 0) * 4;
+        if (Status s = writer.write(f, file_offset, data, uint64_t(count) * 4); !s) return s;
+      }
+      continue;
+    }
+    // NVMe homes: chunk by chunk through the streamed pass's buffers, read-only.
+    std::vector<tiers::StreamItem> items;
+    const int64_t chunk = plan.optimizer_chunk_elements;
+    for (int64_t at = 0; at < p.optimizer_numel; at += chunk) {
+      const int64_t n = std::min(chunk, p.optimizer_numel - at);
+      tiers::StreamItem item;
+      for (int f = 0; f < 3; ++f) {
+        tiers::StreamPiece piece{keys[f], uint64_t(at) * 4, uint64_t(n) * 4};
+        piece.write = false;
+        item.pieces.push_back(piece);
+      }
+      items.push_back(std::move(item));
+    }
+    Status status = rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+      const int64_t at = int64_t(index) * chunk;
+      const int64_t n = std::min(chunk, count - at);
+      if (n <= 0) return Status::ok();
+      for (int f = 0; f < 3; ++f) {
+        if (Status s = writer.write(f, file_offset + uint64_t(at) * 4, pieces[size_t(f)], uint64_t(n) * 4); !s)
+          return s;
+      }
+      return Status::ok();
+    });
+    if (!status) return status;
+  }
+  return Status::ok();
+}
+
+Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
+  Impl& im = *impl_;
+  if (im.poisoned) return Status::error("engine: an earlier step failed (" + im.poison_reason + "); not saving");
+  if (Status s = finish(); !s) return s;
+  std::vector<int64_t> unit_offsets;
+  int64_t total = 0;
+  nlohmann::ordered_json units = nlohmann::ordered_json::array();
+  for (const UnitLayout& unit : im.plan.layout.units) {
+    unit_offsets.push_back(total);
+    units.push_back({{"name", unit.unit.name}, {"numel", unit.numel}, {"offset", total}});
+    total += unit.numel;
+  }
+  Result<CheckpointWriter> writer = CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
+  if (!writer) return writer.status();
+  const int writers = im.plan.input.stage == 0 ? 1 : im.world();
+  std::vector<Status> results(static_cast<size_t>(writers));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < writers; ++r)
+      threads.emplace_back([&, r] { results[size_t(r)] = im.save_rank(*im.ranks[size_t(r)], *writer, unit_offsets); });
+    for (auto& t : threads) t.join();
+  }
+  for (const Status& s : results)
+    if (!s) return s.with_context("saving a checkpoint");
+  const OptimizerState& o = im.ranks[0]->optimizer->state();
+  nlohmann::ordered_json state;
+  state["format"] = kCheckpointFormat;
+  state["step"] = im.steps_done;
+  state["sequence_offset"] = im.sequence_offset;
+  state["seed"] = im.options.seed;
+  state["world_size"] = im.world();
+  state["stage"] = im.plan.input.stage;
+  state["precision"] = precision_name(im.plan.input.precision);
+  state["optimizer"] = {{"applied_steps", o.applied_steps},
+                        {"skipped_steps", o.skipped_steps},
+                        {"scheduler_iteration", o.scheduler_iteration},
+                        {"loss_scaler",
+                         {{"scale", o.loss_scaler.scale},
+                          {"iteration", o.loss_scaler.iteration},
+                          {"last_overflow_iteration", o.loss_scaler.last_overflow_iteration},
+                          {"hysteresis_left", o.loss_scaler.hysteresis_left}}}};
+  state["units"] = units;
+  if (Status s = writer->write_json("model.json", model_config_to_json(im.plan.layout.config)); !s) return s;
+  if (Status s = writer->write_json("train.json", train_config_to_json(im.options.config)); !s) return s;
+  if (Status s = writer->write_json("state.json", state); !s) return s;
+  return writer->finish(keep);
+}
+
+int64_t Engine::steps_done() const { return impl_->steps_done; }
 
 // --- steps ---------------------------------------------------------------------------
 

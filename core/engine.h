@@ -64,6 +64,10 @@ struct EngineOptions {
   std::string init_checkpoint;  // safetensors file or Hugging Face directory; empty: random init
   BatchReader data;
   int64_t sequence_offset = 0;  // the data position to start from
+  // A checkpoint directory (core/checkpoint.h) to start from instead of
+  // init_checkpoint/seed: weights, optimizer state, step and data position.
+  // Its world size, stage and offload may differ from this run's.
+  std::string resume_from;
   bool pin_host = true;
   // One-line notices (fallbacks); default: stderr.
   std::function<void(const std::string&)> notice{};
@@ -112,6 +116,12 @@ class Engine {
   Status read_unit_parameters(int unit, float* flat);
   // Every tensor, in a one-rank HostModel.
   Result<HostModel> read_model();
+
+  // Writes the training state as <root>/step-<steps done> (core/checkpoint.h),
+  // straight from every rank's tiers, NVMe shards in chunks through the
+  // streamed pass's buffers; keeps the newest `keep` (0: all). Calls finish() first.
+  Result<std::string> save_checkpoint(const std::string& root, int keep = 0);
+  int64_t steps_done() const;
 
   const TrainingPlan& plan() const;
   const ModelLayout& layout() const;

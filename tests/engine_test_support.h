@@ -128,9 +128,9 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   return train_config_from_json(j, "test config", overrides);
 }
 
-inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::string& nvme_dir,
-                                          std::shared_ptr<const std::vector<int32_t>> tokens,
-                                          uint64_t seed) {
+inline Result<EngineOptions> engine_options(const EngineRun& run, const std::string& nvme_dir,
+                                            std::shared_ptr<const std::vector<int32_t>> tokens,
+                                            uint64_t seed) {
   Result<TrainConfig> config = engine_config(run, nvme_dir);
   if (!config) return config.status();
   EngineOptions options;
@@ -146,6 +146,15 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   options.notice = [](const std::string&) {};
   options.fault_injector = run.fault_injector;
   options.init_checkpoint = run.init;
+  return options;
+}
+
+inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::string& nvme_dir,
+                                          std::shared_ptr<const std::vector<int32_t>> tokens,
+                                          uint64_t seed) {
+  Result<EngineOptions> made = engine_options(run, nvme_dir, tokens, seed);
+  if (!made) return made.status();
+  EngineOptions options = std::move(*made);
   Result<std::unique_ptr<Engine>> engine = Engine::create(options);
   if (!engine) return engine.status();
   EngineOutcome outcome;
