@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/model.h"
+#include "core/model_config.h"
 #include "io/errno_text.h"
 
 namespace strata {
@@ -142,7 +144,10 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
   writer.root_ = root;
   writer.final_ = (fs::path(root) / fmt::format("step-{}", step)).string();
   writer.temporary_ = (fs::path(root) / fmt::format(".tmp-step-{}", step)).string();
-  fs::remove_all(writer.temporary_, error);
+  // Unfinished checkpoints of runs that were killed while saving.
+  for (const auto& entry : fs::directory_iterator(root, error))
+    if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(entry.path(), error);
+  error.clear();
   if (!fs::create_directory(writer.temporary_, error) || error)
     return Status::error(fmt::format("--save {}: cannot create {}: {}; check the directory's permissions",
                                      root, writer.temporary_, error ? error.message() : "exists"));
@@ -320,6 +325,38 @@ Status CheckpointReader::read(int file, uint64_t offset, void* bytes, uint64_t s
     offset += uint64_t(got);
   }
   return Status::ok();
+}
+
+Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
+                         uint64_t max_shard_bytes) {
+  Result<CheckpointReader> reader = CheckpointReader::open(checkpoint);
+  if (!reader) return reader.status();
+  Result<ModelConfig> config = model_config_from_json(reader->model, checkpoint + "/model.json");
+  if (!config) return config.status();
+  const ModelLayout layout = model_layout(*config, 1);
+  const nlohmann::json& units = reader->state["units"];
+  if (!units.is_array() || units.size() != layout.units.size())
+    return Status::error(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,
+                                     units.is_array() ? units.size() : 0, layout.units.size()));
+  const std::vector<NamedTensor> tensors = checkpoint_tensors(layout);
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& t : tensors) specs.push_back({t.slot->name, t.slot->shape});
+  std::vector<float> buffer;
+  Status read_status = Status::ok();
+  std::error_code error;
+  std::filesystem::create_directories(out_dir, error);
+  if (error) return Status::error(fmt::format("--out {}: cannot create: {}", out_dir, error.message()));
+  Status written = write_safetensors_checkpoint(out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
+    const NamedTensor& t = tensors[i];
+    buffer.resize(size_t(t.slot->numel));
+    const uint64_t offset = (units[size_t(t.unit)].value("offset", uint64_t{0}) + uint64_t(t.slot->offset)) * 4;
+    if (Status s = reader->read(0, offset, buffer.data(), uint64_t(t.slot->numel) * 4); !s && read_status)
+      read_status = s;
+    return buffer.data();
+  });
+  if (!read_status) return read_status;
+  if (!written) return written;
+  return write_model_config_json(*config, out_dir, dtype);
 }
 
 Result<std::string> find_latest_checkpoint(const std::string& root) {

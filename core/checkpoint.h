@@ -26,6 +26,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/safetensors.h"
 #include "io/status.h"
 
 namespace strata {
@@ -80,6 +81,12 @@ struct CheckpointReader {
   ~CheckpointReader();
   Status read(int file, uint64_t offset, void* bytes, uint64_t size) const;
 };
+
+// Streams a checkpoint's fp32 weights into a Hugging Face directory
+// (config.json + safetensors, sharded above max_shard_bytes with an index),
+// one tensor in memory at a time.
+Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
+                         uint64_t max_shard_bytes = 5ull << 30);
 
 // The newest complete checkpoint under `root` (a directory holding step-*
 // directories), or `root` itself when it is a checkpoint; "" when there is none.

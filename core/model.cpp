@@ -557,17 +557,8 @@ Status load_host_model(HostModel& model, const SafetensorsCheckpoint& checkpoint
   return Status::ok();
 }
 
-Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
-                       uint64_t max_shard_bytes, bool gradients) {
-  const std::vector<NamedTensor> list = checkpoint_tensors(model.layout);
-  std::vector<TensorSpec> specs;
-  for (const NamedTensor& t : list) specs.push_back({t.slot->name, t.slot->shape});
-  const auto& buffers = gradients ? model.grads : model.params;
-  Status s = write_safetensors_checkpoint(dir, specs, dtype, max_shard_bytes, [&](size_t i) {
-    return buffers[list[i].unit].data() + list[i].slot->offset;
-  });
-  if (!s) return s;
-  nlohmann::json config = model_config_to_json(model.layout.config);
+Status write_model_config_json(const ModelConfig& model, const std::string& dir, DType dtype) {
+  nlohmann::json config = model_config_to_json(model);
   config["torch_dtype"] = dtype == DType::f32    ? "float32"
                           : dtype == DType::bf16 ? "bfloat16"
                                                  : "float16";
@@ -579,6 +570,20 @@ Status save_host_model(const HostModel& model, const std::string& dir, DType dty
   std::error_code ec;
   std::filesystem::rename(path + ".tmp", path, ec);
   if (ec) return Status::error(fmt::format("{}: cannot rename into place: {}", path, ec.message()));
+  return Status::ok();
+}
+
+Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
+                       uint64_t max_shard_bytes, bool gradients) {
+  const std::vector<NamedTensor> list = checkpoint_tensors(model.layout);
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& t : list) specs.push_back({t.slot->name, t.slot->shape});
+  const auto& buffers = gradients ? model.grads : model.params;
+  Status s = write_safetensors_checkpoint(dir, specs, dtype, max_shard_bytes, [&](size_t i) {
+    return buffers[list[i].unit].data() + list[i].slot->offset;
+  });
+  if (!s) return s;
+  return write_model_config_json(model.layout.config, dir, dtype);
   return Status::ok();
 }
 

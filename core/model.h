@@ -204,6 +204,9 @@ Status load_host_model(HostModel& model, const SafetensorsCheckpoint& checkpoint
 // Writes the parameters (or, with `gradients`, the gradients under the same
 // names) as a Hugging Face checkpoint directory: config.json plus safetensors
 // (sharded above max_shard_bytes).
+// Writes <dir>/config.json (Hugging Face's, with torch_dtype) through a temporary name.
+Status write_model_config_json(const ModelConfig& model, const std::string& dir, DType dtype);
+
 Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
                        uint64_t max_shard_bytes = 5ull << 30, bool gradients = false);
 

@@ -74,6 +74,7 @@ struct TrainingPlanInput {
 };
 
 enum class OpKind { fetch, gather, forward, release, backward, reduce, exchange, decide, optimizer, writeback, sync };
+inline constexpr int kOpKindCount = 11;
 enum class Lane { io, comm, compute, optimizer };
 inline constexpr int kLaneCount = 4;
 const char* op_kind_name(OpKind kind);

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "core/backend_choice.h"
+#include "core/checkpoint.h"
 #include "core/config.h"
 #include "core/engine.h"
 #include "core/model.h"
@@ -49,9 +50,12 @@ constexpr const char* kDefaultNvmePath = "strata-swap";
 // Ctrl-C stops after the step under way; the run then finishes as if it had
 // reached --steps (summary, export).
 std::atomic<bool> stop_requested{false};
-void request_stop(int) {
+std::atomic<int> stop_signal{0};
+void request_stop(int signal) {
+  stop_signal.store(signal);
   stop_requested.store(true);
 }
+const char* stop_name() { return stop_signal.load() == SIGTERM ? "SIGTERM" : "Ctrl-C"; }
 
 // Two kinds of failure: the user's input (2) and the run itself (1).
 struct Failure {
@@ -213,6 +217,7 @@ class TrainCommand : public Subcommand {
     const std::string io_group = "NVMe I/O";
     const std::string memory_group = "Memory budgets";
     const std::string output_group = "Output";
+    const std::string checkpoint_group = "Checkpoints";
 
     cmd->add_option("--model", model_,
                     "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
@@ -322,6 +327,17 @@ class TrainCommand : public Subcommand {
     cmd->add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->group(output_group);
+    cmd->add_option("--save", save_dir_,
+                    "Write checkpoints into this directory (step-N, atomically; also at the end and "
+                    "on Ctrl-C / SIGTERM)")
+        ->group(checkpoint_group);
+    cmd->add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
+        ->group(checkpoint_group);
+    cmd->add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")->group(checkpoint_group);
+    cmd->add_option("--resume", resume_,
+                    "Resume from a checkpoint directory, or the newest one under a --save directory; "
+                    "--steps is then the step to reach. World size, stage and offload may differ")
+        ->group(checkpoint_group);
     cmd->add_flag("--print-config", print_config_,
                   "Print the merged effective configuration as JSON and exit")
         ->group(output_group);
@@ -339,7 +355,8 @@ class TrainCommand : public Subcommand {
       return failure->exit_code;
     }
     // Stopped by Ctrl-C: the summary and export are written, but the run is not the one asked for.
-    return stop_requested.load() ? 130 : 0;
+    if (!stop_requested.load()) return 0;
+    return stop_signal.load() == SIGTERM ? 143 : 130;
   }
 
  private:
@@ -474,6 +491,16 @@ class TrainCommand : public Subcommand {
     options.nvme_paths = nvme_paths;
     options.seed = seed_;
     options.init_checkpoint = init_path_;
+    if (!resume_.empty()) {
+      if (!init_path_.empty())
+        return usage_error(Status::error("give --init or --resume, not both (a checkpoint holds the weights)"));
+      Result<std::string> found = find_latest_checkpoint(resume_);
+      if (!found) return usage_error(found.status());
+      if (found->empty())
+        return usage_error(Status::error(fmt::format(
+            "--resume {}: no checkpoint in this directory (no step-N with a manifest.json)", resume_)));
+      options.resume_from = *found;
+    }
     options.data = batch_reader(data);
 
     // The backend last, so that input errors above stay one line without its notice.
@@ -501,7 +528,9 @@ class TrainCommand : public Subcommand {
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
         B, T, plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
-        init_path_.empty() ? fmt::format("random init (seed {})", seed_) : "from " + init_path_);
+        !resume_.empty() ? "resuming " + options.resume_from
+        : init_path_.empty() ? fmt::format("random init (seed {})", seed_)
+                             : "from " + init_path_);
     fmt::print("budgets: {}\n", budget_note);
     std::fflush(stdout);
 
@@ -524,6 +553,19 @@ class TrainCommand : public Subcommand {
 
     stop_requested.store(false);
     std::signal(SIGINT, request_stop);
+    std::signal(SIGTERM, request_stop);
+    int64_t saved_at = -1;
+    auto save = [&](int64_t step) -> std::optional<Failure> {
+      if (save_dir_.empty() || saved_at == step) return std::nullopt;
+      Result<std::string> saved = engine.save_checkpoint(save_dir_, keep_);
+      if (!saved) return run_error(saved.status().with_context("--save " + save_dir_));
+      saved_at = step;
+      if (progress_) progress_->line(fmt::format("saved checkpoint {}", *saved));
+      return std::nullopt;
+    };
+    if (engine.steps_done() >= steps_)
+      fmt::print("the checkpoint is at step {}, which reaches --steps {}; nothing to train\n",
+                 engine.steps_done(), steps_);
     progress_.emplace(steps_, config.steps_per_print);
     RunSummary summary;
     summary.world = W;
@@ -544,7 +586,7 @@ class TrainCommand : public Subcommand {
       return eval->loss;
     };
 
-    for (int64_t s = 1; s <= steps_; ++s) {
+    for (int64_t s = engine.steps_done() + 1; s <= steps_; ++s) {
       Result<StepResult> step = engine.step();
       if (!step) {
         (void)drain_timings();
@@ -575,11 +617,15 @@ class TrainCommand : public Subcommand {
       if (metrics)
         if (Status w = metrics->write(report); !w) return run_error(w);
       if (std::optional<Failure> f = drain_timings()) return f;
+      if (save_every_ > 0 && s % save_every_ == 0)
+        if (std::optional<Failure> f = save(s)) return f;
       if (last) break;
     }
     if (Status s = engine.finish(); !s) return run_error(s);
+    if (std::optional<Failure> f = save(engine.steps_done())) return f;
     summary.seconds = std::chrono::duration<double>(Clock::now() - start).count();
     std::signal(SIGINT, SIG_DFL);
+    std::signal(SIGTERM, SIG_DFL);
     if (std::optional<Failure> f = drain_timings()) return f;
     if (trace)
       if (Status s = trace->finish(); !s) return run_error(s);
@@ -592,7 +638,9 @@ class TrainCommand : public Subcommand {
     summary.budget[int(tiers::Tier::host)] = budgets.host / uint64_t(W);
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
-    if (stop_requested.load()) fmt::print("stopped by Ctrl-C after step {}\n", summary.steps);
+    if (stop_requested.load())
+      fmt::print("stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
+                 save_dir_.empty() ? "" : "; the checkpoint above resumes it with --resume " + save_dir_);
     fmt::print("{}", format_run_summary(summary));
 
     if (!export_path_.empty()) {
@@ -624,6 +672,10 @@ class TrainCommand : public Subcommand {
   std::string trace_path_;
   std::string export_path_;
   std::string export_dtype_ = "fp32";
+  std::string save_dir_;
+  int64_t save_every_ = 0;
+  int keep_ = 0;
+  std::string resume_;
   bool print_config_ = false;
   bool print_plan_ = false;
   std::optional<ProgressPrinter> progress_;

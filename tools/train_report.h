@@ -68,7 +68,7 @@ std::string op_display_name(const TrainingPlan& plan, const PlanOp& op);
 // Busy seconds per lane (summed over the ranks) and per operation kind.
 struct LaneTotals {
   double lane_seconds[kLaneCount] = {0, 0, 0, 0};
-  std::vector<double> kind_seconds = std::vector<double>(10, 0.0);  // by OpKind
+  std::vector<double> kind_seconds = std::vector<double>(kOpKindCount, 0.0);  // by OpKind
   void add(const TrainingPlan& plan, const std::vector<OpTiming>& timings);
 };
 
