@@ -8,7 +8,10 @@
    reference driver loads that directory and its logits are compared too.
 Needs transformers and safetensors (e.g. in a virtualenv with system site
 packages); exits 77 when they are missing.
-Usage: python tests/model_transformers_check.py --drivers BUILD/tests/drivers
+3. `strata train --save` trains a small model (tied and untied), `strata export`
+   writes the checkpoint as a Hugging Face directory; transformers loads it and
+   its logits are compared with strata's own forward of that directory.
+Usage: python tests/model_transformers_check.py --drivers BUILD/tests/drivers [--strata BUILD/tools/strata]
 """
 import argparse
 import json
@@ -29,9 +32,41 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_ref  # noqa: E402
 
 
+def check_exported_checkpoints(args, work, config, tokens_path, inputs, T):
+    """A trained checkpoint, exported, in transformers: tied and untied."""
+    ok = True
+    data = os.path.join(work, "train.bin")
+    np.random.default_rng(3).integers(0, config["vocab_size"], size=20000, dtype=np.uint16).tofile(data)
+    for tied in (True, False):
+        name = "tied" if tied else "untied"
+        model_dir = os.path.join(work, f"model-{name}")
+        os.makedirs(model_dir)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(dict(config, tie_word_embeddings=tied), f)
+        save = os.path.join(work, f"ck-{name}")
+        subprocess.run([args.strata, "train", "--model", model_dir, "--data", data, "--steps", "4",
+                        "--seq-len", "32", "--micro-batch", "2", "--lr", "1e-2", "--zero-stage", "3",
+                        "--offload-optimizer", "nvme", "--nvme-path", os.path.join(work, "swap"),
+                        "--save", save], check=True, capture_output=True)
+        exported = os.path.join(work, f"exported-{name}")
+        subprocess.run([args.strata, "export", save, "--out", exported], check=True, capture_output=True)
+        out_dir = os.path.join(work, f"exported-{name}-out")
+        subprocess.run([os.path.join(args.drivers, "model_ref"), exported, tokens_path, "1", str(T), "1", out_dir],
+                       check=True)
+        strata_logits = model_ref.read_safetensors(os.path.join(out_dir, "outputs.safetensors"))["logits"]
+        hf = transformers.LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)
+        with torch.no_grad():
+            hf_logits = hf(inputs).logits
+        err = model_ref.rel_error(strata_logits, hf_logits)
+        print(f"exported {name} checkpoint in transformers: logits relative error {err:.2e}")
+        ok = ok and err <= 1e-5
+    return ok
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--drivers", required=True)
+    parser.add_argument("--strata")
     args = parser.parse_args()
     ok = True
     with tempfile.TemporaryDirectory(prefix="strata-hf-") as work:
@@ -79,6 +114,8 @@ def main():
         err = model_ref.rel_error(strata_logits, hf_logits)
         print(f"transformers checkpoint in strata: logits relative error {err:.2e}")
         ok = ok and err <= 1e-5
+        if args.strata:
+            ok = check_exported_checkpoints(args, work, config, tokens_path, inputs, T) and ok
     print("model_transformers_check: " + ("PASS" if ok else "FAIL"))
     return 0 if ok else 1
 
