@@ -168,6 +168,19 @@ TEST_F(EngineCheckpoint, DamagedOrForeignCheckpointsAreRefused) {
   fs::remove(saved + "/manifest.json");
   refused("manifest.json: missing");
   restore();
+  // The manifest itself: a changed byte breaks its JSON or changes a size or CRC it lists.
+  {
+    const std::string path = saved + "/manifest.json";
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    in.close();
+    const size_t at = text.find("crc32c");
+    ASSERT_NE(at, std::string::npos);
+    text[at + 10] = text[at + 10] == '0' ? '1' : '0';
+    std::ofstream(path) << text;
+    refused("CRC32C");
+    restore();
+  }
 
   // Another model shape.
   EngineRun tied = run;
