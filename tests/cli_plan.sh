@@ -3,12 +3,7 @@
 # Usage: cli_plan.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
-failures=0
-total=0
-check() {  # check NAME CONDITION-STATUS
-  total=$((total + 1))
-  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/check_support.sh"
 json_get() {  # json_get EXPRESSION < json
   python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"
 }
@@ -77,5 +72,4 @@ check "--schedule --json parses" $?
 err=$("$strata" plan --params 7B --schedule 2>&1 >/dev/null)
 echo "$err" | grep -q -- "--schedule needs --model"; check "--schedule without a model refused" $?
 
-echo "$((total - failures)) passed, $failures failed"
-[ $failures -eq 0 ]
+finish_checks

@@ -9,12 +9,7 @@
 # Usage: cli_train_checkpoint.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
-failures=0
-total=0
-check() {
-  total=$((total + 1))
-  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/check_support.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$strata" demo-data --out "$dir/data" --tokens 100000 --val-tokens 2000 >/dev/null
@@ -130,5 +125,4 @@ check "export then --init gives the checkpoint's weights" $?
 "$strata" export "$dir/ck" --out "$dir/hf16" --dtype bf16 --max-shard-size 64K >/dev/null 2>&1
 [ -f "$dir/hf16/model.safetensors.index.json" ]; check "sharded bf16 export has an index" $?
 
-echo "$((total - failures)) passed, $failures failed"
-[ $failures -eq 0 ]
+finish_checks

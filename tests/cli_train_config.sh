@@ -4,12 +4,7 @@
 # Usage: cli_train_config.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
-failures=0
-total=0
-check() {
-  total=$((total + 1))
-  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/check_support.sh"
 json_get() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -63,5 +58,4 @@ echo "$help" | grep -q -- "--zero-stage.*zero_optimization.stage; default 0" &&
   echo "$help" | grep -q -- "--aio-queue-depth.*aio.queue_depth; default 8"
 check "help shows defaults and DeepSpeed keys" $?
 
-echo "$((total - failures)) passed, $failures failed"
-[ $failures -eq 0 ]
+finish_checks

@@ -6,12 +6,7 @@
 # Usage: cli_train_export.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
-failures=0
-total=0
-check() {
-  total=$((total + 1))
-  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/check_support.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$strata" demo-data --out "$dir/data" --tokens 50000 --val-tokens 2000 >/dev/null
@@ -65,5 +60,4 @@ check "a missing --init file is one line naming it" $?
 "$strata" train "${common[@]}" --steps 1 --export "$dir/no/such/dir/x.safetensors" >/dev/null 2>"$dir/err"
 [ $? -eq 2 ] && grep -q "does not exist" "$dir/err"; check "an --export into a missing directory is refused before training" $?
 
-echo "$((total - failures)) passed, $failures failed"
-[ $failures -eq 0 ]
+finish_checks

@@ -6,12 +6,7 @@
 # Usage: cli_train_refusals.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
-failures=0
-total=0
-check() {
-  total=$((total + 1))
-  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/check_support.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$strata" demo-data --out "$dir/data" --tokens 20000 --val-tokens 2000 >/dev/null
@@ -63,5 +58,4 @@ check "--backend cuda without GPU lanes" $?
   --device-mem-limit 1M >/dev/null 2>&1
 [ -z "$(ls -A "$dir/swap")" ]; check "a refused plan writes nothing under the NVMe path" $?
 
-echo "$((total - failures)) passed, $failures failed"
-[ $failures -eq 0 ]
+finish_checks

@@ -5,12 +5,7 @@
 # Usage: cli_train_run.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
-failures=0
-total=0
-check() {
-  total=$((total + 1))
-  if [ "$2" -eq 0 ]; then echo "ok   $1"; else echo "FAIL $1"; failures=$((failures + 1)); fi
-}
+source "$(dirname "$0")/check_support.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 
@@ -130,5 +125,4 @@ check "loss mask: half the targets counted" $?
 [ $? -eq 1 ] && grep -q "masked out" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
 check "a mask with nothing to learn is refused in one line" $?
 
-echo "$((total - failures)) passed, $failures failed"
-[ $failures -eq 0 ]
+finish_checks
