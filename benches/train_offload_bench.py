@@ -133,7 +133,7 @@ def main():
     parser.add_argument("--data", help="token file (default: strata demo-data in a temporary directory)")
     parser.add_argument("--model", default="small")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batches", default="1,2,4,8,16")
+    parser.add_argument("--micro-batches", default="1,2,3,4,6,8,16")
     parser.add_argument("--io-seq-len", type=int, default=16, help="tokens per step of the I/O-bound case")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")

@@ -22,7 +22,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string errno_now() { return io::errno_text(errno); }
+std::string errno_now() {
+  return io::errno_text(errno);
+}
 
 // CRC32C with the SSE4.2 instruction where the CPU has it, a table otherwise.
 const std::array<uint32_t, 256>& crc_table() {
@@ -38,7 +40,8 @@ const std::array<uint32_t, 256>& crc_table() {
   return table;
 }
 
-__attribute__((target("sse4.2"))) uint32_t crc32c_hardware(const unsigned char* p, size_t n, uint32_t crc) {
+__attribute__((target("sse4.2"))) uint32_t crc32c_hardware(const unsigned char* p, size_t n,
+                                                           uint32_t crc) {
   uint64_t c = crc;
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t word;
@@ -60,14 +63,16 @@ Status flush_directory(const std::string& path) {
   return Status::ok();
 }
 
-Status write_all(int fd, const void* data, uint64_t size, uint64_t offset, const std::string& path) {
+Status write_all(int fd, const void* data, uint64_t size, uint64_t offset,
+                 const std::string& path) {
   const auto* p = static_cast<const char*>(data);
   while (size > 0) {
     const ssize_t put = ::pwrite(fd, p, size, off_t(offset));
     if (put < 0) {
       if (errno == EINTR) continue;
-      return Status::error(fmt::format("{}: write of {} bytes at {}: {}{}", path, size, offset, errno_now(),
-                                       errno == ENOSPC ? "; free space or choose another --save directory" : ""));
+      return Status::error(
+          fmt::format("{}: write of {} bytes at {}: {}{}", path, size, offset, errno_now(),
+                      errno == ENOSPC ? "; free space or choose another --save directory" : ""));
     }
     p += put;
     size -= uint64_t(put);
@@ -103,7 +108,8 @@ Result<nlohmann::json> read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Status::error(fmt::format("{}: missing; the checkpoint is incomplete", path));
   nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded()) return Status::error(fmt::format("{}: not valid JSON; the checkpoint is damaged", path));
+  if (j.is_discarded())
+    return Status::error(fmt::format("{}: not valid JSON; the checkpoint is damaged", path));
   return j;
 }
 
@@ -135,35 +141,43 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
 
 // --- writing -------------------------------------------------------------------------
 
-Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_t step, uint64_t bytes) {
+Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_t step,
+                                                 uint64_t bytes) {
   std::error_code error;
   fs::create_directories(root, error);
   if (error)
-    return Status::error(fmt::format("--save {}: cannot create the directory: {}", root, error.message()));
+    return Status::error(
+        fmt::format("--save {}: cannot create the directory: {}", root, error.message()));
   CheckpointWriter writer;
   writer.root_ = root;
   writer.final_ = (fs::path(root) / fmt::format("step-{}", step)).string();
   writer.temporary_ = (fs::path(root) / fmt::format(".tmp-step-{}", step)).string();
   // Unfinished checkpoints of runs that were killed while saving.
   for (const auto& entry : fs::directory_iterator(root, error))
-    if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(entry.path(), error);
+    if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0)
+      fs::remove_all(entry.path(), error);
   error.clear();
   if (!fs::create_directory(writer.temporary_, error) || error)
-    return Status::error(fmt::format("--save {}: cannot create {}: {}; check the directory's permissions",
-                                     root, writer.temporary_, error ? error.message() : "exists"));
+    return Status::error(
+        fmt::format("--save {}: cannot create {}: {}; check the directory's permissions", root,
+                    writer.temporary_, error ? error.message() : "exists"));
   for (int f = 0; f < 3; ++f) {
     const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
     writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (writer.fds_[f] < 0) return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
+    if (writer.fds_[f] < 0)
+      return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
     if (bytes > 0 && ::posix_fallocate(writer.fds_[f], 0, off_t(bytes)) != 0)
-      return Status::error(fmt::format("{}: cannot reserve {} bytes; free space or choose another --save "
-                                       "directory",
-                                       path, bytes));
+      return Status::error(
+          fmt::format("{}: cannot reserve {} bytes; free space or choose another --save "
+                      "directory",
+                      path, bytes));
   }
   return writer;
 }
 
-CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept { *this = std::move(other); }
+CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept {
+  *this = std::move(other);
+}
 
 CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept {
   std::swap(root_, other.root_);
@@ -194,7 +208,8 @@ Status CheckpointWriter::write_json(const std::string& name, const nlohmann::jso
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
   Status status = write_all(fd, text.data(), text.size(), 0, path);
-  if (status && ::fsync(fd) != 0) status = Status::error(fmt::format("{}: fsync: {}", path, errno_now()));
+  if (status && ::fsync(fd) != 0)
+    status = Status::error(fmt::format("{}: fsync: {}", path, errno_now()));
   ::close(fd);
   if (status) json_files_.push_back(name);
   return status;
@@ -206,7 +221,8 @@ Result<std::string> CheckpointWriter::finish(int keep) {
   nlohmann::ordered_json files = nlohmann::ordered_json::object();
   for (int f = 0; f < 3; ++f) {
     const std::string path = temporary_ + "/" + kCheckpointStateFiles[f];
-    if (::fdatasync(fds_[f]) != 0) return Status::error(fmt::format("{}: fdatasync: {}", path, errno_now()));
+    if (::fdatasync(fds_[f]) != 0)
+      return Status::error(fmt::format("{}: fdatasync: {}", path, errno_now()));
     ::close(fds_[f]);
     fds_[f] = -1;
   }
@@ -224,7 +240,8 @@ Result<std::string> CheckpointWriter::finish(int keep) {
   if (fs::exists(final_)) fs::remove_all(final_, error);
   fs::rename(temporary_, final_, error);
   if (error)
-    return Status::error(fmt::format("{}: cannot rename into {}: {}", temporary_, final_, error.message()));
+    return Status::error(
+        fmt::format("{}: cannot rename into {}: {}", temporary_, final_, error.message()));
   temporary_.clear();
   if (Status s = flush_directory(root_); !s) return s;
 
@@ -232,7 +249,8 @@ Result<std::string> CheckpointWriter::finish(int keep) {
     std::vector<std::pair<int64_t, fs::path>> steps;
     for (const auto& entry : fs::directory_iterator(root_, error)) {
       int64_t step = 0;
-      if (entry.is_directory() && is_step_directory(entry.path(), &step)) steps.push_back({step, entry.path()});
+      if (entry.is_directory() && is_step_directory(entry.path(), &step))
+        steps.push_back({step, entry.path()});
     }
     std::sort(steps.begin(), steps.end());
     for (size_t i = 0; i + size_t(keep) < steps.size(); ++i) fs::remove_all(steps[i].second, error);
@@ -242,7 +260,9 @@ Result<std::string> CheckpointWriter::finish(int keep) {
 
 // --- reading -------------------------------------------------------------------------
 
-CheckpointReader::CheckpointReader(CheckpointReader&& other) noexcept { *this = std::move(other); }
+CheckpointReader::CheckpointReader(CheckpointReader&& other) noexcept {
+  *this = std::move(other);
+}
 
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&& other) noexcept {
   std::swap(directory, other.directory);
@@ -274,24 +294,28 @@ Result<CheckpointReader> CheckpointReader::open(const std::string& dir) {
     const uint64_t size = fs::file_size(path, error);
     const uint64_t expected = info.value("bytes", uint64_t{0});
     if (size != expected)
-      return Status::error(fmt::format("{}: {} bytes, the manifest says {}; the file is truncated or "
-                                       "damaged",
-                                       path, size, expected));
+      return Status::error(
+          fmt::format("{}: {} bytes, the manifest says {}; the file is truncated or "
+                      "damaged",
+                      path, size, expected));
     Result<std::pair<uint64_t, uint32_t>> digest = file_digest(path);
     if (!digest) return digest.status();
     const std::string crc = fmt::format("{:08x}", digest->second);
     if (crc != info.value("crc32c", std::string()))
-      return Status::error(fmt::format("{}: CRC32C {} does not match the manifest's {}; the file is "
-                                       "damaged",
-                                       path, crc, info.value("crc32c", std::string())));
+      return Status::error(
+          fmt::format("{}: CRC32C {} does not match the manifest's {}; the file is "
+                      "damaged",
+                      path, crc, info.value("crc32c", std::string())));
   }
   for (const char* name : {"model.json", "train.json", "state.json"}) {
     if (!(*manifest)["files"].contains(name))
-      return Status::error(fmt::format("{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
+      return Status::error(fmt::format(
+          "{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
   }
   for (const char* name : kCheckpointStateFiles) {
     if (!(*manifest)["files"].contains(name))
-      return Status::error(fmt::format("{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
+      return Status::error(fmt::format(
+          "{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
   }
   Result<nlohmann::json> model = read_json(dir + "/model.json");
   if (!model) return model.status();
@@ -305,7 +329,8 @@ Result<CheckpointReader> CheckpointReader::open(const std::string& dir) {
   for (int f = 0; f < 3; ++f) {
     const std::string path = dir + "/" + kCheckpointStateFiles[f];
     reader.fds[f] = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (reader.fds[f] < 0) return Status::error(fmt::format("{}: cannot open: {}", path, errno_now()));
+    if (reader.fds[f] < 0)
+      return Status::error(fmt::format("{}: cannot open: {}", path, errno_now()));
   }
   return reader;
 }
@@ -319,7 +344,9 @@ Status CheckpointReader::read(int file, uint64_t offset, void* bytes, uint64_t s
       if (errno == EINTR) continue;
       return Status::error(fmt::format("{}: read at {}: {}", path, offset, errno_now()));
     }
-    if (got == 0) return Status::error(fmt::format("{}: ends before byte {}; the file is truncated", path, offset));
+    if (got == 0)
+      return Status::error(
+          fmt::format("{}: ends before byte {}; the file is truncated", path, offset));
     p += got;
     size -= uint64_t(got);
     offset += uint64_t(got);
@@ -345,15 +372,19 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   Status read_status = Status::ok();
   std::error_code error;
   std::filesystem::create_directories(out_dir, error);
-  if (error) return Status::error(fmt::format("--out {}: cannot create: {}", out_dir, error.message()));
-  Status written = write_safetensors_checkpoint(out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
-    const NamedTensor& t = tensors[i];
-    buffer.resize(size_t(t.slot->numel));
-    const uint64_t offset = (units[size_t(t.unit)].value("offset", uint64_t{0}) + uint64_t(t.slot->offset)) * 4;
-    if (Status s = reader->read(0, offset, buffer.data(), uint64_t(t.slot->numel) * 4); !s && read_status)
-      read_status = s;
-    return buffer.data();
-  });
+  if (error)
+    return Status::error(fmt::format("--out {}: cannot create: {}", out_dir, error.message()));
+  Status written = write_safetensors_checkpoint(
+      out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
+        const NamedTensor& t = tensors[i];
+        buffer.resize(size_t(t.slot->numel));
+        const uint64_t offset =
+            (units[size_t(t.unit)].value("offset", uint64_t{0}) + uint64_t(t.slot->offset)) * 4;
+        if (Status s = reader->read(0, offset, buffer.data(), uint64_t(t.slot->numel) * 4);
+            !s && read_status)
+          read_status = s;
+        return buffer.data();
+      });
   if (!read_status) return read_status;
   if (!written) return written;
   return write_model_config_json(*config, out_dir, dtype);

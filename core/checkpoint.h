@@ -21,10 +21,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/safetensors.h"
 #include "io/status.h"
@@ -42,7 +41,8 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc = 0);
 class CheckpointWriter {
  public:
   // Creates <root>/.tmp-step-<step> (removing a stale one) and the state files of `bytes` each.
-  static Result<CheckpointWriter> begin(const std::string& root, int64_t step, uint64_t state_file_bytes);
+  static Result<CheckpointWriter> begin(const std::string& root, int64_t step,
+                                        uint64_t state_file_bytes);
   CheckpointWriter(CheckpointWriter&&) noexcept;
   CheckpointWriter& operator=(CheckpointWriter&&) noexcept;
   ~CheckpointWriter();

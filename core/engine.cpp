@@ -2,17 +2,17 @@
 
 #include <fmt/format.h>
 #include <tbb/parallel_for.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <filesystem>
-#include <csignal>
-#include <unistd.h>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -42,9 +42,12 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 
 ElementType element_type(Precision precision) {
   switch (precision) {
-    case Precision::fp32: return ElementType::f32;
-    case Precision::bf16: return ElementType::bf16;
-    case Precision::fp16: return ElementType::f16;
+    case Precision::fp32:
+      return ElementType::f32;
+    case Precision::bf16:
+      return ElementType::bf16;
+    case Precision::fp16:
+      return ElementType::f16;
   }
   return ElementType::f32;
 }
@@ -56,11 +59,12 @@ void widen(const std::byte* source, ElementType type, float* out, int64_t n) {
     return;
   }
   const auto* bits = reinterpret_cast<const uint16_t*>(source);
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
-    for (int64_t i = r.begin(); i < r.end(); ++i)
-      out[i] = type == ElementType::bf16 ? kernels::cpu::bf16_to_float(bits[i])
-                                         : kernels::cpu::f16_to_float(bits[i]);
-  });
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i)
+                        out[i] = type == ElementType::bf16 ? kernels::cpu::bf16_to_float(bits[i])
+                                                           : kernels::cpu::f16_to_float(bits[i]);
+                    });
 }
 
 // Narrows (n) fp32 elements to the compute precision (round to nearest even).
@@ -152,20 +156,20 @@ struct Engine::Impl {
     std::unique_ptr<UnitWorkspace> ws;
     std::vector<tiers::DeviceBlock> device_blocks;
     std::vector<tiers::HostBlock> host_blocks;
-    std::vector<std::byte*> gathered;       // [slot] (largest padded) compute precision
-    std::vector<float*> gathered_fp32;      // [slot] widened (compute precision != fp32)
-    std::vector<float*> widened;            // [2] stages 0-2 with compute precision != fp32
-    std::vector<float*> grad_slots;         // [slot] (largest padded) fp32
-    float* tied_grad = nullptr;             // (embedding padded)
-    float* reduce_out = nullptr;            // (largest shard)
-    std::vector<float*> checkpoints;        // [units - 1] (B*T, C)
-    float* activation_grad = nullptr;       // (B*T, C)
-    int32_t* tokens = nullptr;              // (G, B*T)
-    int32_t* targets = nullptr;             // (G, B*T)
-    std::byte* param_out = nullptr;         // (largest shard) new shard on its way to NVMe
-    std::vector<std::vector<ShardSegment>> segments;  // per unit, over its optimizer range
-    std::vector<double> micro_loss;                   // (G) this rank's token-loss sums
-    std::vector<kernels::cpu::GradNormPartial> partials;  // (units) over this rank's slice
+    std::vector<std::byte*> gathered;   // [slot] (largest padded) compute precision
+    std::vector<float*> gathered_fp32;  // [slot] widened (compute precision != fp32)
+    std::vector<float*> widened;        // [2] stages 0-2 with compute precision != fp32
+    std::vector<float*> grad_slots;     // [slot] (largest padded) fp32
+    float* tied_grad = nullptr;         // (embedding padded)
+    float* reduce_out = nullptr;        // (largest shard)
+    std::vector<float*> checkpoints;    // [units - 1] (B*T, C)
+    float* activation_grad = nullptr;   // (B*T, C)
+    int32_t* tokens = nullptr;          // (G, B*T)
+    int32_t* targets = nullptr;         // (G, B*T)
+    std::byte* param_out = nullptr;     // (largest shard) new shard on its way to NVMe
+    std::vector<std::vector<ShardSegment>> segments;       // per unit, over its optimizer range
+    std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
+    std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
     std::unique_ptr<LaneThread> lanes[kLaneCount];
   };
@@ -286,11 +290,12 @@ TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfi
   in.reduce_scatter = config.zero.reduce_scatter;
   in.reduce_in_bf16 = config.strata.gradient_reduce_dtype == Precision::bf16;
   // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
-  in.optimizer_during_backward = config.gradient_clipping == 0.0 && config.precision == Precision::fp32;
+  in.optimizer_during_backward =
+      config.gradient_clipping == 0.0 && config.precision == Precision::fp32;
   in.fetch_slots = std::max(1, config.zero.offload_param.buffer_count);
   in.optimizer_buffers = std::max(2, config.zero.offload_optimizer.buffer_count);
-  in.optimizer_chunk_elements =
-      std::max<int64_t>(1024, std::min(kOptimizerChunkElements, config.zero.sub_group_size) / 1024 * 1024);
+  in.optimizer_chunk_elements = std::max<int64_t>(
+      1024, std::min(kOptimizerChunkElements, config.zero.sub_group_size) / 1024 * 1024);
   return in;
 }
 
@@ -309,7 +314,9 @@ void remove_stale_swap_files(const std::vector<std::string>& directories,
     std::error_code error;
     for (const auto& entry : fs::directory_iterator(directory, error)) {
       const std::string name = entry.path().filename().string();
-      if (name.rfind("strata-", 0) != 0 || name.size() < 12 || name.substr(name.size() - 5) != ".swap") continue;
+      if (name.rfind("strata-", 0) != 0 || name.size() < 12 ||
+          name.substr(name.size() - 5) != ".swap")
+        continue;
       char* end = nullptr;
       const long pid = std::strtol(name.c_str() + 7, &end, 10);
       if (end == name.c_str() + 7 || *end != '-' || pid <= 0) continue;
@@ -323,10 +330,13 @@ void remove_stale_swap_files(const std::vector<std::string>& directories,
     }
   }
   if (count == 0) return;
-  const std::string line = fmt::format(
-      "removed {} swap file(s) ({}) left by a run that did not finish, e.g. {}", count,
-      format_bytes(double(bytes)), first);
-  if (notice) notice(line); else std::fprintf(stderr, "strata: %s\n", line.c_str());
+  const std::string line =
+      fmt::format("removed {} swap file(s) ({}) left by a run that did not finish, e.g. {}", count,
+                  format_bytes(double(bytes)), first);
+  if (notice)
+    notice(line);
+  else
+    std::fprintf(stderr, "strata: %s\n", line.c_str());
 }
 
 }  // namespace
@@ -370,21 +380,23 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
     planner.device_budget_source = "--device-mem-limit";
     planner.host_budget_source = "--host-mem-limit";
     MemoryPlan suggestion = plan_with_suggestion(planner);
-    std::string hint = suggestion.suggestion.empty() ? std::string("raise ") + flag
-                                                     : suggestion.suggestion;
+    std::string hint =
+        suggestion.suggestion.empty() ? std::string("raise ") + flag : suggestion.suggestion;
     return Status::error(fmt::format(
         "the plan does not fit: it needs {} of {} per rank but {} allows {}; {} (`strata train "
         "--print-plan` lists every buffer)",
         format_bytes(double(need)), tier, flag, format_bytes(double(budget)), hint));
   };
   if (p.peak(tiers::Tier::device) > int64_t(options.device_budget))
-    return refuse("device memory", p.peak(tiers::Tier::device), options.device_budget, "--device-mem-limit");
+    return refuse("device memory", p.peak(tiers::Tier::device), options.device_budget,
+                  "--device-mem-limit");
   if (p.peak(tiers::Tier::host) > int64_t(host_per_rank))
     return refuse("host memory", p.peak(tiers::Tier::host), host_per_rank,
                   W > 1 ? "--host-mem-limit (shared by the ranks)" : "--host-mem-limit");
   if (p.peak(tiers::Tier::nvme) > 0 && options.nvme_paths.empty())
     return Status::error(
-        "offload to nvme needs a directory: pass --nvme-path DIR (or zero_optimization.offload_*.nvme_path)");
+        "offload to nvme needs a directory: pass --nvme-path DIR (or "
+        "zero_optimization.offload_*.nvme_path)");
 
   // Which operation finishes each unit's update (its parameters are then ready for the next step).
   impl->publishes.assign(p.ops.size(), false);
@@ -402,7 +414,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   impl->sequence_offset = impl->options.sequence_offset;
   static std::atomic<uint64_t> serials{0};
   impl->engine_serial = serials.fetch_add(1);
-  if (p.peak(tiers::Tier::nvme) > 0) remove_stale_swap_files(impl->options.nvme_paths, impl->options.notice);
+  if (p.peak(tiers::Tier::nvme) > 0)
+    remove_stale_swap_files(impl->options.nvme_paths, impl->options.notice);
   std::vector<std::unique_ptr<comm::Communicator>> group = comm::make_local_group(W);
   for (int r = 0; r < W; ++r) {
     auto rank = std::make_unique<Impl::Rank>();
@@ -414,7 +427,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   // Initial parameters: from the checkpoint, else from the seed (identical for any sharding).
   std::optional<SafetensorsCheckpoint> checkpoint;
   if (!impl->options.init_checkpoint.empty()) {
-    Result<SafetensorsCheckpoint> opened = SafetensorsCheckpoint::open(impl->options.init_checkpoint);
+    Result<SafetensorsCheckpoint> opened =
+        SafetensorsCheckpoint::open(impl->options.init_checkpoint);
     if (!opened) return opened.status().with_context("--init");
     checkpoint.emplace(std::move(*opened));
   }
@@ -434,7 +448,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   if (!impl->options.resume_from.empty()) {
     Result<CheckpointReader> checkpoint = CheckpointReader::open(impl->options.resume_from);
     if (!checkpoint) return checkpoint.status().with_context("--resume");
-    if (Status s = impl->resume(*checkpoint); !s) return s.with_context("--resume " + impl->options.resume_from);
+    if (Status s = impl->resume(*checkpoint); !s)
+      return s.with_context("--resume " + impl->options.resume_from);
     for (auto& rank : impl->ranks)
       for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
     auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -475,8 +490,10 @@ Status Engine::Impl::open_rank(Rank& rank) {
   // never more than the budgets: a budget is a limit, and the host pool is
   // resident (first-touched, pinned) from the start.
   const uint64_t slack = (plan.buffers.size() + 16) * 4096;
-  store.device_capacity = std::min<uint64_t>(options.device_budget, uint64_t(plan.peak(tiers::Tier::device)) + slack);
-  store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(W), uint64_t(plan.peak(tiers::Tier::host)) + slack);
+  store.device_capacity =
+      std::min<uint64_t>(options.device_budget, uint64_t(plan.peak(tiers::Tier::device)) + slack);
+  store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(W),
+                                           uint64_t(plan.peak(tiers::Tier::host)) + slack);
   store.use_gpu = false;  // the CPU backend: host memory stands in for the device
   store.pin_host = options.pin_host;
   store.notice = options.notice;
@@ -489,7 +506,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
     store.io.notice = options.notice;
     // Extents are rounded to the alignment; a stripe of slack covers the last block.
     const uint64_t stripe = store.io.block_size * std::max<size_t>(1, options.nvme_paths.size());
-    store.nvme_capacity = (uint64_t(plan.peak(tiers::Tier::nvme)) + stripe - 1) / stripe * stripe + stripe;
+    store.nvme_capacity =
+        (uint64_t(plan.peak(tiers::Tier::nvme)) + stripe - 1) / stripe * stripe + stripe;
     // One file per engine and rank: engines of one process (or of several) may share a directory.
     store.nvme_file_name = fmt::format("strata-{}-{}-rank{}.swap", ::getpid(), engine_serial, r);
   }
@@ -501,12 +519,17 @@ Status Engine::Impl::open_rank(Rank& rank) {
   const int cb = plan.compute_bytes;
   for (int u = 0; u < units(); ++u) {
     const UnitPlacement& p = plan.units[size_t(u)];
-    Status added = s.add_shard({u, ShardKind::param}, uint64_t(p.param_numel * cb), plan.homes.param);
-    if (added) added = s.add_shard({u, ShardKind::grad}, uint64_t(p.grad_numel * 4), plan.homes.grad);
+    Status added =
+        s.add_shard({u, ShardKind::param}, uint64_t(p.param_numel * cb), plan.homes.param);
+    if (added)
+      added = s.add_shard({u, ShardKind::grad}, uint64_t(p.grad_numel * 4), plan.homes.grad);
     if (added && plan.homes.separate_master)
-      added = s.add_shard({u, ShardKind::master}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
-    if (added) added = s.add_shard({u, ShardKind::m}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
-    if (added) added = s.add_shard({u, ShardKind::v}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
+      added = s.add_shard({u, ShardKind::master}, uint64_t(p.optimizer_numel * 4),
+                          plan.homes.optimizer);
+    if (added)
+      added = s.add_shard({u, ShardKind::m}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
+    if (added)
+      added = s.add_shard({u, ShardKind::v}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
     if (!added) return added.with_context(fmt::format("rank {}", r));
   }
 
@@ -547,7 +570,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
   if (in.stage < 3 && cb != 4) {
     for (int k = 0; k < 2; ++k) {
       float* f = nullptr;
-      if (Status t = take(device(largest_padded * 4, "parameters widened to fp32"), f); !t) return t;
+      if (Status t = take(device(largest_padded * 4, "parameters widened to fp32"), f); !t)
+        return t;
       rank.widened.push_back(f);
     }
   }
@@ -557,16 +581,21 @@ Status Engine::Impl::open_rank(Rank& rank) {
     rank.grad_slots.push_back(g);
   }
   if (plan.tied_grad_buffer) {
-    if (Status t = take(device(plan.units[0].padded_numel * 4, "tied embedding gradient"), rank.tied_grad); !t)
+    if (Status t =
+            take(device(plan.units[0].padded_numel * 4, "tied embedding gradient"), rank.tied_grad);
+        !t)
       return t;
   }
   if (in.stage >= 2 && in.reduce_scatter && W > 1) {
-    if (Status t = take(device(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t) return t;
+    if (Status t = take(device(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t)
+      return t;
   }
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
   float* checkpoints = nullptr;
-  if (Status t = take(device((units() - 1) * N * C * 4, "activation checkpoints"), checkpoints); !t) return t;
-  for (int u = 0; u + 1 < units(); ++u) rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
+  if (Status t = take(device((units() - 1) * N * C * 4, "activation checkpoints"), checkpoints); !t)
+    return t;
+  for (int u = 0; u + 1 < units(); ++u)
+    rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
   if (Status t = take(device(N * C * 4, "activation gradient"), rank.activation_grad); !t) return t;
   int32_t* ids = nullptr;
   if (Status t = take(device(2 * N * 4 * in.grad_accum, "tokens and targets"), ids); !t) return t;
@@ -574,21 +603,25 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.targets = ids + N * in.grad_accum;
   // The workspace allocates its own memory; its bytes are charged to the device budget here.
   std::byte* reserved = nullptr;
-  if (Status t = take(device(UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len), "unit working set"),
+  if (Status t = take(device(UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len),
+                             "unit working set"),
                       reserved);
       !t)
     return t;
   rank.ws = std::make_unique<UnitWorkspace>(in.model, in.micro_batch, in.seq_len);
-  // NVMe parameter copies (plan.fetch_slots) are the store's prefetched copies, charged when fetched.
+  // NVMe parameter copies (plan.fetch_slots) are the store's prefetched copies, charged when
+  // fetched.
   if (plan.homes.param == tiers::Tier::nvme && plan.homes.separate_master) {
-    if (Status t = take(host(largest_shard * cb, "new parameter shard"), rank.param_out); !t) return t;
+    if (Status t = take(host(largest_shard * cb, "new parameter shard"), rank.param_out); !t)
+      return t;
   }
   if (plan.streamed_optimizer) {
     tiers::StreamedPassOptions pass;
     pass.buffer_count = unsigned(in.optimizer_buffers);
     pass.buffer_bytes = uint64_t(plan.optimizer_chunk_elements) * 12;
     Result<std::unique_ptr<tiers::StreamedPass>> created = tiers::StreamedPass::create(s, pass);
-    if (!created) return created.status().with_context(fmt::format("rank {}: streamed optimizer", r));
+    if (!created)
+      return created.status().with_context(fmt::format("rank {}: streamed optimizer", r));
     rank.pass = std::move(*created);
   }
 
@@ -641,9 +674,12 @@ Status Engine::Impl::load_moments(Rank& rank, int u, const float* m, const float
   const UnitPlacement& p = plan.units[size_t(u)];
   const int64_t begin = plan.optimizer_offset(u, rank.rank);
   const size_t bytes = size_t(p.optimizer_numel) * 4;
-  if (Status s = rank.store->write_shard({u, ShardKind::m}, {reinterpret_cast<const std::byte*>(m + begin), bytes}); !s)
+  if (Status s = rank.store->write_shard({u, ShardKind::m},
+                                         {reinterpret_cast<const std::byte*>(m + begin), bytes});
+      !s)
     return s;
-  return rank.store->write_shard({u, ShardKind::v}, {reinterpret_cast<const std::byte*>(v + begin), bytes});
+  return rank.store->write_shard({u, ShardKind::v},
+                                 {reinterpret_cast<const std::byte*>(v + begin), bytes});
 }
 
 // --- checkpoints -----------------------------------------------------------------------
@@ -653,8 +689,9 @@ namespace {
 // The shape keys a checkpoint must share with the model it resumes.
 nlohmann::json model_shape(const nlohmann::json& config) {
   nlohmann::json shape;
-  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                          "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"})
+  for (const char* key :
+       {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"})
     shape[key] = config.contains(key) ? config[key] : nlohmann::json();
   return shape;
 }
@@ -666,9 +703,10 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   const nlohmann::json there = model_shape(checkpoint.model);
   for (const auto& [key, value] : here.items()) {
     if (there[key] != value)
-      return Status::error(fmt::format("the checkpoint belongs to another model shape: {} is {} there and {} "
-                                       "here; pass the model it was trained with",
-                                       key, there[key].dump(), value.dump()));
+      return Status::error(
+          fmt::format("the checkpoint belongs to another model shape: {} is {} there and {} "
+                      "here; pass the model it was trained with",
+                      key, there[key].dump(), value.dump()));
   }
   const nlohmann::json& state = checkpoint.state;
   int64_t offset = 0;
@@ -676,8 +714,10 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   for (int u = 0; u < units(); ++u) {
     const UnitLayout& unit = plan.layout.units[size_t(u)];
     const nlohmann::json& stored = state["units"][size_t(u)];
-    if (stored.value("numel", int64_t{-1}) != unit.numel || stored.value("name", std::string()) != unit.unit.name)
-      return Status::error(fmt::format("state.json: unit {} differs from this model's {}", u, unit.unit.name));
+    if (stored.value("numel", int64_t{-1}) != unit.numel ||
+        stored.value("name", std::string()) != unit.unit.name)
+      return Status::error(
+          fmt::format("state.json: unit {} differs from this model's {}", u, unit.unit.name));
     const size_t padded = size_t(unit.padded_numel);
     master.assign(padded, 0.0f);
     m.assign(padded, 0.0f);
@@ -699,7 +739,8 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   optimizer.scheduler_iteration = o.value("scheduler_iteration", int64_t{-1});
   optimizer.loss_scaler.scale = o["loss_scaler"].value("scale", 1.0);
   optimizer.loss_scaler.iteration = o["loss_scaler"].value("iteration", int64_t{0});
-  optimizer.loss_scaler.last_overflow_iteration = o["loss_scaler"].value("last_overflow_iteration", int64_t{-1});
+  optimizer.loss_scaler.last_overflow_iteration =
+      o["loss_scaler"].value("last_overflow_iteration", int64_t{-1});
   optimizer.loss_scaler.hysteresis_left = o["loss_scaler"].value("hysteresis_left", 2);
   for (auto& rank : ranks) rank->optimizer->restore(optimizer);
   steps_done = state.value("step", int64_t{0});
@@ -710,7 +751,8 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   return Status::ok();
 }
 
-Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets) {
+Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
+                               const std::vector<int64_t>& unit_offsets) {
   const bool master_is_param = !plan.homes.separate_master;
   for (int u = 0; u < units(); ++u) {
     const UnitLayout& unit = plan.layout.units[size_t(u)];
@@ -744,16 +786,19 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer, const std::
       }
       items.push_back(std::move(item));
     }
-    Status status = rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
-      const int64_t at = int64_t(index) * chunk;
-      const int64_t n = std::min(chunk, count - at);
-      if (n <= 0) return Status::ok();
-      for (int f = 0; f < 3; ++f) {
-        if (Status s = writer.write(f, file_offset + uint64_t(at) * 4, pieces[size_t(f)], uint64_t(n) * 4); !s)
-          return s;
-      }
-      return Status::ok();
-    });
+    Status status =
+        rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+          const int64_t at = int64_t(index) * chunk;
+          const int64_t n = std::min(chunk, count - at);
+          if (n <= 0) return Status::ok();
+          for (int f = 0; f < 3; ++f) {
+            if (Status s = writer.write(f, file_offset + uint64_t(at) * 4, pieces[size_t(f)],
+                                        uint64_t(n) * 4);
+                !s)
+              return s;
+          }
+          return Status::ok();
+        });
     if (!status) return status;
   }
   return Status::ok();
@@ -761,7 +806,8 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer, const std::
 
 Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
   Impl& im = *impl_;
-  if (im.poisoned) return Status::error("engine: an earlier step failed (" + im.poison_reason + "); not saving");
+  if (im.poisoned)
+    return Status::error("engine: an earlier step failed (" + im.poison_reason + "); not saving");
   if (Status s = finish(); !s) return s;
   std::vector<int64_t> unit_offsets;
   int64_t total = 0;
@@ -771,14 +817,17 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
     units.push_back({{"name", unit.unit.name}, {"numel", unit.numel}, {"offset", total}});
     total += unit.numel;
   }
-  Result<CheckpointWriter> writer = CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
+  Result<CheckpointWriter> writer =
+      CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
   if (!writer) return writer.status();
   const int writers = im.plan.input.stage == 0 ? 1 : im.world();
   std::vector<Status> results(static_cast<size_t>(writers));
   {
     std::vector<std::thread> threads;
     for (int r = 0; r < writers; ++r)
-      threads.emplace_back([&, r] { results[size_t(r)] = im.save_rank(*im.ranks[size_t(r)], *writer, unit_offsets); });
+      threads.emplace_back([&, r] {
+        results[size_t(r)] = im.save_rank(*im.ranks[size_t(r)], *writer, unit_offsets);
+      });
     for (auto& t : threads) t.join();
   }
   for (const Status& s : results)
@@ -801,13 +850,17 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
                           {"last_overflow_iteration", o.loss_scaler.last_overflow_iteration},
                           {"hysteresis_left", o.loss_scaler.hysteresis_left}}}};
   state["units"] = units;
-  if (Status s = writer->write_json("model.json", model_config_to_json(im.plan.layout.config)); !s) return s;
-  if (Status s = writer->write_json("train.json", train_config_to_json(im.options.config)); !s) return s;
+  if (Status s = writer->write_json("model.json", model_config_to_json(im.plan.layout.config)); !s)
+    return s;
+  if (Status s = writer->write_json("train.json", train_config_to_json(im.options.config)); !s)
+    return s;
   if (Status s = writer->write_json("state.json", state); !s) return s;
   return writer->finish(keep);
 }
 
-int64_t Engine::steps_done() const { return impl_->steps_done; }
+int64_t Engine::steps_done() const {
+  return impl_->steps_done;
+}
 
 // --- steps ---------------------------------------------------------------------------
 
@@ -840,15 +893,18 @@ Result<StepResult> Engine::step() {
     for (int64_t m = 0; m < in.grad_accum; ++m) {
       int32_t* tokens = rank.tokens + m * N;
       int32_t* targets = rank.targets + m * N;
-      Status s = im.options.data(im.sequence_offset, m, r, W, in.micro_batch, in.seq_len, tokens, targets);
+      Status s =
+          im.options.data(im.sequence_offset, m, r, W, in.micro_batch, in.seq_len, tokens, targets);
       if (!s) return s;
-      if (Status ids = check_token_ids(in.model, tokens, N, false, "input tokens"); !ids) return ids;
+      if (Status ids = check_token_ids(in.model, tokens, N, false, "input tokens"); !ids)
+        return ids;
       if (Status ids = check_token_ids(in.model, targets, N, true, "targets"); !ids) return ids;
       for (int64_t i = 0; i < N; ++i) counted += targets[i] >= 0;
     }
   }
   if (counted == 0)
-    return Status::error("every target of this step's global batch is masked out; nothing to learn from");
+    return Status::error(
+        "every target of this step's global batch is masked out; nothing to learn from");
   run->total_tokens = double(counted);
 
   im.post_step(run);
@@ -856,7 +912,8 @@ Result<StepResult> Engine::step() {
     std::unique_lock lock(run->mutex);
     run->changed.wait(lock, [&] {
       if (run->error) return true;
-      return std::all_of(run->exchanged.begin(), run->exchanged.end(), [](uint8_t e) { return e != 0; });
+      return std::all_of(run->exchanged.begin(), run->exchanged.end(),
+                         [](uint8_t e) { return e != 0; });
     });
   }
   im.last_run = run;
@@ -918,8 +975,9 @@ void Engine::Impl::run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int o
     });
   }
   // And the previous step's update of the parameters it reads.
-  const bool reads_params = op.kind == OpKind::fetch || op.kind == OpKind::gather ||
-                            (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
+  const bool reads_params =
+      op.kind == OpKind::fetch || op.kind == OpKind::gather ||
+      (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
   if (reads_params) wait_params(run->index, rank, op.unit);
   if (op.lane == Lane::compute) {
     std::lock_guard lock(run->mutex);
@@ -952,7 +1010,8 @@ void Engine::Impl::run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int o
 
 void Engine::Impl::wait_params(int64_t step_index, Rank& rank, int unit) {
   std::unique_lock lock(params_mutex);
-  params_changed.wait(lock, [&] { return rank.params_ready[size_t(unit)].load() >= step_index - 1; });
+  params_changed.wait(lock,
+                      [&] { return rank.params_ready[size_t(unit)].load() >= step_index - 1; });
 }
 
 void Engine::Impl::publish_params(Rank& rank, int unit, int64_t step_index) {
@@ -966,13 +1025,20 @@ void Engine::Impl::publish_params(Rank& rank, int unit, int64_t step_index) {
 Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
   const PlanOp& op = plan.ops[size_t(op_index)];
   switch (op.kind) {
-    case OpKind::fetch: return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
-    case OpKind::gather: return gather(rank, op);
-    case OpKind::forward: return forward(rank, run, op_index, op);
-    case OpKind::backward: return backward(rank, run, op_index, op);
-    case OpKind::release: return Status::ok();
-    case OpKind::reduce: return reduce(rank, op);
-    case OpKind::exchange: return exchange(rank, run);
+    case OpKind::fetch:
+      return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
+    case OpKind::gather:
+      return gather(rank, op);
+    case OpKind::forward:
+      return forward(rank, run, op_index, op);
+    case OpKind::backward:
+      return backward(rank, run, op_index, op);
+    case OpKind::release:
+      return Status::ok();
+    case OpKind::reduce:
+      return reduce(rank, op);
+    case OpKind::exchange:
+      return exchange(rank, run);
     case OpKind::decide: {
       Result<StepPlan> decision = rank.optimizer->begin_step(std::nullopt);
       if (!decision) return decision.status();
@@ -980,14 +1046,17 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
       run.decisions[size_t(rank.rank)] = *decision;
       return Status::ok();
     }
-    case OpKind::optimizer: return optimize(rank, run, op);
+    case OpKind::optimizer:
+      return optimize(rank, run, op);
     case OpKind::writeback:
       if (!run.decisions[size_t(rank.rank)].apply) return Status::ok();
       return rank.store->write_shard(
           {op.unit, ShardKind::param},
-          std::span<const std::byte>(rank.param_out,
-                                     size_t(plan.units[size_t(op.unit)].param_numel * plan.compute_bytes)));
-    case OpKind::sync: return sync(rank, op);
+          std::span<const std::byte>(
+              rank.param_out,
+              size_t(plan.units[size_t(op.unit)].param_numel * plan.compute_bytes)));
+    case OpKind::sync:
+      return sync(rank, op);
   }
   return Status::ok();
 }
@@ -1003,7 +1072,10 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
     Result<tiers::ShardView> view = rank.store->wait(key, tiers::Tier::host);
     // A failed load still takes part in the collective (with stale bytes), so
     // the other ranks are not left waiting; the step then fails.
-    if (view) source = view->data; else status = view.status();
+    if (view)
+      source = view->data;
+    else
+      status = view.status();
   } else {
     source = home_data(rank, key);
   }
@@ -1013,19 +1085,22 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
-  if (plan.compute_bytes != 4) widen(target, compute_type(), rank.gathered_fp32[size_t(op.slot)], p.padded_numel);
+  if (plan.compute_bytes != 4)
+    widen(target, compute_type(), rank.gathered_fp32[size_t(op.slot)], p.padded_numel);
   return Status::ok();
 }
 
 // Unit `unit`'s fp32 parameters for compute op `op_index`; `which` picks one of
 // two widening buffers at stages 0-2 (the tied head reads two units).
-const float* Engine::Impl::unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit, int which) {
+const float* Engine::Impl::unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit,
+                                            int which) {
   if (plan.input.stage == 3) {
     for (int d : plan.ops[size_t(op_index)].deps) {
       const PlanOp& dep = plan.ops[size_t(d)];
       if (dep.kind == OpKind::gather && dep.unit == unit)
-        return plan.compute_bytes == 4 ? reinterpret_cast<const float*>(rank.gathered[size_t(dep.slot)])
-                                       : rank.gathered_fp32[size_t(dep.slot)];
+        return plan.compute_bytes == 4
+                   ? reinterpret_cast<const float*>(rank.gathered[size_t(dep.slot)])
+                   : rank.gathered_fp32[size_t(dep.slot)];
     }
     return nullptr;
   }
@@ -1058,11 +1133,13 @@ Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanO
     std::memset(rank.tied_grad, 0, size_t(plan.units[0].padded_numel) * 4);
     grads.tied_embedding = rank.tied_grad;
   }
-  const double loss = head_forward_backward(plan.layout, params, batch, rank.checkpoints[size_t(head - 1)],
-                                            rank.activation_grad, grads, *rank.ws);
+  const double loss =
+      head_forward_backward(plan.layout, params, batch, rank.checkpoints[size_t(head - 1)],
+                            rank.activation_grad, grads, *rank.ws);
   if (!std::isfinite(loss) && plan.input.precision == Precision::fp32)
-    return Status::error(fmt::format(
-        "the loss is {} (micro-batch {}); lower the learning rate or check the data", loss, op.micro));
+    return Status::error(
+        fmt::format("the loss is {} (micro-batch {}); lower the learning rate or check the data",
+                    loss, op.micro));
   rank.micro_loss[size_t(op.micro)] = loss;
   return Status::ok();
 }
@@ -1108,30 +1185,40 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
     auto* bits = reinterpret_cast<uint16_t*>(buffer);
     for (int64_t i = 0; i < p.padded_numel; ++i) bits[i] = kernels::cpu::float_to_bf16(buffer[i]);
     auto* out_bits = scatter ? reinterpret_cast<uint16_t*>(rank.reduce_out) : bits;
-    Status status = scatter ? rank.comm->reduce_scatter(bits, out_bits, size_t(p.shard_numel), comm::DataType::bf16)
-                            : rank.comm->all_reduce(bits, bits, size_t(p.padded_numel), comm::DataType::bf16);
+    Status status =
+        scatter
+            ? rank.comm->reduce_scatter(bits, out_bits, size_t(p.shard_numel), comm::DataType::bf16)
+            : rank.comm->all_reduce(bits, bits, size_t(p.padded_numel), comm::DataType::bf16);
     if (!status) return status;
     // Widen backwards so no bf16 value is overwritten before it is read.
     const uint16_t* kept = out_bits + kept_from;
     for (int64_t i = count - 1; i >= 0; --i) reduced[i] = kernels::cpu::bf16_to_float(kept[i]);
   } else if (scatter) {
-    if (Status s = rank.comm->reduce_scatter(buffer, rank.reduce_out, size_t(p.shard_numel), comm::DataType::fp32); !s)
+    if (Status s = rank.comm->reduce_scatter(buffer, rank.reduce_out, size_t(p.shard_numel),
+                                             comm::DataType::fp32);
+        !s)
       return s;
   } else {
-    if (Status s = rank.comm->all_reduce(buffer, buffer, size_t(p.padded_numel), comm::DataType::fp32); !s)
+    if (Status s =
+            rank.comm->all_reduce(buffer, buffer, size_t(p.padded_numel), comm::DataType::fp32);
+        !s)
       return s;
   }
   if (op.micro == 0) {
     std::memcpy(accumulator, reduced, size_t(count) * 4);
   } else {
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, count, 1 << 16), [&](const tbb::blocked_range<int64_t>& range) {
-      for (int64_t i = range.begin(); i < range.end(); ++i) accumulator[i] += reduced[i];
-    });
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, count, 1 << 16),
+                      [&](const tbb::blocked_range<int64_t>& range) {
+                        for (int64_t i = range.begin(); i < range.end(); ++i)
+                          accumulator[i] += reduced[i];
+                      });
   }
   if (op.micro == plan.input.grad_accum - 1) {
     // This rank's slice of the final gradient, the same elements at every stage.
-    const float* slice = p.grad_numel == p.padded_numel ? accumulator + int64_t(r) * p.shard_numel : accumulator;
-    Result<kernels::cpu::GradNormPartial> partial = kernels::cpu::grad_norm_squared(slice, ElementType::f32, p.shard_numel);
+    const float* slice =
+        p.grad_numel == p.padded_numel ? accumulator + int64_t(r) * p.shard_numel : accumulator;
+    Result<kernels::cpu::GradNormPartial> partial =
+        kernels::cpu::grad_norm_squared(slice, ElementType::f32, p.shard_numel);
     if (!partial) return partial.status();
     rank.partials[size_t(u)] = *partial;
   }
@@ -1151,7 +1238,8 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
   }
   for (int m = 0; m < G; ++m) send[size_t(2 * U + m)] = rank.micro_loss[size_t(m)];
   // Doubles travel as pairs of fp32 words: a gather copies, it does not add.
-  if (Status s = rank.comm->all_gather(send.data(), all.data(), per_rank * 2, comm::DataType::fp32); !s)
+  if (Status s = rank.comm->all_gather(send.data(), all.data(), per_rank * 2, comm::DataType::fp32);
+      !s)
     return s;
   kernels::cpu::GradNormPartial global;
   for (int u = 0; u < U; ++u) {
@@ -1167,12 +1255,14 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
     std::string where;
     for (int r = 0; r < W; ++r)
       for (int u = 0; u < U; ++u)
-        if (all[size_t(r) * per_rank + size_t(U + u)] != 0.0 && where.find(plan.layout.units[size_t(u)].unit.name) == std::string::npos)
+        if (all[size_t(r) * per_rank + size_t(U + u)] != 0.0 &&
+            where.find(plan.layout.units[size_t(u)].unit.name) == std::string::npos)
           where += (where.empty() ? "" : ", ") + plan.layout.units[size_t(u)].unit.name;
-    return Status::error(fmt::format(
-        "the gradients hold inf or NaN (in {}); the step failed and the run cannot go on. Lower the learning rate, "
-        "enable gradient_clipping, or check the data",
-        where));
+    return Status::error(
+        fmt::format("the gradients hold inf or NaN (in {}); the step failed and the run cannot go "
+                    "on. Lower the learning rate, "
+                    "enable gradient_clipping, or check the data",
+                    where));
   }
   if (plan.input.optimizer_during_backward) {
     // `decide` ran at the start of the step; the norm is for the report.
@@ -1329,10 +1419,18 @@ Result<HostModel> Engine::read_model() {
   return model;
 }
 
-const TrainingPlan& Engine::plan() const { return impl_->plan; }
-const ModelLayout& Engine::layout() const { return impl_->plan.layout; }
-int64_t Engine::sequence_offset() const { return impl_->sequence_offset; }
-const OptimizerState& Engine::optimizer_state() const { return impl_->ranks[0]->optimizer->state(); }
+const TrainingPlan& Engine::plan() const {
+  return impl_->plan;
+}
+const ModelLayout& Engine::layout() const {
+  return impl_->plan.layout;
+}
+int64_t Engine::sequence_offset() const {
+  return impl_->sequence_offset;
+}
+const OptimizerState& Engine::optimizer_state() const {
+  return impl_->ranks[0]->optimizer->state();
+}
 
 tiers::TierUsage Engine::rank_usage(int rank, tiers::Tier tier) const {
   tiers::TieredStore& store = *impl_->ranks[size_t(rank)]->store;
@@ -1354,7 +1452,8 @@ tiers::TierUsage Engine::usage(tiers::Tier tier) const {
 uint64_t Engine::nvme_bytes_read() const {
   uint64_t total = 0;
   for (const auto& rank : impl_->ranks)
-    if (rank->store && rank->store->nvme_tier()) total += rank->store->nvme_tier()->engine().counters().bytes_read;
+    if (rank->store && rank->store->nvme_tier())
+      total += rank->store->nvme_tier()->engine().counters().bytes_read;
   return total;
 }
 

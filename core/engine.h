@@ -49,16 +49,16 @@ namespace strata {
 
 // Reads one micro-batch in DESIGN.md section 5's order: inputs (B, T) and
 // targets (B, T) of micro-batch `micro` on `rank`, from the running sequence offset.
-using BatchReader = std::function<Status(int64_t sequence_offset, int64_t micro, int rank,
-                                         int world, int64_t B, int64_t T, int32_t* inputs,
-                                         int32_t* targets)>;
+using BatchReader =
+    std::function<Status(int64_t sequence_offset, int64_t micro, int rank, int world, int64_t B,
+                         int64_t T, int32_t* inputs, int32_t* targets)>;
 
 struct EngineOptions {
   ModelConfig model;
   TrainConfig config;  // merged file and flags (stage, offload, batch, precision, optimizer, aio)
-  int64_t total_steps = 0;          // scheduler.total_num_steps when the config leaves it 0
-  uint64_t device_budget = 0;       // bytes per rank (host memory standing in on the CPU backend)
-  uint64_t host_budget = 0;         // bytes for the node, shared evenly by the ranks
+  int64_t total_steps = 0;     // scheduler.total_num_steps when the config leaves it 0
+  uint64_t device_budget = 0;  // bytes per rank (host memory standing in on the CPU backend)
+  uint64_t host_budget = 0;    // bytes for the node, shared evenly by the ranks
   std::vector<std::string> nvme_paths;  // swap directories (needed when anything is homed on NVMe)
   uint64_t seed = 1234;
   std::string init_checkpoint;  // safetensors file or Hugging Face directory; empty: random init
@@ -77,17 +77,17 @@ struct EngineOptions {
 
 // What a step did, summed over the ranks unless said otherwise.
 struct StepResult {
-  int64_t step = 0;        // 1 for the first step
-  double loss = 0;         // mean token cross-entropy over the global batch (unscaled)
-  double grad_norm = 0;    // global L2 norm of the gradients before clipping
-  double lr = 0;           // learning rate this step's update used
-  double loss_scale = 1;   // fp16: the scale of this step's gradients
-  bool skipped = false;    // fp16 overflow (or non-finite gradients): no update
-  int64_t tokens = 0;      // target tokens counted in the loss
-  int64_t sequence_offset = 0;  // data position after the step
-  double seconds = 0;           // wall time of step()
-  double stall_seconds = 0;     // compute lanes waiting on other lanes (mean over ranks)
-  uint64_t nvme_read_bytes = 0;     // counted by the I/O engines since the previous step() returned
+  int64_t step = 0;              // 1 for the first step
+  double loss = 0;               // mean token cross-entropy over the global batch (unscaled)
+  double grad_norm = 0;          // global L2 norm of the gradients before clipping
+  double lr = 0;                 // learning rate this step's update used
+  double loss_scale = 1;         // fp16: the scale of this step's gradients
+  bool skipped = false;          // fp16 overflow (or non-finite gradients): no update
+  int64_t tokens = 0;            // target tokens counted in the loss
+  int64_t sequence_offset = 0;   // data position after the step
+  double seconds = 0;            // wall time of step()
+  double stall_seconds = 0;      // compute lanes waiting on other lanes (mean over ranks)
+  uint64_t nvme_read_bytes = 0;  // counted by the I/O engines since the previous step() returned
   uint64_t nvme_written_bytes = 0;
 };
 
@@ -129,7 +129,8 @@ class Engine {
   tiers::TierUsage usage(tiers::Tier tier) const;
   // The most one rank's store used in `tier` and that rank's budget.
   tiers::TierUsage rank_usage(int rank, tiers::Tier tier) const;
-  // NVMe bytes read and written by every rank's I/O engine since create() (initialisation included).
+  // NVMe bytes read and written by every rank's I/O engine since create() (initialisation
+  // included).
   uint64_t nvme_bytes_read() const;
   uint64_t nvme_bytes_written() const;
   // Timings of every operation since the last call (needs finish() for the last step's optimizer).

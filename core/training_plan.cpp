@@ -14,9 +14,12 @@ using tiers::Tier;
 
 Tier home_of(OffloadDevice device) {
   switch (device) {
-    case OffloadDevice::none: return Tier::device;
-    case OffloadDevice::cpu: return Tier::host;
-    case OffloadDevice::nvme: return Tier::nvme;
+    case OffloadDevice::none:
+      return Tier::device;
+    case OffloadDevice::cpu:
+      return Tier::host;
+    case OffloadDevice::nvme:
+      return Tier::nvme;
   }
   return Tier::device;
 }
@@ -65,8 +68,8 @@ class PlanBuilder {
     std::vector<ComputeUse> compute;
     for (int m = 0; m < in.grad_accum; ++m) {
       for (int u = 0; u < head; ++u) compute.push_back({OpKind::forward, u, m, {u}});
-      compute.push_back({OpKind::forward, head, m,
-                         tied ? std::vector<int>{0, head} : std::vector<int>{head}});
+      compute.push_back(
+          {OpKind::forward, head, m, tied ? std::vector<int>{0, head} : std::vector<int>{head}});
       for (int u = head - 1; u >= 0; --u) compute.push_back({OpKind::backward, u, m, {u}});
     }
 
@@ -103,8 +106,8 @@ class PlanBuilder {
       // fetch(i) needs the host copy that gather(i - P) released.
       while (next_fetch < uses.size() && fetch_ready(next_fetch)) {
         const size_t i = next_fetch++;
-        PlanOp op = make_op(OpKind::fetch, Lane::io, uses[i].unit, compute[uses[i].compute_index].micro,
-                  int(i % size_t(P)));
+        PlanOp op = make_op(OpKind::fetch, Lane::io, uses[i].unit,
+                            compute[uses[i].compute_index].micro, int(i % size_t(P)));
         if (int(i) >= P) op.deps.push_back(gather_op[i - size_t(P)]);
         if (previous_use[i] >= 0) op.deps.push_back(gather_op[size_t(previous_use[i])]);
         op.bytes = plan_.units[size_t(uses[i].unit)].param_numel * plan_.compute_bytes;
@@ -116,8 +119,8 @@ class PlanBuilder {
       while (next_gather < uses.size()) {
         const size_t i = next_gather;
         if (int(i) >= K && uses[i - size_t(K)].compute_index >= c) break;
-        PlanOp op = make_op(OpKind::gather, comm_lane, uses[i].unit, compute[uses[i].compute_index].micro,
-                  int(i % size_t(K)));
+        PlanOp op = make_op(OpKind::gather, comm_lane, uses[i].unit,
+                            compute[uses[i].compute_index].micro, int(i % size_t(K)));
         if (int(i) >= K) op.deps.push_back(release_op[uses[i - size_t(K)].compute_index]);
         if (fetch_op[i] >= 0) op.deps.push_back(fetch_op[i]);
         op.bytes = plan_.units[size_t(uses[i].unit)].shard_numel * plan_.compute_bytes *
@@ -183,13 +186,14 @@ class PlanBuilder {
       }
       if (fills_grad) {
         PlanOp reduce = make_op(OpKind::reduce, comm_lane, cu.unit, cu.micro,
-                      uses_rotating_grad ? grad_use % plan_.grad_slots : -1);
+                                uses_rotating_grad ? grad_use % plan_.grad_slots : -1);
         reduce.deps.push_back(compute_op[c]);
         if (last_reduce[size_t(cu.unit)] >= 0) reduce.deps.push_back(last_reduce[size_t(cu.unit)]);
         const UnitPlacement& p = plan_.units[size_t(cu.unit)];
         const bool scatter = in.stage >= 2 && in.reduce_scatter;
         // Ring collectives: reduce-scatter sends (W-1)/W of the unit, all-reduce twice that.
-        reduce.bytes = p.shard_numel * (in.reduce_in_bf16 ? 2 : 4) * (in.world_size - 1) * (scatter ? 1 : 2);
+        reduce.bytes =
+            p.shard_numel * (in.reduce_in_bf16 ? 2 : 4) * (in.world_size - 1) * (scatter ? 1 : 2);
         const int index = add(std::move(reduce));
         last_reduce[size_t(cu.unit)] = index;
         if (uses_rotating_grad) {
@@ -235,27 +239,42 @@ class PlanBuilder {
 
 const char* op_kind_name(OpKind kind) {
   switch (kind) {
-    case OpKind::fetch: return "fetch";
-    case OpKind::gather: return "gather";
-    case OpKind::forward: return "forward";
-    case OpKind::release: return "release";
-    case OpKind::backward: return "backward";
-    case OpKind::reduce: return "reduce";
-    case OpKind::exchange: return "exchange";
-    case OpKind::decide: return "decide";
-    case OpKind::optimizer: return "optimizer";
-    case OpKind::writeback: return "writeback";
-    case OpKind::sync: return "sync";
+    case OpKind::fetch:
+      return "fetch";
+    case OpKind::gather:
+      return "gather";
+    case OpKind::forward:
+      return "forward";
+    case OpKind::release:
+      return "release";
+    case OpKind::backward:
+      return "backward";
+    case OpKind::reduce:
+      return "reduce";
+    case OpKind::exchange:
+      return "exchange";
+    case OpKind::decide:
+      return "decide";
+    case OpKind::optimizer:
+      return "optimizer";
+    case OpKind::writeback:
+      return "writeback";
+    case OpKind::sync:
+      return "sync";
   }
   return "?";
 }
 
 const char* lane_name(Lane lane) {
   switch (lane) {
-    case Lane::io: return "io";
-    case Lane::comm: return "comm";
-    case Lane::compute: return "compute";
-    case Lane::optimizer: return "optimizer";
+    case Lane::io:
+      return "io";
+    case Lane::comm:
+      return "comm";
+    case Lane::compute:
+      return "compute";
+    case Lane::optimizer:
+      return "optimizer";
   }
   return "?";
 }
@@ -281,14 +300,16 @@ int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   if (in.world_size < 1) return Status::error("world size must be at least 1");
   if (in.stage < 0 || in.stage > 3)
-    return Status::error(fmt::format("zero_optimization.stage must be 0, 1, 2 or 3, got {}", in.stage));
+    return Status::error(
+        fmt::format("zero_optimization.stage must be 0, 1, 2 or 3, got {}", in.stage));
   if (in.offload_param != OffloadDevice::none && in.stage != 3)
     return Status::error(fmt::format(
         "zero_optimization.offload_param.device {} needs stage 3 (stage is {}); use --zero-stage 3 "
         "or --offload-param none",
         offload_device_name(in.offload_param), in.stage));
   if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1)
-    return Status::error("micro batch, sequence length and gradient accumulation must be at least 1");
+    return Status::error(
+        "micro batch, sequence length and gradient accumulation must be at least 1");
   if (in.fetch_slots < 1)
     return Status::error("zero_optimization.offload_param.buffer_count must be at least 1");
   if (in.optimizer_buffers < 2)
@@ -304,7 +325,8 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   plan.homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
   // The planner's rule (core/planner.cpp): in fp32 the parameters are the
   // master unless the optimizer keeps its state in another tier.
-  plan.homes.separate_master = in.precision != Precision::fp32 || plan.homes.param != plan.homes.optimizer;
+  plan.homes.separate_master =
+      in.precision != Precision::fp32 || plan.homes.param != plan.homes.optimizer;
   plan.gather_slots = in.stage == 3 ? 2 : 0;
   plan.tied_grad_buffer = in.model.tie_word_embeddings;
   plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
@@ -324,10 +346,10 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
   }
   if (in.optimizer_chunk_elements <= 0 || in.optimizer_chunk_elements % 1024 != 0)
-    return Status::error(fmt::format(
-        "optimizer chunk of {} elements: it must be a positive multiple of 1024; check "
-        "zero_optimization.sub_group_size",
-        in.optimizer_chunk_elements));
+    return Status::error(
+        fmt::format("optimizer chunk of {} elements: it must be a positive multiple of 1024; check "
+                    "zero_optimization.sub_group_size",
+                    in.optimizer_chunk_elements));
   plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);
 
   // --- memory, per rank ---------------------------------------------------------
@@ -335,8 +357,8 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   const int64_t cb = plan.compute_bytes;
   auto add_buffer = [&](std::string name, Tier tier, int64_t bytes) {
     if (bytes <= 0) return;
-    const int64_t rounded = tier == Tier::nvme ? round_up(bytes, int64_t(in.nvme_alignment))
-                                               : round_up(bytes, page);
+    const int64_t rounded =
+        tier == Tier::nvme ? round_up(bytes, int64_t(in.nvme_alignment)) : round_up(bytes, page);
     plan.buffers.push_back({std::move(name), tier, rounded});
     plan.peak_bytes[static_cast<int>(tier)] += rounded;
   };
@@ -347,7 +369,8 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     moment_bytes += round_up(p.optimizer_numel * 4, page);
   }
   master_bytes = plan.homes.separate_master ? moment_bytes : 0;
-  add_buffer(fmt::format("parameters ({})", precision_name(in.precision)), plan.homes.param, param_bytes);
+  add_buffer(fmt::format("parameters ({})", precision_name(in.precision)), plan.homes.param,
+             param_bytes);
   add_buffer("gradients (fp32)", plan.homes.grad, grad_bytes);
   add_buffer("fp32 master", plan.homes.optimizer, master_bytes);
   add_buffer("Adam m", plan.homes.optimizer, moment_bytes);
@@ -362,7 +385,8 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
       add_buffer("gathered units widened to fp32", Tier::device,
                  plan.gather_slots * round_up(largest_padded * 4, page));
   } else if (cb != 4) {
-    add_buffer("parameters widened to fp32 (2 units)", Tier::device, 2 * round_up(largest_padded * 4, page));
+    add_buffer("parameters widened to fp32 (2 units)", Tier::device,
+               2 * round_up(largest_padded * 4, page));
   }
   add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device,
              plan.grad_slots * round_up(largest_padded * 4, page));
@@ -379,12 +403,13 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
              UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
 
   if (plan.fetch_slots > 0)
-    add_buffer(fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
-               plan.fetch_slots * round_up(largest_shard * cb, page));
+    add_buffer(fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots),
+               Tier::host, plan.fetch_slots * round_up(largest_shard * cb, page));
   if (plan.streamed_optimizer)
-    add_buffer(fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,
-                           plan.optimizer_chunk_elements),
-               Tier::host, in.optimizer_buffers * round_up(plan.optimizer_chunk_elements * 12, page));
+    add_buffer(fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)",
+                           in.optimizer_buffers, plan.optimizer_chunk_elements),
+               Tier::host,
+               in.optimizer_buffers * round_up(plan.optimizer_chunk_elements * 12, page));
   const bool writeback = plan.homes.param == Tier::nvme && plan.homes.separate_master;
   if (writeback)
     add_buffer("new parameter shard on its way to NVMe", Tier::host, largest_shard * cb);
@@ -417,13 +442,16 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   return plan;
 }
 
-int64_t nvme_bytes_needed(const TrainingPlan& plan) { return plan.peak(Tier::nvme); }
+int64_t nvme_bytes_needed(const TrainingPlan& plan) {
+  return plan.peak(Tier::nvme);
+}
 
 std::string format_training_plan(const TrainingPlan& plan) {
   std::string out;
   const TrainingPlanInput& in = plan.input;
   out += fmt::format(
-      "One step of one rank: stage {}, {} rank(s), {} micro-batch(es) of {} x {} tokens, params {}, "
+      "One step of one rank: stage {}, {} rank(s), {} micro-batch(es) of {} x {} tokens, params "
+      "{}, "
       "optimizer {}, {}{}\n",
       in.stage, in.world_size, in.grad_accum, in.micro_batch, in.seq_len,
       offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer),
@@ -436,12 +464,14 @@ std::string format_training_plan(const TrainingPlan& plan) {
     const PlanOp& op = plan.ops[i];
     std::string deps;
     for (int d : op.deps) deps += (deps.empty() ? "" : ", ") + std::to_string(d);
-    out += fmt::format("{:>4}  {:<26} {:<9} {:>10}  {}\n", i, op_label(plan, op), lane_name(op.lane),
-                       op.bytes > 0 ? format_bytes(uint64_t(op.bytes)) : "", deps);
+    out +=
+        fmt::format("{:>4}  {:<26} {:<9} {:>10}  {}\n", i, op_label(plan, op), lane_name(op.lane),
+                    op.bytes > 0 ? format_bytes(uint64_t(op.bytes)) : "", deps);
   }
   out += "\nMemory per rank (peak, every buffer allocated before the first step):\n";
   for (const PlanBuffer& b : plan.buffers)
-    out += fmt::format("  {:<7} {:>12}  {}\n", tiers::tier_name(b.tier), format_bytes(uint64_t(b.bytes)), b.name);
+    out += fmt::format("  {:<7} {:>12}  {}\n", tiers::tier_name(b.tier),
+                       format_bytes(uint64_t(b.bytes)), b.name);
   for (int t = 0; t < tiers::kTierCount; ++t)
     out += fmt::format("  {:<7} {:>12}  total\n", tiers::tier_name(static_cast<Tier>(t)),
                        format_bytes(uint64_t(plan.peak_bytes[t])));

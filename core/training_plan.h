@@ -23,11 +23,11 @@
 // forward order, overlapping the next step's forward (forward of unit u waits
 // only for optimizer(u), and at stages 1-2 for sync(u), the all-gather of the
 // updated parameters); without clipping or loss scaling it runs during
-// backward instead, unit by unit as gradients become final. At stage 3 a unit is gathered before each use into one
-// of `gather_slots` buffers and released after; a fetch brings a parameter
-// shard homed on NVMe into host memory ahead of its gather, at most
-// `fetch_slots` at a time. Buffers are reused in a ring; the dependency on the
-// operation that last used a buffer is what bounds the memory.
+// backward instead, unit by unit as gradients become final. At stage 3 a unit is gathered before
+// each use into one of `gather_slots` buffers and released after; a fetch brings a parameter shard
+// homed on NVMe into host memory ahead of its gather, at most `fetch_slots` at a time. Buffers are
+// reused in a ring; the dependency on the operation that last used a buffer is what bounds the
+// memory.
 //
 // Lanes: io (starts fetches), comm (every collective, in one order that every
 // rank shares), compute, optimizer. Each lane runs its operations in plan
@@ -37,10 +37,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/config.h"
 #include "core/model.h"
@@ -62,18 +61,32 @@ struct TrainingPlanInput {
   int64_t grad_accum = 1;
   bool overlap_comm = true;    // false: collectives run on the compute lane, between computations
   bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
-  bool reduce_in_bf16 = false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
+  bool reduce_in_bf16 =
+      false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
   // No clipping and no loss scaling: the update needs no global result, so
   // `decide` runs at the start and each unit's optimizer as soon as its
   // gradient is final, during backward (DESIGN.md section 2).
   bool optimizer_during_backward = false;
-  int fetch_slots = 5;         // offload_param.buffer_count
-  int optimizer_buffers = 4;   // offload_optimizer.buffer_count
-  int64_t optimizer_chunk_elements = int64_t{1} << 24;  // streamed optimizer chunk (multiple of 1024)
+  int fetch_slots = 5;        // offload_param.buffer_count
+  int optimizer_buffers = 4;  // offload_optimizer.buffer_count
+  int64_t optimizer_chunk_elements = int64_t{1}
+                                     << 24;  // streamed optimizer chunk (multiple of 1024)
   uint64_t nvme_alignment = 4096;
 };
 
-enum class OpKind { fetch, gather, forward, release, backward, reduce, exchange, decide, optimizer, writeback, sync };
+enum class OpKind {
+  fetch,
+  gather,
+  forward,
+  release,
+  backward,
+  reduce,
+  exchange,
+  decide,
+  optimizer,
+  writeback,
+  sync
+};
 inline constexpr int kOpKindCount = 11;
 enum class Lane { io, comm, compute, optimizer };
 inline constexpr int kLaneCount = 4;
@@ -83,11 +96,11 @@ const char* lane_name(Lane lane);
 struct PlanOp {
   OpKind kind = OpKind::forward;
   Lane lane = Lane::compute;
-  int unit = -1;   // -1: not about one unit (exchange)
-  int micro = -1;  // micro-batch, -1 for the optimizer's operations
-  int slot = -1;   // gather / grad / fetch buffer used
-  std::vector<int> deps;  // indices of operations of the same step that must be done first
-  int64_t bytes = 0;      // bytes this operation moves (collective: sent by this rank)
+  int unit = -1;             // -1: not about one unit (exchange)
+  int micro = -1;            // micro-batch, -1 for the optimizer's operations
+  int slot = -1;             // gather / grad / fetch buffer used
+  std::vector<int> deps;     // indices of operations of the same step that must be done first
+  int64_t bytes = 0;         // bytes this operation moves (collective: sent by this rank)
   std::string text() const;  // "gather(layers.3) mb 1"
 };
 
@@ -127,17 +140,18 @@ struct TrainingPlan {
   int64_t tokens_per_micro = 0;  // B * T
   int compute_bytes = 4;         // of the parameters as stored
 
-  int gather_slots = 0;     // stage 3
-  int grad_slots = 2;       // full-unit fp32 gradient buffers in rotation
-  bool tied_grad_buffer = false;  // tied model: the embedding's gradient buffer lives through backward
-  int fetch_slots = 0;      // NVMe parameter copies in host memory
+  int gather_slots = 0;  // stage 3
+  int grad_slots = 2;    // full-unit fp32 gradient buffers in rotation
+  bool tied_grad_buffer =
+      false;            // tied model: the embedding's gradient buffer lives through backward
+  int fetch_slots = 0;  // NVMe parameter copies in host memory
   int64_t optimizer_chunk_elements = 0;
   bool streamed_optimizer = false;  // some optimizer state is on NVMe
 
-  std::vector<PlanOp> ops;  // one step of one rank, in an order every lane can follow
+  std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
   std::vector<PlanBuffer> buffers;  // states and buffers, per rank
   int64_t peak_bytes[tiers::kTierCount] = {0, 0, 0};  // per rank
-  TierTraffic traffic_per_step;                        // per rank
+  TierTraffic traffic_per_step;                       // per rank
 
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
   // Rank r's range of unit u's flat buffer that its optimizer state covers.

@@ -76,8 +76,9 @@ TEST_F(EngineCheckpoint, ResumingGivesTheStraightRunBitwiseWhateverTheOffload) {
     steps(*first, 2);
     const std::string saved = save(*first, std::string("save-") + precision);
     first.reset();
-    for (auto [stage, param, optimizer] : {std::tuple{3, "nvme", "nvme"}, std::tuple{1, "none", "cpu"},
-                                           std::tuple{0, "none", "none"}, std::tuple{2, "none", "nvme"}}) {
+    for (auto [stage, param, optimizer] :
+         {std::tuple{3, "nvme", "nvme"}, std::tuple{1, "none", "cpu"},
+          std::tuple{0, "none", "none"}, std::tuple{2, "none", "nvme"}}) {
       EngineRun run = straight_run;
       run.stage = stage;
       run.offload_param = param;
@@ -87,7 +88,8 @@ TEST_F(EngineCheckpoint, ResumingGivesTheStraightRunBitwiseWhateverTheOffload) {
       EXPECT_EQ(resumed->steps_done(), 2);
       const std::vector<double> rest = steps(*resumed, 3);
       ASSERT_EQ(rest.size(), 3u);
-      for (size_t s = 0; s < 3; ++s) EXPECT_EQ(rest[s], all[s + 2]) << run.label() << " step " << s + 3;
+      for (size_t s = 0; s < 3; ++s)
+        EXPECT_EQ(rest[s], all[s + 2]) << run.label() << " step " << s + 3;
       Result<HostModel> got = resumed->read_model();
       ASSERT_TRUE(got.is_ok());
       EXPECT_TRUE(testing::weights_bitwise_equal(*got, *expected)) << run.label();
@@ -144,7 +146,8 @@ TEST_F(EngineCheckpoint, DamagedOrForeignCheckpointsAreRefused) {
     EXPECT_NE(made.status().message().find(expect), std::string::npos) << made.status().message();
     EXPECT_EQ(made.status().message().find('\n'), std::string::npos) << made.status().message();
   };
-  for (const char* name : {"master.bin", "m.bin", "v.bin", "state.json", "model.json", "train.json"}) {
+  for (const char* name :
+       {"master.bin", "m.bin", "v.bin", "state.json", "model.json", "train.json"}) {
     const std::string path = saved + "/" + name;
     // One flipped byte in the middle.
     {
@@ -189,7 +192,8 @@ TEST_F(EngineCheckpoint, DamagedOrForeignCheckpointsAreRefused) {
   options->resume_from = saved;
   Result<std::unique_ptr<Engine>> made = Engine::create(*options);
   ASSERT_FALSE(made.is_ok());
-  EXPECT_NE(made.status().message().find("another model shape"), std::string::npos) << made.status().message();
+  EXPECT_NE(made.status().message().find("another model shape"), std::string::npos)
+      << made.status().message();
   // And the pristine copy still loads.
   EXPECT_TRUE(engine(run, saved) != nullptr);
 }
@@ -222,7 +226,8 @@ TEST_F(EngineCheckpoint, KeepsTheNewestAndIgnoresUnfinishedOnes) {
     last = save(*e, "kept", 2);
   }
   std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir_.path() + "/kept")) names.push_back(entry.path().filename());
+  for (const auto& entry : fs::directory_iterator(dir_.path() + "/kept"))
+    names.push_back(entry.path().filename());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step-3", "step-4"}));
   // A checkpoint cut short (no manifest) is not a checkpoint.

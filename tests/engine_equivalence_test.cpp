@@ -72,7 +72,8 @@ TEST_F(EngineEquivalence, MixedPrecisionPlacementsAgreeBitwise) {
     std::vector<EngineRun> runs = testing::every_placement(2, precision);
     const EngineOutcome reference = train(runs[0]);
     for (size_t i = 1; i < runs.size(); ++i) {
-      // Every placement at two ranks would take long; stage 3 and the optimizer tiers cover the rest.
+      // Every placement at two ranks would take long; stage 3 and the optimizer tiers cover the
+      // rest.
       if (runs[i].stage != 3 && runs[i].stage != 1) continue;
       expect_identical(train(runs[i]), reference, runs[i].label());
     }
@@ -116,7 +117,8 @@ TEST_F(EngineEquivalence, Bf16GradientReductionIsCloseAndPlacementIndependent) {
     EXPECT_NE(reference.steps[s].grad_norm, fp32_reduce.steps[s].grad_norm) << "step " << s + 1;
     EXPECT_NEAR(reference.steps[s].grad_norm, fp32_reduce.steps[s].grad_norm,
                 1e-2 * fp32_reduce.steps[s].grad_norm);
-    EXPECT_NEAR(reference.steps[s].loss, fp32_reduce.steps[s].loss, 1e-3 * fp32_reduce.steps[s].loss);
+    EXPECT_NEAR(reference.steps[s].loss, fp32_reduce.steps[s].loss,
+                1e-3 * fp32_reduce.steps[s].loss);
   }
 }
 
@@ -131,7 +133,8 @@ TEST_F(EngineEquivalence, OptimizerDuringBackwardChangesTimingNotResults) {
     run.clipping = 0.0;
     Result<TrainConfig> config = testing::engine_config(run, dir_.path());
     ASSERT_TRUE(config.is_ok());
-    Result<TrainingPlan> plan = build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
+    Result<TrainingPlan> plan =
+        build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
     ASSERT_TRUE(plan.is_ok());
     ASSERT_TRUE(plan->input.optimizer_during_backward);
     size_t first_update = 0, exchange = 0;

@@ -50,7 +50,8 @@ TEST_F(EngineErrors, NonFiniteLossFailsAnFp32StepAndStopsTheEngine) {
   ASSERT_FALSE(outcome.is_ok());
   const std::string& message = outcome.status().message();
   EXPECT_NE(message.find("forward(head)"), std::string::npos) << message;
-  EXPECT_NE(message.find("lower the learning rate or check the data"), std::string::npos) << message;
+  EXPECT_NE(message.find("lower the learning rate or check the data"), std::string::npos)
+      << message;
   EXPECT_EQ(message.find('\n'), std::string::npos) << message;
 }
 
@@ -119,7 +120,8 @@ TEST_F(EngineErrors, DataSourceFailuresAndMissingDirectoriesAreNamed) {
   EXPECT_NE(step.status().message().find("tokens.bin: truncated"), std::string::npos);
 
   // Out-of-vocabulary tokens from a reader are refused before any compute.
-  options.data = [](int64_t, int64_t, int, int, int64_t B, int64_t T, int32_t* inputs, int32_t* targets) {
+  options.data = [](int64_t, int64_t, int, int, int64_t B, int64_t T, int32_t* inputs,
+                    int32_t* targets) {
     for (int64_t i = 0; i < B * T; ++i) inputs[i] = targets[i] = 1000;
     return Status::ok();
   };
@@ -127,7 +129,8 @@ TEST_F(EngineErrors, DataSourceFailuresAndMissingDirectoriesAreNamed) {
   ASSERT_TRUE(engine.is_ok());
   step = (*engine)->step();
   ASSERT_FALSE(step.is_ok());
-  EXPECT_NE(step.status().message().find("input tokens"), std::string::npos) << step.status().message();
+  EXPECT_NE(step.status().message().find("input tokens"), std::string::npos)
+      << step.status().message();
 
   run.offload_optimizer = "nvme";
   config = testing::engine_config(run, dir_.path() + "/no-such-directory");
@@ -141,7 +144,8 @@ TEST_F(EngineErrors, DataSourceFailuresAndMissingDirectoriesAreNamed) {
   options.nvme_paths.clear();
   engine = Engine::create(options);
   ASSERT_FALSE(engine.is_ok());
-  EXPECT_NE(engine.status().message().find("--nvme-path"), std::string::npos) << engine.status().message();
+  EXPECT_NE(engine.status().message().find("--nvme-path"), std::string::npos)
+      << engine.status().message();
 }
 
 }  // namespace

@@ -61,7 +61,8 @@ TEST(EngineMemory, TrainsAStateFourTimesTheHostBudgetWithinIt) {
        {{"stage", 3},
         {"sub_group_size", 65536},
         {"offload_param", {{"device", "nvme"}, {"nvme_path", dir.path()}, {"buffer_count", 1}}},
-        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", dir.path()}, {"buffer_count", 2}}}}},
+        {"offload_optimizer",
+         {{"device", "nvme"}, {"nvme_path", dir.path()}, {"buffer_count", 2}}}}},
       {"aio", {{"block_size", 262144}, {"queue_depth", 8}}},
       {"strata", {{"seq_len", 32}}}};
   // Budgets from the plan itself: what it needs, rounded up to a MiB.
@@ -74,13 +75,14 @@ TEST(EngineMemory, TrainsAStateFourTimesTheHostBudgetWithinIt) {
   const int64_t host_budget = (plan->peak(tiers::Tier::host) + mib) / mib * mib;
   int64_t state = 0;
   for (const PlanBuffer& b : plan->buffers) {
-    if (b.name.rfind("parameters (", 0) == 0 || b.name == "gradients (fp32)" || b.name == "fp32 master" ||
-        b.name == "Adam m" || b.name == "Adam v")
+    if (b.name.rfind("parameters (", 0) == 0 || b.name == "gradients (fp32)" ||
+        b.name == "fp32 master" || b.name == "Adam m" || b.name == "Adam v")
       state += b.bytes;
   }
-  std::printf("training state %.1f MiB, host budget %.1f MiB (%.2fx), device budget %.1f MiB (%.2fx)\n",
-              double(state) / mib, double(host_budget) / mib, double(state) / host_budget,
-              double(device_budget) / mib, double(state) / device_budget);
+  std::printf(
+      "training state %.1f MiB, host budget %.1f MiB (%.2fx), device budget %.1f MiB (%.2fx)\n",
+      double(state) / mib, double(host_budget) / mib, double(state) / host_budget,
+      double(device_budget) / mib, double(state) / device_budget);
   ASSERT_GE(state, 4 * host_budget);
   ASSERT_GE(state, 8 * device_budget);
 
@@ -95,11 +97,11 @@ TEST(EngineMemory, TrainsAStateFourTimesTheHostBudgetWithinIt) {
       .write(reinterpret_cast<const char*>(narrow.data()), std::streamsize(narrow.size() * 2));
   const std::string report_path = dir.path() + "/report.json";
 
-  const int status = run_child({std::string(STRATA_TEST_DRIVERS) + "/engine_train", "--model", model_path,
-                                "--config", config_path, "--data", data_path, "--steps", "2",
-                                "--device-budget", std::to_string(device_budget), "--host-budget",
-                                std::to_string(host_budget), "--report", report_path, "--seed",
-                                std::to_string(seed)});
+  const int status =
+      run_child({std::string(STRATA_TEST_DRIVERS) + "/engine_train", "--model", model_path,
+                 "--config", config_path, "--data", data_path, "--steps", "2", "--device-budget",
+                 std::to_string(device_budget), "--host-budget", std::to_string(host_budget),
+                 "--report", report_path, "--seed", std::to_string(seed)});
   ASSERT_EQ(status, 0);
   nlohmann::json report = nlohmann::json::parse(std::ifstream(report_path));
   const int64_t hwm = report["vm_hwm_bytes"];

@@ -50,7 +50,8 @@ TEST_F(EngineOffload, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
         const uint64_t steps = uint64_t(run.steps), ranks = uint64_t(world);
         EXPECT_EQ(outcome->nvme_read, uint64_t(plan.traffic_per_step.nvme_read) * steps * ranks)
             << run.label();
-        EXPECT_EQ(outcome->nvme_written, uint64_t(plan.traffic_per_step.nvme_written) * steps * ranks)
+        EXPECT_EQ(outcome->nvme_written,
+                  uint64_t(plan.traffic_per_step.nvme_written) * steps * ranks)
             << run.label();
         const bool on_nvme = run.offload_param == "nvme" || run.offload_optimizer == "nvme";
         EXPECT_EQ(on_nvme, outcome->nvme_read > 0) << run.label();
@@ -60,7 +61,8 @@ TEST_F(EngineOffload, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
           const auto tier = static_cast<tiers::Tier>(t);
           EXPECT_LE(usage.peak, usage.capacity) << run.label() << " " << tiers::tier_name(tier);
           if (tier != tiers::Tier::nvme) {
-            EXPECT_LE(int64_t(usage.peak), plan.peak(tier)) << run.label() << " " << tiers::tier_name(tier);
+            EXPECT_LE(int64_t(usage.peak), plan.peak(tier))
+                << run.label() << " " << tiers::tier_name(tier);
           }
         }
       }
@@ -74,7 +76,8 @@ TEST_F(EngineOffload, PlanStatesMatchThePlannersAccounting) {
   for (EngineRun run : testing::every_placement(2, "bf16")) {
     Result<TrainConfig> config = testing::engine_config(run, dir_.path());
     ASSERT_TRUE(config.is_ok()) << config.status().message();
-    Result<TrainingPlan> plan = build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
+    Result<TrainingPlan> plan =
+        build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
     PlanInput input;
     input.model = testing::small_gqa_model();
@@ -143,8 +146,10 @@ TEST_F(EngineOffload, AnNvmeFailureFailsItsStepNamingTheOperation) {
       const std::string& message = outcome.status().message();
       std::printf("world %d: %s\n", world, message.c_str());
       EXPECT_NE(message.find("rank "), std::string::npos) << message;
-      EXPECT_TRUE(message.find("fetch") != std::string::npos || message.find("gather") != std::string::npos ||
-                  message.find("optimizer") != std::string::npos || message.find("writeback") != std::string::npos ||
+      EXPECT_TRUE(message.find("fetch") != std::string::npos ||
+                  message.find("gather") != std::string::npos ||
+                  message.find("optimizer") != std::string::npos ||
+                  message.find("writeback") != std::string::npos ||
                   message.find("write_shard") != std::string::npos)
           << message;
       EXPECT_NE(message.find("Input/output error"), std::string::npos) << message;

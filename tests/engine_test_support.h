@@ -73,12 +73,12 @@ struct EngineRun {
   bool tied = false;
   uint64_t device_budget = 64ull << 20;
   uint64_t host_budget = 64ull << 20;
-  std::string scheduler;  // "" or a DeepSpeed scheduler type
+  std::string scheduler;      // "" or a DeepSpeed scheduler type
   int param_buffers = 3;      // offload_param.buffer_count
   int optimizer_buffers = 3;  // offload_optimizer.buffer_count
   int64_t sub_group_size = 4096;
   bool reduce_in_bf16 = false;
-  std::string init;  // safetensors checkpoint to start from; empty: the seed
+  std::string init;              // safetensors checkpoint to start from; empty: the seed
   int initial_scale_power = 12;  // fp16
   std::shared_ptr<io::FaultInjector> fault_injector;
   std::string label() const {
@@ -92,7 +92,7 @@ struct EngineOutcome {
   std::vector<StepResult> steps;
   HostModel weights;
   TrainingPlan plan;
-  uint64_t nvme_read = 0, nvme_written = 0;  // during the steps, after initialisation
+  uint64_t nvme_read = 0, nvme_written = 0;        // during the steps, after initialisation
   tiers::TierUsage rank_usage[tiers::kTierCount];  // the largest peak over the ranks
 };
 
@@ -105,11 +105,15 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
                     {"params", {{"lr", run.lr}, {"weight_decay", 0.1}, {"betas", {0.9, 0.95}}}}};
   if (!run.scheduler.empty())
     j["scheduler"] = {{"type", run.scheduler},
-                      {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", run.lr},
-                                  {"warmup_num_steps", 2}, {"total_num_steps", 8}}}};
+                      {"params",
+                       {{"warmup_min_lr", 0.0},
+                        {"warmup_max_lr", run.lr},
+                        {"warmup_num_steps", 2},
+                        {"total_num_steps", 8}}}};
   if (run.precision == "bf16") j["bf16"] = {{"enabled", true}};
   if (run.precision == "fp16")
-    j["fp16"] = {{"enabled", true}, {"initial_scale_power", run.initial_scale_power}, {"hysteresis", 1}};
+    j["fp16"] = {
+        {"enabled", true}, {"initial_scale_power", run.initial_scale_power}, {"hysteresis", 1}};
   nlohmann::json zero = {{"stage", run.stage},
                          {"overlap_comm", run.overlap_comm},
                          {"reduce_scatter", run.reduce_scatter},
@@ -199,7 +203,8 @@ inline double weights_relative_error(const HostModel& a, const HostModel& b) {
 inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
   for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
     if (std::memcmp(a.params[size_t(t.unit)].data() + t.slot->offset,
-                    b.params[size_t(t.unit)].data() + t.slot->offset, size_t(t.slot->numel) * 4) != 0)
+                    b.params[size_t(t.unit)].data() + t.slot->offset,
+                    size_t(t.slot->numel) * 4) != 0)
       return false;
   }
   return true;

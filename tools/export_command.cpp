@@ -2,9 +2,9 @@
 // as a Hugging Face model directory (config.json + safetensors, sharded with
 // an index above --max-shard-size), streamed one tensor at a time so that any
 // model converts in little memory. `strata train --init DIR` reads it back.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <string>
 
 #include "core/checkpoint.h"
@@ -19,14 +19,18 @@ class ExportCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
     CLI::App* cmd = app.add_subcommand(
-        "export", "Write a checkpoint (from strata train --save) as a Hugging Face model directory");
-    cmd->add_option("checkpoint", checkpoint_,
-                    "A checkpoint directory (step-N), or the --save directory (its newest checkpoint)")
+        "export",
+        "Write a checkpoint (from strata train --save) as a Hugging Face model directory");
+    cmd->add_option(
+           "checkpoint", checkpoint_,
+           "A checkpoint directory (step-N), or the --save directory (its newest checkpoint)")
         ->required();
-    cmd->add_option("--out", out_, "Directory to write config.json and the safetensors into")->required();
+    cmd->add_option("--out", out_, "Directory to write config.json and the safetensors into")
+        ->required();
     cmd->add_option("--dtype", dtype_, "fp32 | bf16 | fp16 (default fp32)")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-    cmd->add_option("--max-shard-size", max_shard_, "Largest safetensors file, e.g. 5G (default 5G)");
+    cmd->add_option("--max-shard-size", max_shard_,
+                    "Largest safetensors file, e.g. 5G (default 5G)");
     return cmd;
   }
 

@@ -1,8 +1,8 @@
 // `strata plan`: how many bytes each tier needs per rank, whether that fits,
 // the smallest change that makes it fit, and which link bounds the step.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -22,17 +22,20 @@ namespace {
 class PlanCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
-    CLI::App* cmd = app.add_subcommand("plan", "Memory and traffic plan for a model, stage and offload");
+    CLI::App* cmd =
+        app.add_subcommand("plan", "Memory and traffic plan for a model, stage and offload");
     cmd->add_option("--model", model_, "Preset, config.json or Hugging Face model directory");
     cmd->add_option("--params", params_, "A bare parameter count instead of a model: 30e9, 7B");
     flags_.add_to(*cmd, /*with_plan_names=*/true);
-    cmd->add_option("--accounting", accounting_, "strata (bytes the engine allocates) or zero (2+2+12 bytes)")
+    cmd->add_option("--accounting", accounting_,
+                    "strata (bytes the engine allocates) or zero (2+2+12 bytes)")
         ->check(CLI::IsMember({"strata", "zero"}));
     cmd->add_flag("--json", json_, "Print a JSON object instead of the table");
     cmd->add_flag("--schedule", schedule_,
                   "Print the engine's plan of one step (every operation, its lane, bytes and "
                   "dependencies) and its buffers per tier; needs --model");
-    cmd->add_option("--net-bw", net_bw_, "Network bandwidth per rank for collectives (default 25GB/s)");
+    cmd->add_option("--net-bw", net_bw_,
+                    "Network bandwidth per rank for collectives (default 25GB/s)");
     cmd->add_option("--pcie-bw", pcie_bw_, "Host-device bandwidth per direction (default 25GB/s)");
     cmd->add_option("--nvme-bw", nvme_bw_, "NVMe bandwidth of the node (default 6GB/s)");
     return cmd;
@@ -122,7 +125,8 @@ class PlanCommand : public Subcommand {
     if (!valid.is_ok()) return valid;
 
     if (schedule_) {
-      if (!input.model) return Status::error("--schedule needs --model (a plan is made of the model's units)");
+      if (!input.model)
+        return Status::error("--schedule needs --model (a plan is made of the model's units)");
       Result<TrainingPlan> steps = build_training_plan(training_plan_input(*input.model, c));
       if (!steps.is_ok()) return steps.status();
       if (json_) {

@@ -55,7 +55,9 @@ void request_stop(int signal) {
   stop_signal.store(signal);
   stop_requested.store(true);
 }
-const char* stop_name() { return stop_signal.load() == SIGTERM ? "SIGTERM" : "Ctrl-C"; }
+const char* stop_name() {
+  return stop_signal.load() == SIGTERM ? "SIGTERM" : "Ctrl-C";
+}
 
 // Two kinds of failure: the user's input (2) and the run itself (1).
 struct Failure {
@@ -327,16 +329,19 @@ class TrainCommand : public Subcommand {
     cmd->add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->group(output_group);
-    cmd->add_option("--save", save_dir_,
-                    "Write checkpoints into this directory (step-N, atomically; also at the end and "
-                    "on Ctrl-C / SIGTERM)")
+    cmd->add_option(
+           "--save", save_dir_,
+           "Write checkpoints into this directory (step-N, atomically; also at the end and "
+           "on Ctrl-C / SIGTERM)")
         ->group(checkpoint_group);
     cmd->add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
         ->group(checkpoint_group);
-    cmd->add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")->group(checkpoint_group);
-    cmd->add_option("--resume", resume_,
-                    "Resume from a checkpoint directory, or the newest one under a --save directory; "
-                    "--steps is then the step to reach. World size, stage and offload may differ")
+    cmd->add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")
+        ->group(checkpoint_group);
+    cmd->add_option(
+           "--resume", resume_,
+           "Resume from a checkpoint directory, or the newest one under a --save directory; "
+           "--steps is then the step to reach. World size, stage and offload may differ")
         ->group(checkpoint_group);
     cmd->add_flag("--print-config", print_config_,
                   "Print the merged effective configuration as JSON and exit")
@@ -493,12 +498,14 @@ class TrainCommand : public Subcommand {
     options.init_checkpoint = init_path_;
     if (!resume_.empty()) {
       if (!init_path_.empty())
-        return usage_error(Status::error("give --init or --resume, not both (a checkpoint holds the weights)"));
+        return usage_error(
+            Status::error("give --init or --resume, not both (a checkpoint holds the weights)"));
       Result<std::string> found = find_latest_checkpoint(resume_);
       if (!found) return usage_error(found.status());
       if (found->empty())
         return usage_error(Status::error(fmt::format(
-            "--resume {}: no checkpoint in this directory (no step-N with a manifest.json)", resume_)));
+            "--resume {}: no checkpoint in this directory (no step-N with a manifest.json)",
+            resume_)));
       options.resume_from = *found;
     }
     options.data = batch_reader(data);
@@ -528,7 +535,7 @@ class TrainCommand : public Subcommand {
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
         B, T, plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
-        !resume_.empty() ? "resuming " + options.resume_from
+        !resume_.empty()     ? "resuming " + options.resume_from
         : init_path_.empty() ? fmt::format("random init (seed {})", seed_)
                              : "from " + init_path_);
     fmt::print("budgets: {}\n", budget_note);
@@ -639,8 +646,9 @@ class TrainCommand : public Subcommand {
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
     if (stop_requested.load())
-      fmt::print("stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
-                 save_dir_.empty() ? "" : "; the checkpoint above resumes it with --resume " + save_dir_);
+      fmt::print(
+          "stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
+          save_dir_.empty() ? "" : "; the checkpoint above resumes it with --resume " + save_dir_);
     fmt::print("{}", format_run_summary(summary));
 
     if (!export_path_.empty()) {

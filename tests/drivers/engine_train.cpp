@@ -6,9 +6,9 @@
 //   engine_train --model DIR_OR_PRESET --config ds.json --data tokens.bin --steps N
 //                [--world W] [--init DIR] [--nvme DIR] [--device-budget 64M]
 //                [--host-budget 64M] [--out DIR] [--report report.json] [--seed S]
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -82,8 +82,10 @@ int main(int argc, char** argv) {
   options.total_steps = steps;
   options.device_budget = *device;
   options.host_budget = *host;
-  if (!nvme.empty()) options.nvme_paths = {nvme};
-  else options.nvme_paths = config->effective_nvme_paths();
+  if (!nvme.empty())
+    options.nvme_paths = {nvme};
+  else
+    options.nvme_paths = config->effective_nvme_paths();
   options.seed = seed;
   options.init_checkpoint = init;
   options.pin_host = false;
@@ -120,7 +122,8 @@ int main(int argc, char** argv) {
     std::printf("  %-10s %8.3f s\n", kind.c_str(), total);
     report["op_seconds"][kind] = total;
   }
-  for (auto tier : {strata::tiers::Tier::device, strata::tiers::Tier::host, strata::tiers::Tier::nvme}) {
+  for (auto tier :
+       {strata::tiers::Tier::device, strata::tiers::Tier::host, strata::tiers::Tier::nvme}) {
     const strata::tiers::TierUsage usage = (*engine)->usage(tier);
     report["tiers"][strata::tiers::tier_name(tier)] = {
         {"peak_bytes_per_rank", usage.peak}, {"plan_peak_bytes_per_rank", plan.peak(tier)}};
