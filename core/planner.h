@@ -24,9 +24,11 @@
 namespace strata {
 
 // The streamed optimizer (state on NVMe) works through a unit's shard in chunks
-// of at most this many elements (64 MiB per fp32 state), so its pinned buffers
-// stay small whatever the unit size; sub_group_size can lower it further.
-inline constexpr int64_t kOptimizerChunkElements = int64_t{1} << 24;
+// of at most this many elements (4 MiB per fp32 state, 12 MiB per chunk of
+// master, m and v), so its pinned buffers stay small whatever the unit size
+// and a unit's chunks pipeline (read the next while updating this one and
+// writing the last); sub_group_size can lower it further.
+inline constexpr int64_t kOptimizerChunkElements = int64_t{1} << 20;
 
 // Elements of each rank's shard of a unit with `numel` parameters over
 // `world_size` ranks (padded to kShardAlignElements, as model_layout pads).

@@ -23,6 +23,7 @@
 #include <span>
 
 #include "core/optimizer.h"
+#include "core/planner.h"
 #include "io/status.h"
 #include "kernels/cpu/simd.h"
 #include "tiers/streamed_pass.h"
@@ -30,12 +31,8 @@
 
 namespace strata {
 
-// core/planner.h's kOptimizerChunkElements (that header cannot be included
-// next to core/optimizer.h: both define strata::OptimizerOptions).
-inline constexpr int64_t kStreamedChunkElements = int64_t{1} << 24;
-
 struct StreamedOptimizerOptions {
-  int64_t chunk_elements = kStreamedChunkElements;  // a multiple of 1024
+  int64_t chunk_elements = kOptimizerChunkElements;  // a multiple of 1024
   unsigned buffer_count = 4;                        // offload_optimizer.buffer_count
 };
 

@@ -184,8 +184,8 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   return outcome;
 }
 
-// Largest per-tensor relative error |a - b| / |b| over the model.
-inline double weights_relative_error(const HostModel& a, const HostModel& b) {
+// Largest per-tensor relative error |a - b| / |b| over the model; `where` gets its tensor.
+inline double weights_relative_error(const HostModel& a, const HostModel& b, std::string* where = nullptr) {
   double worst = 0;
   for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
     const float* x = a.params[size_t(t.unit)].data() + t.slot->offset;
@@ -195,7 +195,9 @@ inline double weights_relative_error(const HostModel& a, const HostModel& b) {
       diff += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
       norm += double(y[i]) * y[i];
     }
-    worst = std::max(worst, std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30));
+    const double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+    if (error > worst && where) *where = t.slot->name;
+    worst = std::max(worst, error);
   }
   return worst;
 }

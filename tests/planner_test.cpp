@@ -72,9 +72,9 @@ TEST(Planner, EverythingOnNvmeStagesThroughPinnedBuffers) {
   EXPECT_EQ(plan.model_states.nvme, 14 * s);  // params 2 + master 4 + m 4 + v 4
   EXPECT_EQ(plan.model_states.host, 4 * s);   // the fp32 gradient shard
   EXPECT_EQ(plan.model_states.device, 0);
-  // 5 parameter buffers of min(shard, 1e8) bf16 elements; 4 optimizer buffers of 2^24
-  // elements times 12 bytes (master, m, v).
-  EXPECT_EQ(plan.host_staging_bytes, 5 * 100000000LL * 2 + 4 * (1LL << 24) * 12);
+  // 5 parameter buffers of min(shard, 1e8) bf16 elements; 4 optimizer buffers of
+  // kOptimizerChunkElements (2^20) elements times 12 bytes (master, m, v).
+  EXPECT_EQ(plan.host_staging_bytes, 5 * 100000000LL * 2 + 4 * kOptimizerChunkElements * 12);
   // Device: gathered window of two units (bf16) and two full-unit fp32 gradient buffers.
   EXPECT_EQ(plan.device_staging_bytes, 2 * s * 2 + 2 * s * 4);
   // NVMe per step: optimizer state read and written (12 bytes), params read for the
@@ -90,12 +90,12 @@ TEST(Planner, FpThirtyTwoOnNvmeStreamsTheParametersAsTheMaster) {
   PlanInput in = bare(1000000000, 1, 3, Precision::fp32);
   in.offload_optimizer = OffloadDevice::nvme;
   in.offload_param = OffloadDevice::nvme;
-  in.sub_group_size = 5000000;  // not a multiple of 1024: the chunk rounds down to 4882 * 1024
+  in.sub_group_size = 500000;  // not a multiple of 1024: the chunk rounds down to 488 * 1024
   MemoryPlan plan = plan_memory(in);
   const int64_t s = plan.shard_elements;
   EXPECT_EQ(plan.model_states.nvme, 12 * s);  // params (the master), m, v
   EXPECT_EQ(plan.model_states.host, 4 * s);
-  EXPECT_EQ(plan.host_staging_bytes, 5 * 100000000LL * 4 + 4 * (4882LL * 1024) * 12);
+  EXPECT_EQ(plan.host_staging_bytes, 5 * 100000000LL * 4 + 4 * (488LL * 1024) * 12);
   EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * s + 2 * 4 * s);
   EXPECT_EQ(plan.traffic.nvme_write_bytes, 12 * s);  // the optimizer's write is the parameters'
 }
