@@ -14,7 +14,11 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$strata" demo-data --out "$dir/data" --tokens 100000 --val-tokens 2000 >/dev/null
 
-base=(--model tiny --backend cpu --seq-len 32 --lr 3e-3 --data "$dir/data/train.bin" --nvme-path "$dir/swap")
+# Adam eps 1e-6: damps near-zero gradients, whose sign fp32 summation order
+# decides, so the resharded run is compared on the engine's arithmetic.
+echo '{"optimizer": {"type": "AdamW", "params": {"eps": 1e-6}}}' >"$dir/adam.json"
+base=(--model tiny --backend cpu --seq-len 32 --lr 3e-3 --config "$dir/adam.json" --data "$dir/data/train.bin"
+      --nvme-path "$dir/swap")
 common=("${base[@]}" --micro-batch 2 --grad-accum 2)
 nvme=(--zero-stage 3 --offload-param nvme --offload-optimizer nvme)
 steps=8
@@ -59,7 +63,7 @@ for name in a:
     norm = math.sqrt(sum(y * y for y in b[name]))
     worst = max(worst, diff / max(norm, 1e-30))
 print(f"  worst per-tensor relative error after resharding: {worst:.2e}")
-sys.exit(0 if worst < 1e-4 else 1)
+sys.exit(0 if worst < 1e-5 else 1)
 PY
 check "resharded run within fp32 tolerance" $?
 

@@ -69,6 +69,7 @@ struct EngineRun {
   bool reduce_scatter = true;
   double clipping = 1.0;
   double lr = 3e-3;
+  double eps = 1e-8;  // Adam's
   int steps = 3;
   bool tied = false;
   uint64_t device_budget = 64ull << 20;
@@ -102,7 +103,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["gradient_accumulation_steps"] = run.grad_accum;
   j["gradient_clipping"] = run.clipping;
   j["optimizer"] = {{"type", "AdamW"},
-                    {"params", {{"lr", run.lr}, {"weight_decay", 0.1}, {"betas", {0.9, 0.95}}}}};
+                    {"params", {{"lr", run.lr}, {"weight_decay", 0.1}, {"betas", {0.9, 0.95}}, {"eps", run.eps}}}};
   if (!run.scheduler.empty())
     j["scheduler"] = {{"type", run.scheduler},
                       {"params",
