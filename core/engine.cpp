@@ -198,7 +198,10 @@ struct Engine::Impl {
 
   Status open_rank(Rank& rank);
   Status init_rank(Rank& rank, const std::vector<std::vector<float>>* loaded);
+  Status initialize();
   Status init_unit(Rank& rank, int u, const float* full);
+  // The NVMe I/O engines' counters, summed over the ranks.
+  io::IoCounters nvme_counters() const;
   Status load_moments(Rank& rank, int u, const float* m, const float* v);
   Status resume(const CheckpointReader& checkpoint);
   Status save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets);
@@ -283,8 +286,7 @@ TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfi
   in.offload_optimizer = config.zero.offload_optimizer.device;
   in.precision = config.precision;
   in.micro_batch = config.train_micro_batch_size_per_gpu;
-  in.seq_len = config.strata.seq_len ? *config.strata.seq_len
-                                     : std::min<int64_t>(2048, model.max_position_embeddings);
+  in.seq_len = effective_seq_len(config, model);
   in.grad_accum = config.gradient_accumulation_steps;
   in.overlap_comm = config.zero.overlap_comm;
   in.reduce_scatter = config.zero.reduce_scatter;
@@ -364,16 +366,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   // The budgets, checked before anything is allocated.
   const uint64_t host_per_rank = options.host_budget / uint64_t(W);
   auto refuse = [&](const char* tier, int64_t need, uint64_t budget, const char* flag) -> Status {
-    PlanInput planner;
-    planner.model = options.model;
-    planner.world_size = W;
-    planner.stage = input.stage;
-    planner.offload_optimizer = input.offload_optimizer;
-    planner.offload_param = input.offload_param;
-    planner.precision = input.precision;
-    planner.micro_batch = input.micro_batch;
-    planner.seq_len = input.seq_len;
-    planner.grad_accum = input.grad_accum;
+    PlanInput planner = plan_input_from_config(config, options.model);
     planner.nvme_path_known = !options.nvme_paths.empty();
     planner.device_budget = int64_t(options.device_budget);
     planner.host_budget = int64_t(options.host_budget);
@@ -424,14 +417,6 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
     impl->ranks.push_back(std::move(rank));
   }
 
-  // Initial parameters: from the checkpoint, else from the seed (identical for any sharding).
-  std::optional<SafetensorsCheckpoint> checkpoint;
-  if (!impl->options.init_checkpoint.empty()) {
-    Result<SafetensorsCheckpoint> opened =
-        SafetensorsCheckpoint::open(impl->options.init_checkpoint);
-    if (!opened) return opened.status().with_context("--init");
-    checkpoint.emplace(std::move(*opened));
-  }
   std::vector<Status> results(static_cast<size_t>(W));
   {
     std::vector<std::thread> threads;
@@ -450,35 +435,41 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
     if (!checkpoint) return checkpoint.status().with_context("--resume");
     if (Status s = impl->resume(*checkpoint); !s)
       return s.with_context("--resume " + impl->options.resume_from);
-    for (auto& rank : impl->ranks)
-      for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
-    auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
-    engine->impl_->last_read = engine->nvme_bytes_read();
-    engine->impl_->last_written = engine->nvme_bytes_written();
-    return engine;
+  } else if (Status s = impl->initialize(); !s) {
+    return s;
   }
-  // One unit at a time: the full fp32 unit is made once and every rank takes its part.
-  std::vector<float> full;
-  for (int u = 0; u < impl->units(); ++u) {
-    full.assign(size_t(p.units[size_t(u)].padded_numel), 0.0f);
-    if (checkpoint) {
-      if (Status s = load_unit_parameters(*checkpoint, p.layout, u, full.data()); !s)
-        return s.with_context("--init " + impl->options.init_checkpoint);
-    } else {
-      init_unit_parameters(p.layout, u, impl->options.seed, full.data());
-    }
-    for (auto& rank : impl->ranks)
-      if (Status s = impl->init_unit(*rank, u, full.data()); !s) return s;
-  }
-  for (auto& rank : impl->ranks) {
+  for (auto& rank : impl->ranks)
     for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
+  // Step results count the I/O of steps, not of initialisation.
+  const io::IoCounters counters = impl->nvme_counters();
+  impl->last_read = counters.bytes_read;
+  impl->last_written = counters.bytes_written;
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+// Initial parameters: from --init, else from the seed (identical for any
+// sharding). One unit at a time: the full fp32 unit is made once and every
+// rank takes its part.
+Status Engine::Impl::initialize() {
+  std::optional<SafetensorsCheckpoint> checkpoint;
+  if (!options.init_checkpoint.empty()) {
+    Result<SafetensorsCheckpoint> opened = SafetensorsCheckpoint::open(options.init_checkpoint);
+    if (!opened) return opened.status().with_context("--init");
+    checkpoint.emplace(std::move(*opened));
   }
-  impl->last_read = 0;
-  impl->last_written = 0;
-  auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
-  engine->impl_->last_read = engine->nvme_bytes_read();
-  engine->impl_->last_written = engine->nvme_bytes_written();
-  return engine;
+  std::vector<float> full;
+  for (int u = 0; u < units(); ++u) {
+    full.assign(size_t(plan.units[size_t(u)].padded_numel), 0.0f);
+    if (checkpoint) {
+      if (Status s = load_unit_parameters(*checkpoint, plan.layout, u, full.data()); !s)
+        return s.with_context("--init " + options.init_checkpoint);
+    } else {
+      init_unit_parameters(plan.layout, u, options.seed, full.data());
+    }
+    for (auto& rank : ranks)
+      if (Status s = init_unit(*rank, u, full.data()); !s) return s;
+  }
+  return Status::ok();
 }
 
 Status Engine::Impl::open_rank(Rank& rank) {
@@ -944,11 +935,11 @@ Result<StepResult> Engine::step() {
     for (double s : run->stall_seconds) stall += s;
     result.stall_seconds = stall / W;
   }
-  const uint64_t read = nvme_bytes_read(), written = nvme_bytes_written();
-  result.nvme_read_bytes = read - im.last_read;
-  result.nvme_written_bytes = written - im.last_written;
-  im.last_read = read;
-  im.last_written = written;
+  const io::IoCounters counters = im.nvme_counters();
+  result.nvme_read_bytes = counters.bytes_read - im.last_read;
+  result.nvme_written_bytes = counters.bytes_written - im.last_written;
+  im.last_read = counters.bytes_read;
+  im.last_written = counters.bytes_written;
   return result;
 }
 
@@ -1449,20 +1440,23 @@ tiers::TierUsage Engine::usage(tiers::Tier tier) const {
   return total;
 }
 
-uint64_t Engine::nvme_bytes_read() const {
-  uint64_t total = 0;
-  for (const auto& rank : impl_->ranks)
-    if (rank->store && rank->store->nvme_tier())
-      total += rank->store->nvme_tier()->engine().counters().bytes_read;
+io::IoCounters Engine::Impl::nvme_counters() const {
+  io::IoCounters total;
+  for (const auto& rank : ranks) {
+    if (!rank->store || !rank->store->nvme_tier()) continue;
+    const io::IoCounters c = rank->store->nvme_tier()->engine().counters();
+    total.bytes_read += c.bytes_read;
+    total.bytes_written += c.bytes_written;
+  }
   return total;
 }
 
+uint64_t Engine::nvme_bytes_read() const {
+  return impl_->nvme_counters().bytes_read;
+}
+
 uint64_t Engine::nvme_bytes_written() const {
-  uint64_t total = 0;
-  for (const auto& rank : impl_->ranks)
-    if (rank->store && rank->store->nvme_tier())
-      total += rank->store->nvme_tier()->engine().counters().bytes_written;
-  return total;
+  return impl_->nvme_counters().bytes_written;
 }
 
 std::vector<OpTiming> Engine::take_timings() {

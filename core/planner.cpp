@@ -14,13 +14,18 @@
 namespace strata {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 Tier home_of(OffloadDevice device) {
   switch (device) {
-    case OffloadDevice::none: return Tier::device;
-    case OffloadDevice::cpu: return Tier::host;
-    case OffloadDevice::nvme: return Tier::nvme;
+    case OffloadDevice::none:
+      return Tier::device;
+    case OffloadDevice::cpu:
+      return Tier::host;
+    case OffloadDevice::nvme:
+      return Tier::nvme;
   }
   return Tier::device;
 }
@@ -74,9 +79,12 @@ int64_t padded_shard_elements(int64_t numel, int world_size) {
 
 const char* tier_name(Tier tier) {
   switch (tier) {
-    case Tier::device: return "device";
-    case Tier::host: return "host";
-    case Tier::nvme: return "nvme";
+    case Tier::device:
+      return "device";
+    case Tier::host:
+      return "host";
+    case Tier::nvme:
+      return "nvme";
   }
   return "?";
 }
@@ -88,19 +96,45 @@ int64_t TierBytes::at(Tier tier) const {
   return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
 }
 
+int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelConfig>& model) {
+  if (config.strata.seq_len) return *config.strata.seq_len;
+  return model ? std::min<int64_t>(2048, model->max_position_embeddings) : 2048;
+}
+
+PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<ModelConfig>& model) {
+  PlanInput input;
+  input.model = model;
+  input.world_size = c.world_size;
+  input.stage = c.zero.stage;
+  input.offload_optimizer = c.zero.offload_optimizer.device;
+  input.offload_param = c.zero.offload_param.device;
+  input.precision = c.precision;
+  input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
+  input.micro_batch = c.train_micro_batch_size_per_gpu;
+  input.grad_accum = c.gradient_accumulation_steps;
+  input.seq_len = effective_seq_len(c, model);
+  input.param_buffer_count = c.zero.offload_param.buffer_count;
+  input.param_buffer_elements = c.zero.offload_param.buffer_size;
+  input.optimizer_buffer_count = c.zero.offload_optimizer.buffer_count;
+  input.sub_group_size = c.zero.sub_group_size;
+  return input;
+}
+
 Status validate_plan_input(const PlanInput& in) {
   if (in.world_size < 1) return Status::error("--world-size must be at least 1");
   if (in.stage < 0 || in.stage > 3) {
     return Status::error(fmt::format("--stage must be 0, 1, 2 or 3, got {}", in.stage));
   }
   if (in.offload_param != OffloadDevice::none && in.stage < 3) {
-    return Status::error(fmt::format(
-        "--offload-param {} needs ZeRO stage 3 (stage is {}); pass --stage 3 or drop --offload-param",
-        offload_device_name(in.offload_param), in.stage));
+    return Status::error(
+        fmt::format("--offload-param {} needs ZeRO stage 3 (stage is {}); pass --stage 3 or drop "
+                    "--offload-param",
+                    offload_device_name(in.offload_param), in.stage));
   }
   if (!in.model && in.parameters <= 0) return Status::error("give --model or --params");
   if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1) {
-    return Status::error("micro batch, sequence length and gradient accumulation must be at least 1");
+    return Status::error(
+        "micro batch, sequence length and gradient accumulation must be at least 1");
   }
   return Status::ok();
 }
@@ -135,7 +169,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   plan.states.push_back({fmt::format("parameters ({})", precision_name(in.precision)), param_home,
                          param_elements * cb});
   plan.states.push_back({"gradients (fp32)", grad_home, grad_elements * 4});
-  if (separate_master) plan.states.push_back({"fp32 master", optimizer_home, optimizer_elements * 4});
+  if (separate_master)
+    plan.states.push_back({"fp32 master", optimizer_home, optimizer_elements * 4});
   plan.states.push_back({"Adam m", optimizer_home, optimizer_elements * 4});
   plan.states.push_back({"Adam v", optimizer_home, optimizer_elements * 4});
   for (const StateLine& line : plan.states) plan.model_states.at(line.tier) += line.bytes;
@@ -146,8 +181,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   auto shard_if = [&](bool sharded, int64_t bytes) { return sharded ? ceil_div(bytes, w) : bytes; };
   plan.states_zero.push_back({"parameters (fp16)", param_home, shard_if(in.stage == 3, 2 * n)});
   plan.states_zero.push_back({"gradients (fp16)", grad_home, shard_if(in.stage >= 2, 2 * n)});
-  plan.states_zero.push_back({"optimizer states (fp32 master, m, v)", optimizer_home,
-                              shard_if(in.stage >= 1, 12 * n)});
+  plan.states_zero.push_back(
+      {"optimizer states (fp32 master, m, v)", optimizer_home, shard_if(in.stage >= 1, 12 * n)});
   for (const StateLine& line : plan.states_zero) plan.model_states_zero.at(line.tier) += line.bytes;
 
   // Activations with per-unit checkpointing.
@@ -159,8 +194,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
         2 * tokens * 4 + (m.num_hidden_layers + 1) * tokens * m.hidden_size * cb;
     // One layer recomputed: its intermediates, their gradients (about as many again), and
     // the attention's per-row softmax statistics (fp32; no T x T matrix is kept).
-    const int64_t layer_working =
-        2 * tokens * layer_activation_elements_per_token(m) * cb + tokens * m.num_attention_heads * 4;
+    const int64_t layer_working = 2 * tokens * layer_activation_elements_per_token(m) * cb +
+                                  tokens * m.num_attention_heads * 4;
     // The head: fp32 logits, whose gradient the fused cross-entropy writes in place.
     const int64_t head_working = tokens * m.vocab_size * 4 + 2 * tokens * m.hidden_size * cb;
     plan.activation_working_bytes = std::max(layer_working, head_working);
@@ -179,9 +214,11 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // The streamed optimizer's chunk: whole multiples of 1024 elements (its SIMD and
   // O_DIRECT granule), at most the largest shard, 2^24 elements and sub_group_size.
   const int64_t optimizer_chunk = std::max<int64_t>(
-      1024, std::min({sizes.largest_unit_shard, kOptimizerChunkElements, in.sub_group_size}) / 1024 * 1024);
+      1024, std::min({sizes.largest_unit_shard, kOptimizerChunkElements, in.sub_group_size}) /
+                1024 * 1024);
   if (in.offload_param == OffloadDevice::nvme) {
-    const int64_t buffer = std::min(sizes.largest_unit_shard, std::max<int64_t>(in.param_buffer_elements, 1));
+    const int64_t buffer =
+        std::min(sizes.largest_unit_shard, std::max<int64_t>(in.param_buffer_elements, 1));
     plan.host_staging_bytes += in.param_buffer_count * buffer * cb;
   }
   if (in.offload_optimizer == OffloadDevice::nvme) {
@@ -219,10 +256,18 @@ MemoryPlan plan_memory(const PlanInput& in) {
     const int64_t reduce_scatter = sizes.padded * reduce_bytes * ring_factor_num / w;
     const int64_t all_gather = sizes.padded * cb * ring_factor_num / w;
     switch (in.stage) {
-      case 0: t.collective_bytes = reductions * all_reduce; break;
-      case 1: t.collective_bytes = reductions * all_reduce + all_gather; break;
-      case 2: t.collective_bytes = reductions * reduce_scatter + all_gather; break;
-      case 3: t.collective_bytes = reductions * reduce_scatter + 2 * g * all_gather; break;
+      case 0:
+        t.collective_bytes = reductions * all_reduce;
+        break;
+      case 1:
+        t.collective_bytes = reductions * all_reduce + all_gather;
+        break;
+      case 2:
+        t.collective_bytes = reductions * reduce_scatter + all_gather;
+        break;
+      case 3:
+        t.collective_bytes = reductions * reduce_scatter + 2 * g * all_gather;
+        break;
     }
     t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * n;
   }
@@ -248,7 +293,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;
   t.d2h_seconds = t.d2h_bytes / in.pcie_bandwidth;
   // Every rank on the node shares the NVMe drives.
-  t.nvme_seconds = (t.nvme_read_bytes + t.nvme_write_bytes) * static_cast<double>(w) / in.nvme_bandwidth;
+  t.nvme_seconds =
+      (t.nvme_read_bytes + t.nvme_write_bytes) * static_cast<double>(w) / in.nvme_bandwidth;
   double slowest = 0;
   for (auto [seconds, name] : {std::pair{t.collective_seconds, "network"},
                                std::pair{std::max(t.h2d_seconds, t.d2h_seconds), "PCIe"},
@@ -273,7 +319,8 @@ MemoryPlan plan_with_suggestion(const PlanInput& input) {
   const std::string nvme_hint = input.nvme_path_known ? "" : " --nvme-path DIR";
   if (input.world_size > 1) {
     for (int stage = input.stage + 1; stage <= 3; ++stage) {
-      candidates.push_back({fmt::format("--stage {}", stage), [stage](PlanInput& p) { p.stage = stage; }});
+      candidates.push_back(
+          {fmt::format("--stage {}", stage), [stage](PlanInput& p) { p.stage = stage; }});
     }
   }
   if (input.offload_optimizer == OffloadDevice::none) {
@@ -281,44 +328,46 @@ MemoryPlan plan_with_suggestion(const PlanInput& input) {
                           [](PlanInput& p) { p.offload_optimizer = OffloadDevice::cpu; }});
   }
   if (input.offload_param == OffloadDevice::none) {
-    candidates.push_back({"--stage 3 --offload-optimizer cpu --offload-param cpu", [](PlanInput& p) {
-                            p.stage = 3;
-                            p.offload_optimizer = OffloadDevice::cpu;
-                            p.offload_param = OffloadDevice::cpu;
-                          }});
+    candidates.push_back(
+        {"--stage 3 --offload-optimizer cpu --offload-param cpu", [](PlanInput& p) {
+           p.stage = 3;
+           p.offload_optimizer = OffloadDevice::cpu;
+           p.offload_param = OffloadDevice::cpu;
+         }});
   }
   if (input.offload_optimizer != OffloadDevice::nvme) {
     candidates.push_back({"--offload-optimizer nvme" + nvme_hint, [](PlanInput& p) {
                             p.offload_optimizer = OffloadDevice::nvme;
                             p.nvme_budget.reset();
                           }});
-    candidates.push_back({"--stage 3 --offload-optimizer nvme --offload-param cpu" + nvme_hint,
-                          [](PlanInput& p) {
-                            p.stage = 3;
-                            p.offload_optimizer = OffloadDevice::nvme;
-                            p.offload_param = OffloadDevice::cpu;
-                          }});
+    candidates.push_back(
+        {"--stage 3 --offload-optimizer nvme --offload-param cpu" + nvme_hint, [](PlanInput& p) {
+           p.stage = 3;
+           p.offload_optimizer = OffloadDevice::nvme;
+           p.offload_param = OffloadDevice::cpu;
+         }});
   }
   if (input.offload_param != OffloadDevice::nvme) {
-    candidates.push_back({"--stage 3 --offload-optimizer nvme --offload-param nvme" + nvme_hint,
-                          [](PlanInput& p) {
-                            p.stage = 3;
-                            p.offload_optimizer = OffloadDevice::nvme;
-                            p.offload_param = OffloadDevice::nvme;
-                          }});
+    candidates.push_back(
+        {"--stage 3 --offload-optimizer nvme --offload-param nvme" + nvme_hint, [](PlanInput& p) {
+           p.stage = 3;
+           p.offload_optimizer = OffloadDevice::nvme;
+           p.offload_param = OffloadDevice::nvme;
+         }});
   }
   if (input.micro_batch > 1) {
-    candidates.push_back({"--micro-batch 1 (raise --grad-accum to keep the global batch)",
-                          [](PlanInput& p) {
-                            p.grad_accum *= p.micro_batch;
-                            p.micro_batch = 1;
-                          }});
+    candidates.push_back(
+        {"--micro-batch 1 (raise --grad-accum to keep the global batch)", [](PlanInput& p) {
+           p.grad_accum *= p.micro_batch;
+           p.micro_batch = 1;
+         }});
   }
   for (int ranks = input.world_size * 2; ranks <= 1024; ranks *= 2) {
-    candidates.push_back({fmt::format("--world-size {} (at ZeRO stage 3)", ranks), [ranks](PlanInput& p) {
-                            p.world_size = ranks;
-                            p.stage = 3;
-                          }});
+    candidates.push_back(
+        {fmt::format("--world-size {} (at ZeRO stage 3)", ranks), [ranks](PlanInput& p) {
+           p.world_size = ranks;
+           p.stage = 3;
+         }});
   }
   for (const Candidate& candidate : candidates) {
     PlanInput changed = input;
@@ -373,7 +422,9 @@ std::optional<int64_t> detect_free_bytes(const std::vector<std::string>& directo
 
 namespace {
 
-std::string cell(int64_t bytes) { return bytes == 0 ? "-" : format_bytes(static_cast<double>(bytes)); }
+std::string cell(int64_t bytes) {
+  return bytes == 0 ? "-" : format_bytes(static_cast<double>(bytes));
+}
 
 void row(std::ostringstream& out, const std::string& label, const TierBytes& bytes) {
   out << fmt::format("  {:<40}{:>14}{:>14}{:>14}\n", label, cell(bytes.device), cell(bytes.host),
@@ -385,20 +436,22 @@ void row(std::ostringstream& out, const std::string& label, const TierBytes& byt
 std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
-  std::string model = in.model ? fmt::format("{} ({} parameters, {} units)", in.model->name,
-                                             format_count(static_cast<double>(plan.parameters)), plan.units)
-                               : fmt::format("{} parameters", format_count(static_cast<double>(plan.parameters)));
+  std::string model =
+      in.model ? fmt::format("{} ({} parameters, {} units)", in.model->name,
+                             format_count(static_cast<double>(plan.parameters)), plan.units)
+               : fmt::format("{} parameters", format_count(static_cast<double>(plan.parameters)));
   out << fmt::format("strata plan: {}\n", model);
   out << fmt::format("  world size {}, ZeRO stage {}, {}; offload optimizer {}, params {}\n",
                      in.world_size, in.stage, precision_name(in.precision),
-                     offload_device_name(in.offload_optimizer), offload_device_name(in.offload_param));
+                     offload_device_name(in.offload_optimizer),
+                     offload_device_name(in.offload_param));
   if (in.model) {
     out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}\n", in.micro_batch,
                        in.seq_len, in.grad_accum);
   }
   out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
-                     zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's",
-                     "device", zero_accounting ? 10 : 24, "host", "nvme");
+                     zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
+                     zero_accounting ? 10 : 24, "host", "nvme");
   for (const StateLine& line : zero_accounting ? plan.states_zero : plan.states) {
     TierBytes bytes;
     bytes.at(line.tier) = line.bytes;
@@ -407,7 +460,8 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   const TierBytes& states = zero_accounting ? plan.model_states_zero : plan.model_states;
   row(out, "model states", states);
   if (in.model) {
-    row(out, "activation checkpoints (unit inputs)", TierBytes{plan.activation_checkpoint_bytes, 0, 0});
+    row(out, "activation checkpoints (unit inputs)",
+        TierBytes{plan.activation_checkpoint_bytes, 0, 0});
     row(out, "activation working set (one unit)", TierBytes{plan.activation_working_bytes, 0, 0});
   } else {
     out << "  (activations need --model: the shapes decide them)\n";
@@ -416,7 +470,8 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   row(out, "total per rank (strata)", plan.total_per_rank);
   if (in.world_size > 1) {
     row(out, fmt::format("node total ({} ranks)", in.world_size),
-        TierBytes{plan.total_per_rank.device * in.world_size, plan.total_per_rank.host * in.world_size,
+        TierBytes{plan.total_per_rank.device * in.world_size,
+                  plan.total_per_rank.host * in.world_size,
                   plan.total_per_rank.nvme * in.world_size});
   }
 
@@ -432,21 +487,24 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
                                                 : "give --nvme-path");
       continue;
     }
-    std::string verdict = v.fits() ? "fits" : fmt::format("DOES NOT FIT: over by {}",
-                                                          format_bytes(double(v.need - *v.budget)));
+    std::string verdict = v.fits() ? "fits"
+                                   : fmt::format("DOES NOT FIT: over by {}",
+                                                 format_bytes(double(v.need - *v.budget)));
     out << fmt::format("  {:<7} needs {} of {} ({}, {}): {}\n", tier_name(v.tier),
                        format_bytes(double(v.need)), format_bytes(double(*v.budget)), scope,
                        v.budget_source, verdict);
   }
   out << (plan.fits ? "  verdict: fits\n"
-                    : fmt::format("  verdict: does not fit; smallest change that fits: {}\n", plan.suggestion));
+                    : fmt::format("  verdict: does not fit; smallest change that fits: {}\n",
+                                  plan.suggestion));
 
   const Traffic& t = plan.traffic;
   out << "\ntraffic per step and rank\n";
   if (in.world_size > 1) {
     out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
                        format_bytes(double(t.collective_bytes)), format_bytes(in.net_bandwidth),
-                       format_seconds(t.collective_seconds), format_bytes(double(t.collective_bytes_zero)));
+                       format_seconds(t.collective_seconds),
+                       format_bytes(double(t.collective_bytes_zero)));
   } else {
     out << "  collectives      none (one rank)\n";
   }
@@ -464,8 +522,9 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
     out << "  NVMe             none\n";
   } else {
     out << fmt::format("  NVMe read/write  {:>12} / {} at {}/s shared by the node: {}\n",
-                       format_bytes(double(t.nvme_read_bytes)), format_bytes(double(t.nvme_write_bytes)),
-                       format_bytes(in.nvme_bandwidth), format_seconds(t.nvme_seconds));
+                       format_bytes(double(t.nvme_read_bytes)),
+                       format_bytes(double(t.nvme_write_bytes)), format_bytes(in.nvme_bandwidth),
+                       format_seconds(t.nvme_seconds));
   }
   if (!t.slowest_link.empty()) out << fmt::format("  slowest link: {}\n", t.slowest_link);
   return out.str();
@@ -479,7 +538,8 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   };
   auto lines = [](const std::vector<StateLine>& states) {
     json out = json::array();
-    for (const StateLine& s : states) out.push_back({{"name", s.name}, {"tier", tier_name(s.tier)}, {"bytes", s.bytes}});
+    for (const StateLine& s : states)
+      out.push_back({{"name", s.name}, {"tier", tier_name(s.tier)}, {"bytes", s.bytes}});
     return out;
   };
   json j;
@@ -502,7 +562,8 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   j["shard_elements"] = plan.shard_elements;
   j["activations"] = {{"checkpoint_bytes", plan.activation_checkpoint_bytes},
                       {"working_bytes", plan.activation_working_bytes}};
-  j["staging"] = {{"device_bytes", plan.device_staging_bytes}, {"host_bytes", plan.host_staging_bytes}};
+  j["staging"] = {{"device_bytes", plan.device_staging_bytes},
+                  {"host_bytes", plan.host_staging_bytes}};
   j["total_per_rank"] = tiers(plan.total_per_rank);
   json verdicts = json::array();
   for (const TierVerdict& v : plan.verdicts) {

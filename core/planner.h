@@ -12,11 +12,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/config.h"
 #include "core/model_config.h"
@@ -46,11 +45,12 @@ struct PlanInput {
   int64_t micro_batch = 1;
   int64_t seq_len = 2048;
   int64_t grad_accum = 1;
-  int param_buffer_count = 5;              // offload_param.buffer_count: NVMe parameter staging buffers
-  int64_t param_buffer_elements = 100000000;  // offload_param.buffer_size: elements per staging buffer
-  int optimizer_buffer_count = 4;          // offload_optimizer.buffer_count: streamed optimizer buffers
-  int64_t sub_group_size = 1000000000;     // zero_optimization.sub_group_size: caps a streamed chunk
-  bool nvme_path_known = false;    // an NVMe directory was given (for suggestions)
+  int param_buffer_count = 5;  // offload_param.buffer_count: NVMe parameter staging buffers
+  int64_t param_buffer_elements =
+      100000000;                   // offload_param.buffer_size: elements per staging buffer
+  int optimizer_buffer_count = 4;  // offload_optimizer.buffer_count: streamed optimizer buffers
+  int64_t sub_group_size = 1000000000;  // zero_optimization.sub_group_size: caps a streamed chunk
+  bool nvme_path_known = false;         // an NVMe directory was given (for suggestions)
 
   // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
   std::optional<int64_t> device_budget;
@@ -128,6 +128,16 @@ struct MemoryPlan {
   std::string suggestion;  // the smallest change that fits, when !fits
   Traffic traffic;
 };
+
+// Tokens per sequence: strata.seq_len, else min(2048, the model's maximum)
+// (2048 without a model).
+int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelConfig>& model);
+
+// The plan input a merged config describes (stage, offload homes, precision,
+// batch shape, buffer counts, sub_group_size); budgets and bandwidths are left
+// to the caller.
+PlanInput plan_input_from_config(const TrainConfig& config,
+                                 const std::optional<ModelConfig>& model);
 
 // Checks the input (stage range, offload_param below stage 3, ...).
 Status validate_plan_input(const PlanInput& input);

@@ -59,31 +59,20 @@ class PlanCommand : public Subcommand {
     if (!config.is_ok()) return config.status();
     print_config_warnings(*config);
 
-    PlanInput input;
+    std::optional<ModelConfig> model;
+    int64_t parameters = 0;
     if (!model_.empty()) {
-      Result<ModelConfig> model = load_model_config(model_);
-      if (!model.is_ok()) return model.status();
-      input.model = *model;
+      Result<ModelConfig> loaded = load_model_config(model_);
+      if (!loaded.is_ok()) return loaded.status();
+      model = *loaded;
     } else {
       Result<int64_t> count = parse_count(params_);
       if (!count.is_ok()) return count.status().with_context("--params");
-      input.parameters = *count;
+      parameters = *count;
     }
     const TrainConfig& c = *config;
-    input.world_size = c.world_size;
-    input.stage = c.zero.stage;
-    input.offload_optimizer = c.zero.offload_optimizer.device;
-    input.offload_param = c.zero.offload_param.device;
-    input.precision = c.precision;
-    input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
-    input.micro_batch = c.train_micro_batch_size_per_gpu;
-    input.grad_accum = c.gradient_accumulation_steps;
-    input.seq_len = c.strata.seq_len.value_or(
-        input.model ? std::min<int64_t>(2048, input.model->max_position_embeddings) : 2048);
-    input.param_buffer_count = c.zero.offload_param.buffer_count;
-    input.param_buffer_elements = c.zero.offload_param.buffer_size;
-    input.optimizer_buffer_count = c.zero.offload_optimizer.buffer_count;
-    input.sub_group_size = c.zero.sub_group_size;
+    PlanInput input = plan_input_from_config(c, model);
+    input.parameters = parameters;
 
     // Budgets: given, else detected on this machine.
     if (c.strata.device_mem_limit) {
