@@ -296,8 +296,7 @@ TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfi
       config.gradient_clipping == 0.0 && config.precision == Precision::fp32;
   in.fetch_slots = std::max(1, config.zero.offload_param.buffer_count);
   in.optimizer_buffers = std::max(2, config.zero.offload_optimizer.buffer_count);
-  in.optimizer_chunk_elements = std::max<int64_t>(
-      1024, std::min(kOptimizerChunkElements, config.zero.sub_group_size) / 1024 * 1024);
+  in.optimizer_chunk_elements = streamed_chunk_elements(config.zero.sub_group_size);
   return in;
 }
 

@@ -72,6 +72,10 @@ Sizes compute_sizes(const PlanInput& in) {
 
 }  // namespace
 
+int64_t streamed_chunk_elements(int64_t sub_group_size) {
+  return std::max<int64_t>(1024, std::min(kOptimizerChunkElements, sub_group_size) / 1024 * 1024);
+}
+
 int64_t padded_shard_elements(int64_t numel, int world_size) {
   int64_t per_rank = ceil_div(numel, world_size);
   return ceil_div(per_rank, kShardAlignElements) * kShardAlignElements;
@@ -211,11 +215,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
 
   // Host staging (pinned): NVMe parameter reads, the streamed optimizer's
   // buffers, and the new compute-precision shard on its way to the device.
-  // The streamed optimizer's chunk: whole multiples of 1024 elements (its SIMD and
-  // O_DIRECT granule), at most the largest shard, 2^24 elements and sub_group_size.
-  const int64_t optimizer_chunk = std::max<int64_t>(
-      1024, std::min({sizes.largest_unit_shard, kOptimizerChunkElements, in.sub_group_size}) /
-                1024 * 1024);
+  // The streamed optimizer's chunk (streamed_chunk_elements), at most the largest shard.
+  const int64_t optimizer_chunk =
+      std::min(sizes.largest_unit_shard, streamed_chunk_elements(in.sub_group_size));
   if (in.offload_param == OffloadDevice::nvme) {
     const int64_t buffer =
         std::min(sizes.largest_unit_shard, std::max<int64_t>(in.param_buffer_elements, 1));

@@ -29,6 +29,11 @@ namespace strata {
 // writing the last); sub_group_size can lower it further.
 inline constexpr int64_t kOptimizerChunkElements = int64_t{1} << 20;
 
+// The streamed optimizer's chunk for a sub_group_size: at most
+// kOptimizerChunkElements, a whole multiple of 1024 elements (its SIMD and
+// O_DIRECT granule), at least 1024.
+int64_t streamed_chunk_elements(int64_t sub_group_size);
+
 // Elements of each rank's shard of a unit with `numel` parameters over
 // `world_size` ranks (padded to kShardAlignElements, as model_layout pads).
 int64_t padded_shard_elements(int64_t numel, int world_size);
