@@ -393,7 +393,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
 Result<std::string> find_latest_checkpoint(const std::string& root) {
   std::error_code error;
   if (!fs::is_directory(root, error))
-    return Status::error(fmt::format("--resume {}: no such directory", root));
+    return Status::error(fmt::format("{}: no such directory", root));
   if (fs::exists(fs::path(root) / "manifest.json", error)) return root;
   int64_t best = -1;
   std::string found;

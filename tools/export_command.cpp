@@ -36,7 +36,7 @@ class ExportCommand : public Subcommand {
 
   int run() override {
     Result<std::string> found = find_latest_checkpoint(checkpoint_);
-    if (!found) return fail(found.status(), 2);
+    if (!found) return fail(found.status().with_context("checkpoint"), 2);
     if (found->empty())
       return fail(Status::error(fmt::format("{}: no checkpoint in this directory (no step-N with a "
                                             "manifest.json)",

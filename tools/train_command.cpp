@@ -501,7 +501,7 @@ class TrainCommand : public Subcommand {
         return usage_error(
             Status::error("give --init or --resume, not both (a checkpoint holds the weights)"));
       Result<std::string> found = find_latest_checkpoint(resume_);
-      if (!found) return usage_error(found.status());
+      if (!found) return usage_error(found.status().with_context("--resume"));
       if (found->empty())
         return usage_error(Status::error(fmt::format(
             "--resume {}: no checkpoint in this directory (no step-N with a manifest.json)",
@@ -565,7 +565,7 @@ class TrainCommand : public Subcommand {
     auto save = [&](int64_t step) -> std::optional<Failure> {
       if (save_dir_.empty() || saved_at == step) return std::nullopt;
       Result<std::string> saved = engine.save_checkpoint(save_dir_, keep_);
-      if (!saved) return run_error(saved.status().with_context("--save " + save_dir_));
+      if (!saved) return run_error(saved.status());
       saved_at = step;
       if (progress_) progress_->line(fmt::format("saved checkpoint {}", *saved));
       return std::nullopt;
