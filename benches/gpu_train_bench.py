@@ -231,6 +231,14 @@ def torch_model_classes(torch):
     return Llama
 
 
+def build_model(torch, Llama, cfg, device, **options):
+    """The model with its parameters made and initialised on the device (fast for 1B parameters)."""
+    if device != "cpu" and hasattr(torch.device(device), "__enter__"):  # torch >= 2.0: a default-device context
+        with torch.device(device):
+            return Llama(cfg, **options)
+    return Llama(cfg, **options).to(device)
+
+
 def batches(torch, path, micro_batch, seq_len, device):
     """Micro-batches of (inputs, targets) read in order from the uint32 token file (wrapping)."""
     data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.int32).long()
@@ -267,6 +275,32 @@ def make_adamw(torch, params, fused_wanted, where):
         return torch.optim.AdamW(params, foreach=True, **ADAMW), "foreach", note
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(params, **ADAMW), "loop", note
+
+
+class Optimizer:
+    """make_adamw's optimizer; a fused one that fails on its first step is replaced by foreach (no state yet)."""
+
+    def __init__(self, torch, params, where):
+        self.torch, self.params, self.where = torch, list(params), where
+        self.optimizer, self.kind, self.note = make_adamw(torch, self.params, True, where)
+        self.steps = 0
+
+    def step(self):
+        try:
+            self.optimizer.step()
+        except (RuntimeError, NotImplementedError) as e:
+            if self.kind != "fused" or self.steps > 0:
+                raise
+            grads = [p.grad for p in self.params]
+            self.optimizer, self.kind, _ = make_adamw(self.torch, self.params, False, self.where)
+            self.note = f"fused AdamW failed on its first step ({str(e).splitlines()[0][:80]}); foreach"
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            self.optimizer.step()
+        self.steps += 1
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def timed_steps(torch, device, step, warmup, steps):
@@ -309,8 +343,8 @@ def worker_torch_memory(torch, spec):
     if device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     Llama = torch_model_classes(torch)
-    model = Llama(cfg, checkpoint_layers=spec["torch_checkpoint"]).to(device)
-    optimizer, adamw, adamw_note = make_adamw(torch, model.parameters(), True, device)
+    model = build_model(torch, Llama, cfg, device, checkpoint_layers=spec["torch_checkpoint"])
+    optimizer = Optimizer(torch, model.parameters(), device)
     data = batches(torch, spec["data"], spec["micro_batch"], spec["seq_len"], device)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
     losses = []
@@ -321,14 +355,14 @@ def worker_torch_memory(torch, spec):
             loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         losses.append(loss.detach())
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = timed_steps(torch, device, step, spec["warmup"], spec["steps"])
-    return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": adamw, "adamw_note": adamw_note,
-            "parameters": sum(p.numel() for p in model.parameters()),
+    return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": optimizer.kind,
+            "adamw_note": optimizer.note, "parameters": sum(p.numel() for p in model.parameters()),
             "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
             "precision": "fp32 parameters, bf16 autocast" + (", per-layer checkpointing" if spec["torch_checkpoint"]
                                                               else "")}
@@ -356,19 +390,26 @@ def worker_fsdp2(torch, spec):
     if device == "cuda":
         torch.cuda.set_device(0)
     # One process, one rank: an in-memory store, no address or port.
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = {"backend": "nccl" if device == "cuda" else "gloo", "store": dist.HashStore(), "rank": 0, "world_size": 1}
+    try:
+        dist.init_process_group(**group, **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
+    except TypeError:  # torch < 2.3 has no device_id
+        dist.init_process_group(**group)
     try:
         mesh = init_device_mesh(device, (1,))
         torch.manual_seed(0)
         Llama = torch_model_classes(torch)
-        model = Llama(cfg).to(device)  # initialised where it is fast; fully_shard moves the shards to the host
+        model = build_model(torch, Llama, cfg, device)  # fully_shard moves the shards to the host
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy(pin_memory=device == "cuda")
+        # On the CPU (smoke test) the parameters are on the host already: no offload policy.
+        options = {"mesh": mesh, "mp_policy": mixed}
+        if device == "cuda":
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mixed, offload_policy=offload)
-        fully_shard(model, mesh=mesh, mp_policy=mixed, offload_policy=offload)
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
         where = {p.device.type for p in model.parameters()}
-        optimizer, adamw, adamw_note = make_adamw(torch, model.parameters(), True, "cpu")
+        optimizer = Optimizer(torch, model.parameters(), "cpu")
         data = batches(torch, spec["data"], spec["micro_batch"], spec["seq_len"], device)
         losses = []
 
@@ -377,14 +418,14 @@ def worker_fsdp2(torch, spec):
             loss = model(inputs, targets)
             loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             losses.append(loss.detach())
 
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = timed_steps(torch, device, step, spec["warmup"], spec["steps"])
-        return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": adamw,
-                "adamw_note": adamw_note, "parameter_devices": sorted(where),
+        return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": optimizer.kind,
+                "adamw_note": optimizer.note, "parameter_devices": sorted(where),
                 "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
                 "precision": "fp32 sharded parameters on the host, bf16 param_dtype, fp32 reduce_dtype"}
     finally:
@@ -447,6 +488,8 @@ def run_strata(args, backend, workdir, name, extra):
         run = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
         return {**row, "status": "failed", "message": f"timed out after {args.run_timeout} s"}
+    except OSError as e:
+        return {**row, "status": "failed", "message": f"cannot run {args.strata}: {e}"}
     lines = [json.loads(l) for l in open(metrics)] if os.path.exists(metrics) else []
     if run.returncode != 0:
         message = last_line(run.stderr) or last_line(run.stdout)
@@ -468,7 +511,10 @@ def parse_bytes(text, unit):
 
 def planned_device_peak(args, backend, extra):
     """The plan's device bytes per rank for this placement (`--print-plan`), or None."""
-    run = subprocess.run(strata_command(args, backend, extra + ["--print-plan"]), capture_output=True, text=True)
+    try:
+        run = subprocess.run(strata_command(args, backend, extra + ["--print-plan"]), capture_output=True, text=True)
+    except OSError:
+        return None
     for line in run.stdout.splitlines():
         m = re.match(r"\s*device\s+([\d.]+)\s*(B|KiB|MiB|GiB|TiB)\s+total", line)
         if m:
@@ -477,11 +523,11 @@ def planned_device_peak(args, backend, extra):
 
 
 def strata_parameters(args):
-    run = subprocess.run([args.strata, "train", "--model", args.model, "--print-config"], capture_output=True,
-                         text=True)
     try:
+        run = subprocess.run([args.strata, "train", "--model", args.model, "--print-config"], capture_output=True,
+                             text=True)
         return int(json.loads(run.stdout)["strata"]["parameters"])
-    except (ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -528,7 +574,7 @@ def main():
                                                    "plan's device peak + 10%%)")
     parser.add_argument("--torch-checkpoint", action="store_true",
                         help="PyTorch (memory case) recomputes each layer in backward, as strata does")
-    parser.add_argument("--run-timeout", type=int, help="seconds per run (default 600; 150 with --quick)")
+    parser.add_argument("--run-timeout", type=int, help="seconds per run (default 600; 120 with --quick)")
     parser.add_argument("--python", default=sys.executable, help="Python with torch for the PyTorch side")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--worker", choices=("peak", "torch", "fsdp2"), help=argparse.SUPPRESS)
@@ -545,13 +591,14 @@ def main():
     args.seq_len = default(args.seq_len, 2048, 2048, 64)
     args.steps = default(args.steps, 10, 4, 2)
     args.warmup = default(args.warmup, 3, 2, 1)
-    args.run_timeout = default(args.run_timeout, 600, 150, 300)
+    args.run_timeout = default(args.run_timeout, 600, 120, 300)
     backend = "cpu" if smoke else "cuda"
     cfg = load_config(args.model)
     params = parameter_count(cfg)
     reported = strata_parameters(args)
     if reported is None:
-        print(f"gpu_train_bench: `{args.strata} train --model {args.model} --print-config` failed; is --strata right?")
+        print(f"gpu_train_bench: `{args.strata} train --model {args.model} --print-config` failed; "
+              "is --strata right?")
         return 2
     mismatch = reported != params
     if mismatch:
@@ -606,8 +653,9 @@ def main():
                 device_peak = planned_device_peak(args, backend, placement)
                 if device_peak:
                     limit = f"{math.ceil(device_peak * 1.10 / (1 << 20))}M"
+                    below = "" if device_peak * 1.10 < training_state else ", not below it"
                     limit_note = (f"--device-mem-limit {limit} (plan peak + 10%; training state "
-                                  f"{training_state / (1 << 20):,.0f}M)")
+                                  f"{training_state / (1 << 20):,.0f}M{below})")
                 else:
                     limit_note = "no --device-mem-limit: --print-plan gave no device total"
             extra = ["--device-mem-limit", limit] if limit else []
@@ -629,20 +677,22 @@ def main():
         ratios["offload"] = {"strata_over_fsdp2": ratio(offload_strata, offload_fsdp), "target": 2.0}
 
     print()
-    device_name = peak.get("device", "cpu (smoke test)")
-    print(f"device: {device_name}; torch {peak.get('torch_version') or (memory_torch or offload_fsdp or {}).get('torch_version', '?')}"
-          f"; {time.time() - started:.0f} s")
+    device_name = peak.get("device") or ("cpu (smoke test)" if smoke else "not named (the matmul run failed)")
+    torch_version = next((r["torch_version"] for r in [peak] + rows if r.get("torch_version")), "?")
+    print(f"device: {device_name}; torch {torch_version}; {time.time() - started:.0f} s")
     if peak_rate:
         print(f"cuBLAS bf16 matmul {MATMUL_N}^3: {peak_rate / 1e12:.1f} TFLOP/s (the MFU denominator); model "
               f"{model_flops / 1e9:.2f} GFLOP per token (6N + 6LHT)")
     else:
         print(f"matmul rate: {peak.get('message', 'not measured')}; MFU not computed")
-    print(f"{'case':8s} {'run':44s} {'tokens/s':>12s} {'step s':>8s} {'MFU':>6s}")
+    print(f"{'case':8s} {'run':44s} {'tokens/s':>12s} {'step s':>8s} {'MFU':>6s} {'loss':>13s}")
     for row in rows:
         ok = row.get("status") == "ok"
         mfu = f"{100 * row['mfu']:.1f}%" if ok and row.get("mfu") is not None else "-"
         step = f"{row['step_time_s']:.3f}" if ok else "-"
-        text = f"{row['case']:8s} {row['name'][:44]:44s} {fmt_rate(row):>12s} {step:>8s} {mfu:>6s}"
+        losses = row.get("losses") or []
+        loss = f"{losses[0]:.2f} -> {losses[-1]:.2f}" if ok and losses else "-"
+        text = f"{row['case']:8s} {row['name'][:44]:44s} {fmt_rate(row):>12s} {step:>8s} {mfu:>6s} {loss:>13s}"
         print(text if ok else f"{text}  {row_note(row)[:160]}")
     for case, r in ratios.items():
         value = next(v for k, v in r.items() if k != "target")
@@ -654,7 +704,7 @@ def main():
         result = {"model": args.model, "config": cfg, "parameters": params, "strata_parameters": reported,
                   "parameter_mismatch": mismatch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                   "tokens_per_step": tokens_per_step, "steps": args.steps, "warmup": args.warmup,
-                  "device": device_name, "backend": backend, "flops_per_token": model_flops,
+                  "device": device_name, "torch": torch_version, "backend": backend, "flops_per_token": model_flops,
                   "matmul_bf16_flops_per_s": peak_rate, "training_state_bytes": training_state,
                   "rows": rows, "ratios": ratios, "failed_rows": len(failed), "seconds": time.time() - started}
         with open(args.json, "w") as f:
