@@ -763,7 +763,8 @@ Result<LaunchEnvironment> launch_environment_from(const Variables& variables) {
     if (!env) return env;
     Status master = parse_master(variables, "", std::nullopt, "OMPI_COMM_WORLD_SIZE", *env);
     if (!master.is_ok()) {
-      return master.with_context("under mpirun, export MASTER_ADDR and MASTER_PORT (mpirun -x)");
+      return Status::error(master.message() +
+                           " (under mpirun, export it to every rank: mpirun -x)");
     }
     return env;
   }
