@@ -2,8 +2,11 @@
 //
 // LocalComm (ranks as threads, deterministic reduction order) and NcclComm
 // (one process per GPU) implement the same interface; see DESIGN.md section 4.
-// This header holds what every build has; the collectives arrive with the
-// engine.
+//   comm/communicator.h  the Communicator contract, and LocalComm
+//   comm/nccl_comm.h     NcclComm (an error "built without CUDA" on CPU-only builds)
+//   comm/bootstrap.h     the launcher's environment (RANK, WORLD_SIZE, ... / SLURM /
+//                        Open MPI) and the TCP rendezvous NcclComm starts with
+// This header holds what every build has and the rest do not need.
 #pragma once
 
 #include <string>
