@@ -6,8 +6,9 @@
 //  - without a GPU (CUDA build) or without CUDA, make_nccl_comm is a one-line
 //    error, and ranks without a GPU fail together rather than wait.
 // Multi-rank cases run the ranks as fresh processes of this test binary (a
-// forked CUDA process cannot use CUDA): NcclCommWorker.Run does one rank's part
-// when STRATA_NCCL_TEST_ROLE is set and is skipped otherwise.
+// forked CUDA process cannot use CUDA), started by `strata launch`, so that the
+// launcher, the rendezvous and NcclComm are tested together: NcclCommWorker.Run
+// does one rank's part when STRATA_NCCL_TEST_ROLE is set and is skipped otherwise.
 #include "comm/nccl_comm.h"
 
 #include <fmt/format.h>
@@ -59,76 +60,52 @@ int gpu_count() {
   return static_cast<int>(kernels::query_gpus().devices.size());
 }
 
-// --- workers: ranks as processes of this binary -----------------------------------
+// --- workers: ranks as processes of this binary, started by `strata launch` ----------
 
-// Starts this test binary as rank `rank` of `world` running NcclCommWorker.Run.
-pid_t spawn_worker(const std::string& role, int rank, int world, int port, uint32_t seed, int gpu) {
+// Runs `strata launch -n world -- THIS_BINARY --gtest_filter=NcclCommWorker.Run`
+// with the role, a fresh seed and the GPU each rank uses ("local_rank" or an
+// index) in the environment; expects every rank to pass (launch exits 0). A
+// launch still running after a generous guard is a hang: stopped and reported.
+void run_workers(const std::string& role, int world, const std::string& gpu) {
+  const uint32_t seed = fresh_seed();
+  char self[4096] = {};
+  ASSERT_GT(::readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
   std::vector<std::string> variables = {"STRATA_NCCL_TEST_ROLE=" + role,
                                         "STRATA_NCCL_TEST_SEED=" + std::to_string(seed),
-                                        "STRATA_NCCL_TEST_GPU=" + std::to_string(gpu),
-                                        "RANK=" + std::to_string(rank),
-                                        "WORLD_SIZE=" + std::to_string(world),
-                                        "LOCAL_RANK=" + std::to_string(rank),
-                                        "LOCAL_WORLD_SIZE=" + std::to_string(world),
-                                        "MASTER_ADDR=127.0.0.1",
-                                        "MASTER_PORT=" + std::to_string(port)};
+                                        "STRATA_NCCL_TEST_GPU=" + gpu};
   for (char** entry = environ; *entry; ++entry) {
-    const std::string line = *entry;
-    const std::string name = line.substr(0, line.find('='));
-    bool overridden = false;
-    for (const std::string& variable : variables) {
-      overridden |= variable.substr(0, variable.find('=')) == name;
-    }
-    if (!overridden) variables.push_back(line);
+    if (std::strncmp(*entry, "STRATA_NCCL_TEST_", 17) != 0) variables.emplace_back(*entry);
   }
   std::vector<char*> envp;
   for (std::string& variable : variables) envp.push_back(variable.data());
   envp.push_back(nullptr);
-  std::string self = "/proc/self/exe";
-  std::string filter = "--gtest_filter=NcclCommWorker.Run";
-  char* argv[] = {self.data(), filter.data(), nullptr};
-  pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, envp.data()), 0);
-  return pid;
-}
+  std::vector<std::string> arguments = {STRATA_BINARY,
+                                        "launch",
+                                        "-n",
+                                        std::to_string(world),
+                                        "--grace-period",
+                                        "5",
+                                        "--",
+                                        self,
+                                        "--gtest_filter=NcclCommWorker.Run"};
+  std::vector<char*> argv;
+  for (std::string& argument : arguments) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+  pid_t launch = -1;
+  ASSERT_EQ(posix_spawn(&launch, STRATA_BINARY, nullptr, nullptr, argv.data(), envp.data()), 0);
 
-// Runs `world` workers of `role`, gpu_of(rank) each; expects every one to pass.
-// A worker still running after a generous guard is a hang: killed and reported.
-void run_workers(const std::string& role, int world, const std::function<int(int)>& gpu_of) {
-  const uint32_t seed = fresh_seed();
-  Result<int> port = find_free_port();
-  ASSERT_TRUE(port.is_ok()) << port.status().message();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r)
-    pids.push_back(spawn_worker(role, r, world, *port, seed, gpu_of(r)));
   const auto guard = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-  std::vector<int> statuses(world, -1);
-  int running = world;
-  while (running > 0) {
-    for (int r = 0; r < world; ++r) {
-      if (statuses[r] != -1 || pids[r] <= 0) continue;
-      int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        statuses[r] = status;
-        --running;
-      }
-    }
-    if (running > 0 && std::chrono::steady_clock::now() > guard) {
-      for (int r = 0; r < world; ++r) {
-        if (statuses[r] == -1 && pids[r] > 0) ::kill(pids[r], SIGKILL);
-      }
-      ADD_FAILURE() << role << ": workers still running after 5 minutes (a hang); killed";
-      for (int r = 0; r < world; ++r) {
-        if (statuses[r] == -1 && pids[r] > 0) ::waitpid(pids[r], nullptr, 0);
-      }
-      return;
+  int status = 0;
+  while (::waitpid(launch, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > guard) {
+      ::kill(launch, SIGTERM);  // launch stops its ranks
+      ::waitpid(launch, &status, 0);
+      FAIL() << role << ": the ranks were still running after 5 minutes (a hang); stopped";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  for (int r = 0; r < world; ++r) {
-    EXPECT_TRUE(WIFEXITED(statuses[r]) && WEXITSTATUS(statuses[r]) == 0)
-        << role << ": rank " << r << " failed (its output is above)";
-  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << role << ": a rank failed (its output and launch's line are above)";
 }
 
 // The launch environment a worker was started with.
@@ -153,12 +130,12 @@ TEST(NcclComm, WithoutAGpuOrCudaIsAOneLineError) {
 TEST(NcclComm, RanksWithoutAGpuFailTogether) {
   if (!kernels::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
   if (gpu_count() > 0) GTEST_SKIP() << "a GPU is present (TwoRanksOnOneGpuAreRefused runs)";
-  run_workers("no_gpu", 3, [](int) { return 0; });
+  run_workers("no_gpu", 3, "0");
 }
 
 TEST(NcclComm, TwoRanksOnOneGpuAreRefused) {
   if (gpu_count() == 0) GTEST_SKIP() << "no GPU: " << kernels::query_gpus().why_none;
-  run_workers("two_on_one_gpu", 2, [](int) { return 0; });
+  run_workers("two_on_one_gpu", 2, "0");
 }
 
 #if STRATA_HAS_CUDA
@@ -407,7 +384,7 @@ TEST_F(NcclCommOneRank, ArgumentErrorsNameTheCollective) {
 TEST(NcclComm, OneProcessPerGpu) {
   const int gpus = gpu_count();
   if (gpus < 2) GTEST_SKIP() << "needs two GPUs, found " << gpus;
-  run_workers("collectives", std::min(gpus, 8), [](int rank) { return rank; });
+  run_workers("collectives", std::min(gpus, 8), "local_rank");
 }
 
 // One rank's part of the cases above, in a process run_workers started.
@@ -416,8 +393,9 @@ TEST(NcclCommWorker, Run) {
   if (!role_value) GTEST_SKIP() << "runs as a rank of a multi-process test";
   const std::string role = role_value;
   const uint32_t seed = static_cast<uint32_t>(std::stoul(std::getenv("STRATA_NCCL_TEST_SEED")));
-  const int gpu = std::atoi(std::getenv("STRATA_NCCL_TEST_GPU"));
   const LaunchEnvironment env = worker_environment();
+  const std::string gpu_value = std::getenv("STRATA_NCCL_TEST_GPU");
+  const int gpu = gpu_value == "local_rank" ? env.local_rank : std::stoi(gpu_value);
   NcclCommOptions options;
   options.rendezvous_timeout = std::chrono::seconds(60);
   Result<std::unique_ptr<NcclComm>> comm = make_nccl_comm(env, gpu, options);
