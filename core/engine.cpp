@@ -20,6 +20,7 @@
 
 #include "comm/communicator.h"
 #include "core/checkpoint.h"
+#include "core/gpu_rank.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 #include "core/units.h"
@@ -154,6 +155,7 @@ struct Engine::Impl {
     std::unique_ptr<tiers::StreamedPass> pass;
     std::optional<Optimizer> optimizer;
     std::unique_ptr<UnitWorkspace> ws;
+    std::unique_ptr<GpuRank> gpu;  // the CUDA backend's compute; null on the CPU backend
     std::vector<tiers::DeviceBlock> device_blocks;
     std::vector<tiers::HostBlock> host_blocks;
     std::vector<std::byte*> gathered;   // [slot] (largest padded) compute precision
@@ -217,6 +219,8 @@ struct Engine::Impl {
   Status gather(Rank& rank, const PlanOp& op);
   const float* unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit, int which);
   Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
+  const std::byte* gathered_params(Rank& rank, int op_index, int unit) const;
+  Status forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status reduce(Rank& rank, const PlanOp& op);
   Status exchange(Rank& rank, StepRun& run);
@@ -356,6 +360,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const TrainConfig& config = options.config;
   if (!options.data) return Status::error("engine: no data source");
   TrainingPlanInput input = training_plan_input(options.model, config);
+  input.gpu = options.backend == kernels::BackendKind::cuda;
   Result<TrainingPlan> plan = build_training_plan(input);
   if (!plan) return plan.status();
   impl->plan = std::move(*plan);
@@ -484,7 +489,10 @@ Status Engine::Impl::open_rank(Rank& rank) {
       std::min<uint64_t>(options.device_budget, uint64_t(plan.peak(tiers::Tier::device)) + slack);
   store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(W),
                                            uint64_t(plan.peak(tiers::Tier::host)) + slack);
-  store.use_gpu = false;  // the CPU backend: host memory stands in for the device
+  // The CPU backend: host memory stands in for the device.
+  const bool gpu = in.gpu;
+  store.use_gpu = gpu;
+  store.gpu_index = options.gpu_index;
   store.pin_host = options.pin_host;
   store.notice = options.notice;
   if (plan.peak(tiers::Tier::nvme) > 0) {
@@ -547,17 +555,22 @@ Status Engine::Impl::open_rank(Rank& rank) {
     out = reinterpret_cast<std::remove_reference_t<decltype(out)>>(*block);
     return Status::ok();
   };
+  // On the CUDA backend the buffers of the collectives and the optimizer are
+  // pinned host memory; GpuRank holds the device's working set.
+  auto staging = [&](int64_t bytes, const std::string& what) {
+    return gpu ? host(bytes, what) : device(bytes, what);
+  };
   for (int k = 0; k < plan.gather_slots; ++k) {
     std::byte* g = nullptr;
-    if (Status t = take(device(largest_padded * cb, "gathered unit"), g); !t) return t;
+    if (Status t = take(staging(largest_padded * cb, "gathered unit"), g); !t) return t;
     rank.gathered.push_back(g);
-    if (cb != 4) {
+    if (cb != 4 && !gpu) {
       float* f = nullptr;
       if (Status t = take(device(largest_padded * 4, "gathered unit (fp32)"), f); !t) return t;
       rank.gathered_fp32.push_back(f);
     }
   }
-  if (in.stage < 3 && cb != 4) {
+  if (in.stage < 3 && cb != 4 && !gpu) {
     for (int k = 0; k < 2; ++k) {
       float* f = nullptr;
       if (Status t = take(device(largest_padded * 4, "parameters widened to fp32"), f); !t)
@@ -567,38 +580,47 @@ Status Engine::Impl::open_rank(Rank& rank) {
   }
   for (int k = 0; k < plan.grad_slots; ++k) {
     float* g = nullptr;
-    if (Status t = take(device(largest_padded * 4, "unit gradient"), g); !t) return t;
+    if (Status t = take(staging(largest_padded * 4, "unit gradient"), g); !t) return t;
     rank.grad_slots.push_back(g);
   }
   if (plan.tied_grad_buffer) {
-    if (Status t =
-            take(device(plan.units[0].padded_numel * 4, "tied embedding gradient"), rank.tied_grad);
+    if (Status t = take(staging(plan.units[0].padded_numel * 4, "tied embedding gradient"),
+                        rank.tied_grad);
         !t)
       return t;
   }
   if (in.stage >= 2 && in.reduce_scatter && W > 1) {
-    if (Status t = take(device(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t)
+    if (Status t = take(staging(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t)
       return t;
   }
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
-  float* checkpoints = nullptr;
-  if (Status t = take(device((units() - 1) * N * C * 4, "activation checkpoints"), checkpoints); !t)
-    return t;
-  for (int u = 0; u + 1 < units(); ++u)
-    rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
-  if (Status t = take(device(N * C * 4, "activation gradient"), rank.activation_grad); !t) return t;
   int32_t* ids = nullptr;
-  if (Status t = take(device(2 * N * 4 * in.grad_accum, "tokens and targets"), ids); !t) return t;
+  if (Status t = take(staging(2 * N * 4 * in.grad_accum, "tokens and targets"), ids); !t) return t;
   rank.tokens = ids;
   rank.targets = ids + N * in.grad_accum;
-  // The workspace allocates its own memory; its bytes are charged to the device budget here.
-  std::byte* reserved = nullptr;
-  if (Status t = take(device(UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len),
-                             "unit working set"),
-                      reserved);
-      !t)
-    return t;
-  rank.ws = std::make_unique<UnitWorkspace>(in.model, in.micro_batch, in.seq_len);
+  if (gpu) {
+    Result<std::unique_ptr<GpuRank>> created =
+        GpuRank::create(plan, options.gpu_index, *s.device_tier(), rank.device_blocks);
+    if (!created) return created.status().with_context(fmt::format("rank {}", r));
+    rank.gpu = std::move(*created);
+  } else {
+    float* checkpoints = nullptr;
+    if (Status t = take(device((units() - 1) * N * C * 4, "activation checkpoints"), checkpoints);
+        !t)
+      return t;
+    for (int u = 0; u + 1 < units(); ++u)
+      rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
+    if (Status t = take(device(N * C * 4, "activation gradient"), rank.activation_grad); !t)
+      return t;
+    // The workspace allocates its own memory; its bytes are charged to the device budget here.
+    std::byte* reserved = nullptr;
+    if (Status t = take(device(UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len),
+                               "unit working set"),
+                        reserved);
+        !t)
+      return t;
+    rank.ws = std::make_unique<UnitWorkspace>(in.model, in.micro_batch, in.seq_len);
+  }
   // NVMe parameter copies (plan.fetch_slots) are the store's prefetched copies, charged when
   // fetched.
   if (plan.homes.param == tiers::Tier::nvme && plan.homes.separate_master) {
@@ -1075,7 +1097,7 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
-  if (plan.compute_bytes != 4)
+  if (plan.compute_bytes != 4 && !rank.gpu)
     widen(target, compute_type(), rank.gathered_fp32[size_t(op.slot)], p.padded_numel);
   return Status::ok();
 }
@@ -1102,7 +1124,40 @@ const float* Engine::Impl::unit_params_fp32(Rank& rank, StepRun& run, int op_ind
   return out;
 }
 
+// Unit `unit`'s gathered parameters in compute precision (stage 3, the CUDA backend).
+const std::byte* Engine::Impl::gathered_params(Rank& rank, int op_index, int unit) const {
+  for (int d : plan.ops[size_t(op_index)].deps) {
+    const PlanOp& dep = plan.ops[size_t(d)];
+    if (dep.kind == OpKind::gather && dep.unit == unit) return rank.gathered[size_t(dep.slot)];
+  }
+  return nullptr;
+}
+
+Status Engine::Impl::forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
+  const int u = op.unit;
+  const std::byte* params = gathered_params(rank, op_index, u);
+  if (params == nullptr) return Status::error("no gathered parameters (plan error)");
+  const UnitBatch batch = batch_of(rank, run, op.micro);
+  if (u != units() - 1) return rank.gpu->forward(u, op.micro, params, batch.tokens, batch.targets);
+  const std::byte* tied = nullptr;
+  if (plan.layout.config.tie_word_embeddings) {
+    tied = gathered_params(rank, op_index, 0);
+    if (tied == nullptr)
+      return Status::error("no gathered embedding for the tied head (plan error)");
+  }
+  Result<double> loss = rank.gpu->head(op.micro, params, tied, batch.loss_scale,
+                                       rank.grad_slots[size_t(op.slot)], op.slot);
+  if (!loss) return loss.status();
+  if (!std::isfinite(*loss) && plan.input.precision == Precision::fp32)
+    return Status::error(
+        fmt::format("the loss is {} (micro-batch {}); lower the learning rate or check the data",
+                    *loss, op.micro));
+  rank.micro_loss[size_t(op.micro)] = *loss;
+  return Status::ok();
+}
+
 Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
+  if (rank.gpu) return forward_on_gpu(rank, run, op_index, op);
   const int u = op.unit;
   const int head = units() - 1;
   const UnitBatch batch = batch_of(rank, run, op.micro);
@@ -1137,6 +1192,13 @@ Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanO
 Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
   const int u = op.unit;
   const int head = units() - 1;
+  if (rank.gpu) {
+    const std::byte* params = gathered_params(rank, op_index, u);
+    if (params == nullptr) return Status::error("no gathered parameters (plan error)");
+    float* grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
+    // The last layer's activations are still on the device (the head keeps its own).
+    return rank.gpu->backward(u, op.micro, params, !(u == head - 1 && u >= 1), grads, op.slot);
+  }
   const UnitBatch batch = batch_of(rank, run, op.micro);
   UnitParams params;
   params.flat = unit_params_fp32(rank, run, op_index, u, 0);
@@ -1160,6 +1222,9 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
   const int r = rank.rank;
+  if (rank.gpu) {
+    if (Status s = rank.gpu->gradients_ready(op.slot); !s) return s;
+  }
   float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
   float* accumulator = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::grad}));
   const int stage = plan.input.stage;

@@ -43,6 +43,7 @@
 #include "core/training_plan.h"
 #include "io/fault_injection.h"
 #include "io/status.h"
+#include "kernels/backend.h"
 #include "tiers/tier.h"
 
 namespace strata {
@@ -69,6 +70,11 @@ struct EngineOptions {
   // Its world size, stage and offload may differ from this run's.
   std::string resume_from;
   bool pin_host = true;
+  // cuda: the units compute on GPU `gpu_index` (core/gpu_rank.h); every rank of
+  // this process shares that GPU. The state must then be homed in host memory
+  // or on NVMe (stage 3, offload_param and offload_optimizer cpu|nvme).
+  kernels::BackendKind backend = kernels::BackendKind::cpu;
+  int gpu_index = 0;
   // One-line notices (fallbacks); default: stderr.
   std::function<void(const std::string&)> notice{};
   // Tests only: the NVMe rings of every rank fail on demand.

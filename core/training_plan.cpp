@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "core/cuda_units.h"
+#include "core/gpu_rank.h"
 #include "core/units.h"
 
 namespace strata {
@@ -307,6 +309,14 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
         "zero_optimization.offload_param.device {} needs stage 3 (stage is {}); use --zero-stage 3 "
         "or --offload-param none",
         offload_device_name(in.offload_param), in.stage));
+  if (in.gpu && (in.stage != 3 || in.offload_param == OffloadDevice::none ||
+                 in.offload_optimizer == OffloadDevice::none))
+    return Status::error(fmt::format(
+        "the CUDA backend keeps parameters and optimizer state in host memory or on NVMe in this "
+        "version (stage {}, offload_param {}, offload_optimizer {}); use --zero-stage 3 "
+        "--offload-param cpu|nvme --offload-optimizer cpu|nvme, or --backend cpu",
+        in.stage, offload_device_name(in.offload_param),
+        offload_device_name(in.offload_optimizer)));
   if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1)
     return Status::error(
         "micro batch, sequence length and gradient accumulation must be at least 1");
@@ -376,31 +386,59 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   add_buffer("Adam m", plan.homes.optimizer, moment_bytes);
   add_buffer("Adam v", plan.homes.optimizer, moment_bytes);
 
-  // Compute buffers; the CPU backend computes in fp32, so compute-precision
-  // parameters are widened into an fp32 twin.
-  if (in.stage == 3) {
-    add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
-               plan.gather_slots * round_up(largest_padded * cb, page));
-    if (cb != 4)
-      add_buffer("gathered units widened to fp32", Tier::device,
-                 plan.gather_slots * round_up(largest_padded * 4, page));
-  } else if (cb != 4) {
-    add_buffer("parameters widened to fp32 (2 units)", Tier::device,
-               2 * round_up(largest_padded * 4, page));
-  }
-  add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device,
-             plan.grad_slots * round_up(largest_padded * 4, page));
-  if (plan.tied_grad_buffer)
-    add_buffer("tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
-  if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
-    add_buffer("reduce-scatter output", Tier::device, largest_shard * 4);
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
   const int64_t units = static_cast<int64_t>(plan.units.size());
-  add_buffer("activation checkpoints (unit inputs, fp32)", Tier::device, (units - 1) * N * C * 4);
-  add_buffer("activation gradient", Tier::device, N * C * 4);
-  add_buffer("tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
-  add_buffer("unit working set", Tier::device,
-             UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
+  if (in.gpu) {
+    // The collectives, the gradient accumulation and the optimizer work in
+    // pinned host memory; the GPU holds what the units' computation needs
+    // (core/gpu_rank.h), in the compute precision.
+    add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
+               plan.gather_slots * round_up(largest_padded * cb, page));
+    add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host,
+               plan.grad_slots * round_up(largest_padded * 4, page));
+    if (plan.tied_grad_buffer)
+      add_buffer("tied embedding gradient", Tier::host, plan.units[0].padded_numel * 4);
+    if (in.reduce_scatter && in.world_size > 1)
+      add_buffer("reduce-scatter output", Tier::host, largest_shard * 4);
+    add_buffer("tokens and targets", Tier::host, 2 * N * 4 * in.grad_accum);
+    add_buffer(fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots),
+               Tier::device, kGpuParamSlots * round_up(largest_padded * cb, page));
+    add_buffer(fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
+               Tier::device, kGpuGradBuffers * round_up(largest_padded * 4, page));
+    if (plan.tied_grad_buffer)
+      add_buffer("device tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+    add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
+    add_buffer("activation gradient", Tier::device, N * C * cb);
+    add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
+    add_buffer("per-token losses", Tier::device, N * 4);
+    add_buffer("cuBLASLt workspace", Tier::device, kGpuMatmulWorkspaceBytes);
+    add_buffer("GPU unit working set", Tier::device,
+               cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
+  } else {
+    // The CPU backend computes in fp32, so compute-precision parameters are
+    // widened into an fp32 twin; host memory stands in for the device.
+    if (in.stage == 3) {
+      add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
+                 plan.gather_slots * round_up(largest_padded * cb, page));
+      if (cb != 4)
+        add_buffer("gathered units widened to fp32", Tier::device,
+                   plan.gather_slots * round_up(largest_padded * 4, page));
+    } else if (cb != 4) {
+      add_buffer("parameters widened to fp32 (2 units)", Tier::device,
+                 2 * round_up(largest_padded * 4, page));
+    }
+    add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots),
+               Tier::device, plan.grad_slots * round_up(largest_padded * 4, page));
+    if (plan.tied_grad_buffer)
+      add_buffer("tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+    if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
+      add_buffer("reduce-scatter output", Tier::device, largest_shard * 4);
+    add_buffer("activation checkpoints (unit inputs, fp32)", Tier::device, (units - 1) * N * C * 4);
+    add_buffer("activation gradient", Tier::device, N * C * 4);
+    add_buffer("tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
+    add_buffer("unit working set", Tier::device,
+               UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
+  }
 
   if (plan.fetch_slots > 0)
     add_buffer(fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots),

@@ -67,6 +67,10 @@ struct TrainingPlanInput {
   // `decide` runs at the start and each unit's optimizer as soon as its
   // gradient is final, during backward (DESIGN.md section 2).
   bool optimizer_during_backward = false;
+  // Compute on a GPU (the CUDA backend, core/gpu_rank.h): the state's homes
+  // must be host memory or NVMe, the collective and gradient buffers are
+  // pinned host memory, and the device holds the compute working set.
+  bool gpu = false;
   int fetch_slots = 5;        // offload_param.buffer_count
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count
   int64_t optimizer_chunk_elements = int64_t{1}

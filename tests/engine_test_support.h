@@ -82,9 +82,11 @@ struct EngineRun {
   std::string init;              // safetensors checkpoint to start from; empty: the seed
   int initial_scale_power = 12;  // fp16
   std::shared_ptr<io::FaultInjector> fault_injector;
+  kernels::BackendKind backend = kernels::BackendKind::cpu;
   std::string label() const {
-    return "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
-           offload_optimizer + " world " + std::to_string(world) + " " + precision +
+    return std::string(backend == kernels::BackendKind::cuda ? "cuda " : "") + "stage " +
+           std::to_string(stage) + " param " + offload_param + " optimizer " + offload_optimizer +
+           " world " + std::to_string(world) + " " + precision +
            (overlap_comm ? "" : " no-overlap") + (reduce_scatter ? "" : " all-reduce");
   }
 };
@@ -102,8 +104,10 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["train_micro_batch_size_per_gpu"] = run.micro_batch;
   j["gradient_accumulation_steps"] = run.grad_accum;
   j["gradient_clipping"] = run.clipping;
-  j["optimizer"] = {{"type", "AdamW"},
-                    {"params", {{"lr", run.lr}, {"weight_decay", 0.1}, {"betas", {0.9, 0.95}}, {"eps", run.eps}}}};
+  j["optimizer"] = {
+      {"type", "AdamW"},
+      {"params",
+       {{"lr", run.lr}, {"weight_decay", 0.1}, {"betas", {0.9, 0.95}}, {"eps", run.eps}}}};
   if (!run.scheduler.empty())
     j["scheduler"] = {{"type", run.scheduler},
                       {"params",
@@ -147,7 +151,9 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   options.nvme_paths = {nvme_dir};
   options.seed = seed;
   options.data = memory_reader(tokens);
-  options.pin_host = false;
+  options.backend = run.backend;
+  // Copies between pinned host memory and a GPU run asynchronously, as in training.
+  options.pin_host = run.backend == kernels::BackendKind::cuda;
   options.notice = [](const std::string&) {};
   options.fault_injector = run.fault_injector;
   options.init_checkpoint = run.init;
@@ -186,7 +192,8 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
 }
 
 // Largest per-tensor relative error |a - b| / |b| over the model; `where` gets its tensor.
-inline double weights_relative_error(const HostModel& a, const HostModel& b, std::string* where = nullptr) {
+inline double weights_relative_error(const HostModel& a, const HostModel& b,
+                                     std::string* where = nullptr) {
   double worst = 0;
   for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
     const float* x = a.params[size_t(t.unit)].data() + t.slot->offset;

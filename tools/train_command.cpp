@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -197,7 +198,7 @@ Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan) {
                               format_bytes(double(b.host)), format_bytes(double(host_peak)));
   // On the CPU backend the device budget is host memory too.
   const std::optional<int64_t> available = detect_host_available_bytes();
-  const uint64_t wanted = b.host + b.device * W;
+  const uint64_t wanted = b.host + (plan.input.gpu ? 0 : b.device * W);
   if (available && wanted > uint64_t(*available))
     fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
                format_bytes(double(wanted)), format_bytes(double(*available)));
@@ -278,7 +279,8 @@ class TrainCommand : public Subcommand {
         {"--global-batch", &batch_group,
          "Sequences per step over all ranks (train_batch_size; default: derived)"},
         {"--world-size", &batch_group,
-         "Ranks; on the CPU backend, threads of this process (strata.world_size; default 1)"},
+         "Ranks, as threads of this process (sharing one GPU on the CUDA backend; "
+         "strata.world_size; default 1)"},
         {"--seq-len", &batch_group,
          "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
         {"--precision", &batch_group,
@@ -397,7 +399,27 @@ class TrainCommand : public Subcommand {
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
     if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
 
-    Result<TrainingPlan> plan = build_training_plan(training_plan_input(*model, config));
+    // Several processes (strata launch, torchrun, SLURM) would each train alone.
+    if (const char* launched = std::getenv("WORLD_SIZE"); launched && std::atoi(launched) > 1)
+      return Failure{
+          2, fmt::format("WORLD_SIZE={}: strata train runs its ranks as threads of one process in "
+                         "this version; run one process with --world-size {} instead of launching "
+                         "several",
+                         launched, launched)};
+
+    // The backend decides where the plan puts the compute buffers.
+    Result<BackendChoice> backend = choose_backend(backend_);
+    if (!backend) return usage_error(backend.status());
+    TrainingPlanInput plan_input = training_plan_input(*model, config);
+    plan_input.gpu = backend->kind == kernels::BackendKind::cuda;
+    Result<TrainingPlan> plan = build_training_plan(plan_input);
+    if (!plan && plan_input.gpu && backend_ == "auto") {
+      // The CUDA backend keeps the state off the GPU in this version; other placements train here.
+      backend->kind = kernels::BackendKind::cpu;
+      backend->notice = fmt::format("strata: training on the CPU: {}", plan.status().message());
+      plan_input.gpu = false;
+      plan = build_training_plan(plan_input);
+    }
     if (!plan) return usage_error(plan.status());
     if (print_plan_) {
       std::string text = format_training_plan(*plan);
@@ -510,28 +532,18 @@ class TrainCommand : public Subcommand {
     }
     options.data = batch_reader(data);
 
-    // The backend last, so that input errors above stay one line without its notice.
-    Result<BackendChoice> backend = choose_backend(backend_);
-    if (!backend) return usage_error(backend.status());
-    if (backend->kind == kernels::BackendKind::cuda) {
-      if (backend_ == "cuda")
-        return Failure{2,
-                       "--backend cuda: the training engine computes on the CPU in this version; "
-                       "run with --backend cpu"};
-      fmt::print(stderr,
-                 "strata: the training engine computes on the CPU in this version; using the CPU "
-                 "backend\n");
-    } else if (!backend->notice.empty()) {
-      fmt::print(stderr, "{}\n", backend->notice);
-    }
+    // The backend's notice last, so that input errors above stay one line without it.
+    options.backend = backend->kind;
+    if (!backend->notice.empty()) fmt::print(stderr, "{}\n", backend->notice);
 
     const int64_t tokens_per_step = B * T * plan->input.grad_accum * W;
     fmt::print(
         "{}: {} parameters, {} units; stage {}, params on {}, optimizer on {}; {} rank{} on the "
-        "CPU\n",
+        "{}\n",
         model->name, format_count(double(model->parameter_count())), plan->layout.units.size(),
         plan->input.stage, tiers::tier_name(plan->homes.param),
-        tiers::tier_name(plan->homes.optimizer), W, W == 1 ? "" : "s");
+        tiers::tier_name(plan->homes.optimizer), W, W == 1 ? "" : "s",
+        plan->input.gpu ? "GPU" : "CPU");
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
         B, T, plan->input.grad_accum, tokens_per_step, precision_name(config.precision),

@@ -1,0 +1,88 @@
+// GpuRank: one rank's compute on a GPU, for the engine's CUDA backend.
+//
+// In this version the training state stays where the plan homes it off the
+// GPU (pinned host memory or NVMe: ZeRO-3 with offload_param and
+// offload_optimizer cpu|nvme), and the collectives, gradient accumulation and
+// the CPU optimizer work on pinned host buffers as on the CPU backend. The GPU
+// runs the units: a compute operation uploads the unit's compute-precision
+// parameters from host memory into one of three rotating device slots on the
+// host-to-device stream, computes on the compute stream (core/cuda_units.h),
+// and a backward sends the unit's fp32 gradient back on the device-to-host
+// stream. Streams are ordered by events only; nothing synchronises the device.
+// Activation checkpoints, the activation gradient and the tokens stay on the
+// device. Every device buffer comes from the rank's DeviceTier (one
+// cudaMalloc), so the device budget holds and nothing is allocated in a step.
+//
+// Host memory handed in must stay valid until the call that reads it
+// returns (uploads finish before it returns) or, for gradients, until
+// gradients_ready(slot) returns; it should be pinned (the host tier is) so
+// copies run asynchronously.
+//
+// Thread-safety: the compute calls come from one thread (the compute lane);
+// gradients_ready may be called from another (the comm lane), after the
+// backward that sent the gradients has returned.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/training_plan.h"
+#include "io/status.h"
+#include "tiers/device_tier.h"
+
+namespace strata {
+
+class GpuRank {
+ public:
+  // Allocates the working set the plan lists for the device from `device`
+  // (which must be on the GPU `gpu_index`); the blocks are appended to `blocks`.
+  static Result<std::unique_ptr<GpuRank>> create(const TrainingPlan& plan, int gpu_index,
+                                                 tiers::DeviceTier& device,
+                                                 std::vector<tiers::DeviceBlock>& blocks);
+  ~GpuRank();
+  GpuRank(const GpuRank&) = delete;
+  GpuRank& operator=(const GpuRank&) = delete;
+
+  // Forward of the embedding or a decoder layer of micro-batch `micro`.
+  // params: the whole unit (padded_numel) in compute precision, host memory.
+  // The embedding's forward also uploads the micro-batch's tokens and targets (B*T each).
+  Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                 const int32_t* targets);
+
+  // The head's forward and backward: returns the sum of the token losses.
+  // tied_params: unit 0 (the embedding) in a tied model, else null. The head's
+  // fp32 gradient goes to host `grads` (padded_numel, =) and is there once
+  // gradients_ready(grad_slot) returns; a tied lm_head's gradient stays on the
+  // device until the embedding's backward adds to it.
+  Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
+                      float loss_scale, float* grads, int grad_slot);
+
+  // Backward of the embedding or a decoder layer. recompute false: the layer's
+  // activations are those of its forward (the last layer before the head).
+  // The fp32 gradient goes to host `grads` (=), ready after gradients_ready(grad_slot);
+  // grad_slot -1 is the tied embedding (head's lm_head gradient plus the embedding's).
+  Status backward(int unit, int micro, const std::byte* params, bool recompute, float* grads,
+                  int grad_slot);
+
+  // Waits until the gradient last sent for `grad_slot` is in host memory.
+  Status gradients_ready(int grad_slot);
+
+  // "H200 (GPU 0), 3 streams".
+  std::string description() const;
+
+ private:
+  struct Impl;
+  explicit GpuRank(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The working set every rank keeps on the device on the CUDA backend, beyond
+// what scales with the batch; core/training_plan.cpp lists these buffers.
+inline constexpr int kGpuParamSlots = 3;   // rotating device copies of a unit's parameters
+inline constexpr int kGpuGradBuffers = 2;  // rotating device fp32 unit gradients
+inline constexpr int64_t kGpuMatmulWorkspaceBytes = int64_t{32} << 20;  // cuBLASLt's
+
+}  // namespace strata
