@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <thread>
 
 #if STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -84,6 +85,11 @@ class StagingBuffer {
     return cudaSuccess;
   }
   void* get() const { return data_; }
+  void release() {
+    if (data_) cudaFree(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
 
  private:
   void* data_ = nullptr;
@@ -104,10 +110,16 @@ class NcclCommImpl final : public NcclComm {
 
   ~NcclCommImpl() override {
     DeviceScope scope(gpu_);
-    if (stream_) cudaStreamSynchronize(stream_);
+    if (stream_ && comm_) {
+      wait({"closing", 0, DataType::fp32});  // aborts rather than hangs if a peer has gone
+    } else if (stream_) {
+      cudaStreamSynchronize(stream_);
+    }
     if (comm_) ncclCommDestroy(comm_);
     if (stream_) cudaStreamDestroy(stream_);
     if (scratch_) cudaFree(scratch_);
+    staging_send_.release();
+    staging_recv_.release();
   }
 
   // Creates the stream and the NCCL communicator (every rank must call it).
@@ -116,8 +128,9 @@ class NcclCommImpl final : public NcclComm {
     cudaError_t error = cudaStreamCreate(&stream_);  // ordered after the legacy default stream
     if (error == cudaSuccess) error = cudaMalloc(&scratch_, sizeof(float));
     if (error != cudaSuccess) {
-      return Status::error(fmt::format("{}: cannot create a CUDA stream on GPU {}: {}", who(), gpu_,
-                                       cudaGetErrorString(error)));
+      return Status::error(
+          fmt::format("{}: cannot create its CUDA stream and scratch buffer on GPU {}: {}", who(),
+                      gpu_, cudaGetErrorString(error)));
     }
     const ncclResult_t result = ncclCommInitRank(&comm_, world_size_, id, rank_);
     if (result != ncclSuccess) {
@@ -177,10 +190,11 @@ class NcclCommImpl final : public NcclComm {
   Status barrier() override {
     const Call call{"barrier", 1, DataType::fp32};
     DeviceScope scope(gpu_);
+    if (!comm_) return closed(call);
     Status status = check_nccl(
         call, ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
     if (!status.is_ok()) return status;
-    return check_cuda(call, "cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+    return wait(call);
   }
 
   Status all_gather_async(const void* send, void* recv, size_t count, DataType dtype,
@@ -271,6 +285,7 @@ class NcclCommImpl final : public NcclComm {
   template <typename Collective>
   Status run_staged(const Call& call, const void* send, size_t send_bytes, void* recv,
                     size_t recv_bytes, bool upload_send, Collective&& collective) {
+    if (!comm_) return closed(call);
     if (call.count == 0) return Status::ok();
     Result<bool> send_on_device = on_device(call, "send", send);
     if (!send_on_device) return send_on_device.status();
@@ -308,12 +323,48 @@ class NcclCommImpl final : public NcclComm {
           cudaMemcpyAsync(recv, device_recv, recv_bytes, cudaMemcpyDeviceToHost, stream_));
       if (!copied.is_ok()) return copied;
     }
-    return check_cuda(call, "cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+    return wait(call);
+  }
+
+  // Waits for this communicator's stream. Unlike cudaStreamSynchronize it also
+  // watches NCCL's asynchronous error (a rank that failed or left), and then
+  // aborts the communicator instead of waiting forever.
+  Status wait(const Call& call) {
+    for (int polls = 0;; ++polls) {
+      const cudaError_t state = cudaStreamQuery(stream_);
+      if (state == cudaSuccess) return Status::ok();
+      if (state != cudaErrorNotReady) return check_cuda(call, "waiting for the stream", state);
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const std::string last = one_line(ncclGetLastError(comm_));
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        return Status::error(fmt::format(
+            "{}: NCCL failed while it ran: {}{}{}; a rank may have failed or left (see the "
+            "other ranks' errors); this communicator is now closed",
+            describe(call), ncclGetErrorString(async), last.empty() ? "" : ": ", last));
+      }
+      // Short collectives finish within the first polls; longer ones need not spin.
+      if (polls < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  Status closed(const Call& call) const {
+    return Status::error(fmt::format(
+        "{}: this communicator was closed by an earlier NCCL failure; start a new one (every "
+        "rank must)",
+        describe(call)));
   }
 
   template <typename Collective>
   Status run_async(const Call& call, const void* send, const void* recv, CUstream_st* stream,
                    Collective&& collective) {
+    if (!comm_) return closed(call);
     if (call.count == 0) return Status::ok();
     for (auto [which, pointer] : {std::pair{"send", send}, std::pair{"recv", recv}}) {
       Result<bool> device = on_device(call, which, pointer);

@@ -21,7 +21,10 @@
 // reused at once; they wait for nothing else on the device, so device buffers
 // written by other streams must be complete before the call. The *_async calls
 // (device buffers only) enqueue the collective on a stream the caller names and
-// return at once; the caller orders the buffers' use with that stream.
+// return at once; the caller orders the buffers' use with that stream. When
+// NCCL reports an asynchronous error while a call waits (a rank failed or
+// left), the call aborts the communicator and returns the error; every later
+// call then fails at once.
 //
 // Reductions are sums (ncclSum); bf16 is ncclBfloat16, summed by NCCL in its
 // own order, so unlike LocalComm the result is not bitwise independent of the
