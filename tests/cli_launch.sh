@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `strata launch` end to end: every rank's variables, a failing rank stops the
 # others and its status propagates, SIGTERM and SIGINT reach the children, bad
-# input is a one-line error with exit status 2.
+# input is a one-line error with exit status 2. Every rank below gives up by
+# itself after about two minutes, so that a broken launch leaves nothing behind.
 # Usage: cli_launch.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -57,7 +58,7 @@ err=$(guard "$strata" launch -n 3 --grace-period 60 -- sh -c '
   fi
   trap "echo term > $dir/term.$RANK; exit 0" TERM
   touch "$dir/ready.$RANK"
-  while :; do sleep 0.1; done' sh "$work/fail" $fail_rank $status_code 2>&1 >/dev/null)
+  i=0; while [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done' sh "$work/fail" $fail_rank $status_code 2>&1 >/dev/null)
 status=$?
 [ $status -eq $status_code ]; check "launch exits with the failed rank's status ($status, want $status_code)" $?
 echo "$err" | grep -Eq "^strata launch: rank $fail_rank \(pid [0-9]+\) exited with status $status_code; stopping the others$"
@@ -76,7 +77,7 @@ echo "$err" | grep -q "rank 1 (pid [0-9]*) was killed by signal 9"; check "the k
 # A rank that ignores SIGTERM is killed after the grace period.
 err=$(guard "$strata" launch -n 2 --grace-period 0.2 -- sh -c '
   if [ "$RANK" = 0 ]; then exit 1; fi
-  trap "" TERM; while :; do sleep 0.1; done' 2>&1 >/dev/null)
+  trap "" TERM; i=0; while [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done' 2>&1 >/dev/null)
 [ $? -eq 1 ]; check "a rank ignoring SIGTERM is killed after --grace-period" $?
 
 # Signals sent to launch reach every rank.
@@ -88,7 +89,7 @@ for signal in TERM INT; do
   env --default-signal=INT "$strata" launch -n $n -- sh -c '
     trap "echo got > $1/got.$RANK; exit 0" TERM INT
     touch "$1/ready.$RANK"
-    while :; do sleep 0.1; done' sh "$dir" &
+    i=0; while [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done' sh "$dir" &
   launch_pid=$!
   ready=()
   for r in $(seq 0 $((n - 1))); do ready+=("$dir/ready.$r"); done
@@ -101,6 +102,19 @@ for signal in TERM INT; do
   got=$(ls "$dir" | grep -c '^got\.')
   [ "$got" -eq $n ]; check "SIG$signal: forwarded to all $n ranks ($got)" $?
 done
+
+# Ranks do not outlive a launch that is killed outright (SIGKILL cannot be forwarded).
+dir="$work/orphans"
+mkdir "$dir"
+"$strata" launch -n 2 -- sh -c '
+  trap "echo got > $1/got.$RANK; exit 0" TERM
+  touch "$1/ready.$RANK"
+  i=0; while [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done' sh "$dir" &
+launch_pid=$!
+wait_for_files "$dir/ready.0" "$dir/ready.1"; check "SIGKILL: both ranks started" $?
+kill -KILL $launch_pid
+wait $launch_pid 2>/dev/null
+wait_for_files "$dir/got.0" "$dir/got.1"; check "SIGKILL to launch: every rank gets SIGTERM" $?
 
 # Bad input: one line, exit 2.
 expect_bad_input() {  # expect_bad_input NAME PATTERN ARGS...

@@ -7,7 +7,8 @@
 //
 // The children inherit stdout and stderr (nothing is prefixed). Each rank runs
 // in a process group of its own, so that stopping a rank also stops what it
-// started (a shell's children); a rank therefore cannot read the terminal.
+// started (a shell's children); a rank therefore cannot read the terminal. A
+// rank whose launch dies (even by SIGKILL) gets SIGTERM (PR_SET_PDEATHSIG).
 // When a child fails (non-zero status or killed), launch prints one line naming
 // its rank and pid, sends SIGTERM to the others, SIGKILL after --grace-period,
 // and exits with that child's status (128 + signal for a killed child). SIGINT
@@ -15,9 +16,10 @@
 // same stop follows and launch exits 128 + the signal; a second signal kills at
 // once. Bad input (N < 1, no command, a command not found) is a one-line error
 // and exit status 2.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -268,16 +270,43 @@ class LaunchCommand : public Subcommand {
     for (std::string& argument : command_) argv.push_back(argument.data());
     argv.push_back(nullptr);
 
-    posix_spawnattr_t attributes;
-    posix_spawnattr_init(&attributes);
-    posix_spawnattr_setsigmask(&attributes, &mask);
-    posix_spawnattr_setpgroup(&attributes, 0);  // a group of its own, led by the rank
-    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP);
-    pid_t pid = -1;
-    const int error =
-        posix_spawn(&pid, program.c_str(), nullptr, &attributes, argv.data(), envp.data());
-    posix_spawnattr_destroy(&attributes);
-    if (error != 0) {
+    // fork + exec rather than posix_spawn, for PR_SET_PDEATHSIG: a rank gets
+    // SIGTERM if launch itself dies (even by SIGKILL) instead of running on.
+    int report[2];  // the child writes exec's errno here; close-on-exec says it ran
+    if (::pipe2(report, O_CLOEXEC) != 0) {
+      return Status::error(
+          fmt::format("cannot start rank {}: pipe: {}", rank, std::strerror(errno)));
+    }
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      const int error = errno;
+      ::close(report[0]);
+      ::close(report[1]);
+      return Status::error(
+          fmt::format("cannot start rank {}: fork: {}", rank, std::strerror(error)));
+    }
+    if (pid == 0) {  // the child: async-signal-safe calls only
+      ::close(report[0]);
+      ::setpgid(0, 0);  // a process group of its own, led by the rank
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) ::_exit(127);  // launch died before prctl
+      pthread_sigmask(SIG_SETMASK, &mask, nullptr);
+      ::execve(program.c_str(), argv.data(), envp.data());
+      const int error = errno;
+      [[maybe_unused]] ssize_t written = ::write(report[1], &error, sizeof(error));
+      ::_exit(127);
+    }
+    ::close(report[1]);
+    ::setpgid(pid, pid);  // also here, so that the group exists before any kill(-pid)
+    int error = 0;
+    ssize_t got;
+    do {
+      got = ::read(report[0], &error, sizeof(error));
+    } while (got < 0 && errno == EINTR);
+    ::close(report[0]);
+    if (got == static_cast<ssize_t>(sizeof(error))) {
+      ::waitpid(pid, nullptr, 0);
       return Status::error(fmt::format("cannot start rank {} ({}): {}; check the command", rank,
                                        program, std::strerror(error)));
     }
