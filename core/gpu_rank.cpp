@@ -6,7 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
-#include <map>
+#include <string>
 
 #include "core/cuda_units.h"
 #include "kernels/cuda/matmul.h"
@@ -41,7 +41,6 @@ cuda::DType dtype_of(Precision precision) {
 struct GpuRank::Impl {
   const TrainingPlan& plan;
   int gpu = 0;
-  std::string device_name;
   cuda::DType type = cuda::DType::f32;
   int64_t type_bytes = 4;
   int64_t N = 0;  // tokens per micro-batch
@@ -205,9 +204,6 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   Impl& g = *impl;
   g.gpu = gpu_index;
   if (Status s = g.select(); !s) return s;
-  cudaDeviceProp properties{};
-  if (cudaGetDeviceProperties(&properties, gpu_index) == cudaSuccess)
-    g.device_name = properties.name;
   g.type = dtype_of(in.precision);
   g.type_bytes = int64_t(cuda::dtype_size(g.type));
   g.N = plan.tokens_per_micro;
@@ -409,11 +405,6 @@ Status GpuRank::gradients_ready(int grad_slot) {
   return cuda_check(cudaEventSynchronize(g.slot_sent[index]), "waiting for gradients");
 }
 
-std::string GpuRank::description() const {
-  return fmt::format("{} (GPU {}), compute on the GPU, state in host memory or on NVMe",
-                     impl_->device_name, impl_->gpu);
-}
-
 #else  // built without CUDA
 
 struct GpuRank::Impl {};
@@ -435,9 +426,6 @@ Status GpuRank::backward(int, int, const std::byte*, bool, float*, int) {
 }
 Status GpuRank::gradients_ready(int) {
   return Status::error("built without CUDA");
-}
-std::string GpuRank::description() const {
-  return "no GPU (built without CUDA)";
 }
 
 #endif

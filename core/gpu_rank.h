@@ -26,7 +26,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "core/training_plan.h"
@@ -69,9 +68,6 @@ class GpuRank {
 
   // Waits until the gradient last sent for `grad_slot` is in host memory.
   Status gradients_ready(int grad_slot);
-
-  // "H200 (GPU 0), 3 streams".
-  std::string description() const;
 
  private:
   struct Impl;
