@@ -11,7 +11,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -179,6 +181,32 @@ TEST(LaunchEnvironment, SlurmVariables) {
   slurm["SLURM_JOB_NODELIST"] = "rack[1-2]-gpu[1-4]";
   expect_one_line_error(launch_environment_from(slurm).status(),
                         {"SLURM_JOB_NODELIST", "rack[1-2]-gpu[1-4]", "MASTER_ADDR"});
+}
+
+TEST(LaunchEnvironment, ReadsThisProcesssEnvironment) {
+  const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"};
+  std::map<std::string, std::optional<std::string>> saved;
+  for (const char* name : names) {
+    const char* value = std::getenv(name);
+    saved[name] = value ? std::optional<std::string>(value) : std::nullopt;
+  }
+  ::setenv("RANK", "2", 1);
+  ::setenv("WORLD_SIZE", "3", 1);
+  ::setenv("LOCAL_RANK", "2", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", "1234", 1);
+  Result<LaunchEnvironment> env = launch_environment();
+  for (const auto& [name, value] : saved) {
+    if (value) {
+      ::setenv(name.c_str(), value->c_str(), 1);
+    } else {
+      ::unsetenv(name.c_str());
+    }
+  }
+  ASSERT_TRUE(env.is_ok()) << env.status().message();
+  EXPECT_EQ(env->rank, 2);
+  EXPECT_EQ(env->world_size, 3);
+  EXPECT_EQ(env->master_port, 1234);
 }
 
 TEST(LaunchEnvironment, FirstSlurmHost) {
