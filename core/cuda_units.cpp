@@ -8,9 +8,28 @@
 namespace strata {
 namespace {
 
-constexpr int64_t kAlign = 256;
 // The head's logits are computed in blocks of rows of at most this many bytes.
 constexpr int64_t kHeadLogitBytes = int64_t{256} << 20;
+
+}  // namespace
+
+int64_t cuda_head_rows(const ModelConfig& config, int64_t B, int64_t T, int type_bytes) {
+  const int64_t N = B * T;
+  const int64_t rows = kHeadLogitBytes / std::max<int64_t>(1, config.vocab_size * type_bytes);
+  // Multiples of 8 rows keep every block's pointers 16-byte aligned for cuBLASLt.
+  return std::clamp<int64_t>(rows / 8 * 8, std::min<int64_t>(N, 8), N);
+}
+
+}  // namespace strata
+
+#if STRATA_HAS_CUDA
+#include <fmt/format.h>
+
+namespace strata {
+namespace cuda = kernels::cuda;
+namespace {
+
+constexpr int64_t kAlign = 256;
 
 int64_t round_up(int64_t n, int64_t to) {
   return (n + to - 1) / to * to;
@@ -48,24 +67,6 @@ struct WorkspaceShape {
   }
 };
 
-}  // namespace
-
-int64_t cuda_head_rows(const ModelConfig& config, int64_t B, int64_t T, int type_bytes) {
-  const int64_t N = B * T;
-  const int64_t rows = kHeadLogitBytes / std::max<int64_t>(1, config.vocab_size * type_bytes);
-  // Multiples of 8 rows keep every block's pointers 16-byte aligned for cuBLASLt.
-  return std::clamp<int64_t>(rows / 8 * 8, std::min<int64_t>(N, 8), N);
-}
-
-}  // namespace strata
-
-#if STRATA_HAS_CUDA
-#include <fmt/format.h>
-
-namespace strata {
-namespace cuda = kernels::cuda;
-namespace {
-
 WorkspaceShape workspace_shape(const ModelConfig& c, int64_t B, int64_t T, int ts) {
   WorkspaceShape s{};
   s.B = B;
@@ -97,6 +98,10 @@ int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t 
   for (int64_t size : workspace_shape(config, B, T, type_bytes).sizes())
     total += round_up(size, kAlign);
   return total;
+}
+
+int64_t cuda_grad_norm_scratch_bytes(int64_t numel) {
+  return int64_t(cuda::grad_norm_scratch_bytes(numel));
 }
 
 struct CudaUnits::Buffers {
@@ -386,6 +391,9 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
 #else
 namespace strata {
 int64_t cuda_unit_workspace_bytes(const ModelConfig&, int64_t, int64_t, int) {
+  return 0;
+}
+int64_t cuda_grad_norm_scratch_bytes(int64_t) {
   return 0;
 }
 }  // namespace strata

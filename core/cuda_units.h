@@ -34,6 +34,9 @@ int64_t cuda_head_rows(const ModelConfig& config, int64_t B, int64_t T, int type
 // Device bytes a CudaUnits workspace takes (compiles without CUDA, for plans).
 int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t T, int type_bytes);
 
+// Device bytes of the gradient-norm kernel's scratch for `numel` elements (0 without CUDA).
+int64_t cuda_grad_norm_scratch_bytes(int64_t numel);
+
 }  // namespace strata
 
 #if STRATA_HAS_CUDA

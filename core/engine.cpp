@@ -220,6 +220,12 @@ struct Engine::Impl {
   const float* unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit, int which);
   Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   const std::byte* gathered_params(Rank& rank, int op_index, int unit) const;
+  const std::byte* gpu_params(Rank& rank, StepRun& run, int op_index, int unit);
+  // The CUDA backend with every kind of state on the GPU.
+  bool resident() const { return plan.input.gpu && plan.homes.param == tiers::Tier::device; }
+  float* grad_home(Rank& rank, int unit) {
+    return reinterpret_cast<float*>(home_data(rank, {unit, ShardKind::grad}));
+  }
   Status forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status reduce(Rank& rank, const PlanOp& op);
@@ -778,6 +784,18 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
                               {u, ShardKind::v}};
     // Element `begin` of the unit sits at this element of each shard.
     const int64_t master_start = master_is_param && plan.input.stage < 3 ? begin : 0;
+    if (resident()) {
+      // Homes on the GPU: each shard passes through host memory once (outside the budgets).
+      for (int f = 0; f < 3; ++f) {
+        Result<tiers::ShardHome> home = rank.store->home(keys[f]);
+        if (!home) return home.status();
+        std::vector<std::byte> bytes(size_t(home->bytes));
+        if (Status s = rank.store->read_shard(keys[f], bytes); !s) return s;
+        const std::byte* data = bytes.data() + (f == 0 ? master_start : 0) * 4;
+        if (Status s = writer.write(f, file_offset, data, uint64_t(count) * 4); !s) return s;
+      }
+      continue;
+    }
     if (plan.homes.optimizer != tiers::Tier::nvme) {
       for (int f = 0; f < 3; ++f) {
         const std::byte* data = home_data(rank, keys[f]) + (f == 0 ? master_start : 0) * 4;
@@ -1133,20 +1151,34 @@ const std::byte* Engine::Impl::gathered_params(Rank& rank, int op_index, int uni
   return nullptr;
 }
 
+// Unit `unit`'s parameters for a GPU computation: its device home (state on
+// the GPU, after this step's update of it), else its gathered host copy.
+const std::byte* Engine::Impl::gpu_params(Rank& rank, StepRun& run, int op_index, int unit) {
+  if (!resident()) return gathered_params(rank, op_index, unit);
+  wait_params(run.index, rank, unit);
+  return home_data(rank, {unit, ShardKind::param});
+}
+
 Status Engine::Impl::forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
   const int u = op.unit;
-  const std::byte* params = gathered_params(rank, op_index, u);
-  if (params == nullptr) return Status::error("no gathered parameters (plan error)");
+  const std::byte* params = gpu_params(rank, run, op_index, u);
+  if (params == nullptr) return Status::error("no parameters for the unit (plan error)");
   const UnitBatch batch = batch_of(rank, run, op.micro);
-  if (u != units() - 1) return rank.gpu->forward(u, op.micro, params, batch.tokens, batch.targets);
+  if (u != units() - 1)
+    return resident() ? rank.gpu->forward_resident(u, op.micro, params, batch.tokens, batch.targets)
+                      : rank.gpu->forward(u, op.micro, params, batch.tokens, batch.targets);
+  const bool tied_model = plan.layout.config.tie_word_embeddings;
   const std::byte* tied = nullptr;
-  if (plan.layout.config.tie_word_embeddings) {
-    tied = gathered_params(rank, op_index, 0);
-    if (tied == nullptr)
-      return Status::error("no gathered embedding for the tied head (plan error)");
+  if (tied_model) {
+    tied = gpu_params(rank, run, op_index, 0);
+    if (tied == nullptr) return Status::error("no embedding for the tied head (plan error)");
   }
-  Result<double> loss = rank.gpu->head(op.micro, params, tied, batch.loss_scale,
-                                       rank.grad_slots[size_t(op.slot)], op.slot);
+  Result<double> loss =
+      resident()
+          ? rank.gpu->head_resident(op.micro, params, tied, batch.loss_scale, grad_home(rank, u),
+                                    tied_model ? grad_home(rank, 0) : nullptr, op.micro == 0)
+          : rank.gpu->head(op.micro, params, tied, batch.loss_scale,
+                           rank.grad_slots[size_t(op.slot)], op.slot);
   if (!loss) return loss.status();
   if (!std::isfinite(*loss) && plan.input.precision == Precision::fp32)
     return Status::error(
@@ -1193,11 +1225,18 @@ Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const Plan
   const int u = op.unit;
   const int head = units() - 1;
   if (rank.gpu) {
-    const std::byte* params = gathered_params(rank, op_index, u);
+    // The last layer's activations are still on the device (the head keeps its own).
+    const bool recompute = !(u == head - 1 && u >= 1);
+    const std::byte* params = gpu_params(rank, run, op_index, u);
+    if (resident()) {
+      // A tied embedding's gradient was zeroed by the head, which added the lm_head's.
+      const bool zero_first = op.micro == 0 && !(u == 0 && plan.layout.config.tie_word_embeddings);
+      return rank.gpu->backward_resident(u, op.micro, params, recompute, grad_home(rank, u),
+                                         zero_first);
+    }
     if (params == nullptr) return Status::error("no gathered parameters (plan error)");
     float* grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
-    // The last layer's activations are still on the device (the head keeps its own).
-    return rank.gpu->backward(u, op.micro, params, !(u == head - 1 && u >= 1), grads, op.slot);
+    return rank.gpu->backward(u, op.micro, params, recompute, grads, op.slot);
   }
   const UnitBatch batch = batch_of(rank, run, op.micro);
   UnitParams params;
@@ -1222,6 +1261,15 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
   const int r = rank.rank;
+  if (rank.gpu && resident()) {
+    // One rank: nothing to reduce; the gradient accumulated in its home on the GPU.
+    if (op.micro != plan.input.grad_accum - 1) return Status::ok();
+    Result<kernels::cpu::GradNormPartial> partial =
+        rank.gpu->grad_norm(grad_home(rank, u), p.shard_numel);
+    if (!partial) return partial.status();
+    rank.partials[size_t(u)] = *partial;
+    return Status::ok();
+  }
   if (rank.gpu) {
     if (Status s = rank.gpu->gradients_ready(op.slot); !s) return s;
   }
@@ -1367,6 +1415,23 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   // In fp32 the parameters may be the master: then the update is already in them.
   const int64_t master_offset = plan.homes.separate_master || plan.input.stage == 3 ? 0 : offset;
   const std::span<const ShardSegment> segments = rank.segments[size_t(u)];
+  if (rank.gpu && resident()) {
+    // AdamW on the GPU, over the state's device homes (one rank: the whole unit).
+    float* master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
+    float* m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
+    float* v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
+    std::byte* copy = plan.homes.separate_master ? destination : nullptr;
+    for (const ShardSegment& segment : segments) {
+      if (segment.begin == segment.end) continue;
+      const int64_t b = segment.begin;
+      if (Status s = rank.gpu->adamw(master + b, m + b, v + b, grad + b,
+                                     copy == nullptr ? nullptr : copy + b * cb, segment.end - b,
+                                     rank.optimizer->hyperparams(decision, segment.group));
+          !s)
+        return s;
+    }
+    return Status::ok();
+  }
 
   auto update = [&](float* master, float* m, float* v, int64_t begin, int64_t count) -> Status {
     std::vector<ShardSegment> local;

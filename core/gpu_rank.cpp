@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/cuda_units.h"
+#include "kernels/cuda/adamw.h"
 #include "kernels/cuda/matmul.h"
 #endif
 
@@ -71,6 +72,11 @@ struct GpuRank::Impl {
   int32_t* targets = nullptr;            // (G, N)
   float* losses = nullptr;               // (N)
   std::vector<float> host_losses;        // (N)
+  // State on the GPU: the gradient norm's result and scratch.
+  bool resident = false;
+  cuda::GradNormResult* norm = nullptr;  // (1)
+  std::byte* norm_scratch = nullptr;
+  int64_t norm_scratch_bytes = 0;
 
   explicit Impl(const TrainingPlan& p) : plan(p) {}
   ~Impl();
@@ -85,6 +91,15 @@ struct GpuRank::Impl {
   // Sends `device` (numel fp32) to host `grads` once the computation so far is done.
   Status send_gradients(const float* device, float* grads, int64_t numel, int grad_slot,
                         int buffer);
+  // Enqueues the upload of micro-batch `micro`'s ids (before the embedding's forward).
+  Status upload_ids(int micro, const int32_t* tokens, const int32_t* targets);
+  // The head on device parameters; losses summed on the host.
+  Result<double> run_head(int micro, const void* params, const void* tied_params, float loss_scale,
+                          float* grads, float* tied_grads);
+  Status zero(float* grads, int64_t numel) {
+    return cuda_check(cudaMemsetAsync(grads, 0, size_t(numel) * 4, compute),
+                      "zeroing a unit gradient");
+  }
   CudaUnitBatch batch(int micro, float loss_scale) const {
     CudaUnitBatch b;
     b.tokens = tokens + int64_t(micro) * N;
@@ -240,17 +255,25 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
     blocks.push_back(*block);
     return block->data;
   };
-  for (int k = 0; k < kGpuParamSlots; ++k) {
+  g.resident = plan.homes.param == tiers::Tier::device;
+  for (int k = 0; k < kGpuParamSlots && !g.resident; ++k) {
     Result<std::byte*> slot = take(largest_padded * g.type_bytes, "device parameter slot");
     if (!slot) return slot.status();
     g.param_slots[size_t(k)] = *slot;
   }
-  for (int k = 0; k < kGpuGradBuffers; ++k) {
+  for (int k = 0; k < kGpuGradBuffers && !g.resident; ++k) {
     Result<std::byte*> buffer = take(largest_padded * 4, "device unit gradient");
     if (!buffer) return buffer.status();
     g.grad_buffers[size_t(k)] = reinterpret_cast<float*>(*buffer);
   }
-  if (plan.tied_grad_buffer) {
+  if (g.resident) {
+    g.norm_scratch_bytes = int64_t(cuda::grad_norm_scratch_bytes(largest_padded));
+    Result<std::byte*> scratch = take(g.norm_scratch_bytes + 4096, "gradient norm scratch");
+    if (!scratch) return scratch.status();
+    g.norm = reinterpret_cast<cuda::GradNormResult*>(*scratch);
+    g.norm_scratch = *scratch + 4096;
+  }
+  if (plan.tied_grad_buffer && !g.resident) {
     Result<std::byte*> buffer =
         take(plan.units[0].padded_numel * 4, "device tied embedding gradient");
     if (!buffer) return buffer.status();
@@ -295,18 +318,7 @@ Status GpuRank::forward(int unit, int micro, const std::byte* params, const int3
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   if (unit == 0) {
-    // The micro-batch's ids, in stream order before every computation that reads them.
-    const size_t bytes = size_t(g.N) * 4;
-    if (Status s = cuda_check(cudaMemcpyAsync(g.tokens + int64_t(micro) * g.N, tokens, bytes,
-                                              cudaMemcpyHostToDevice, g.compute),
-                              "uploading tokens");
-        !s)
-      return s;
-    if (Status s = cuda_check(cudaMemcpyAsync(g.targets + int64_t(micro) * g.N, targets, bytes,
-                                              cudaMemcpyHostToDevice, g.compute),
-                              "uploading targets");
-        !s)
-      return s;
+    if (Status s = g.upload_ids(micro, tokens, targets); !s) return s;
   }
   Result<int> slot = g.upload(params, g.unit_bytes(unit));
   if (!slot) return slot.status();
@@ -344,25 +356,128 @@ Result<double> GpuRank::head(int micro, const std::byte* params, const std::byte
   Result<int> buffer = g.take_grad_buffer(numel);
   if (!buffer) return buffer.status();
   float* device_grads = g.grad_buffers[size_t(*buffer)];
-  Status status = g.units->head_forward_backward(
-      g.param_slots[size_t(*slot)],
-      tied_params != nullptr ? g.param_slots[size_t(tied_slot)] : nullptr,
-      g.batch(micro, loss_scale), g.checkpoints[size_t(head - 1)], g.activation_grad, device_grads,
-      tied_params != nullptr ? g.tied_grad : nullptr, g.losses, g.compute);
-  if (status)
-    status = cuda_check(cudaMemcpyAsync(g.host_losses.data(), g.losses, size_t(g.N) * 4,
-                                        cudaMemcpyDeviceToHost, g.compute),
-                        "reading the losses");
+  Result<double> loss =
+      g.run_head(micro, g.param_slots[size_t(*slot)],
+                 tied_params != nullptr ? g.param_slots[size_t(tied_slot)] : nullptr, loss_scale,
+                 device_grads, tied_params != nullptr ? g.tied_grad : nullptr);
+  Status status = loss.status();
   if (status) status = g.send_gradients(device_grads, grads, numel, grad_slot, *buffer);
   Status released = g.computed_with(*slot);
   if (tied_params != nullptr && released) released = g.computed_with(tied_slot);
   if (status) status = released;
+  if (!status) return status;
+  return loss;
+}
+
+Status GpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
+                                 const int32_t* host_targets) {
+  // In stream order before every computation that reads them.
+  const size_t bytes = size_t(N) * 4;
+  if (Status s = cuda_check(cudaMemcpyAsync(tokens + int64_t(micro) * N, host_tokens, bytes,
+                                            cudaMemcpyHostToDevice, compute),
+                            "uploading tokens");
+      !s)
+    return s;
+  return cuda_check(cudaMemcpyAsync(targets + int64_t(micro) * N, host_targets, bytes,
+                                    cudaMemcpyHostToDevice, compute),
+                    "uploading targets");
+}
+
+Result<double> GpuRank::Impl::run_head(int micro, const void* params, const void* tied_params,
+                                       float loss_scale, float* grads, float* tied_grads) {
+  const int head = int(plan.units.size()) - 1;
+  Status status = units->head_forward_backward(params, tied_params, batch(micro, loss_scale),
+                                               checkpoints[size_t(head - 1)], activation_grad,
+                                               grads, tied_grads, losses, compute);
+  // To pageable memory, the copy returns once it (and the work before it) is done.
   if (status)
-    status = cuda_check(cudaStreamSynchronize(g.compute), "waiting for the head's losses");
+    status = cuda_check(
+        cudaMemcpyAsync(host_losses.data(), losses, size_t(N) * 4, cudaMemcpyDeviceToHost, compute),
+        "reading the losses");
+  if (status) status = cuda_check(cudaStreamSynchronize(compute), "waiting for the head's losses");
   if (!status) return status;
   double sum = 0.0;
-  for (float loss : g.host_losses) sum += loss;
+  for (float loss : host_losses) sum += loss;
   return sum;
+}
+
+Status GpuRank::forward_resident(int unit, int micro, const std::byte* params,
+                                 const int32_t* tokens, const int32_t* targets) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  if (unit == 0) {
+    if (Status s = g.upload_ids(micro, tokens, targets); !s) return s;
+  }
+  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
+  return g.units->forward(unit, params, g.batch(micro, 1.0f), input, g.checkpoints[size_t(unit)],
+                          g.compute);
+}
+
+Result<double> GpuRank::head_resident(int micro, const std::byte* params,
+                                      const std::byte* tied_params, float loss_scale, float* grads,
+                                      float* tied_grads, bool zero_first) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  const int head = int(g.plan.units.size()) - 1;
+  if (zero_first) {
+    if (Status s = g.zero(grads, g.plan.units[size_t(head)].padded_numel); !s) return s;
+    if (tied_grads != nullptr) {
+      if (Status s = g.zero(tied_grads, g.plan.units[0].padded_numel); !s) return s;
+    }
+  }
+  return g.run_head(micro, params, tied_params, loss_scale, grads, tied_grads);
+}
+
+Status GpuRank::backward_resident(int unit, int micro, const std::byte* params, bool recompute,
+                                  float* grads, bool zero_first) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  if (zero_first) {
+    if (Status s = g.zero(grads, g.plan.units[size_t(unit)].padded_numel); !s) return s;
+  }
+  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
+  void* dinput = unit == 0 ? nullptr : g.activation_grad;
+  return g.units->backward(unit, params, g.batch(micro, 1.0f), input, g.activation_grad, dinput,
+                           grads, recompute, g.compute);
+}
+
+Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float* grads, int64_t numel) {
+  Impl& g = *impl_;
+  if (g.norm == nullptr) return Status::error("GpuRank::grad_norm: the state is not on the GPU");
+  if (Status s = g.select(); !s) return s;
+  if (Status s = cuda::grad_norm_squared(g.norm, grads, cuda::DType::f32, numel, g.norm_scratch,
+                                         size_t(g.norm_scratch_bytes), g.compute);
+      !s)
+    return s;
+  cuda::GradNormResult result;
+  // To pageable memory, the copy returns once it (and the work before it) is done.
+  if (Status s = cuda_check(
+          cudaMemcpyAsync(&result, g.norm, sizeof(result), cudaMemcpyDeviceToHost, g.compute),
+          "reading a gradient norm");
+      !s)
+    return s;
+  if (Status s = cuda_check(cudaStreamSynchronize(g.compute), "waiting for a gradient norm"); !s)
+    return s;
+  kernels::cpu::GradNormPartial partial;
+  partial.sum_squares = result.sum_squares;
+  partial.nonfinite = result.nonfinite != 0;
+  return partial;
+}
+
+Status GpuRank::adamw(float* master, float* m, float* v, const float* grad, std::byte* copy,
+                      int64_t numel, const kernels::cpu::AdamWHyperparams& hyper) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  cuda::AdamWDeviceShard shard;
+  shard.numel = numel;
+  shard.master = master;
+  shard.exp_avg = m;
+  shard.exp_avg_sq = v;
+  shard.grad = grad;
+  shard.grad_type = cuda::DType::f32;
+  shard.copy = copy;
+  shard.copy_type = g.type == cuda::DType::f32 ? cuda::DType::bf16 : g.type;
+  return cuda::adamw_step(shard, hyper, g.compute);
 }
 
 Status GpuRank::backward(int unit, int micro, const std::byte* params, bool recompute, float* grads,
@@ -425,6 +540,23 @@ Status GpuRank::backward(int, int, const std::byte*, bool, float*, int) {
   return Status::error("built without CUDA");
 }
 Status GpuRank::gradients_ready(int) {
+  return Status::error("built without CUDA");
+}
+Status GpuRank::forward_resident(int, int, const std::byte*, const int32_t*, const int32_t*) {
+  return Status::error("built without CUDA");
+}
+Result<double> GpuRank::head_resident(int, const std::byte*, const std::byte*, float, float*,
+                                      float*, bool) {
+  return Status::error("built without CUDA");
+}
+Status GpuRank::backward_resident(int, int, const std::byte*, bool, float*, bool) {
+  return Status::error("built without CUDA");
+}
+Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float*, int64_t) {
+  return Status::error("built without CUDA");
+}
+Status GpuRank::adamw(float*, float*, float*, const float*, std::byte*, int64_t,
+                      const kernels::cpu::AdamWHyperparams&) {
   return Status::error("built without CUDA");
 }
 

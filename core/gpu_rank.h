@@ -1,10 +1,16 @@
-// GpuRank: one rank's compute on a GPU, for the engine's CUDA backend.
+// GpuRank: one rank's compute on a GPU, for the engine's CUDA backend, in one
+// of two placements (core/training_plan.cpp refuses the others).
 //
-// In this version the training state stays where the plan homes it off the
-// GPU (pinned host memory or NVMe: ZeRO-3 with offload_param and
-// offload_optimizer cpu|nvme), and the collectives, gradient accumulation and
-// the CPU optimizer work on pinned host buffers as on the CPU backend. The GPU
-// runs the units: a compute operation uploads the unit's compute-precision
+// State on the GPU (one rank, stage 0, nothing offloaded): parameters,
+// gradients and the AdamW state live in the rank's device tier; the units
+// compute from the parameters' home and accumulate into the gradients' home,
+// the gradient norm and AdamW (kernels/cuda/adamw.h) run on the GPU, all on
+// one compute stream; the *_resident calls below take device pointers.
+//
+// State offloaded (ZeRO-3 with offload_param and offload_optimizer
+// cpu|nvme): the collectives, gradient accumulation and the CPU optimizer
+// work on pinned host buffers as on the CPU backend. The GPU runs the units:
+// a compute operation uploads the unit's compute-precision
 // parameters from host memory into one of three rotating device slots on the
 // host-to-device stream, computes on the compute stream (core/cuda_units.h),
 // and a backward sends the unit's fp32 gradient back on the device-to-host
@@ -30,6 +36,8 @@
 
 #include "core/training_plan.h"
 #include "io/status.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/grad_norm.h"
 #include "tiers/device_tier.h"
 
 namespace strata {
@@ -68,6 +76,27 @@ class GpuRank {
 
   // Waits until the gradient last sent for `grad_slot` is in host memory.
   Status gradients_ready(int grad_slot);
+
+  // --- state on the GPU: device pointers into the rank's device tier -------------
+
+  // As forward, from the unit's device-resident parameters.
+  Status forward_resident(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                          const int32_t* targets);
+  // As head; the gradient accumulates (+=) into device `grads` (and the tied
+  // lm_head's into device `tied_grads`), zeroed first when `zero_first`.
+  Result<double> head_resident(int micro, const std::byte* params, const std::byte* tied_params,
+                               float loss_scale, float* grads, float* tied_grads, bool zero_first);
+  // As backward; the gradient accumulates into device `grads`, zeroed first when `zero_first`.
+  Status backward_resident(int unit, int micro, const std::byte* params, bool recompute,
+                           float* grads, bool zero_first);
+  // The squared norm and non-finite flag of `numel` fp32 device gradients, after the
+  // work enqueued so far (waits for it). From any lane, one call at a time.
+  Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel);
+  // AdamW on device-resident state after the work enqueued so far (not waiting for it).
+  // copy: the compute-precision parameters to write (device), or null when the
+  // fp32 master is the parameters. From any lane, one call at a time.
+  Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy, int64_t numel,
+               const kernels::cpu::AdamWHyperparams& hyper);
 
  private:
   struct Impl;

@@ -94,6 +94,21 @@ Result<StepPlan> Optimizer::begin_step(const std::optional<kernels::cpu::GradNor
   return plan;
 }
 
+kernels::cpu::AdamWHyperparams Optimizer::hyperparams(const StepPlan& plan,
+                                                      ParamGroup group) const {
+  kernels::cpu::AdamWHyperparams hyper;
+  hyper.lr = plan.lr;
+  hyper.beta1 = options_.adamw.beta1;
+  hyper.beta2 = options_.adamw.beta2;
+  hyper.eps = options_.adamw.eps;
+  hyper.step = plan.step;
+  hyper.decoupled_weight_decay = options_.adamw.adam_w_mode;
+  hyper.bias_correction = options_.adamw.bias_correction;
+  hyper.grad_scale = plan.grad_scale;
+  hyper.weight_decay = group == ParamGroup::decay ? options_.adamw.weight_decay : 0.0;
+  return hyper;
+}
+
 Status Optimizer::update_shard(const StepPlan& plan, const OptimizerShard& shard) const {
   if (!plan.apply) return Status::ok();
   const kernels::cpu::AdamWShard& whole = shard.arrays;
@@ -116,15 +131,6 @@ Status Optimizer::update_shard(const StepPlan& plan, const OptimizerShard& shard
                          std::to_string(whole.numel));
   }
 
-  kernels::cpu::AdamWHyperparams hyper;
-  hyper.lr = plan.lr;
-  hyper.beta1 = options_.adamw.beta1;
-  hyper.beta2 = options_.adamw.beta2;
-  hyper.eps = options_.adamw.eps;
-  hyper.step = plan.step;
-  hyper.decoupled_weight_decay = options_.adamw.adam_w_mode;
-  hyper.bias_correction = options_.adamw.bias_correction;
-  hyper.grad_scale = plan.grad_scale;
   for (const ShardSegment& segment : segments) {
     if (segment.begin == segment.end) continue;
     kernels::cpu::AdamWShard part = whole;
@@ -136,8 +142,8 @@ Status Optimizer::update_shard(const StepPlan& plan, const OptimizerShard& shard
     if (whole.copy != nullptr) {
       part.copy = const_cast<void*>(offset_bytes(whole.copy, segment.begin, whole.copy_type));
     }
-    hyper.weight_decay = segment.group == ParamGroup::decay ? options_.adamw.weight_decay : 0.0;
-    if (Status status = kernels::cpu::adamw_step(part, hyper); !status) return status;
+    if (Status status = kernels::cpu::adamw_step(part, hyperparams(plan, segment.group)); !status)
+      return status;
   }
   return Status::ok();
 }

@@ -127,6 +127,10 @@ class Optimizer {
   // Step 4: one shard's AdamW update for `plan` (nothing when !plan.apply).
   Status update_shard(const StepPlan& plan, const OptimizerShard& shard) const;
 
+  // The AdamW hyperparameters update_shard gives the kernel for one parameter
+  // group of `plan` (also what a GPU update of device-resident state uses).
+  kernels::cpu::AdamWHyperparams hyperparams(const StepPlan& plan, ParamGroup group) const;
+
   const OptimizerState& state() const { return state_; }
   void restore(const OptimizerState& state);
   const OptimizerOptions& options() const { return options_; }

@@ -309,14 +309,21 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
         "zero_optimization.offload_param.device {} needs stage 3 (stage is {}); use --zero-stage 3 "
         "or --offload-param none",
         offload_device_name(in.offload_param), in.stage));
-  if (in.gpu && (in.stage != 3 || in.offload_param == OffloadDevice::none ||
-                 in.offload_optimizer == OffloadDevice::none))
+  // The CUDA backend's two placements in this version (core/gpu_rank.h).
+  const bool gpu_offloaded = in.stage == 3 && in.offload_param != OffloadDevice::none &&
+                             in.offload_optimizer != OffloadDevice::none;
+  const bool gpu_resident = in.stage == 0 && in.world_size == 1 &&
+                            in.offload_param == OffloadDevice::none &&
+                            in.offload_optimizer == OffloadDevice::none;
+  if (in.gpu && !gpu_offloaded && !gpu_resident)
     return Status::error(fmt::format(
-        "the CUDA backend keeps parameters and optimizer state in host memory or on NVMe in this "
-        "version (stage {}, offload_param {}, offload_optimizer {}); use --zero-stage 3 "
-        "--offload-param cpu|nvme --offload-optimizer cpu|nvme, or --backend cpu",
-        in.stage, offload_device_name(in.offload_param),
-        offload_device_name(in.offload_optimizer)));
+        "the CUDA backend runs either everything on the GPU with one rank at stage 0, or "
+        "parameters and optimizer state in host memory or on NVMe at stage 3 in this version "
+        "(got stage {}, {} rank{}, offload_param {}, offload_optimizer {}); use --zero-stage 3 "
+        "--offload-param cpu|nvme --offload-optimizer cpu|nvme, or --zero-stage 0 --world-size 1 "
+        "with no offload, or --backend cpu",
+        in.stage, in.world_size, in.world_size == 1 ? "" : "s",
+        offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer)));
   if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1)
     return Status::error(
         "micro batch, sequence length and gradient accumulation must be at least 1");
@@ -388,7 +395,20 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
 
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
   const int64_t units = static_cast<int64_t>(plan.units.size());
-  if (in.gpu) {
+  if (in.gpu && plan.homes.param == Tier::device) {
+    // Everything on the GPU: the units compute from the parameters' home and
+    // accumulate into the gradients' home; AdamW runs on the GPU.
+    add_buffer("tokens and targets", Tier::host, 2 * N * 4 * in.grad_accum);
+    add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
+    add_buffer("activation gradient", Tier::device, N * C * cb);
+    add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
+    add_buffer("per-token losses", Tier::device, N * 4);
+    add_buffer("gradient norm scratch", Tier::device,
+               cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
+    add_buffer("cuBLASLt workspace", Tier::device, kGpuMatmulWorkspaceBytes);
+    add_buffer("GPU unit working set", Tier::device,
+               cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
+  } else if (in.gpu) {
     // The collectives, the gradient accumulation and the optimizer work in
     // pinned host memory; the GPU holds what the units' computation needs
     // (core/gpu_rank.h), in the compute precision.

@@ -1,14 +1,17 @@
-// The engine on the CUDA backend (core/gpu_rank.h): the units compute on the
-// GPU while parameters and optimizer state stay in host memory or on NVMe.
+// The engine on the CUDA backend (core/gpu_rank.h), in its two placements:
+// everything on the GPU (one rank, stage 0), or the units computing on the GPU
+// while parameters and optimizer state stay in host memory or on NVMe (stage 3).
 //
-// Everywhere: the GPU plan keeps every kind of state off the device, lists the
-// device's working set, and refuses placements that would home state on the
-// device; creating a CUDA engine where no GPU is usable is a one-line error.
-// With a GPU: an fp32 run matches the CPU backend's losses, gradient norms and
-// weights; every offloaded placement (param and optimizer each on cpu or
-// nvme) is bitwise identical at 1, 2 and 3 ranks sharing the GPU, and 2 or 3
-// ranks agree with one; tied embeddings; bf16 stays close to the CPU backend;
-// the device peak stays within the plan and the budget.
+// Everywhere: the offloaded plan keeps every kind of state off the device and
+// lists the device's working set, the resident plan keeps it all there, and
+// other placements are refused in one line; creating a CUDA engine where no
+// GPU is usable is a one-line error.
+// With a GPU: fp32 runs of both placements match the CPU backend's losses,
+// gradient norms and weights; every offloaded placement (param and optimizer
+// each on cpu or nvme) is bitwise identical at 1, 2 and 3 ranks sharing the
+// GPU, and 2 or 3 ranks agree with one; tied embeddings; bf16 stays close to
+// the CPU backend; a resident run resumed from a checkpoint gives the straight
+// run bitwise; the device peak stays within the plan and the budget.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -41,6 +44,14 @@ std::vector<EngineRun> offloaded_placements(int world, const std::string& precis
     }
   }
   return runs;
+}
+
+EngineRun resident_run(const std::string& precision) {
+  EngineRun run;
+  run.precision = precision;
+  run.backend = kernels::BackendKind::cuda;
+  run.device_budget = 512ull << 20;
+  return run;
 }
 
 Result<TrainingPlan> gpu_plan(const EngineRun& run) {
@@ -85,15 +96,36 @@ TEST(CudaEnginePlan, KeepsEveryKindOfStateOffTheDevice) {
   }
 }
 
-TEST(CudaEnginePlan, RefusesStateHomedOnTheDevice) {
-  for (EngineRun run : testing::every_placement(1, "fp32")) {
-    if (run.stage == 3 && run.offload_param != "none" && run.offload_optimizer != "none") continue;
-    Result<TrainingPlan> plan = gpu_plan(run);
-    ASSERT_FALSE(plan.is_ok()) << run.label();
-    EXPECT_NE(plan.status().message().find("--zero-stage 3 --offload-param cpu|nvme"),
-              std::string::npos)
-        << plan.status().message();
-    EXPECT_EQ(plan.status().message().find('\n'), std::string::npos);
+TEST(CudaEnginePlan, ResidentStateIsAllOnTheDevice) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    Result<TrainingPlan> plan = gpu_plan(resident_run(precision));
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    for (const PlanBuffer& b : plan->buffers) {
+      if (b.name == "tokens and targets") {
+        EXPECT_EQ(b.tier, tiers::Tier::host);
+      } else {
+        EXPECT_EQ(b.tier, tiers::Tier::device) << b.name;
+      }
+      EXPECT_EQ(b.name.find("gathered"), std::string::npos) << b.name;
+    }
+  }
+}
+
+TEST(CudaEnginePlan, RefusesOtherPlacements) {
+  for (int world : {1, 2}) {
+    for (EngineRun run : testing::every_placement(world, "fp32")) {
+      const bool offloaded =
+          run.stage == 3 && run.offload_param != "none" && run.offload_optimizer != "none";
+      const bool resident = run.stage == 0 && world == 1 && run.offload_param == "none" &&
+                            run.offload_optimizer == "none";
+      if (offloaded || resident) continue;
+      Result<TrainingPlan> plan = gpu_plan(run);
+      ASSERT_FALSE(plan.is_ok()) << run.label();
+      EXPECT_NE(plan.status().message().find("--zero-stage 3 --offload-param cpu|nvme"),
+                std::string::npos)
+          << plan.status().message();
+      EXPECT_EQ(plan.status().message().find('\n'), std::string::npos);
+    }
   }
 }
 
@@ -179,6 +211,64 @@ TEST_F(CudaEngine, Fp32MatchesTheCpuBackend) {
     EXPECT_LE(on_gpu.rank_usage[0].peak, on_gpu.plan.peak(tiers::Tier::device) + (1 << 20));
     EXPECT_LE(on_gpu.rank_usage[0].peak, gpu.device_budget);
   }
+}
+
+TEST_F(CudaEngine, ResidentStateMatchesTheCpuBackendAndTheOffloadedRun) {
+  for (bool tied : {false, true}) {
+    EngineRun gpu = resident_run("fp32");
+    gpu.tied = tied;
+    gpu.lr = 1e-3;
+    gpu.eps = 1e-6;
+    gpu.steps = 3;
+    EngineRun cpu = gpu;
+    cpu.backend = kernels::BackendKind::cpu;
+    EngineRun offloaded = offloaded_placements(1, "fp32")[0];
+    offloaded.tied = tied;
+    offloaded.lr = gpu.lr;
+    offloaded.eps = gpu.eps;
+    offloaded.steps = gpu.steps;
+    const EngineOutcome resident = train(gpu);
+    const std::string label = tied ? ", tied" : "";
+    expect_close(resident, train(cpu), 1e-5, 1e-4, "resident GPU against CPU" + label);
+    // Gradients accumulate in place on the GPU and on the host when offloaded.
+    expect_close(resident, train(offloaded), 1e-5, 1e-4, "resident against offloaded" + label);
+    EXPECT_LE(resident.rank_usage[0].peak, resident.plan.peak(tiers::Tier::device) + (1 << 20));
+  }
+  // bf16 parameters with an fp32 master on the GPU.
+  EngineRun bf16 = resident_run("bf16");
+  bf16.steps = 4;
+  EngineRun cpu = bf16;
+  cpu.backend = kernels::BackendKind::cpu;
+  const EngineOutcome on_gpu = train(bf16), on_cpu = train(cpu);
+  ASSERT_EQ(on_gpu.steps.size(), on_cpu.steps.size());
+  for (size_t s = 0; s < on_gpu.steps.size(); ++s)
+    EXPECT_NEAR(on_gpu.steps[s].loss, on_cpu.steps[s].loss, 2e-2 * on_cpu.steps[s].loss)
+        << "bf16 step " << s + 1;
+}
+
+TEST_F(CudaEngine, ResidentStateResumesBitwise) {
+  EngineRun run = resident_run("bf16");
+  run.steps = 4;
+  const EngineOutcome straight = train(run);
+  Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+  ASSERT_TRUE(options.is_ok());
+  Result<std::unique_ptr<Engine>> first = Engine::create(*options);
+  ASSERT_TRUE(first.is_ok()) << first.status().message();
+  for (int s = 0; s < 2; ++s) ASSERT_TRUE((*first)->step().is_ok());
+  Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/ckpt");
+  ASSERT_TRUE(saved.is_ok()) << saved.status().message();
+  first->reset();
+  options->resume_from = *saved;
+  Result<std::unique_ptr<Engine>> second = Engine::create(*options);
+  ASSERT_TRUE(second.is_ok()) << second.status().message();
+  for (int s = 2; s < 4; ++s) {
+    Result<StepResult> step = (*second)->step();
+    ASSERT_TRUE(step.is_ok()) << step.status().message();
+    EXPECT_EQ(step->loss, straight.steps[size_t(s)].loss) << "step " << s + 1;
+  }
+  Result<HostModel> weights = (*second)->read_model();
+  ASSERT_TRUE(weights.is_ok());
+  EXPECT_TRUE(testing::weights_bitwise_equal(*weights, straight.weights));
 }
 
 TEST_F(CudaEngine, EveryOffloadedPlacementIsBitwiseIdenticalAtEachWorldSize) {

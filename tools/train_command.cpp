@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "comm/bootstrap.h"
 #include "core/backend_choice.h"
 #include "core/checkpoint.h"
 #include "core/config.h"
@@ -399,13 +400,15 @@ class TrainCommand : public Subcommand {
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
     if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
 
-    // Several processes (strata launch, torchrun, SLURM) would each train alone.
-    if (const char* launched = std::getenv("WORLD_SIZE"); launched && std::atoi(launched) > 1)
+    // Several processes (strata launch, torchrun, SLURM, Open MPI) would each train alone.
+    if (Result<comm::LaunchEnvironment> launched = comm::launch_environment();
+        launched && launched->world_size > 1)
       return Failure{
-          2, fmt::format("WORLD_SIZE={}: strata train runs its ranks as threads of one process in "
-                         "this version; run one process with --world-size {} instead of launching "
-                         "several",
-                         launched, launched)};
+          2, fmt::format("launched as rank {} of {} ({}): strata train runs its ranks as threads "
+                         "of one process in this version; run one process with --world-size {} "
+                         "instead",
+                         launched->rank, launched->world_size, launched->source,
+                         launched->world_size)};
 
     // The backend decides where the plan puts the compute buffers.
     Result<BackendChoice> backend = choose_backend(backend_);
