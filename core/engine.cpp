@@ -584,18 +584,20 @@ Status Engine::Impl::open_rank(Rank& rank) {
       rank.widened.push_back(f);
     }
   }
-  for (int k = 0; k < plan.grad_slots; ++k) {
+  // With the state on the GPU, gradients accumulate straight into their homes.
+  const bool in_homes = resident();
+  for (int k = 0; k < plan.grad_slots && !in_homes; ++k) {
     float* g = nullptr;
     if (Status t = take(staging(largest_padded * 4, "unit gradient"), g); !t) return t;
     rank.grad_slots.push_back(g);
   }
-  if (plan.tied_grad_buffer) {
+  if (plan.tied_grad_buffer && !in_homes) {
     if (Status t = take(staging(plan.units[0].padded_numel * 4, "tied embedding gradient"),
                         rank.tied_grad);
         !t)
       return t;
   }
-  if (in.stage >= 2 && in.reduce_scatter && W > 1) {
+  if (in.stage >= 2 && in.reduce_scatter && W > 1 && !in_homes) {
     if (Status t = take(staging(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t)
       return t;
   }
@@ -1499,9 +1501,18 @@ Status Engine::finish() {
   Impl& im = *impl_;
   std::shared_ptr<StepRun> run = im.last_run;
   if (!run) return Status::ok();
-  std::unique_lock lock(run->mutex);
-  run->changed.wait(lock, [&] { return run->remaining == 0; });
-  if (run->error) return *run->error;
+  {
+    std::unique_lock lock(run->mutex);
+    run->changed.wait(lock, [&] { return run->remaining == 0; });
+    if (run->error) return *run->error;
+  }
+  // Every operation is enqueued; on a GPU its work may still run (AdamW on
+  // state there): the homes are read through the device tier's own streams.
+  for (auto& rank : im.ranks) {
+    if (!rank->gpu) continue;
+    if (Status s = rank->gpu->synchronize(); !s)
+      return s.with_context(fmt::format("rank {}", rank->rank));
+  }
   return Status::ok();
 }
 

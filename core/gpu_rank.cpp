@@ -74,7 +74,9 @@ struct GpuRank::Impl {
   std::vector<float> host_losses;        // (N)
   // State on the GPU: the gradient norm's result and scratch.
   bool resident = false;
-  cuda::GradNormResult* norm = nullptr;  // (1)
+  cuda::GradNormResult* norm = nullptr;       // (1)
+  cuda::GradNormResult* host_norm = nullptr;  // (1) pinned
+  cudaEvent_t norm_read = nullptr;
   std::byte* norm_scratch = nullptr;
   int64_t norm_scratch_bytes = 0;
 
@@ -126,6 +128,8 @@ GpuRank::Impl::~Impl() {
   for (cudaEvent_t e : slot_sent)
     if (e) cudaEventDestroy(e);
   if (computed) cudaEventDestroy(computed);
+  if (norm_read) cudaEventDestroy(norm_read);
+  if (host_norm) cudaFreeHost(host_norm);
   for (cudaStream_t s : {compute, to_device, to_host})
     if (s) cudaStreamDestroy(s);
 }
@@ -272,6 +276,12 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
     if (!scratch) return scratch.status();
     g.norm = reinterpret_cast<cuda::GradNormResult*>(*scratch);
     g.norm_scratch = *scratch + 4096;
+    if (Status s = cuda_check(
+            cudaMallocHost(reinterpret_cast<void**>(&g.host_norm), sizeof(cuda::GradNormResult)),
+            "allocating a pinned gradient norm");
+        !s)
+      return s;
+    if (Status s = event(g.norm_read); !s) return s;
   }
   if (plan.tied_grad_buffer && !g.resident) {
     Result<std::byte*> buffer =
@@ -294,16 +304,15 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   if (!losses) return losses.status();
   g.losses = reinterpret_cast<float*>(*losses);
   g.host_losses.resize(size_t(g.N));
-  // cuBLASLt allocates its own workspace; this block charges it to the budget.
-  if (Result<std::byte*> r = take(kGpuMatmulWorkspaceBytes, "cuBLASLt workspace"); !r)
-    return r.status();
+  Result<std::byte*> matmul_workspace = take(kGpuMatmulWorkspaceBytes, "cuBLASLt workspace");
+  if (!matmul_workspace) return matmul_workspace.status();
   const int64_t workspace_bytes =
       cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(g.type_bytes));
   Result<std::byte*> workspace = take(workspace_bytes, "GPU unit working set");
   if (!workspace) return workspace.status();
 
   Result<std::unique_ptr<cuda::Matmuls>> matmuls =
-      cuda::Matmuls::create(size_t(kGpuMatmulWorkspaceBytes));
+      cuda::Matmuls::create_in(*matmul_workspace, size_t(kGpuMatmulWorkspaceBytes));
   if (!matmuls) return matmuls.status();
   g.matmuls = std::move(*matmuls);
   Result<std::unique_ptr<CudaUnits>> created = CudaUnits::create(
@@ -371,7 +380,9 @@ Result<double> GpuRank::head(int micro, const std::byte* params, const std::byte
 
 Status GpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
                                  const int32_t* host_targets) {
-  // In stream order before every computation that reads them.
+  // In stream order before every computation that reads them. The host ids
+  // stay untouched until the next step(), which comes after this step's
+  // head has synchronised the compute stream (run_head), so the copy is done.
   const size_t bytes = size_t(N) * 4;
   if (Status s = cuda_check(cudaMemcpyAsync(tokens + int64_t(micro) * N, host_tokens, bytes,
                                             cudaMemcpyHostToDevice, compute),
@@ -449,15 +460,18 @@ Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float* grads, int
                                          size_t(g.norm_scratch_bytes), g.compute);
       !s)
     return s;
-  cuda::GradNormResult result;
-  // To pageable memory, the copy returns once it (and the work before it) is done.
-  if (Status s = cuda_check(
-          cudaMemcpyAsync(&result, g.norm, sizeof(result), cudaMemcpyDeviceToHost, g.compute),
-          "reading a gradient norm");
+  // Waits for the norm, not for the work other lanes enqueued after it.
+  if (Status s = cuda_check(cudaMemcpyAsync(g.host_norm, g.norm, sizeof(cuda::GradNormResult),
+                                            cudaMemcpyDeviceToHost, g.compute),
+                            "reading a gradient norm");
       !s)
     return s;
-  if (Status s = cuda_check(cudaStreamSynchronize(g.compute), "waiting for a gradient norm"); !s)
+  if (Status s = cuda_check(cudaEventRecord(g.norm_read, g.compute), "recording a gradient norm");
+      !s)
     return s;
+  if (Status s = cuda_check(cudaEventSynchronize(g.norm_read), "waiting for a gradient norm"); !s)
+    return s;
+  const cuda::GradNormResult result = *g.host_norm;
   kernels::cpu::GradNormPartial partial;
   partial.sum_squares = result.sum_squares;
   partial.nonfinite = result.nonfinite != 0;
@@ -511,6 +525,14 @@ Status GpuRank::backward(int unit, int micro, const std::byte* params, bool reco
   return status ? released : status;
 }
 
+Status GpuRank::synchronize() {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  for (cudaStream_t stream : {g.compute, g.to_device, g.to_host})
+    if (Status s = cuda_check(cudaStreamSynchronize(stream), "waiting for the GPU"); !s) return s;
+  return Status::ok();
+}
+
 Status GpuRank::gradients_ready(int grad_slot) {
   Impl& g = *impl_;
   const size_t index = size_t(grad_slot + 1);
@@ -540,6 +562,9 @@ Status GpuRank::backward(int, int, const std::byte*, bool, float*, int) {
   return Status::error("built without CUDA");
 }
 Status GpuRank::gradients_ready(int) {
+  return Status::error("built without CUDA");
+}
+Status GpuRank::synchronize() {
   return Status::error("built without CUDA");
 }
 Status GpuRank::forward_resident(int, int, const std::byte*, const int32_t*, const int32_t*) {

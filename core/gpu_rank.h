@@ -77,6 +77,10 @@ class GpuRank {
   // Waits until the gradient last sent for `grad_slot` is in host memory.
   Status gradients_ready(int grad_slot);
 
+  // Waits until every piece of work enqueued so far has run (before the
+  // state's device homes are read through the device tier's own streams).
+  Status synchronize();
+
   // --- state on the GPU: device pointers into the rank's device tier -------------
 
   // As forward, from the unit's device-resident parameters.

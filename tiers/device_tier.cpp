@@ -152,6 +152,7 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
 DeviceTier::~DeviceTier() {
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
+    cudaSetDevice(gpu_index_);
     if (to_device_stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(to_device_stream_));
     if (to_host_stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(to_host_stream_));
     if (to_device_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(to_device_stream_));
@@ -176,6 +177,8 @@ void DeviceTier::free(const DeviceBlock& block) {
 Status DeviceTier::zero(const DeviceBlock& block) {
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
+    // The calling thread may have another current device (or none yet).
+    if (Status s = cuda_status(cudaSetDevice(gpu_index_), "cudaSetDevice"); !s) return s;
     cudaStream_t stream = static_cast<cudaStream_t>(to_device_stream_);
     Status status =
         cuda_status(cudaMemsetAsync(block.data, 0, block.size, stream), "zeroing a block");
@@ -192,6 +195,8 @@ DeviceCopy DeviceTier::copy_to_device(const DeviceBlock& destination, uint64_t o
   DeviceCopy copy;
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
+    copy.status_ = cuda_status(cudaSetDevice(gpu_index_), "cudaSetDevice");
+    if (!copy.status_) return copy;
     copy.status_ = enqueue_copy(destination.data + offset, source, bytes, cudaMemcpyHostToDevice,
                                 to_device_stream_, "copy to the device", copy.event_);
     return copy;
@@ -206,6 +211,8 @@ DeviceCopy DeviceTier::copy_to_host(void* destination, const DeviceBlock& source
   DeviceCopy copy;
 #ifdef STRATA_HAS_CUDA
   if (on_gpu_) {
+    copy.status_ = cuda_status(cudaSetDevice(gpu_index_), "cudaSetDevice");
+    if (!copy.status_) return copy;
     copy.status_ = enqueue_copy(destination, source.data + offset, bytes, cudaMemcpyDeviceToHost,
                                 to_host_stream_, "copy to the host", copy.event_);
     return copy;

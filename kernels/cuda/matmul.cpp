@@ -86,9 +86,21 @@ Result<std::unique_ptr<Matmuls>> Matmuls::create(std::size_t workspace_bytes) {
   return matmuls;
 }
 
+Result<std::unique_ptr<Matmuls>> Matmuls::create_in(void* workspace, std::size_t workspace_bytes) {
+  if (workspace == nullptr && workspace_bytes > 0)
+    return Status::error("cuBLASLt: a workspace of " + std::to_string(workspace_bytes) +
+                         " bytes at a null address");
+  Result<std::unique_ptr<Matmuls>> matmuls = create(0);
+  if (!matmuls) return matmuls;
+  (*matmuls)->workspace_ = workspace;
+  (*matmuls)->workspace_bytes_ = workspace_bytes;
+  (*matmuls)->owns_workspace_ = false;
+  return matmuls;
+}
+
 Matmuls::~Matmuls() {
   plans_.clear();
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (workspace_ != nullptr && owns_workspace_) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 

@@ -39,6 +39,9 @@ class Matmuls {
   // Creates the handle and allocates the workspace on the current device.
   static Result<std::unique_ptr<Matmuls>> create(
       std::size_t workspace_bytes = kDefaultWorkspaceBytes);
+  // The same with a workspace the caller owns (device memory on the current
+  // device, 256-byte aligned, outliving the Matmuls), e.g. from a budgeted pool.
+  static Result<std::unique_ptr<Matmuls>> create_in(void* workspace, std::size_t workspace_bytes);
   ~Matmuls();
   Matmuls(const Matmuls&) = delete;
   Matmuls& operator=(const Matmuls&) = delete;
@@ -77,6 +80,7 @@ class Matmuls {
 
   void* handle_ = nullptr;     // cublasLtHandle_t
   void* workspace_ = nullptr;  // device, workspace_bytes_
+  bool owns_workspace_ = true;
   std::size_t workspace_bytes_ = 0;
   bool allow_tf32_ = false;
   mutable std::mutex mutex_;
