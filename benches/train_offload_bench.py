@@ -4,11 +4,18 @@
 One command runs, on the same directory and the same aio settings:
   - fio rw=readwrite (io_uring, O_DIRECT) at the engine's block size and queue
     depth: the bandwidth B of the path when reads and writes mix, as in a step;
-  - `strata train` with everything in memory (ZeRO-3, offload none) and with
-    parameters and optimizer state on NVMe (offload nvme), at a sweep of tokens
+  - `strata train` with everything in memory (ZeRO-3, offload none; with
+    --backend cuda, stage 0 on the GPU) and with parameters and optimizer
+    state on NVMe (ZeRO-3, offload nvme), at a sweep of tokens
     per step (micro-batch sizes), one rank, and the median step time of each
     after the warm-up steps; the NVMe run's bytes per step (read + written, from
     --metrics) over B is its I/O floor.
+fio's own CPU time (user + system) per byte moved is measured too: moving
+bytes costs the kernel CPU time, and on the CPU backend that time comes out
+of the cores the model computes on. When the in-memory step keeps every core
+busy, the NVMe step can be no shorter than the in-memory step plus the CPU
+time fio needs for the step's bytes, divided by the cores: the bench prints
+that bound next to (a), and each run's CPU time (from the child's rusage).
 Then:
   (a) compute-bound: the largest tokens per step whose I/O floor is still at
       least 0.7 of the in-memory step time (hiding the I/O is necessary, not
@@ -26,21 +33,29 @@ Needs fio. Prints a table and a JSON object (--json FILE writes it too).
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+
+def child_cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_fio(args, block, queue_depth):
-    """fio rw=readwrite on the path; returns read + write bytes per second."""
+    """fio rw=readwrite on the path; returns (read + write bytes per second, CPU seconds per byte)."""
     command = [
         args.fio, "--name=strata-train-floor", f"--filename={os.path.join(args.path, 'fio-train-floor.data')}",
         "--ioengine=io_uring", "--direct=1", "--rw=readwrite", f"--bs={block}", f"--iodepth={queue_depth}",
         f"--size={args.fio_size}", "--time_based", f"--runtime={args.fio_seconds}", "--thread",
         "--group_reporting", "--output-format=json",
     ]
+    cpu_before = child_cpu_seconds()
     try:
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     finally:
@@ -49,17 +64,24 @@ def run_fio(args, block, queue_depth):
         except FileNotFoundError:
             pass
     job = json.loads(out[out.index("{"):])["jobs"][0]
-    return job["read"]["bw_bytes"] + job["write"]["bw_bytes"]
+    moved = job["read"]["io_bytes"] + job["write"]["io_bytes"]
+    # The whole process's CPU time (rusage): io_uring's kernel workers are threads of
+    # the process, which fio's own per-job usr/sys figures leave out.
+    cpu_seconds = child_cpu_seconds() - cpu_before
+    return job["read"]["bw_bytes"] + job["write"]["bw_bytes"], cpu_seconds / moved if moved else 0.0
 
 
-def run_train(args, micro_batch, offload, workdir, trace=None, seq_len=None):
-    """One `strata train` run; returns the per-step metrics after the warm-up."""
+def run_train(args, micro_batch, offload, workdir, trace=None, seq_len=None, cpu=None):
+    """One `strata train` run; returns the per-step metrics after the warm-up.
+    With `cpu` (a dict), records the run's CPU seconds and wall seconds in it."""
     seq_len = seq_len or args.seq_len
     metrics = os.path.join(workdir, f"m-{offload}-{micro_batch}-{seq_len}.jsonl")
     command = [
-        args.strata, "train", "--model", args.model, "--backend", "cpu", "--data", args.data,
+        args.strata, "train", "--model", args.model, "--backend", args.backend, "--data", args.data,
         "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
-        "--zero-stage", "3", "--offload-param", offload, "--offload-optimizer", offload,
+        # The CUDA backend keeps the state on the GPU at stage 0 only (one rank).
+        "--zero-stage", "0" if args.backend == "cuda" and offload == "none" else "3",
+        "--offload-param", offload, "--offload-optimizer", offload,
         "--aio-block-size", args.block_size, "--aio-queue-depth", str(args.queue_depth),
         "--metrics", metrics,
     ]
@@ -67,7 +89,11 @@ def run_train(args, micro_batch, offload, workdir, trace=None, seq_len=None):
         command += ["--nvme-path", args.path]
     if trace:
         command += ["--trace", trace]
+    cpu_before, wall_before = child_cpu_seconds(), time.monotonic()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if cpu is not None:
+        cpu["cpu_s"] = child_cpu_seconds() - cpu_before
+        cpu["wall_s"] = time.monotonic() - wall_before
     lines = [json.loads(line) for line in open(metrics)]
     return lines[args.warmup:]
 
@@ -132,6 +158,9 @@ def main():
     parser.add_argument("--path", required=True, help="NVMe directory (swap files and fio's file)")
     parser.add_argument("--data", help="token file (default: strata demo-data in a temporary directory)")
     parser.add_argument("--model", default="small")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the in-memory run keeps the state on the GPU (stage 0), the NVMe run "
+                             "computes on the GPU with the state on NVMe (stage 3)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batches", default="1,2,3,4,6,8,16")
     parser.add_argument("--io-seq-len", type=int, default=16, help="tokens per step of the I/O-bound case")
@@ -151,27 +180,36 @@ def main():
             subprocess.run([args.strata, "demo-data", "--out", workdir, "--tokens", "1000000"], check=True,
                            stdout=subprocess.DEVNULL)
             args.data = os.path.join(workdir, "train.bin")
-        bandwidth = run_fio(args, parse_size(args.block_size), args.queue_depth)
+        bandwidth, fio_cpu_per_byte = run_fio(args, parse_size(args.block_size), args.queue_depth)
+        cores = os.cpu_count() or 1
         print(f"fio rw=readwrite bs={args.block_size} iodepth={args.queue_depth} on {args.path}: "
-              f"{bandwidth / 1e9:.3f} GB/s (read + write)")
+              f"{bandwidth / 1e9:.3f} GB/s (read + write), {fio_cpu_per_byte * 1e9:.2f} CPU-s per GB "
+              f"moved; {cores} cores")
         rows = []
         print(f"{'tokens/step':>11} {'in-memory s':>11} {'nvme s':>9} {'MB/step':>8} {'floor s':>8} "
-              f"{'floor/mem':>9} {'nvme/mem':>8} {'nvme/floor':>10}")
+              f"{'floor/mem':>9} {'nvme/mem':>8} {'nvme/floor':>10} {'cpu bound':>9} {'cores busy':>10}")
         # The I/O-bound case first (one short sequence per step), then the sweep.
         shapes = [(1, args.io_seq_len)] + [(int(m), args.seq_len) for m in args.micro_batches.split(",")]
         for micro_batch, seq_len in shapes:
-            memory = median_step(run_train(args, micro_batch, "none", workdir, seq_len=seq_len))
-            nvme_lines = run_train(args, micro_batch, "nvme", workdir, seq_len=seq_len)
+            memory_cpu, nvme_cpu = {}, {}
+            memory = median_step(run_train(args, micro_batch, "none", workdir, seq_len=seq_len, cpu=memory_cpu))
+            nvme_lines = run_train(args, micro_batch, "nvme", workdir, seq_len=seq_len, cpu=nvme_cpu)
             nvme = median_step(nvme_lines)
             moved = statistics.median(l["nvme_read_bytes"] + l["nvme_written_bytes"] for l in nvme_lines)
             floor = moved / bandwidth
             row = {"micro_batch": micro_batch, "seq_len": seq_len, "tokens_per_step": micro_batch * seq_len,
                    "in_memory_step_s": memory, "nvme_step_s": nvme, "nvme_bytes_per_step": moved,
                    "io_floor_s": floor, "floor_over_memory": floor / memory, "nvme_over_memory": nvme / memory,
-                   "nvme_over_floor": nvme / floor if floor > 0 else None}
+                   "nvme_over_floor": nvme / floor if floor > 0 else None,
+                   # The kernel's CPU time for the step's bytes (as fio pays it), out of every core.
+                   "cpu_bound_over_memory": 1 + fio_cpu_per_byte * moved / (cores * memory),
+                   "in_memory_cores_busy": memory_cpu["cpu_s"] / memory_cpu["wall_s"],
+                   "nvme_cores_busy": nvme_cpu["cpu_s"] / nvme_cpu["wall_s"],
+                   "run_cpu_s": {"memory": memory_cpu["cpu_s"], "nvme": nvme_cpu["cpu_s"]}}
             rows.append(row)
             print(f"{row['tokens_per_step']:>11} {memory:>11.4f} {nvme:>9.4f} {moved / 1e6:>8.1f} {floor:>8.4f} "
-                  f"{row['floor_over_memory']:>9.2f} {row['nvme_over_memory']:>8.3f} {row['nvme_over_floor']:>10.3f}")
+                  f"{row['floor_over_memory']:>9.2f} {row['nvme_over_memory']:>8.3f} {row['nvme_over_floor']:>10.3f} "
+                  f"{row['cpu_bound_over_memory']:>9.3f} {row['in_memory_cores_busy']:>4.2f}/{row['nvme_cores_busy']:<4.2f}")
 
         qualifying = [r for r in rows if r["floor_over_memory"] >= 0.7]
         compute_case = max(qualifying, key=lambda r: r["tokens_per_step"]) if qualifying else \
@@ -183,6 +221,8 @@ def main():
 
     result = {
         "fio_readwrite_bytes_per_s": bandwidth,
+        "fio_cpu_seconds_per_byte": fio_cpu_per_byte,
+        "cores": cores,
         "rows": rows,
         "a_compute_bound": {**compute_case, "condition_floor_at_least_0.7_of_memory": bool(qualifying),
                             "ratio": compute_case["nvme_over_memory"], "target": 1.10},
@@ -192,7 +232,9 @@ def main():
     a, b = result["a_compute_bound"], result["b_io_bound"]
     print(f"(a) compute-bound, {a['tokens_per_step']} tokens/step (floor {a['floor_over_memory']:.2f} of the "
           f"in-memory step{'' if qualifying else ', below 0.7: no size qualified'}): NVMe / in-memory = "
-          f"{a['ratio']:.3f} (target <= 1.10)")
+          f"{a['ratio']:.3f} (target <= 1.10; the kernel's CPU for its bytes bounds it at "
+          f"{a['cpu_bound_over_memory']:.3f} here, the in-memory run keeping {a['in_memory_cores_busy']:.2f} "
+          f"of {cores} cores busy)")
     print(f"(b) I/O-bound, {b['tokens_per_step']} tokens/step: NVMe step / I/O floor = {b['ratio']:.3f} "
           f"(target <= 1.15)")
     fmt = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"
