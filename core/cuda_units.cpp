@@ -213,20 +213,10 @@ LayerOffsets layer_offsets(const UnitLayout& unit) {
   return {t[0].offset, t[3].offset, t[4].offset, t[6].offset, t[7].offset, t[8].offset};
 }
 
-cuda::AttentionShape attention_shape(const ModelConfig& c, int64_t B, int64_t T) {
-  cuda::AttentionShape s;
-  s.B = B;
-  s.T = T;
-  s.H = c.num_attention_heads;
-  s.KV = c.num_key_value_heads;
-  s.D = c.head_dim;
-  s.row_stride = (s.H + 2 * s.KV) * s.D;
-  return s;
-}
-
 }  // namespace
 
-// Every call below returns its first failure; `check` keeps that short.
+// Every call below returns its first failure; STRATA_CHECK keeps that short (a function
+// cannot return from its caller).
 #define STRATA_CHECK(expression)                                 \
   do {                                                           \
     if (Status status_ = (expression); !status_) return status_; \
@@ -237,7 +227,7 @@ Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* o
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-  const cuda::AttentionShape s = attention_shape(c, B_, T_);
+  const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
   const int64_t QKV = s.row_stride;
   const LayerOffsets o = layer_offsets(layout_.units[size_t(u)]);
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -273,7 +263,7 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-  const cuda::AttentionShape s = attention_shape(c, B_, T_);
+  const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
   const int64_t QKV = s.row_stride;
   const LayerOffsets o = layer_offsets(layout_.units[size_t(u)]);
   const size_t ts = cuda::dtype_size(type_);

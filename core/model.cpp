@@ -168,13 +168,24 @@ int64_t UnitWorkspace::bytes_for(const ModelConfig& c, int64_t B, int64_t T) {
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, V = c.vocab_size;
   const int64_t QKV = (H + 2 * KV) * D;
   const int64_t head_rows = std::clamp<int64_t>(kHeadLogitElements / std::max<int64_t>(V, 1), 1, N);
-  const int64_t floats = T * D                                // rope cos, sin
-                         + 4 * N * C + 2 * N                  // xn1, x2, xn2, d_xn; rstd1, rstd2
-                         + 2 * N * QKV + 2 * N * H * D        // qkv, d_qkv; attn, d_attn
-                         + B * H * T * T + T * T              // probs, d_scores
-                         + 2 * N * 2 * I + 2 * N * I          // gate_up, d_gate_up; mlp, d_mlp
-                         + N * C + N + head_rows * V + N;     // head_xn, head_rstd, logits, losses
+  const int64_t floats = T * D                             // rope cos, sin
+                         + 4 * N * C + 2 * N               // xn1, x2, xn2, d_xn; rstd1, rstd2
+                         + 2 * N * QKV + 2 * N * H * D     // qkv, d_qkv; attn, d_attn
+                         + B * H * T * T + T * T           // probs, d_scores
+                         + 2 * N * 2 * I + 2 * N * I       // gate_up, d_gate_up; mlp, d_mlp
+                         + N * C + N + head_rows * V + N;  // head_xn, head_rstd, logits, losses
   return floats * int64_t(sizeof(float));
+}
+
+kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& c, int64_t B, int64_t T) {
+  kernels::cpu::AttentionShape s;
+  s.B = B;
+  s.T = T;
+  s.H = c.num_attention_heads;
+  s.KV = c.num_key_value_heads;
+  s.D = c.head_dim;
+  s.row_stride = (s.H + 2 * s.KV) * s.D;
+  return s;
 }
 
 // The unit computations; a struct so it can reach the workspace's buffers.
@@ -195,22 +206,11 @@ struct UnitKernels {
             flat + t[6].offset, flat + t[7].offset, flat + t[8].offset};
   }
 
-  static cpu::AttentionShape attention_shape(const ModelConfig& c, int64_t B, int64_t T) {
-    cpu::AttentionShape s;
-    s.B = B;
-    s.T = T;
-    s.H = c.num_attention_heads;
-    s.KV = c.num_key_value_heads;
-    s.D = c.head_dim;
-    s.row_stride = (s.H + 2 * s.KV) * s.D;
-    return s;
-  }
-
   static void layer_forward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
                             const float* x, float* out, UnitWorkspace& ws) {
     const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size, I = c.intermediate_size;
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-    const cpu::AttentionShape s = attention_shape(c, B, T);
+    const cpu::AttentionShape s = layer_attention_shape(c, B, T);
     const int64_t QKV = s.row_stride;
     const LayerWeights<const float> w = layer_weights(layout, flat);
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -237,7 +237,7 @@ struct UnitKernels {
                              bool recompute, UnitWorkspace& ws) {
     const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size, I = c.intermediate_size;
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-    const cpu::AttentionShape s = attention_shape(c, B, T);
+    const cpu::AttentionShape s = layer_attention_shape(c, B, T);
     const int64_t QKV = s.row_stride;
     const LayerWeights<const float> w = layer_weights(layout, flat);
     const LayerWeights<float> g = layer_weights(layout, grad_flat);

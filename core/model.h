@@ -32,6 +32,7 @@
 #include "core/model_config.h"
 #include "core/safetensors.h"
 #include "io/status.h"
+#include "kernels/cpu/attention.h"
 
 namespace strata {
 
@@ -69,6 +70,10 @@ void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, fl
 
 // The value of element `index` of tensor `name` for `seed` before scaling by std.
 float init_normal(uint64_t seed, const std::string& name, int64_t index);
+
+// The attention shape of a decoder layer at (B, T): q, k and v heads packed
+// in fused qkv rows of (H + 2 KV) * D elements. Shared by both backends.
+kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& config, int64_t B, int64_t T);
 
 // A unit's gathered parameters and where its gradients accumulate.
 struct UnitParams {

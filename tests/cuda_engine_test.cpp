@@ -145,29 +145,16 @@ TEST(CudaEnginePlan, WithoutAGpuCreatingACudaEngineIsAOneLineError) {
 }
 
 // The GPU tests: skipped where no GPU can be used.
-class CudaEngine : public ::testing::Test {
+class CudaEngine : public testing::EngineRunsTest {
  protected:
+  CudaEngine() : EngineRunsTest("cuda_engine") {}
   void SetUp() override {
     const kernels::GpuQuery query = kernels::query_gpus();
     if (query.devices.empty()) GTEST_SKIP() << "no GPU: " << query.why_none;
-    if (std::string why = dir_.why_unusable(); !why.empty()) GTEST_SKIP() << why;
-    seed_ = tiers::testing::fresh_seed("cuda_engine");
-    tokens_ = std::make_shared<std::vector<int32_t>>(
-        testing::random_tokens(4096, testing::small_gqa_model().vocab_size, seed_ + 1));
-  }
-  EngineOutcome train(const EngineRun& run) {
-    Result<EngineOutcome> outcome = testing::train_engine(run, dir_.path(), tokens_, seed_);
-    EXPECT_TRUE(outcome.is_ok()) << run.label() << ": " << outcome.status().message();
-    if (!outcome) return {};
-    return std::move(*outcome);
+    EngineRunsTest::SetUp();
   }
   void expect_identical(const EngineOutcome& a, const EngineOutcome& b, const std::string& what) {
-    ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
-    for (size_t s = 0; s < a.steps.size(); ++s) {
-      EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << what << ", step " << s + 1;
-      EXPECT_EQ(a.steps[s].grad_norm, b.steps[s].grad_norm) << what << ", step " << s + 1;
-    }
-    EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, b.weights)) << what;
+    testing::expect_identical(a, b, what);
   }
   // Losses and gradient norms within `tolerance` relative, weights per tensor within `weights`.
   void expect_close(const EngineOutcome& a, const EngineOutcome& b, double tolerance,
@@ -185,10 +172,6 @@ class CudaEngine : public ::testing::Test {
                 worst.c_str());
     EXPECT_LT(error, weights) << what << ", worst tensor " << worst;
   }
-
-  io::testing::TemporaryDirectory dir_;
-  uint64_t seed_ = 0;
-  std::shared_ptr<std::vector<int32_t>> tokens_;
 };
 
 TEST_F(CudaEngine, Fp32MatchesTheCpuBackend) {

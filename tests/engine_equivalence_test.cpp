@@ -13,32 +13,12 @@ namespace {
 using testing::EngineOutcome;
 using testing::EngineRun;
 
-class EngineEquivalence : public ::testing::Test {
+class EngineEquivalence : public testing::EngineRunsTest {
  protected:
-  void SetUp() override {
-    if (std::string why = dir_.why_unusable(); !why.empty()) GTEST_SKIP() << why;
-    seed_ = tiers::testing::fresh_seed("engine_equivalence");
-    tokens_ = std::make_shared<std::vector<int32_t>>(
-        testing::random_tokens(4096, testing::small_gqa_model().vocab_size, seed_ + 1));
-  }
-  EngineOutcome train(const EngineRun& run) {
-    Result<EngineOutcome> outcome = testing::train_engine(run, dir_.path(), tokens_, seed_);
-    EXPECT_TRUE(outcome.is_ok()) << run.label() << ": " << outcome.status().message();
-    if (!outcome) return {};
-    return std::move(*outcome);
-  }
+  EngineEquivalence() : EngineRunsTest("engine_equivalence") {}
   void expect_identical(const EngineOutcome& a, const EngineOutcome& b, const std::string& what) {
-    ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
-    for (size_t s = 0; s < a.steps.size(); ++s) {
-      EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << what << ", step " << s + 1;
-      EXPECT_EQ(a.steps[s].grad_norm, b.steps[s].grad_norm) << what << ", step " << s + 1;
-    }
-    EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, b.weights)) << what;
+    testing::expect_identical(a, b, what);
   }
-
-  io::testing::TemporaryDirectory dir_;
-  uint64_t seed_ = 0;
-  std::shared_ptr<std::vector<int32_t>> tokens_;
 };
 
 TEST_F(EngineEquivalence, EveryPlacementIsBitwiseIdenticalAtEachWorldSize) {
@@ -73,9 +53,10 @@ TEST_F(EngineEquivalence, EveryPlacementIsBitwiseIdenticalAtEachWorldSize) {
       EXPECT_NEAR(reference.steps[s].loss, one_rank.steps[s].loss, 1e-6 * one_rank.steps[s].loss)
           << "world " << world << ", step " << s + 1;
     std::string worst;
-    const double error = testing::weights_relative_error(reference.weights, one_rank.weights, &worst);
-    std::printf("world %d against one rank: worst per-tensor weight error %.2e (%s)\n", world, error,
-                worst.c_str());
+    const double error =
+        testing::weights_relative_error(reference.weights, one_rank.weights, &worst);
+    std::printf("world %d against one rank: worst per-tensor weight error %.2e (%s)\n", world,
+                error, worst.c_str());
     EXPECT_LT(error, 1e-6) << "world " << world << ", worst tensor " << worst;
   }
 }

@@ -220,6 +220,41 @@ inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
   return true;
 }
 
+// Losses, gradient norms and weights bitwise equal.
+inline void expect_identical(const EngineOutcome& a, const EngineOutcome& b,
+                             const std::string& what) {
+  ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
+  for (size_t s = 0; s < a.steps.size(); ++s) {
+    EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << what << ", step " << s + 1;
+    EXPECT_EQ(a.steps[s].grad_norm, b.steps[s].grad_norm) << what << ", step " << s + 1;
+  }
+  EXPECT_TRUE(weights_bitwise_equal(a.weights, b.weights)) << what;
+}
+
+// A fixture that trains the small model on fresh random tokens in a temporary
+// NVMe directory; `seed_label` names the seed printed for reruns.
+class EngineRunsTest : public ::testing::Test {
+ protected:
+  explicit EngineRunsTest(std::string seed_label) : seed_label_(std::move(seed_label)) {}
+  void SetUp() override {
+    if (std::string why = dir_.why_unusable(); !why.empty()) GTEST_SKIP() << why;
+    seed_ = tiers::testing::fresh_seed(seed_label_.c_str());
+    tokens_ = std::make_shared<std::vector<int32_t>>(
+        random_tokens(4096, small_gqa_model().vocab_size, seed_ + 1));
+  }
+  EngineOutcome train(const EngineRun& run) {
+    Result<EngineOutcome> outcome = train_engine(run, dir_.path(), tokens_, seed_);
+    EXPECT_TRUE(outcome.is_ok()) << run.label() << ": " << outcome.status().message();
+    if (!outcome) return {};
+    return std::move(*outcome);
+  }
+
+  std::string seed_label_;
+  io::testing::TemporaryDirectory dir_;
+  uint64_t seed_ = 0;
+  std::shared_ptr<std::vector<int32_t>> tokens_;
+};
+
 // Every valid (stage, offload_param, offload_optimizer): parameter offload needs stage 3.
 inline std::vector<EngineRun> every_placement(int world, const std::string& precision) {
   std::vector<EngineRun> runs;
