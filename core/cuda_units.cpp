@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cpu/rope.h"
-
 namespace strata {
 namespace {
 
@@ -170,19 +168,10 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
   b->sin = reinterpret_cast<float*>(at[i++]);
   b->head_rows = shape.head_rows;
 
-  // RoPE tables as core/model.cpp's UnitWorkspace computes them.
+  // RoPE tables as the CPU backend's.
   const int64_t D = c.head_dim;
-  kernels::cpu::RopeParams rope;
-  rope.head_dim = D;
-  rope.theta = c.rope_theta;
-  rope.llama3_scaling = c.rope_scaling.type == "llama3";
-  rope.factor = c.rope_scaling.factor;
-  rope.low_freq_factor = c.rope_scaling.low_freq_factor;
-  rope.high_freq_factor = c.rope_scaling.high_freq_factor;
-  rope.original_max_positions = c.rope_scaling.original_max_position_embeddings;
-  std::vector<float> inv_freq(size_t(D / 2)), cos(size_t(T * D / 2)), sin(size_t(T * D / 2));
-  kernels::cpu::rope_inv_freq(inv_freq.data(), rope);
-  kernels::cpu::rope_cos_sin(cos.data(), sin.data(), inv_freq.data(), T, D);
+  std::vector<float> cos(size_t(T * D / 2)), sin(size_t(T * D / 2));
+  rope_tables(c, T, cos.data(), sin.data());
   if (Status s = cuda_check(cudaMemcpy(b->cos, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice),
                             "uploading the RoPE tables");
       !s)

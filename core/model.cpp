@@ -129,17 +129,7 @@ UnitWorkspace::UnitWorkspace(const ModelConfig& c, int64_t B, int64_t T) : B_(B)
   const int64_t QKV = (H + 2 * KV) * D;
   rope_cos.resize(T * D / 2);
   rope_sin.resize(T * D / 2);
-  cpu::RopeParams rope;
-  rope.head_dim = D;
-  rope.theta = c.rope_theta;
-  rope.llama3_scaling = c.rope_scaling.type == "llama3";
-  rope.factor = c.rope_scaling.factor;
-  rope.low_freq_factor = c.rope_scaling.low_freq_factor;
-  rope.high_freq_factor = c.rope_scaling.high_freq_factor;
-  rope.original_max_positions = c.rope_scaling.original_max_position_embeddings;
-  std::vector<float> inv_freq(D / 2);
-  cpu::rope_inv_freq(inv_freq.data(), rope);
-  cpu::rope_cos_sin(rope_cos.data(), rope_sin.data(), inv_freq.data(), T, D);
+  rope_tables(c, T, rope_cos.data(), rope_sin.data());
   xn1.resize(N * C);
   rstd1.resize(N);
   qkv.resize(N * QKV);
@@ -175,6 +165,21 @@ int64_t UnitWorkspace::bytes_for(const ModelConfig& c, int64_t B, int64_t T) {
                          + 2 * N * 2 * I + 2 * N * I       // gate_up, d_gate_up; mlp, d_mlp
                          + N * C + N + head_rows * V + N;  // head_xn, head_rstd, logits, losses
   return floats * int64_t(sizeof(float));
+}
+
+void rope_tables(const ModelConfig& c, int64_t T, float* cos, float* sin) {
+  const int64_t D = c.head_dim;
+  cpu::RopeParams rope;
+  rope.head_dim = D;
+  rope.theta = c.rope_theta;
+  rope.llama3_scaling = c.rope_scaling.type == "llama3";
+  rope.factor = c.rope_scaling.factor;
+  rope.low_freq_factor = c.rope_scaling.low_freq_factor;
+  rope.high_freq_factor = c.rope_scaling.high_freq_factor;
+  rope.original_max_positions = c.rope_scaling.original_max_position_embeddings;
+  std::vector<float> inv_freq(size_t(D / 2));
+  cpu::rope_inv_freq(inv_freq.data(), rope);
+  cpu::rope_cos_sin(cos, sin, inv_freq.data(), T, D);
 }
 
 kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& c, int64_t B, int64_t T) {

@@ -75,6 +75,10 @@ float init_normal(uint64_t seed, const std::string& name, int64_t index);
 // in fused qkv rows of (H + 2 KV) * D elements. Shared by both backends.
 kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& config, int64_t B, int64_t T);
 
+// The rotary embedding's fp32 tables for positions [0, T): cos and sin (T, D/2),
+// with the model's theta and rope_scaling. Shared by both backends.
+void rope_tables(const ModelConfig& config, int64_t T, float* cos, float* sin);
+
 // A unit's gathered parameters and where its gradients accumulate.
 struct UnitParams {
   const float* flat = nullptr;            // (padded_numel) in UnitLayout order
