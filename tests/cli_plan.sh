@@ -69,6 +69,20 @@ check "--schedule prints every kind of operation" $?
 echo "$out" | grep -q "NVMe traffic per step and rank: [0-9.]* [KM]iB read"; check "--schedule prints NVMe traffic" $?
 "$strata" plan --model tiny --schedule --json --stage 3 --world-size 2 | python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["ops"] and j["peak_bytes"]["device"] > 0'
 check "--schedule --json parses" $?
+# The schedule for a GPU, planned on any machine: the state stays off the device when offloaded,
+# and a placement the CUDA backend does not run is refused in one line.
+if "$strata" --version | grep -q "CUDA backend: not built"; then
+  "$strata" plan --model tiny --schedule --backend cuda --stage 3 --offload-param cpu \
+    --offload-optimizer cpu 2>&1 >/dev/null | grep -q "built without CUDA"
+  check "--schedule --backend cuda refused by a CPU-only build" $?
+else
+  out=$("$strata" plan --model tiny --schedule --backend cuda --stage 3 --offload-param cpu --offload-optimizer cpu)
+  echo "$out" | grep -q "device parameter slots" && ! echo "$out" | grep -qE "^ *device .*(Adam|fp32 master|parameters \()"
+  check "--schedule --backend cuda: a device working set, the state off the device" $?
+fi
+err=$("$strata" plan --model tiny --schedule --backend cuda --stage 2 2>&1 >/dev/null)
+[ $? -ne 0 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && echo "$err" | grep -q -- "--offload-param cpu|nvme"
+check "--schedule --backend cuda refuses stage 2 in one line" $?
 err=$("$strata" plan --params 7B --schedule 2>&1 >/dev/null)
 echo "$err" | grep -q -- "--schedule needs --model"; check "--schedule without a model refused" $?
 

@@ -34,6 +34,10 @@ class PlanCommand : public Subcommand {
     cmd->add_flag("--schedule", schedule_,
                   "Print the engine's plan of one step (every operation, its lane, bytes and "
                   "dependencies) and its buffers per tier; needs --model");
+    cmd->add_option("--backend", backend_,
+                    "With --schedule: cpu or cuda, the backend the plan is for (default cpu; a "
+                    "machine without a GPU can plan for one)")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
     cmd->add_option("--net-bw", net_bw_,
                     "Network bandwidth per rank for collectives (default 25GB/s)");
     cmd->add_option("--pcie-bw", pcie_bw_, "Host-device bandwidth per direction (default 25GB/s)");
@@ -116,7 +120,13 @@ class PlanCommand : public Subcommand {
     if (schedule_) {
       if (!input.model)
         return Status::error("--schedule needs --model (a plan is made of the model's units)");
-      Result<TrainingPlan> steps = build_training_plan(training_plan_input(*input.model, c));
+      if (backend_ == "cuda" && !kernels::built_with_cuda())
+        return Status::error(
+            "--backend cuda: this strata was built without CUDA, so it cannot size the GPU's "
+            "buffers; plan on a CUDA build");
+      TrainingPlanInput plan_input = training_plan_input(*input.model, c);
+      plan_input.gpu = backend_ == "cuda";
+      Result<TrainingPlan> steps = build_training_plan(plan_input);
       if (!steps.is_ok()) return steps.status();
       if (json_) {
         fmt::print("{}\n", training_plan_to_json(*steps).dump(2));
@@ -141,6 +151,7 @@ class PlanCommand : public Subcommand {
   std::string accounting_ = "strata";
   bool json_ = false;
   bool schedule_ = false;
+  std::string backend_ = "cpu";
   std::string net_bw_, pcie_bw_, nvme_bw_;
 };
 
