@@ -16,12 +16,17 @@
 // loss and gradient norm of its step are known and its updates are under
 // way; finish() waits for them. The CPU backend computes in fp32 whatever
 // the storage precision (bf16/fp16 parameters are widened for compute; the
-// fp32 master is what the optimizer updates).
+// fp32 master is what the optimizer updates). The CUDA backend (options.backend,
+// core/gpu_rank.h) computes the units on one GPU shared by the ranks, in the
+// parameters' precision, with either every kind of state on the GPU (one
+// rank, stage 0) or the state in host memory or on NVMe (stage 3 with
+// parameter and optimizer offload); the plan refuses other placements.
 //
 // Reproducibility: a step's result depends only on (model, seed, data,
-// world size, precision, optimizer settings); the ZeRO stage, the offload
-// homes, overlap_comm and reduce_scatter change where bytes live and when they
-// move, never the numbers.
+// world size, precision, optimizer settings, backend); the ZeRO stage, the
+// offload homes, overlap_comm and reduce_scatter change where bytes live and
+// when they move, never the numbers (on the GPU: among the offloaded
+// placements; state on the GPU accumulates gradients in another order).
 //
 // Errors: a failing operation (I/O, non-finite loss, ...) makes its step
 // return the error naming the rank and operation; the engine then refuses
