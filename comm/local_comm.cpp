@@ -4,45 +4,20 @@
 // posts its buffers and arguments; every rank computes its own part reading the
 // others' buffers (in rank order, for a fixed reduction order); and a final
 // barrier keeps a rank from reusing a buffer another rank may still read.
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <barrier>
 #include <cstdint>
 #include <cstring>
-#include <fmt/format.h>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
+#include "comm/reduction.h"
 
 namespace strata::comm {
 namespace {
-
-float bf16_to_float(uint16_t value) {
-  uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// Round to nearest even; NaN stays a (quiet) NaN.
-uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float load(const void* base, size_t index, DataType dtype) {
-  if (dtype == DataType::fp32) return static_cast<const float*>(base)[index];
-  return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
-}
-
-void store(void* base, size_t index, float value, DataType dtype) {
-  if (dtype == DataType::fp32) {
-    static_cast<float*>(base)[index] = value;
-  } else {
-    static_cast<uint16_t*>(base)[index] = float_to_bf16(value);
-  }
-}
 
 struct Post {
   const void* send = nullptr;
@@ -63,7 +38,8 @@ struct SharedState {
 
 class LocalComm final : public Communicator {
  public:
-  LocalComm(std::shared_ptr<SharedState> shared, int rank) : shared_(std::move(shared)), rank_(rank) {}
+  LocalComm(std::shared_ptr<SharedState> shared, int rank)
+      : shared_(std::move(shared)), rank_(rank) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return shared_->world_size; }
@@ -82,12 +58,9 @@ class LocalComm final : public Communicator {
   Status reduce_scatter(const void* send, void* recv, size_t count, DataType dtype) override {
     Status agreed = post({send, recv, count, dtype, 0, "reduce_scatter"});
     if (!agreed.is_ok()) return agreed;
-    const size_t offset = static_cast<size_t>(rank_) * count;
-    for (size_t i = 0; i < count; ++i) {
-      float sum = 0.0f;
-      for (int r = 0; r < world_size(); ++r) sum += load(shared_->posts[r].send, offset + i, dtype);
-      store(recv, i, sum, dtype);
-    }
+    std::vector<float> sums(count);
+    sum_in_rank_order(sends(), static_cast<size_t>(rank_) * count, count, dtype, sums.data());
+    store_sums(sums.data(), count, dtype, recv, 0);
     shared_->sync.arrive_and_wait();
     return Status::ok();
   }
@@ -102,17 +75,13 @@ class LocalComm final : public Communicator {
     const size_t begin = std::min(count, slice * rank_);
     const size_t end = std::min(count, begin + slice);
     std::vector<float>& partial = shared_->partials[rank_];
-    partial.assign(end - begin, 0.0f);
-    for (size_t i = begin; i < end; ++i) {
-      float sum = 0.0f;
-      for (int r = 0; r < w; ++r) sum += load(shared_->posts[r].send, i, dtype);
-      partial[i - begin] = sum;
-    }
+    partial.resize(end - begin);
+    sum_in_rank_order(sends(), begin, end - begin, dtype, partial.data());
     shared_->sync.arrive_and_wait();
     for (int r = 0; r < w; ++r) {
       const size_t r_begin = std::min(count, slice * r);
       const std::vector<float>& values = shared_->partials[r];
-      for (size_t i = 0; i < values.size(); ++i) store(recv, r_begin + i, values[i], dtype);
+      store_sums(values.data(), values.size(), dtype, recv, r_begin);
     }
     shared_->sync.arrive_and_wait();
     return Status::ok();
@@ -120,7 +89,8 @@ class LocalComm final : public Communicator {
 
   Status broadcast(void* buffer, size_t count, DataType dtype, int root) override {
     if (root < 0 || root >= world_size()) {
-      return Status::error(fmt::format("broadcast: root {} is not a rank of a world of {}", root, world_size()));
+      return Status::error(
+          fmt::format("broadcast: root {} is not a rank of a world of {}", root, world_size()));
     }
     Status agreed = post({buffer, buffer, count, dtype, root, "broadcast"});
     if (!agreed.is_ok()) return agreed;
@@ -137,6 +107,13 @@ class LocalComm final : public Communicator {
   }
 
  private:
+  // Every rank's posted send buffer, in rank order.
+  std::vector<const void*> sends() const {
+    std::vector<const void*> buffers;
+    for (const Post& post : shared_->posts) buffers.push_back(post.send);
+    return buffers;
+  }
+
   // Publishes this rank's arguments and waits for every rank's; then checks
   // that all agree. Every rank sees the same posts, so all fail alike.
   Status post(const Post& mine) {
@@ -164,7 +141,9 @@ class LocalComm final : public Communicator {
 
 }  // namespace
 
-size_t dtype_bytes(DataType dtype) { return dtype == DataType::fp32 ? 4 : 2; }
+size_t dtype_bytes(DataType dtype) {
+  return dtype == DataType::fp32 ? 4 : 2;
+}
 
 std::vector<std::unique_ptr<Communicator>> make_local_group(int world_size) {
   auto shared = std::make_shared<SharedState>(world_size);
