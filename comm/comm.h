@@ -1,11 +1,16 @@
 // The Communicator room: collectives over flat buffers between ranks.
 //
-// LocalComm (ranks as threads, deterministic reduction order) and NcclComm
-// (one process per GPU) implement the same interface; see DESIGN.md section 4.
+// LocalComm (ranks as threads, deterministic reduction order), SocketComm (one
+// process per rank on the CPU backend, over TCP, LocalComm's arithmetic) and
+// NcclComm (one process per GPU) implement the same interface; see DESIGN.md
+// section 4.
 //   comm/communicator.h  the Communicator contract, and LocalComm
+//   comm/socket_comm.h   SocketComm (every build)
 //   comm/nccl_comm.h     NcclComm (an error "built without CUDA" on CPU-only builds)
 //   comm/bootstrap.h     the launcher's environment (RANK, WORLD_SIZE, ... / SLURM /
-//                        Open MPI) and the TCP rendezvous NcclComm starts with
+//                        Open MPI) and the TCP rendezvous SocketComm and NcclComm
+//                        start with
+//   comm/reduction.h     the rank-order sum LocalComm and SocketComm share (internal)
 // This header holds what every build has and the rest do not need.
 #pragma once
 

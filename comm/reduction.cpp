@@ -46,6 +46,7 @@ void sum_in_rank_order(std::span<const void* const> sources, size_t begin, size_
 }
 
 void store_sums(const float* sums, size_t count, DataType dtype, void* out, size_t begin) {
+  if (count == 0) return;
   if (dtype == DataType::fp32) {
     std::memcpy(static_cast<float*>(out) + begin, sums, count * sizeof(float));
     return;

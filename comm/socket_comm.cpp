@@ -125,7 +125,7 @@ class SocketComm final : public Communicator {
           exchange({Collective::all_gather, dtype, count, 0, first},
                    static_cast<const char*>(send) + first * element, n * element);
       if (!messages) return messages.status();
-      for (int r = 0; r < world_size_; ++r) {
+      for (int r = 0; r < world_size_ && n > 0; ++r) {
         std::memcpy(static_cast<char*>(recv) + (r * count + first) * element,
                     (*messages)[r].data() + kHeaderBytes, n * element);
       }
@@ -145,7 +145,7 @@ class SocketComm final : public Communicator {
     do {
       const size_t n = std::min(step, count - first);
       data.resize(world_size_ * n * element);
-      for (int q = 0; q < world_size_; ++q) {
+      for (int q = 0; q < world_size_ && n > 0; ++q) {
         std::memcpy(data.data() + q * n * element,
                     static_cast<const char*>(send) + (q * count + first) * element, n * element);
       }
@@ -205,7 +205,7 @@ class SocketComm final : public Communicator {
                         "root in 0..{}",
                         root, world_size_, world_size_ - 1));
       }
-      if (rank_ != root) {
+      if (rank_ != root && n > 0) {
         std::memcpy(static_cast<char*>(buffer) + first * element,
                     (*messages)[root].data() + kHeaderBytes, n * element);
       }
@@ -267,7 +267,7 @@ class SocketComm final : public Communicator {
       return Status::error(fmt::format(
           "SocketComm {}: ranks disagree: {}; every rank must call the same collectives in "
           "the same order with the same count, dtype and root",
-          collective_name(header.collective), difference));
+          collective_name(reference.collective), difference));
     }
     for (int r = 0; r < world_size_; ++r) {
       const size_t expected = kHeaderBytes + (only_from < 0 || r == only_from ? bytes : 0);
