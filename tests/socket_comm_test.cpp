@@ -332,6 +332,21 @@ TEST(SocketComm, RanksThatDisagreeAllFailWithTheSameMessage) {
   }
 }
 
+TEST(SocketComm, RanksInDifferentCollectivesAllFailWithTheSameMessage) {
+  const int world = 2;
+  const int port = free_port();
+  std::vector<std::string> reports = run_processes(world, [&](int r) -> std::string {
+    Result<std::unique_ptr<Communicator>> comm = make_socket_comm(rank_of(r, world, port));
+    if (!comm) return "start-up: " + comm.status().message();
+    float x = 1.0f;
+    return r == 0 ? (*comm)->barrier().message()
+                  : (*comm)->all_reduce(&x, &x, 1, DataType::bf16).message();
+  });
+  expect_one_line(reports[0], {"ranks disagree", "rank 0 called barrier",
+                               "rank 1 called all_reduce of 1 bf16 elements"});
+  EXPECT_EQ(reports[1], reports[0]);
+}
+
 TEST(SocketComm, BroadcastFromANonRankFailsOnEveryRank) {
   const int world = 2;
   const int port = free_port();
