@@ -46,7 +46,8 @@ struct SocketCommOptions {
   // exchange of a collective (a rank's wait for the slowest other rank).
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
   // The most data bytes one rank sends in one exchange; larger collectives are
-  // split. Every rank must use the same value.
+  // split (and it is capped at 256 MiB / world size, within the rendezvous's
+  // message limit). Every rank must use the same value.
   size_t exchange_bytes = size_t(16) << 20;
 };
 
