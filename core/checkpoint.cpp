@@ -175,6 +175,34 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
   return writer;
 }
 
+Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t step) {
+  CheckpointWriter writer;
+  writer.owner_ = false;
+  writer.root_ = root;
+  writer.final_ = (fs::path(root) / fmt::format("step-{}", step)).string();
+  writer.temporary_ = (fs::path(root) / fmt::format(".tmp-step-{}", step)).string();
+  for (int f = 0; f < 3; ++f) {
+    const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
+    writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (writer.fds_[f] < 0)
+      return Status::error(fmt::format(
+          "{}: cannot open the checkpoint rank 0 began: {}; every rank needs the same --save "
+          "directory, on a file system they share",
+          path, errno_now()));
+  }
+  return writer;
+}
+
+Status CheckpointWriter::flush() {
+  for (int f = 0; f < 3; ++f) {
+    if (fds_[f] < 0) continue;
+    if (::fdatasync(fds_[f]) != 0)
+      return Status::error(
+          fmt::format("{}/{}: fdatasync: {}", temporary_, kCheckpointStateFiles[f], errno_now()));
+  }
+  return Status::ok();
+}
+
 CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept {
   *this = std::move(other);
 }
@@ -185,6 +213,7 @@ CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept
   std::swap(final_, other.final_);
   std::swap(fds_, other.fds_);
   std::swap(json_files_, other.json_files_);
+  std::swap(owner_, other.owner_);
   return *this;
 }
 
@@ -192,7 +221,7 @@ CheckpointWriter::~CheckpointWriter() {
   for (int& fd : fds_)
     if (fd >= 0) ::close(fd);
   // An unfinished checkpoint leaves nothing behind (the previous ones are untouched).
-  if (!temporary_.empty()) {
+  if (owner_ && !temporary_.empty()) {
     std::error_code ignored;
     fs::remove_all(temporary_, ignored);
   }

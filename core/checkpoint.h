@@ -43,6 +43,11 @@ class CheckpointWriter {
   // Creates <root>/.tmp-step-<step> (removing a stale one) and the state files of `bytes` each.
   static Result<CheckpointWriter> begin(const std::string& root, int64_t step,
                                         uint64_t state_file_bytes);
+  // Opens the state files that another process's begin() created for the same
+  // checkpoint, to write this process's part of them (one rank of several
+  // processes). A joined writer writes and flushes; it never finishes the
+  // checkpoint nor removes it.
+  static Result<CheckpointWriter> join(const std::string& root, int64_t step);
   CheckpointWriter(CheckpointWriter&&) noexcept;
   CheckpointWriter& operator=(CheckpointWriter&&) noexcept;
   ~CheckpointWriter();
@@ -56,12 +61,17 @@ class CheckpointWriter {
   // Returns the final directory.
   Result<std::string> finish(int keep);
 
+  // Flushes the state files (what a joined writer does once it has written its part).
+  Status flush();
+
   const std::string& temporary_directory() const { return temporary_; }
+  const std::string& final_directory() const { return final_; }
 
  private:
   CheckpointWriter() = default;
   std::string root_, temporary_, final_;
   int fds_[3] = {-1, -1, -1};
+  bool owner_ = true;  // begin() made the temporary directory; a joined writer did not
   std::vector<std::string> json_files_;
 };
 

@@ -150,7 +150,7 @@ struct Engine::Impl {
   uint64_t engine_serial = 0;  // names this engine's swap files
   struct Rank {
     int rank = 0;
-    std::unique_ptr<comm::Communicator> comm;
+    std::shared_ptr<comm::Communicator> comm;
     std::unique_ptr<tiers::TieredStore> store;
     std::unique_ptr<tiers::StreamedPass> pass;
     std::optional<Optimizer> optimizer;
@@ -193,6 +193,9 @@ struct Engine::Impl {
   std::condition_variable params_changed;
 
   ElementType compute_type() const { return element_type(plan.input.precision); }
+  // One rank of several processes (EngineOptions::process_comm).
+  bool process_mode() const { return options.process_comm != nullptr; }
+  int local_count() const { return static_cast<int>(ranks.size()); }
   int world() const { return plan.input.world_size; }
   int units() const { return static_cast<int>(plan.units.size()); }
 
@@ -207,6 +210,12 @@ struct Engine::Impl {
   Status load_moments(Rank& rank, int u, const float* m, const float* v);
   Status resume(const CheckpointReader& checkpoint);
   Status save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets);
+  Result<std::string> save_in_processes(const std::string& root, int keep,
+                                        const std::vector<int64_t>& unit_offsets, int64_t total,
+                                        const nlohmann::ordered_json& units);
+  // The JSON files and the manifest, then the rename (Engine::save_checkpoint's end).
+  Result<std::string> finish_checkpoint(CheckpointWriter& writer, int keep,
+                                        const nlohmann::ordered_json& units);
 
   // --- execution -------------------------------------------------------------------
 
@@ -374,7 +383,14 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const int W = input.world_size;
 
   // The budgets, checked before anything is allocated.
-  const uint64_t host_per_rank = options.host_budget / uint64_t(W);
+  if (options.process_comm && options.process_comm->world_size() != W)
+    return Status::error(fmt::format(
+        "this process is one of {} ranks but the configuration says world_size {}; launch as "
+        "many processes as --world-size",
+        options.process_comm->world_size(), W));
+  // The host budget is shared by the ranks this process holds.
+  const int local = options.process_comm ? 1 : W;
+  const uint64_t host_per_rank = options.host_budget / uint64_t(local);
   auto refuse = [&](const char* tier, int64_t need, uint64_t budget, const char* flag) -> Status {
     PlanInput planner = plan_input_from_config(config, options.model);
     planner.nvme_path_known = !options.nvme_paths.empty();
@@ -395,7 +411,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
                   "--device-mem-limit");
   if (p.peak(tiers::Tier::host) > int64_t(host_per_rank))
     return refuse("host memory", p.peak(tiers::Tier::host), host_per_rank,
-                  W > 1 ? "--host-mem-limit (shared by the ranks)" : "--host-mem-limit");
+                  local > 1 ? "--host-mem-limit (shared by the ranks)" : "--host-mem-limit");
   if (p.peak(tiers::Tier::nvme) > 0 && options.nvme_paths.empty())
     return Status::error(
         "offload to nvme needs a directory: pass --nvme-path DIR (or "
@@ -419,35 +435,50 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   impl->engine_serial = serials.fetch_add(1);
   if (p.peak(tiers::Tier::nvme) > 0)
     remove_stale_swap_files(impl->options.nvme_paths, impl->options.notice);
-  std::vector<std::unique_ptr<comm::Communicator>> group = comm::make_local_group(W);
-  for (int r = 0; r < W; ++r) {
+  if (impl->process_mode()) {
     auto rank = std::make_unique<Impl::Rank>();
-    rank->rank = r;
-    rank->comm = std::move(group[size_t(r)]);
+    rank->rank = impl->options.process_comm->rank();
+    rank->comm = impl->options.process_comm;
     impl->ranks.push_back(std::move(rank));
+  } else {
+    std::vector<std::unique_ptr<comm::Communicator>> group = comm::make_local_group(W);
+    for (int r = 0; r < W; ++r) {
+      auto rank = std::make_unique<Impl::Rank>();
+      rank->rank = r;
+      rank->comm = std::move(group[size_t(r)]);
+      impl->ranks.push_back(std::move(rank));
+    }
   }
 
-  std::vector<Status> results(static_cast<size_t>(W));
+  std::vector<Status> results(impl->ranks.size());
   {
     std::vector<std::thread> threads;
-    for (int r = 0; r < W; ++r) {
-      threads.emplace_back([&, r] {
-        Impl::Rank& rank = *impl->ranks[size_t(r)];
-        results[size_t(r)] = impl->open_rank(rank);
-      });
+    for (size_t i = 0; i < impl->ranks.size(); ++i) {
+      threads.emplace_back([&, i] { results[i] = impl->open_rank(*impl->ranks[i]); });
     }
     for (auto& t : threads) t.join();
   }
+  Status started = Status::ok();
   for (const Status& s : results)
-    if (!s) return s;
-  if (!impl->options.resume_from.empty()) {
+    if (!s && started) started = s;
+  if (started && !impl->options.resume_from.empty()) {
     Result<CheckpointReader> checkpoint = CheckpointReader::open(impl->options.resume_from);
-    if (!checkpoint) return checkpoint.status().with_context("--resume");
-    if (Status s = impl->resume(*checkpoint); !s)
-      return s.with_context("--resume " + impl->options.resume_from);
-  } else if (Status s = impl->initialize(); !s) {
-    return s;
+    if (!checkpoint)
+      started = checkpoint.status().with_context("--resume");
+    else if (Status s = impl->resume(*checkpoint); !s)
+      started = s.with_context("--resume " + impl->options.resume_from);
+  } else if (started) {
+    started = impl->initialize();
   }
+  if (impl->process_mode()) {
+    // Every process starts, or none does (the others would wait for it in the first step).
+    float failed = started ? 0.0f : 1.0f;
+    comm::Communicator& c = *impl->ranks[0]->comm;
+    if (Status s = c.all_reduce(&failed, &failed, 1, comm::DataType::fp32); !s) return s;
+    if (started && failed > 0)
+      started = Status::error("another rank failed to start (its own error says why)");
+  }
+  if (!started) return started;
   for (auto& rank : impl->ranks)
     for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
   // Step results count the I/O of steps, not of initialisation.
@@ -493,7 +524,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   const uint64_t slack = (plan.buffers.size() + 16) * 4096;
   store.device_capacity =
       std::min<uint64_t>(options.device_budget, uint64_t(plan.peak(tiers::Tier::device)) + slack);
-  store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(W),
+  store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(local_count()),
                                            uint64_t(plan.peak(tiers::Tier::host)) + slack);
   // The CPU backend: host memory stands in for the device.
   const bool gpu = in.gpu;
@@ -849,30 +880,82 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
     units.push_back({{"name", unit.unit.name}, {"numel", unit.numel}, {"offset", total}});
     total += unit.numel;
   }
+  // At stage 0 every rank holds the whole state: rank 0 writes it.
+  auto writes = [&](const Impl::Rank& rank) { return im.plan.input.stage != 0 || rank.rank == 0; };
+  if (im.process_mode()) return im.save_in_processes(root, keep, unit_offsets, total, units);
   Result<CheckpointWriter> writer =
       CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
   if (!writer) return writer.status();
-  const int writers = im.plan.input.stage == 0 ? 1 : im.world();
-  std::vector<Status> results(static_cast<size_t>(writers));
+  std::vector<Status> results(im.ranks.size());
   {
     std::vector<std::thread> threads;
-    for (int r = 0; r < writers; ++r)
-      threads.emplace_back([&, r] {
-        results[size_t(r)] = im.save_rank(*im.ranks[size_t(r)], *writer, unit_offsets);
+    for (size_t i = 0; i < im.ranks.size(); ++i)
+      threads.emplace_back([&, i] {
+        if (writes(*im.ranks[i])) results[i] = im.save_rank(*im.ranks[i], *writer, unit_offsets);
       });
     for (auto& t : threads) t.join();
   }
   for (const Status& s : results)
     if (!s) return s.with_context("saving a checkpoint");
-  const OptimizerState& o = im.ranks[0]->optimizer->state();
+  return im.finish_checkpoint(*writer, keep, units);
+}
+
+// One rank of several processes: rank 0 begins the checkpoint, every rank
+// writes its part into the same files, rank 0 finishes it once all have.
+// Every step is followed by an agreement, so a failure on one rank fails all.
+Result<std::string> Engine::Impl::save_in_processes(const std::string& root, int keep,
+                                                    const std::vector<int64_t>& unit_offsets,
+                                                    int64_t total,
+                                                    const nlohmann::ordered_json& units) {
+  Rank& rank = *ranks[0];
+  comm::Communicator& c = *rank.comm;
+  auto agree = [&](Status status, const char* what) -> Status {
+    float failed = status ? 0.0f : 1.0f;
+    if (Status s = c.all_reduce(&failed, &failed, 1, comm::DataType::fp32); !s) return s;
+    if (!status) return status;
+    if (failed > 0)
+      return Status::error(fmt::format("saving a checkpoint: another rank failed to {}", what));
+    return Status::ok();
+  };
+  std::optional<CheckpointWriter> writer;
+  Status begun = Status::ok();
+  if (rank.rank == 0) {
+    Result<CheckpointWriter> made = CheckpointWriter::begin(root, steps_done, uint64_t(total) * 4);
+    if (made)
+      writer.emplace(std::move(*made));
+    else
+      begun = made.status();
+  }
+  if (Status s = agree(begun, "begin it"); !s) return s;
+  Status written = Status::ok();
+  if (rank.rank != 0) {
+    Result<CheckpointWriter> joined = CheckpointWriter::join(root, steps_done);
+    if (joined)
+      writer.emplace(std::move(*joined));
+    else
+      written = joined.status();
+  }
+  if (written && (plan.input.stage != 0 || rank.rank == 0))
+    written = save_rank(rank, *writer, unit_offsets);
+  if (written) written = writer->flush();
+  if (Status s = agree(written.with_context("saving a checkpoint"), "write its part"); !s) return s;
+  Result<std::string> finished = writer->final_directory();
+  if (rank.rank == 0) finished = finish_checkpoint(*writer, keep, units);
+  if (Status s = agree(finished.status(), "finish it"); !s) return s;
+  return finished;
+}
+
+Result<std::string> Engine::Impl::finish_checkpoint(CheckpointWriter& writer, int keep,
+                                                    const nlohmann::ordered_json& units) {
+  const OptimizerState& o = ranks[0]->optimizer->state();
   nlohmann::ordered_json state;
   state["format"] = kCheckpointFormat;
-  state["step"] = im.steps_done;
-  state["sequence_offset"] = im.sequence_offset;
-  state["seed"] = im.options.seed;
-  state["world_size"] = im.world();
-  state["stage"] = im.plan.input.stage;
-  state["precision"] = precision_name(im.plan.input.precision);
+  state["step"] = steps_done;
+  state["sequence_offset"] = sequence_offset;
+  state["seed"] = options.seed;
+  state["world_size"] = world();
+  state["stage"] = plan.input.stage;
+  state["precision"] = precision_name(plan.input.precision);
   state["optimizer"] = {{"applied_steps", o.applied_steps},
                         {"skipped_steps", o.skipped_steps},
                         {"scheduler_iteration", o.scheduler_iteration},
@@ -882,12 +965,12 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
                           {"last_overflow_iteration", o.loss_scaler.last_overflow_iteration},
                           {"hysteresis_left", o.loss_scaler.hysteresis_left}}}};
   state["units"] = units;
-  if (Status s = writer->write_json("model.json", model_config_to_json(im.plan.layout.config)); !s)
+  if (Status s = writer.write_json("model.json", model_config_to_json(plan.layout.config)); !s)
     return s;
-  if (Status s = writer->write_json("train.json", train_config_to_json(im.options.config)); !s)
+  if (Status s = writer.write_json("train.json", train_config_to_json(options.config)); !s)
     return s;
-  if (Status s = writer->write_json("state.json", state); !s) return s;
-  return writer->finish(keep);
+  if (Status s = writer.write_json("state.json", state); !s) return s;
+  return writer.finish(keep);
 }
 
 int64_t Engine::steps_done() const {
@@ -910,7 +993,7 @@ Result<StepResult> Engine::step() {
   run->world = W;
   run->op_count = im.plan.ops.size();
   run->done.assign(size_t(W), std::vector<uint8_t>(run->op_count, 0));
-  run->remaining = run->op_count * size_t(W);
+  run->remaining = run->op_count * size_t(im.local_count());
   run->decisions.resize(size_t(W));
   run->loss_sum.assign(size_t(W), 0.0);
   run->grad_norm.assign(size_t(W), 0.0);
@@ -919,12 +1002,21 @@ Result<StepResult> Engine::step() {
 
   // The global batch: every rank's micro-batches, read before the step (the
   // previous step's compute is over, so the token buffers are free).
+  // One rank of several processes reads the other ranks' targets too, only
+  // to count them (the loss is a mean over the global batch).
   int64_t counted = 0;
+  std::vector<int32_t> other_tokens, other_targets;
   for (int r = 0; r < W; ++r) {
-    Impl::Rank& rank = *im.ranks[size_t(r)];
+    Impl::Rank* held = nullptr;
+    for (auto& rank : im.ranks)
+      if (rank->rank == r) held = rank.get();
+    if (held == nullptr) {
+      other_tokens.resize(size_t(N));
+      other_targets.resize(size_t(N));
+    }
     for (int64_t m = 0; m < in.grad_accum; ++m) {
-      int32_t* tokens = rank.tokens + m * N;
-      int32_t* targets = rank.targets + m * N;
+      int32_t* tokens = held ? held->tokens + m * N : other_tokens.data();
+      int32_t* targets = held ? held->targets + m * N : other_targets.data();
       Status s =
           im.options.data(im.sequence_offset, m, r, W, in.micro_batch, in.seq_len, tokens, targets);
       if (!s) return s;
@@ -944,8 +1036,8 @@ Result<StepResult> Engine::step() {
     std::unique_lock lock(run->mutex);
     run->changed.wait(lock, [&] {
       if (run->error) return true;
-      return std::all_of(run->exchanged.begin(), run->exchanged.end(),
-                         [](uint8_t e) { return e != 0; });
+      return std::all_of(im.ranks.begin(), im.ranks.end(),
+                         [&](const auto& rank) { return run->exchanged[size_t(rank->rank)] != 0; });
     });
   }
   im.last_run = run;
@@ -960,10 +1052,11 @@ Result<StepResult> Engine::step() {
   im.sequence_offset += in.grad_accum * W * in.micro_batch;
 
   StepResult result;
-  const StepPlan& decision = run->decisions[0];
+  const size_t first = size_t(im.ranks[0]->rank);  // every rank has the same results
+  const StepPlan& decision = run->decisions[first];
   result.step = im.steps_done;
-  result.loss = run->loss_sum[0] / run->total_tokens;
-  result.grad_norm = run->grad_norm[0];
+  result.loss = run->loss_sum[first] / run->total_tokens;
+  result.grad_norm = run->grad_norm[first];
   result.lr = decision.lr;
   result.loss_scale = decision.loss_scale;
   result.skipped = !decision.apply;
@@ -974,7 +1067,7 @@ Result<StepResult> Engine::step() {
     std::lock_guard lock(run->mutex);
     double stall = 0;
     for (double s : run->stall_seconds) stall += s;
-    result.stall_seconds = stall / W;
+    result.stall_seconds = stall / im.local_count();
   }
   const io::IoCounters counters = im.nvme_counters();
   result.nvme_read_bytes = counters.bytes_read - im.last_read;
@@ -1523,6 +1616,18 @@ Status Engine::read_unit_parameters(int unit, float* flat) {
   const UnitPlacement& p = im.plan.units[size_t(unit)];
   const bool master = im.plan.homes.separate_master;
   const int ranks = im.plan.input.stage == 0 ? 1 : im.world();
+  if (im.process_mode() && ranks > 1) {
+    // Each process holds one rank's range: read it, then gather every rank's.
+    Impl::Rank& rank = *im.ranks[0];
+    const ShardKey key{unit, master ? ShardKind::master : ShardKind::param};
+    const int64_t stored = master ? p.optimizer_numel : p.param_numel;
+    std::vector<std::byte> bytes(size_t(stored) * 4);
+    if (Status s = rank.store->read_shard(key, bytes); !s) return s;
+    const int64_t from =
+        master || im.plan.input.stage == 3 ? 0 : im.plan.optimizer_offset(unit, rank.rank);
+    return rank.comm->all_gather(bytes.data() + from * 4, flat, size_t(p.optimizer_numel),
+                                 comm::DataType::fp32);
+  }
   for (int r = 0; r < ranks; ++r) {
     Impl::Rank& rank = *im.ranks[size_t(r)];
     const int64_t offset = im.plan.optimizer_offset(unit, r);
@@ -1561,6 +1666,19 @@ int64_t Engine::sequence_offset() const {
 }
 const OptimizerState& Engine::optimizer_state() const {
   return impl_->ranks[0]->optimizer->state();
+}
+
+int Engine::local_rank_count() const {
+  return impl_->local_count();
+}
+
+Result<bool> Engine::any_rank(bool flag) {
+  Impl& im = *impl_;
+  if (!im.process_mode()) return flag;
+  float value = flag ? 1.0f : 0.0f;
+  if (Status s = im.ranks[0]->comm->all_reduce(&value, &value, 1, comm::DataType::fp32); !s)
+    return s;
+  return value > 0;
 }
 
 tiers::TierUsage Engine::rank_usage(int rank, tiers::Tier tier) const {

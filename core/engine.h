@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/config.h"
 #include "core/model.h"
 #include "core/model_config.h"
@@ -80,6 +81,14 @@ struct EngineOptions {
   // or on NVMe (stage 3, offload_param and offload_optimizer cpu|nvme).
   kernels::BackendKind backend = kernels::BackendKind::cpu;
   int gpu_index = 0;
+  // Set when this process is one rank of several processes (strata launch):
+  // the engine then holds that rank only, talking to the others through this
+  // communicator (SocketComm on the CPU, NcclComm on GPUs), whose world size
+  // must be the config's. Null: every rank is a thread of this process.
+  // The budgets are then this process's. Collective calls below (save_checkpoint,
+  // read_model, read_unit_parameters, any_rank) must be made by every process
+  // in the same order.
+  std::shared_ptr<comm::Communicator> process_comm;
   // One-line notices (fallbacks); default: stderr.
   std::function<void(const std::string&)> notice{};
   // Tests only: the NVMe rings of every rank fail on demand.
@@ -138,8 +147,13 @@ class Engine {
   const ModelLayout& layout() const;
   // Over every rank's store: the largest `peak` and the sum of `used` / `capacity`.
   tiers::TierUsage usage(tiers::Tier tier) const;
-  // The most one rank's store used in `tier` and that rank's budget.
+  // The most one rank's store used in `tier` and that rank's budget; `rank`
+  // counts the ranks this process holds (local_rank_count()).
   tiers::TierUsage rank_usage(int rank, tiers::Tier tier) const;
+  // The ranks this process holds: the world size, or 1 with process_comm.
+  int local_rank_count() const;
+  // True on every process when `flag` is true on any (with process_comm; else `flag`).
+  Result<bool> any_rank(bool flag);
   // NVMe bytes read and written by every rank's I/O engine since create() (initialisation
   // included).
   uint64_t nvme_bytes_read() const;

@@ -54,11 +54,6 @@ refuse "no --model" 2 "model" -- --data "$dir/data/train.bin"
 [ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--backend cpu" "$dir/err"
 check "--backend cuda: no GPU, or a placement it does not run" $?
 
-# One of several launched processes: its ranks are threads, so it refuses.
-WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
-  "$strata" train "${common[@]}" --data "$dir/data/train.bin" >/dev/null 2>"$dir/err"
-[ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--world-size 2" "$dir/err"
-check "launched as rank 1 of 2: refused, pointing at --world-size" $?
 
 # A plan that does not fit is refused before the swap file is made.
 "$strata" train "${common[@]}" --data "$dir/data/train.bin" --offload-optimizer nvme --nvme-path "$dir/swap" \

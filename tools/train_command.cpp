@@ -24,6 +24,8 @@
 #include <thread>
 
 #include "comm/bootstrap.h"
+#include "comm/nccl_comm.h"
+#include "comm/socket_comm.h"
 #include "core/backend_choice.h"
 #include "core/checkpoint.h"
 #include "core/config.h"
@@ -178,9 +180,10 @@ struct Budgets {
   std::string note;  // what was chosen and why, for the header
 };
 
-Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan) {
+// `local_ranks`: the ranks this process holds (the world size, or 1 when launched).
+Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan, int local_ranks) {
   constexpr uint64_t kMiB = uint64_t{1} << 20;
-  const uint64_t W = uint64_t(plan.input.world_size);
+  const uint64_t W = uint64_t(local_ranks);
   auto with_margin = [&](int64_t peak) {
     return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB);
   };
@@ -369,11 +372,31 @@ class TrainCommand : public Subcommand {
 
  private:
   std::optional<Failure> train() {
-    Result<TrainConfig> loaded = load_train_config(flags_.config_path, flags_.overrides);
-    if (!loaded && flags_.overrides.nvme_paths.empty() &&
+    // One of several launched processes (strata launch, torchrun, SLURM, Open
+    // MPI): this process trains one rank, and the world size is the launcher's.
+    std::optional<comm::LaunchEnvironment> launch;
+    ConfigOverrides overrides = flags_.overrides;
+    if (Result<comm::LaunchEnvironment> env = comm::launch_environment();
+        env && env->world_size > 1) {
+      launch = *env;
+      if (overrides.world_size && *overrides.world_size != launch->world_size)
+        return Failure{2, fmt::format("--world-size {} but launched as {} processes ({}); give the "
+                                      "same number or leave --world-size out",
+                                      *overrides.world_size, launch->world_size, launch->source)};
+      overrides.world_size = launch->world_size;
+      // The others' output would repeat rank 0's: they keep stderr only.
+      if (launch->rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr)
+        return Failure{1, "cannot silence the output of a rank other than 0"};
+    } else if (!env && std::getenv("WORLD_SIZE") != nullptr) {
+      return usage_error(env.status());
+    }
+    const bool rank0 = !launch || launch->rank == 0;
+
+    Result<TrainConfig> loaded = load_train_config(flags_.config_path, overrides);
+    if (!loaded && overrides.nvme_paths.empty() &&
         loaded.status().message().find("no NVMe directory") != std::string::npos) {
       // NVMe offload without a directory: swap under the current directory.
-      ConfigOverrides with_default = flags_.overrides;
+      ConfigOverrides with_default = overrides;
       with_default.nvme_paths = {kDefaultNvmePath};
       loaded = load_train_config(flags_.config_path, with_default);
       if (loaded)
@@ -399,16 +422,6 @@ class TrainCommand : public Subcommand {
       return Failure{
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
     if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
-
-    // Several processes (strata launch, torchrun, SLURM, Open MPI) would each train alone.
-    if (Result<comm::LaunchEnvironment> launched = comm::launch_environment();
-        launched && launched->world_size > 1)
-      return Failure{
-          2, fmt::format("launched as rank {} of {} ({}): strata train runs its ranks as threads "
-                         "of one process in this version; run one process with --world-size {} "
-                         "instead",
-                         launched->rank, launched->world_size, launched->source,
-                         launched->world_size)};
 
     // The backend decides where the plan puts the compute buffers.
     Result<BackendChoice> backend = choose_backend(backend_);
@@ -498,7 +511,7 @@ class TrainCommand : public Subcommand {
     Result<DType> export_dtype = parse_dtype(export_dtype_);
     if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
     std::optional<MetricsWriter> metrics;
-    if (!metrics_path_.empty()) {
+    if (!metrics_path_.empty() && rank0) {
       Result<MetricsWriter> opened = MetricsWriter::open(metrics_path_);
       if (!opened) return usage_error(opened.status());
       metrics.emplace(std::move(*opened));
@@ -506,9 +519,14 @@ class TrainCommand : public Subcommand {
 
     const int W = plan->input.world_size;
     EngineOptions options;
-    const Budgets budgets = choose_budgets(config, *plan);
+    // Launched processes hold one rank each and share the node's host budget.
+    const int local_ranks = launch ? 1 : W;
+    const int ranks_on_node = launch ? launch->local_world_size.value_or(W) : W;
+    const Budgets budgets = choose_budgets(config, *plan, local_ranks);
     options.device_budget = budgets.device;
-    options.host_budget = budgets.host;
+    options.host_budget = launch && config.strata.host_mem_limit
+                              ? budgets.host / uint64_t(std::max(1, ranks_on_node))
+                              : budgets.host;
     std::string budget_note = budgets.note;
     if (plan->peak(tiers::Tier::nvme) > 0)
       budget_note += fmt::format(", nvme {} per rank under {}",
@@ -537,6 +555,20 @@ class TrainCommand : public Subcommand {
 
     // The backend's notice last, so that input errors above stay one line without it.
     options.backend = backend->kind;
+    if (launch) {
+      // This rank's link to the others: NCCL on GPUs (GPU LOCAL_RANK), sockets on the CPU.
+      if (backend->kind == kernels::BackendKind::cuda) {
+        options.gpu_index = launch->local_rank;
+        Result<std::unique_ptr<comm::NcclComm>> nccl =
+            comm::make_nccl_comm(*launch, launch->local_rank);
+        if (!nccl) return run_error(nccl.status());
+        options.process_comm = std::move(*nccl);
+      } else {
+        Result<std::unique_ptr<comm::Communicator>> sockets = comm::make_socket_comm(*launch);
+        if (!sockets) return run_error(sockets.status());
+        options.process_comm = std::move(*sockets);
+      }
+    }
     if (!backend->notice.empty()) fmt::print(stderr, "{}\n", backend->notice);
 
     const int64_t tokens_per_step = B * T * plan->input.grad_accum * W;
@@ -546,7 +578,8 @@ class TrainCommand : public Subcommand {
         model->name, format_count(double(model->parameter_count())), plan->layout.units.size(),
         plan->input.stage, tiers::tier_name(plan->homes.param),
         tiers::tier_name(plan->homes.optimizer), W, W == 1 ? "" : "s",
-        plan->input.gpu ? "GPU" : "CPU");
+        std::string(plan->input.gpu ? "GPU" : "CPU") +
+            (launch ? fmt::format(", one process each ({})", launch->source) : ""));
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
         B, T, plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
@@ -558,16 +591,17 @@ class TrainCommand : public Subcommand {
 
     // Ranks are threads that each call OpenBLAS: split the cores between them
     // rather than letting every rank's BLAS use them all.
-    if (W > 1) {
+    if (ranks_on_node > 1) {
       const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-      kernels::cpu::set_blas_threads(std::max(1, cores / W));
+      kernels::cpu::set_blas_threads(std::max(1, cores / ranks_on_node));
     }
+    const uint64_t options_host_budget = options.host_budget;
     Result<std::unique_ptr<Engine>> created = Engine::create(std::move(options));
     if (!created) return run_error(created.status());
     Engine& engine = **created;
 
     std::optional<TraceWriter> trace;
-    if (!trace_path_.empty()) {
+    if (!trace_path_.empty() && rank0) {
       Result<TraceWriter> opened = TraceWriter::open(trace_path_, engine.plan());
       if (!opened) return usage_error(opened.status());
       trace.emplace(std::move(*opened));
@@ -629,7 +663,10 @@ class TrainCommand : public Subcommand {
         summary.first_step_seconds = step->seconds;
       }
       summary.last_loss = step->loss;
-      const bool last = s == steps_ || stop_requested.load();
+      // Every process stops after the same step (a signal may reach them at different times).
+      Result<bool> stop = engine.any_rank(stop_requested.load());
+      if (!stop) return run_error(stop.status());
+      const bool last = s == steps_ || *stop;
       progress_->step(report, std::chrono::duration<double>(Clock::now() - start).count());
       if (eval_file && (last || (eval_every_ > 0 && s % eval_every_ == 0))) {
         Result<double> loss = run_eval(s);
@@ -652,12 +689,12 @@ class TrainCommand : public Subcommand {
     if (trace)
       if (Status s = trace->finish(); !s) return run_error(s);
     for (int t = 0; t < tiers::kTierCount; ++t)
-      for (int r = 0; r < W; ++r) {
+      for (int r = 0; r < engine.local_rank_count(); ++r) {
         const tiers::TierUsage u = engine.rank_usage(r, static_cast<tiers::Tier>(t));
         if (r == 0 || u.peak > summary.usage[t].peak) summary.usage[t] = u;
       }
     summary.budget[int(tiers::Tier::device)] = budgets.device;
-    summary.budget[int(tiers::Tier::host)] = budgets.host / uint64_t(W);
+    summary.budget[int(tiers::Tier::host)] = options_host_budget / uint64_t(local_ranks);
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
     if (stop_requested.load())
@@ -667,8 +704,9 @@ class TrainCommand : public Subcommand {
     fmt::print("{}", format_run_summary(summary));
 
     if (!export_path_.empty()) {
-      Result<HostModel> weights = engine.read_model();
+      Result<HostModel> weights = engine.read_model();  // every rank takes part
       if (!weights) return run_error(weights.status());
+      if (!rank0) return std::nullopt;
       if (Status s = export_model(*weights, export_path_, *export_dtype); !s)
         return run_error(s.with_context("--export " + export_path_));
       fmt::print("exported the weights ({}) to {}\n", dtype_name(*export_dtype), export_path_);

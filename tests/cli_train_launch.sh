@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# `strata launch -n N -- strata train ...`: each process trains one rank
+# (SocketComm on the CPU backend) and the run is bitwise the run of N ranks
+# as threads of one process: losses, gradient norms, the validation loss, the
+# exported weights and the checkpoint's state files. A run launched as
+# processes resumes from a checkpoint written by threads; SIGTERM stops every
+# rank after the same step with a checkpoint and no swap files left; a
+# --world-size that disagrees with the launcher is refused in one line.
+# Usage: cli_train_launch.sh STRATA_BINARY REPO_ROOT
+set -uo pipefail
+strata="$1"
+source "$(dirname "$0")/check_support.sh"
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$strata" demo-data --out "$dir/data" --tokens 100000 --val-tokens 4000 >/dev/null
+
+base=(--model tiny --backend cpu --seq-len 32 --micro-batch 2 --lr 3e-3 --data "$dir/data/train.bin"
+      --zero-stage 3 --offload-param nvme --offload-optimizer nvme
+      --eval-data "$dir/data/val.bin" --eval-batches 2)
+losses() { python3 -c 'import json,sys; print(" ".join(repr((j["loss"], j["grad_norm"], j.get("eval_loss"))) for j in map(json.loads, open(sys.argv[1]))))' "$1"; }
+
+# Two ranks as threads, then as processes.
+"$strata" train "${base[@]}" --world-size 2 --steps 4 --nvme-path "$dir/swap-t" --save "$dir/ckpt-t" \
+  --export "$dir/threads.safetensors" --metrics "$dir/threads.jsonl" >"$dir/threads.out" 2>&1
+check "2 ranks as threads" $?
+timeout 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 4 --nvme-path "$dir/swap-p" \
+  --save "$dir/ckpt-p" --export "$dir/procs.safetensors" --metrics "$dir/procs.jsonl" >"$dir/procs.out" 2>&1
+check "2 ranks as processes (strata launch)" $?
+grep -q "one process each" "$dir/procs.out"; check "rank 0 says it runs as processes" $?
+[ "$(grep -c "^trained" "$dir/procs.out")" -eq 1 ]; check "only rank 0 prints the summary" $?
+[ -n "$(losses "$dir/threads.jsonl")" ] && [ "$(losses "$dir/threads.jsonl")" = "$(losses "$dir/procs.jsonl")" ]
+check "losses, gradient norms and validation loss bitwise equal" $?
+cmp -s "$dir/threads.safetensors" "$dir/procs.safetensors"; check "exported weights byte-identical" $?
+same=0
+for f in master.bin m.bin v.bin; do cmp -s "$dir/ckpt-t/step-4/$f" "$dir/ckpt-p/step-4/$f" || same=1; done
+check "checkpoint state files byte-identical (every rank wrote its part)" $same
+[ -z "$(ls -A "$dir/swap-p")" ]; check "no swap files left" $?
+
+# Processes resume what threads saved: steps 3-4 again, from step 2.
+"$strata" train "${base[@]}" --world-size 2 --steps 2 --nvme-path "$dir/swap-t" --save "$dir/ckpt-2" \
+  >/dev/null 2>&1
+timeout 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 4 --nvme-path "$dir/swap-p" \
+  --resume "$dir/ckpt-2" --metrics "$dir/resumed.jsonl" >"$dir/resumed.out" 2>&1
+check "processes resume a checkpoint of threads" $?
+[ "$(losses "$dir/resumed.jsonl")" = "$(losses "$dir/threads.jsonl" | cut -d' ' -f7-)" ]
+check "the resumed steps are the straight run's, bitwise" $?
+
+# SIGTERM reaches every rank through launch; they stop after the same step and save.
+# (--foreground: timeout would otherwise signal its process group too, and a
+# second signal makes launch kill the ranks without waiting.)
+timeout --foreground 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 100000 --nvme-path "$dir/swap-s" \
+  --save "$dir/ckpt-s" >"$dir/stopped.out" 2>&1 &
+launcher=$!
+for _ in $(seq 1 200); do grep -q "^step" "$dir/stopped.out" 2>/dev/null && break; sleep 0.1; done
+kill -TERM $launcher
+wait $launcher
+ls -d "$dir"/ckpt-s/step-* >/dev/null 2>&1; check "SIGTERM: a checkpoint was saved" $?
+[ -z "$(ls -A "$dir/swap-s" 2>/dev/null)" ]; check "SIGTERM: no swap files left" $?
+
+# The launcher's world size is the one that counts.
+WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 \
+  "$strata" train "${base[@]}" --world-size 3 --steps 1 --nvme-path "$dir/swap-x" >/dev/null 2>"$dir/err"
+[ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--world-size 3 but launched as 2" "$dir/err"
+check "a --world-size other than the launcher's is refused in one line" $?
+
+finish_checks
