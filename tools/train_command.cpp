@@ -430,7 +430,7 @@ class TrainCommand : public Subcommand {
     plan_input.gpu = backend->kind == kernels::BackendKind::cuda;
     Result<TrainingPlan> plan = build_training_plan(plan_input);
     if (!plan && plan_input.gpu && backend_ == "auto") {
-      // The CUDA backend keeps the state off the GPU in this version; other placements train here.
+      // The CUDA backend runs two placements in this version; the others train on the CPU.
       backend->kind = kernels::BackendKind::cpu;
       backend->notice = fmt::format("strata: training on the CPU: {}", plan.status().message());
       plan_input.gpu = false;
