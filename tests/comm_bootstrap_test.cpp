@@ -20,27 +20,18 @@
 #include <vector>
 
 #include "comm/bootstrap.h"
+#include "tests/comm_test_support.h"
 
 namespace strata::comm {
 namespace {
 
+using testing::expect_one_line_error;
+using testing::free_port;
+using testing::fresh_seed;
+using testing::rank_of;
+
 using Variables = std::map<std::string, std::string>;
 using std::chrono::milliseconds;
-
-uint32_t fresh_seed() {
-  const uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
-  return seed;
-}
-
-void expect_one_line_error(const Status& status, const std::vector<std::string>& parts) {
-  ASSERT_FALSE(status.is_ok());
-  EXPECT_EQ(status.message().find('\n'), std::string::npos) << status.message();
-  for (const std::string& part : parts) {
-    EXPECT_NE(status.message().find(part), std::string::npos)
-        << "'" << part << "' missing from: " << status.message();
-  }
-}
 
 // --- the launch environment ---------------------------------------------------
 
@@ -239,23 +230,6 @@ TEST(LaunchEnvironment, OpenMpiVariables) {
 }
 
 // --- the rendezvous -------------------------------------------------------------
-
-LaunchEnvironment rank_of(int rank, int world, int port) {
-  LaunchEnvironment env;
-  env.rank = rank;
-  env.world_size = world;
-  env.local_rank = rank;
-  env.master_addr = "127.0.0.1";
-  env.master_port = port;
-  env.source = "torchrun";
-  return env;
-}
-
-int free_port() {
-  Result<int> port = find_free_port();
-  EXPECT_TRUE(port.is_ok()) << port.status().message();
-  return port.is_ok() ? *port : 0;
-}
 
 // Rank r's blob for a test seeded with `seed`: random bytes of a random length.
 Blob blob_of(uint32_t seed, int rank) {

@@ -31,6 +31,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/simd.h"
+#include "tests/comm_test_support.h"
 
 #if STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -41,20 +42,8 @@ extern char** environ;
 namespace strata::comm {
 namespace {
 
-uint32_t fresh_seed() {
-  const uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
-  return seed;
-}
-
-void expect_one_line_error(const Status& status, const std::vector<std::string>& parts) {
-  ASSERT_FALSE(status.is_ok());
-  EXPECT_EQ(status.message().find('\n'), std::string::npos) << status.message();
-  for (const std::string& part : parts) {
-    EXPECT_NE(status.message().find(part), std::string::npos)
-        << "'" << part << "' missing from: " << status.message();
-  }
-}
+using testing::expect_one_line_error;
+using testing::fresh_seed;
 
 int gpu_count() {
   return static_cast<int>(kernels::query_gpus().devices.size());

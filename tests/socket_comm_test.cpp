@@ -21,34 +21,16 @@
 #include <vector>
 
 #include "comm/reduction.h"
+#include "tests/comm_test_support.h"
 
 namespace strata::comm {
 namespace {
 
+using testing::free_port;
+using testing::fresh_seed;
+using testing::rank_of;
+
 using Bytes = std::vector<uint8_t>;
-
-uint32_t fresh_seed() {
-  const uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
-  return seed;
-}
-
-LaunchEnvironment rank_of(int rank, int world, int port) {
-  LaunchEnvironment env;
-  env.rank = rank;
-  env.world_size = world;
-  env.local_rank = rank;
-  env.master_addr = "127.0.0.1";
-  env.master_port = port;
-  env.source = "torchrun";
-  return env;
-}
-
-int free_port() {
-  Result<int> port = find_free_port();
-  EXPECT_TRUE(port.is_ok()) << port.status().message();
-  return port.is_ok() ? *port : 0;
-}
 
 // The read end of a pipe that the parent closes once every rank but the last
 // has reported (see run_processes): the last rank may wait on it.
