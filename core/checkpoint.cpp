@@ -148,10 +148,7 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
   if (error)
     return Status::error(
         fmt::format("--save {}: cannot create the directory: {}", root, error.message()));
-  CheckpointWriter writer;
-  writer.root_ = root;
-  writer.final_ = (fs::path(root) / fmt::format("step-{}", step)).string();
-  writer.temporary_ = (fs::path(root) / fmt::format(".tmp-step-{}", step)).string();
+  CheckpointWriter writer(root, step);
   // Unfinished checkpoints of runs that were killed while saving.
   for (const auto& entry : fs::directory_iterator(root, error))
     if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0)
@@ -176,11 +173,8 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
 }
 
 Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t step) {
-  CheckpointWriter writer;
+  CheckpointWriter writer(root, step);
   writer.owner_ = false;
-  writer.root_ = root;
-  writer.final_ = (fs::path(root) / fmt::format("step-{}", step)).string();
-  writer.temporary_ = (fs::path(root) / fmt::format(".tmp-step-{}", step)).string();
   for (int f = 0; f < 3; ++f) {
     const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
     writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -202,6 +196,11 @@ Status CheckpointWriter::flush() {
   }
   return Status::ok();
 }
+
+CheckpointWriter::CheckpointWriter(const std::string& root, int64_t step)
+    : root_(root),
+      temporary_((fs::path(root) / fmt::format(".tmp-step-{}", step)).string()),
+      final_((fs::path(root) / fmt::format("step-{}", step)).string()) {}
 
 CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept {
   *this = std::move(other);
@@ -248,12 +247,10 @@ Result<std::string> CheckpointWriter::finish(int keep) {
   nlohmann::ordered_json manifest;
   manifest["format"] = kCheckpointFormat;
   nlohmann::ordered_json files = nlohmann::ordered_json::object();
-  for (int f = 0; f < 3; ++f) {
-    const std::string path = temporary_ + "/" + kCheckpointStateFiles[f];
-    if (::fdatasync(fds_[f]) != 0)
-      return Status::error(fmt::format("{}: fdatasync: {}", path, errno_now()));
-    ::close(fds_[f]);
-    fds_[f] = -1;
+  if (Status s = flush(); !s) return s;
+  for (int& fd : fds_) {
+    ::close(fd);
+    fd = -1;
   }
   std::vector<std::string> names(json_files_);
   for (const char* name : kCheckpointStateFiles) names.push_back(name);

@@ -68,7 +68,8 @@ class CheckpointWriter {
   const std::string& final_directory() const { return final_; }
 
  private:
-  CheckpointWriter() = default;
+  // Names <root>/.tmp-step-<step> and <root>/step-<step>; opens nothing.
+  CheckpointWriter(const std::string& root, int64_t step);
   std::string root_, temporary_, final_;
   int fds_[3] = {-1, -1, -1};
   bool owner_ = true;  // begin() made the temporary directory; a joined writer did not
