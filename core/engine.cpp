@@ -195,6 +195,10 @@ struct Engine::Impl {
   ElementType compute_type() const { return element_type(plan.input.precision); }
   // One rank of several processes (EngineOptions::process_comm).
   bool process_mode() const { return options.process_comm != nullptr; }
+  // True on every process when `flag` is true on any (process mode; else `flag`).
+  Result<bool> any_rank(bool flag);
+  // `mine`, or `others_failed` when it is ok but another process's was not.
+  Status agree(Status mine, const std::string& others_failed);
   int local_count() const { return static_cast<int>(ranks.size()); }
   int world() const { return plan.input.world_size; }
   int units() const { return static_cast<int>(plan.units.size()); }
@@ -470,15 +474,9 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   } else if (started) {
     started = impl->initialize();
   }
-  if (impl->process_mode()) {
-    // Every process starts, or none does (the others would wait for it in the first step).
-    float failed = started ? 0.0f : 1.0f;
-    comm::Communicator& c = *impl->ranks[0]->comm;
-    if (Status s = c.all_reduce(&failed, &failed, 1, comm::DataType::fp32); !s) return s;
-    if (started && failed > 0)
-      started = Status::error("another rank failed to start (its own error says why)");
-  }
-  if (!started) return started;
+  // Every process starts, or none does (the others would wait for it in the first step).
+  if (Status s = impl->agree(started, "another rank failed to start (its own error says why)"); !s)
+    return s;
   for (auto& rank : impl->ranks)
     for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
   // Step results count the I/O of steps, not of initialisation.
@@ -908,14 +906,8 @@ Result<std::string> Engine::Impl::save_in_processes(const std::string& root, int
                                                     int64_t total,
                                                     const nlohmann::ordered_json& units) {
   Rank& rank = *ranks[0];
-  comm::Communicator& c = *rank.comm;
-  auto agree = [&](Status status, const char* what) -> Status {
-    float failed = status ? 0.0f : 1.0f;
-    if (Status s = c.all_reduce(&failed, &failed, 1, comm::DataType::fp32); !s) return s;
-    if (!status) return status;
-    if (failed > 0)
-      return Status::error(fmt::format("saving a checkpoint: another rank failed to {}", what));
-    return Status::ok();
+  auto agree = [&](Status status, const char* what) {
+    return this->agree(status, fmt::format("saving a checkpoint: another rank failed to {}", what));
   };
   std::optional<CheckpointWriter> writer;
   Status begun = Status::ok();
@@ -1673,12 +1665,21 @@ int Engine::local_rank_count() const {
 }
 
 Result<bool> Engine::any_rank(bool flag) {
-  Impl& im = *impl_;
-  if (!im.process_mode()) return flag;
+  return impl_->any_rank(flag);
+}
+
+Result<bool> Engine::Impl::any_rank(bool flag) {
+  if (!process_mode()) return flag;
   float value = flag ? 1.0f : 0.0f;
-  if (Status s = im.ranks[0]->comm->all_reduce(&value, &value, 1, comm::DataType::fp32); !s)
-    return s;
+  if (Status s = ranks[0]->comm->all_reduce(&value, &value, 1, comm::DataType::fp32); !s) return s;
   return value > 0;
+}
+
+Status Engine::Impl::agree(Status mine, const std::string& others_failed) {
+  Result<bool> any_failed = any_rank(!mine);
+  if (!any_failed) return any_failed.status();
+  if (!mine) return mine;
+  return *any_failed ? Status::error(others_failed) : Status::ok();
 }
 
 tiers::TierUsage Engine::rank_usage(int rank, tiers::Tier tier) const {
