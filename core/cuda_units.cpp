@@ -84,11 +84,6 @@ WorkspaceShape workspace_shape(const ModelConfig& c, int64_t B, int64_t T, int t
   return s;
 }
 
-Status cuda_check(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return Status::ok();
-  return Status::error(fmt::format("{}: {}", what, cudaGetErrorString(error)));
-}
-
 }  // namespace
 
 int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t T, int type_bytes) {
@@ -172,12 +167,14 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
   const int64_t D = c.head_dim;
   std::vector<float> cos(size_t(T * D / 2)), sin(size_t(T * D / 2));
   rope_tables(c, T, cos.data(), sin.data());
-  if (Status s = cuda_check(cudaMemcpy(b->cos, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice),
-                            "uploading the RoPE tables");
+  if (Status s =
+          cuda::check_cuda(cudaMemcpy(b->cos, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice),
+                           "uploading the RoPE tables");
       !s)
     return s;
-  if (Status s = cuda_check(cudaMemcpy(b->sin, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice),
-                            "uploading the RoPE tables");
+  if (Status s =
+          cuda::check_cuda(cudaMemcpy(b->sin, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice),
+                           "uploading the RoPE tables");
       !s)
     return s;
   units->b_ = std::move(b);
@@ -231,9 +228,9 @@ Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* o
                                        at(b.qkv, (H + KV) * D), s, type_, stream));
   // Residuals are added by accumulating products into a copy of the input.
   const int64_t row_bytes = C * int64_t(cuda::dtype_size(type_));
-  STRATA_CHECK(
-      cuda_check(cudaMemcpyAsync(b.x2, x, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
-                 "copying the residual"));
+  STRATA_CHECK(cuda::check_cuda(
+      cudaMemcpyAsync(b.x2, x, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
+      "copying the residual"));
   STRATA_CHECK(matmuls_.forward(b.x2, b.attn, at(w, o.o), N, H * D, C, type_, true, stream));
   STRATA_CHECK(
       cuda::rmsnorm_forward(b.xn2, b.rstd2, b.x2, at(w, o.norm_post), N, C, eps, type_, stream));
@@ -241,7 +238,7 @@ Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* o
       matmuls_.forward(b.gate_up, b.xn2, at(w, o.gate_up), N, C, 2 * I, type_, false, stream));
   STRATA_CHECK(cuda::swiglu_forward(b.mlp, b.gate_up, N, I, type_, stream));
   if (out == nullptr) return Status::ok();  // recomputation for the backward stops here
-  STRATA_CHECK(cuda_check(
+  STRATA_CHECK(cuda::check_cuda(
       cudaMemcpyAsync(out, b.x2, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
       "copying the residual"));
   return matmuls_.forward(out, b.mlp, at(w, o.down), N, I, C, type_, true, stream);
@@ -260,12 +257,12 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
   if (recompute) STRATA_CHECK(layer_forward(u, w, x, nullptr, stream));
   // dx starts as the residual gradient; each branch adds into it.
   if (dx != dout)
-    STRATA_CHECK(
-        cuda_check(cudaMemcpyAsync(dx, dout, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
-                   "copying the residual gradient"));
+    STRATA_CHECK(cuda::check_cuda(
+        cudaMemcpyAsync(dx, dout, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
+        "copying the residual gradient"));
   auto zero = [&](void* buffer, int64_t elements) {
-    return cuda_check(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
-                      "zeroing a gradient buffer");
+    return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
+                            "zeroing a gradient buffer");
   };
   // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))).
   STRATA_CHECK(zero(b.d_mlp, N * I));
@@ -346,8 +343,8 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
   Buffers& b = *b_;
   STRATA_CHECK(cuda::rmsnorm_forward(b.head_xn, b.head_rstd, input, norm, N, C,
                                      static_cast<float>(c.rms_norm_eps), type_, stream));
-  STRATA_CHECK(cuda_check(cudaMemsetAsync(b.d_xn, 0, size_t(N * C) * ts, stream),
-                          "zeroing the head's gradient"));
+  STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(b.d_xn, 0, size_t(N * C) * ts, stream),
+                                "zeroing the head's gradient"));
   for (int64_t begin = 0; begin < N; begin += b.head_rows) {
     const int64_t rows = std::min(b.head_rows, N - begin);
     STRATA_CHECK(matmuls_.forward(b.logits, at(b.head_xn, begin * C), lm_head, rows, C, V, type_,
@@ -358,8 +355,8 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
     STRATA_CHECK(matmuls_.backward(at(b.d_xn, begin * C), d_lm_head, b.logits,
                                    at(b.head_xn, begin * C), lm_head, rows, C, V, type_, stream));
   }
-  STRATA_CHECK(cuda_check(cudaMemsetAsync(dinput, 0, size_t(N * C) * ts, stream),
-                          "zeroing the head's input gradient"));
+  STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(dinput, 0, size_t(N * C) * ts, stream),
+                                "zeroing the head's input gradient"));
   return cuda::rmsnorm_backward(dinput, d_norm, b.d_xn, input, norm, b.head_rstd, N, C, type_,
                                 b.scratch, size_t(b.scratch_bytes), stream);
 }

@@ -19,12 +19,6 @@ namespace strata {
 namespace cuda = kernels::cuda;
 namespace {
 
-Status cuda_check(cudaError_t error, const std::string& what) {
-  if (error == cudaSuccess) return Status::ok();
-  cudaGetLastError();
-  return Status::error(fmt::format("GPU: {}: {}", what, cudaGetErrorString(error)));
-}
-
 cuda::DType dtype_of(Precision precision) {
   switch (precision) {
     case Precision::bf16:
@@ -83,7 +77,9 @@ struct GpuRank::Impl {
   explicit Impl(const TrainingPlan& p) : plan(p) {}
   ~Impl();
 
-  Status select() { return cuda_check(cudaSetDevice(gpu), fmt::format("selecting GPU {}", gpu)); }
+  Status select() {
+    return cuda::check_cuda(cudaSetDevice(gpu), fmt::format("selecting GPU {}", gpu));
+  }
   // Uploads `bytes` of host parameters into the next slot; returns the slot.
   Result<int> upload(const std::byte* params, int64_t bytes);
   // After the computation that reads slot k is enqueued: frees it and waits for its upload.
@@ -99,8 +95,8 @@ struct GpuRank::Impl {
   Result<double> run_head(int micro, const void* params, const void* tied_params, float loss_scale,
                           float* grads, float* tied_grads);
   Status zero(float* grads, int64_t numel) {
-    return cuda_check(cudaMemsetAsync(grads, 0, size_t(numel) * 4, compute),
-                      "zeroing a unit gradient");
+    return cuda::check_cuda(cudaMemsetAsync(grads, 0, size_t(numel) * 4, compute),
+                            "zeroing a unit gradient");
   }
   CudaUnitBatch batch(int micro, float loss_scale) const {
     CudaUnitBatch b;
@@ -138,43 +134,46 @@ Result<int> GpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
   const int k = next_param_slot;
   next_param_slot = (next_param_slot + 1) % kGpuParamSlots;
   // An event never recorded is complete, so the first use of a slot does not wait.
-  if (Status s = cuda_check(cudaStreamWaitEvent(to_device, slot_free[size_t(k)], 0),
-                            "ordering a parameter upload");
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(to_device, slot_free[size_t(k)], 0),
+                                  "ordering a parameter upload");
       !s)
     return s;
-  if (Status s = cuda_check(cudaMemcpyAsync(param_slots[size_t(k)], params, size_t(bytes),
-                                            cudaMemcpyHostToDevice, to_device),
-                            fmt::format("uploading {} bytes of parameters", bytes));
+  if (Status s = cuda::check_cuda(cudaMemcpyAsync(param_slots[size_t(k)], params, size_t(bytes),
+                                                  cudaMemcpyHostToDevice, to_device),
+                                  fmt::format("uploading {} bytes of parameters", bytes));
       !s)
     return s;
-  if (Status s = cuda_check(cudaEventRecord(uploaded[size_t(k)], to_device), "recording an upload");
+  if (Status s =
+          cuda::check_cuda(cudaEventRecord(uploaded[size_t(k)], to_device), "recording an upload");
       !s)
     return s;
-  if (Status s = cuda_check(cudaStreamWaitEvent(compute, uploaded[size_t(k)], 0),
-                            "ordering a computation after its upload");
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, uploaded[size_t(k)], 0),
+                                  "ordering a computation after its upload");
       !s)
     return s;
   return k;
 }
 
 Status GpuRank::Impl::computed_with(int slot) {
-  if (Status s = cuda_check(cudaEventRecord(slot_free[size_t(slot)], compute),
-                            "recording a parameter slot's release");
+  if (Status s = cuda::check_cuda(cudaEventRecord(slot_free[size_t(slot)], compute),
+                                  "recording a parameter slot's release");
       !s)
     return s;
   // The host memory the upload read belongs to the caller again once this returns.
-  return cuda_check(cudaEventSynchronize(uploaded[size_t(slot)]), "waiting for a parameter upload");
+  return cuda::check_cuda(cudaEventSynchronize(uploaded[size_t(slot)]),
+                          "waiting for a parameter upload");
 }
 
 Result<int> GpuRank::Impl::take_grad_buffer(int64_t numel) {
   const int k = next_grad_buffer;
   next_grad_buffer = (next_grad_buffer + 1) % kGpuGradBuffers;
-  if (Status s = cuda_check(cudaStreamWaitEvent(compute, grad_sent[size_t(k)], 0),
-                            "ordering a gradient buffer's reuse");
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, grad_sent[size_t(k)], 0),
+                                  "ordering a gradient buffer's reuse");
       !s)
     return s;
-  if (Status s = cuda_check(cudaMemsetAsync(grad_buffers[size_t(k)], 0, size_t(numel) * 4, compute),
-                            "zeroing a unit gradient");
+  if (Status s =
+          cuda::check_cuda(cudaMemsetAsync(grad_buffers[size_t(k)], 0, size_t(numel) * 4, compute),
+                           "zeroing a unit gradient");
       !s)
     return s;
   return k;
@@ -182,26 +181,26 @@ Result<int> GpuRank::Impl::take_grad_buffer(int64_t numel) {
 
 Status GpuRank::Impl::send_gradients(const float* device, float* grads, int64_t numel,
                                      int grad_slot, int buffer) {
-  if (Status s = cuda_check(cudaEventRecord(computed, compute), "recording a backward"); !s)
+  if (Status s = cuda::check_cuda(cudaEventRecord(computed, compute), "recording a backward"); !s)
     return s;
-  if (Status s = cuda_check(cudaStreamWaitEvent(to_host, computed, 0),
-                            "ordering a gradient copy after its backward");
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(to_host, computed, 0),
+                                  "ordering a gradient copy after its backward");
       !s)
     return s;
-  if (Status s = cuda_check(
+  if (Status s = cuda::check_cuda(
           cudaMemcpyAsync(grads, device, size_t(numel) * 4, cudaMemcpyDeviceToHost, to_host),
           fmt::format("sending {} bytes of gradients to the host", numel * 4));
       !s)
     return s;
   if (buffer >= 0) {
-    if (Status s = cuda_check(cudaEventRecord(grad_sent[size_t(buffer)], to_host),
-                              "recording a gradient copy");
+    if (Status s = cuda::check_cuda(cudaEventRecord(grad_sent[size_t(buffer)], to_host),
+                                    "recording a gradient copy");
         !s)
       return s;
   }
   const size_t index = size_t(grad_slot + 1);
   if (Status s =
-          cuda_check(cudaEventRecord(slot_sent[index], to_host), "recording a gradient copy");
+          cuda::check_cuda(cudaEventRecord(slot_sent[index], to_host), "recording a gradient copy");
       !s)
     return s;
   slot_pending[index] = 1;
@@ -233,12 +232,13 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
     largest_padded = std::max(largest_padded, p.padded_numel);
 
   for (cudaStream_t* s : {&g.compute, &g.to_device, &g.to_host})
-    if (Status st =
-            cuda_check(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking), "creating a stream");
+    if (Status st = cuda::check_cuda(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking),
+                                     "creating a stream");
         !st)
       return st;
   auto event = [](cudaEvent_t& e) {
-    return cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
+    return cuda::check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                            "creating an event");
   };
   for (int k = 0; k < kGpuParamSlots; ++k) {
     if (Status s = event(g.slot_free[size_t(k)]); !s) return s;
@@ -276,7 +276,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
     if (!scratch) return scratch.status();
     g.norm = reinterpret_cast<cuda::GradNormResult*>(*scratch);
     g.norm_scratch = *scratch + 4096;
-    if (Status s = cuda_check(
+    if (Status s = cuda::check_cuda(
             cudaMallocHost(reinterpret_cast<void**>(&g.host_norm), sizeof(cuda::GradNormResult)),
             "allocating a pinned gradient norm");
         !s)
@@ -351,11 +351,11 @@ Result<double> GpuRank::head(int micro, const std::byte* params, const std::byte
     if (!uploaded) return uploaded.status();
     tied_slot = *uploaded;
     // The previous micro-batch's tied gradient must have reached the host first.
-    if (Status s = cuda_check(cudaStreamWaitEvent(g.compute, g.slot_sent[0], 0),
-                              "ordering the tied embedding's gradient");
+    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(g.compute, g.slot_sent[0], 0),
+                                    "ordering the tied embedding's gradient");
         !s)
       return s;
-    if (Status s = cuda_check(
+    if (Status s = cuda::check_cuda(
             cudaMemsetAsync(g.tied_grad, 0, size_t(g.plan.units[0].padded_numel) * 4, g.compute),
             "zeroing the tied embedding's gradient");
         !s)
@@ -384,14 +384,14 @@ Status GpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
   // stay untouched until the next step(), which comes after this step's
   // head has synchronised the compute stream (run_head), so the copy is done.
   const size_t bytes = size_t(N) * 4;
-  if (Status s = cuda_check(cudaMemcpyAsync(tokens + int64_t(micro) * N, host_tokens, bytes,
-                                            cudaMemcpyHostToDevice, compute),
-                            "uploading tokens");
+  if (Status s = cuda::check_cuda(cudaMemcpyAsync(tokens + int64_t(micro) * N, host_tokens, bytes,
+                                                  cudaMemcpyHostToDevice, compute),
+                                  "uploading tokens");
       !s)
     return s;
-  return cuda_check(cudaMemcpyAsync(targets + int64_t(micro) * N, host_targets, bytes,
-                                    cudaMemcpyHostToDevice, compute),
-                    "uploading targets");
+  return cuda::check_cuda(cudaMemcpyAsync(targets + int64_t(micro) * N, host_targets, bytes,
+                                          cudaMemcpyHostToDevice, compute),
+                          "uploading targets");
 }
 
 Result<double> GpuRank::Impl::run_head(int micro, const void* params, const void* tied_params,
@@ -402,10 +402,11 @@ Result<double> GpuRank::Impl::run_head(int micro, const void* params, const void
                                                grads, tied_grads, losses, compute);
   // To pageable memory, the copy returns once it (and the work before it) is done.
   if (status)
-    status = cuda_check(
+    status = cuda::check_cuda(
         cudaMemcpyAsync(host_losses.data(), losses, size_t(N) * 4, cudaMemcpyDeviceToHost, compute),
         "reading the losses");
-  if (status) status = cuda_check(cudaStreamSynchronize(compute), "waiting for the head's losses");
+  if (status)
+    status = cuda::check_cuda(cudaStreamSynchronize(compute), "waiting for the head's losses");
   if (!status) return status;
   double sum = 0.0;
   for (float loss : host_losses) sum += loss;
@@ -461,15 +462,17 @@ Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float* grads, int
       !s)
     return s;
   // Waits for the norm, not for the work other lanes enqueued after it.
-  if (Status s = cuda_check(cudaMemcpyAsync(g.host_norm, g.norm, sizeof(cuda::GradNormResult),
-                                            cudaMemcpyDeviceToHost, g.compute),
-                            "reading a gradient norm");
+  if (Status s = cuda::check_cuda(cudaMemcpyAsync(g.host_norm, g.norm, sizeof(cuda::GradNormResult),
+                                                  cudaMemcpyDeviceToHost, g.compute),
+                                  "reading a gradient norm");
       !s)
     return s;
-  if (Status s = cuda_check(cudaEventRecord(g.norm_read, g.compute), "recording a gradient norm");
+  if (Status s =
+          cuda::check_cuda(cudaEventRecord(g.norm_read, g.compute), "recording a gradient norm");
       !s)
     return s;
-  if (Status s = cuda_check(cudaEventSynchronize(g.norm_read), "waiting for a gradient norm"); !s)
+  if (Status s = cuda::check_cuda(cudaEventSynchronize(g.norm_read), "waiting for a gradient norm");
+      !s)
     return s;
   const cuda::GradNormResult result = *g.host_norm;
   kernels::cpu::GradNormPartial partial;
@@ -529,7 +532,8 @@ Status GpuRank::synchronize() {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   for (cudaStream_t stream : {g.compute, g.to_device, g.to_host})
-    if (Status s = cuda_check(cudaStreamSynchronize(stream), "waiting for the GPU"); !s) return s;
+    if (Status s = cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the GPU"); !s)
+      return s;
   return Status::ok();
 }
 
@@ -539,7 +543,7 @@ Status GpuRank::gradients_ready(int grad_slot) {
   if (index >= g.slot_pending.size() || !g.slot_pending[index]) return Status::ok();
   if (Status s = g.select(); !s) return s;
   g.slot_pending[index] = 0;
-  return cuda_check(cudaEventSynchronize(g.slot_sent[index]), "waiting for gradients");
+  return cuda::check_cuda(cudaEventSynchronize(g.slot_sent[index]), "waiting for gradients");
 }
 
 #else  // built without CUDA

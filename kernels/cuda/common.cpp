@@ -26,6 +26,12 @@ std::string_view dtype_name(DType type) {
   return "unknown";
 }
 
+Status check_cuda(cudaError_t error, std::string_view what) {
+  if (error == cudaSuccess) return Status::ok();
+  cudaGetLastError();
+  return Status::error(std::string(what) + ": " + cudaGetErrorString(error));
+}
+
 std::size_t dtype_size(DType type) {
   return type == DType::f32 ? 4 : 2;
 }

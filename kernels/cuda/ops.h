@@ -50,6 +50,10 @@ enum class DType { f32, bf16, f16 };
 std::string_view dtype_name(DType type);
 std::size_t dtype_size(DType type);
 
+// OK, or "what: CUDA's error text" for the result of a CUDA runtime call (the
+// sticky last error is cleared), for callers that enqueue copies and events.
+Status check_cuda(cudaError_t error, std::string_view what);
+
 // --- embedding (kernels/cuda/embedding.cu) ------------------------------------------
 
 // Token ids must lie in [0, V) (core/ checks them, as for the CPU backend).
