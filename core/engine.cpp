@@ -168,7 +168,8 @@ struct Engine::Impl {
     float* activation_grad = nullptr;   // (B*T, C)
     int32_t* tokens = nullptr;          // (G, B*T)
     int32_t* targets = nullptr;         // (G, B*T)
-    std::byte* param_out = nullptr;     // (largest shard) new shard on its way to NVMe
+    std::byte* param_out = nullptr;     // (largest optimizer range) new parameters, staged
+    std::byte* sync_staging = nullptr;  // (largest padded) the CUDA backend's parameter all-gather
     std::vector<std::vector<ShardSegment>> segments;       // per unit, over its optimizer range
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
@@ -234,8 +235,12 @@ struct Engine::Impl {
   Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   const std::byte* gathered_params(Rank& rank, int op_index, int unit) const;
   const std::byte* gpu_params(Rank& rank, StepRun& run, int op_index, int unit);
-  // The CUDA backend with every kind of state on the GPU.
-  bool resident() const { return plan.input.gpu && plan.homes.param == tiers::Tier::device; }
+  // The CUDA backend: which state lives in GPU memory.
+  bool params_on_gpu() const { return plan.input.gpu && plan.homes.param == tiers::Tier::device; }
+  bool grads_on_gpu() const { return plan.input.gpu && plan.homes.grad == tiers::Tier::device; }
+  bool optimizer_on_gpu() const {
+    return plan.input.gpu && plan.homes.optimizer == tiers::Tier::device;
+  }
   float* grad_home(Rank& rank, int unit) {
     return reinterpret_cast<float*>(home_data(rank, {unit, ShardKind::grad}));
   }
@@ -379,7 +384,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const TrainConfig& config = options.config;
   if (!options.data) return Status::error("engine: no data source");
   TrainingPlanInput input = training_plan_input(options.model, config);
-  input.gpu = options.backend == kernels::BackendKind::cuda;
+  input.gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
   Result<TrainingPlan> plan = build_training_plan(input);
   if (!plan) return plan.status();
   impl->plan = std::move(*plan);
@@ -526,7 +531,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
                                            uint64_t(plan.peak(tiers::Tier::host)) + slack);
   // The CPU backend: host memory stands in for the device.
   const bool gpu = in.gpu;
-  store.use_gpu = gpu;
+  store.use_gpu = gpu && !options.emulate_gpu;
   store.gpu_index = options.gpu_index;
   store.pin_host = options.pin_host;
   store.notice = options.notice;
@@ -579,10 +584,11 @@ Status Engine::Impl::open_rank(Rank& rank) {
     rank.host_blocks.push_back(*block);
     return block->data;
   };
-  int64_t largest_padded = 0, largest_shard = 0;
+  int64_t largest_padded = 0, largest_shard = 0, largest_optimizer = 0;
   for (const UnitPlacement& p : plan.units) {
     largest_padded = std::max(largest_padded, p.padded_numel);
     largest_shard = std::max(largest_shard, p.shard_numel);
+    largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
   }
   // Takes a block for `out`, or returns the allocation's error.
   auto take = [](Result<std::byte*> block, auto*& out) -> Status {
@@ -595,7 +601,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   auto staging = [&](int64_t bytes, const std::string& what) {
     return gpu ? host(bytes, what) : device(bytes, what);
   };
-  for (int k = 0; k < plan.gather_slots; ++k) {
+  for (int k = 0; k < plan.gather_slots && !plan.gpu_params_in_place(); ++k) {
     std::byte* g = nullptr;
     if (Status t = take(staging(largest_padded * cb, "gathered unit"), g); !t) return t;
     rank.gathered.push_back(g);
@@ -613,8 +619,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
       rank.widened.push_back(f);
     }
   }
-  // With the state on the GPU, gradients accumulate straight into their homes.
-  const bool in_homes = resident();
+  // Gradients may accumulate straight into their homes on the GPU.
+  const bool in_homes = plan.gpu_grads_in_place();
   for (int k = 0; k < plan.grad_slots && !in_homes; ++k) {
     float* g = nullptr;
     if (Status t = take(staging(largest_padded * 4, "unit gradient"), g); !t) return t;
@@ -630,6 +636,12 @@ Status Engine::Impl::open_rank(Rank& rank) {
     if (Status t = take(staging(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t)
       return t;
   }
+  if (gpu && (in.stage == 1 || in.stage == 2) && W > 1) {
+    if (Status t =
+            take(host(largest_padded * cb, "parameter all-gather staging"), rank.sync_staging);
+        !t)
+      return t;
+  }
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
   int32_t* ids = nullptr;
   if (Status t = take(staging(2 * N * 4 * in.grad_accum, "tokens and targets"), ids); !t) return t;
@@ -637,7 +649,9 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.targets = ids + N * in.grad_accum;
   if (gpu) {
     Result<std::unique_ptr<GpuRank>> created =
-        GpuRank::create(plan, options.gpu_index, *s.device_tier(), rank.device_blocks);
+        options.emulate_gpu
+            ? GpuRank::create_emulated(plan)
+            : GpuRank::create(plan, options.gpu_index, *s.device_tier(), rank.device_blocks);
     if (!created) return created.status().with_context(fmt::format("rank {}", r));
     rank.gpu = std::move(*created);
   } else {
@@ -660,8 +674,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
   }
   // NVMe parameter copies (plan.fetch_slots) are the store's prefetched copies, charged when
   // fetched.
-  if (plan.homes.param == tiers::Tier::nvme && plan.homes.separate_master) {
-    if (Status t = take(host(largest_shard * cb, "new parameter shard"), rank.param_out); !t)
+  if (plan.new_params_staged()) {
+    if (Status t = take(host(largest_optimizer * cb, "new parameters"), rank.param_out); !t)
       return t;
   }
   if (plan.streamed_optimizer) {
@@ -815,7 +829,7 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
                               {u, ShardKind::v}};
     // Element `begin` of the unit sits at this element of each shard.
     const int64_t master_start = master_is_param && plan.input.stage < 3 ? begin : 0;
-    if (resident()) {
+    if (optimizer_on_gpu()) {
       // Homes on the GPU: each shard passes through host memory once (outside the budgets).
       for (int f = 0; f < 3; ++f) {
         Result<tiers::ShardHome> home = rank.store->home(keys[f]);
@@ -1179,13 +1193,20 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
 }
 
 Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
+  // One rank with its parameters on the GPU computes from their home.
+  if (plan.gpu_params_in_place()) return Status::ok();
   const UnitPlacement& p = plan.units[size_t(op.unit)];
   const ShardKey key{op.unit, ShardKind::param};
   const bool fetched = plan.homes.param == tiers::Tier::nvme;
   std::byte* target = rank.gathered[size_t(op.slot)];
   Status status = Status::ok();
   const std::byte* source = nullptr;
-  if (fetched) {
+  if (params_on_gpu()) {
+    // The shard comes to its place in the host buffer, then gathers in place.
+    std::byte* own = target + int64_t(rank.rank) * p.shard_numel * plan.compute_bytes;
+    status = rank.gpu->download(own, home_data(rank, key), p.shard_numel * plan.compute_bytes);
+    source = own;
+  } else if (fetched) {
     Result<tiers::ShardView> view = rank.store->wait(key, tiers::Tier::host);
     // A failed load still takes part in the collective (with stale bytes), so
     // the other ranks are not left waiting; the step then fails.
@@ -1238,10 +1259,10 @@ const std::byte* Engine::Impl::gathered_params(Rank& rank, int op_index, int uni
   return nullptr;
 }
 
-// Unit `unit`'s parameters for a GPU computation: its device home (state on
-// the GPU, after this step's update of it), else its gathered host copy.
+// Unit `unit`'s parameters for a GPU computation: its device home (whole
+// units there, after this step's update of it), else its gathered host copy.
 const std::byte* Engine::Impl::gpu_params(Rank& rank, StepRun& run, int op_index, int unit) {
-  if (!resident()) return gathered_params(rank, op_index, unit);
+  if (!plan.gpu_params_in_place()) return gathered_params(rank, op_index, unit);
   wait_params(run.index, rank, unit);
   return home_data(rank, {unit, ShardKind::param});
 }
@@ -1251,21 +1272,23 @@ Status Engine::Impl::forward_on_gpu(Rank& rank, StepRun& run, int op_index, cons
   const std::byte* params = gpu_params(rank, run, op_index, u);
   if (params == nullptr) return Status::error("no parameters for the unit (plan error)");
   const UnitBatch batch = batch_of(rank, run, op.micro);
-  if (u != units() - 1)
-    return resident() ? rank.gpu->forward_resident(u, op.micro, params, batch.tokens, batch.targets)
-                      : rank.gpu->forward(u, op.micro, params, batch.tokens, batch.targets);
+  if (u != units() - 1) return rank.gpu->forward(u, op.micro, params, batch.tokens, batch.targets);
   const bool tied_model = plan.layout.config.tie_word_embeddings;
   const std::byte* tied = nullptr;
   if (tied_model) {
     tied = gpu_params(rank, run, op_index, 0);
     if (tied == nullptr) return Status::error("no embedding for the tied head (plan error)");
   }
-  Result<double> loss =
-      resident()
-          ? rank.gpu->head_resident(op.micro, params, tied, batch.loss_scale, grad_home(rank, u),
-                                    tied_model ? grad_home(rank, 0) : nullptr, op.micro == 0)
-          : rank.gpu->head(op.micro, params, tied, batch.loss_scale,
-                           rank.grad_slots[size_t(op.slot)], op.slot);
+  GpuRank::GradTarget target;
+  if (plan.gpu_grads_in_place()) {
+    target.grads = grad_home(rank, u);
+    target.tied = tied_model ? grad_home(rank, 0) : nullptr;
+    target.zero_first = op.micro == 0;
+  } else {
+    target.grads = rank.grad_slots[size_t(op.slot)];
+    target.slot = op.slot;
+  }
+  Result<double> loss = rank.gpu->head(op.micro, params, tied, batch.loss_scale, target);
   if (!loss) return loss.status();
   if (!std::isfinite(*loss) && plan.input.precision == Precision::fp32)
     return Status::error(
@@ -1315,15 +1338,18 @@ Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const Plan
     // The last layer's activations are still on the device (the head keeps its own).
     const bool recompute = !(u == head - 1 && u >= 1);
     const std::byte* params = gpu_params(rank, run, op_index, u);
-    if (resident()) {
+    if (params == nullptr && u != 0)
+      return Status::error("no parameters for the unit (plan error)");
+    GpuRank::GradTarget target;
+    if (plan.gpu_grads_in_place()) {
+      target.grads = grad_home(rank, u);
       // A tied embedding's gradient was zeroed by the head, which added the lm_head's.
-      const bool zero_first = op.micro == 0 && !(u == 0 && plan.layout.config.tie_word_embeddings);
-      return rank.gpu->backward_resident(u, op.micro, params, recompute, grad_home(rank, u),
-                                         zero_first);
+      target.zero_first = op.micro == 0 && !(u == 0 && plan.layout.config.tie_word_embeddings);
+    } else {
+      target.grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
+      target.slot = op.slot;
     }
-    if (params == nullptr) return Status::error("no gathered parameters (plan error)");
-    float* grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
-    return rank.gpu->backward(u, op.micro, params, recompute, grads, op.slot);
+    return rank.gpu->backward(u, op.micro, params, recompute, target);
   }
   const UnitBatch batch = batch_of(rank, run, op.micro);
   UnitParams params;
@@ -1348,7 +1374,7 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
   const int r = rank.rank;
-  if (rank.gpu && resident()) {
+  if (plan.gpu_grads_in_place()) {
     // One rank: nothing to reduce; the gradient accumulated in its home on the GPU.
     if (op.micro != plan.input.grad_accum - 1) return Status::ok();
     Result<kernels::cpu::GradNormPartial> partial =
@@ -1393,6 +1419,17 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
             rank.comm->all_reduce(buffer, buffer, size_t(p.padded_numel), comm::DataType::fp32);
         !s)
       return s;
+  }
+  if (grads_on_gpu()) {
+    // The reduced gradient accumulates in its home on the GPU, as below.
+    if (Status s = rank.gpu->accumulate(accumulator, reduced, count, op.micro == 0); !s) return s;
+    if (op.micro != plan.input.grad_accum - 1) return Status::ok();
+    const float* slice =
+        p.grad_numel == p.padded_numel ? accumulator + int64_t(r) * p.shard_numel : accumulator;
+    Result<kernels::cpu::GradNormPartial> partial = rank.gpu->grad_norm(slice, p.shard_numel);
+    if (!partial) return partial.status();
+    rank.partials[size_t(u)] = *partial;
+    return Status::ok();
   }
   if (op.micro == 0) {
     std::memcpy(accumulator, reduced, size_t(count) * 4);
@@ -1490,24 +1527,31 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   const int64_t offset = plan.optimizer_offset(u, r);
   const float* grad = reinterpret_cast<const float*>(home_data(rank, {u, ShardKind::grad})) +
                       (p.grad_numel == p.padded_numel ? offset : 0);
-  // Where the new compute-precision parameters go.
+  // Where the new compute-precision parameters go: their home, or the
+  // staging buffer on their way to NVMe or (from the CPU) to the GPU.
+  const int64_t param_offset = plan.input.stage == 3 ? 0 : offset;
+  std::byte* param_home = plan.homes.param == tiers::Tier::nvme
+                              ? nullptr
+                              : home_data(rank, {u, ShardKind::param}) + param_offset * cb;
   std::byte* destination = nullptr;
-  if (plan.homes.param == tiers::Tier::nvme) {
-    destination = plan.homes.separate_master ? rank.param_out : nullptr;
-  } else {
-    const int64_t param_offset = plan.input.stage == 3 ? 0 : offset;
-    destination = home_data(rank, {u, ShardKind::param}) + param_offset * cb;
-  }
+  if (plan.new_params_staged())
+    destination = rank.param_out;
+  else if (plan.homes.param != tiers::Tier::nvme)
+    destination = param_home;
   const ShardKey master_key{u, plan.homes.separate_master ? ShardKind::master : ShardKind::param};
   // In fp32 the parameters may be the master: then the update is already in them.
   const int64_t master_offset = plan.homes.separate_master || plan.input.stage == 3 ? 0 : offset;
   const std::span<const ShardSegment> segments = rank.segments[size_t(u)];
-  if (rank.gpu && resident()) {
-    // AdamW on the GPU, over the state's device homes (one rank: the whole unit).
+  if (optimizer_on_gpu()) {
+    // AdamW on the GPU, over the state's device homes.
     float* master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
     float* m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
     float* v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
-    std::byte* copy = plan.homes.separate_master ? destination : nullptr;
+    // Parameters on the GPU take the copy in place; elsewhere it passes
+    // through a device buffer (fp32: the master is the copy) to their home.
+    std::byte* copy = nullptr;
+    if (plan.homes.separate_master)
+      copy = params_on_gpu() ? destination : rank.gpu->new_parameter_buffer();
     for (const ShardSegment& segment : segments) {
       if (segment.begin == segment.end) continue;
       const int64_t b = segment.begin;
@@ -1517,8 +1561,16 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
           !s)
         return s;
     }
-    return Status::ok();
+    if (params_on_gpu()) return Status::ok();
+    // Parameters in host memory (their home) or on NVMe (param_out, then writeback).
+    const std::byte* from = copy != nullptr ? copy : reinterpret_cast<const std::byte*>(master);
+    return rank.gpu->download(destination, from, numel * cb);
   }
+  // The CPU optimizer's new parameters reach their home on the GPU after the update.
+  auto publish = [&](Status updated) -> Status {
+    if (!updated || !params_on_gpu()) return updated;
+    return rank.gpu->upload(param_home, rank.param_out, numel * cb);
+  };
 
   auto update = [&](float* master, float* m, float* v, int64_t begin, int64_t count) -> Status {
     std::vector<ShardSegment> local;
@@ -1548,7 +1600,7 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     float* master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
     float* m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
     float* v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
-    return update(master, m, v, 0, numel);
+    return publish(update(master, m, v, 0, numel));
   }
   // Optimizer state on NVMe: chunks stream through the pass's buffers.
   std::vector<tiers::StreamItem> items;
@@ -1563,12 +1615,13 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     items.push_back(std::move(item));
     begins.push_back(begin);
   }
-  return rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
-    const int64_t begin = begins[index];
-    const int64_t count = std::min(chunk, numel - begin);
-    return update(reinterpret_cast<float*>(pieces[0]), reinterpret_cast<float*>(pieces[1]),
-                  reinterpret_cast<float*>(pieces[2]), begin, count);
-  });
+  return publish(
+      rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+        const int64_t begin = begins[index];
+        const int64_t count = std::min(chunk, numel - begin);
+        return update(reinterpret_cast<float*>(pieces[0]), reinterpret_cast<float*>(pieces[1]),
+                      reinterpret_cast<float*>(pieces[2]), begin, count);
+      }));
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
@@ -1576,8 +1629,17 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
   std::byte* params = home_data(rank, {op.unit, ShardKind::param});
   const int cb = plan.compute_bytes;
   const comm::DataType type = cb == 4 ? comm::DataType::fp32 : comm::DataType::bf16;
-  return rank.comm->all_gather(params + int64_t(rank.rank) * p.shard_numel * cb, params,
-                               size_t(p.shard_numel), type);
+  const int64_t own = int64_t(rank.rank) * p.shard_numel * cb;
+  if (!rank.gpu) return rank.comm->all_gather(params + own, params, size_t(p.shard_numel), type);
+  // Parameters on the GPU: gathered in pinned host memory, then sent back whole.
+  if (world() == 1) return Status::ok();
+  Status status = rank.gpu->download(rank.sync_staging + own, params + own, p.shard_numel * cb);
+  // A failed copy still takes part in the collective, so the other ranks are not left waiting.
+  Status gathered = rank.comm->all_gather(rank.sync_staging + own, rank.sync_staging,
+                                          size_t(p.shard_numel), type);
+  if (status) status = gathered;
+  if (!status) return status;
+  return rank.gpu->upload(params, rank.sync_staging, p.padded_numel * cb);
 }
 
 // --- results -------------------------------------------------------------------------

@@ -77,10 +77,13 @@ struct EngineOptions {
   std::string resume_from;
   bool pin_host = true;
   // cuda: the units compute on GPU `gpu_index` (core/gpu_rank.h); every rank of
-  // this process shares that GPU. The state must then be homed in host memory
-  // or on NVMe (stage 3, offload_param and offload_optimizer cpu|nvme).
+  // this process shares that GPU. State that is not offloaded lives in its memory.
   kernels::BackendKind backend = kernels::BackendKind::cpu;
   int gpu_index = 0;
+  // Tests only: the CUDA backend's plan and data paths with host memory
+  // standing in for the GPU and the CPU units computing
+  // (GpuRank::create_emulated), for machines without a GPU.
+  bool emulate_gpu = false;
   // Set when this process is one rank of several processes (strata launch):
   // the engine then holds that rank only, talking to the others through this
   // communicator (SocketComm on the CPU, NcclComm on GPUs), whose world size

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <mutex>
 #include <string>
 
 #include "core/cuda_units.h"
@@ -33,7 +34,34 @@ cuda::DType dtype_of(Precision precision) {
 
 }  // namespace
 
-struct GpuRank::Impl {
+// The GPU implementation.
+class CudaGpuRank final : public GpuRank {
+ public:
+  struct Impl;
+  explicit CudaGpuRank(std::unique_ptr<Impl> impl);
+  ~CudaGpuRank() override;
+
+  Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                 const int32_t* targets) override;
+  Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
+                      float loss_scale, const GradTarget& target) override;
+  Status backward(int unit, int micro, const std::byte* params, bool recompute,
+                  const GradTarget& target) override;
+  Status gradients_ready(int grad_slot) override;
+  Status synchronize() override;
+  Status download(void* host, const void* device, int64_t bytes) override;
+  Status upload(void* device, const void* host, int64_t bytes) override;
+  Status accumulate(float* device, const float* host, int64_t numel, bool first) override;
+  Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) override;
+  Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy, int64_t numel,
+               const kernels::cpu::AdamWHyperparams& hyper) override;
+  std::byte* new_parameter_buffer() const override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct CudaGpuRank::Impl {
   const TrainingPlan& plan;
   int gpu = 0;
   cuda::DType type = cuda::DType::f32;
@@ -66,13 +94,19 @@ struct GpuRank::Impl {
   int32_t* targets = nullptr;            // (G, N)
   float* losses = nullptr;               // (N)
   std::vector<float> host_losses;        // (N)
-  // State on the GPU: the gradient norm's result and scratch.
-  bool resident = false;
+  bool params_in_place = false;          // TrainingPlan::gpu_params_in_place
+  bool grads_in_place = false;           // TrainingPlan::gpu_grads_in_place
+  // The calls from other lanes (transfers, norm, AdamW) take turns; each
+  // waits for its own work through `side_done`.
+  std::mutex side;
+  cudaEvent_t side_done = nullptr;
+  // Gradients' home on the GPU: the gradient norm's result and scratch.
   cuda::GradNormResult* norm = nullptr;       // (1)
   cuda::GradNormResult* host_norm = nullptr;  // (1) pinned
-  cudaEvent_t norm_read = nullptr;
   std::byte* norm_scratch = nullptr;
   int64_t norm_scratch_bytes = 0;
+  float* reduced = nullptr;         // (largest padded) a reduced gradient on its way to its home
+  std::byte* new_params = nullptr;  // (largest optimizer range) AdamW's copy for a host home
 
   explicit Impl(const TrainingPlan& p) : plan(p) {}
   ~Impl();
@@ -82,6 +116,14 @@ struct GpuRank::Impl {
   }
   // Uploads `bytes` of host parameters into the next slot; returns the slot.
   Result<int> upload(const std::byte* params, int64_t bytes);
+  // The unit's parameters on the device: `params` in place, else uploaded
+  // into a slot (*slot; -1 when in place).
+  Result<const std::byte*> unit_params(int unit, const std::byte* params, int* slot);
+  // Waits for everything enqueued on the compute stream so far (side calls).
+  Status side_wait(const char* what) {
+    if (Status s = cuda::check_cuda(cudaEventRecord(side_done, compute), what); !s) return s;
+    return cuda::check_cuda(cudaEventSynchronize(side_done), what);
+  }
   // After the computation that reads slot k is enqueued: frees it and waits for its upload.
   Status computed_with(int slot);
   // Zeroes the next gradient buffer on the compute stream, after its last copy out.
@@ -108,7 +150,7 @@ struct GpuRank::Impl {
   int64_t unit_bytes(int unit) const { return plan.units[size_t(unit)].padded_numel * type_bytes; }
 };
 
-GpuRank::Impl::~Impl() {
+CudaGpuRank::Impl::~Impl() {
   cudaSetDevice(gpu);
   if (compute) cudaStreamSynchronize(compute);
   if (to_device) cudaStreamSynchronize(to_device);
@@ -124,13 +166,13 @@ GpuRank::Impl::~Impl() {
   for (cudaEvent_t e : slot_sent)
     if (e) cudaEventDestroy(e);
   if (computed) cudaEventDestroy(computed);
-  if (norm_read) cudaEventDestroy(norm_read);
+  if (side_done) cudaEventDestroy(side_done);
   if (host_norm) cudaFreeHost(host_norm);
   for (cudaStream_t s : {compute, to_device, to_host})
     if (s) cudaStreamDestroy(s);
 }
 
-Result<int> GpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
+Result<int> CudaGpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
   const int k = next_param_slot;
   next_param_slot = (next_param_slot + 1) % kGpuParamSlots;
   // An event never recorded is complete, so the first use of a slot does not wait.
@@ -154,7 +196,7 @@ Result<int> GpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
   return k;
 }
 
-Status GpuRank::Impl::computed_with(int slot) {
+Status CudaGpuRank::Impl::computed_with(int slot) {
   if (Status s = cuda::check_cuda(cudaEventRecord(slot_free[size_t(slot)], compute),
                                   "recording a parameter slot's release");
       !s)
@@ -164,7 +206,17 @@ Status GpuRank::Impl::computed_with(int slot) {
                           "waiting for a parameter upload");
 }
 
-Result<int> GpuRank::Impl::take_grad_buffer(int64_t numel) {
+Result<const std::byte*> CudaGpuRank::Impl::unit_params(int unit, const std::byte* params,
+                                                        int* slot) {
+  *slot = -1;
+  if (params_in_place) return params;
+  Result<int> taken = upload(params, unit_bytes(unit));
+  if (!taken) return taken.status();
+  *slot = *taken;
+  return param_slots[size_t(*taken)];
+}
+
+Result<int> CudaGpuRank::Impl::take_grad_buffer(int64_t numel) {
   const int k = next_grad_buffer;
   next_grad_buffer = (next_grad_buffer + 1) % kGpuGradBuffers;
   if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, grad_sent[size_t(k)], 0),
@@ -179,8 +231,8 @@ Result<int> GpuRank::Impl::take_grad_buffer(int64_t numel) {
   return k;
 }
 
-Status GpuRank::Impl::send_gradients(const float* device, float* grads, int64_t numel,
-                                     int grad_slot, int buffer) {
+Status CudaGpuRank::Impl::send_gradients(const float* device, float* grads, int64_t numel,
+                                         int grad_slot, int buffer) {
   if (Status s = cuda::check_cuda(cudaEventRecord(computed, compute), "recording a backward"); !s)
     return s;
   if (Status s = cuda::check_cuda(cudaStreamWaitEvent(to_host, computed, 0),
@@ -207,8 +259,8 @@ Status GpuRank::Impl::send_gradients(const float* device, float* grads, int64_t 
   return Status::ok();
 }
 
-GpuRank::GpuRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-GpuRank::~GpuRank() = default;
+CudaGpuRank::CudaGpuRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaGpuRank::~CudaGpuRank() = default;
 
 Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int gpu_index,
                                                  tiers::DeviceTier& device,
@@ -218,8 +270,8 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
         "the CUDA backend needs its device tier on a GPU; none is usable here (run with "
         "--backend cpu)");
   const TrainingPlanInput& in = plan.input;
-  auto impl = std::make_unique<Impl>(plan);
-  Impl& g = *impl;
+  auto impl = std::make_unique<CudaGpuRank::Impl>(plan);
+  CudaGpuRank::Impl& g = *impl;
   g.gpu = gpu_index;
   if (Status s = g.select(); !s) return s;
   g.type = dtype_of(in.precision);
@@ -259,18 +311,29 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
     blocks.push_back(*block);
     return block->data;
   };
-  g.resident = plan.homes.param == tiers::Tier::device;
-  for (int k = 0; k < kGpuParamSlots && !g.resident; ++k) {
+  g.params_in_place = plan.gpu_params_in_place();
+  g.grads_in_place = plan.gpu_grads_in_place();
+  if (Status s = event(g.side_done); !s) return s;
+  int64_t largest_optimizer = 0;
+  for (const UnitPlacement& p : plan.units)
+    largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
+  for (int k = 0; k < kGpuParamSlots && !g.params_in_place; ++k) {
     Result<std::byte*> slot = take(largest_padded * g.type_bytes, "device parameter slot");
     if (!slot) return slot.status();
     g.param_slots[size_t(k)] = *slot;
   }
-  for (int k = 0; k < kGpuGradBuffers && !g.resident; ++k) {
+  for (int k = 0; k < kGpuGradBuffers && !g.grads_in_place; ++k) {
     Result<std::byte*> buffer = take(largest_padded * 4, "device unit gradient");
     if (!buffer) return buffer.status();
     g.grad_buffers[size_t(k)] = reinterpret_cast<float*>(*buffer);
   }
-  if (g.resident) {
+  if (plan.tied_grad_buffer && !g.grads_in_place) {
+    Result<std::byte*> buffer =
+        take(plan.units[0].padded_numel * 4, "device tied embedding gradient");
+    if (!buffer) return buffer.status();
+    g.tied_grad = reinterpret_cast<float*>(*buffer);
+  }
+  if (plan.homes.grad == tiers::Tier::device) {
     g.norm_scratch_bytes = int64_t(cuda::grad_norm_scratch_bytes(largest_padded));
     Result<std::byte*> scratch = take(g.norm_scratch_bytes + 4096, "gradient norm scratch");
     if (!scratch) return scratch.status();
@@ -281,13 +344,18 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
             "allocating a pinned gradient norm");
         !s)
       return s;
-    if (Status s = event(g.norm_read); !s) return s;
+    if (!g.grads_in_place) {
+      Result<std::byte*> reduced = take(largest_padded * 4, "device reduced gradient");
+      if (!reduced) return reduced.status();
+      g.reduced = reinterpret_cast<float*>(*reduced);
+    }
   }
-  if (plan.tied_grad_buffer && !g.resident) {
+  if (plan.homes.optimizer == tiers::Tier::device && plan.homes.param != tiers::Tier::device &&
+      g.type_bytes != 4) {
     Result<std::byte*> buffer =
-        take(plan.units[0].padded_numel * 4, "device tied embedding gradient");
+        take(largest_optimizer * g.type_bytes, "device new parameter shard");
     if (!buffer) return buffer.status();
-    g.tied_grad = reinterpret_cast<float*>(*buffer);
+    g.new_params = *buffer;
   }
   const int64_t activation_bytes = g.N * g.C * g.type_bytes;
   Result<std::byte*> checkpoints = take((units - 1) * activation_bytes, "activation checkpoints");
@@ -319,67 +387,83 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
       plan.layout, in.micro_batch, in.seq_len, g.type, *workspace, workspace_bytes, *g.matmuls);
   if (!created) return created.status();
   g.units = std::move(*created);
-  return std::unique_ptr<GpuRank>(new GpuRank(std::move(impl)));
+  return std::unique_ptr<GpuRank>(new CudaGpuRank(std::move(impl)));
 }
 
-Status GpuRank::forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
-                        const int32_t* targets) {
+Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                            const int32_t* targets) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   if (unit == 0) {
     if (Status s = g.upload_ids(micro, tokens, targets); !s) return s;
   }
-  Result<int> slot = g.upload(params, g.unit_bytes(unit));
-  if (!slot) return slot.status();
+  int slot = -1;
+  Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
+  if (!device_params) return device_params.status();
   const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
-  Status status = g.units->forward(unit, g.param_slots[size_t(*slot)], g.batch(micro, 1.0f), input,
+  Status status = g.units->forward(unit, *device_params, g.batch(micro, 1.0f), input,
                                    g.checkpoints[size_t(unit)], g.compute);
-  Status released = g.computed_with(*slot);
+  if (slot < 0) return status;
+  Status released = g.computed_with(slot);
   return status ? released : status;
 }
 
-Result<double> GpuRank::head(int micro, const std::byte* params, const std::byte* tied_params,
-                             float loss_scale, float* grads, int grad_slot) {
+Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::byte* tied_params,
+                                 float loss_scale, const GradTarget& target) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   const int head = int(g.plan.units.size()) - 1;
-  Result<int> slot = g.upload(params, g.unit_bytes(head));
-  if (!slot) return slot.status();
-  int tied_slot = -1;
-  if (tied_params != nullptr) {
-    Result<int> uploaded = g.upload(tied_params, g.unit_bytes(0));
-    if (!uploaded) return uploaded.status();
-    tied_slot = *uploaded;
-    // The previous micro-batch's tied gradient must have reached the host first.
-    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(g.compute, g.slot_sent[0], 0),
-                                    "ordering the tied embedding's gradient");
-        !s)
-      return s;
-    if (Status s = cuda::check_cuda(
-            cudaMemsetAsync(g.tied_grad, 0, size_t(g.plan.units[0].padded_numel) * 4, g.compute),
-            "zeroing the tied embedding's gradient");
-        !s)
-      return s;
-  }
   const int64_t numel = g.plan.units[size_t(head)].padded_numel;
-  Result<int> buffer = g.take_grad_buffer(numel);
-  if (!buffer) return buffer.status();
-  float* device_grads = g.grad_buffers[size_t(*buffer)];
-  Result<double> loss =
-      g.run_head(micro, g.param_slots[size_t(*slot)],
-                 tied_params != nullptr ? g.param_slots[size_t(tied_slot)] : nullptr, loss_scale,
-                 device_grads, tied_params != nullptr ? g.tied_grad : nullptr);
-  Status status = loss.status();
-  if (status) status = g.send_gradients(device_grads, grads, numel, grad_slot, *buffer);
-  Status released = g.computed_with(*slot);
-  if (tied_params != nullptr && released) released = g.computed_with(tied_slot);
+  const int64_t tied_numel = g.plan.units[0].padded_numel;
+  int slot = -1, tied_slot = -1;
+  Result<const std::byte*> device_params = g.unit_params(head, params, &slot);
+  if (!device_params) return device_params.status();
+  Result<const std::byte*> device_tied = static_cast<const std::byte*>(nullptr);
+  if (tied_params != nullptr) device_tied = g.unit_params(0, tied_params, &tied_slot);
+  if (!device_tied) return device_tied.status();
+
+  Status status = Status::ok();
+  float* device_grads = target.grads;
+  float* device_tied_grads = target.tied;
+  int buffer = -1;
+  if (g.grads_in_place) {
+    if (target.zero_first) {
+      status = g.zero(target.grads, numel);
+      if (status && target.tied != nullptr) status = g.zero(target.tied, tied_numel);
+    }
+  } else {
+    if (tied_params != nullptr) {
+      // The previous micro-batch's tied gradient must have reached the host first.
+      status = cuda::check_cuda(cudaStreamWaitEvent(g.compute, g.slot_sent[0], 0),
+                                "ordering the tied embedding's gradient");
+      if (status) status = g.zero(g.tied_grad, tied_numel);
+      device_tied_grads = g.tied_grad;
+    }
+    Result<int> taken = status ? g.take_grad_buffer(numel) : Result<int>(status);
+    if (taken) {
+      buffer = *taken;
+      device_grads = g.grad_buffers[size_t(buffer)];
+    } else {
+      status = taken.status();
+    }
+  }
+  Result<double> loss = status;
+  if (status) {
+    loss = g.run_head(micro, *device_params, *device_tied, loss_scale, device_grads,
+                      tied_params != nullptr ? device_tied_grads : nullptr);
+    status = loss.status();
+  }
+  if (status && !g.grads_in_place)
+    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  Status released = slot >= 0 ? g.computed_with(slot) : Status::ok();
+  if (tied_slot >= 0 && released) released = g.computed_with(tied_slot);
   if (status) status = released;
   if (!status) return status;
   return loss;
 }
 
-Status GpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
-                                 const int32_t* host_targets) {
+Status CudaGpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
+                                     const int32_t* host_targets) {
   // In stream order before every computation that reads them. The host ids
   // stay untouched until the next step(), which comes after this step's
   // head has synchronised the compute stream (run_head), so the copy is done.
@@ -394,8 +478,8 @@ Status GpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
                           "uploading targets");
 }
 
-Result<double> GpuRank::Impl::run_head(int micro, const void* params, const void* tied_params,
-                                       float loss_scale, float* grads, float* tied_grads) {
+Result<double> CudaGpuRank::Impl::run_head(int micro, const void* params, const void* tied_params,
+                                           float loss_scale, float* grads, float* tied_grads) {
   const int head = int(plan.units.size()) - 1;
   Status status = units->head_forward_backward(params, tied_params, batch(micro, loss_scale),
                                                checkpoints[size_t(head - 1)], activation_grad,
@@ -413,67 +497,22 @@ Result<double> GpuRank::Impl::run_head(int micro, const void* params, const void
   return sum;
 }
 
-Status GpuRank::forward_resident(int unit, int micro, const std::byte* params,
-                                 const int32_t* tokens, const int32_t* targets) {
+Result<kernels::cpu::GradNormPartial> CudaGpuRank::grad_norm(const float* grads, int64_t numel) {
   Impl& g = *impl_;
-  if (Status s = g.select(); !s) return s;
-  if (unit == 0) {
-    if (Status s = g.upload_ids(micro, tokens, targets); !s) return s;
-  }
-  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
-  return g.units->forward(unit, params, g.batch(micro, 1.0f), input, g.checkpoints[size_t(unit)],
-                          g.compute);
-}
-
-Result<double> GpuRank::head_resident(int micro, const std::byte* params,
-                                      const std::byte* tied_params, float loss_scale, float* grads,
-                                      float* tied_grads, bool zero_first) {
-  Impl& g = *impl_;
-  if (Status s = g.select(); !s) return s;
-  const int head = int(g.plan.units.size()) - 1;
-  if (zero_first) {
-    if (Status s = g.zero(grads, g.plan.units[size_t(head)].padded_numel); !s) return s;
-    if (tied_grads != nullptr) {
-      if (Status s = g.zero(tied_grads, g.plan.units[0].padded_numel); !s) return s;
-    }
-  }
-  return g.run_head(micro, params, tied_params, loss_scale, grads, tied_grads);
-}
-
-Status GpuRank::backward_resident(int unit, int micro, const std::byte* params, bool recompute,
-                                  float* grads, bool zero_first) {
-  Impl& g = *impl_;
-  if (Status s = g.select(); !s) return s;
-  if (zero_first) {
-    if (Status s = g.zero(grads, g.plan.units[size_t(unit)].padded_numel); !s) return s;
-  }
-  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
-  void* dinput = unit == 0 ? nullptr : g.activation_grad;
-  return g.units->backward(unit, params, g.batch(micro, 1.0f), input, g.activation_grad, dinput,
-                           grads, recompute, g.compute);
-}
-
-Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float* grads, int64_t numel) {
-  Impl& g = *impl_;
-  if (g.norm == nullptr) return Status::error("GpuRank::grad_norm: the state is not on the GPU");
+  if (g.norm == nullptr)
+    return Status::error("GpuRank::grad_norm: the gradients' home is not on the GPU");
+  std::lock_guard lock(g.side);
   if (Status s = g.select(); !s) return s;
   if (Status s = cuda::grad_norm_squared(g.norm, grads, cuda::DType::f32, numel, g.norm_scratch,
                                          size_t(g.norm_scratch_bytes), g.compute);
       !s)
     return s;
-  // Waits for the norm, not for the work other lanes enqueued after it.
   if (Status s = cuda::check_cuda(cudaMemcpyAsync(g.host_norm, g.norm, sizeof(cuda::GradNormResult),
                                                   cudaMemcpyDeviceToHost, g.compute),
                                   "reading a gradient norm");
       !s)
     return s;
-  if (Status s =
-          cuda::check_cuda(cudaEventRecord(g.norm_read, g.compute), "recording a gradient norm");
-      !s)
-    return s;
-  if (Status s = cuda::check_cuda(cudaEventSynchronize(g.norm_read), "waiting for a gradient norm");
-      !s)
-    return s;
+  if (Status s = g.side_wait("waiting for a gradient norm"); !s) return s;
   const cuda::GradNormResult result = *g.host_norm;
   kernels::cpu::GradNormPartial partial;
   partial.sum_squares = result.sum_squares;
@@ -481,9 +520,10 @@ Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float* grads, int
   return partial;
 }
 
-Status GpuRank::adamw(float* master, float* m, float* v, const float* grad, std::byte* copy,
-                      int64_t numel, const kernels::cpu::AdamWHyperparams& hyper) {
+Status CudaGpuRank::adamw(float* master, float* m, float* v, const float* grad, std::byte* copy,
+                          int64_t numel, const kernels::cpu::AdamWHyperparams& hyper) {
   Impl& g = *impl_;
+  std::lock_guard lock(g.side);
   if (Status s = g.select(); !s) return s;
   cuda::AdamWDeviceShard shard;
   shard.numel = numel;
@@ -492,43 +532,107 @@ Status GpuRank::adamw(float* master, float* m, float* v, const float* grad, std:
   shard.exp_avg_sq = v;
   shard.grad = grad;
   shard.grad_type = cuda::DType::f32;
-  shard.copy = copy;
-  shard.copy_type = g.type == cuda::DType::f32 ? cuda::DType::bf16 : g.type;
-  return cuda::adamw_step(shard, hyper, g.compute);
+  const bool narrow_copy = copy != nullptr && g.type != cuda::DType::f32;
+  shard.copy = narrow_copy ? copy : nullptr;
+  shard.copy_type = narrow_copy ? g.type : cuda::DType::bf16;
+  if (Status s = cuda::adamw_step(shard, hyper, g.compute); !s) return s;
+  if (copy == nullptr || narrow_copy) return Status::ok();
+  // fp32 parameters apart from their master: the copy is the master itself.
+  return cuda::check_cuda(
+      cudaMemcpyAsync(copy, master, size_t(numel) * 4, cudaMemcpyDeviceToDevice, g.compute),
+      "copying fp32 parameters from their master");
 }
 
-Status GpuRank::backward(int unit, int micro, const std::byte* params, bool recompute, float* grads,
-                         int grad_slot) {
+std::byte* CudaGpuRank::new_parameter_buffer() const {
+  return impl_->new_params;
+}
+
+Status CudaGpuRank::download(void* host, const void* device, int64_t bytes) {
+  Impl& g = *impl_;
+  std::lock_guard lock(g.side);
+  if (Status s = g.select(); !s) return s;
+  if (Status s = cuda::check_cuda(
+          cudaMemcpyAsync(host, device, size_t(bytes), cudaMemcpyDeviceToHost, g.compute),
+          fmt::format("copying {} bytes from the GPU", bytes));
+      !s)
+    return s;
+  return g.side_wait("waiting for a copy from the GPU");
+}
+
+Status CudaGpuRank::upload(void* device, const void* host, int64_t bytes) {
+  Impl& g = *impl_;
+  std::lock_guard lock(g.side);
+  if (Status s = g.select(); !s) return s;
+  if (Status s = cuda::check_cuda(
+          cudaMemcpyAsync(device, host, size_t(bytes), cudaMemcpyHostToDevice, g.compute),
+          fmt::format("copying {} bytes to the GPU", bytes));
+      !s)
+    return s;
+  return g.side_wait("waiting for a copy to the GPU");
+}
+
+Status CudaGpuRank::accumulate(float* device, const float* host, int64_t numel, bool first) {
+  Impl& g = *impl_;
+  if (!first && g.reduced == nullptr)
+    return Status::error("GpuRank::accumulate: the gradients' home is not on the GPU");
+  std::lock_guard lock(g.side);
+  if (Status s = g.select(); !s) return s;
+  float* into = first ? device : g.reduced;
+  if (Status s = cuda::check_cuda(
+          cudaMemcpyAsync(into, host, size_t(numel) * 4, cudaMemcpyHostToDevice, g.compute),
+          fmt::format("copying {} bytes of reduced gradients to the GPU", numel * 4));
+      !s)
+    return s;
+  if (!first) {
+    if (Status s =
+            cuda::residual_forward(device, device, g.reduced, numel, cuda::DType::f32, g.compute);
+        !s)
+      return s;
+  }
+  // The host buffer is the caller's again, and `reduced` free for the next call.
+  return g.side_wait("waiting for reduced gradients to reach the GPU");
+}
+
+Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool recompute,
+                             const GradTarget& target) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   const int64_t numel = g.plan.units[size_t(unit)].padded_numel;
   // The embedding's backward reads only the tokens and the gradient: no upload.
   const bool needs_params = g.plan.layout.units[size_t(unit)].unit.kind != UnitKind::embedding;
-  Result<int> slot = -1;
-  if (needs_params) slot = g.upload(params, g.unit_bytes(unit));
-  if (!slot) return slot.status();
-  // The tied embedding adds to the lm_head's gradient the head left on the device.
-  const bool tied = grad_slot < 0;
+  int slot = -1;
+  Result<const std::byte*> device_params = static_cast<const std::byte*>(nullptr);
+  if (needs_params) device_params = g.unit_params(unit, params, &slot);
+  if (!device_params) return device_params.status();
+  Status status = Status::ok();
   int buffer = -1;
-  float* device_grads = g.tied_grad;
-  if (!tied) {
+  float* device_grads = target.grads;
+  if (g.grads_in_place) {
+    if (target.zero_first) status = g.zero(target.grads, numel);
+  } else if (target.slot < 0) {
+    device_grads = g.tied_grad;  // the head left the lm_head's gradient here
+  } else {
     Result<int> taken = g.take_grad_buffer(numel);
-    if (!taken) return taken.status();
-    buffer = *taken;
-    device_grads = g.grad_buffers[size_t(buffer)];
+    if (taken) {
+      buffer = *taken;
+      device_grads = g.grad_buffers[size_t(buffer)];
+    } else {
+      status = taken.status();
+    }
   }
   const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
   void* dinput = unit == 0 ? nullptr : g.activation_grad;
-  Status status = g.units->backward(unit, needs_params ? g.param_slots[size_t(*slot)] : nullptr,
-                                    g.batch(micro, 1.0f), input, g.activation_grad, dinput,
-                                    device_grads, recompute, g.compute);
-  if (status) status = g.send_gradients(device_grads, grads, numel, grad_slot, buffer);
-  if (!needs_params) return status;
-  Status released = g.computed_with(*slot);
+  if (status)
+    status = g.units->backward(unit, *device_params, g.batch(micro, 1.0f), input, g.activation_grad,
+                               dinput, device_grads, recompute, g.compute);
+  if (status && !g.grads_in_place)
+    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  if (slot < 0) return status;
+  Status released = g.computed_with(slot);
   return status ? released : status;
 }
 
-Status GpuRank::synchronize() {
+Status CudaGpuRank::synchronize() {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   for (cudaStream_t stream : {g.compute, g.to_device, g.to_host})
@@ -537,7 +641,7 @@ Status GpuRank::synchronize() {
   return Status::ok();
 }
 
-Status GpuRank::gradients_ready(int grad_slot) {
+Status CudaGpuRank::gradients_ready(int grad_slot) {
   Impl& g = *impl_;
   const size_t index = size_t(grad_slot + 1);
   if (index >= g.slot_pending.size() || !g.slot_pending[index]) return Status::ok();
@@ -548,47 +652,10 @@ Status GpuRank::gradients_ready(int grad_slot) {
 
 #else  // built without CUDA
 
-struct GpuRank::Impl {};
-GpuRank::GpuRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-GpuRank::~GpuRank() = default;
-
 Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan&, int, tiers::DeviceTier&,
                                                  std::vector<tiers::DeviceBlock>&) {
   return Status::error("this strata was built without CUDA; run with --backend cpu");
 }
-Status GpuRank::forward(int, int, const std::byte*, const int32_t*, const int32_t*) {
-  return Status::error("built without CUDA");
-}
-Result<double> GpuRank::head(int, const std::byte*, const std::byte*, float, float*, int) {
-  return Status::error("built without CUDA");
-}
-Status GpuRank::backward(int, int, const std::byte*, bool, float*, int) {
-  return Status::error("built without CUDA");
-}
-Status GpuRank::gradients_ready(int) {
-  return Status::error("built without CUDA");
-}
-Status GpuRank::synchronize() {
-  return Status::error("built without CUDA");
-}
-Status GpuRank::forward_resident(int, int, const std::byte*, const int32_t*, const int32_t*) {
-  return Status::error("built without CUDA");
-}
-Result<double> GpuRank::head_resident(int, const std::byte*, const std::byte*, float, float*,
-                                      float*, bool) {
-  return Status::error("built without CUDA");
-}
-Status GpuRank::backward_resident(int, int, const std::byte*, bool, float*, bool) {
-  return Status::error("built without CUDA");
-}
-Result<kernels::cpu::GradNormPartial> GpuRank::grad_norm(const float*, int64_t) {
-  return Status::error("built without CUDA");
-}
-Status GpuRank::adamw(float*, float*, float*, const float*, std::byte*, int64_t,
-                      const kernels::cpu::AdamWHyperparams&) {
-  return Status::error("built without CUDA");
-}
-
 #endif
 
 }  // namespace strata

@@ -309,21 +309,6 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
         "zero_optimization.offload_param.device {} needs stage 3 (stage is {}); use --zero-stage 3 "
         "or --offload-param none",
         offload_device_name(in.offload_param), in.stage));
-  // The CUDA backend's two placements in this version (core/gpu_rank.h).
-  const bool gpu_offloaded = in.stage == 3 && in.offload_param != OffloadDevice::none &&
-                             in.offload_optimizer != OffloadDevice::none;
-  const bool gpu_resident = in.stage == 0 && in.world_size == 1 &&
-                            in.offload_param == OffloadDevice::none &&
-                            in.offload_optimizer == OffloadDevice::none;
-  if (in.gpu && !gpu_offloaded && !gpu_resident)
-    return Status::error(fmt::format(
-        "the CUDA backend runs either everything on the GPU with one rank at stage 0, or "
-        "parameters and optimizer state in host memory or on NVMe at stage 3 in this version "
-        "(got stage {}, {} rank{}, offload_param {}, offload_optimizer {}); use --zero-stage 3 "
-        "--offload-param cpu|nvme --offload-optimizer cpu|nvme, or --zero-stage 0 --world-size 1 "
-        "with no offload, or --backend cpu",
-        in.stage, in.world_size, in.world_size == 1 ? "" : "s",
-        offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer)));
   if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1)
     return Status::error(
         "micro batch, sequence length and gradient accumulation must be at least 1");
@@ -395,38 +380,42 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
 
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
   const int64_t units = static_cast<int64_t>(plan.units.size());
-  if (in.gpu && plan.homes.param == Tier::device) {
-    // Everything on the GPU: the units compute from the parameters' home and
-    // accumulate into the gradients' home; AdamW runs on the GPU.
+  if (in.gpu) {
+    // The GPU computes the units (core/gpu_rank.h); the collectives and the
+    // CPU optimizer work on pinned host buffers. What passes through host
+    // memory depends on where the state lives.
+    const bool params_in_place = plan.gpu_params_in_place();
+    const bool grads_in_place = plan.gpu_grads_in_place();
+    if (plan.gather_slots > 0 && !params_in_place)
+      add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
+                 plan.gather_slots * round_up(largest_padded * cb, page));
+    if (!grads_in_place) {
+      add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots),
+                 Tier::host, plan.grad_slots * round_up(largest_padded * 4, page));
+      if (plan.tied_grad_buffer)
+        add_buffer("tied embedding gradient", Tier::host, plan.units[0].padded_numel * 4);
+      if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
+        add_buffer("reduce-scatter output", Tier::host, largest_shard * 4);
+    }
+    if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
+      add_buffer("parameter all-gather staging (largest unit)", Tier::host, largest_padded * cb);
     add_buffer("tokens and targets", Tier::host, 2 * N * 4 * in.grad_accum);
-    add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
-    add_buffer("activation gradient", Tier::device, N * C * cb);
-    add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
-    add_buffer("per-token losses", Tier::device, N * 4);
-    add_buffer("gradient norm scratch", Tier::device,
-               cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
-    add_buffer("cuBLASLt workspace", Tier::device, kGpuMatmulWorkspaceBytes);
-    add_buffer("GPU unit working set", Tier::device,
-               cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
-  } else if (in.gpu) {
-    // The collectives, the gradient accumulation and the optimizer work in
-    // pinned host memory; the GPU holds what the units' computation needs
-    // (core/gpu_rank.h), in the compute precision.
-    add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
-               plan.gather_slots * round_up(largest_padded * cb, page));
-    add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host,
-               plan.grad_slots * round_up(largest_padded * 4, page));
-    if (plan.tied_grad_buffer)
-      add_buffer("tied embedding gradient", Tier::host, plan.units[0].padded_numel * 4);
-    if (in.reduce_scatter && in.world_size > 1)
-      add_buffer("reduce-scatter output", Tier::host, largest_shard * 4);
-    add_buffer("tokens and targets", Tier::host, 2 * N * 4 * in.grad_accum);
-    add_buffer(fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots),
-               Tier::device, kGpuParamSlots * round_up(largest_padded * cb, page));
-    add_buffer(fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
-               Tier::device, kGpuGradBuffers * round_up(largest_padded * 4, page));
-    if (plan.tied_grad_buffer)
-      add_buffer("device tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+    if (!params_in_place)
+      add_buffer(fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots),
+                 Tier::device, kGpuParamSlots * round_up(largest_padded * cb, page));
+    if (!grads_in_place) {
+      add_buffer(fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
+                 Tier::device, kGpuGradBuffers * round_up(largest_padded * 4, page));
+      if (plan.tied_grad_buffer)
+        add_buffer("device tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+    }
+    if (plan.homes.grad == Tier::device) {
+      add_buffer("gradient norm scratch", Tier::device,
+                 cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
+      if (!grads_in_place) add_buffer("device reduced gradient", Tier::device, largest_padded * 4);
+    }
+    if (plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device && cb != 4)
+      add_buffer("device new parameter shard", Tier::device, largest_optimizer * cb);
     add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
     add_buffer("activation gradient", Tier::device, N * C * cb);
     add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
@@ -468,9 +457,10 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
                            in.optimizer_buffers, plan.optimizer_chunk_elements),
                Tier::host,
                in.optimizer_buffers * round_up(plan.optimizer_chunk_elements * 12, page));
-  const bool writeback = plan.homes.param == Tier::nvme && plan.homes.separate_master;
-  if (writeback)
-    add_buffer("new parameter shard on its way to NVMe", Tier::host, largest_shard * cb);
+  if (plan.new_params_staged())
+    add_buffer(plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
+                                              : "new parameters on their way to the GPU",
+               Tier::host, largest_optimizer * cb);
   // write_shard / read_shard stage NVMe homes through one block (tiers/tiered_store.h).
   bool any_nvme = false;
   int64_t largest_nvme_shard = 0;

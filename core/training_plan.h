@@ -67,9 +67,9 @@ struct TrainingPlanInput {
   // `decide` runs at the start and each unit's optimizer as soon as its
   // gradient is final, during backward (DESIGN.md section 2).
   bool optimizer_during_backward = false;
-  // Compute on a GPU (the CUDA backend, core/gpu_rank.h): the state's homes
-  // must be host memory or NVMe, the collective and gradient buffers are
-  // pinned host memory, and the device holds the compute working set.
+  // Compute on a GPU (the CUDA backend, core/gpu_rank.h): the state's
+  // device homes are GPU memory; the collectives and the CPU optimizer work
+  // on pinned host buffers, and the device holds the compute working set.
   bool gpu = false;
   int fetch_slots = 5;        // offload_param.buffer_count
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count
@@ -160,6 +160,28 @@ struct TrainingPlan {
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
   // Rank r's range of unit u's flat buffer that its optimizer state covers.
   int64_t optimizer_offset(int u, int rank) const;
+
+  // The CUDA backend's data paths (core/gpu_rank.h). The units compute
+  // straight from the parameters' device home when each rank holds whole
+  // units there (stages 0-2, or one rank); otherwise they upload a gathered
+  // copy from pinned host memory.
+  bool gpu_params_in_place() const {
+    return input.gpu && homes.param == tiers::Tier::device &&
+           (input.stage < 3 || input.world_size == 1);
+  }
+  // Gradients accumulate straight into their device home when there is
+  // nothing to reduce (one rank) and the optimizer is on the GPU; otherwise
+  // each unit's gradient goes to a pinned host buffer for the collectives.
+  bool gpu_grads_in_place() const {
+    return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1;
+  }
+  // New compute-precision parameters pass through a pinned host buffer: on
+  // their way to NVMe, or from the CPU optimizer to their device home.
+  bool new_params_staged() const {
+    return (homes.param == tiers::Tier::nvme && homes.separate_master) ||
+           (input.gpu && homes.param == tiers::Tier::device &&
+            homes.optimizer != tiers::Tier::device);
+  }
 };
 
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);

@@ -47,12 +47,13 @@ refuse "unwritable --metrics" 2 "metrics $dir/file/m.jsonl" -- \
   "${common[@]}" --data "$dir/data/train.bin" --metrics "$dir/file/m.jsonl"
 refuse "no --model" 2 "model" -- --data "$dir/data/train.bin"
 
-# --backend cuda: refused on a machine without a GPU, and for a placement the
-# CUDA backend does not run (stage 2) on one with a GPU, pointing at --backend cpu.
-"$strata" train --model tiny --backend cuda --zero-stage 2 --seq-len 32 --steps 1 \
-  --data "$dir/data/train.bin" >/dev/null 2>"$dir/err"
-[ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--backend cpu" "$dir/err"
-check "--backend cuda: no GPU, or a placement it does not run" $?
+# --backend cuda on a machine without a usable GPU: refused in one line, pointing at --backend cpu.
+if "$strata" --version | grep -q "GPUs: none"; then
+  "$strata" train --model tiny --backend cuda --zero-stage 2 --seq-len 32 --steps 1 \
+    --data "$dir/data/train.bin" >/dev/null 2>"$dir/err"
+  [ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--backend cpu" "$dir/err"
+  check "--backend cuda without a GPU" $?
+fi
 
 
 # A plan that does not fit is refused before the swap file is made.

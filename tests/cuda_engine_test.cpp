@@ -1,20 +1,24 @@
-// The engine on the CUDA backend (core/gpu_rank.h), in its two placements:
-// everything on the GPU (one rank, stage 0), or the units computing on the GPU
-// while parameters and optimizer state stay in host memory or on NVMe (stage 3).
+// The engine on the CUDA backend (core/gpu_rank.h), in every placement of
+// the engine's stage x offload matrix.
 //
-// Everywhere: the offloaded plan keeps every kind of state off the device and
-// lists the device's working set, the resident plan keeps it all there, and
-// other placements are refused in one line; creating a CUDA engine where no
-// GPU is usable is a one-line error.
-// With a GPU: fp32 runs of both placements match the CPU backend's losses,
-// gradient norms and weights; every offloaded placement (param and optimizer
-// each on cpu or nvme) is bitwise identical at 1, 2 and 3 ranks sharing the
-// GPU, and 2 or 3 ranks agree with one; tied embeddings; bf16 stays close to
-// the CPU backend; a resident run resumed from a checkpoint gives the straight
-// run bitwise; the device peak stays within the plan and the budget.
+// Everywhere: each placement's plan puts each kind of state where the
+// placement says (parameters, gradients and optimizer state on the device
+// exactly when they are not offloaded), lists the device's working set and
+// passes through pinned host memory only what the collectives and the CPU
+// optimizer need; parameter offload below stage 3 is refused in one line as
+// on the CPU; creating a CUDA engine where no GPU is usable is a one-line
+// error.
+// With a GPU: fp32 runs match the CPU backend's losses, gradient norms and
+// weights; at 1, 2 and 3 ranks sharing the GPU every placement whose
+// optimizer is off the GPU is bitwise identical, so is every placement whose
+// optimizer is on it, and both stay close to the CPU backend at that world
+// size; tied embeddings; bf16 placements agree and stay close to the CPU
+// backend; a run with its state on the GPU resumed from a checkpoint gives
+// the straight run bitwise; the device peak stays within the plan and the budget.
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "core/engine.h"
@@ -46,6 +50,16 @@ std::vector<EngineRun> offloaded_placements(int world, const std::string& precis
   return runs;
 }
 
+// Every placement of the engine issue's matrix, on the GPU.
+std::vector<EngineRun> gpu_placements(int world, const std::string& precision) {
+  std::vector<EngineRun> runs = testing::every_placement(world, precision);
+  for (EngineRun& run : runs) {
+    run.backend = kernels::BackendKind::cuda;
+    run.device_budget = 512ull << 20;
+  }
+  return runs;
+}
+
 EngineRun resident_run(const std::string& precision) {
   EngineRun run;
   run.precision = precision;
@@ -62,70 +76,124 @@ Result<TrainingPlan> gpu_plan(const EngineRun& run) {
   return build_training_plan(input);
 }
 
-TEST(CudaEnginePlan, KeepsEveryKindOfStateOffTheDevice) {
-  for (bool tied : {false, true}) {
-    for (EngineRun run : offloaded_placements(2, "bf16")) {
-      run.tied = tied;
-      Result<TrainingPlan> plan = gpu_plan(run);
-      ASSERT_TRUE(plan.is_ok()) << run.label() << ": " << plan.status().message();
-      int64_t device_sum = 0;
-      bool has_checkpoints = false, has_slots = false;
-      for (const PlanBuffer& b : plan->buffers) {
-        const bool state = b.name.rfind("parameters (", 0) == 0 ||
-                           b.name.rfind("gradients (", 0) == 0 || b.name == "fp32 master" ||
-                           b.name == "Adam m" || b.name == "Adam v";
-        if (state) {
-          EXPECT_NE(b.tier, tiers::Tier::device) << run.label() << ": " << b.name;
+bool has_buffer(const TrainingPlan& plan, const std::string& prefix, tiers::Tier tier) {
+  for (const PlanBuffer& b : plan.buffers)
+    if (b.name.rfind(prefix, 0) == 0 && b.tier == tier) return true;
+  return false;
+}
+
+TEST(CudaEnginePlan, EachKindOfStateLivesWhereThePlacementSays) {
+  for (int world : {1, 2, 3}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      for (EngineRun run : gpu_placements(world, precision)) {
+        run.tied = world == 2;
+        Result<TrainingPlan> plan = gpu_plan(run);
+        ASSERT_TRUE(plan.is_ok()) << run.label() << ": " << plan.status().message();
+        const std::string label = run.label();
+        const tiers::Tier param_home = run.offload_param == "none"  ? tiers::Tier::device
+                                       : run.offload_param == "cpu" ? tiers::Tier::host
+                                                                    : tiers::Tier::nvme;
+        const tiers::Tier optimizer_home = run.offload_optimizer == "none"  ? tiers::Tier::device
+                                           : run.offload_optimizer == "cpu" ? tiers::Tier::host
+                                                                            : tiers::Tier::nvme;
+        const tiers::Tier grad_home =
+            run.offload_optimizer == "none" ? tiers::Tier::device : tiers::Tier::host;
+        int64_t device_sum = 0;
+        for (const PlanBuffer& b : plan->buffers) {
+          if (b.name.rfind("parameters (", 0) == 0) {
+            EXPECT_EQ(b.tier, param_home) << label;
+          }
+          if (b.name.rfind("gradients (", 0) == 0) {
+            EXPECT_EQ(b.tier, grad_home) << label;
+          }
+          if (b.name == "fp32 master" || b.name == "Adam m" || b.name == "Adam v") {
+            EXPECT_EQ(b.tier, optimizer_home) << label << ": " << b.name;
+          }
+          if (b.tier == tiers::Tier::device) device_sum += b.bytes;
         }
-        if (b.name.rfind("gathered units", 0) == 0 || b.name.rfind("unit gradients", 0) == 0) {
-          EXPECT_EQ(b.tier, tiers::Tier::host) << run.label() << ": " << b.name;
+        EXPECT_EQ(device_sum, plan->peak(tiers::Tier::device)) << label;
+        EXPECT_TRUE(has_buffer(*plan, "activation checkpoints", tiers::Tier::device)) << label;
+
+        // Whole units in their device home are computed from in place; a
+        // sharded or offloaded home is gathered in host memory and uploaded.
+        const bool in_place = param_home == tiers::Tier::device && (run.stage < 3 || world == 1);
+        EXPECT_EQ(plan->gpu_params_in_place(), in_place) << label;
+        EXPECT_EQ(has_buffer(*plan, "device parameter slots", tiers::Tier::device), !in_place)
+            << label;
+        EXPECT_EQ(has_buffer(*plan, "gathered units", tiers::Tier::host),
+                  run.stage == 3 && !in_place)
+            << label;
+        // With nothing to reduce and the optimizer on the GPU, gradients stay there.
+        const bool grads_in_place = grad_home == tiers::Tier::device && world == 1;
+        EXPECT_EQ(plan->gpu_grads_in_place(), grads_in_place) << label;
+        EXPECT_EQ(has_buffer(*plan, "unit gradients", tiers::Tier::host), !grads_in_place) << label;
+        EXPECT_EQ(has_buffer(*plan, "gradient norm scratch", tiers::Tier::device),
+                  grad_home == tiers::Tier::device)
+            << label;
+        // The CPU optimizer's output passes through host memory on its way to the GPU.
+        EXPECT_EQ(has_buffer(*plan, "new parameters on their way to the GPU", tiers::Tier::host),
+                  param_home == tiers::Tier::device && optimizer_home != tiers::Tier::device)
+            << label;
+        EXPECT_EQ(has_buffer(*plan, "parameter all-gather staging", tiers::Tier::host),
+                  (run.stage == 1 || run.stage == 2) && world > 1)
+            << label;
+        // No placement keeps the CPU backend's fp32 twins.
+        EXPECT_FALSE(has_buffer(*plan, "parameters widened", tiers::Tier::device)) << label;
+
+        // Activations are kept in the compute precision: bf16 halves them against fp32.
+        if (std::string(precision) == "bf16") {
+          EngineRun fp32 = run;
+          fp32.precision = "fp32";
+          Result<TrainingPlan> wide = gpu_plan(fp32);
+          ASSERT_TRUE(wide.is_ok());
+          auto checkpoint_bytes = [](const TrainingPlan& p) {
+            for (const PlanBuffer& b : p.buffers)
+              if (b.name.rfind("activation checkpoints", 0) == 0) return b.bytes;
+            return int64_t{0};
+          };
+          EXPECT_EQ(2 * checkpoint_bytes(*plan), checkpoint_bytes(*wide)) << label;
         }
-        if (b.tier == tiers::Tier::device) device_sum += b.bytes;
-        has_checkpoints |= b.name.rfind("activation checkpoints", 0) == 0;
-        has_slots |= b.name.rfind("device parameter slots", 0) == 0;
       }
-      EXPECT_TRUE(has_checkpoints && has_slots) << run.label();
-      EXPECT_EQ(device_sum, plan->peak(tiers::Tier::device)) << run.label();
-      // Activations are kept in the compute precision: bf16 halves them against fp32.
-      EngineRun fp32 = run;
-      fp32.precision = "fp32";
-      Result<TrainingPlan> wide = gpu_plan(fp32);
-      ASSERT_TRUE(wide.is_ok());
-      EXPECT_LT(plan->peak(tiers::Tier::device), wide->peak(tiers::Tier::device));
     }
   }
 }
 
 TEST(CudaEnginePlan, ResidentStateIsAllOnTheDevice) {
   for (const char* precision : {"fp32", "bf16"}) {
-    Result<TrainingPlan> plan = gpu_plan(resident_run(precision));
-    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    for (const PlanBuffer& b : plan->buffers) {
-      if (b.name == "tokens and targets") {
-        EXPECT_EQ(b.tier, tiers::Tier::host);
-      } else {
-        EXPECT_EQ(b.tier, tiers::Tier::device) << b.name;
+    for (int stage = 0; stage <= 3; ++stage) {
+      EngineRun run = resident_run(precision);
+      run.stage = stage;
+      Result<TrainingPlan> plan = gpu_plan(run);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      for (const PlanBuffer& b : plan->buffers) {
+        if (b.name == "tokens and targets") {
+          EXPECT_EQ(b.tier, tiers::Tier::host);
+        } else {
+          EXPECT_EQ(b.tier, tiers::Tier::device) << b.name << ", " << run.label();
+        }
+        EXPECT_EQ(b.name.find("gathered"), std::string::npos) << b.name;
       }
-      EXPECT_EQ(b.name.find("gathered"), std::string::npos) << b.name;
     }
   }
 }
 
-TEST(CudaEnginePlan, RefusesOtherPlacements) {
-  for (int world : {1, 2}) {
-    for (EngineRun run : testing::every_placement(world, "fp32")) {
-      const bool offloaded =
-          run.stage == 3 && run.offload_param != "none" && run.offload_optimizer != "none";
-      const bool resident = run.stage == 0 && world == 1 && run.offload_param == "none" &&
-                            run.offload_optimizer == "none";
-      if (offloaded || resident) continue;
-      Result<TrainingPlan> plan = gpu_plan(run);
-      ASSERT_FALSE(plan.is_ok()) << run.label();
-      EXPECT_NE(plan.status().message().find("--zero-stage 3 --offload-param cpu|nvme"),
-                std::string::npos)
-          << plan.status().message();
-      EXPECT_EQ(plan.status().message().find('\n'), std::string::npos);
-    }
+TEST(CudaEnginePlan, RefusesParameterOffloadBelowStage3AsTheCpuBackendDoes) {
+  for (int stage = 0; stage < 3; ++stage) {
+    // The configuration check refuses it too; the plan is checked on its own.
+    EngineRun run = resident_run("fp32");
+    run.stage = 3;
+    run.offload_param = "cpu";
+    run.offload_optimizer = "cpu";
+    Result<TrainConfig> config = testing::engine_config(run, "/nonexistent-nvme-dir");
+    ASSERT_TRUE(config.is_ok());
+    TrainingPlanInput input = training_plan_input(testing::small_gqa_model(), *config);
+    input.stage = stage;
+    input.gpu = true;
+    Result<TrainingPlan> plan = build_training_plan(input);
+    ASSERT_FALSE(plan.is_ok());
+    EXPECT_NE(plan.status().message().find("needs stage 3"), std::string::npos)
+        << plan.status().message();
+    EXPECT_EQ(plan.status().message().find('\n'), std::string::npos);
   }
 }
 
@@ -254,45 +322,70 @@ TEST_F(CudaEngine, ResidentStateResumesBitwise) {
   EXPECT_TRUE(testing::weights_bitwise_equal(*weights, straight.weights));
 }
 
-TEST_F(CudaEngine, EveryOffloadedPlacementIsBitwiseIdenticalAtEachWorldSize) {
-  EngineOutcome one_rank;
+// Placements whose optimizer runs on the CPU and those whose optimizer runs
+// on the GPU differ in where the gradient norm is summed (and, with one rank,
+// in gradients accumulating inside the matrix products): each group is
+// bitwise identical within itself, and both stay close to the CPU backend.
+TEST_F(CudaEngine, EveryPlacementIsBitwiseIdenticalWithinItsOptimizerLaneAtEachWorldSize) {
   for (int world : {1, 2, 3}) {
-    std::vector<EngineRun> runs = offloaded_placements(world, "fp32");
+    std::vector<EngineRun> runs = gpu_placements(world, "fp32");
     for (EngineRun& run : runs) {
       run.grad_accum = 6 / world;  // the same global batch at every world size
       run.lr = 1e-3;
       run.eps = 1e-6;
       run.steps = 2;
     }
-    const EngineOutcome reference = train(runs[0]);
-    ASSERT_EQ(reference.steps.size(), 2u);
-    for (size_t i = 1; i < runs.size(); ++i)
-      expect_identical(train(runs[i]), reference, runs[i].label() + " vs " + runs[0].label());
-    if (world == 1) {
-      one_rank = reference;
-      continue;
+    EngineRun cpu = runs[0];
+    cpu.backend = kernels::BackendKind::cpu;
+    const EngineOutcome on_cpu = train(cpu);
+    std::optional<EngineOutcome> on_gpu_optimizer, on_cpu_optimizer;
+    std::string gpu_label, cpu_label;
+    for (const EngineRun& run : runs) {
+      const EngineOutcome outcome = train(run);
+      ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
+      EXPECT_LE(outcome.rank_usage[0].peak, outcome.plan.peak(tiers::Tier::device) + (1 << 20))
+          << run.label();
+      const bool gpu_optimizer = run.offload_optimizer == "none";
+      std::optional<EngineOutcome>& reference = gpu_optimizer ? on_gpu_optimizer : on_cpu_optimizer;
+      std::string& label = gpu_optimizer ? gpu_label : cpu_label;
+      if (!reference) {
+        reference = outcome;
+        label = run.label();
+        expect_close(outcome, on_cpu, 1e-5, 1e-4, run.label() + " against the CPU backend");
+        continue;
+      }
+      expect_identical(outcome, *reference, run.label() + " vs " + label);
     }
-    expect_close(reference, one_rank, 1e-6, 1e-5, "world " + std::to_string(world) + " vs one");
   }
 }
 
 TEST_F(CudaEngine, Bf16PlacementsAgreeAndStayCloseToTheCpuBackend) {
-  std::vector<EngineRun> runs = offloaded_placements(2, "bf16");
-  for (EngineRun& run : runs) {
+  std::optional<EngineOutcome> on_gpu_optimizer, on_cpu_optimizer;
+  EngineRun first;
+  for (EngineRun run : gpu_placements(2, "bf16")) {
     run.tied = true;
     run.steps = 4;
+    const EngineOutcome outcome = train(run);
+    std::optional<EngineOutcome>& reference =
+        run.offload_optimizer == "none" ? on_gpu_optimizer : on_cpu_optimizer;
+    if (!reference) {
+      reference = outcome;
+      if (run.offload_optimizer != "none") first = run;
+      continue;
+    }
+    expect_identical(outcome, *reference, run.label());
   }
-  const EngineOutcome reference = train(runs[0]);
-  for (size_t i = 1; i < runs.size(); ++i)
-    expect_identical(train(runs[i]), reference, runs[i].label());
-  EngineRun cpu = runs[0];
+  ASSERT_TRUE(on_gpu_optimizer && on_cpu_optimizer);
+  EngineRun cpu = first;
   cpu.backend = kernels::BackendKind::cpu;
   const EngineOutcome on_cpu = train(cpu);
   // The GPU keeps activations in bf16 where the CPU backend computes in fp32.
-  for (size_t s = 0; s < reference.steps.size(); ++s)
-    EXPECT_NEAR(reference.steps[s].loss, on_cpu.steps[s].loss, 2e-2 * on_cpu.steps[s].loss)
-        << "step " << s + 1;
-  EXPECT_LT(reference.steps.back().loss, reference.steps.front().loss);
+  for (const EngineOutcome* outcome : {&*on_gpu_optimizer, &*on_cpu_optimizer}) {
+    for (size_t s = 0; s < outcome->steps.size(); ++s)
+      EXPECT_NEAR(outcome->steps[s].loss, on_cpu.steps[s].loss, 2e-2 * on_cpu.steps[s].loss)
+          << "step " << s + 1;
+    EXPECT_LT(outcome->steps.back().loss, outcome->steps.front().loss);
+  }
 }
 
 TEST_F(CudaEngine, OverlapSettingsAndAccumulationChangeTimingNotResults) {

@@ -83,10 +83,13 @@ struct EngineRun {
   int initial_scale_power = 12;  // fp16
   std::shared_ptr<io::FaultInjector> fault_injector;
   kernels::BackendKind backend = kernels::BackendKind::cpu;
+  bool emulate_gpu = false;  // EngineOptions::emulate_gpu
   std::string label() const {
-    return std::string(backend == kernels::BackendKind::cuda ? "cuda " : "") + "stage " +
-           std::to_string(stage) + " param " + offload_param + " optimizer " + offload_optimizer +
-           " world " + std::to_string(world) + " " + precision +
+    return std::string(backend == kernels::BackendKind::cuda ? "cuda "
+                       : emulate_gpu                         ? "emulated gpu "
+                                                             : "") +
+           "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
+           offload_optimizer + " world " + std::to_string(world) + " " + precision +
            (overlap_comm ? "" : " no-overlap") + (reduce_scatter ? "" : " all-reduce");
   }
 };
@@ -152,6 +155,7 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   options.seed = seed;
   options.data = memory_reader(tokens);
   options.backend = run.backend;
+  options.emulate_gpu = run.emulate_gpu;
   // Copies between pinned host memory and a GPU run asynchronously, as in training.
   options.pin_host = run.backend == kernels::BackendKind::cuda;
   options.notice = [](const std::string&) {};

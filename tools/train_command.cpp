@@ -429,13 +429,6 @@ class TrainCommand : public Subcommand {
     TrainingPlanInput plan_input = training_plan_input(*model, config);
     plan_input.gpu = backend->kind == kernels::BackendKind::cuda;
     Result<TrainingPlan> plan = build_training_plan(plan_input);
-    if (!plan && plan_input.gpu && backend_ == "auto") {
-      // The CUDA backend runs two placements in this version; the others train on the CPU.
-      backend->kind = kernels::BackendKind::cpu;
-      backend->notice = fmt::format("strata: training on the CPU: {}", plan.status().message());
-      plan_input.gpu = false;
-      plan = build_training_plan(plan_input);
-    }
     if (!plan) return usage_error(plan.status());
     if (print_plan_) {
       std::string text = format_training_plan(*plan);

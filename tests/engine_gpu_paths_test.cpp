@@ -1,0 +1,147 @@
+// The CUDA backend's data paths, run where no GPU is: the engine with
+// EngineOptions::emulate_gpu plans every placement as for a GPU and drives
+// GpuRank's calls (computing in place or from uploaded copies, gradients in
+// place or through pinned host slots, reduced gradients accumulated into
+// their device home, new parameters uploaded from the CPU optimizer or
+// downloaded from the GPU's, the parameter all-gather staged through host
+// memory), with host memory standing in for the GPU and the CPU units
+// computing (GpuRank::create_emulated).
+//
+// The arithmetic is then the CPU backend's, so every placement whose
+// gradients pass through host memory must give the CPU backend's losses,
+// gradient norms and weights bitwise, at 1, 2 and 3 ranks, in fp32, bf16,
+// tied, and with the optimizer running during backward; placements whose
+// gradients accumulate in place (one rank, optimizer on the GPU) accumulate
+// inside the backward, so they agree with each other bitwise and with the
+// CPU backend closely. A run with its state on the GPU resumes bitwise.
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+
+#include "core/engine.h"
+#include "engine_test_support.h"
+
+namespace strata {
+namespace {
+
+using testing::EngineOutcome;
+using testing::EngineRun;
+
+class EngineGpuPaths : public testing::EngineRunsTest {
+ protected:
+  EngineGpuPaths() : EngineRunsTest("engine_gpu_paths") {}
+
+  static std::vector<EngineRun> placements(int world, const std::string& precision) {
+    std::vector<EngineRun> runs = testing::every_placement(world, precision);
+    for (EngineRun& run : runs) run.emulate_gpu = true;
+    return runs;
+  }
+  static bool grads_in_place(const EngineRun& run) {
+    return run.world == 1 && run.offload_optimizer == "none";
+  }
+  // Every placement of `runs` against the CPU backend's run of runs[0].
+  void expect_cpu_backend_results(std::vector<EngineRun> runs) {
+    EngineRun cpu = runs[0];
+    cpu.emulate_gpu = false;
+    const EngineOutcome reference = train(cpu);
+    ASSERT_EQ(reference.steps.size(), size_t(cpu.steps)) << cpu.label();
+    std::optional<EngineOutcome> in_place;
+    std::string in_place_label;
+    for (const EngineRun& run : runs) {
+      const EngineOutcome outcome = train(run);
+      ASSERT_EQ(outcome.steps.size(), reference.steps.size()) << run.label();
+      if (!grads_in_place(run)) {
+        testing::expect_identical(outcome, reference, run.label() + " vs the CPU backend");
+        continue;
+      }
+      if (in_place) {
+        testing::expect_identical(outcome, *in_place, run.label() + " vs " + in_place_label);
+        continue;
+      }
+      in_place = outcome;
+      in_place_label = run.label();
+      for (size_t s = 0; s < outcome.steps.size(); ++s) {
+        EXPECT_NEAR(outcome.steps[s].loss, reference.steps[s].loss, 1e-5 * reference.steps[s].loss)
+            << run.label() << ", step " << s + 1;
+        EXPECT_NEAR(outcome.steps[s].grad_norm, reference.steps[s].grad_norm,
+                    1e-4 * reference.steps[s].grad_norm)
+            << run.label() << ", step " << s + 1;
+      }
+      std::string worst;
+      EXPECT_LT(testing::weights_relative_error(outcome.weights, reference.weights, &worst), 1e-4)
+          << run.label() << ", worst tensor " << worst;
+      EXPECT_NE(outcome.steps.front().loss, outcome.steps.back().loss) << "it trained";
+    }
+  }
+};
+
+TEST_F(EngineGpuPaths, EveryPlacementGivesTheCpuBackendsResultsAtEachWorldSize) {
+  for (int world : {1, 2, 3}) {
+    std::vector<EngineRun> runs = placements(world, "fp32");
+    for (EngineRun& run : runs) run.steps = 2;
+    expect_cpu_backend_results(runs);
+  }
+}
+
+TEST_F(EngineGpuPaths, Bf16TiedPlacementsGiveTheCpuBackendsResults) {
+  std::vector<EngineRun> runs = placements(2, "bf16");
+  for (EngineRun& run : runs) {
+    run.tied = true;
+    run.steps = 2;
+  }
+  expect_cpu_backend_results(runs);
+  // One rank, tied: the lm_head's gradient meets the embedding's in its home.
+  std::vector<EngineRun> one = placements(1, "bf16");
+  for (EngineRun& run : one) {
+    run.tied = true;
+    run.steps = 2;
+  }
+  expect_cpu_backend_results(one);
+}
+
+TEST_F(EngineGpuPaths, OptimizerDuringBackwardGivesTheCpuBackendsResults) {
+  // No clipping in fp32: each unit's update runs as soon as its gradient is final.
+  std::vector<EngineRun> runs = placements(2, "fp32");
+  for (EngineRun& run : runs) {
+    run.clipping = 0.0;
+    run.steps = 2;
+  }
+  expect_cpu_backend_results(runs);
+}
+
+TEST_F(EngineGpuPaths, StateOnTheGpuResumesBitwise) {
+  for (const char* optimizer : {"none", "cpu"}) {
+    EngineRun run;
+    run.stage = 2;
+    run.world = 2;
+    run.offload_optimizer = optimizer;
+    run.precision = "bf16";
+    run.emulate_gpu = true;
+    run.steps = 4;
+    const EngineOutcome straight = train(run);
+    Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok());
+    Result<std::unique_ptr<Engine>> first = Engine::create(*options);
+    ASSERT_TRUE(first.is_ok()) << first.status().message();
+    for (int s = 0; s < 2; ++s) ASSERT_TRUE((*first)->step().is_ok());
+    Result<std::string> saved =
+        (*first)->save_checkpoint(dir_.path() + "/ckpt-" + std::string(optimizer));
+    ASSERT_TRUE(saved.is_ok()) << saved.status().message();
+    first->reset();
+    options->resume_from = *saved;
+    Result<std::unique_ptr<Engine>> second = Engine::create(*options);
+    ASSERT_TRUE(second.is_ok()) << second.status().message();
+    for (int s = 2; s < 4; ++s) {
+      Result<StepResult> step = (*second)->step();
+      ASSERT_TRUE(step.is_ok()) << step.status().message();
+      EXPECT_EQ(step->loss, straight.steps[size_t(s)].loss) << run.label() << ", step " << s + 1;
+    }
+    Result<HostModel> weights = (*second)->read_model();
+    ASSERT_TRUE(weights.is_ok());
+    EXPECT_TRUE(testing::weights_bitwise_equal(*weights, straight.weights)) << run.label();
+  }
+}
+
+}  // namespace
+}  // namespace strata
