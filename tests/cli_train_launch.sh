@@ -6,6 +6,9 @@
 # processes resumes from a checkpoint written by threads; SIGTERM stops every
 # rank after the same step with a checkpoint and no swap files left; a
 # --world-size that disagrees with the launcher is refused in one line.
+# On a machine with two GPUs or more: one process per GPU (NCCL) gives the
+# losses of two ranks as threads sharing GPU 0, in ZeRO-Offload (stage 2,
+# optimizer in host memory) and with everything on the GPUs.
 # Usage: cli_train_launch.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -62,5 +65,25 @@ WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 \
   "$strata" train "${base[@]}" --world-size 3 --steps 1 --nvme-path "$dir/swap-x" >/dev/null 2>"$dir/err"
 [ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--world-size 3 but launched as 2" "$dir/err"
 check "a --world-size other than the launcher's is refused in one line" $?
+
+# Several GPUs: a process per GPU through NCCL against threads sharing one GPU.
+# Two ranks add each element once, so the sums and the results are bitwise equal.
+gpus=$("$strata" --version | grep -c "^  GPU [0-9]")
+if [ "$gpus" -ge 2 ]; then
+  for optimizer in cpu none; do
+    gpu=(--model tiny --backend cuda --seq-len 32 --micro-batch 2 --lr 3e-3 --data "$dir/data/train.bin"
+         --zero-stage 2 --offload-optimizer "$optimizer" --steps 3)
+    "$strata" train "${gpu[@]}" --world-size 2 --metrics "$dir/gpu-t-$optimizer.jsonl" >/dev/null 2>&1
+    check "GPU, optimizer $optimizer: 2 ranks as threads on one GPU" $?
+    timeout 300 "$strata" launch -n 2 -- "$strata" train "${gpu[@]}" \
+      --metrics "$dir/gpu-p-$optimizer.jsonl" >"$dir/gpu-p-$optimizer.out" 2>&1
+    check "GPU, optimizer $optimizer: one process per GPU (NCCL)" $?
+    [ -n "$(losses "$dir/gpu-t-$optimizer.jsonl")" ] &&
+      [ "$(losses "$dir/gpu-t-$optimizer.jsonl")" = "$(losses "$dir/gpu-p-$optimizer.jsonl")" ]
+    check "GPU, optimizer $optimizer: losses and gradient norms bitwise equal" $?
+  done
+else
+  echo "skipped: the multi-GPU checks need two GPUs, found $gpus"
+fi
 
 finish_checks
