@@ -17,7 +17,10 @@ strata's defaults):
            strata: --zero-stage 3 --offload-param cpu --offload-optimizer cpu,
            with --device-mem-limit below the training state (default: the
            plan's device peak + 10%, read from --print-plan); with --nvme-path,
-           also a row with both homed on NVMe there.
+           also a row with both homed on NVMe there. Without --quick, also
+           ZeRO-Offload (--zero-stage 2 --offload-optimizer cpu: parameters on
+           the GPU, gradients and optimizer in host memory) under its own
+           plan's peak + 10%, with its own ratio.
            PyTorch: FSDP2 (fully_shard per decoder layer and on the root) with
            CPUOffloadPolicy(pin_memory=True) and MixedPrecisionPolicy(bf16
            params, fp32 reduce) in a one-process NCCL group, AdamW(fused=True)
@@ -638,7 +641,7 @@ def main():
         print(f"gpu_train_bench: {args.model} ({params / 1e6:.1f}M parameters), {args.micro_batch} x "
               f"{args.seq_len} tokens per step, bf16, {args.steps} steps after {args.warmup} warm-up; "
               f"strata --backend {backend}", flush=True)
-        memory_strata = memory_torch = offload_strata = offload_fsdp = None
+        memory_strata = memory_torch = offload_strata = offload_fsdp = offload_zero = None
         if "memory" in cases:
             memory_strata = add("memory", f"strata --backend {backend}, all on device",
                                 run_strata(args, backend, workdir, "memory", ["--zero-stage", "0"]))
@@ -661,6 +664,14 @@ def main():
             extra = ["--device-mem-limit", limit] if limit else []
             offload_strata = add("offload", f"strata --backend {backend}, ZeRO-3 offload cpu",
                                  run_strata(args, backend, workdir, "offload-cpu", placement + extra), limit_note)
+            if not args.quick:
+                zero_offload = ["--zero-stage", "2", "--offload-optimizer", "cpu"]
+                zo_peak = None if args.device_mem_limit else planned_device_peak(args, backend, zero_offload)
+                zo_limit = args.device_mem_limit or (f"{math.ceil(zo_peak * 1.10 / (1 << 20))}M" if zo_peak else None)
+                zo_extra = ["--device-mem-limit", zo_limit] if zo_limit else []
+                offload_zero = add("offload", f"strata --backend {backend}, ZeRO-Offload cpu",
+                                   run_strata(args, backend, workdir, "zero-offload", zero_offload + zo_extra),
+                                   f"--device-mem-limit {zo_limit}" if zo_limit else "no --device-mem-limit")
             if args.nvme_path:
                 nvme = ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
                         "--nvme-path", args.nvme_path]
@@ -675,6 +686,8 @@ def main():
         ratios["memory"] = {"strata_over_pytorch": ratio(memory_strata, memory_torch), "target": 1.0}
     if offload_strata is not None:
         ratios["offload"] = {"strata_over_fsdp2": ratio(offload_strata, offload_fsdp), "target": 2.0}
+    if offload_zero is not None:
+        ratios["zero-offload"] = {"strata_over_fsdp2": ratio(offload_zero, offload_fsdp), "target": 2.0}
 
     print()
     device_name = peak.get("device") or ("cpu (smoke test)" if smoke else "not named (the matmul run failed)")
@@ -696,7 +709,7 @@ def main():
         print(text if ok else f"{text}  {row_note(row)[:160]}")
     for case, r in ratios.items():
         value = next(v for k, v in r.items() if k != "target")
-        print(f"{case:8s} ratio strata / {'PyTorch' if case == 'memory' else 'FSDP2':7s}: "
+        print(f"{case:12s} ratio strata / {'PyTorch' if case == 'memory' else 'FSDP2':7s}: "
               f"{'n/a' if value is None else f'{value:.2f}x'} (target >= {r['target']:.1f}x)")
 
     failed = [r for r in rows if r.get("status") == "failed"]
