@@ -215,7 +215,8 @@ struct Engine::Impl {
   Status load_moments(Rank& rank, int u, const float* m, const float* v);
   Status resume(const CheckpointReader& checkpoint);
   Status save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets);
-  Result<std::string> save_in_processes(const std::string& root, int keep,
+  // ready: this process's steps have finished (Engine::finish).
+  Result<std::string> save_in_processes(Status ready, const std::string& root, int keep,
                                         const std::vector<int64_t>& unit_offsets, int64_t total,
                                         const nlohmann::ordered_json& units);
   // The JSON files and the manifest, then the rename (Engine::save_checkpoint's end).
@@ -883,7 +884,9 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
   Impl& im = *impl_;
   if (im.poisoned)
     return Status::error("engine: an earlier step failed (" + im.poison_reason + "); not saving");
-  if (Status s = finish(); !s) return s;
+  // Several processes agree on it first (save_in_processes).
+  const Status finished = finish();
+  if (!finished && !im.process_mode()) return finished;
   std::vector<int64_t> unit_offsets;
   int64_t total = 0;
   nlohmann::ordered_json units = nlohmann::ordered_json::array();
@@ -894,7 +897,8 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
   }
   // At stage 0 every rank holds the whole state: rank 0 writes it.
   auto writes = [&](const Impl::Rank& rank) { return im.plan.input.stage != 0 || rank.rank == 0; };
-  if (im.process_mode()) return im.save_in_processes(root, keep, unit_offsets, total, units);
+  if (im.process_mode())
+    return im.save_in_processes(finished, root, keep, unit_offsets, total, units);
   Result<CheckpointWriter> writer =
       CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
   if (!writer) return writer.status();
@@ -915,7 +919,7 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
 // One rank of several processes: rank 0 begins the checkpoint, every rank
 // writes its part into the same files, rank 0 finishes it once all have.
 // Every step is followed by an agreement, so a failure on one rank fails all.
-Result<std::string> Engine::Impl::save_in_processes(const std::string& root, int keep,
+Result<std::string> Engine::Impl::save_in_processes(Status ready, const std::string& root, int keep,
                                                     const std::vector<int64_t>& unit_offsets,
                                                     int64_t total,
                                                     const nlohmann::ordered_json& units) {
@@ -924,8 +928,8 @@ Result<std::string> Engine::Impl::save_in_processes(const std::string& root, int
     return this->agree(status, fmt::format("saving a checkpoint: another rank failed to {}", what));
   };
   std::optional<CheckpointWriter> writer;
-  Status begun = Status::ok();
-  if (rank.rank == 0) {
+  Status begun = ready;
+  if (begun && rank.rank == 0) {
     Result<CheckpointWriter> made = CheckpointWriter::begin(root, steps_done, uint64_t(total) * 4);
     if (made)
       writer.emplace(std::move(*made));
@@ -1383,9 +1387,9 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
     rank.partials[size_t(u)] = *partial;
     return Status::ok();
   }
-  if (rank.gpu) {
-    if (Status s = rank.gpu->gradients_ready(op.slot); !s) return s;
-  }
+  // A gradient that failed to arrive still takes part in the collective (with
+  // stale bytes), so the other ranks are not left waiting; the step then fails.
+  const Status arrived = rank.gpu ? rank.gpu->gradients_ready(op.slot) : Status::ok();
   float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
   float* accumulator = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::grad}));
   const int stage = plan.input.stage;
@@ -1405,20 +1409,18 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
         scatter
             ? rank.comm->reduce_scatter(bits, out_bits, size_t(p.shard_numel), comm::DataType::bf16)
             : rank.comm->all_reduce(bits, bits, size_t(p.padded_numel), comm::DataType::bf16);
+    if (!arrived) return arrived;
     if (!status) return status;
     // Widen backwards so no bf16 value is overwritten before it is read.
     const uint16_t* kept = out_bits + kept_from;
     for (int64_t i = count - 1; i >= 0; --i) reduced[i] = kernels::cpu::bf16_to_float(kept[i]);
-  } else if (scatter) {
-    if (Status s = rank.comm->reduce_scatter(buffer, rank.reduce_out, size_t(p.shard_numel),
-                                             comm::DataType::fp32);
-        !s)
-      return s;
   } else {
-    if (Status s =
-            rank.comm->all_reduce(buffer, buffer, size_t(p.padded_numel), comm::DataType::fp32);
-        !s)
-      return s;
+    Status status = scatter ? rank.comm->reduce_scatter(buffer, rank.reduce_out,
+                                                        size_t(p.shard_numel), comm::DataType::fp32)
+                            : rank.comm->all_reduce(buffer, buffer, size_t(p.padded_numel),
+                                                    comm::DataType::fp32);
+    if (!arrived) return arrived;
+    if (!status) return status;
   }
   if (grads_on_gpu()) {
     // The reduced gradient accumulates in its home on the GPU, as below.
@@ -1664,7 +1666,6 @@ Status Engine::finish() {
 }
 
 Status Engine::read_unit_parameters(int unit, float* flat) {
-  if (Status s = finish(); !s) return s;
   Impl& im = *impl_;
   if (unit < 0 || unit >= im.units()) return Status::error(fmt::format("no unit {}", unit));
   const UnitPlacement& p = im.plan.units[size_t(unit)];
@@ -1672,16 +1673,23 @@ Status Engine::read_unit_parameters(int unit, float* flat) {
   const int ranks = im.plan.input.stage == 0 ? 1 : im.world();
   if (im.process_mode() && ranks > 1) {
     // Each process holds one rank's range: read it, then gather every rank's.
+    // The processes agree first, so one that failed does not leave the others waiting.
     Impl::Rank& rank = *im.ranks[0];
     const ShardKey key{unit, master ? ShardKind::master : ShardKind::param};
     const int64_t stored = master ? p.optimizer_numel : p.param_numel;
     std::vector<std::byte> bytes(size_t(stored) * 4);
-    if (Status s = rank.store->read_shard(key, bytes); !s) return s;
+    Status read = finish();
+    if (read) read = rank.store->read_shard(key, bytes);
+    if (Status s =
+            im.agree(read, "another rank failed to read its parameters (its own error says why)");
+        !s)
+      return s;
     const int64_t from =
         master || im.plan.input.stage == 3 ? 0 : im.plan.optimizer_offset(unit, rank.rank);
     return rank.comm->all_gather(bytes.data() + from * 4, flat, size_t(p.optimizer_numel),
                                  comm::DataType::fp32);
   }
+  if (Status s = finish(); !s) return s;
   for (int r = 0; r < ranks; ++r) {
     Impl::Rank& rank = *im.ranks[size_t(r)];
     const int64_t offset = im.plan.optimizer_offset(unit, r);

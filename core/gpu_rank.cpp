@@ -420,7 +420,11 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
   if (!device_params) return device_params.status();
   Result<const std::byte*> device_tied = static_cast<const std::byte*>(nullptr);
   if (tied_params != nullptr) device_tied = g.unit_params(0, tied_params, &tied_slot);
-  if (!device_tied) return device_tied.status();
+  if (!device_tied) {
+    // The head's upload may be in flight: the slot is released only once it is done.
+    if (slot >= 0) (void)g.computed_with(slot);
+    return device_tied.status();
+  }
 
   Status status = Status::ok();
   float* device_grads = target.grads;

@@ -170,10 +170,12 @@ struct TrainingPlan {
            (input.stage < 3 || input.world_size == 1);
   }
   // Gradients accumulate straight into their device home when there is
-  // nothing to reduce (one rank) and the optimizer is on the GPU; otherwise
-  // each unit's gradient goes to a pinned host buffer for the collectives.
+  // nothing to reduce (one rank; a bf16 reduction rounds even then, as on
+  // the CPU backend) and the optimizer is on the GPU; otherwise each unit's
+  // gradient goes to a pinned host buffer for the collectives.
   bool gpu_grads_in_place() const {
-    return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1;
+    return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1 &&
+           !input.reduce_in_bf16;
   }
   // New compute-precision parameters pass through a pinned host buffer: on
   // their way to NVMe, or from the CPU optimizer to their device home.

@@ -10,7 +10,8 @@
 // The arithmetic is then the CPU backend's, so every placement whose
 // gradients pass through host memory must give the CPU backend's losses,
 // gradient norms and weights bitwise, at 1, 2 and 3 ranks, in fp32, bf16,
-// tied, and with the optimizer running during backward; placements whose
+// tied, with a bf16 gradient reduction and with the optimizer running during
+// backward; placements whose
 // gradients accumulate in place (one rank, optimizer on the GPU) accumulate
 // inside the backward, so they agree with each other bitwise and with the
 // CPU backend closely. A run with its state on the GPU resumes bitwise.
@@ -38,7 +39,7 @@ class EngineGpuPaths : public testing::EngineRunsTest {
     return runs;
   }
   static bool grads_in_place(const EngineRun& run) {
-    return run.world == 1 && run.offload_optimizer == "none";
+    return run.world == 1 && run.offload_optimizer == "none" && !run.reduce_in_bf16;
   }
   // Every placement of `runs` against the CPU backend's run of runs[0].
   void expect_cpu_backend_results(std::vector<EngineRun> runs) {
@@ -108,6 +109,19 @@ TEST_F(EngineGpuPaths, OptimizerDuringBackwardGivesTheCpuBackendsResults) {
     run.steps = 2;
   }
   expect_cpu_backend_results(runs);
+}
+
+TEST_F(EngineGpuPaths, Bf16GradientReductionRoundsAsOnTheCpuBackend) {
+  // Even with one rank the reduction rounds each micro-batch's gradient to
+  // bf16, so gradients pass through host memory there too.
+  for (int world : {1, 2}) {
+    std::vector<EngineRun> runs = placements(world, "fp32");
+    for (EngineRun& run : runs) {
+      run.reduce_in_bf16 = true;
+      run.steps = 2;
+    }
+    expect_cpu_backend_results(runs);
+  }
 }
 
 TEST_F(EngineGpuPaths, StateOnTheGpuResumesBitwise) {

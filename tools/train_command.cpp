@@ -521,6 +521,17 @@ class TrainCommand : public Subcommand {
                               ? budgets.host / uint64_t(std::max(1, ranks_on_node))
                               : budgets.host;
     std::string budget_note = budgets.note;
+    if (backend->kind == kernels::BackendKind::cuda && local_ranks > 1) {
+      // Ranks that are threads of this process share its GPU.
+      const kernels::GpuQuery gpus = kernels::query_gpus();
+      if (!gpus.devices.empty() &&
+          uint64_t(local_ranks) * budgets.device > gpus.devices[0].total_bytes)
+        return usage_error(Status::error(fmt::format(
+            "{} ranks as threads share GPU 0 and need {} x {} of its {}; launch one process per "
+            "GPU (`strata launch -n {} -- strata train ...`) or lower --device-mem-limit",
+            local_ranks, local_ranks, format_bytes(double(budgets.device)),
+            format_bytes(double(gpus.devices[0].total_bytes)), local_ranks)));
+    }
     if (plan->peak(tiers::Tier::nvme) > 0)
       budget_note += fmt::format(", nvme {} per rank under {}",
                                  format_bytes(double(plan->peak(tiers::Tier::nvme))),
