@@ -11,10 +11,10 @@
 // gradients pass through host memory must give the CPU backend's losses,
 // gradient norms and weights bitwise, at 1, 2 and 3 ranks, in fp32, bf16,
 // tied, with a bf16 gradient reduction and with the optimizer running during
-// backward; placements whose
-// gradients accumulate in place (one rank, optimizer on the GPU) accumulate
-// inside the backward, so they agree with each other bitwise and with the
-// CPU backend closely. A run with its state on the GPU resumes bitwise.
+// backward; placements whose gradients accumulate in place (one rank,
+// optimizer on the GPU) accumulate inside the backward, so they agree with
+// each other bitwise and with the CPU backend closely. A run with its state
+// on the GPU resumes bitwise.
 #include <gtest/gtest.h>
 
 #include <optional>
