@@ -119,6 +119,16 @@ struct CudaGpuRank::Impl {
   // The unit's parameters on the device: `params` in place, else uploaded
   // into a slot (*slot; -1 when in place).
   Result<const std::byte*> unit_params(int unit, const std::byte* params, int* slot);
+  // A side call's copy, in stream order after the computation enqueued so far; done on return.
+  Status copy(void* to, const void* from, int64_t bytes, cudaMemcpyKind kind, const char* where) {
+    std::lock_guard lock(side);
+    if (Status s = select(); !s) return s;
+    if (Status s = cuda::check_cuda(cudaMemcpyAsync(to, from, size_t(bytes), kind, compute),
+                                    fmt::format("copying {} bytes {}", bytes, where));
+        !s)
+      return s;
+    return side_wait("waiting for a copy between host and GPU");
+  }
   // Waits for everything enqueued on the compute stream so far (side calls).
   Status side_wait(const char* what) {
     if (Status s = cuda::check_cuda(cudaEventRecord(side_done, compute), what); !s) return s;
@@ -552,27 +562,11 @@ std::byte* CudaGpuRank::new_parameter_buffer() const {
 }
 
 Status CudaGpuRank::download(void* host, const void* device, int64_t bytes) {
-  Impl& g = *impl_;
-  std::lock_guard lock(g.side);
-  if (Status s = g.select(); !s) return s;
-  if (Status s = cuda::check_cuda(
-          cudaMemcpyAsync(host, device, size_t(bytes), cudaMemcpyDeviceToHost, g.compute),
-          fmt::format("copying {} bytes from the GPU", bytes));
-      !s)
-    return s;
-  return g.side_wait("waiting for a copy from the GPU");
+  return impl_->copy(host, device, bytes, cudaMemcpyDeviceToHost, "from the GPU");
 }
 
 Status CudaGpuRank::upload(void* device, const void* host, int64_t bytes) {
-  Impl& g = *impl_;
-  std::lock_guard lock(g.side);
-  if (Status s = g.select(); !s) return s;
-  if (Status s = cuda::check_cuda(
-          cudaMemcpyAsync(device, host, size_t(bytes), cudaMemcpyHostToDevice, g.compute),
-          fmt::format("copying {} bytes to the GPU", bytes));
-      !s)
-    return s;
-  return g.side_wait("waiting for a copy to the GPU");
+  return impl_->copy(device, host, bytes, cudaMemcpyHostToDevice, "to the GPU");
 }
 
 Status CudaGpuRank::accumulate(float* device, const float* host, int64_t numel, bool first) {

@@ -300,26 +300,7 @@ TEST_F(CudaEngine, ResidentStateMatchesTheCpuBackendAndTheOffloadedRun) {
 TEST_F(CudaEngine, ResidentStateResumesBitwise) {
   EngineRun run = resident_run("bf16");
   run.steps = 4;
-  const EngineOutcome straight = train(run);
-  Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(options.is_ok());
-  Result<std::unique_ptr<Engine>> first = Engine::create(*options);
-  ASSERT_TRUE(first.is_ok()) << first.status().message();
-  for (int s = 0; s < 2; ++s) ASSERT_TRUE((*first)->step().is_ok());
-  Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/ckpt");
-  ASSERT_TRUE(saved.is_ok()) << saved.status().message();
-  first->reset();
-  options->resume_from = *saved;
-  Result<std::unique_ptr<Engine>> second = Engine::create(*options);
-  ASSERT_TRUE(second.is_ok()) << second.status().message();
-  for (int s = 2; s < 4; ++s) {
-    Result<StepResult> step = (*second)->step();
-    ASSERT_TRUE(step.is_ok()) << step.status().message();
-    EXPECT_EQ(step->loss, straight.steps[size_t(s)].loss) << "step " << s + 1;
-  }
-  Result<HostModel> weights = (*second)->read_model();
-  ASSERT_TRUE(weights.is_ok());
-  EXPECT_TRUE(testing::weights_bitwise_equal(*weights, straight.weights));
+  expect_resumes_bitwise(run, 2);
 }
 
 // Placements whose optimizer runs on the CPU and those whose optimizer runs

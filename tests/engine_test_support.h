@@ -252,6 +252,30 @@ class EngineRunsTest : public ::testing::Test {
     if (!outcome) return {};
     return std::move(*outcome);
   }
+  // `run` saved after `save_after` steps and resumed in a new engine gives
+  // the straight run's remaining losses and final weights bitwise.
+  void expect_resumes_bitwise(const EngineRun& run, int save_after) {
+    const EngineOutcome straight = train(run);
+    Result<EngineOptions> options = engine_options(run, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok()) << options.status().message();
+    Result<std::unique_ptr<Engine>> first = Engine::create(*options);
+    ASSERT_TRUE(first.is_ok()) << run.label() << ": " << first.status().message();
+    for (int s = 0; s < save_after; ++s) ASSERT_TRUE((*first)->step().is_ok()) << run.label();
+    Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/resume-ckpt");
+    ASSERT_TRUE(saved.is_ok()) << run.label() << ": " << saved.status().message();
+    first->reset();
+    options->resume_from = *saved;
+    Result<std::unique_ptr<Engine>> second = Engine::create(*options);
+    ASSERT_TRUE(second.is_ok()) << run.label() << ": " << second.status().message();
+    for (int s = save_after; s < run.steps; ++s) {
+      Result<StepResult> step = (*second)->step();
+      ASSERT_TRUE(step.is_ok()) << run.label() << ": " << step.status().message();
+      EXPECT_EQ(step->loss, straight.steps[size_t(s)].loss) << run.label() << ", step " << s + 1;
+    }
+    Result<HostModel> weights = (*second)->read_model();
+    ASSERT_TRUE(weights.is_ok()) << run.label();
+    EXPECT_TRUE(weights_bitwise_equal(*weights, straight.weights)) << run.label();
+  }
 
   std::string seed_label_;
   io::testing::TemporaryDirectory dir_;
