@@ -59,22 +59,19 @@ class DeviceScope {
   int previous_ = -1;
 };
 
-// Device memory this communicator owns, grown to the largest request so far.
+// Device memory this communicator owns, grown to the largest request so far,
+// or memory handed to it (adopt), used as long as requests fit.
 class StagingBuffer {
  public:
   StagingBuffer() = default;
-  ~StagingBuffer() {
-    if (data_) cudaFree(data_);
-  }
+  ~StagingBuffer() { release(); }
   StagingBuffer(const StagingBuffer&) = delete;
   StagingBuffer& operator=(const StagingBuffer&) = delete;
 
   // At least `bytes` of device memory, or the CUDA error.
   cudaError_t reserve(size_t bytes) {
     if (bytes <= bytes_) return cudaSuccess;
-    if (data_) cudaFree(data_);
-    data_ = nullptr;
-    bytes_ = 0;
+    release();
     const cudaError_t error = cudaMalloc(&data_, bytes);
     if (error != cudaSuccess) {
       data_ = nullptr;
@@ -85,15 +82,24 @@ class StagingBuffer {
     return cudaSuccess;
   }
   void* get() const { return data_; }
+  // Uses `bytes` at `data` (not freed here) from now on.
+  void adopt(void* data, size_t bytes) {
+    release();
+    data_ = data;
+    bytes_ = bytes;
+    owned_ = false;
+  }
   void release() {
-    if (data_) cudaFree(data_);
+    if (data_ && owned_) cudaFree(data_);
     data_ = nullptr;
     bytes_ = 0;
+    owned_ = true;
   }
 
  private:
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  bool owned_ = true;
 };
 
 // One collective call, for error messages: "all_reduce of 1000 bf16 elements".
@@ -185,6 +191,11 @@ class NcclCommImpl final : public NcclComm {
                       [&](const void* s, void* r, cudaStream_t stream) {
                         return ncclBroadcast(s, r, count, nccl_type(dtype), root, comm_, stream);
                       });
+  }
+
+  void use_staging(void* send, void* recv, size_t bytes) override {
+    staging_send_.adopt(send, bytes);
+    staging_recv_.adopt(recv, bytes);
   }
 
   Status barrier() override {

@@ -59,6 +59,11 @@ class NcclComm : public Communicator {
   virtual int gpu_index() const = 0;
   // The communicator's own stream, on which the synchronous calls run.
   virtual CUstream_st* stream() const = 0;
+  // Host buffers are staged through device memory of this communicator's
+  // own, allocated at the first call that needs it (and grown). This hands
+  // it two buffers of `bytes` on its GPU instead (a caller's pool), used for
+  // every call that fits; they must outlive the communicator's calls.
+  virtual void use_staging(void* send, void* recv, size_t bytes) = 0;
 
   // Enqueue on `stream` (nullptr: the legacy default stream) and return without
   // waiting. Device buffers of this GPU only; host pointers are refused.

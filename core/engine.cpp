@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "comm/communicator.h"
+#include "comm/nccl_comm.h"
 #include "core/checkpoint.h"
 #include "core/gpu_rank.h"
 #include "core/planner.h"
@@ -378,6 +379,9 @@ Engine::~Engine() {
   (void)finish();
   for (auto& rank : impl_->ranks)
     for (auto& lane : rank->lanes) lane.reset();
+  // NCCL's staging came from this engine's device pool, which goes with it.
+  if (auto* nccl = dynamic_cast<comm::NcclComm*>(impl_->options.process_comm.get()))
+    nccl->use_staging(nullptr, nullptr, 0);
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
@@ -386,6 +390,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   if (!options.data) return Status::error("engine: no data source");
   TrainingPlanInput input = training_plan_input(options.model, config);
   input.gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
+  input.nccl_staging =
+      input.gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr;
   Result<TrainingPlan> plan = build_training_plan(input);
   if (!plan) return plan.status();
   impl->plan = std::move(*plan);
@@ -648,6 +654,15 @@ Status Engine::Impl::open_rank(Rank& rank) {
   if (Status t = take(staging(2 * N * 4 * in.grad_accum, "tokens and targets"), ids); !t) return t;
   rank.tokens = ids;
   rank.targets = ids + N * in.grad_accum;
+  if (plan.input.nccl_staging) {
+    // NCCL stages the collectives' host buffers through the pool, not memory of its own.
+    std::byte* send = nullptr;
+    std::byte* recv = nullptr;
+    if (Status t = take(device(largest_padded * 4, "NCCL staging (send)"), send); !t) return t;
+    if (Status t = take(device(largest_padded * 4, "NCCL staging (receive)"), recv); !t) return t;
+    if (auto* nccl = dynamic_cast<comm::NcclComm*>(rank.comm.get()))
+      nccl->use_staging(send, recv, size_t(largest_padded) * 4);
+  }
   if (gpu) {
     Result<std::unique_ptr<GpuRank>> created =
         options.emulate_gpu

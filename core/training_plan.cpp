@@ -416,6 +416,9 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     }
     if (plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device && cb != 4)
       add_buffer("device new parameter shard", Tier::device, largest_optimizer * cb);
+    if (in.nccl_staging)
+      add_buffer("NCCL staging (2 x largest unit, fp32)", Tier::device,
+                 2 * round_up(largest_padded * 4, page));
     add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
     add_buffer("activation gradient", Tier::device, N * C * cb);
     add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);

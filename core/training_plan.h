@@ -71,6 +71,10 @@ struct TrainingPlanInput {
   // device homes are GPU memory; the collectives and the CPU optimizer work
   // on pinned host buffers, and the device holds the compute working set.
   bool gpu = false;
+  // One process per GPU talking through NCCL (comm/nccl_comm.h): the
+  // collectives' host buffers are staged through two device buffers of the
+  // largest collective, taken from the device budget.
+  bool nccl_staging = false;
   int fetch_slots = 5;        // offload_param.buffer_count
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count
   int64_t optimizer_chunk_elements = int64_t{1}

@@ -17,6 +17,7 @@
 // the straight run bitwise; the device peak stays within the plan and the budget.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -175,6 +176,27 @@ TEST(CudaEnginePlan, ResidentStateIsAllOnTheDevice) {
       }
     }
   }
+}
+
+TEST(CudaEnginePlan, OneProcessPerGpuChargesNcclStagingToTheDevice) {
+  EngineRun run = resident_run("bf16");
+  run.stage = 2;
+  run.world = 2;
+  Result<TrainConfig> config = testing::engine_config(run, "/nonexistent-nvme-dir");
+  ASSERT_TRUE(config.is_ok());
+  TrainingPlanInput input = training_plan_input(testing::small_gqa_model(), *config);
+  input.gpu = true;
+  Result<TrainingPlan> threads = build_training_plan(input);
+  input.nccl_staging = true;
+  Result<TrainingPlan> processes = build_training_plan(input);
+  ASSERT_TRUE(threads.is_ok() && processes.is_ok());
+  int64_t largest_padded = 0;
+  for (const UnitPlacement& p : processes->units)
+    largest_padded = std::max(largest_padded, p.padded_numel);
+  EXPECT_FALSE(has_buffer(*threads, "NCCL staging", tiers::Tier::device));
+  EXPECT_TRUE(has_buffer(*processes, "NCCL staging", tiers::Tier::device));
+  EXPECT_GE(processes->peak(tiers::Tier::device) - threads->peak(tiers::Tier::device),
+            2 * largest_padded * 4);
 }
 
 TEST(CudaEnginePlan, RefusesParameterOffloadBelowStage3AsTheCpuBackendDoes) {

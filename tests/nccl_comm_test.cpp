@@ -358,6 +358,30 @@ TEST_F(NcclCommOneRank, AsyncCallsRunOnTheCallersStream) {
   cudaStreamDestroy(stream);
 }
 
+TEST_F(NcclCommOneRank, StagesHostBuffersThroughTheBuffersItIsGiven) {
+  const uint32_t seed = fresh_seed();
+  const size_t limit = 5000 * 4;  // check_collectives' largest call at one rank
+  Buffer send(limit, true), recv(limit, true);
+  send.write(std::vector<uint8_t>(limit, 0xA5));
+  comm_->use_staging(send.get(), recv.get(), limit);
+  // A host all-reduce passes through the given send buffer.
+  const size_t count = 100 + seed % 900;
+  const std::vector<float> input = random_values(count, DataType::fp32, seed);
+  std::vector<uint8_t> host = encode(input, DataType::fp32);
+  expect_ok(comm_->all_reduce(host.data(), host.data(), count, DataType::fp32), "staged");
+  const std::vector<uint8_t> staged = send.read();
+  EXPECT_TRUE(std::equal(host.begin(), host.end(), staged.begin()))
+      << "the given buffer was not used";
+  check_collectives(*comm_, seed);
+  // Buffers too small for a call: the communicator allocates its own for it.
+  Buffer small_send(64, true), small_recv(64, true);
+  comm_->use_staging(small_send.get(), small_recv.get(), 64);
+  check_collectives(*comm_, seed + 1);
+  // Back to memory of its own.
+  comm_->use_staging(nullptr, nullptr, 0);
+  check_collectives(*comm_, seed + 2);
+}
+
 TEST_F(NcclCommOneRank, ArgumentErrorsNameTheCollective) {
   std::vector<float> host(16);
   expect_one_line_error(comm_->broadcast(host.data(), 16, DataType::bf16, 1),

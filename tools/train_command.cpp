@@ -428,6 +428,8 @@ class TrainCommand : public Subcommand {
     if (!backend) return usage_error(backend.status());
     TrainingPlanInput plan_input = training_plan_input(*model, config);
     plan_input.gpu = backend->kind == kernels::BackendKind::cuda;
+    // Launched on GPUs, each process talks to the others through NCCL (below).
+    plan_input.nccl_staging = plan_input.gpu && launch.has_value();
     Result<TrainingPlan> plan = build_training_plan(plan_input);
     if (!plan) return usage_error(plan.status());
     if (print_plan_) {
