@@ -117,10 +117,7 @@ class SocketComm final : public Communicator {
 
   Status all_gather(const void* send, void* recv, size_t count, DataType dtype) override {
     const size_t element = dtype_bytes(dtype);
-    const size_t step = elements_per_exchange(element);
-    size_t first = 0;
-    do {
-      const size_t n = std::min(step, count - first);
+    return in_pieces(count, elements_per_exchange(element), [&](size_t first, size_t n) -> Status {
       Result<std::vector<Blob>> messages =
           exchange({Collective::all_gather, dtype, count, 0, first},
                    static_cast<const char*>(send) + first * element, n * element);
@@ -129,9 +126,8 @@ class SocketComm final : public Communicator {
         std::memcpy(static_cast<char*>(recv) + (r * count + first) * element,
                     (*messages)[r].data() + kHeaderBytes, n * element);
       }
-      first += n;
-    } while (first < count);
-    return Status::ok();
+      return Status::ok();
+    });
   }
 
   Status reduce_scatter(const void* send, void* recv, size_t count, DataType dtype) override {
@@ -141,9 +137,7 @@ class SocketComm final : public Communicator {
     const size_t step = std::max<size_t>(1, elements_per_exchange(element) / world_size_);
     std::vector<char> data;
     std::vector<float> sums;
-    size_t first = 0;
-    do {
-      const size_t n = std::min(step, count - first);
+    return in_pieces(count, step, [&](size_t first, size_t n) -> Status {
       data.resize(world_size_ * n * element);
       for (int q = 0; q < world_size_ && n > 0; ++q) {
         std::memcpy(data.data() + q * n * element,
@@ -159,20 +153,16 @@ class SocketComm final : public Communicator {
       sums.resize(n);
       sum_in_rank_order(sources, 0, n, dtype, sums.data());
       store_sums(sums.data(), n, dtype, recv, first);
-      first += n;
-    } while (first < count);
-    return Status::ok();
+      return Status::ok();
+    });
   }
 
   Status all_reduce(const void* send, void* recv, size_t count, DataType dtype) override {
     // send may be recv: an exchange copies its part of send before this rank
     // writes the same part of recv, and later exchanges read later parts.
     const size_t element = dtype_bytes(dtype);
-    const size_t step = elements_per_exchange(element);
     std::vector<float> sums;
-    size_t first = 0;
-    do {
-      const size_t n = std::min(step, count - first);
+    return in_pieces(count, elements_per_exchange(element), [&](size_t first, size_t n) -> Status {
       Result<std::vector<Blob>> messages =
           exchange({Collective::all_reduce, dtype, count, 0, first},
                    static_cast<const char*>(send) + first * element, n * element);
@@ -182,19 +172,15 @@ class SocketComm final : public Communicator {
       sums.resize(n);
       sum_in_rank_order(sources, 0, n, dtype, sums.data());
       store_sums(sums.data(), n, dtype, recv, first);
-      first += n;
-    } while (first < count);
-    return Status::ok();
+      return Status::ok();
+    });
   }
 
   Status broadcast(void* buffer, size_t count, DataType dtype, int root) override {
     // The root is checked after the first exchange, so that a bad root fails
     // on every rank alike instead of leaving the others waiting.
     const size_t element = dtype_bytes(dtype);
-    const size_t step = elements_per_exchange(element);
-    size_t first = 0;
-    do {
-      const size_t n = std::min(step, count - first);
+    return in_pieces(count, elements_per_exchange(element), [&](size_t first, size_t n) -> Status {
       Result<std::vector<Blob>> messages =
           exchange({Collective::broadcast, dtype, count, root, first},
                    static_cast<const char*>(buffer) + first * element, n * element, root);
@@ -209,9 +195,8 @@ class SocketComm final : public Communicator {
         std::memcpy(static_cast<char*>(buffer) + first * element,
                     (*messages)[root].data() + kHeaderBytes, n * element);
       }
-      first += n;
-    } while (first < count);
-    return Status::ok();
+      return Status::ok();
+    });
   }
 
   Status barrier() override {
@@ -219,6 +204,19 @@ class SocketComm final : public Communicator {
   }
 
  private:
+  // Runs body(first, n) over the elements [0, count) in pieces of at most
+  // `step`, stopping at the first error; a count of 0 is one empty piece, so
+  // every rank still exchanges (and disagreements still surface).
+  template <typename Body>
+  static Status in_pieces(size_t count, size_t step, Body&& body) {
+    size_t first = 0;
+    do {
+      const size_t n = std::min(step, count - first);
+      if (Status s = body(first, n); !s) return s;
+      first += n;
+    } while (first < count);
+    return Status::ok();
+  }
   // Elements of `element` bytes that one rank sends in one exchange (at least one).
   size_t elements_per_exchange(size_t element) const {
     return std::max<size_t>(1, exchange_bytes_ / element);
