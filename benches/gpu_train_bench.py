@@ -55,6 +55,7 @@ torch"). It checks the script, not the figures.
 """
 import argparse
 import array
+import contextlib
 import json
 import math
 import os
@@ -319,6 +320,31 @@ def timed_steps(torch, device, step, warmup, steps):
     return times
 
 
+def train_steps(torch, spec, model, optimizer, precision):
+    """Trains spec's warm-up and measured steps on spec's tokens, each forward
+    under the context `precision`; returns the row's step times, losses,
+    AdamW kind and peak device memory."""
+    device = spec["device"]
+    data = batches(torch, spec["data"], spec["micro_batch"], spec["seq_len"], device)
+    losses = []
+
+    def step():
+        inputs, targets = next(data)
+        with precision:
+            loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = timed_steps(torch, device, step, spec["warmup"], spec["steps"])
+    return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": optimizer.kind,
+            "adamw_note": optimizer.note,
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}
+
+
 def worker_peak(torch, spec):
     """bf16 torch.matmul rate (FLOP/s) on the GPU, timed with CUDA events after warm-up."""
     n = spec.get("n", MATMUL_N)
@@ -348,25 +374,9 @@ def worker_torch_memory(torch, spec):
     Llama = torch_model_classes(torch)
     model = build_model(torch, Llama, cfg, device, checkpoint_layers=spec["torch_checkpoint"])
     optimizer = Optimizer(torch, model.parameters(), device)
-    data = batches(torch, spec["data"], spec["micro_batch"], spec["seq_len"], device)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
-    losses = []
-
-    def step():
-        inputs, targets = next(data)
-        with autocast:
-            loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = timed_steps(torch, device, step, spec["warmup"], spec["steps"])
-    return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": optimizer.kind,
-            "adamw_note": optimizer.note, "parameters": sum(p.numel() for p in model.parameters()),
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+    return {**train_steps(torch, spec, model, optimizer, autocast),
+            "parameters": sum(p.numel() for p in model.parameters()),
             "precision": "fp32 parameters, bf16 autocast" + (", per-layer checkpointing" if spec["torch_checkpoint"]
                                                               else "")}
 
@@ -413,23 +423,8 @@ def worker_fsdp2(torch, spec):
         fully_shard(model, **options)
         where = {p.device.type for p in model.parameters()}
         optimizer = Optimizer(torch, model.parameters(), "cpu")
-        data = batches(torch, spec["data"], spec["micro_batch"], spec["seq_len"], device)
-        losses = []
-
-        def step():
-            inputs, targets = next(data)
-            loss = model(inputs, targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times = timed_steps(torch, device, step, spec["warmup"], spec["steps"])
-        return {"step_times_s": times, "losses": [float(l) for l in losses], "adamw": optimizer.kind,
-                "adamw_note": optimizer.note, "parameter_devices": sorted(where),
-                "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        return {**train_steps(torch, spec, model, optimizer, contextlib.nullcontext()),
+                "parameter_devices": sorted(where),
                 "precision": "fp32 sharded parameters on the host, bf16 param_dtype, fp32 reduce_dtype"}
     finally:
         dist.destroy_process_group()
