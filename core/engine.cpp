@@ -42,33 +42,6 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-ElementType element_type(Precision precision) {
-  switch (precision) {
-    case Precision::fp32:
-      return ElementType::f32;
-    case Precision::bf16:
-      return ElementType::bf16;
-    case Precision::fp16:
-      return ElementType::f16;
-  }
-  return ElementType::f32;
-}
-
-// Widens (n) compute-precision elements to fp32.
-void widen(const std::byte* source, ElementType type, float* out, int64_t n) {
-  if (type == ElementType::f32) {
-    std::memcpy(out, source, size_t(n) * 4);
-    return;
-  }
-  const auto* bits = reinterpret_cast<const uint16_t*>(source);
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16),
-                    [&](const tbb::blocked_range<int64_t>& r) {
-                      for (int64_t i = r.begin(); i < r.end(); ++i)
-                        out[i] = type == ElementType::bf16 ? kernels::cpu::bf16_to_float(bits[i])
-                                                           : kernels::cpu::f16_to_float(bits[i]);
-                    });
-}
-
 // Narrows (n) fp32 elements to the compute precision (round to nearest even).
 void narrow(const float* source, ElementType type, std::byte* out, int64_t n) {
   if (type == ElementType::f32) {
@@ -194,7 +167,7 @@ struct Engine::Impl {
   std::mutex params_mutex;
   std::condition_variable params_changed;
 
-  ElementType compute_type() const { return element_type(plan.input.precision); }
+  ElementType compute_type() const { return plan.compute_type(); }
   // One rank of several processes (EngineOptions::process_comm).
   bool process_mode() const { return options.process_comm != nullptr; }
   // True on every process when `flag` is true on any (process mode; else `flag`).
@@ -1243,7 +1216,8 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
   if (plan.compute_bytes != 4 && !rank.gpu)
-    widen(target, compute_type(), rank.gathered_fp32[size_t(op.slot)], p.padded_numel);
+    kernels::cpu::widen_to_float(target, compute_type(), rank.gathered_fp32[size_t(op.slot)],
+                                 p.padded_numel);
   return Status::ok();
 }
 
@@ -1265,7 +1239,7 @@ const float* Engine::Impl::unit_params_fp32(Rank& rank, StepRun& run, int op_ind
   const std::byte* home = home_data(rank, {unit, ShardKind::param});
   if (plan.compute_bytes == 4) return reinterpret_cast<const float*>(home);
   float* out = rank.widened[size_t(which)];
-  widen(home, compute_type(), out, plan.units[size_t(unit)].padded_numel);
+  kernels::cpu::widen_to_float(home, compute_type(), out, plan.units[size_t(unit)].padded_numel);
   return out;
 }
 

@@ -141,11 +141,10 @@ class EmulatedGpuRank final : public GpuRank {
     shard.exp_avg_sq = v;
     shard.grad = grad;
     shard.grad_type = ElementType::f32;
-    const bool narrow = copy != nullptr && plan_.compute_bytes != 4;
+    const bool narrow = copy != nullptr && plan_.compute_type() != ElementType::f32;
     if (narrow) {
       shard.copy = copy;
-      shard.copy_type =
-          plan_.input.precision == Precision::fp16 ? ElementType::f16 : ElementType::bf16;
+      shard.copy_type = plan_.compute_type();
     }
     if (Status s = kernels::cpu::adamw_step(shard, hyper); !s) return s;
     if (copy != nullptr && !narrow) std::memcpy(copy, master, size_t(numel) * 4);
@@ -170,17 +169,9 @@ class EmulatedGpuRank final : public GpuRank {
   }
   // Unit `unit`'s compute-precision parameters in fp32 (buffer `which`).
   const float* widen(int unit, const std::byte* params, int which) {
-    const int64_t n = plan_.units[size_t(unit)].padded_numel;
     std::vector<float>& out = widened_[size_t(which)];
-    if (plan_.compute_bytes == 4) {
-      std::memcpy(out.data(), params, size_t(n) * 4);
-      return out.data();
-    }
-    const auto* bits = reinterpret_cast<const uint16_t*>(params);
-    const bool bf16 = plan_.input.precision == Precision::bf16;
-    for (int64_t i = 0; i < n; ++i)
-      out[size_t(i)] =
-          bf16 ? kernels::cpu::bf16_to_float(bits[i]) : kernels::cpu::f16_to_float(bits[i]);
+    kernels::cpu::widen_to_float(params, plan_.compute_type(), out.data(),
+                                 plan_.units[size_t(unit)].padded_numel);
     return out.data();
   }
 

@@ -295,6 +295,18 @@ std::string op_label(const TrainingPlan& plan, const PlanOp& op) {
   return out;
 }
 
+kernels::cpu::ElementType TrainingPlan::compute_type() const {
+  switch (input.precision) {
+    case Precision::fp32:
+      return kernels::cpu::ElementType::f32;
+    case Precision::bf16:
+      return kernels::cpu::ElementType::bf16;
+    case Precision::fp16:
+      return kernels::cpu::ElementType::f16;
+  }
+  return kernels::cpu::ElementType::f32;
+}
+
 int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
   return input.stage == 0 ? 0 : int64_t(rank) * units[size_t(u)].shard_numel;
 }

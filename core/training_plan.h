@@ -45,6 +45,7 @@
 #include "core/model.h"
 #include "core/model_config.h"
 #include "io/status.h"
+#include "kernels/cpu/simd.h"
 #include "tiers/tier.h"
 
 namespace strata {
@@ -164,6 +165,8 @@ struct TrainingPlan {
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
   // Rank r's range of unit u's flat buffer that its optimizer state covers.
   int64_t optimizer_offset(int u, int rank) const;
+  // The parameters' element type: the compute precision.
+  kernels::cpu::ElementType compute_type() const;
 
   // The CUDA backend's data paths (core/gpu_rank.h). The units compute
   // straight from the parameters' device home when each rank holds whole

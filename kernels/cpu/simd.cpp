@@ -1,10 +1,12 @@
 #include "kernels/cpu/simd.h"
 
 #include <cpuid.h>
+#include <tbb/parallel_for.h>
 
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace strata::kernels::cpu {
@@ -38,7 +40,8 @@ SimdLevel environment_cap(SimdLevel cpu) {
   if (name == "avx2") wanted = SimdLevel::avx2;
   if (name == "avx512") wanted = SimdLevel::avx512;
   if (name != "scalar" && name != "avx2" && name != "avx512") {
-    std::fprintf(stderr, "warning: STRATA_SIMD='%s' is not scalar, avx2 or avx512; ignored\n", value);
+    std::fprintf(stderr, "warning: STRATA_SIMD='%s' is not scalar, avx2 or avx512; ignored\n",
+                 value);
   }
   return static_cast<int>(wanted) < static_cast<int>(cpu) ? wanted : cpu;
 }
@@ -97,6 +100,19 @@ Status force_simd_level(SimdLevel level) {
 
 void reset_simd_level() {
   forced_level.store(-1, std::memory_order_relaxed);
+}
+
+void widen_to_float(const void* source, ElementType type, float* out, int64_t n) {
+  if (type == ElementType::f32) {
+    std::memcpy(out, source, size_t(n) * 4);
+    return;
+  }
+  const auto* bits = static_cast<const uint16_t*>(source);
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t i = r.begin(); i < r.end(); ++i)
+          out[i] = type == ElementType::bf16 ? bf16_to_float(bits[i]) : f16_to_float(bits[i]);
+      });
 }
 
 }  // namespace strata::kernels::cpu

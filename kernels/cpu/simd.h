@@ -37,6 +37,9 @@ std::string_view simd_level_name(SimdLevel level);
 std::string_view element_type_name(ElementType type);
 std::size_t element_size(ElementType type);
 
+// Widens n elements of `type` to fp32 (exact), in parallel for large arrays.
+void widen_to_float(const void* source, ElementType type, float* out, int64_t n);
+
 // The best level this CPU (and its operating system) supports.
 SimdLevel cpu_simd_level();
 
