@@ -67,7 +67,7 @@ import sys
 import tempfile
 import time
 
-# Hugging Face config.json fields of strata's presets (core/model_config.cpp).
+# Hugging Face config.json fields of strata's presets (core/model/model_config.cpp).
 PRESETS = {
     "llama3.2-1b": {
         "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,

@@ -29,8 +29,8 @@
 #include <string>
 #include <vector>
 
-#include "core/optimizer.h"
-#include "core/streamed_optimizer.h"
+#include "core/optimizer/optimizer.h"
+#include "core/optimizer/streamed_optimizer.h"
 #include "io/aligned_buffer.h"
 
 namespace {

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::comm {
 

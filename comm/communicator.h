@@ -34,7 +34,7 @@
 #include <memory>
 #include <vector>
 
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::comm {
 

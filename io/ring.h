@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::io {
 

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "io/base/sizes.h"
 #include "io/errno_text.h"
 
 namespace strata::io {
@@ -67,14 +68,6 @@ Result<bool> probe_direct_io(const std::string& directory, uint64_t alignment) {
 }
 
 }  // namespace
-
-std::string format_bytes(uint64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = double(bytes);
-  int unit = 0;
-  while (value >= 1024 && unit < 4) value /= 1024, ++unit;
-  return unit == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", value, units[unit]);
-}
 
 Result<DirectoryInfo> inspect_swap_directory(const std::string& directory) {
   struct stat info {};

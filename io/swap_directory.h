@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::io {
 
@@ -35,6 +35,5 @@ struct SwapFileHandle {
 Result<SwapFileHandle> open_swap_file(const std::string& directory, const std::string& name,
                                       uint64_t size, bool direct_io);
 
-std::string format_bytes(uint64_t bytes);  // "4.0 GiB"
 
 }  // namespace strata::io

@@ -2,7 +2,7 @@
 // falls back to the CPU with a one-line notice; asking for CUDA there is an error.
 #include <gtest/gtest.h>
 
-#include "core/backend_choice.h"
+#include "core/config/backend_choice.h"
 
 namespace strata {
 namespace {

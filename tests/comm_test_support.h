@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "comm/bootstrap.h"
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::comm::testing {
 

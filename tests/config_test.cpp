@@ -9,7 +9,7 @@
 #include <regex>
 #include <unistd.h>
 
-#include "core/config.h"
+#include "core/config/config.h"
 
 namespace strata {
 namespace {

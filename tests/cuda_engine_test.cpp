@@ -1,4 +1,4 @@
-// The engine on the CUDA backend (core/gpu_rank.h), in every placement of
+// The engine on the CUDA backend (core/engine/gpu_rank.h), in every placement of
 // the engine's stage x offload matrix.
 //
 // Everywhere: each placement's plan puts each kind of state where the
@@ -22,8 +22,8 @@
 #include <optional>
 #include <string>
 
-#include "core/engine.h"
-#include "core/training_plan.h"
+#include "core/engine/engine.h"
+#include "core/plan/training_plan.h"
 #include "engine_test_support.h"
 #include "kernels/backend.h"
 

@@ -1,10 +1,10 @@
 // A whole model's forward and backward on the GPU against the CPU backend's
-// model_forward_backward (core/model.h), on a small Llama with grouped-query
+// model_forward_backward (core/model/model.h), on a small Llama with grouped-query
 // heads, llama3 RoPE scaling, a sequence length that is not a multiple of the
 // attention tiles, tied and untied heads.
 //
-// GpuUnits below drives core/cuda_units.h (the units the engine's CUDA backend
-// runs: the same fused qkv and gate/up products as core/model.cpp's
+// GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
+// runs: the same fused qkv and gate/up products as core/model/model.cpp's
 // UnitKernels, residuals added by accumulating products, per-unit
 // recomputation in the backward) over a whole model.
 // fp32: the loss and every parameter gradient within 1e-4 relative error of the
@@ -23,8 +23,8 @@
 #include <random>
 #include <vector>
 
-#include "core/cuda_units.h"
-#include "core/model.h"
+#include "core/model/cuda_units.h"
+#include "core/model/model.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/ops.h"
 #include "tests/cuda_test_support.h"
@@ -53,8 +53,8 @@ ModelConfig small_config(bool tied) {
   return c;
 }
 
-// Runs the units of `model` on the GPU through core/cuda_units.h (what the
-// engine's CUDA backend runs), in the order of core/model.cpp's
+// Runs the units of `model` on the GPU through core/model/cuda_units.h (what the
+// engine's CUDA backend runs), in the order of core/model/model.cpp's
 // model_forward_backward. Parameters are copied once (cast on the device);
 // gradients accumulate in fp32 per unit. The last layer's backward reuses the
 // activations of its forward (no recomputation), as the engine does.
@@ -83,7 +83,7 @@ class GpuUnits {
     losses_ = buffer(N, DType::f32);
   }
 
-  // One micro-batch, as core/model.cpp's model_forward_backward: returns the
+  // One micro-batch, as core/model/model.cpp's model_forward_backward: returns the
   // sum of token losses; gradients accumulate into grads().
   double forward_backward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets,
                           float loss_scale) {

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "core/checkpoint.h"
+#include "core/checkpoint/checkpoint.h"
 #include "engine_test_support.h"
 
 namespace strata {

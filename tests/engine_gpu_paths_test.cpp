@@ -20,7 +20,7 @@
 #include <optional>
 #include <string>
 
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "engine_test_support.h"
 
 namespace strata {

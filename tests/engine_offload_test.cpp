@@ -11,7 +11,7 @@
 #include <mutex>
 #include <thread>
 
-#include "core/planner.h"
+#include "core/plan/planner.h"
 #include "engine_test_support.h"
 
 namespace strata {
@@ -72,7 +72,7 @@ TEST_F(EngineOffload, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
 }
 
 TEST_F(EngineOffload, PlanStatesMatchThePlannersAccounting) {
-  // The plan's model-state lines are the planner's strata accounting (core/planner.h).
+  // The plan's model-state lines are the planner's strata accounting (core/plan/planner.h).
   for (EngineRun run : testing::every_placement(2, "bf16")) {
     Result<TrainConfig> config = testing::engine_config(run, dir_.path());
     ASSERT_TRUE(config.is_ok()) << config.status().message();

@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "core/config.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/token_data.h"
+#include "core/config/config.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/data/token_data.h"
 #include "tiers_test_support.h"
 
 namespace strata::testing {

@@ -1,6 +1,6 @@
 // The fp16 loss scaler's state machine, step by step, against DeepSpeed's
-// DynamicLossScaler rules (core/loss_scaler.h).
-#include "core/loss_scaler.h"
+// DynamicLossScaler rules (core/optimizer/loss_scaler.h).
+#include "core/optimizer/loss_scaler.h"
 
 #include <gtest/gtest.h>
 

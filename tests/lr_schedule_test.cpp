@@ -1,6 +1,6 @@
 // DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, step by step
-// (deepspeed/runtime/lr_schedules.py), through core/lr_schedule.h.
-#include "core/lr_schedule.h"
+// (deepspeed/runtime/lr_schedules.py), through core/optimizer/lr_schedule.h.
+#include "core/optimizer/lr_schedule.h"
 
 #include <gtest/gtest.h>
 

@@ -4,7 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/model_config.h"
+#include "core/model/model_config.h"
 
 namespace strata {
 namespace {

@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <random>
 
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace strata {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace strata {
 namespace {

@@ -1,7 +1,7 @@
-// The optimizer driver (core/optimizer.h): parameter groups, skipped fp16
+// The optimizer driver (core/optimizer/optimizer.h): parameter groups, skipped fp16
 // steps, clipping by global norm, the schedule's step-by-step rates and state
 // restore, checked against direct calls of the AdamW kernel.
-#include "core/optimizer.h"
+#include "core/optimizer/optimizer.h"
 
 #include <gtest/gtest.h>
 

@@ -4,8 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/model.h"
-#include "core/planner.h"
+#include "core/model/model.h"
+#include "core/plan/planner.h"
 
 namespace strata {
 namespace {

@@ -1,6 +1,6 @@
 // Safetensors: dtype conversions, single and sharded round trips, model
 // checkpoints, and errors that name the file and the tensor.
-#include "core/safetensors.h"
+#include "core/checkpoint/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -10,7 +10,7 @@
 #include <fstream>
 #include <limits>
 
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace strata {
 namespace {

@@ -3,7 +3,7 @@
 // copy as Optimizer::update_shard over the same state in memory, for units of
 // any size, parameter groups that cross chunk boundaries, clipping, and
 // several steps; an I/O fault mid-step is an error naming the unit.
-#include "core/streamed_optimizer.h"
+#include "core/optimizer/streamed_optimizer.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // Token files: nanoGPT, llm.c (uint16 and uint32) and raw uint32; the sequential
 // order of DESIGN.md section 5; corrupt files refused with the reason.
-#include "core/token_data.h"
+#include "core/data/token_data.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "io/swap_directory.h"
+#include "io/base/sizes.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -113,8 +114,8 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
         return Status::error(fmt::format(
             "device tier: cudaMalloc of a {} pool on GPU {} failed ({}); {} of {} free; lower "
             "--device-mem-limit",
-            io::format_bytes(capacity), options.gpu_index, cudaGetErrorString(error),
-            io::format_bytes(free_bytes), io::format_bytes(total_bytes)));
+            format_bytes(capacity), options.gpu_index, cudaGetErrorString(error),
+            format_bytes(free_bytes), format_bytes(total_bytes)));
       }
     }
     tier->base_ = static_cast<std::byte*>(pool);
@@ -143,7 +144,7 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
       return Status::error(fmt::format(
           "device tier: mmap of {} (host memory standing in for the device) failed: {}; lower "
           "--device-mem-limit",
-          io::format_bytes(capacity), std::strerror(errno)));
+          format_bytes(capacity), std::strerror(errno)));
     tier->base_ = static_cast<std::byte*>(mapped);
   }
   return tier;
@@ -224,8 +225,8 @@ DeviceCopy DeviceTier::copy_to_host(void* destination, const DeviceBlock& source
 
 std::string DeviceTier::description() const {
   if (on_gpu_)
-    return fmt::format("{} cudaMalloc pool on GPU {}", io::format_bytes(capacity_), gpu_index_);
-  return fmt::format("{} of host memory standing in for the device", io::format_bytes(capacity_));
+    return fmt::format("{} cudaMalloc pool on GPU {}", format_bytes(capacity_), gpu_index_);
+  return fmt::format("{} of host memory standing in for the device", format_bytes(capacity_));
 }
 
 }  // namespace strata::tiers

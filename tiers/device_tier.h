@@ -20,7 +20,7 @@
 #include <string>
 #include <string_view>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "tiers/pool_allocator.h"
 
 namespace strata::tiers {

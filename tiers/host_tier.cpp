@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "io/swap_directory.h"
+#include "io/base/sizes.h"
 #include "tiers/topology.h"
 
 #ifdef STRATA_HAS_CUDA
@@ -52,7 +53,7 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (mapped == MAP_FAILED)
       return Status::error(fmt::format("host tier: mmap of {} failed: {}; lower --host-mem-limit",
-                                       io::format_bytes(capacity), std::strerror(errno)));
+                                       format_bytes(capacity), std::strerror(errno)));
     base = static_cast<std::byte*>(mapped);
   }
   std::unique_ptr<HostTier> tier(new HostTier(base, capacity));
@@ -73,7 +74,7 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
     }
     cudaGetLastError();
     notice(fmt::format("host tier: cudaHostRegister of {} failed ({}); trying mlock",
-                       io::format_bytes(capacity), cudaGetErrorString(error)));
+                       format_bytes(capacity), cudaGetErrorString(error)));
   }
 #else
   (void)gpu_present;
@@ -99,14 +100,14 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
         fmt::format("host tier: RLIMIT_MEMLOCK is {}, below the {} pool; the pool is not "
                     "pinned (pages may be swapped out); raise it with `ulimit -l` or "
                     "LimitMEMLOCK= in the service unit",
-                    io::format_bytes(allowed), io::format_bytes(capacity)));
+                    format_bytes(allowed), format_bytes(capacity)));
     return tier;
   }
   if (mlock(base, capacity) != 0) {
     notice(
         fmt::format("host tier: mlock of {} failed ({}); the pool is not pinned; raise "
                     "RLIMIT_MEMLOCK (`ulimit -l`)",
-                    io::format_bytes(capacity), std::strerror(errno)));
+                    format_bytes(capacity), std::strerror(errno)));
     return tier;
   }
   tier->pinning_ = HostPinning::mlock;
@@ -135,7 +136,7 @@ std::string HostTier::description() const {
   const char* pinned = pinning_ == HostPinning::mlock                ? "mlock-ed"
                        : pinning_ == HostPinning::cuda_host_register ? "cudaHostRegister-ed"
                                                                      : "not pinned";
-  return fmt::format("{} on numa node {}, {}", io::format_bytes(capacity_), numa_node_, pinned);
+  return fmt::format("{} on numa node {}, {}", format_bytes(capacity_), numa_node_, pinned);
 }
 
 }  // namespace strata::tiers

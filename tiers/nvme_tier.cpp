@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "io/swap_directory.h"
+#include "io/base/sizes.h"
 
 namespace strata::tiers {
 
@@ -29,8 +30,8 @@ Result<std::unique_ptr<NvmeTier>> NvmeTier::open(NvmeTierOptions options) {
       return Status::error(fmt::format(
           "nvme tier: {} needs {} on each of its {} path(s) but {} has {} free; free space there, "
           "add NVMe paths or lower the state kept on NVMe",
-          io::format_bytes(capacity), io::format_bytes(per_path), options.io.paths.size(), path,
-          io::format_bytes(free)));
+          format_bytes(capacity), format_bytes(per_path), options.io.paths.size(), path,
+          format_bytes(free)));
   }
   Result<io::FileId> file = (*engine)->create_file(options.file_name, capacity);
   if (!file) return file.status().with_context("nvme tier");
@@ -67,8 +68,8 @@ std::string NvmeTier::description() const {
   std::string paths;
   for (const std::string& path : options.paths) paths += (paths.empty() ? "" : ", ") + path;
   return fmt::format("{} striped over {} ({} blocks, queue depth {}, {})",
-                     io::format_bytes(usage().capacity), paths,
-                     io::format_bytes(options.block_size), options.queue_depth,
+                     format_bytes(usage().capacity), paths,
+                     format_bytes(options.block_size), options.queue_depth,
                      engine_->backend_description());
 }
 

@@ -17,7 +17,7 @@
 #include <string_view>
 
 #include "io/io_engine.h"
-#include "io/status.h"
+#include "io/base/status.h"
 #include "tiers/pool_allocator.h"
 
 namespace strata::tiers {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "io/swap_directory.h"
+#include "io/base/sizes.h"
 
 namespace strata::tiers {
 
@@ -41,7 +42,6 @@ Result<uint64_t> PoolAllocator::allocate(uint64_t bytes, std::string_view what) 
     peak_ = std::max(peak_, used_);
     return offset;
   }
-  using io::format_bytes;
   if (capacity_ - used_ >= size) {
     return Status::error(
         fmt::format("{}: cannot place {} for {}: {} of {} free but the largest free range is {} "

@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "tiers/tier.h"
 
 namespace strata::tiers {

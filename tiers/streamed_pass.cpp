@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "io/swap_directory.h"
+#include "io/base/sizes.h"
 
 namespace strata::tiers {
 namespace {
@@ -13,10 +14,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-uint64_t round_up(uint64_t bytes, uint64_t alignment) {
-  return (bytes + alignment - 1) / alignment * alignment;
 }
 
 // A transfer of one piece, with what to say if it fails.
@@ -146,7 +143,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
         return Status::error(fmt::format(
             "streamed pass: item {} needs more than the {} buffers hold; create the pass with "
             "buffer_bytes of at least buffer_bytes_for(item)",
-            j, io::format_bytes(options_.buffer_bytes)));
+            j, format_bytes(options_.buffer_bytes)));
       slot.pointers[p] = buffer + used;
       used += round_up(piece.length, alignment);
       if (piece.read) {

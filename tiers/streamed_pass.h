@@ -32,7 +32,7 @@
 #include <span>
 #include <vector>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "tiers/tiered_store.h"
 
 namespace strata::tiers {

@@ -46,7 +46,7 @@
 #include <string>
 
 #include "io/io_engine.h"
-#include "io/status.h"
+#include "io/base/status.h"
 #include "tiers/device_tier.h"
 #include "tiers/host_tier.h"
 #include "tiers/nvme_tier.h"

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "io/swap_directory.h"
+#include "io/base/sizes.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -208,7 +209,7 @@ std::string format_topology(const TopologyReport& report) {
   std::string text;
   for (const NumaNodeInfo& node : report.nodes) {
     text += fmt::format("numa node {}: cpus {} ({}), memory {}{}\n", node.os_index, node.cpus,
-                        node.cpu_count, io::format_bytes(node.memory_bytes),
+                        node.cpu_count, format_bytes(node.memory_bytes),
                         node.os_index == report.host_node ? "  <- host pool" : "");
   }
   if (!report.gpu.empty()) {
@@ -227,7 +228,7 @@ std::string format_topology(const TopologyReport& report) {
     text += fmt::format("nvme path {}: {} on {}, numa node {}, {} free, O_DIRECT {}\n", path.path,
                         path.filesystem, path.block_device.empty() ? "?" : path.block_device,
                         path.numa_node ? std::to_string(*path.numa_node) : "unknown",
-                        io::format_bytes(path.free_bytes), path.direct_io ? "yes" : "no");
+                        format_bytes(path.free_bytes), path.direct_io ? "yes" : "no");
   }
   if (report.nvme.empty()) text += "nvme paths: none given\n";
   return text;

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::tiers {
 

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "core/config.h"
+#include "core/config/config.h"
 
 namespace CLI {
 class App;

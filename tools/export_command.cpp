@@ -7,9 +7,9 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
-#include "core/checkpoint.h"
-#include "core/safetensors.h"
-#include "core/units.h"
+#include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/safetensors.h"
+#include "io/base/sizes.h"
 #include "tools/subcommand.h"
 
 namespace strata::tools {

@@ -19,7 +19,7 @@
 #include <random>
 #include <sstream>
 
-#include "core/units.h"
+#include "io/base/sizes.h"
 #include "io/aligned_buffer.h"
 #include "io/io_engine.h"
 #include "io/swap_directory.h"

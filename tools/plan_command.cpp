@@ -6,12 +6,12 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
-#include "core/config.h"
-#include "core/engine.h"
-#include "core/model_config.h"
-#include "core/planner.h"
-#include "core/training_plan.h"
-#include "core/units.h"
+#include "core/config/config.h"
+#include "core/engine/engine.h"
+#include "core/model/model_config.h"
+#include "core/plan/planner.h"
+#include "core/plan/training_plan.h"
+#include "io/base/sizes.h"
 #include "kernels/backend.h"
 #include "tools/config_flags.h"
 #include "tools/subcommand.h"

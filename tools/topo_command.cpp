@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "tiers/topology.h"
 #include "tools/subcommand.h"
 

@@ -1,4 +1,4 @@
-// `strata train`: trains a model on a token file with the engine (core/engine.h),
+// `strata train`: trains a model on a token file with the engine (core/engine/engine.h),
 // and shows what it does: progress on the terminal, --metrics per step,
 // --trace of every plan operation, a summary at the end, --export of the
 // final weights.
@@ -26,17 +26,17 @@
 #include "comm/bootstrap.h"
 #include "comm/nccl_comm.h"
 #include "comm/socket_comm.h"
-#include "core/backend_choice.h"
-#include "core/checkpoint.h"
-#include "core/config.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/model_config.h"
-#include "core/planner.h"
-#include "core/safetensors.h"
-#include "core/token_data.h"
-#include "core/training_plan.h"
-#include "core/units.h"
+#include "core/config/backend_choice.h"
+#include "core/checkpoint/checkpoint.h"
+#include "core/config/config.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/model/model_config.h"
+#include "core/plan/planner.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/data/token_data.h"
+#include "core/plan/training_plan.h"
+#include "io/base/sizes.h"
 #include "kernels/cpu/matmul.h"
 #include "tools/config_flags.h"
 #include "tools/subcommand.h"
@@ -165,10 +165,6 @@ Status export_model(const HostModel& model, const std::string& path, DType dtype
     if (Status s = writer->write(t.slot->name, data); !s) return s;
   }
   return writer->finish();
-}
-
-uint64_t round_up(uint64_t bytes, uint64_t unit) {
-  return (bytes + unit - 1) / unit * unit;
 }
 
 // The device budget per rank and the host budget for the node: as given, else

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "core/units.h"
+#include "io/base/sizes.h"
 
 namespace strata::tools {
 namespace {

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/training_plan.h"
-#include "io/status.h"
+#include "core/engine/engine.h"
+#include "core/plan/training_plan.h"
+#include "io/base/status.h"
 
 namespace strata::tools {
 

@@ -33,7 +33,7 @@
 
 #include <cstdint>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cpu/simd.h"
 
 namespace strata::kernels::cpu {

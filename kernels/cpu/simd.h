@@ -24,7 +24,7 @@
 #include <cstring>
 #include <string_view>
 
-#include "io/status.h"
+#include "io/base/status.h"
 
 namespace strata::kernels::cpu {
 

@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cuda/ops.h"
 

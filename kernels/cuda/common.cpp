@@ -8,7 +8,7 @@
 #include <string_view>
 #include <utility>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/ops.h"
 

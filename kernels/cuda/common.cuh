@@ -12,7 +12,7 @@
 #include <string>
 #include <utility>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/ops.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cuda/ops.h"
 
 namespace strata::kernels::cuda::detail {

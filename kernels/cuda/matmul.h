@@ -27,7 +27,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cuda/ops.h"
 
 namespace strata::kernels::cuda {

@@ -39,7 +39,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "io/status.h"
+#include "io/base/status.h"
 #include "kernels/cpu/attention.h"
 
 namespace strata::kernels::cuda {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "core/optimizer.h"
+#include "core/optimizer/optimizer.h"
 
 namespace {
 

@@ -16,12 +16,12 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "core/config.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/model_config.h"
-#include "core/token_data.h"
-#include "core/units.h"
+#include "core/config/config.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/model/model_config.h"
+#include "core/data/token_data.h"
+#include "io/base/sizes.h"
 
 namespace {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "core/model.h"
-#include "core/safetensors.h"
-#include "core/token_data.h"
+#include "core/model/model.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/data/token_data.h"
 
 int main(int argc, char** argv) {
   using namespace strata;

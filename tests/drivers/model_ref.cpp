@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "core/model.h"
-#include "core/safetensors.h"
-#include "core/token_data.h"
+#include "core/model/model.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/data/token_data.h"
 
 namespace {
 

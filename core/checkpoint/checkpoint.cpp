@@ -1,0 +1,438 @@
+#include "core/checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <nmmintrin.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/model/model.h"
+#include "core/model/model_config.h"
+#include "io/errno_text.h"
+
+namespace strata {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string errno_now() {
+  return io::errno_text(errno);
+}
+
+// CRC32C with the SSE4.2 instruction where the CPU has it, a table otherwise.
+const std::array<uint32_t, 256>& crc_table() {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0x82F63B78u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  return table;
+}
+
+__attribute__((target("sse4.2"))) uint32_t crc32c_hardware(const unsigned char* p, size_t n,
+                                                           uint32_t crc) {
+  uint64_t c = crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    c = _mm_crc32_u64(c, word);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; n > 0; --n, ++p) c32 = _mm_crc32_u8(c32, *p);
+  return c32;
+}
+
+Status flush_directory(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return Status::error(fmt::format("{}: cannot open to flush: {}", path, errno_now()));
+  const int result = ::fsync(fd);
+  const std::string why = result != 0 ? errno_now() : "";
+  ::close(fd);
+  if (result != 0) return Status::error(fmt::format("{}: fsync: {}", path, why));
+  return Status::ok();
+}
+
+Status write_all(int fd, const void* data, uint64_t size, uint64_t offset,
+                 const std::string& path) {
+  const auto* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t put = ::pwrite(fd, p, size, off_t(offset));
+    if (put < 0) {
+      if (errno == EINTR) continue;
+      return Status::error(
+          fmt::format("{}: write of {} bytes at {}: {}{}", path, size, offset, errno_now(),
+                      errno == ENOSPC ? "; free space or choose another --save directory" : ""));
+    }
+    p += put;
+    size -= uint64_t(put);
+    offset += uint64_t(put);
+  }
+  return Status::ok();
+}
+
+// CRC32C and size of a whole file, read in blocks.
+Result<std::pair<uint64_t, uint32_t>> file_digest(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return Status::error(fmt::format("{}: cannot open: {}", path, errno_now()));
+  std::vector<unsigned char> block(size_t(8) << 20);
+  uint64_t total = 0;
+  uint32_t crc = 0;
+  for (;;) {
+    const ssize_t got = ::read(fd, block.data(), block.size());
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      const std::string why = errno_now();
+      ::close(fd);
+      return Status::error(fmt::format("{}: read: {}", path, why));
+    }
+    if (got == 0) break;
+    crc = crc32c(block.data(), size_t(got), crc);
+    total += uint64_t(got);
+  }
+  ::close(fd);
+  return std::make_pair(total, crc);
+}
+
+Result<nlohmann::json> read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::error(fmt::format("{}: missing; the checkpoint is incomplete", path));
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded())
+    return Status::error(fmt::format("{}: not valid JSON; the checkpoint is damaged", path));
+  return j;
+}
+
+bool is_step_directory(const fs::path& p, int64_t* step) {
+  const std::string name = p.filename().string();
+  if (name.rfind("step-", 0) != 0) return false;
+  try {
+    size_t used = 0;
+    *step = std::stoll(name.substr(5), &used);
+    return used == name.size() - 5;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  if (__builtin_cpu_supports("sse4.2")) {
+    crc = crc32c_hardware(p, size, crc);
+  } else {
+    const auto& table = crc_table();
+    for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  }
+  return ~crc;
+}
+
+// --- writing -------------------------------------------------------------------------
+
+Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_t step,
+                                                 uint64_t bytes) {
+  std::error_code error;
+  fs::create_directories(root, error);
+  if (error)
+    return Status::error(
+        fmt::format("--save {}: cannot create the directory: {}", root, error.message()));
+  CheckpointWriter writer(root, step);
+  // Unfinished checkpoints of runs that were killed while saving.
+  for (const auto& entry : fs::directory_iterator(root, error))
+    if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0)
+      fs::remove_all(entry.path(), error);
+  error.clear();
+  if (!fs::create_directory(writer.temporary_, error) || error)
+    return Status::error(
+        fmt::format("--save {}: cannot create {}: {}; check the directory's permissions", root,
+                    writer.temporary_, error ? error.message() : "exists"));
+  for (int f = 0; f < 3; ++f) {
+    const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
+    writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (writer.fds_[f] < 0)
+      return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
+    if (bytes > 0 && ::posix_fallocate(writer.fds_[f], 0, off_t(bytes)) != 0)
+      return Status::error(
+          fmt::format("{}: cannot reserve {} bytes; free space or choose another --save "
+                      "directory",
+                      path, bytes));
+  }
+  return writer;
+}
+
+Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t step) {
+  CheckpointWriter writer(root, step);
+  writer.owner_ = false;
+  for (int f = 0; f < 3; ++f) {
+    const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
+    writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (writer.fds_[f] < 0)
+      return Status::error(fmt::format(
+          "{}: cannot open the checkpoint rank 0 began: {}; every rank needs the same --save "
+          "directory, on a file system they share",
+          path, errno_now()));
+  }
+  return writer;
+}
+
+Status CheckpointWriter::flush() {
+  for (int f = 0; f < 3; ++f) {
+    if (fds_[f] < 0) continue;
+    if (::fdatasync(fds_[f]) != 0)
+      return Status::error(
+          fmt::format("{}/{}: fdatasync: {}", temporary_, kCheckpointStateFiles[f], errno_now()));
+  }
+  return Status::ok();
+}
+
+CheckpointWriter::CheckpointWriter(const std::string& root, int64_t step)
+    : root_(root),
+      temporary_((fs::path(root) / fmt::format(".tmp-step-{}", step)).string()),
+      final_((fs::path(root) / fmt::format("step-{}", step)).string()) {}
+
+CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept {
+  *this = std::move(other);
+}
+
+CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept {
+  std::swap(root_, other.root_);
+  std::swap(temporary_, other.temporary_);
+  std::swap(final_, other.final_);
+  std::swap(fds_, other.fds_);
+  std::swap(json_files_, other.json_files_);
+  std::swap(owner_, other.owner_);
+  return *this;
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  for (int& fd : fds_)
+    if (fd >= 0) ::close(fd);
+  // An unfinished checkpoint leaves nothing behind (the previous ones are untouched).
+  if (owner_ && !temporary_.empty()) {
+    std::error_code ignored;
+    fs::remove_all(temporary_, ignored);
+  }
+}
+
+Status CheckpointWriter::write(int file, uint64_t offset, const void* bytes, uint64_t size) {
+  return write_all(fds_[file], bytes, size, offset, temporary_ + "/" + kCheckpointStateFiles[file]);
+}
+
+Status CheckpointWriter::write_json(const std::string& name, const nlohmann::json& value) {
+  const std::string path = temporary_ + "/" + name;
+  const std::string text = value.dump(2) + "\n";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
+  Status status = write_all(fd, text.data(), text.size(), 0, path);
+  if (status && ::fsync(fd) != 0)
+    status = Status::error(fmt::format("{}: fsync: {}", path, errno_now()));
+  ::close(fd);
+  if (status) json_files_.push_back(name);
+  return status;
+}
+
+Result<std::string> CheckpointWriter::finish(int keep) {
+  nlohmann::ordered_json manifest;
+  manifest["format"] = kCheckpointFormat;
+  nlohmann::ordered_json files = nlohmann::ordered_json::object();
+  if (Status s = flush(); !s) return s;
+  for (int& fd : fds_) {
+    ::close(fd);
+    fd = -1;
+  }
+  std::vector<std::string> names(json_files_);
+  for (const char* name : kCheckpointStateFiles) names.push_back(name);
+  for (const std::string& name : names) {
+    Result<std::pair<uint64_t, uint32_t>> digest = file_digest(temporary_ + "/" + name);
+    if (!digest) return digest.status();
+    files[name] = {{"bytes", digest->first}, {"crc32c", fmt::format("{:08x}", digest->second)}};
+  }
+  manifest["files"] = files;
+  if (Status s = write_json("manifest.json", manifest); !s) return s;
+  if (Status s = flush_directory(temporary_); !s) return s;
+  std::error_code error;
+  if (fs::exists(final_)) fs::remove_all(final_, error);
+  fs::rename(temporary_, final_, error);
+  if (error)
+    return Status::error(
+        fmt::format("{}: cannot rename into {}: {}", temporary_, final_, error.message()));
+  temporary_.clear();
+  if (Status s = flush_directory(root_); !s) return s;
+
+  if (keep > 0) {
+    std::vector<std::pair<int64_t, fs::path>> steps;
+    for (const auto& entry : fs::directory_iterator(root_, error)) {
+      int64_t step = 0;
+      if (entry.is_directory() && is_step_directory(entry.path(), &step))
+        steps.push_back({step, entry.path()});
+    }
+    std::sort(steps.begin(), steps.end());
+    for (size_t i = 0; i + size_t(keep) < steps.size(); ++i) fs::remove_all(steps[i].second, error);
+  }
+  return final_;
+}
+
+// --- reading -------------------------------------------------------------------------
+
+CheckpointReader::CheckpointReader(CheckpointReader&& other) noexcept {
+  *this = std::move(other);
+}
+
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&& other) noexcept {
+  std::swap(directory, other.directory);
+  std::swap(model, other.model);
+  std::swap(train, other.train);
+  std::swap(state, other.state);
+  std::swap(fds, other.fds);
+  return *this;
+}
+
+CheckpointReader::~CheckpointReader() {
+  for (int fd : fds)
+    if (fd >= 0) ::close(fd);
+}
+
+Result<CheckpointReader> CheckpointReader::open(const std::string& dir) {
+  CheckpointReader reader;
+  reader.directory = dir;
+  Result<nlohmann::json> manifest = read_json(dir + "/manifest.json");
+  if (!manifest) return manifest.status();
+  if (!manifest->contains("files") || manifest->value("format", 0) != kCheckpointFormat)
+    return Status::error(fmt::format("{}/manifest.json: not a strata checkpoint of format {}", dir,
+                                     kCheckpointFormat));
+  for (const auto& [name, info] : (*manifest)["files"].items()) {
+    const std::string path = dir + "/" + name;
+    std::error_code error;
+    if (!fs::exists(path, error))
+      return Status::error(fmt::format("{}: missing; the checkpoint is incomplete", path));
+    const uint64_t size = fs::file_size(path, error);
+    const uint64_t expected = info.value("bytes", uint64_t{0});
+    if (size != expected)
+      return Status::error(
+          fmt::format("{}: {} bytes, the manifest says {}; the file is truncated or "
+                      "damaged",
+                      path, size, expected));
+    Result<std::pair<uint64_t, uint32_t>> digest = file_digest(path);
+    if (!digest) return digest.status();
+    const std::string crc = fmt::format("{:08x}", digest->second);
+    if (crc != info.value("crc32c", std::string()))
+      return Status::error(
+          fmt::format("{}: CRC32C {} does not match the manifest's {}; the file is "
+                      "damaged",
+                      path, crc, info.value("crc32c", std::string())));
+  }
+  for (const char* name : {"model.json", "train.json", "state.json"}) {
+    if (!(*manifest)["files"].contains(name))
+      return Status::error(fmt::format(
+          "{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
+  }
+  for (const char* name : kCheckpointStateFiles) {
+    if (!(*manifest)["files"].contains(name))
+      return Status::error(fmt::format(
+          "{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
+  }
+  Result<nlohmann::json> model = read_json(dir + "/model.json");
+  if (!model) return model.status();
+  Result<nlohmann::json> train = read_json(dir + "/train.json");
+  if (!train) return train.status();
+  Result<nlohmann::json> state = read_json(dir + "/state.json");
+  if (!state) return state.status();
+  reader.model = std::move(*model);
+  reader.train = std::move(*train);
+  reader.state = std::move(*state);
+  for (int f = 0; f < 3; ++f) {
+    const std::string path = dir + "/" + kCheckpointStateFiles[f];
+    reader.fds[f] = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (reader.fds[f] < 0)
+      return Status::error(fmt::format("{}: cannot open: {}", path, errno_now()));
+  }
+  return reader;
+}
+
+Status CheckpointReader::read(int file, uint64_t offset, void* bytes, uint64_t size) const {
+  auto* p = static_cast<char*>(bytes);
+  const std::string path = directory + "/" + kCheckpointStateFiles[file];
+  while (size > 0) {
+    const ssize_t got = ::pread(fds[file], p, size, off_t(offset));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return Status::error(fmt::format("{}: read at {}: {}", path, offset, errno_now()));
+    }
+    if (got == 0)
+      return Status::error(
+          fmt::format("{}: ends before byte {}; the file is truncated", path, offset));
+    p += got;
+    size -= uint64_t(got);
+    offset += uint64_t(got);
+  }
+  return Status::ok();
+}
+
+Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
+                         uint64_t max_shard_bytes) {
+  Result<CheckpointReader> reader = CheckpointReader::open(checkpoint);
+  if (!reader) return reader.status();
+  Result<ModelConfig> config = model_config_from_json(reader->model, checkpoint + "/model.json");
+  if (!config) return config.status();
+  const ModelLayout layout = model_layout(*config, 1);
+  const nlohmann::json& units = reader->state["units"];
+  if (!units.is_array() || units.size() != layout.units.size())
+    return Status::error(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,
+                                     units.is_array() ? units.size() : 0, layout.units.size()));
+  const std::vector<NamedTensor> tensors = checkpoint_tensors(layout);
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& t : tensors) specs.push_back({t.slot->name, t.slot->shape});
+  std::vector<float> buffer;
+  Status read_status = Status::ok();
+  std::error_code error;
+  std::filesystem::create_directories(out_dir, error);
+  if (error)
+    return Status::error(fmt::format("--out {}: cannot create: {}", out_dir, error.message()));
+  Status written = write_safetensors_checkpoint(
+      out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
+        const NamedTensor& t = tensors[i];
+        buffer.resize(size_t(t.slot->numel));
+        const uint64_t offset =
+            (units[size_t(t.unit)].value("offset", uint64_t{0}) + uint64_t(t.slot->offset)) * 4;
+        if (Status s = reader->read(0, offset, buffer.data(), uint64_t(t.slot->numel) * 4);
+            !s && read_status)
+          read_status = s;
+        return buffer.data();
+      });
+  if (!read_status) return read_status;
+  if (!written) return written;
+  return write_model_config_json(*config, out_dir, dtype);
+}
+
+Result<std::string> find_latest_checkpoint(const std::string& root) {
+  std::error_code error;
+  if (!fs::is_directory(root, error))
+    return Status::error(fmt::format("{}: no such directory", root));
+  if (fs::exists(fs::path(root) / "manifest.json", error)) return root;
+  int64_t best = -1;
+  std::string found;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    int64_t step = 0;
+    if (!entry.is_directory() || !is_step_directory(entry.path(), &step)) continue;
+    if (!fs::exists(entry.path() / "manifest.json", error)) continue;
+    if (step > best) {
+      best = step;
+      found = entry.path().string();
+    }
+  }
+  return found;
+}
+
+}  // namespace strata

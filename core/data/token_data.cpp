@@ -1,0 +1,180 @@
+#include "core/data/token_data.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace strata {
+
+struct TokenFile::Mapping {
+  void* address = nullptr;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (address != nullptr) ::munmap(address, bytes);
+  }
+};
+
+Result<TokenFormat> parse_token_format(const std::string& text) {
+  if (text == "auto") return TokenFormat::automatic;
+  if (text == "nanogpt") return TokenFormat::nanogpt_uint16;
+  if (text == "llmc") return TokenFormat::llmc;
+  if (text == "uint32") return TokenFormat::raw_uint32;
+  return Status::error(
+      fmt::format("unknown token format '{}'; expected auto, nanogpt, llmc or uint32", text));
+}
+
+const char* token_format_name(TokenFormat format) {
+  switch (format) {
+    case TokenFormat::automatic:
+      return "auto";
+    case TokenFormat::nanogpt_uint16:
+      return "nanogpt";
+    case TokenFormat::llmc:
+      return "llmc";
+    case TokenFormat::raw_uint32:
+      return "uint32";
+  }
+  return "?";
+}
+
+Result<TokenFile> TokenFile::open(const std::string& path, TokenFormat format) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return Status::error(fmt::format("{}: cannot open token file: {}", path, std::strerror(errno)));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    return Status::error(fmt::format("{}: cannot stat: {}", path, why));
+  }
+  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  if (bytes == 0) {
+    ::close(fd);
+    return Status::error(fmt::format("{}: empty token file", path));
+  }
+  TokenFile file;
+  file.path_ = path;
+  file.mapping_ = std::make_shared<Mapping>();
+  void* address = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (address == MAP_FAILED) {
+    return Status::error(fmt::format("{}: mmap failed: {}", path, std::strerror(errno)));
+  }
+  file.mapping_->address = address;
+  file.mapping_->bytes = bytes;
+  ::madvise(address, bytes, MADV_SEQUENTIAL);
+  const auto* data = static_cast<const unsigned char*>(address);
+
+  int32_t first = 0;
+  if (bytes >= 4) std::memcpy(&first, data, 4);
+  const bool llmc_magic = first == kLlmcMagicUint16 || first == kLlmcMagicUint32;
+  if (format == TokenFormat::automatic)
+    format = llmc_magic ? TokenFormat::llmc : TokenFormat::nanogpt_uint16;
+  file.format_ = format;
+
+  if (format == TokenFormat::llmc) {
+    const uint64_t header_bytes = kLlmcHeaderInts * 4;
+    if (!llmc_magic) {
+      return Status::error(fmt::format(
+          "{}: not an llm.c token shard: magic {} (expected {} for uint16 or {} for uint32 tokens)",
+          path, first, kLlmcMagicUint16, kLlmcMagicUint32));
+    }
+    if (bytes < header_bytes) {
+      return Status::error(
+          fmt::format("{}: truncated llm.c shard: {} bytes, less than its {}-byte header", path,
+                      bytes, header_bytes));
+    }
+    int32_t header[kLlmcHeaderInts];
+    std::memcpy(header, data, header_bytes);
+    file.token_bytes_ = first == kLlmcMagicUint16 ? 2 : 4;
+    const int64_t declared = header[2];
+    const uint64_t payload = bytes - header_bytes;
+    if (declared < 0 || payload != static_cast<uint64_t>(declared) * file.token_bytes_) {
+      return Status::error(fmt::format(
+          "{}: corrupt llm.c shard: the header declares {} tokens ({} bytes) but the file holds {} "
+          "bytes after the header (truncated or wrong format)",
+          path, declared, declared * file.token_bytes_, payload));
+    }
+    file.tokens_begin_ = data + header_bytes;
+    file.tokens_ = declared;
+  } else {
+    file.token_bytes_ = format == TokenFormat::raw_uint32 ? 4 : 2;
+    if (bytes % file.token_bytes_ != 0) {
+      return Status::error(
+          fmt::format("{}: {} bytes is not a whole number of {}-byte tokens ({} format)", path,
+                      bytes, file.token_bytes_, token_format_name(format)));
+    }
+    file.tokens_begin_ = data;
+    file.tokens_ = static_cast<int64_t>(bytes / file.token_bytes_);
+  }
+  if (file.tokens_ < 2) {
+    return Status::error(
+        fmt::format("{}: holds {} token(s); training needs at least 2", path, file.tokens_));
+  }
+  return file;
+}
+
+uint32_t TokenFile::at(int64_t i) const {
+  if (token_bytes_ == 2) {
+    uint16_t value;
+    std::memcpy(&value, tokens_begin_ + i * 2, 2);
+    return value;
+  }
+  uint32_t value;
+  std::memcpy(&value, tokens_begin_ + i * 4, 4);
+  return value;
+}
+
+Status TokenFile::read_sequence(int64_t j, int64_t T, int64_t vocab_size, int32_t* inputs,
+                                int32_t* targets) const {
+  const int64_t sequences = sequence_count(T);
+  if (j < 0 || j >= sequences) {
+    return Status::error(
+        fmt::format("{}: sequence {} out of range: {} tokens hold {} sequences of {}+1", path_, j,
+                    tokens_, sequences, T));
+  }
+  const int64_t start = j * T;
+  for (int64_t t = 0; t <= T; ++t) {
+    const uint32_t token = at(start + t);
+    if (static_cast<int64_t>(token) >= vocab_size) {
+      return Status::error(fmt::format(
+          "{}: token {} at position {} is outside the model's vocabulary of {} (data tokenized for "
+          "another model, or the wrong format: this file was read as {})",
+          path_, token, start + t, vocab_size, token_format_name(format_)));
+    }
+    if (t < T) inputs[t] = static_cast<int32_t>(token);
+    if (t > 0) targets[t - 1] = static_cast<int32_t>(token);
+  }
+  return Status::ok();
+}
+
+int64_t sequence_index(int64_t offset, int64_t micro, int64_t rank, int64_t world, int64_t B,
+                       int64_t b, int64_t sequences) {
+  return (offset + (micro * world + rank) * B + b) % sequences;
+}
+
+Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, int64_t rank,
+                        int64_t world, int64_t B, int64_t T, int64_t vocab_size, int32_t* inputs,
+                        int32_t* targets) {
+  const int64_t sequences = file.sequence_count(T);
+  if (sequences == 0) {
+    return Status::error(
+        fmt::format("{}: {} tokens are fewer than one sequence of {} + 1; use a shorter sequence "
+                    "length or more data",
+                    file.path(), file.size(), T));
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
+    if (Status s = file.read_sequence(j, T, vocab_size, inputs + b * T, targets + b * T); !s)
+      return s;
+  }
+  return Status::ok();
+}
+
+}  // namespace strata

@@ -1,0 +1,76 @@
+// Token files for training, read through mmap, in the sequential order of
+// DESIGN.md section 5.
+//
+// Formats:
+//  - nanoGPT: a headerless array of uint16 tokens (train.bin / val.bin).
+//  - llm.c shards: a header of 256 int32 (magic, version, token count, ...)
+//    then the tokens; magic 20240520 means uint16 tokens, 20240801 uint32.
+//  - raw uint32: a headerless array of uint32 tokens; only on request
+//    (TokenFormat::raw_uint32), since it cannot be told apart from nanoGPT's.
+// `automatic` picks llm.c when the file starts with one of its magics and
+// nanoGPT otherwise. A file whose size does not fit its format, an llm.c
+// header whose token count disagrees with the file size, or a token outside
+// the vocabulary is refused with the file name and the reason.
+//
+// Sequence j is tokens [j*T, j*T + T + 1): inputs are the first T, targets
+// the last T. A TokenFile is immutable once open and safe to read from many
+// threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "io/base/status.h"
+
+namespace strata {
+
+enum class TokenFormat { automatic, nanogpt_uint16, llmc, raw_uint32 };
+
+// "auto", "nanogpt", "llmc" or "uint32".
+Result<TokenFormat> parse_token_format(const std::string& text);
+const char* token_format_name(TokenFormat format);
+
+inline constexpr int32_t kLlmcMagicUint16 = 20240520;
+inline constexpr int32_t kLlmcMagicUint32 = 20240801;
+inline constexpr int64_t kLlmcHeaderInts = 256;
+
+class TokenFile {
+ public:
+  static Result<TokenFile> open(const std::string& path,
+                                TokenFormat format = TokenFormat::automatic);
+
+  const std::string& path() const { return path_; }
+  TokenFormat format() const { return format_; }  // never automatic
+  int64_t size() const { return tokens_; }        // tokens in the file
+  int bytes_per_token() const { return token_bytes_; }
+  uint32_t at(int64_t i) const;
+  // Whole sequences of T + 1 tokens: (size - 1) / T.
+  int64_t sequence_count(int64_t T) const { return T > 0 && tokens_ > 0 ? (tokens_ - 1) / T : 0; }
+
+  // Sequence j (j < sequence_count(T)): inputs (T) and targets (T). Tokens at
+  // or above vocab_size are an error naming the file and the token's position.
+  Status read_sequence(int64_t j, int64_t T, int64_t vocab_size, int32_t* inputs,
+                       int32_t* targets) const;
+
+ private:
+  struct Mapping;
+  std::string path_;
+  TokenFormat format_ = TokenFormat::nanogpt_uint16;
+  std::shared_ptr<Mapping> mapping_;
+  const unsigned char* tokens_begin_ = nullptr;
+  int64_t tokens_ = 0;
+  int token_bytes_ = 2;
+};
+
+// The sequence that row b of micro-batch `micro` on rank `rank` reads:
+// (offset + (micro * world + rank) * B + b) mod sequences.
+int64_t sequence_index(int64_t offset, int64_t micro, int64_t rank, int64_t world, int64_t B,
+                       int64_t b, int64_t sequences);
+
+// One micro-batch in the sequential order: inputs (B, T) and targets (B, T).
+Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, int64_t rank,
+                        int64_t world, int64_t B, int64_t T, int64_t vocab_size, int32_t* inputs,
+                        int32_t* targets);
+
+}  // namespace strata

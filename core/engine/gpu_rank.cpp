@@ -1,0 +1,659 @@
+#include "core/engine/gpu_rank.h"
+
+#include <fmt/format.h>
+
+#if STRATA_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <mutex>
+#include <string>
+
+#include "core/model/cuda_units.h"
+#include "kernels/cuda/adamw.h"
+#include "kernels/cuda/matmul.h"
+#endif
+
+namespace strata {
+
+#if STRATA_HAS_CUDA
+namespace cuda = kernels::cuda;
+namespace {
+
+cuda::DType dtype_of(Precision precision) {
+  switch (precision) {
+    case Precision::bf16:
+      return cuda::DType::bf16;
+    case Precision::fp16:
+      return cuda::DType::f16;
+    case Precision::fp32:
+      break;
+  }
+  return cuda::DType::f32;
+}
+
+}  // namespace
+
+// The GPU implementation.
+class CudaGpuRank final : public GpuRank {
+ public:
+  struct Impl;
+  explicit CudaGpuRank(std::unique_ptr<Impl> impl);
+  ~CudaGpuRank() override;
+
+  Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                 const int32_t* targets) override;
+  Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
+                      float loss_scale, const GradTarget& target) override;
+  Status backward(int unit, int micro, const std::byte* params, bool recompute,
+                  const GradTarget& target) override;
+  Status gradients_ready(int grad_slot) override;
+  Status synchronize() override;
+  Status download(void* host, const void* device, int64_t bytes) override;
+  Status upload(void* device, const void* host, int64_t bytes) override;
+  Status accumulate(float* device, const float* host, int64_t numel, bool first) override;
+  Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) override;
+  Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy, int64_t numel,
+               const kernels::cpu::AdamWHyperparams& hyper) override;
+  std::byte* new_parameter_buffer() const override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct CudaGpuRank::Impl {
+  const TrainingPlan& plan;
+  int gpu = 0;
+  cuda::DType type = cuda::DType::f32;
+  int64_t type_bytes = 4;
+  int64_t N = 0;  // tokens per micro-batch
+  int64_t C = 0;
+  cudaStream_t compute = nullptr, to_device = nullptr, to_host = nullptr;
+  std::unique_ptr<cuda::Matmuls> matmuls;
+  std::unique_ptr<CudaUnits> units;
+
+  // Parameter slots: the upload into a slot waits until the computation that
+  // last read it is done (slot_free); the computation waits for the upload (uploaded).
+  std::array<std::byte*, kGpuParamSlots> param_slots{};
+  std::array<cudaEvent_t, kGpuParamSlots> slot_free{}, uploaded{};
+  int next_param_slot = 0;
+
+  // Gradient buffers in rotation: zeroing one waits until its last copy to the host is done.
+  std::array<float*, kGpuGradBuffers> grad_buffers{};
+  std::array<cudaEvent_t, kGpuGradBuffers> grad_sent{};
+  int next_grad_buffer = 0;
+  float* tied_grad = nullptr;  // (embedding padded_numel) fp32
+  cudaEvent_t computed = nullptr;
+  // Per host gradient slot (index 0 for the tied embedding, k + 1 for slot k): copy done.
+  std::vector<cudaEvent_t> slot_sent;
+  std::vector<char> slot_pending;
+
+  std::vector<std::byte*> checkpoints;   // [units - 1] (N, C) compute type
+  std::byte* activation_grad = nullptr;  // (N, C) compute type
+  int32_t* tokens = nullptr;             // (G, N)
+  int32_t* targets = nullptr;            // (G, N)
+  float* losses = nullptr;               // (N)
+  std::vector<float> host_losses;        // (N)
+  bool params_in_place = false;          // TrainingPlan::gpu_params_in_place
+  bool grads_in_place = false;           // TrainingPlan::gpu_grads_in_place
+  // The calls from other lanes (transfers, norm, AdamW) take turns; each
+  // waits for its own work through `side_done`.
+  std::mutex side;
+  cudaEvent_t side_done = nullptr;
+  // Gradients' home on the GPU: the gradient norm's result and scratch.
+  cuda::GradNormResult* norm = nullptr;       // (1)
+  cuda::GradNormResult* host_norm = nullptr;  // (1) pinned
+  std::byte* norm_scratch = nullptr;
+  int64_t norm_scratch_bytes = 0;
+  float* reduced = nullptr;         // (largest padded) a reduced gradient on its way to its home
+  std::byte* new_params = nullptr;  // (largest optimizer range) AdamW's copy for a host home
+
+  explicit Impl(const TrainingPlan& p) : plan(p) {}
+  ~Impl();
+
+  Status select() {
+    return cuda::check_cuda(cudaSetDevice(gpu), fmt::format("selecting GPU {}", gpu));
+  }
+  // Uploads `bytes` of host parameters into the next slot; returns the slot.
+  Result<int> upload(const std::byte* params, int64_t bytes);
+  // The unit's parameters on the device: `params` in place, else uploaded
+  // into a slot (*slot; -1 when in place).
+  Result<const std::byte*> unit_params(int unit, const std::byte* params, int* slot);
+  // A side call's copy, in stream order after the computation enqueued so far; done on return.
+  Status copy(void* to, const void* from, int64_t bytes, cudaMemcpyKind kind, const char* where) {
+    std::lock_guard lock(side);
+    if (Status s = select(); !s) return s;
+    if (Status s = cuda::check_cuda(cudaMemcpyAsync(to, from, size_t(bytes), kind, compute),
+                                    fmt::format("copying {} bytes {}", bytes, where));
+        !s)
+      return s;
+    return side_wait("waiting for a copy between host and GPU");
+  }
+  // Waits for everything enqueued on the compute stream so far (side calls).
+  Status side_wait(const char* what) {
+    if (Status s = cuda::check_cuda(cudaEventRecord(side_done, compute), what); !s) return s;
+    return cuda::check_cuda(cudaEventSynchronize(side_done), what);
+  }
+  // After the computation that reads slot k is enqueued: frees it and waits for its upload.
+  Status computed_with(int slot);
+  // Zeroes the next gradient buffer on the compute stream, after its last copy out.
+  Result<int> take_grad_buffer(int64_t numel);
+  // Sends `device` (numel fp32) to host `grads` once the computation so far is done.
+  Status send_gradients(const float* device, float* grads, int64_t numel, int grad_slot,
+                        int buffer);
+  // Enqueues the upload of micro-batch `micro`'s ids (before the embedding's forward).
+  Status upload_ids(int micro, const int32_t* tokens, const int32_t* targets);
+  // The head on device parameters; losses summed on the host.
+  Result<double> run_head(int micro, const void* params, const void* tied_params, float loss_scale,
+                          float* grads, float* tied_grads);
+  Status zero(float* grads, int64_t numel) {
+    return cuda::check_cuda(cudaMemsetAsync(grads, 0, size_t(numel) * 4, compute),
+                            "zeroing a unit gradient");
+  }
+  CudaUnitBatch batch(int micro, float loss_scale) const {
+    CudaUnitBatch b;
+    b.tokens = tokens + int64_t(micro) * N;
+    b.targets = targets + int64_t(micro) * N;
+    b.loss_scale = loss_scale;
+    return b;
+  }
+  int64_t unit_bytes(int unit) const { return plan.units[size_t(unit)].padded_numel * type_bytes; }
+};
+
+CudaGpuRank::Impl::~Impl() {
+  cudaSetDevice(gpu);
+  if (compute) cudaStreamSynchronize(compute);
+  if (to_device) cudaStreamSynchronize(to_device);
+  if (to_host) cudaStreamSynchronize(to_host);
+  units.reset();
+  matmuls.reset();
+  for (cudaEvent_t e : slot_free)
+    if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : uploaded)
+    if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : grad_sent)
+    if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : slot_sent)
+    if (e) cudaEventDestroy(e);
+  if (computed) cudaEventDestroy(computed);
+  if (side_done) cudaEventDestroy(side_done);
+  if (host_norm) cudaFreeHost(host_norm);
+  for (cudaStream_t s : {compute, to_device, to_host})
+    if (s) cudaStreamDestroy(s);
+}
+
+Result<int> CudaGpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
+  const int k = next_param_slot;
+  next_param_slot = (next_param_slot + 1) % kGpuParamSlots;
+  // An event never recorded is complete, so the first use of a slot does not wait.
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(to_device, slot_free[size_t(k)], 0),
+                                  "ordering a parameter upload");
+      !s)
+    return s;
+  if (Status s = cuda::check_cuda(cudaMemcpyAsync(param_slots[size_t(k)], params, size_t(bytes),
+                                                  cudaMemcpyHostToDevice, to_device),
+                                  fmt::format("uploading {} bytes of parameters", bytes));
+      !s)
+    return s;
+  if (Status s =
+          cuda::check_cuda(cudaEventRecord(uploaded[size_t(k)], to_device), "recording an upload");
+      !s)
+    return s;
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, uploaded[size_t(k)], 0),
+                                  "ordering a computation after its upload");
+      !s)
+    return s;
+  return k;
+}
+
+Status CudaGpuRank::Impl::computed_with(int slot) {
+  if (Status s = cuda::check_cuda(cudaEventRecord(slot_free[size_t(slot)], compute),
+                                  "recording a parameter slot's release");
+      !s)
+    return s;
+  // The host memory the upload read belongs to the caller again once this returns.
+  return cuda::check_cuda(cudaEventSynchronize(uploaded[size_t(slot)]),
+                          "waiting for a parameter upload");
+}
+
+Result<const std::byte*> CudaGpuRank::Impl::unit_params(int unit, const std::byte* params,
+                                                        int* slot) {
+  *slot = -1;
+  if (params_in_place) return params;
+  Result<int> taken = upload(params, unit_bytes(unit));
+  if (!taken) return taken.status();
+  *slot = *taken;
+  return param_slots[size_t(*taken)];
+}
+
+Result<int> CudaGpuRank::Impl::take_grad_buffer(int64_t numel) {
+  const int k = next_grad_buffer;
+  next_grad_buffer = (next_grad_buffer + 1) % kGpuGradBuffers;
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, grad_sent[size_t(k)], 0),
+                                  "ordering a gradient buffer's reuse");
+      !s)
+    return s;
+  if (Status s =
+          cuda::check_cuda(cudaMemsetAsync(grad_buffers[size_t(k)], 0, size_t(numel) * 4, compute),
+                           "zeroing a unit gradient");
+      !s)
+    return s;
+  return k;
+}
+
+Status CudaGpuRank::Impl::send_gradients(const float* device, float* grads, int64_t numel,
+                                         int grad_slot, int buffer) {
+  if (Status s = cuda::check_cuda(cudaEventRecord(computed, compute), "recording a backward"); !s)
+    return s;
+  if (Status s = cuda::check_cuda(cudaStreamWaitEvent(to_host, computed, 0),
+                                  "ordering a gradient copy after its backward");
+      !s)
+    return s;
+  if (Status s = cuda::check_cuda(
+          cudaMemcpyAsync(grads, device, size_t(numel) * 4, cudaMemcpyDeviceToHost, to_host),
+          fmt::format("sending {} bytes of gradients to the host", numel * 4));
+      !s)
+    return s;
+  if (buffer >= 0) {
+    if (Status s = cuda::check_cuda(cudaEventRecord(grad_sent[size_t(buffer)], to_host),
+                                    "recording a gradient copy");
+        !s)
+      return s;
+  }
+  const size_t index = size_t(grad_slot + 1);
+  if (Status s =
+          cuda::check_cuda(cudaEventRecord(slot_sent[index], to_host), "recording a gradient copy");
+      !s)
+    return s;
+  slot_pending[index] = 1;
+  return Status::ok();
+}
+
+CudaGpuRank::CudaGpuRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaGpuRank::~CudaGpuRank() = default;
+
+Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int gpu_index,
+                                                 tiers::DeviceTier& device,
+                                                 std::vector<tiers::DeviceBlock>& blocks) {
+  if (!device.on_gpu())
+    return Status::error(
+        "the CUDA backend needs its device tier on a GPU; none is usable here (run with "
+        "--backend cpu)");
+  const TrainingPlanInput& in = plan.input;
+  auto impl = std::make_unique<CudaGpuRank::Impl>(plan);
+  CudaGpuRank::Impl& g = *impl;
+  g.gpu = gpu_index;
+  if (Status s = g.select(); !s) return s;
+  g.type = dtype_of(in.precision);
+  g.type_bytes = int64_t(cuda::dtype_size(g.type));
+  g.N = plan.tokens_per_micro;
+  g.C = in.model.hidden_size;
+  const int units = int(plan.units.size());
+  int64_t largest_padded = 0;
+  for (const UnitPlacement& p : plan.units)
+    largest_padded = std::max(largest_padded, p.padded_numel);
+
+  for (cudaStream_t* s : {&g.compute, &g.to_device, &g.to_host})
+    if (Status st = cuda::check_cuda(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking),
+                                     "creating a stream");
+        !st)
+      return st;
+  auto event = [](cudaEvent_t& e) {
+    return cuda::check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                            "creating an event");
+  };
+  for (int k = 0; k < kGpuParamSlots; ++k) {
+    if (Status s = event(g.slot_free[size_t(k)]); !s) return s;
+    if (Status s = event(g.uploaded[size_t(k)]); !s) return s;
+  }
+  for (int k = 0; k < kGpuGradBuffers; ++k)
+    if (Status s = event(g.grad_sent[size_t(k)]); !s) return s;
+  if (Status s = event(g.computed); !s) return s;
+  g.slot_sent.assign(size_t(plan.grad_slots + 1), nullptr);
+  g.slot_pending.assign(size_t(plan.grad_slots + 1), 0);
+  for (cudaEvent_t& e : g.slot_sent)
+    if (Status s = event(e); !s) return s;
+
+  // The working set, named as the plan lists it.
+  auto take = [&](int64_t bytes, const std::string& what) -> Result<std::byte*> {
+    Result<tiers::DeviceBlock> block = device.allocate(uint64_t(bytes), what);
+    if (!block) return block.status();
+    blocks.push_back(*block);
+    return block->data;
+  };
+  g.params_in_place = plan.gpu_params_in_place();
+  g.grads_in_place = plan.gpu_grads_in_place();
+  if (Status s = event(g.side_done); !s) return s;
+  int64_t largest_optimizer = 0;
+  for (const UnitPlacement& p : plan.units)
+    largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
+  for (int k = 0; k < kGpuParamSlots && !g.params_in_place; ++k) {
+    Result<std::byte*> slot = take(largest_padded * g.type_bytes, "device parameter slot");
+    if (!slot) return slot.status();
+    g.param_slots[size_t(k)] = *slot;
+  }
+  for (int k = 0; k < kGpuGradBuffers && !g.grads_in_place; ++k) {
+    Result<std::byte*> buffer = take(largest_padded * 4, "device unit gradient");
+    if (!buffer) return buffer.status();
+    g.grad_buffers[size_t(k)] = reinterpret_cast<float*>(*buffer);
+  }
+  if (plan.tied_grad_buffer && !g.grads_in_place) {
+    Result<std::byte*> buffer =
+        take(plan.units[0].padded_numel * 4, "device tied embedding gradient");
+    if (!buffer) return buffer.status();
+    g.tied_grad = reinterpret_cast<float*>(*buffer);
+  }
+  if (plan.homes.grad == tiers::Tier::device) {
+    g.norm_scratch_bytes = int64_t(cuda::grad_norm_scratch_bytes(largest_padded));
+    Result<std::byte*> scratch = take(g.norm_scratch_bytes + 4096, "gradient norm scratch");
+    if (!scratch) return scratch.status();
+    g.norm = reinterpret_cast<cuda::GradNormResult*>(*scratch);
+    g.norm_scratch = *scratch + 4096;
+    if (Status s = cuda::check_cuda(
+            cudaMallocHost(reinterpret_cast<void**>(&g.host_norm), sizeof(cuda::GradNormResult)),
+            "allocating a pinned gradient norm");
+        !s)
+      return s;
+    if (!g.grads_in_place) {
+      Result<std::byte*> reduced = take(largest_padded * 4, "device reduced gradient");
+      if (!reduced) return reduced.status();
+      g.reduced = reinterpret_cast<float*>(*reduced);
+    }
+  }
+  if (plan.homes.optimizer == tiers::Tier::device && plan.homes.param != tiers::Tier::device &&
+      g.type_bytes != 4) {
+    Result<std::byte*> buffer =
+        take(largest_optimizer * g.type_bytes, "device new parameter shard");
+    if (!buffer) return buffer.status();
+    g.new_params = *buffer;
+  }
+  const int64_t activation_bytes = g.N * g.C * g.type_bytes;
+  Result<std::byte*> checkpoints = take((units - 1) * activation_bytes, "activation checkpoints");
+  if (!checkpoints) return checkpoints.status();
+  for (int u = 0; u + 1 < units; ++u) g.checkpoints.push_back(*checkpoints + u * activation_bytes);
+  Result<std::byte*> activation_grad = take(activation_bytes, "activation gradient");
+  if (!activation_grad) return activation_grad.status();
+  g.activation_grad = *activation_grad;
+  Result<std::byte*> ids = take(2 * g.N * 4 * in.grad_accum, "device tokens and targets");
+  if (!ids) return ids.status();
+  g.tokens = reinterpret_cast<int32_t*>(*ids);
+  g.targets = g.tokens + g.N * in.grad_accum;
+  Result<std::byte*> losses = take(g.N * 4, "per-token losses");
+  if (!losses) return losses.status();
+  g.losses = reinterpret_cast<float*>(*losses);
+  g.host_losses.resize(size_t(g.N));
+  Result<std::byte*> matmul_workspace = take(kGpuMatmulWorkspaceBytes, "cuBLASLt workspace");
+  if (!matmul_workspace) return matmul_workspace.status();
+  const int64_t workspace_bytes =
+      cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(g.type_bytes));
+  Result<std::byte*> workspace = take(workspace_bytes, "GPU unit working set");
+  if (!workspace) return workspace.status();
+
+  Result<std::unique_ptr<cuda::Matmuls>> matmuls =
+      cuda::Matmuls::create_in(*matmul_workspace, size_t(kGpuMatmulWorkspaceBytes));
+  if (!matmuls) return matmuls.status();
+  g.matmuls = std::move(*matmuls);
+  Result<std::unique_ptr<CudaUnits>> created = CudaUnits::create(
+      plan.layout, in.micro_batch, in.seq_len, g.type, *workspace, workspace_bytes, *g.matmuls);
+  if (!created) return created.status();
+  g.units = std::move(*created);
+  return std::unique_ptr<GpuRank>(new CudaGpuRank(std::move(impl)));
+}
+
+Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                            const int32_t* targets) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  if (unit == 0) {
+    if (Status s = g.upload_ids(micro, tokens, targets); !s) return s;
+  }
+  int slot = -1;
+  Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
+  if (!device_params) return device_params.status();
+  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
+  Status status = g.units->forward(unit, *device_params, g.batch(micro, 1.0f), input,
+                                   g.checkpoints[size_t(unit)], g.compute);
+  if (slot < 0) return status;
+  Status released = g.computed_with(slot);
+  return status ? released : status;
+}
+
+Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::byte* tied_params,
+                                 float loss_scale, const GradTarget& target) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  const int head = int(g.plan.units.size()) - 1;
+  const int64_t numel = g.plan.units[size_t(head)].padded_numel;
+  const int64_t tied_numel = g.plan.units[0].padded_numel;
+  int slot = -1, tied_slot = -1;
+  Result<const std::byte*> device_params = g.unit_params(head, params, &slot);
+  if (!device_params) return device_params.status();
+  Result<const std::byte*> device_tied = static_cast<const std::byte*>(nullptr);
+  if (tied_params != nullptr) device_tied = g.unit_params(0, tied_params, &tied_slot);
+  if (!device_tied) {
+    // The head's upload may be in flight: the slot is released only once it is done.
+    if (slot >= 0) (void)g.computed_with(slot);
+    return device_tied.status();
+  }
+
+  Status status = Status::ok();
+  float* device_grads = target.grads;
+  float* device_tied_grads = target.tied;
+  int buffer = -1;
+  if (g.grads_in_place) {
+    if (target.zero_first) {
+      status = g.zero(target.grads, numel);
+      if (status && target.tied != nullptr) status = g.zero(target.tied, tied_numel);
+    }
+  } else {
+    if (tied_params != nullptr) {
+      // The previous micro-batch's tied gradient must have reached the host first.
+      status = cuda::check_cuda(cudaStreamWaitEvent(g.compute, g.slot_sent[0], 0),
+                                "ordering the tied embedding's gradient");
+      if (status) status = g.zero(g.tied_grad, tied_numel);
+      device_tied_grads = g.tied_grad;
+    }
+    Result<int> taken = status ? g.take_grad_buffer(numel) : Result<int>(status);
+    if (taken) {
+      buffer = *taken;
+      device_grads = g.grad_buffers[size_t(buffer)];
+    } else {
+      status = taken.status();
+    }
+  }
+  Result<double> loss = status;
+  if (status) {
+    loss = g.run_head(micro, *device_params, *device_tied, loss_scale, device_grads,
+                      tied_params != nullptr ? device_tied_grads : nullptr);
+    status = loss.status();
+  }
+  if (status && !g.grads_in_place)
+    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  Status released = slot >= 0 ? g.computed_with(slot) : Status::ok();
+  if (tied_slot >= 0 && released) released = g.computed_with(tied_slot);
+  if (status) status = released;
+  if (!status) return status;
+  return loss;
+}
+
+Status CudaGpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
+                                     const int32_t* host_targets) {
+  // In stream order before every computation that reads them. The host ids
+  // stay untouched until the next step(), which comes after this step's
+  // head has synchronised the compute stream (run_head), so the copy is done.
+  const size_t bytes = size_t(N) * 4;
+  if (Status s = cuda::check_cuda(cudaMemcpyAsync(tokens + int64_t(micro) * N, host_tokens, bytes,
+                                                  cudaMemcpyHostToDevice, compute),
+                                  "uploading tokens");
+      !s)
+    return s;
+  return cuda::check_cuda(cudaMemcpyAsync(targets + int64_t(micro) * N, host_targets, bytes,
+                                          cudaMemcpyHostToDevice, compute),
+                          "uploading targets");
+}
+
+Result<double> CudaGpuRank::Impl::run_head(int micro, const void* params, const void* tied_params,
+                                           float loss_scale, float* grads, float* tied_grads) {
+  const int head = int(plan.units.size()) - 1;
+  Status status = units->head_forward_backward(params, tied_params, batch(micro, loss_scale),
+                                               checkpoints[size_t(head - 1)], activation_grad,
+                                               grads, tied_grads, losses, compute);
+  // To pageable memory, the copy returns once it (and the work before it) is done.
+  if (status)
+    status = cuda::check_cuda(
+        cudaMemcpyAsync(host_losses.data(), losses, size_t(N) * 4, cudaMemcpyDeviceToHost, compute),
+        "reading the losses");
+  if (status)
+    status = cuda::check_cuda(cudaStreamSynchronize(compute), "waiting for the head's losses");
+  if (!status) return status;
+  double sum = 0.0;
+  for (float loss : host_losses) sum += loss;
+  return sum;
+}
+
+Result<kernels::cpu::GradNormPartial> CudaGpuRank::grad_norm(const float* grads, int64_t numel) {
+  Impl& g = *impl_;
+  if (g.norm == nullptr)
+    return Status::error("GpuRank::grad_norm: the gradients' home is not on the GPU");
+  std::lock_guard lock(g.side);
+  if (Status s = g.select(); !s) return s;
+  if (Status s = cuda::grad_norm_squared(g.norm, grads, cuda::DType::f32, numel, g.norm_scratch,
+                                         size_t(g.norm_scratch_bytes), g.compute);
+      !s)
+    return s;
+  if (Status s = cuda::check_cuda(cudaMemcpyAsync(g.host_norm, g.norm, sizeof(cuda::GradNormResult),
+                                                  cudaMemcpyDeviceToHost, g.compute),
+                                  "reading a gradient norm");
+      !s)
+    return s;
+  if (Status s = g.side_wait("waiting for a gradient norm"); !s) return s;
+  const cuda::GradNormResult result = *g.host_norm;
+  kernels::cpu::GradNormPartial partial;
+  partial.sum_squares = result.sum_squares;
+  partial.nonfinite = result.nonfinite != 0;
+  return partial;
+}
+
+Status CudaGpuRank::adamw(float* master, float* m, float* v, const float* grad, std::byte* copy,
+                          int64_t numel, const kernels::cpu::AdamWHyperparams& hyper) {
+  Impl& g = *impl_;
+  std::lock_guard lock(g.side);
+  if (Status s = g.select(); !s) return s;
+  cuda::AdamWDeviceShard shard;
+  shard.numel = numel;
+  shard.master = master;
+  shard.exp_avg = m;
+  shard.exp_avg_sq = v;
+  shard.grad = grad;
+  shard.grad_type = cuda::DType::f32;
+  const bool narrow_copy = copy != nullptr && g.type != cuda::DType::f32;
+  shard.copy = narrow_copy ? copy : nullptr;
+  shard.copy_type = narrow_copy ? g.type : cuda::DType::bf16;
+  if (Status s = cuda::adamw_step(shard, hyper, g.compute); !s) return s;
+  if (copy == nullptr || narrow_copy) return Status::ok();
+  // fp32 parameters apart from their master: the copy is the master itself.
+  return cuda::check_cuda(
+      cudaMemcpyAsync(copy, master, size_t(numel) * 4, cudaMemcpyDeviceToDevice, g.compute),
+      "copying fp32 parameters from their master");
+}
+
+std::byte* CudaGpuRank::new_parameter_buffer() const {
+  return impl_->new_params;
+}
+
+Status CudaGpuRank::download(void* host, const void* device, int64_t bytes) {
+  return impl_->copy(host, device, bytes, cudaMemcpyDeviceToHost, "from the GPU");
+}
+
+Status CudaGpuRank::upload(void* device, const void* host, int64_t bytes) {
+  return impl_->copy(device, host, bytes, cudaMemcpyHostToDevice, "to the GPU");
+}
+
+Status CudaGpuRank::accumulate(float* device, const float* host, int64_t numel, bool first) {
+  Impl& g = *impl_;
+  if (!first && g.reduced == nullptr)
+    return Status::error("GpuRank::accumulate: the gradients' home is not on the GPU");
+  std::lock_guard lock(g.side);
+  if (Status s = g.select(); !s) return s;
+  float* into = first ? device : g.reduced;
+  if (Status s = cuda::check_cuda(
+          cudaMemcpyAsync(into, host, size_t(numel) * 4, cudaMemcpyHostToDevice, g.compute),
+          fmt::format("copying {} bytes of reduced gradients to the GPU", numel * 4));
+      !s)
+    return s;
+  if (!first) {
+    if (Status s =
+            cuda::residual_forward(device, device, g.reduced, numel, cuda::DType::f32, g.compute);
+        !s)
+      return s;
+  }
+  // The host buffer is the caller's again, and `reduced` free for the next call.
+  return g.side_wait("waiting for reduced gradients to reach the GPU");
+}
+
+Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool recompute,
+                             const GradTarget& target) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  const int64_t numel = g.plan.units[size_t(unit)].padded_numel;
+  // The embedding's backward reads only the tokens and the gradient: no upload.
+  const bool needs_params = g.plan.layout.units[size_t(unit)].unit.kind != UnitKind::embedding;
+  int slot = -1;
+  Result<const std::byte*> device_params = static_cast<const std::byte*>(nullptr);
+  if (needs_params) device_params = g.unit_params(unit, params, &slot);
+  if (!device_params) return device_params.status();
+  Status status = Status::ok();
+  int buffer = -1;
+  float* device_grads = target.grads;
+  if (g.grads_in_place) {
+    if (target.zero_first) status = g.zero(target.grads, numel);
+  } else if (target.slot < 0) {
+    device_grads = g.tied_grad;  // the head left the lm_head's gradient here
+  } else {
+    Result<int> taken = g.take_grad_buffer(numel);
+    if (taken) {
+      buffer = *taken;
+      device_grads = g.grad_buffers[size_t(buffer)];
+    } else {
+      status = taken.status();
+    }
+  }
+  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
+  void* dinput = unit == 0 ? nullptr : g.activation_grad;
+  if (status)
+    status = g.units->backward(unit, *device_params, g.batch(micro, 1.0f), input, g.activation_grad,
+                               dinput, device_grads, recompute, g.compute);
+  if (status && !g.grads_in_place)
+    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  if (slot < 0) return status;
+  Status released = g.computed_with(slot);
+  return status ? released : status;
+}
+
+Status CudaGpuRank::synchronize() {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  for (cudaStream_t stream : {g.compute, g.to_device, g.to_host})
+    if (Status s = cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the GPU"); !s)
+      return s;
+  return Status::ok();
+}
+
+Status CudaGpuRank::gradients_ready(int grad_slot) {
+  Impl& g = *impl_;
+  const size_t index = size_t(grad_slot + 1);
+  if (index >= g.slot_pending.size() || !g.slot_pending[index]) return Status::ok();
+  if (Status s = g.select(); !s) return s;
+  g.slot_pending[index] = 0;
+  return cuda::check_cuda(cudaEventSynchronize(g.slot_sent[index]), "waiting for gradients");
+}
+
+#else  // built without CUDA
+
+Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan&, int, tiers::DeviceTier&,
+                                                 std::vector<tiers::DeviceBlock>&) {
+  return Status::error("this strata was built without CUDA; run with --backend cpu");
+}
+#endif
+
+}  // namespace strata

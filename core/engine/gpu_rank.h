@@ -1,0 +1,135 @@
+// GpuRank: one rank's compute on a GPU, for the engine's CUDA backend, in
+// every placement of the state (core/plan/training_plan.h chooses the paths).
+//
+// The units run on one compute stream (core/model/cuda_units.h). Where the data
+// comes from and goes to depends on the placement:
+//  - Parameters: with whole units in their device home
+//    (TrainingPlan::gpu_params_in_place: stages 0-2, or one rank) the units
+//    compute straight from it; otherwise each computation uploads the unit's
+//    gathered compute-precision copy from pinned host memory into one of
+//    three rotating device slots on the host-to-device stream.
+//  - Gradients: with one rank and the optimizer on the GPU
+//    (TrainingPlan::gpu_grads_in_place) they accumulate straight into their
+//    device home; otherwise each unit's fp32 gradient is computed into one of
+//    two rotating device buffers and sent to a pinned host slot on the
+//    device-to-host stream, where the collectives reduce it.
+//  - The gradient norm and AdamW run on the GPU when the gradients' and the
+//    optimizer's homes are there (kernels/cuda/adamw.h); the engine moves
+//    reduced gradients and new parameters between host and device with the
+//    transfer calls below.
+// Streams are ordered by events; nothing synchronises the device inside a
+// step. Activation checkpoints, the activation gradient and the tokens stay
+// on the device. Every device buffer comes from the rank's DeviceTier (one
+// cudaMalloc), so the device budget holds and nothing is allocated in a step.
+//
+// Host memory handed in must stay valid until the call that reads it
+// returns (uploads finish before it returns) or, for gradients, until
+// gradients_ready(slot) returns; it should be pinned (the host tier is) so
+// copies run asynchronously.
+//
+// Thread-safety: forward, head and backward come from one thread (the
+// compute lane). The other calls may come from any lane; they take turns,
+// and run in stream order after the computation enqueued before them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/plan/training_plan.h"
+#include "io/base/status.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/grad_norm.h"
+#include "tiers/device_tier.h"
+
+namespace strata {
+
+class GpuRank {
+ public:
+  // Allocates the working set the plan lists for the device from `device`
+  // (which must be on the GPU `gpu_index`); the blocks are appended to `blocks`.
+  static Result<std::unique_ptr<GpuRank>> create(const TrainingPlan& plan, int gpu_index,
+                                                 tiers::DeviceTier& device,
+                                                 std::vector<tiers::DeviceBlock>& blocks);
+  // For tests on machines without a GPU: the same calls on host memory
+  // (the device tier then stands in for GPU memory), computed by the CPU
+  // units in fp32 (io/base/sizes.h), so the engine's GPU data paths (what is
+  // computed in place, staged, reduced, uploaded and downloaded) run and can
+  // be checked against the CPU backend. In-place gradients accumulate inside
+  // the backward as on the GPU; the rest is the CPU backend's arithmetic.
+  static Result<std::unique_ptr<GpuRank>> create_emulated(const TrainingPlan& plan);
+  virtual ~GpuRank() = default;
+  GpuRank() = default;
+  GpuRank(const GpuRank&) = delete;
+  GpuRank& operator=(const GpuRank&) = delete;
+
+  // Forward of the embedding or a decoder layer of micro-batch `micro`.
+  // params: the whole unit (padded_numel) in compute precision: its device
+  // home when the plan's parameters are in place, else host memory.
+  // The embedding's forward also uploads the micro-batch's tokens and targets (B*T each).
+  virtual Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                         const int32_t* targets) = 0;
+
+  // Where a computation's fp32 gradient goes.
+  struct GradTarget {
+    // Gradients in place: the unit's device home (+=). Otherwise the host
+    // slot (padded_numel, =), there once gradients_ready(slot) returns.
+    float* grads = nullptr;
+    // Gradients in place, the head of a tied model: unit 0's device home,
+    // where the lm_head's gradient adds (+=).
+    float* tied = nullptr;
+    // Not in place: the host slot's index; -1 is the tied embedding, whose
+    // gradient adds to the lm_head's the head left on the device.
+    int slot = 0;
+    // In place: zero the home(s) first (the micro-batch's first gradient).
+    bool zero_first = false;
+  };
+
+  // The head's forward and backward: returns the sum of the token losses.
+  // tied_params: unit 0 (the embedding) in a tied model, else null.
+  virtual Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
+                              float loss_scale, const GradTarget& target) = 0;
+
+  // Backward of the embedding or a decoder layer. recompute false: the layer's
+  // activations are those of its forward (the last layer before the head).
+  virtual Status backward(int unit, int micro, const std::byte* params, bool recompute,
+                          const GradTarget& target) = 0;
+
+  // Waits until the gradient last sent for host slot `grad_slot` is in host memory.
+  virtual Status gradients_ready(int grad_slot) = 0;
+
+  // Waits until every piece of work enqueued so far has run (before the
+  // state's device homes are read through the device tier's own streams).
+  virtual Status synchronize() = 0;
+
+  // --- transfers and the state's work on the GPU: from any lane, one at a time --------
+
+  // Copies `bytes` between host and device memory after the work enqueued so
+  // far; done when they return.
+  virtual Status download(void* host, const void* device, int64_t bytes) = 0;
+  virtual Status upload(void* device, const void* host, int64_t bytes) = 0;
+  // device = host (first) or device += host, `numel` fp32, in fp32 (as the
+  // CPU backend accumulates); done with `host` when it returns.
+  virtual Status accumulate(float* device, const float* host, int64_t numel, bool first) = 0;
+  // The squared norm and non-finite flag of `numel` fp32 device gradients,
+  // after the work enqueued so far (waits for it).
+  virtual Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) = 0;
+  // AdamW on device-resident state after the work enqueued so far (not waiting for it).
+  // copy: where the compute-precision parameters go (device), or null when
+  // the fp32 master is the parameters. In fp32 the master is copied there.
+  virtual Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy,
+                       int64_t numel, const kernels::cpu::AdamWHyperparams& hyper) = 0;
+  // The device buffer AdamW writes new parameters into when their home is
+  // not on the GPU (optimizer on the GPU, parameters in host memory or on
+  // NVMe, compute precision below fp32); null otherwise.
+  virtual std::byte* new_parameter_buffer() const = 0;
+};
+
+// The working set every rank keeps on the device on the CUDA backend, beyond
+// what scales with the batch; core/plan/training_plan.cpp lists these buffers.
+inline constexpr int kGpuParamSlots = 3;   // rotating device copies of a unit's parameters
+inline constexpr int kGpuGradBuffers = 2;  // rotating device fp32 unit gradients
+inline constexpr int64_t kGpuMatmulWorkspaceBytes = int64_t{32} << 20;  // cuBLASLt's
+
+}  // namespace strata

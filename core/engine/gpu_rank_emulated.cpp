@@ -1,0 +1,196 @@
+// GpuRank::create_emulated: GpuRank's calls on host memory, computed by the
+// CPU units, so the engine's GPU data paths run where no GPU is.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/engine/gpu_rank.h"
+#include "core/model/model.h"
+#include "kernels/cpu/simd.h"
+
+namespace strata {
+namespace {
+
+using kernels::cpu::ElementType;
+
+class EmulatedGpuRank final : public GpuRank {
+ public:
+  explicit EmulatedGpuRank(const TrainingPlan& plan)
+      : plan_(plan),
+        N_(plan.tokens_per_micro),
+        ws_(plan.input.model, plan.input.micro_batch, plan.input.seq_len) {
+    const int64_t C = plan.input.model.hidden_size;
+    const int units = int(plan.units.size());
+    int64_t largest_padded = 0, largest_optimizer = 0;
+    for (const UnitPlacement& p : plan.units) {
+      largest_padded = std::max(largest_padded, p.padded_numel);
+      largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
+    }
+    checkpoints_.resize(size_t(units - 1) * size_t(N_ * C));
+    activation_grad_.resize(size_t(N_ * C));
+    tokens_.resize(size_t(N_ * plan.input.grad_accum));
+    targets_.resize(tokens_.size());
+    for (auto& w : widened_) w.resize(size_t(largest_padded));
+    if (!plan.gpu_grads_in_place()) {
+      grads_.resize(size_t(largest_padded));
+      if (plan.tied_grad_buffer) tied_grads_.resize(size_t(plan.units[0].padded_numel));
+    }
+    if (plan.homes.optimizer == tiers::Tier::device && plan.homes.param != tiers::Tier::device &&
+        plan.compute_bytes != 4)
+      new_params_.resize(size_t(largest_optimizer * plan.compute_bytes));
+  }
+
+  Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
+                 const int32_t* targets) override {
+    if (unit == 0) {
+      std::memcpy(tokens_.data() + micro * N_, tokens, size_t(N_) * 4);
+      std::memcpy(targets_.data() + micro * N_, targets, size_t(N_) * 4);
+    }
+    UnitParams p;
+    p.flat = widen(unit, params, 0);
+    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1);
+    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, checkpoint(unit), ws_);
+    return Status::ok();
+  }
+
+  Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
+                      float loss_scale, const GradTarget& target) override {
+    const int head = int(plan_.units.size()) - 1;
+    UnitParams p;
+    p.flat = widen(head, params, 0);
+    if (tied_params != nullptr) p.tied_embedding = widen(0, tied_params, 1);
+    const int64_t numel = plan_.units[size_t(head)].padded_numel;
+    const int64_t tied_numel = plan_.units[0].padded_numel;
+    UnitGrads g;
+    if (plan_.gpu_grads_in_place()) {
+      g.flat = target.grads;
+      g.tied_embedding = tied_params != nullptr ? target.tied : nullptr;
+      if (target.zero_first) {
+        std::fill_n(g.flat, numel, 0.0f);
+        if (g.tied_embedding != nullptr) std::fill_n(g.tied_embedding, tied_numel, 0.0f);
+      }
+    } else {
+      g.flat = grads_.data();
+      std::fill_n(g.flat, numel, 0.0f);
+      if (tied_params != nullptr) {
+        g.tied_embedding = tied_grads_.data();
+        std::fill_n(g.tied_embedding, tied_numel, 0.0f);
+      }
+    }
+    const double loss =
+        head_forward_backward(plan_.layout, p, batch(micro, loss_scale), checkpoint(head - 1),
+                              activation_grad_.data(), g, ws_);
+    if (!plan_.gpu_grads_in_place()) std::memcpy(target.grads, g.flat, size_t(numel) * 4);
+    return loss;
+  }
+
+  Status backward(int unit, int micro, const std::byte* params, bool recompute,
+                  const GradTarget& target) override {
+    const int64_t numel = plan_.units[size_t(unit)].padded_numel;
+    const bool embedding = plan_.layout.units[size_t(unit)].unit.kind == UnitKind::embedding;
+    if (params == nullptr && !embedding)
+      return Status::error("emulated GPU: no parameters for a layer's backward");
+    UnitParams p;
+    // The embedding's backward reads only the tokens and the gradient.
+    p.flat = params != nullptr ? widen(unit, params, 0) : widened_[0].data();
+    UnitGrads g;
+    if (plan_.gpu_grads_in_place()) {
+      g.flat = target.grads;
+      if (target.zero_first) std::fill_n(g.flat, numel, 0.0f);
+    } else if (target.slot < 0) {
+      g.flat = tied_grads_.data();  // the head left the lm_head's gradient here
+    } else {
+      g.flat = grads_.data();
+      std::fill_n(g.flat, numel, 0.0f);
+    }
+    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1);
+    unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, activation_grad_.data(),
+                  unit == 0 ? nullptr : activation_grad_.data(), g, ws_, recompute);
+    if (!plan_.gpu_grads_in_place()) std::memcpy(target.grads, g.flat, size_t(numel) * 4);
+    return Status::ok();
+  }
+
+  Status gradients_ready(int) override { return Status::ok(); }
+  Status synchronize() override { return Status::ok(); }
+
+  Status download(void* host, const void* device, int64_t bytes) override {
+    std::memcpy(host, device, size_t(bytes));
+    return Status::ok();
+  }
+  Status upload(void* device, const void* host, int64_t bytes) override {
+    std::memcpy(device, host, size_t(bytes));
+    return Status::ok();
+  }
+  Status accumulate(float* device, const float* host, int64_t numel, bool first) override {
+    if (first) {
+      std::memcpy(device, host, size_t(numel) * 4);
+    } else {
+      for (int64_t i = 0; i < numel; ++i) device[i] += host[i];
+    }
+    return Status::ok();
+  }
+  Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) override {
+    return kernels::cpu::grad_norm_squared(grads, ElementType::f32, numel);
+  }
+  Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy, int64_t numel,
+               const kernels::cpu::AdamWHyperparams& hyper) override {
+    kernels::cpu::AdamWShard shard;
+    shard.numel = numel;
+    shard.master = master;
+    shard.exp_avg = m;
+    shard.exp_avg_sq = v;
+    shard.grad = grad;
+    shard.grad_type = ElementType::f32;
+    const bool narrow = copy != nullptr && plan_.compute_type() != ElementType::f32;
+    if (narrow) {
+      shard.copy = copy;
+      shard.copy_type = plan_.compute_type();
+    }
+    if (Status s = kernels::cpu::adamw_step(shard, hyper); !s) return s;
+    if (copy != nullptr && !narrow) std::memcpy(copy, master, size_t(numel) * 4);
+    return Status::ok();
+  }
+  std::byte* new_parameter_buffer() const override {
+    return new_params_.empty() ? nullptr : const_cast<std::byte*>(new_params_.data());
+  }
+
+ private:
+  float* checkpoint(int unit) {
+    return checkpoints_.data() + int64_t(unit) * N_ * plan_.input.model.hidden_size;
+  }
+  UnitBatch batch(int micro, float loss_scale) {
+    UnitBatch b;
+    b.tokens = tokens_.data() + micro * N_;
+    b.targets = targets_.data() + micro * N_;
+    b.B = plan_.input.micro_batch;
+    b.T = plan_.input.seq_len;
+    b.loss_scale = loss_scale;
+    return b;
+  }
+  // Unit `unit`'s compute-precision parameters in fp32 (buffer `which`).
+  const float* widen(int unit, const std::byte* params, int which) {
+    std::vector<float>& out = widened_[size_t(which)];
+    kernels::cpu::widen_to_float(params, plan_.compute_type(), out.data(),
+                                 plan_.units[size_t(unit)].padded_numel);
+    return out.data();
+  }
+
+  const TrainingPlan& plan_;
+  int64_t N_;
+  UnitWorkspace ws_;
+  std::vector<float> checkpoints_, activation_grad_;
+  std::vector<int32_t> tokens_, targets_;
+  std::vector<float> widened_[2];
+  std::vector<float> grads_, tied_grads_;
+  std::vector<std::byte> new_params_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<GpuRank>> GpuRank::create_emulated(const TrainingPlan& plan) {
+  if (!plan.input.gpu)
+    return Status::error("an emulated GPU rank needs a plan for the CUDA backend (input.gpu)");
+  return std::unique_ptr<GpuRank>(new EmulatedGpuRank(plan));
+}
+
+}  // namespace strata

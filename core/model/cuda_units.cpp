@@ -1,0 +1,373 @@
+#include "core/model/cuda_units.h"
+#include "io/base/sizes.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace strata {
+namespace {
+
+// The head's logits are computed in blocks of rows of at most this many bytes.
+constexpr int64_t kHeadLogitBytes = int64_t{256} << 20;
+
+}  // namespace
+
+int64_t cuda_head_rows(const ModelConfig& config, int64_t B, int64_t T, int type_bytes) {
+  const int64_t N = B * T;
+  const int64_t rows = kHeadLogitBytes / std::max<int64_t>(1, config.vocab_size * type_bytes);
+  // Multiples of 8 rows keep every block's pointers 16-byte aligned for cuBLASLt.
+  return std::clamp<int64_t>(rows / 8 * 8, std::min<int64_t>(N, 8), N);
+}
+
+}  // namespace strata
+
+#if STRATA_HAS_CUDA
+#include <fmt/format.h>
+
+namespace strata {
+namespace cuda = kernels::cuda;
+namespace {
+
+constexpr int64_t kAlign = 256;
+
+// The workspace's buffers in order, as (bytes) entries; CudaUnits::create lays
+// them out in this same order.
+struct WorkspaceShape {
+  int64_t N, C, I, H, KV, D, QKV, V, B, T, ts, head_rows, scratch;
+  std::vector<int64_t> sizes() const {
+    return {
+        N * C * ts,          // xn1
+        N * 4,               // rstd1
+        N * QKV * ts,        // qkv
+        B * H * T * 4,       // lse
+        N * H * D * ts,      // attn
+        N * C * ts,          // x2
+        N * C * ts,          // xn2
+        N * 4,               // rstd2
+        N * 2 * I * ts,      // gate_up
+        N * I * ts,          // mlp
+        N * I * ts,          // d_mlp
+        N * 2 * I * ts,      // d_gate_up
+        N * C * ts,          // d_xn
+        N * H * D * ts,      // d_attn
+        N * QKV * ts,        // d_qkv
+        B * H * T * 4,       // delta
+        N * C * ts,          // head_xn
+        N * 4,               // head_rstd
+        head_rows * V * ts,  // logits
+        scratch,             // backward scratch (RMSNorm, embedding)
+        T * (D / 2) * 4,     // rope cos
+        T * (D / 2) * 4,     // rope sin
+    };
+  }
+};
+
+WorkspaceShape workspace_shape(const ModelConfig& c, int64_t B, int64_t T, int ts) {
+  WorkspaceShape s{};
+  s.B = B;
+  s.T = T;
+  s.N = B * T;
+  s.C = c.hidden_size;
+  s.I = c.intermediate_size;
+  s.H = c.num_attention_heads;
+  s.KV = c.num_key_value_heads;
+  s.D = c.head_dim;
+  s.QKV = (s.H + 2 * s.KV) * s.D;
+  s.V = c.vocab_size;
+  s.ts = ts;
+  s.head_rows = cuda_head_rows(c, B, T, ts);
+  s.scratch = int64_t(std::max(cuda::rmsnorm_backward_scratch_bytes(s.N, s.C),
+                               cuda::embedding_backward_scratch_bytes(s.N, s.V)));
+  return s;
+}
+
+}  // namespace
+
+int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t T, int type_bytes) {
+  int64_t total = 0;
+  for (int64_t size : workspace_shape(config, B, T, type_bytes).sizes())
+    total += round_up(size, kAlign);
+  return total;
+}
+
+int64_t cuda_grad_norm_scratch_bytes(int64_t numel) {
+  return int64_t(cuda::grad_norm_scratch_bytes(numel));
+}
+
+struct CudaUnits::Buffers {
+  void *xn1, *qkv, *attn, *x2, *xn2, *gate_up, *mlp;
+  float *rstd1, *lse, *rstd2;
+  void *d_mlp, *d_gate_up, *d_xn, *d_attn, *d_qkv;
+  float* delta;
+  void* head_xn;
+  float* head_rstd;
+  void* logits;
+  void* scratch;
+  int64_t scratch_bytes;
+  float *cos, *sin;
+  int64_t head_rows;
+};
+
+CudaUnits::CudaUnits(const ModelLayout& layout, int64_t B, int64_t T, cuda::DType type,
+                     cuda::Matmuls& matmuls)
+    : layout_(layout), B_(B), T_(T), type_(type), matmuls_(matmuls) {}
+
+CudaUnits::~CudaUnits() = default;
+
+Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, int64_t B,
+                                                     int64_t T, cuda::DType type, std::byte* memory,
+                                                     int64_t bytes, cuda::Matmuls& matmuls) {
+  const ModelConfig& c = layout.config;
+  const int ts = int(cuda::dtype_size(type));
+  const WorkspaceShape shape = workspace_shape(c, B, T, ts);
+  if (bytes < cuda_unit_workspace_bytes(c, B, T, ts))
+    return Status::error(fmt::format("CUDA unit workspace: {} bytes given, {} needed", bytes,
+                                     cuda_unit_workspace_bytes(c, B, T, ts)));
+  if (c.head_dim > 128)
+    return Status::error(fmt::format(
+        "head_dim {} is above the CUDA attention kernel's 128; use the CPU backend", c.head_dim));
+  std::unique_ptr<CudaUnits> units(new CudaUnits(layout, B, T, type, matmuls));
+  auto b = std::make_unique<Buffers>();
+  std::vector<std::byte*> at;
+  std::byte* next = memory;
+  for (int64_t size : shape.sizes()) {
+    at.push_back(next);
+    next += round_up(size, kAlign);
+  }
+  size_t i = 0;
+  b->xn1 = at[i++];
+  b->rstd1 = reinterpret_cast<float*>(at[i++]);
+  b->qkv = at[i++];
+  b->lse = reinterpret_cast<float*>(at[i++]);
+  b->attn = at[i++];
+  b->x2 = at[i++];
+  b->xn2 = at[i++];
+  b->rstd2 = reinterpret_cast<float*>(at[i++]);
+  b->gate_up = at[i++];
+  b->mlp = at[i++];
+  b->d_mlp = at[i++];
+  b->d_gate_up = at[i++];
+  b->d_xn = at[i++];
+  b->d_attn = at[i++];
+  b->d_qkv = at[i++];
+  b->delta = reinterpret_cast<float*>(at[i++]);
+  b->head_xn = at[i++];
+  b->head_rstd = reinterpret_cast<float*>(at[i++]);
+  b->logits = at[i++];
+  b->scratch = at[i++];
+  b->scratch_bytes = shape.scratch;
+  b->cos = reinterpret_cast<float*>(at[i++]);
+  b->sin = reinterpret_cast<float*>(at[i++]);
+  b->head_rows = shape.head_rows;
+
+  // RoPE tables as the CPU backend's.
+  const int64_t D = c.head_dim;
+  std::vector<float> cos(size_t(T * D / 2)), sin(size_t(T * D / 2));
+  rope_tables(c, T, cos.data(), sin.data());
+  if (Status s =
+          cuda::check_cuda(cudaMemcpy(b->cos, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice),
+                           "uploading the RoPE tables");
+      !s)
+    return s;
+  if (Status s =
+          cuda::check_cuda(cudaMemcpy(b->sin, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice),
+                           "uploading the RoPE tables");
+      !s)
+    return s;
+  units->b_ = std::move(b);
+  return units;
+}
+
+const void* CudaUnits::at(const void* flat, int64_t offset) const {
+  return static_cast<const char*>(flat) + offset * int64_t(cuda::dtype_size(type_));
+}
+void* CudaUnits::at(void* flat, int64_t offset) const {
+  return static_cast<char*>(flat) + offset * int64_t(cuda::dtype_size(type_));
+}
+
+namespace {
+
+// Layer tensors in core/model/model.cpp's order: q k v o gate up down norm_in norm_post.
+struct LayerOffsets {
+  int64_t qkv, o, gate_up, down, norm_in, norm_post;
+};
+LayerOffsets layer_offsets(const UnitLayout& unit) {
+  const auto& t = unit.tensors;
+  return {t[0].offset, t[3].offset, t[4].offset, t[6].offset, t[7].offset, t[8].offset};
+}
+
+}  // namespace
+
+// Every call below returns its first failure; STRATA_CHECK keeps that short (a function
+// cannot return from its caller).
+#define STRATA_CHECK(expression)                                 \
+  do {                                                           \
+    if (Status status_ = (expression); !status_) return status_; \
+  } while (false)
+
+Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* out,
+                                cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+  const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
+  const int64_t QKV = s.row_stride;
+  const LayerOffsets o = layer_offsets(layout_.units[size_t(u)]);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Buffers& b = *b_;
+  STRATA_CHECK(
+      cuda::rmsnorm_forward(b.xn1, b.rstd1, x, at(w, o.norm_in), N, C, eps, type_, stream));
+  STRATA_CHECK(matmuls_.forward(b.qkv, b.xn1, at(w, o.qkv), N, C, QKV, type_, false, stream));
+  STRATA_CHECK(cuda::rope_forward(at(b.qkv, 0), b.cos, b.sin, B_, T_, H, D, QKV, type_, stream));
+  STRATA_CHECK(
+      cuda::rope_forward(at(b.qkv, H * D), b.cos, b.sin, B_, T_, KV, D, QKV, type_, stream));
+  STRATA_CHECK(cuda::attention_forward(b.attn, b.lse, at(b.qkv, 0), at(b.qkv, H * D),
+                                       at(b.qkv, (H + KV) * D), s, type_, stream));
+  // Residuals are added by accumulating products into a copy of the input.
+  const int64_t row_bytes = C * int64_t(cuda::dtype_size(type_));
+  STRATA_CHECK(cuda::check_cuda(
+      cudaMemcpyAsync(b.x2, x, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
+      "copying the residual"));
+  STRATA_CHECK(matmuls_.forward(b.x2, b.attn, at(w, o.o), N, H * D, C, type_, true, stream));
+  STRATA_CHECK(
+      cuda::rmsnorm_forward(b.xn2, b.rstd2, b.x2, at(w, o.norm_post), N, C, eps, type_, stream));
+  STRATA_CHECK(
+      matmuls_.forward(b.gate_up, b.xn2, at(w, o.gate_up), N, C, 2 * I, type_, false, stream));
+  STRATA_CHECK(cuda::swiglu_forward(b.mlp, b.gate_up, N, I, type_, stream));
+  if (out == nullptr) return Status::ok();  // recomputation for the backward stops here
+  STRATA_CHECK(cuda::check_cuda(
+      cudaMemcpyAsync(out, b.x2, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
+      "copying the residual"));
+  return matmuls_.forward(out, b.mlp, at(w, o.down), N, I, C, type_, true, stream);
+}
+
+Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void* x,
+                                 const void* dout, void* dx, bool recompute, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+  const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
+  const int64_t QKV = s.row_stride;
+  const LayerOffsets o = layer_offsets(layout_.units[size_t(u)]);
+  const size_t ts = cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  if (recompute) STRATA_CHECK(layer_forward(u, w, x, nullptr, stream));
+  // dx starts as the residual gradient; each branch adds into it.
+  if (dx != dout)
+    STRATA_CHECK(cuda::check_cuda(
+        cudaMemcpyAsync(dx, dout, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
+        "copying the residual gradient"));
+  auto zero = [&](void* buffer, int64_t elements) {
+    return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
+                            "zeroing a gradient buffer");
+  };
+  // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))).
+  STRATA_CHECK(zero(b.d_mlp, N * I));
+  STRATA_CHECK(
+      matmuls_.backward(b.d_mlp, g + o.down, dout, b.mlp, at(w, o.down), N, I, C, type_, stream));
+  STRATA_CHECK(cuda::swiglu_backward(b.d_gate_up, b.d_mlp, b.gate_up, N, I, type_, stream));
+  STRATA_CHECK(zero(b.d_xn, N * C));
+  STRATA_CHECK(matmuls_.backward(b.d_xn, g + o.gate_up, b.d_gate_up, b.xn2, at(w, o.gate_up), N, C,
+                                 2 * I, type_, stream));
+  STRATA_CHECK(cuda::rmsnorm_backward(dx, g + o.norm_post, b.d_xn, b.x2, at(w, o.norm_post),
+                                      b.rstd2, N, C, type_, b.scratch, size_t(b.scratch_bytes),
+                                      stream));
+  // dx now holds d(x2). Attention branch: x2 = x + o(attention(rope(qkv(norm_in(x))))).
+  STRATA_CHECK(zero(b.d_attn, N * H * D));
+  STRATA_CHECK(
+      matmuls_.backward(b.d_attn, g + o.o, dx, b.attn, at(w, o.o), N, H * D, C, type_, stream));
+  STRATA_CHECK(cuda::attention_backward(
+      at(b.d_qkv, 0), at(b.d_qkv, H * D), at(b.d_qkv, (H + KV) * D), b.delta, b.d_attn, b.attn,
+      b.lse, at(b.qkv, 0), at(b.qkv, H * D), at(b.qkv, (H + KV) * D), s, type_, stream));
+  STRATA_CHECK(cuda::rope_backward(at(b.d_qkv, 0), b.cos, b.sin, B_, T_, H, D, QKV, type_, stream));
+  STRATA_CHECK(
+      cuda::rope_backward(at(b.d_qkv, H * D), b.cos, b.sin, B_, T_, KV, D, QKV, type_, stream));
+  STRATA_CHECK(zero(b.d_xn, N * C));
+  STRATA_CHECK(
+      matmuls_.backward(b.d_xn, g + o.qkv, b.d_qkv, b.xn1, at(w, o.qkv), N, C, QKV, type_, stream));
+  return cuda::rmsnorm_backward(dx, g + o.norm_in, b.d_xn, x, at(w, o.norm_in), b.rstd1, N, C,
+                                type_, b.scratch, size_t(b.scratch_bytes), stream);
+}
+
+Status CudaUnits::forward(int64_t u, const void* params, const CudaUnitBatch& batch,
+                          const void* input, void* output, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  switch (layout_.units[size_t(u)].unit.kind) {
+    case UnitKind::embedding:
+      return cuda::embedding_forward(output, batch.tokens, params, B_ * T_, c.hidden_size, type_,
+                                     stream);
+    case UnitKind::decoder_layer:
+      return layer_forward(u, params, input, output, stream);
+    case UnitKind::head:
+      break;
+  }
+  return Status::error("CudaUnits::forward: the head runs in head_forward_backward");
+}
+
+Status CudaUnits::backward(int64_t u, const void* params, const CudaUnitBatch& batch,
+                           const void* input, const void* doutput, void* dinput, float* grads,
+                           bool recompute, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  switch (layout_.units[size_t(u)].unit.kind) {
+    case UnitKind::embedding:
+      return cuda::embedding_backward(grads, doutput, batch.tokens, B_ * T_, c.hidden_size,
+                                      c.vocab_size, type_, b_->scratch, size_t(b_->scratch_bytes),
+                                      stream);
+    case UnitKind::decoder_layer:
+      return layer_backward(u, params, grads, input, doutput, dinput, recompute, stream);
+    case UnitKind::head:
+      break;
+  }
+  return Status::error("CudaUnits::backward: the head runs in head_forward_backward");
+}
+
+Status CudaUnits::head_forward_backward(const void* params, const void* tied_embedding,
+                                        const CudaUnitBatch& batch, const void* input, void* dinput,
+                                        float* grads, float* tied_grads, float* losses,
+                                        cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, V = c.vocab_size;
+  const UnitLayout& head = layout_.units.back();
+  const bool tied = c.tie_word_embeddings;
+  if (tied && (tied_embedding == nullptr || tied_grads == nullptr))
+    return Status::error("CudaUnits: a tied head needs the embedding and its gradient");
+  const int64_t lm_offset = tied ? 0 : head.tensors[1].offset;
+  const void* norm = params;
+  const void* lm_head = tied ? tied_embedding : at(params, lm_offset);
+  float* d_norm = grads;
+  float* d_lm_head = tied ? tied_grads : grads + lm_offset;
+  const size_t ts = cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  STRATA_CHECK(cuda::rmsnorm_forward(b.head_xn, b.head_rstd, input, norm, N, C,
+                                     static_cast<float>(c.rms_norm_eps), type_, stream));
+  STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(b.d_xn, 0, size_t(N * C) * ts, stream),
+                                "zeroing the head's gradient"));
+  for (int64_t begin = 0; begin < N; begin += b.head_rows) {
+    const int64_t rows = std::min(b.head_rows, N - begin);
+    STRATA_CHECK(matmuls_.forward(b.logits, at(b.head_xn, begin * C), lm_head, rows, C, V, type_,
+                                  false, stream));
+    STRATA_CHECK(cuda::cross_entropy_forward_backward(losses + begin, b.logits, b.logits,
+                                                      batch.targets + begin, batch.loss_scale, rows,
+                                                      V, type_, stream));
+    STRATA_CHECK(matmuls_.backward(at(b.d_xn, begin * C), d_lm_head, b.logits,
+                                   at(b.head_xn, begin * C), lm_head, rows, C, V, type_, stream));
+  }
+  STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(dinput, 0, size_t(N * C) * ts, stream),
+                                "zeroing the head's input gradient"));
+  return cuda::rmsnorm_backward(dinput, d_norm, b.d_xn, input, norm, b.head_rstd, N, C, type_,
+                                b.scratch, size_t(b.scratch_bytes), stream);
+}
+
+#undef STRATA_CHECK
+
+}  // namespace strata
+#else
+namespace strata {
+int64_t cuda_unit_workspace_bytes(const ModelConfig&, int64_t, int64_t, int) {
+  return 0;
+}
+int64_t cuda_grad_norm_scratch_bytes(int64_t) {
+  return 0;
+}
+}  // namespace strata
+#endif

@@ -1,0 +1,108 @@
+// The model's units on the CUDA backend: the GPU twins of core/model/model.h's
+// unit_forward, unit_backward and head_forward_backward, with the same
+// semantics (per-unit activation checkpointing, the backward recomputing a
+// layer's forward from its input, parameter gradients accumulating in fp32,
+// the gradient of a unit's input overwritten) and the same fused products
+// (qkv, gate/up), built from kernels/cuda/ops.h and kernels/cuda/matmul.h.
+//
+// Contract. Every call enqueues work on `stream` and returns at once; every
+// pointer is a device pointer. Parameters and activations are in the compute
+// type (bf16, fp16, or fp32 for testing); parameter gradients are fp32.
+// A CudaUnits object is the working set of one (model, B, T, type): the
+// activations of one decoder layer, the backward's scratch and the head's
+// logits, laid out in one block of device memory that the caller allocates
+// (from a budgeted device tier) with cuda_unit_workspace_bytes bytes. Like the
+// CPU workspace, the last layer forward's activations survive the head, so
+// the engine may skip recomputing that layer in its backward.
+//
+// Thread-safety: one caller and one stream at a time per object.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/model/model.h"
+#include "core/model/model_config.h"
+#include "io/base/status.h"
+
+namespace strata {
+
+// Rows of logits the GPU head computes at once, for (config, B, T, type bytes).
+int64_t cuda_head_rows(const ModelConfig& config, int64_t B, int64_t T, int type_bytes);
+
+// Device bytes a CudaUnits workspace takes (compiles without CUDA, for plans).
+int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t T, int type_bytes);
+
+// Device bytes of the gradient-norm kernel's scratch for `numel` elements (0 without CUDA).
+int64_t cuda_grad_norm_scratch_bytes(int64_t numel);
+
+}  // namespace strata
+
+#if STRATA_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/matmul.h"
+#include "kernels/cuda/ops.h"
+
+namespace strata {
+
+// One micro-batch on the device.
+struct CudaUnitBatch {
+  const int32_t* tokens = nullptr;   // (B*T), in [0, V)
+  const int32_t* targets = nullptr;  // (B*T), < 0 ignored
+  float loss_scale = 1.0f;           // d(objective)/d(each token's loss)
+};
+
+class CudaUnits {
+ public:
+  // `memory`: cuda_unit_workspace_bytes(layout.config, B, T, dtype_size(type)) device bytes,
+  // 256-byte aligned. Uploads the RoPE tables (synchronously).
+  static Result<std::unique_ptr<CudaUnits>> create(const ModelLayout& layout, int64_t B, int64_t T,
+                                                   kernels::cuda::DType type, std::byte* memory,
+                                                   int64_t bytes, kernels::cuda::Matmuls& matmuls);
+  ~CudaUnits();
+  CudaUnits(const CudaUnits&) = delete;
+  CudaUnits& operator=(const CudaUnits&) = delete;
+
+  // Forward of the embedding or a decoder layer: output (B*T, C) from input
+  // (B*T, C) (unused by the embedding). params: the unit's flat (padded_numel).
+  Status forward(int64_t u, const void* params, const CudaUnitBatch& batch, const void* input,
+                 void* output, cudaStream_t stream);
+
+  // Backward of the embedding or a decoder layer: grads (padded_numel, fp32) +=,
+  // dinput (B*T, C) = (may alias doutput; unused by the embedding). recompute
+  // false: the layer's activations are still those of its last forward.
+  Status backward(int64_t u, const void* params, const CudaUnitBatch& batch, const void* input,
+                  const void* doutput, void* dinput, float* grads, bool recompute,
+                  cudaStream_t stream);
+
+  // The head's forward and backward in one pass over blocks of logits.
+  // params: the head's flat; tied_embedding: unit 0's flat when the model is
+  // tied (its gradient goes to tied_grads, +=), else null. losses (B*T) fp32 =,
+  // dinput (B*T, C) =, grads (head padded_numel) +=.
+  Status head_forward_backward(const void* params, const void* tied_embedding,
+                               const CudaUnitBatch& batch, const void* input, void* dinput,
+                               float* grads, float* tied_grads, float* losses, cudaStream_t stream);
+
+ private:
+  struct Buffers;
+  CudaUnits(const ModelLayout& layout, int64_t B, int64_t T, kernels::cuda::DType type,
+            kernels::cuda::Matmuls& matmuls);
+  Status layer_forward(int64_t u, const void* params, const void* x, void* out,
+                       cudaStream_t stream);
+  Status layer_backward(int64_t u, const void* params, float* grads, const void* x,
+                        const void* dout, void* dx, bool recompute, cudaStream_t stream);
+  // Element `offset` of a flat buffer of the compute type.
+  const void* at(const void* flat, int64_t offset) const;
+  void* at(void* flat, int64_t offset) const;
+
+  const ModelLayout& layout_;
+  int64_t B_, T_;
+  kernels::cuda::DType type_;
+  kernels::cuda::Matmuls& matmuls_;
+  std::unique_ptr<Buffers> b_;
+};
+
+}  // namespace strata
+#endif

@@ -1,0 +1,222 @@
+// The Llama model as units (DESIGN.md sections 1 and 5), computed on the CPU
+// backend.
+//
+// Layout. Every unit (embedding, layers.i, head) keeps its parameters in one
+// flat fp32 buffer. UnitLayout maps each Hugging Face tensor name to (offset,
+// shape) inside that buffer and pads the buffer so that it splits into
+// `world_size` equal shards whose size is a multiple of 4 KiB in every dtype
+// (2048 elements). Padding is zero and never read. A decoder layer stores
+// q, k, v, o, gate, up, down, then the two norms: q/k/v and gate/up sit next
+// to each other and run as one matrix product each. A tied lm_head is the
+// embedding unit's tensor: the head unit reads it through
+// UnitParams::tied_embedding and adds into UnitGrads::tied_embedding.
+//
+// Computation. unit_forward and unit_backward take a unit's gathered flat
+// parameters, so an engine can gather and release units one at a time. Only a
+// unit's input is kept between forward and backward (per-unit activation
+// checkpointing): unit_backward recomputes the unit's forward from that input.
+// Parameter gradients accumulate (+=) so micro-batches add up; the gradient
+// with respect to a unit's input is overwritten (=).
+//
+// Initialisation is a function of (seed, tensor name, element index) only, so
+// a model starts identical for any world size or sharding.
+//
+// Thread-safety: layouts are values. A UnitWorkspace is scratch memory for one
+// caller at a time; unit functions use TBB and OpenBLAS inside.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/model/model_config.h"
+#include "core/checkpoint/safetensors.h"
+#include "io/base/status.h"
+#include "kernels/cpu/attention.h"
+
+namespace strata {
+
+struct TensorSlot {
+  std::string name;            // Hugging Face name: "model.layers.3.self_attn.q_proj.weight"
+  int64_t offset = 0;          // elements from the start of the unit's flat buffer
+  std::vector<int64_t> shape;  // Hugging Face shape, [out, in] for projections
+  int64_t numel = 0;
+  bool weight_decay = false;  // 2-D tensors decay; norm weights do not (DESIGN.md section 5)
+};
+
+struct UnitLayout {
+  UnitShape unit;
+  std::vector<TensorSlot> tensors;  // in flat-buffer order
+  int64_t numel = 0;                // parameters, without padding
+  int64_t padded_numel = 0;         // a multiple of world_size * kShardAlignElements
+  int64_t shard_numel = 0;          // padded_numel / world_size
+  const TensorSlot* find(const std::string& name) const;
+};
+
+// Shards are multiples of kShardAlignElements (core/model/model_config.h).
+
+struct ModelLayout {
+  ModelConfig config;
+  int world_size = 1;
+  std::vector<UnitLayout> units;  // forward order: embedding, layers.0 .., head
+};
+
+ModelLayout model_layout(const ModelConfig& config, int world_size = 1);
+
+// Writes the initial parameters of unit `u` (padding zero): projections and
+// embeddings ~ N(0, init_std) (Hugging Face's initializer_range 0.02), norms 1.
+void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, float* flat,
+                          float init_std = 0.02f);
+
+// The value of element `index` of tensor `name` for `seed` before scaling by std.
+float init_normal(uint64_t seed, const std::string& name, int64_t index);
+
+// The attention shape of a decoder layer at (B, T): q, k and v heads packed
+// in fused qkv rows of (H + 2 KV) * D elements. Shared by both backends.
+kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& config, int64_t B, int64_t T);
+
+// The rotary embedding's fp32 tables for positions [0, T): cos and sin (T, D/2),
+// with the model's theta and rope_scaling. Shared by both backends.
+void rope_tables(const ModelConfig& config, int64_t T, float* cos, float* sin);
+
+// A unit's gathered parameters and where its gradients accumulate.
+struct UnitParams {
+  const float* flat = nullptr;            // (padded_numel) in UnitLayout order
+  const float* tied_embedding = nullptr;  // head of a tied model: (V, C) of the embedding unit
+};
+struct UnitGrads {
+  float* flat = nullptr;  // (padded_numel), +=
+  float* tied_embedding =
+      nullptr;  // head of a tied model: (V, C) of the embedding unit's grads, +=
+};
+
+// One micro-batch: B sequences of T tokens.
+struct UnitBatch {
+  const int32_t* tokens = nullptr;   // (B, T), inputs of the embedding unit, in [0, V)
+  const int32_t* targets = nullptr;  // (B, T), for the head; < 0 is ignored
+  int64_t B = 0;
+  int64_t T = 0;
+  // Head backward: d(objective)/d(each token's loss); 1 / (tokens in the global batch)
+  // for DESIGN.md's mean loss.
+  float loss_scale = 1.0f;
+};
+
+// Scratch for the forward and backward of any unit at one (B, T).
+class UnitWorkspace {
+ public:
+  UnitWorkspace(const ModelConfig& config, int64_t B, int64_t T);
+  int64_t B() const { return B_; }
+  int64_t T() const { return T_; }
+  // Bytes a workspace for (config, B, T) holds, for memory plans.
+  static int64_t bytes_for(const ModelConfig& config, int64_t B, int64_t T);
+
+ private:
+  friend struct UnitKernels;
+  int64_t B_, T_;
+  std::vector<float> rope_cos, rope_sin;  // (T, D/2)
+  // Decoder layer activations (N = B*T), recomputed in the backward.
+  std::vector<float> xn1, rstd1;  // (N, C), (N)
+  std::vector<float> qkv;         // (N, (H + 2 KV) D), q and k rotated
+  std::vector<float> probs;       // (B, H, T, T)
+  std::vector<float> attn;        // (N, H D)
+  std::vector<float> x2;          // (N, C) residual after attention
+  std::vector<float> xn2, rstd2;  // (N, C), (N)
+  std::vector<float> gate_up;     // (N, 2 I)
+  std::vector<float> mlp;         // (N, I)
+  // Backward scratch.
+  std::vector<float> d_mlp, d_gate_up, d_xn, d_attn, d_qkv, d_scores;
+  // Head: its own norm output (so a layer's activations survive it), logits of a
+  // block of rows, the per-token losses.
+  std::vector<float> head_xn, head_rstd;  // (N, C), (N)
+  std::vector<float> logits;              // (head_rows, V)
+  std::vector<float> losses;              // (N)
+  int64_t head_rows = 0;
+};
+
+// Forward of unit `u`.
+//  embedding: output (B, T, C) = embeddings of batch.tokens; input unused.
+//  layer:     output (B, T, C) from input (B, T, C).
+//  head:      input (B, T, C); writes logits (B, T, V) to `output` unless null.
+// Returns the sum of the token losses for the head (needs batch.targets), 0 otherwise.
+double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
+                    const UnitBatch& batch, const float* input, float* output, UnitWorkspace& ws);
+
+// Backward of unit `u`, recomputing its forward from `input` (the checkpoint).
+//  embedding: grads += from doutput (B, T, C); dinput unused.
+//  layer:     dinput (B, T, C) = from doutput (B, T, C); dinput may alias doutput.
+//  head:      dinput (B, T, C) = from the loss (batch.targets, batch.loss_scale); doutput unused.
+// Parameter gradients accumulate (+=) into `grads`. A layer may skip the
+// recomputation (recompute = false) only when `ws` still holds its activations:
+// its unit_forward, with the same parameters and input, was the last layer
+// forward on `ws` (head_forward_backward leaves them alone).
+void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params,
+                   const UnitBatch& batch, const float* input, const float* doutput, float* dinput,
+                   const UnitGrads& grads, UnitWorkspace& ws, bool recompute = true);
+
+// The head's forward and backward in one pass (it is the last unit, so its
+// backward follows its forward at once and nothing is recomputed): returns the
+// sum of token losses; dinput (B, T, C) =; gradients +=; logits (B, T, V)
+// written unless null.
+double head_forward_backward(const ModelLayout& model, const UnitParams& params,
+                             const UnitBatch& batch, const float* input, float* dinput,
+                             const UnitGrads& grads, UnitWorkspace& ws, float* logits = nullptr);
+
+// --- a whole model in host memory, for one rank (tests, tools, benchmarks) ------
+
+struct HostModel {
+  ModelLayout layout;
+  std::vector<std::vector<float>> params;  // per unit, (padded_numel)
+  std::vector<std::vector<float>> grads;   // per unit, (padded_numel)
+
+  UnitParams unit_params(int64_t u) const;
+  UnitGrads unit_grads(int64_t u);
+  // Pointer to a tensor by Hugging Face name (lm_head.weight of a tied model is the embedding).
+  const float* tensor(const std::string& name) const;
+  float* tensor_grad(const std::string& name);
+};
+
+HostModel make_host_model(const ModelConfig& config, int world_size = 1);
+void init_host_model(HostModel& model, uint64_t seed, float init_std = 0.02f);
+void zero_host_grads(HostModel& model);
+
+// Every tensor of the model as it is stored in Hugging Face checkpoints, in unit
+// order (lm_head.weight only when untied), with the unit and slot it lives in.
+struct NamedTensor {
+  int64_t unit = 0;
+  const TensorSlot* slot = nullptr;
+};
+std::vector<NamedTensor> checkpoint_tensors(const ModelLayout& layout);
+
+// Checks that tokens lie in [0, V) and targets in [-inf, V): the message names `origin`.
+Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t count,
+                       bool allow_negative, const std::string& origin);
+
+// Forward and backward of every unit over one micro-batch, keeping only unit
+// inputs between the two. Gradients accumulate (+=) into model.grads. Returns
+// the sum of token losses; `logits` (B, T, V) is filled when not null.
+Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
+                                      float* logits = nullptr);
+// Forward only: the sum of token losses (and the logits when not null).
+Result<double> model_forward(const HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
+                             float* logits = nullptr);
+
+// Loads the tensors of unit `u` into its flat buffer (padding left untouched),
+// so an engine can load a checkpoint one unit at a time. A tied head reads
+// nothing beyond model.norm.weight.
+Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
+                            int64_t u, float* flat);
+
+// Loads every tensor from a checkpoint (F32/BF16/F16 converted to fp32). A tied
+// model ignores a stored lm_head.weight; an untied one requires it.
+Status load_host_model(HostModel& model, const SafetensorsCheckpoint& checkpoint);
+
+// Writes the parameters (or, with `gradients`, the gradients under the same
+// names) as a Hugging Face checkpoint directory: config.json plus safetensors
+// (sharded above max_shard_bytes).
+// Writes <dir>/config.json (Hugging Face's, with torch_dtype) through a temporary name.
+Status write_model_config_json(const ModelConfig& model, const std::string& dir, DType dtype);
+
+Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
+                       uint64_t max_shard_bytes = 5ull << 30, bool gradients = false);
+
+}  // namespace strata

@@ -1,0 +1,79 @@
+// The Llama family's shape (DESIGN.md section 5), from a preset or a Hugging
+// Face config.json, and the units the model is cut into.
+//
+// A ModelConfig is a plain value; the functions here are pure and thread-safe.
+// The parameter count is computed from the shapes (no lookup tables), and the
+// units are the FSDP2 `fully_shard` granularity: embedding, each decoder layer,
+// head (final norm + lm_head; the lm_head belongs to the embedding when tied).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "io/base/status.h"
+
+namespace strata {
+
+struct RopeScaling {
+  std::string type;  // "" for none, or "llama3"
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  std::string name;  // preset name or the config.json it came from
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+
+  // Parameters of one decoder layer: q, k, v, o, gate, up, down and the two norms.
+  int64_t layer_parameter_count() const;
+  // Every parameter of the model, counted from the shapes (a tied lm_head once).
+  int64_t parameter_count() const;
+};
+
+// A unit's flat buffer is padded so that it splits into equal shards over the
+// ranks, each a multiple of this many elements: 4 KiB in every 2-byte dtype
+// (O_DIRECT needs aligned offsets and lengths; DESIGN.md section 1).
+inline constexpr int64_t kShardAlignElements = 2048;
+
+enum class UnitKind { embedding, decoder_layer, head };
+
+struct UnitShape {
+  UnitKind kind = UnitKind::embedding;
+  int64_t layer = -1;  // decoder layer index, -1 for embedding and head
+  std::string name;    // "embedding", "layers.3", "head"
+  int64_t numel = 0;   // parameters owned by the unit (the tied lm_head is the embedding's)
+};
+
+// The units in forward order: embedding, layers.0 .. layers.{L-1}, head.
+std::vector<UnitShape> model_units(const ModelConfig& config);
+
+// The names accepted by load_model_config as presets.
+std::vector<std::string> model_preset_names();
+
+// A preset ("tiny", "llama3.2-1b", ...), a path to a config.json, or a Hugging
+// Face model directory holding config.json. Errors name the file and key.
+Result<ModelConfig> load_model_config(const std::string& spec);
+
+// Parses a Hugging Face LlamaConfig object; `origin` names it in errors.
+Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std::string& origin);
+
+// The Hugging Face config.json for this shape (model_type llama, LlamaForCausalLM).
+nlohmann::json model_config_to_json(const ModelConfig& config);
+
+}  // namespace strata

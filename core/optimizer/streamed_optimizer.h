@@ -1,0 +1,75 @@
+// StreamedOptimizer: the AdamW step over optimizer state that lives on NVMe
+// (or in host memory), through the tiers' streamed pass (tiers/streamed_pass.h).
+// Tiers move bytes; this file says which bytes make an AdamW chunk and hands
+// the optimizer driver's update (core/optimizer/optimizer.h) to the pass as its work.
+//
+// Layout: for every unit, the store holds shards (unit, master), (unit, m) and
+// (unit, v), each numel * 4 bytes of fp32, homed on NVMe or host. step() walks
+// the units in the order given, each in chunks of at most chunk_elements
+// elements (the planner's kOptimizerChunkElements, lowered by sub_group_size):
+// chunk k+1 is read while chunk k is updated and chunk k-1 written back. The
+// gradient and the compute-precision copy are host arrays the caller owns
+// (the gradient is read only; the copy, when given, is written).
+//
+// Host memory: buffer_count buffers of chunk_elements * 12 bytes, charged to
+// the host tier at create() (the planner's host staging for the streamed
+// optimizer). Completion: step() returns once every updated chunk is written
+// back; on an error the message names the unit, chunk and shard, and chunks
+// not reached are untouched. Not thread-safe: one step() at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "core/optimizer/optimizer.h"
+#include "core/plan/planner.h"
+#include "io/base/status.h"
+#include "kernels/cpu/simd.h"
+#include "tiers/streamed_pass.h"
+#include "tiers/tiered_store.h"
+
+namespace strata {
+
+struct StreamedOptimizerOptions {
+  int64_t chunk_elements = kOptimizerChunkElements;  // a multiple of 1024
+  unsigned buffer_count = 4;                        // offload_optimizer.buffer_count
+};
+
+// One unit's shard as the step sees it.
+struct StreamedOptimizerUnit {
+  int unit = 0;
+  int64_t numel = 0;
+  std::span<const ShardSegment> segments;  // as OptimizerShard::segments; empty: all `decay`
+  const void* grad = nullptr;              // (numel) of grad_type, host memory
+  kernels::cpu::ElementType grad_type = kernels::cpu::ElementType::f32;
+  void* copy = nullptr;  // (numel) of copy_type, host memory; nullptr: no copy (fp32 mode)
+  kernels::cpu::ElementType copy_type = kernels::cpu::ElementType::bf16;
+};
+
+class StreamedOptimizer {
+ public:
+  static Result<std::unique_ptr<StreamedOptimizer>> create(tiers::TieredStore& store,
+                                                           StreamedOptimizerOptions options);
+
+  // Adds (unit, master), (unit, m), (unit, v) of numel fp32 elements, homed in `home`.
+  static Status add_unit_state(tiers::TieredStore& store, int unit, int64_t numel,
+                               tiers::Tier home);
+
+  // Host bytes create() takes from the host tier.
+  static uint64_t host_buffer_bytes(const StreamedOptimizerOptions& options);
+
+  // One optimizer step (nothing when !plan.apply).
+  Status step(const Optimizer& optimizer, const StepPlan& plan,
+              std::span<const StreamedOptimizerUnit> units);
+
+  const tiers::StreamedPassStats& last_step() const { return pass_->last_run(); }
+
+ private:
+  StreamedOptimizer(StreamedOptimizerOptions options, std::unique_ptr<tiers::StreamedPass> pass)
+      : options_(options), pass_(std::move(pass)) {}
+  StreamedOptimizerOptions options_;
+  std::unique_ptr<tiers::StreamedPass> pass_;
+};
+
+}  // namespace strata

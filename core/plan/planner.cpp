@@ -1,0 +1,599 @@
+#include "core/plan/planner.h"
+
+#include <fmt/format.h>
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/base/sizes.h"
+
+namespace strata {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+Tier home_of(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::none:
+      return Tier::device;
+    case OffloadDevice::cpu:
+      return Tier::host;
+    case OffloadDevice::nvme:
+      return Tier::nvme;
+  }
+  return Tier::device;
+}
+
+// Per-token activation elements of one decoder layer's forward intermediates that its
+// backward reads: both norm outputs and the residual (3H), q and the attention output
+// (2 * heads * head_dim), k and v (2 * kv_heads * head_dim), gate, up and silu(gate)*up (3I).
+int64_t layer_activation_elements_per_token(const ModelConfig& m) {
+  return 3 * m.hidden_size + 2 * m.num_attention_heads * m.head_dim +
+         2 * m.num_key_value_heads * m.head_dim + 3 * m.intermediate_size;
+}
+
+struct Sizes {
+  int64_t parameters = 0;
+  int64_t shard = 0;
+  int64_t padded = 0;
+  int64_t largest_unit = 0;        // padded elements
+  int64_t largest_unit_shard = 0;  // padded shard elements
+  int units = 0;
+};
+
+Sizes compute_sizes(const PlanInput& in) {
+  Sizes s;
+  const int w = in.world_size;
+  std::vector<int64_t> unit_numels;
+  if (in.model) {
+    for (const UnitShape& unit : model_units(*in.model)) {
+      if (unit.numel > 0) unit_numels.push_back(unit.numel);
+    }
+  } else {
+    unit_numels.push_back(in.parameters);
+  }
+  for (int64_t numel : unit_numels) {
+    int64_t shard = padded_shard_elements(numel, w);
+    s.parameters += numel;
+    s.shard += shard;
+    s.padded += shard * w;
+    s.largest_unit = std::max(s.largest_unit, shard * w);
+    s.largest_unit_shard = std::max(s.largest_unit_shard, shard);
+  }
+  s.units = static_cast<int>(unit_numels.size());
+  return s;
+}
+
+}  // namespace
+
+int64_t streamed_chunk_elements(int64_t sub_group_size) {
+  return std::max<int64_t>(1024, std::min(kOptimizerChunkElements, sub_group_size) / 1024 * 1024);
+}
+
+int64_t padded_shard_elements(int64_t numel, int world_size) {
+  int64_t per_rank = ceil_div(numel, world_size);
+  return ceil_div(per_rank, kShardAlignElements) * kShardAlignElements;
+}
+
+const char* tier_name(Tier tier) {
+  switch (tier) {
+    case Tier::device:
+      return "device";
+    case Tier::host:
+      return "host";
+    case Tier::nvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+int64_t& TierBytes::at(Tier tier) {
+  return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
+}
+int64_t TierBytes::at(Tier tier) const {
+  return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
+}
+
+int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelConfig>& model) {
+  if (config.strata.seq_len) return *config.strata.seq_len;
+  return model ? std::min<int64_t>(2048, model->max_position_embeddings) : 2048;
+}
+
+PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<ModelConfig>& model) {
+  PlanInput input;
+  input.model = model;
+  input.world_size = c.world_size;
+  input.stage = c.zero.stage;
+  input.offload_optimizer = c.zero.offload_optimizer.device;
+  input.offload_param = c.zero.offload_param.device;
+  input.precision = c.precision;
+  input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
+  input.micro_batch = c.train_micro_batch_size_per_gpu;
+  input.grad_accum = c.gradient_accumulation_steps;
+  input.seq_len = effective_seq_len(c, model);
+  input.param_buffer_count = c.zero.offload_param.buffer_count;
+  input.param_buffer_elements = c.zero.offload_param.buffer_size;
+  input.optimizer_buffer_count = c.zero.offload_optimizer.buffer_count;
+  input.sub_group_size = c.zero.sub_group_size;
+  return input;
+}
+
+Status validate_plan_input(const PlanInput& in) {
+  if (in.world_size < 1) return Status::error("--world-size must be at least 1");
+  if (in.stage < 0 || in.stage > 3) {
+    return Status::error(fmt::format("--stage must be 0, 1, 2 or 3, got {}", in.stage));
+  }
+  if (in.offload_param != OffloadDevice::none && in.stage < 3) {
+    return Status::error(
+        fmt::format("--offload-param {} needs ZeRO stage 3 (stage is {}); pass --stage 3 or drop "
+                    "--offload-param",
+                    offload_device_name(in.offload_param), in.stage));
+  }
+  if (!in.model && in.parameters <= 0) return Status::error("give --model or --params");
+  if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1) {
+    return Status::error(
+        "micro batch, sequence length and gradient accumulation must be at least 1");
+  }
+  return Status::ok();
+}
+
+MemoryPlan plan_memory(const PlanInput& in) {
+  MemoryPlan plan;
+  plan.input = in;
+  const Sizes sizes = compute_sizes(in);
+  plan.parameters = sizes.parameters;
+  plan.shard_elements = sizes.shard;
+  plan.padded_elements = sizes.padded;
+  plan.largest_unit_elements = sizes.largest_unit;
+  plan.units = sizes.units;
+
+  const int w = in.world_size;
+  const int64_t cb = compute_bytes(in.precision);
+  const Tier param_home = home_of(in.offload_param);
+  const Tier optimizer_home = home_of(in.offload_optimizer);
+  const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
+  // Gradients live where the optimizer reads them: the device, or pinned host
+  // memory when the optimizer runs on the CPU (its state on host or NVMe).
+  const Tier grad_home = optimizer_offloaded ? Tier::host : Tier::device;
+
+  // Elements per rank of each kind, by stage (DESIGN.md section 1).
+  const int64_t param_elements = in.stage == 3 ? sizes.shard : sizes.padded;
+  const int64_t grad_elements = in.stage >= 2 ? sizes.shard : sizes.padded;
+  const int64_t optimizer_elements = in.stage >= 1 ? sizes.shard : sizes.padded;
+  // In fp32 the compute parameters are the master, unless the optimizer keeps
+  // its copy in another tier.
+  const bool separate_master = in.precision != Precision::fp32 || param_home != optimizer_home;
+
+  plan.states.push_back({fmt::format("parameters ({})", precision_name(in.precision)), param_home,
+                         param_elements * cb});
+  plan.states.push_back({"gradients (fp32)", grad_home, grad_elements * 4});
+  if (separate_master)
+    plan.states.push_back({"fp32 master", optimizer_home, optimizer_elements * 4});
+  plan.states.push_back({"Adam m", optimizer_home, optimizer_elements * 4});
+  plan.states.push_back({"Adam v", optimizer_home, optimizer_elements * 4});
+  for (const StateLine& line : plan.states) plan.model_states.at(line.tier) += line.bytes;
+
+  // The ZeRO paper: 2 + 2 + 12 bytes per (unpadded) parameter, divided by the
+  // world size where the stage shards it.
+  const int64_t n = sizes.parameters;
+  auto shard_if = [&](bool sharded, int64_t bytes) { return sharded ? ceil_div(bytes, w) : bytes; };
+  plan.states_zero.push_back({"parameters (fp16)", param_home, shard_if(in.stage == 3, 2 * n)});
+  plan.states_zero.push_back({"gradients (fp16)", grad_home, shard_if(in.stage >= 2, 2 * n)});
+  plan.states_zero.push_back(
+      {"optimizer states (fp32 master, m, v)", optimizer_home, shard_if(in.stage >= 1, 12 * n)});
+  for (const StateLine& line : plan.states_zero) plan.model_states_zero.at(line.tier) += line.bytes;
+
+  // Activations with per-unit checkpointing.
+  if (in.model) {
+    const ModelConfig& m = *in.model;
+    const int64_t tokens = in.micro_batch * in.seq_len;
+    // Token ids and targets (int32) plus the input of every decoder layer and of the head.
+    plan.activation_checkpoint_bytes =
+        2 * tokens * 4 + (m.num_hidden_layers + 1) * tokens * m.hidden_size * cb;
+    // One layer recomputed: its intermediates, their gradients (about as many again), and
+    // the attention's per-row softmax statistics (fp32; no T x T matrix is kept).
+    const int64_t layer_working = 2 * tokens * layer_activation_elements_per_token(m) * cb +
+                                  tokens * m.num_attention_heads * 4;
+    // The head: fp32 logits, whose gradient the fused cross-entropy writes in place.
+    const int64_t head_working = tokens * m.vocab_size * 4 + 2 * tokens * m.hidden_size * cb;
+    plan.activation_working_bytes = std::max(layer_working, head_working);
+  }
+
+  // Device staging: with stage 3 the gathered window (the unit in use and the
+  // one being prefetched); a full-unit fp32 gradient buffer, double-buffered so a
+  // unit's reduction overlaps the next unit's backward, whenever gradients are
+  // not kept whole on the device.
+  if (in.stage == 3) plan.device_staging_bytes += 2 * sizes.largest_unit * cb;
+  const bool full_grads_on_device = in.stage <= 1 && !optimizer_offloaded;
+  if (!full_grads_on_device) plan.device_staging_bytes += 2 * sizes.largest_unit * 4;
+
+  // Host staging (pinned): NVMe parameter reads, the streamed optimizer's
+  // buffers, and the new compute-precision shard on its way to the device.
+  // The streamed optimizer's chunk (streamed_chunk_elements), at most the largest shard.
+  const int64_t optimizer_chunk =
+      std::min(sizes.largest_unit_shard, streamed_chunk_elements(in.sub_group_size));
+  if (in.offload_param == OffloadDevice::nvme) {
+    const int64_t buffer =
+        std::min(sizes.largest_unit_shard, std::max<int64_t>(in.param_buffer_elements, 1));
+    plan.host_staging_bytes += in.param_buffer_count * buffer * cb;
+  }
+  if (in.offload_optimizer == OffloadDevice::nvme) {
+    // master (or, in fp32, the parameters that are the master), m and v: 12 bytes.
+    plan.host_staging_bytes += in.optimizer_buffer_count * optimizer_chunk * 12;
+  }
+  if (optimizer_offloaded && param_home == Tier::device) {
+    plan.host_staging_bytes += 2 * optimizer_chunk * cb;  // new compute copy, double-buffered
+  }
+
+  plan.total_per_rank = plan.model_states;
+  plan.total_per_rank.device +=
+      plan.activation_checkpoint_bytes + plan.activation_working_bytes + plan.device_staging_bytes;
+  plan.total_per_rank.host += plan.host_staging_bytes;
+
+  // Budgets: the device per rank; host and NVMe for the node (every rank on one node).
+  plan.verdicts = {
+      {Tier::device, plan.total_per_rank.device, in.device_budget, in.device_budget_source},
+      {Tier::host, plan.total_per_rank.host * w, in.host_budget, in.host_budget_source},
+      {Tier::nvme, plan.total_per_rank.nvme * w, in.nvme_budget, in.nvme_budget_source},
+  };
+  plan.fits = std::all_of(plan.verdicts.begin(), plan.verdicts.end(),
+                          [](const TierVerdict& v) { return v.fits(); });
+
+  // Traffic per step and rank.
+  Traffic& t = plan.traffic;
+  const int64_t g = in.grad_accum;
+  if (w > 1) {
+    const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype);
+    // Gradients are reduced per micro-batch when they are sharded or leave the
+    // device; once per step when every rank keeps them whole on the device.
+    const int64_t reductions = (in.stage >= 2 || optimizer_offloaded) ? g : 1;
+    const int64_t ring_factor_num = w - 1;  // a ring collective sends (W-1)/W of the buffer
+    const int64_t all_reduce = 2 * sizes.padded * reduce_bytes * ring_factor_num / w;
+    const int64_t reduce_scatter = sizes.padded * reduce_bytes * ring_factor_num / w;
+    const int64_t all_gather = sizes.padded * cb * ring_factor_num / w;
+    switch (in.stage) {
+      case 0:
+        t.collective_bytes = reductions * all_reduce;
+        break;
+      case 1:
+        t.collective_bytes = reductions * all_reduce + all_gather;
+        break;
+      case 2:
+        t.collective_bytes = reductions * reduce_scatter + all_gather;
+        break;
+      case 3:
+        t.collective_bytes = reductions * reduce_scatter + 2 * g * all_gather;
+        break;
+    }
+    t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * n;
+  }
+  if (param_home != Tier::device) {
+    // Each shard goes to the device for the forward and again for the backward.
+    t.h2d_bytes += 2 * g * param_elements * cb;
+  } else if (optimizer_offloaded) {
+    t.h2d_bytes += optimizer_elements * cb;  // the new compute copy after the CPU step
+  }
+  if (optimizer_offloaded) t.d2h_bytes += g * grad_elements * 4;
+  if (in.offload_optimizer == OffloadDevice::nvme) {
+    // The streamed step reads and writes master (or the fp32 parameters that are
+    // the master), m and v.
+    t.nvme_read_bytes += 12 * optimizer_elements;
+    t.nvme_write_bytes += 12 * optimizer_elements;
+  }
+  if (in.offload_param == OffloadDevice::nvme) {
+    t.nvme_read_bytes += 2 * g * param_elements * cb;
+    // The updated compute copy, unless the optimizer's write of the master was it.
+    if (separate_master) t.nvme_write_bytes += param_elements * cb;
+  }
+  t.collective_seconds = t.collective_bytes / in.net_bandwidth;
+  t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;
+  t.d2h_seconds = t.d2h_bytes / in.pcie_bandwidth;
+  // Every rank on the node shares the NVMe drives.
+  t.nvme_seconds =
+      (t.nvme_read_bytes + t.nvme_write_bytes) * static_cast<double>(w) / in.nvme_bandwidth;
+  double slowest = 0;
+  for (auto [seconds, name] : {std::pair{t.collective_seconds, "network"},
+                               std::pair{std::max(t.h2d_seconds, t.d2h_seconds), "PCIe"},
+                               std::pair{t.nvme_seconds, "NVMe"}}) {
+    if (seconds > slowest) {
+      slowest = seconds;
+      t.slowest_link = name;
+    }
+  }
+  return plan;
+}
+
+MemoryPlan plan_with_suggestion(const PlanInput& input) {
+  MemoryPlan plan = plan_memory(input);
+  if (plan.fits) return plan;
+
+  struct Candidate {
+    std::string description;
+    std::function<void(PlanInput&)> apply;
+  };
+  std::vector<Candidate> candidates;
+  const std::string nvme_hint = input.nvme_path_known ? "" : " --nvme-path DIR";
+  if (input.world_size > 1) {
+    for (int stage = input.stage + 1; stage <= 3; ++stage) {
+      candidates.push_back(
+          {fmt::format("--stage {}", stage), [stage](PlanInput& p) { p.stage = stage; }});
+    }
+  }
+  if (input.offload_optimizer == OffloadDevice::none) {
+    candidates.push_back({"--offload-optimizer cpu",
+                          [](PlanInput& p) { p.offload_optimizer = OffloadDevice::cpu; }});
+  }
+  if (input.offload_param == OffloadDevice::none) {
+    candidates.push_back(
+        {"--stage 3 --offload-optimizer cpu --offload-param cpu", [](PlanInput& p) {
+           p.stage = 3;
+           p.offload_optimizer = OffloadDevice::cpu;
+           p.offload_param = OffloadDevice::cpu;
+         }});
+  }
+  if (input.offload_optimizer != OffloadDevice::nvme) {
+    candidates.push_back({"--offload-optimizer nvme" + nvme_hint, [](PlanInput& p) {
+                            p.offload_optimizer = OffloadDevice::nvme;
+                            p.nvme_budget.reset();
+                          }});
+    candidates.push_back(
+        {"--stage 3 --offload-optimizer nvme --offload-param cpu" + nvme_hint, [](PlanInput& p) {
+           p.stage = 3;
+           p.offload_optimizer = OffloadDevice::nvme;
+           p.offload_param = OffloadDevice::cpu;
+         }});
+  }
+  if (input.offload_param != OffloadDevice::nvme) {
+    candidates.push_back(
+        {"--stage 3 --offload-optimizer nvme --offload-param nvme" + nvme_hint, [](PlanInput& p) {
+           p.stage = 3;
+           p.offload_optimizer = OffloadDevice::nvme;
+           p.offload_param = OffloadDevice::nvme;
+         }});
+  }
+  if (input.micro_batch > 1) {
+    candidates.push_back(
+        {"--micro-batch 1 (raise --grad-accum to keep the global batch)", [](PlanInput& p) {
+           p.grad_accum *= p.micro_batch;
+           p.micro_batch = 1;
+         }});
+  }
+  for (int ranks = input.world_size * 2; ranks <= 1024; ranks *= 2) {
+    candidates.push_back(
+        {fmt::format("--world-size {} (at ZeRO stage 3)", ranks), [ranks](PlanInput& p) {
+           p.world_size = ranks;
+           p.stage = 3;
+         }});
+  }
+  for (const Candidate& candidate : candidates) {
+    PlanInput changed = input;
+    candidate.apply(changed);
+    // An NVMe directory that was not given has no known free space: judge the rest.
+    if (!input.nvme_path_known) changed.nvme_budget.reset();
+    if (!validate_plan_input(changed).is_ok()) continue;
+    MemoryPlan alternative = plan_memory(changed);
+    if (alternative.fits) {
+      plan.suggestion = candidate.description;
+      return plan;
+    }
+  }
+  // Nothing fits: say what the leanest layout still needs on this node.
+  PlanInput leanest = input;
+  leanest.stage = 3;
+  leanest.offload_optimizer = OffloadDevice::nvme;
+  leanest.offload_param = OffloadDevice::nvme;
+  leanest.micro_batch = 1;
+  MemoryPlan lean = plan_memory(leanest);
+  plan.suggestion = fmt::format(
+      "none: even ZeRO stage 3 with everything on NVMe and micro batch 1 needs {} device per rank, "
+      "{} host and {} NVMe on the node; add memory or disk, or spread the ranks over more nodes",
+      format_bytes(double(lean.verdicts[0].need)), format_bytes(double(lean.verdicts[1].need)),
+      format_bytes(double(lean.verdicts[2].need)));
+  return plan;
+}
+
+std::optional<int64_t> detect_host_available_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t value = 0;
+  std::string unit;
+  while (meminfo >> key >> value >> unit) {
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return std::nullopt;
+}
+
+std::optional<int64_t> detect_free_bytes(const std::vector<std::string>& directories) {
+  if (directories.empty()) return std::nullopt;
+  // Striped evenly: the fullest directory bounds what the stripe set can hold.
+  std::optional<int64_t> smallest;
+  for (const std::string& dir : directories) {
+    struct statvfs fs {};
+    if (statvfs(dir.c_str(), &fs) != 0) return std::nullopt;
+    int64_t free_bytes = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize);
+    smallest = smallest ? std::min(*smallest, free_bytes) : free_bytes;
+  }
+  return *smallest * static_cast<int64_t>(directories.size());
+}
+
+namespace {
+
+std::string cell(int64_t bytes) {
+  return bytes == 0 ? "-" : format_bytes(static_cast<double>(bytes));
+}
+
+void row(std::ostringstream& out, const std::string& label, const TierBytes& bytes) {
+  out << fmt::format("  {:<40}{:>14}{:>14}{:>14}\n", label, cell(bytes.device), cell(bytes.host),
+                     cell(bytes.nvme));
+}
+
+}  // namespace
+
+std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
+  const PlanInput& in = plan.input;
+  std::ostringstream out;
+  std::string model =
+      in.model ? fmt::format("{} ({} parameters, {} units)", in.model->name,
+                             format_count(static_cast<double>(plan.parameters)), plan.units)
+               : fmt::format("{} parameters", format_count(static_cast<double>(plan.parameters)));
+  out << fmt::format("strata plan: {}\n", model);
+  out << fmt::format("  world size {}, ZeRO stage {}, {}; offload optimizer {}, params {}\n",
+                     in.world_size, in.stage, precision_name(in.precision),
+                     offload_device_name(in.offload_optimizer),
+                     offload_device_name(in.offload_param));
+  if (in.model) {
+    out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}\n", in.micro_batch,
+                       in.seq_len, in.grad_accum);
+  }
+  out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
+                     zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
+                     zero_accounting ? 10 : 24, "host", "nvme");
+  for (const StateLine& line : zero_accounting ? plan.states_zero : plan.states) {
+    TierBytes bytes;
+    bytes.at(line.tier) = line.bytes;
+    row(out, line.name, bytes);
+  }
+  const TierBytes& states = zero_accounting ? plan.model_states_zero : plan.model_states;
+  row(out, "model states", states);
+  if (in.model) {
+    row(out, "activation checkpoints (unit inputs)",
+        TierBytes{plan.activation_checkpoint_bytes, 0, 0});
+    row(out, "activation working set (one unit)", TierBytes{plan.activation_working_bytes, 0, 0});
+  } else {
+    out << "  (activations need --model: the shapes decide them)\n";
+  }
+  row(out, "staging buffers", TierBytes{plan.device_staging_bytes, plan.host_staging_bytes, 0});
+  row(out, "total per rank (strata)", plan.total_per_rank);
+  if (in.world_size > 1) {
+    row(out, fmt::format("node total ({} ranks)", in.world_size),
+        TierBytes{plan.total_per_rank.device * in.world_size,
+                  plan.total_per_rank.host * in.world_size,
+                  plan.total_per_rank.nvme * in.world_size});
+  }
+
+  out << "\nbudget\n";
+  for (const TierVerdict& v : plan.verdicts) {
+    if (v.need == 0 && !v.budget) continue;
+    std::string scope = v.tier == Tier::device ? "per rank" : "node";
+    if (!v.budget) {
+      out << fmt::format("  {:<7} needs {} ({}); no budget known ({})\n", tier_name(v.tier),
+                         format_bytes(double(v.need)), scope,
+                         v.tier == Tier::device ? "give --device-mem-limit"
+                         : v.tier == Tier::host ? "give --host-mem-limit"
+                                                : "give --nvme-path");
+      continue;
+    }
+    std::string verdict = v.fits() ? "fits"
+                                   : fmt::format("DOES NOT FIT: over by {}",
+                                                 format_bytes(double(v.need - *v.budget)));
+    out << fmt::format("  {:<7} needs {} of {} ({}, {}): {}\n", tier_name(v.tier),
+                       format_bytes(double(v.need)), format_bytes(double(*v.budget)), scope,
+                       v.budget_source, verdict);
+  }
+  out << (plan.fits ? "  verdict: fits\n"
+                    : fmt::format("  verdict: does not fit; smallest change that fits: {}\n",
+                                  plan.suggestion));
+
+  const Traffic& t = plan.traffic;
+  out << "\ntraffic per step and rank\n";
+  if (in.world_size > 1) {
+    out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
+                       format_bytes(double(t.collective_bytes)), format_bytes(in.net_bandwidth),
+                       format_seconds(t.collective_seconds),
+                       format_bytes(double(t.collective_bytes_zero)));
+  } else {
+    out << "  collectives      none (one rank)\n";
+  }
+  auto link = [&](const char* label, int64_t bytes, double bandwidth, double seconds) {
+    if (bytes == 0) {
+      out << fmt::format("  {:<17}none\n", label);
+    } else {
+      out << fmt::format("  {:<17}{:>12} at {}/s: {}\n", label, format_bytes(double(bytes)),
+                         format_bytes(bandwidth), format_seconds(seconds));
+    }
+  };
+  link("PCIe host->dev", t.h2d_bytes, in.pcie_bandwidth, t.h2d_seconds);
+  link("PCIe dev->host", t.d2h_bytes, in.pcie_bandwidth, t.d2h_seconds);
+  if (t.nvme_read_bytes + t.nvme_write_bytes == 0) {
+    out << "  NVMe             none\n";
+  } else {
+    out << fmt::format("  NVMe read/write  {:>12} / {} at {}/s shared by the node: {}\n",
+                       format_bytes(double(t.nvme_read_bytes)),
+                       format_bytes(double(t.nvme_write_bytes)), format_bytes(in.nvme_bandwidth),
+                       format_seconds(t.nvme_seconds));
+  }
+  if (!t.slowest_link.empty()) out << fmt::format("  slowest link: {}\n", t.slowest_link);
+  return out.str();
+}
+
+nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting) {
+  using json = nlohmann::ordered_json;
+  const PlanInput& in = plan.input;
+  auto tiers = [](const TierBytes& b) {
+    return json{{"device_bytes", b.device}, {"host_bytes", b.host}, {"nvme_bytes", b.nvme}};
+  };
+  auto lines = [](const std::vector<StateLine>& states) {
+    json out = json::array();
+    for (const StateLine& s : states)
+      out.push_back({{"name", s.name}, {"tier", tier_name(s.tier)}, {"bytes", s.bytes}});
+    return out;
+  };
+  json j;
+  j["model"] = in.model ? json(in.model->name) : json(nullptr);
+  j["parameters"] = plan.parameters;
+  j["units"] = plan.units;
+  j["world_size"] = in.world_size;
+  j["stage"] = in.stage;
+  j["precision"] = precision_name(in.precision);
+  j["offload_optimizer"] = offload_device_name(in.offload_optimizer);
+  j["offload_param"] = offload_device_name(in.offload_param);
+  j["micro_batch"] = in.micro_batch;
+  j["seq_len"] = in.seq_len;
+  j["grad_accum"] = in.grad_accum;
+  j["accounting"] = zero_accounting ? "zero" : "strata";
+  j["per_rank"] = tiers(zero_accounting ? plan.model_states_zero : plan.model_states);
+  j["per_rank"]["states"] = lines(zero_accounting ? plan.states_zero : plan.states);
+  j["per_rank_strata"] = tiers(plan.model_states);
+  j["per_rank_zero"] = tiers(plan.model_states_zero);
+  j["shard_elements"] = plan.shard_elements;
+  j["activations"] = {{"checkpoint_bytes", plan.activation_checkpoint_bytes},
+                      {"working_bytes", plan.activation_working_bytes}};
+  j["staging"] = {{"device_bytes", plan.device_staging_bytes},
+                  {"host_bytes", plan.host_staging_bytes}};
+  j["total_per_rank"] = tiers(plan.total_per_rank);
+  json verdicts = json::array();
+  for (const TierVerdict& v : plan.verdicts) {
+    verdicts.push_back({{"tier", tier_name(v.tier)},
+                        {"need_bytes", v.need},
+                        {"budget_bytes", v.budget ? json(*v.budget) : json(nullptr)},
+                        {"budget_source", v.budget ? json(v.budget_source) : json(nullptr)},
+                        {"fits", v.fits()}});
+  }
+  j["budgets"] = verdicts;
+  j["fits"] = plan.fits;
+  j["suggestion"] = plan.fits ? json(nullptr) : json(plan.suggestion);
+  const Traffic& t = plan.traffic;
+  j["traffic"] = {{"collective_bytes", t.collective_bytes},
+                  {"collective_bytes_zero", t.collective_bytes_zero},
+                  {"collective_seconds", t.collective_seconds},
+                  {"h2d_bytes", t.h2d_bytes},
+                  {"d2h_bytes", t.d2h_bytes},
+                  {"h2d_seconds", t.h2d_seconds},
+                  {"d2h_seconds", t.d2h_seconds},
+                  {"nvme_read_bytes", t.nvme_read_bytes},
+                  {"nvme_write_bytes", t.nvme_write_bytes},
+                  {"nvme_seconds", t.nvme_seconds},
+                  {"net_bandwidth", in.net_bandwidth},
+                  {"pcie_bandwidth", in.pcie_bandwidth},
+                  {"nvme_bandwidth", in.nvme_bandwidth},
+                  {"slowest_link", t.slowest_link.empty() ? json(nullptr) : json(t.slowest_link)}};
+  return j;
+}
+
+}  // namespace strata

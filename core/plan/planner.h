@@ -1,0 +1,163 @@
+// The memory and traffic planner behind `strata plan` (and, later, the check
+// the engine runs before the first step).
+//
+// From a model (or a bare parameter count), the ZeRO stage, the offload homes,
+// the precision and the batch shape it computes, per rank: the bytes of model
+// states in each tier in two accountings (strata's own: the bytes the engine
+// allocates, DESIGN.md section 1; and the ZeRO paper's 2 + 2 + 12 bytes per
+// parameter), the activation memory with per-unit checkpointing, the staging
+// buffers, whether the whole fits the budgets and, if not, the smallest change
+// that makes it fit; and the bytes each link moves per step with their times.
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/model_config.h"
+
+namespace strata {
+
+// The streamed optimizer (state on NVMe) works through a unit's shard in chunks
+// of at most this many elements (4 MiB per fp32 state, 12 MiB per chunk of
+// master, m and v), so its pinned buffers stay small whatever the unit size
+// and a unit's chunks pipeline (read the next while updating this one and
+// writing the last); sub_group_size can lower it further.
+inline constexpr int64_t kOptimizerChunkElements = int64_t{1} << 20;
+
+// The streamed optimizer's chunk for a sub_group_size: at most
+// kOptimizerChunkElements, a whole multiple of 1024 elements (its SIMD and
+// O_DIRECT granule), at least 1024.
+int64_t streamed_chunk_elements(int64_t sub_group_size);
+
+// Elements of each rank's shard of a unit with `numel` parameters over
+// `world_size` ranks (padded to kShardAlignElements, as model_layout pads).
+int64_t padded_shard_elements(int64_t numel, int world_size);
+
+struct PlanInput {
+  std::optional<ModelConfig> model;  // when absent, `parameters` alone (no activations or units)
+  int64_t parameters = 0;            // used when model is absent
+  int world_size = 1;
+  int stage = 0;
+  OffloadDevice offload_optimizer = OffloadDevice::none;
+  OffloadDevice offload_param = OffloadDevice::none;
+  Precision precision = Precision::bf16;
+  Precision gradient_reduce_dtype = Precision::fp32;
+  int64_t micro_batch = 1;
+  int64_t seq_len = 2048;
+  int64_t grad_accum = 1;
+  int param_buffer_count = 5;  // offload_param.buffer_count: NVMe parameter staging buffers
+  int64_t param_buffer_elements =
+      100000000;                   // offload_param.buffer_size: elements per staging buffer
+  int optimizer_buffer_count = 4;  // offload_optimizer.buffer_count: streamed optimizer buffers
+  int64_t sub_group_size = 1000000000;  // zero_optimization.sub_group_size: caps a streamed chunk
+  bool nvme_path_known = false;         // an NVMe directory was given (for suggestions)
+
+  // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
+  std::optional<int64_t> device_budget;
+  std::optional<int64_t> host_budget;
+  std::optional<int64_t> nvme_budget;
+  std::string device_budget_source, host_budget_source, nvme_budget_source;
+
+  // Link bandwidths in bytes per second, for the traffic times.
+  double net_bandwidth = 25e9;
+  double pcie_bandwidth = 25e9;
+  double nvme_bandwidth = 6e9;
+};
+
+enum class Tier { device, host, nvme };
+const char* tier_name(Tier tier);
+
+struct TierBytes {
+  int64_t device = 0;
+  int64_t host = 0;
+  int64_t nvme = 0;
+  int64_t& at(Tier tier);
+  int64_t at(Tier tier) const;
+  int64_t total() const { return device + host + nvme; }
+};
+
+// One kind of model state: where it lives and how many bytes it takes per rank.
+struct StateLine {
+  std::string name;  // "parameters (bf16)", "gradients (fp32)", "fp32 master", "Adam m", "Adam v"
+  Tier tier = Tier::device;
+  int64_t bytes = 0;
+};
+
+struct TierVerdict {
+  Tier tier = Tier::device;
+  int64_t need = 0;  // bytes needed on the node for this tier (device: per rank)
+  std::optional<int64_t> budget;
+  std::string budget_source;
+  bool fits() const { return !budget || need <= *budget; }
+};
+
+struct Traffic {
+  int64_t collective_bytes = 0;       // strata: what the ring collectives send per rank
+  int64_t collective_bytes_zero = 0;  // the ZeRO paper's 2x (stages 0-2) or 3x (stage 3) params
+  int64_t h2d_bytes = 0;
+  int64_t d2h_bytes = 0;
+  int64_t nvme_read_bytes = 0;
+  int64_t nvme_write_bytes = 0;
+  double collective_seconds = 0, h2d_seconds = 0, d2h_seconds = 0, nvme_seconds = 0;
+  std::string slowest_link;  // "network", "PCIe", "NVMe" or "" when nothing moves
+};
+
+struct MemoryPlan {
+  PlanInput input;
+  int64_t parameters = 0;       // unpadded
+  int64_t shard_elements = 0;   // this rank's padded shard, summed over units
+  int64_t padded_elements = 0;  // every unit padded to a multiple of world_size shards
+  int64_t largest_unit_elements = 0;
+  int units = 0;
+
+  std::vector<StateLine> states;       // strata's accounting
+  std::vector<StateLine> states_zero;  // the ZeRO paper's accounting
+  TierBytes model_states;              // sum of `states`
+  TierBytes model_states_zero;         // sum of `states_zero`
+
+  // Activations (on the device; host memory standing in on the CPU backend).
+  int64_t activation_checkpoint_bytes = 0;  // each unit's input, kept from forward to backward
+  int64_t activation_working_bytes = 0;     // the largest unit's recompute + backward working set
+  // Buffers the engine uses besides the states.
+  int64_t device_staging_bytes = 0;  // gathered-parameter window, full-unit gradient buffers
+  int64_t host_staging_bytes = 0;    // pinned NVMe staging and optimizer output buffers
+
+  TierBytes total_per_rank;  // states + activations + staging
+  std::vector<TierVerdict> verdicts;
+  bool fits = true;
+  std::string suggestion;  // the smallest change that fits, when !fits
+  Traffic traffic;
+};
+
+// Tokens per sequence: strata.seq_len, else min(2048, the model's maximum)
+// (2048 without a model).
+int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelConfig>& model);
+
+// The plan input a merged config describes (stage, offload homes, precision,
+// batch shape, buffer counts, sub_group_size); budgets and bandwidths are left
+// to the caller.
+PlanInput plan_input_from_config(const TrainConfig& config,
+                                 const std::optional<ModelConfig>& model);
+
+// Checks the input (stage range, offload_param below stage 3, ...).
+Status validate_plan_input(const PlanInput& input);
+
+// The plan without suggestion search.
+MemoryPlan plan_memory(const PlanInput& input);
+
+// The plan, and when it does not fit, the smallest change that does.
+MemoryPlan plan_with_suggestion(const PlanInput& input);
+
+// Reading the node: MemAvailable, free bytes under the NVMe directories.
+std::optional<int64_t> detect_host_available_bytes();
+std::optional<int64_t> detect_free_bytes(const std::vector<std::string>& directories);
+
+std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting);
+nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting);
+
+}  // namespace strata

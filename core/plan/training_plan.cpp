@@ -1,0 +1,575 @@
+#include "core/plan/training_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "core/model/cuda_units.h"
+#include "core/engine/gpu_rank.h"
+#include "io/base/sizes.h"
+
+namespace strata {
+namespace {
+
+using tiers::Tier;
+
+Tier home_of(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::none:
+      return Tier::device;
+    case OffloadDevice::cpu:
+      return Tier::host;
+    case OffloadDevice::nvme:
+      return Tier::nvme;
+  }
+  return Tier::device;
+}
+
+PlanOp make_op(OpKind kind, Lane lane, int unit = -1, int micro = -1, int slot = -1) {
+  PlanOp op;
+  op.kind = kind;
+  op.lane = lane;
+  op.unit = unit;
+  op.micro = micro;
+  op.slot = slot;
+  return op;
+}
+
+std::string unit_label(const TrainingPlan& plan, int unit) {
+  if (unit < 0) return "";
+  return plan.layout.units[size_t(unit)].unit.name;
+}
+
+// Builds the op list by walking one step in a serial order that is also a
+// valid order for every lane: gathers are emitted as early as their buffer
+// allows, fetches as early as theirs, reductions right after their backward.
+class PlanBuilder {
+ public:
+  explicit PlanBuilder(TrainingPlan& plan) : plan_(plan) {}
+
+  void build() {
+    const TrainingPlanInput& in = plan_.input;
+    const int U = static_cast<int>(plan_.layout.units.size());
+    const int head = U - 1;
+    const bool tied = plan_.layout.config.tie_word_embeddings;
+    const bool stage3 = in.stage == 3;
+    const Lane comm_lane = in.overlap_comm ? Lane::comm : Lane::compute;
+
+    // The compute operations of one step, and the gathered units each one reads.
+    struct ComputeUse {
+      OpKind kind;
+      int unit;
+      int micro;
+      std::vector<int> units;  // gathered buffers it reads
+    };
+    std::vector<ComputeUse> compute;
+    for (int m = 0; m < in.grad_accum; ++m) {
+      for (int u = 0; u < head; ++u) compute.push_back({OpKind::forward, u, m, {u}});
+      compute.push_back(
+          {OpKind::forward, head, m, tied ? std::vector<int>{0, head} : std::vector<int>{head}});
+      for (int u = head - 1; u >= 0; --u) compute.push_back({OpKind::backward, u, m, {u}});
+    }
+
+    // Gathered-buffer uses, in order; use i takes slot i % gather_slots.
+    struct Use {
+      int unit;
+      size_t compute_index;
+    };
+    std::vector<Use> uses;
+    for (size_t c = 0; c < compute.size(); ++c)
+      for (int u : compute[c].units) uses.push_back({u, c});
+
+    const int K = plan_.gather_slots;
+    const int P = plan_.fetch_slots;
+    std::vector<int> gather_op(uses.size(), -1), fetch_op(uses.size(), -1);
+    std::vector<int> compute_op(compute.size(), -1), release_op(compute.size(), -1);
+    size_t next_gather = 0, next_fetch = 0;
+
+    // The previous use of the same unit: its host copy must be gone before the
+    // next fetch of that shard (a shard has one copy per tier).
+    std::vector<int> previous_use(uses.size(), -1);
+    {
+      std::vector<int> last(plan_.units.size(), -1);
+      for (size_t i = 0; i < uses.size(); ++i) {
+        previous_use[i] = last[size_t(uses[i].unit)];
+        last[size_t(uses[i].unit)] = int(i);
+      }
+    }
+    auto fetch_ready = [&](size_t i) {
+      if (int(i) >= P && gather_op[i - size_t(P)] < 0) return false;  // its slot is still taken
+      return previous_use[i] < 0 || gather_op[size_t(previous_use[i])] >= 0;
+    };
+    auto emit_fetches = [&]() {
+      // fetch(i) needs the host copy that gather(i - P) released.
+      while (next_fetch < uses.size() && fetch_ready(next_fetch)) {
+        const size_t i = next_fetch++;
+        PlanOp op = make_op(OpKind::fetch, Lane::io, uses[i].unit,
+                            compute[uses[i].compute_index].micro, int(i % size_t(P)));
+        if (int(i) >= P) op.deps.push_back(gather_op[i - size_t(P)]);
+        if (previous_use[i] >= 0) op.deps.push_back(gather_op[size_t(previous_use[i])]);
+        op.bytes = plan_.units[size_t(uses[i].unit)].param_numel * plan_.compute_bytes;
+        fetch_op[i] = add(std::move(op));
+      }
+    };
+    auto emit_gathers_before = [&](size_t c) {
+      // gather(i) reuses the slot of use i - K, free once that use's compute op released it.
+      while (next_gather < uses.size()) {
+        const size_t i = next_gather;
+        if (int(i) >= K && uses[i - size_t(K)].compute_index >= c) break;
+        PlanOp op = make_op(OpKind::gather, comm_lane, uses[i].unit,
+                            compute[uses[i].compute_index].micro, int(i % size_t(K)));
+        if (int(i) >= K) op.deps.push_back(release_op[uses[i - size_t(K)].compute_index]);
+        if (fetch_op[i] >= 0) op.deps.push_back(fetch_op[i]);
+        op.bytes = plan_.units[size_t(uses[i].unit)].shard_numel * plan_.compute_bytes *
+                   (in.world_size - 1);
+        gather_op[i] = add(std::move(op));
+        ++next_gather;
+        if (in.offload_param == OffloadDevice::nvme) emit_fetches();
+      }
+    };
+
+    const bool early = in.optimizer_during_backward;
+    const bool writeback = plan_.homes.param == Tier::nvme && plan_.homes.separate_master;
+    int decide_index = -1;
+    if (early) decide_index = add(make_op(OpKind::decide, Lane::optimizer));
+    // optimizer(u) and, for NVMe parameter homes, writeback(u).
+    auto emit_update = [&](int u, std::vector<int> deps) {
+      PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
+      optimizer.deps = std::move(deps);
+      const int64_t n = plan_.units[size_t(u)].optimizer_numel;
+      optimizer.bytes = plan_.homes.optimizer == Tier::nvme ? 2 * 3 * n * 4 : 0;
+      int last = add(std::move(optimizer));
+      if (writeback) {
+        PlanOp write = make_op(OpKind::writeback, Lane::optimizer, u);
+        write.deps.push_back(last);
+        write.bytes = plan_.units[size_t(u)].param_numel * plan_.compute_bytes;
+        last = add(std::move(write));
+      }
+      return last;
+    };
+    std::vector<int> update_done(size_t(U), -1);
+    std::vector<int> update_order;
+
+    if (stage3 && in.offload_param == OffloadDevice::nvme) emit_fetches();
+    size_t use_index = 0;
+    std::vector<int> last_reduce(size_t(U), -1);
+    int grad_use = 0;
+    std::vector<int> reduce_of_grad_use;
+    for (size_t c = 0; c < compute.size(); ++c) {
+      const ComputeUse& cu = compute[c];
+      if (stage3) emit_gathers_before(c);
+      PlanOp op = make_op(cu.kind, Lane::compute, cu.unit, cu.micro);
+      if (stage3) {
+        for (size_t k = 0; k < cu.units.size(); ++k) op.deps.push_back(gather_op[use_index + k]);
+      }
+      // Gradient buffers: the head and every backward fill one; a tied
+      // embedding's lives from the head to the embedding's reduce.
+      const bool fills_grad = cu.kind == OpKind::backward || cu.unit == head;
+      const bool uses_rotating_grad = fills_grad && !(tied && cu.unit == 0);
+      if (uses_rotating_grad) {
+        op.slot = grad_use % plan_.grad_slots;
+        if (grad_use >= plan_.grad_slots)
+          op.deps.push_back(reduce_of_grad_use[size_t(grad_use - plan_.grad_slots)]);
+      }
+      if (tied && cu.unit == head && cu.micro > 0) op.deps.push_back(last_reduce[0]);
+      compute_op[c] = add(std::move(op));
+      if (stage3) {
+        PlanOp release = make_op(OpKind::release, Lane::compute, cu.unit, cu.micro);
+        release.deps.push_back(compute_op[c]);
+        release_op[c] = add(std::move(release));
+        use_index += cu.units.size();
+      } else {
+        release_op[c] = compute_op[c];
+      }
+      if (fills_grad) {
+        PlanOp reduce = make_op(OpKind::reduce, comm_lane, cu.unit, cu.micro,
+                                uses_rotating_grad ? grad_use % plan_.grad_slots : -1);
+        reduce.deps.push_back(compute_op[c]);
+        if (last_reduce[size_t(cu.unit)] >= 0) reduce.deps.push_back(last_reduce[size_t(cu.unit)]);
+        const UnitPlacement& p = plan_.units[size_t(cu.unit)];
+        const bool scatter = in.stage >= 2 && in.reduce_scatter;
+        // Ring collectives: reduce-scatter sends (W-1)/W of the unit, all-reduce twice that.
+        reduce.bytes =
+            p.shard_numel * (in.reduce_in_bf16 ? 2 : 4) * (in.world_size - 1) * (scatter ? 1 : 2);
+        const int index = add(std::move(reduce));
+        last_reduce[size_t(cu.unit)] = index;
+        if (uses_rotating_grad) {
+          reduce_of_grad_use.push_back(index);
+          ++grad_use;
+        }
+        if (early && cu.micro == in.grad_accum - 1) {
+          update_done[size_t(cu.unit)] = emit_update(cu.unit, {decide_index, index});
+          update_order.push_back(cu.unit);
+        }
+      }
+    }
+
+    PlanOp exchange = make_op(OpKind::exchange, comm_lane);
+    for (int u = 0; u < U; ++u) exchange.deps.push_back(last_reduce[size_t(u)]);
+    const int exchange_index = add(std::move(exchange));
+
+    if (!early) {
+      for (int u = 0; u < U; ++u) {
+        update_done[size_t(u)] = emit_update(u, {exchange_index});
+        update_order.push_back(u);
+      }
+    }
+    if (in.stage == 1 || in.stage == 2) {
+      for (int u : update_order) {
+        PlanOp sync = make_op(OpKind::sync, comm_lane, u);
+        sync.deps.push_back(update_done[size_t(u)]);
+        sync.bytes = plan_.units[size_t(u)].shard_numel * plan_.compute_bytes * (in.world_size - 1);
+        add(std::move(sync));
+      }
+    }
+  }
+
+ private:
+  int add(PlanOp op) {
+    plan_.ops.push_back(std::move(op));
+    return static_cast<int>(plan_.ops.size()) - 1;
+  }
+  TrainingPlan& plan_;
+};
+
+}  // namespace
+
+const char* op_kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::fetch:
+      return "fetch";
+    case OpKind::gather:
+      return "gather";
+    case OpKind::forward:
+      return "forward";
+    case OpKind::release:
+      return "release";
+    case OpKind::backward:
+      return "backward";
+    case OpKind::reduce:
+      return "reduce";
+    case OpKind::exchange:
+      return "exchange";
+    case OpKind::decide:
+      return "decide";
+    case OpKind::optimizer:
+      return "optimizer";
+    case OpKind::writeback:
+      return "writeback";
+    case OpKind::sync:
+      return "sync";
+  }
+  return "?";
+}
+
+const char* lane_name(Lane lane) {
+  switch (lane) {
+    case Lane::io:
+      return "io";
+    case Lane::comm:
+      return "comm";
+    case Lane::compute:
+      return "compute";
+    case Lane::optimizer:
+      return "optimizer";
+  }
+  return "?";
+}
+
+std::string PlanOp::text() const {
+  std::string out = op_kind_name(kind);
+  if (unit >= 0) out += fmt::format("(unit {})", unit);
+  if (micro >= 0) out += fmt::format(" mb {}", micro);
+  return out;
+}
+
+std::string op_label(const TrainingPlan& plan, const PlanOp& op) {
+  std::string out = op_kind_name(op.kind);
+  if (op.unit >= 0) out += "(" + unit_label(plan, op.unit) + ")";
+  if (op.micro >= 0) out += fmt::format(" mb {}", op.micro);
+  return out;
+}
+
+kernels::cpu::ElementType TrainingPlan::compute_type() const {
+  switch (input.precision) {
+    case Precision::fp32:
+      return kernels::cpu::ElementType::f32;
+    case Precision::bf16:
+      return kernels::cpu::ElementType::bf16;
+    case Precision::fp16:
+      return kernels::cpu::ElementType::f16;
+  }
+  return kernels::cpu::ElementType::f32;
+}
+
+int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
+  return input.stage == 0 ? 0 : int64_t(rank) * units[size_t(u)].shard_numel;
+}
+
+Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
+  if (in.world_size < 1) return Status::error("world size must be at least 1");
+  if (in.stage < 0 || in.stage > 3)
+    return Status::error(
+        fmt::format("zero_optimization.stage must be 0, 1, 2 or 3, got {}", in.stage));
+  if (in.offload_param != OffloadDevice::none && in.stage != 3)
+    return Status::error(fmt::format(
+        "zero_optimization.offload_param.device {} needs stage 3 (stage is {}); use --zero-stage 3 "
+        "or --offload-param none",
+        offload_device_name(in.offload_param), in.stage));
+  if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1)
+    return Status::error(
+        "micro batch, sequence length and gradient accumulation must be at least 1");
+  if (in.fetch_slots < 1)
+    return Status::error("zero_optimization.offload_param.buffer_count must be at least 1");
+  if (in.optimizer_buffers < 2)
+    return Status::error("zero_optimization.offload_optimizer.buffer_count must be at least 2");
+
+  TrainingPlan plan;
+  plan.input = in;
+  plan.layout = model_layout(in.model, in.world_size);
+  plan.compute_bytes = compute_bytes(in.precision);
+  plan.tokens_per_micro = in.micro_batch * in.seq_len;
+  plan.homes.param = home_of(in.offload_param);
+  plan.homes.optimizer = home_of(in.offload_optimizer);
+  plan.homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
+  // The planner's rule (core/plan/planner.cpp): in fp32 the parameters are the
+  // master unless the optimizer keeps its state in another tier.
+  plan.homes.separate_master =
+      in.precision != Precision::fp32 || plan.homes.param != plan.homes.optimizer;
+  plan.gather_slots = in.stage == 3 ? 2 : 0;
+  plan.tied_grad_buffer = in.model.tie_word_embeddings;
+  plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
+  plan.streamed_optimizer = plan.homes.optimizer == Tier::nvme;
+
+  int64_t largest_padded = 0, largest_shard = 0, largest_optimizer = 0;
+  for (const UnitLayout& unit : plan.layout.units) {
+    UnitPlacement p;
+    p.padded_numel = unit.padded_numel;
+    p.shard_numel = unit.shard_numel;
+    p.param_numel = in.stage == 3 ? unit.shard_numel : unit.padded_numel;
+    p.grad_numel = in.stage >= 2 ? unit.shard_numel : unit.padded_numel;
+    p.optimizer_numel = in.stage >= 1 ? unit.shard_numel : unit.padded_numel;
+    plan.units.push_back(p);
+    largest_padded = std::max(largest_padded, p.padded_numel);
+    largest_shard = std::max(largest_shard, p.shard_numel);
+    largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
+  }
+  if (in.optimizer_chunk_elements <= 0 || in.optimizer_chunk_elements % 1024 != 0)
+    return Status::error(
+        fmt::format("optimizer chunk of {} elements: it must be a positive multiple of 1024; check "
+                    "zero_optimization.sub_group_size",
+                    in.optimizer_chunk_elements));
+  plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);
+
+  // --- memory, per rank ---------------------------------------------------------
+  const int64_t page = 4096;
+  const int64_t cb = plan.compute_bytes;
+  auto add_buffer = [&](std::string name, Tier tier, int64_t bytes) {
+    if (bytes <= 0) return;
+    const int64_t rounded =
+        tier == Tier::nvme ? round_up(bytes, int64_t(in.nvme_alignment)) : round_up(bytes, page);
+    plan.buffers.push_back({std::move(name), tier, rounded});
+    plan.peak_bytes[static_cast<int>(tier)] += rounded;
+  };
+  int64_t param_bytes = 0, grad_bytes = 0, master_bytes = 0, moment_bytes = 0;
+  for (const UnitPlacement& p : plan.units) {
+    param_bytes += round_up(p.param_numel * cb, page);
+    grad_bytes += round_up(p.grad_numel * 4, page);
+    moment_bytes += round_up(p.optimizer_numel * 4, page);
+  }
+  master_bytes = plan.homes.separate_master ? moment_bytes : 0;
+  add_buffer(fmt::format("parameters ({})", precision_name(in.precision)), plan.homes.param,
+             param_bytes);
+  add_buffer("gradients (fp32)", plan.homes.grad, grad_bytes);
+  add_buffer("fp32 master", plan.homes.optimizer, master_bytes);
+  add_buffer("Adam m", plan.homes.optimizer, moment_bytes);
+  add_buffer("Adam v", plan.homes.optimizer, moment_bytes);
+
+  const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
+  const int64_t units = static_cast<int64_t>(plan.units.size());
+  if (in.gpu) {
+    // The GPU computes the units (core/engine/gpu_rank.h); the collectives and the
+    // CPU optimizer work on pinned host buffers. What passes through host
+    // memory depends on where the state lives.
+    const bool params_in_place = plan.gpu_params_in_place();
+    const bool grads_in_place = plan.gpu_grads_in_place();
+    if (plan.gather_slots > 0 && !params_in_place)
+      add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
+                 plan.gather_slots * round_up(largest_padded * cb, page));
+    if (!grads_in_place) {
+      add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots),
+                 Tier::host, plan.grad_slots * round_up(largest_padded * 4, page));
+      if (plan.tied_grad_buffer)
+        add_buffer("tied embedding gradient", Tier::host, plan.units[0].padded_numel * 4);
+      if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
+        add_buffer("reduce-scatter output", Tier::host, largest_shard * 4);
+    }
+    if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
+      add_buffer("parameter all-gather staging (largest unit)", Tier::host, largest_padded * cb);
+    add_buffer("tokens and targets", Tier::host, 2 * N * 4 * in.grad_accum);
+    if (!params_in_place)
+      add_buffer(fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots),
+                 Tier::device, kGpuParamSlots * round_up(largest_padded * cb, page));
+    if (!grads_in_place) {
+      add_buffer(fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
+                 Tier::device, kGpuGradBuffers * round_up(largest_padded * 4, page));
+      if (plan.tied_grad_buffer)
+        add_buffer("device tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+    }
+    if (plan.homes.grad == Tier::device) {
+      add_buffer("gradient norm scratch", Tier::device,
+                 cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
+      if (!grads_in_place) add_buffer("device reduced gradient", Tier::device, largest_padded * 4);
+    }
+    if (plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device && cb != 4)
+      add_buffer("device new parameter shard", Tier::device, largest_optimizer * cb);
+    if (in.nccl_staging)
+      add_buffer("NCCL staging (2 x largest unit, fp32)", Tier::device,
+                 2 * round_up(largest_padded * 4, page));
+    add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
+    add_buffer("activation gradient", Tier::device, N * C * cb);
+    add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
+    add_buffer("per-token losses", Tier::device, N * 4);
+    add_buffer("cuBLASLt workspace", Tier::device, kGpuMatmulWorkspaceBytes);
+    add_buffer("GPU unit working set", Tier::device,
+               cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
+  } else {
+    // The CPU backend computes in fp32, so compute-precision parameters are
+    // widened into an fp32 twin; host memory stands in for the device.
+    if (in.stage == 3) {
+      add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
+                 plan.gather_slots * round_up(largest_padded * cb, page));
+      if (cb != 4)
+        add_buffer("gathered units widened to fp32", Tier::device,
+                   plan.gather_slots * round_up(largest_padded * 4, page));
+    } else if (cb != 4) {
+      add_buffer("parameters widened to fp32 (2 units)", Tier::device,
+                 2 * round_up(largest_padded * 4, page));
+    }
+    add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots),
+               Tier::device, plan.grad_slots * round_up(largest_padded * 4, page));
+    if (plan.tied_grad_buffer)
+      add_buffer("tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+    if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
+      add_buffer("reduce-scatter output", Tier::device, largest_shard * 4);
+    add_buffer("activation checkpoints (unit inputs, fp32)", Tier::device, (units - 1) * N * C * 4);
+    add_buffer("activation gradient", Tier::device, N * C * 4);
+    add_buffer("tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
+    add_buffer("unit working set", Tier::device,
+               UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
+  }
+
+  if (plan.fetch_slots > 0)
+    add_buffer(fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots),
+               Tier::host, plan.fetch_slots * round_up(largest_shard * cb, page));
+  if (plan.streamed_optimizer)
+    add_buffer(fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)",
+                           in.optimizer_buffers, plan.optimizer_chunk_elements),
+               Tier::host,
+               in.optimizer_buffers * round_up(plan.optimizer_chunk_elements * 12, page));
+  if (plan.new_params_staged())
+    add_buffer(plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
+                                              : "new parameters on their way to the GPU",
+               Tier::host, largest_optimizer * cb);
+  // write_shard / read_shard stage NVMe homes through one block (tiers/tiered_store.h).
+  bool any_nvme = false;
+  int64_t largest_nvme_shard = 0;
+  if (plan.homes.param == Tier::nvme) {
+    any_nvme = true;
+    largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
+  }
+  if (plan.homes.optimizer == Tier::nvme) {
+    any_nvme = true;
+    largest_nvme_shard = std::max(largest_nvme_shard, largest_optimizer * 4);
+  }
+  if (any_nvme)
+    add_buffer("NVMe shard staging", Tier::host,
+               std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
+
+  PlanBuilder(plan).build();
+
+  // --- NVMe traffic per step ------------------------------------------------------
+  for (const PlanOp& op : plan.ops) {
+    if (op.kind == OpKind::fetch) plan.traffic_per_step.nvme_read += op.bytes;
+    if (op.kind == OpKind::writeback) plan.traffic_per_step.nvme_written += op.bytes;
+    if (op.kind == OpKind::optimizer && plan.streamed_optimizer) {
+      plan.traffic_per_step.nvme_read += op.bytes / 2;
+      plan.traffic_per_step.nvme_written += op.bytes / 2;
+    }
+  }
+  return plan;
+}
+
+int64_t nvme_bytes_needed(const TrainingPlan& plan) {
+  return plan.peak(Tier::nvme);
+}
+
+std::string format_training_plan(const TrainingPlan& plan) {
+  std::string out;
+  const TrainingPlanInput& in = plan.input;
+  out += fmt::format(
+      "One step of one rank: stage {}, {} rank(s), {} micro-batch(es) of {} x {} tokens, params "
+      "{}, "
+      "optimizer {}, {}{}\n",
+      in.stage, in.world_size, in.grad_accum, in.micro_batch, in.seq_len,
+      offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer),
+      precision_name(in.precision), in.overlap_comm ? "" : ", collectives on the compute lane");
+  out += "units:";
+  for (size_t u = 0; u < plan.layout.units.size(); ++u)
+    out += fmt::format(" {}={}", u, plan.layout.units[u].unit.name);
+  out += "\n\n   #  operation                  lane           bytes  after\n";
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    std::string deps;
+    for (int d : op.deps) deps += (deps.empty() ? "" : ", ") + std::to_string(d);
+    out +=
+        fmt::format("{:>4}  {:<26} {:<9} {:>10}  {}\n", i, op_label(plan, op), lane_name(op.lane),
+                    op.bytes > 0 ? format_bytes(uint64_t(op.bytes)) : "", deps);
+  }
+  out += "\nMemory per rank (peak, every buffer allocated before the first step):\n";
+  for (const PlanBuffer& b : plan.buffers)
+    out += fmt::format("  {:<7} {:>12}  {}\n", tiers::tier_name(b.tier),
+                       format_bytes(uint64_t(b.bytes)), b.name);
+  for (int t = 0; t < tiers::kTierCount; ++t)
+    out += fmt::format("  {:<7} {:>12}  total\n", tiers::tier_name(static_cast<Tier>(t)),
+                       format_bytes(uint64_t(plan.peak_bytes[t])));
+  out += fmt::format("NVMe traffic per step and rank: {} read, {} written\n",
+                     format_bytes(uint64_t(plan.traffic_per_step.nvme_read)),
+                     format_bytes(uint64_t(plan.traffic_per_step.nvme_written)));
+  return out;
+}
+
+nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
+  nlohmann::ordered_json j;
+  j["stage"] = plan.input.stage;
+  j["world_size"] = plan.input.world_size;
+  nlohmann::ordered_json units = nlohmann::ordered_json::array();
+  for (const UnitLayout& u : plan.layout.units) units.push_back(u.unit.name);
+  j["units"] = units;
+  nlohmann::ordered_json ops = nlohmann::ordered_json::array();
+  for (const PlanOp& op : plan.ops) {
+    nlohmann::ordered_json o;
+    o["op"] = op_kind_name(op.kind);
+    o["lane"] = lane_name(op.lane);
+    if (op.unit >= 0) o["unit"] = op.unit;
+    if (op.micro >= 0) o["micro"] = op.micro;
+    if (op.slot >= 0) o["slot"] = op.slot;
+    o["bytes"] = op.bytes;
+    o["after"] = op.deps;
+    ops.push_back(o);
+  }
+  j["ops"] = ops;
+  nlohmann::ordered_json buffers = nlohmann::ordered_json::array();
+  for (const PlanBuffer& b : plan.buffers)
+    buffers.push_back({{"name", b.name}, {"tier", tiers::tier_name(b.tier)}, {"bytes", b.bytes}});
+  j["buffers"] = buffers;
+  j["peak_bytes"] = {{"device", plan.peak(Tier::device)},
+                     {"host", plan.peak(Tier::host)},
+                     {"nvme", plan.peak(Tier::nvme)}};
+  j["nvme_bytes_per_step"] = {{"read", plan.traffic_per_step.nvme_read},
+                              {"written", plan.traffic_per_step.nvme_written}};
+  return j;
+}
+
+}  // namespace strata

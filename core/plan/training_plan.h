@@ -1,0 +1,208 @@
+// The training plan: one step of one rank as a list of operations over units,
+// with their lanes, their dependencies and the bytes every buffer takes in
+// every tier, computed before the step runs (DESIGN.md section 2).
+//
+// Placement. For every unit the plan says how many elements of each kind of
+// state a rank keeps and where (the table of DESIGN.md section 1 and the
+// planner's byte rules, core/plan/planner.h):
+//   param   compute precision; stage 3: the rank's shard, else the whole unit;
+//           home offload_param (device when none)
+//   master  fp32, only where it is not the parameters themselves (bf16/fp16, or
+//           fp32 with the optimizer in another tier than the parameters);
+//           stage 0: the whole unit, else the shard; home offload_optimizer
+//   m, v    fp32, as master
+//   grad    fp32 accumulator across micro-batches; stages 0-1: the whole unit,
+//           2-3: the shard; in host memory when the optimizer is offloaded
+// Elements [r * shard, (r + 1) * shard) of a unit's flat buffer are rank r's.
+//
+// Operations. A step is, per micro-batch, forward of every unit (the head's
+// forward and backward are one pass) and backward of the layers and the
+// embedding in reverse; gradients are reduced after every micro-batch; after
+// the last one the gradient-norm partials and losses are exchanged, the
+// optimizer driver decides the step, and the optimizer runs unit by unit in
+// forward order, overlapping the next step's forward (forward of unit u waits
+// only for optimizer(u), and at stages 1-2 for sync(u), the all-gather of the
+// updated parameters); without clipping or loss scaling it runs during
+// backward instead, unit by unit as gradients become final. At stage 3 a unit is gathered before
+// each use into one of `gather_slots` buffers and released after; a fetch brings a parameter shard
+// homed on NVMe into host memory ahead of its gather, at most `fetch_slots` at a time. Buffers are
+// reused in a ring; the dependency on the operation that last used a buffer is what bounds the
+// memory.
+//
+// Lanes: io (starts fetches), comm (every collective, in one order that every
+// rank shares), compute, optimizer. Each lane runs its operations in plan
+// order; an operation starts when its dependencies are done.
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/model.h"
+#include "core/model/model_config.h"
+#include "io/base/status.h"
+#include "kernels/cpu/simd.h"
+#include "tiers/tier.h"
+
+namespace strata {
+
+struct TrainingPlanInput {
+  ModelConfig model;
+  int world_size = 1;
+  int stage = 0;
+  OffloadDevice offload_param = OffloadDevice::none;
+  OffloadDevice offload_optimizer = OffloadDevice::none;
+  Precision precision = Precision::fp32;
+  int64_t micro_batch = 1;
+  int64_t seq_len = 64;
+  int64_t grad_accum = 1;
+  bool overlap_comm = true;    // false: collectives run on the compute lane, between computations
+  bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
+  bool reduce_in_bf16 =
+      false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
+  // No clipping and no loss scaling: the update needs no global result, so
+  // `decide` runs at the start and each unit's optimizer as soon as its
+  // gradient is final, during backward (DESIGN.md section 2).
+  bool optimizer_during_backward = false;
+  // Compute on a GPU (the CUDA backend, core/engine/gpu_rank.h): the state's
+  // device homes are GPU memory; the collectives and the CPU optimizer work
+  // on pinned host buffers, and the device holds the compute working set.
+  bool gpu = false;
+  // One process per GPU talking through NCCL (comm/nccl_comm.h): the
+  // collectives' host buffers are staged through two device buffers of the
+  // largest collective, taken from the device budget.
+  bool nccl_staging = false;
+  int fetch_slots = 5;        // offload_param.buffer_count
+  int optimizer_buffers = 4;  // offload_optimizer.buffer_count
+  int64_t optimizer_chunk_elements = int64_t{1}
+                                     << 24;  // streamed optimizer chunk (multiple of 1024)
+  uint64_t nvme_alignment = 4096;
+};
+
+enum class OpKind {
+  fetch,
+  gather,
+  forward,
+  release,
+  backward,
+  reduce,
+  exchange,
+  decide,
+  optimizer,
+  writeback,
+  sync
+};
+inline constexpr int kOpKindCount = 11;
+enum class Lane { io, comm, compute, optimizer };
+inline constexpr int kLaneCount = 4;
+const char* op_kind_name(OpKind kind);
+const char* lane_name(Lane lane);
+
+struct PlanOp {
+  OpKind kind = OpKind::forward;
+  Lane lane = Lane::compute;
+  int unit = -1;             // -1: not about one unit (exchange)
+  int micro = -1;            // micro-batch, -1 for the optimizer's operations
+  int slot = -1;             // gather / grad / fetch buffer used
+  std::vector<int> deps;     // indices of operations of the same step that must be done first
+  int64_t bytes = 0;         // bytes this operation moves (collective: sent by this rank)
+  std::string text() const;  // "gather(layers.3) mb 1"
+};
+
+// Where each kind of state lives and how many elements a rank keeps per unit.
+struct UnitPlacement {
+  int64_t padded_numel = 0;
+  int64_t shard_numel = 0;
+  int64_t param_numel = 0;      // stored per rank
+  int64_t grad_numel = 0;       // accumulator per rank
+  int64_t optimizer_numel = 0;  // master / m / v per rank
+};
+
+struct StateHomes {
+  tiers::Tier param = tiers::Tier::device;
+  tiers::Tier optimizer = tiers::Tier::device;  // master, m, v
+  tiers::Tier grad = tiers::Tier::device;
+  bool separate_master = false;
+};
+
+// One line of the memory table: a buffer or a kind of state, its tier and bytes per rank.
+struct PlanBuffer {
+  std::string name;
+  tiers::Tier tier = tiers::Tier::device;
+  int64_t bytes = 0;
+};
+
+struct TierTraffic {
+  int64_t nvme_read = 0;
+  int64_t nvme_written = 0;
+};
+
+struct TrainingPlan {
+  TrainingPlanInput input;
+  ModelLayout layout;
+  StateHomes homes;
+  std::vector<UnitPlacement> units;
+  int64_t tokens_per_micro = 0;  // B * T
+  int compute_bytes = 4;         // of the parameters as stored
+
+  int gather_slots = 0;  // stage 3
+  int grad_slots = 2;    // full-unit fp32 gradient buffers in rotation
+  bool tied_grad_buffer =
+      false;            // tied model: the embedding's gradient buffer lives through backward
+  int fetch_slots = 0;  // NVMe parameter copies in host memory
+  int64_t optimizer_chunk_elements = 0;
+  bool streamed_optimizer = false;  // some optimizer state is on NVMe
+
+  std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
+  std::vector<PlanBuffer> buffers;  // states and buffers, per rank
+  int64_t peak_bytes[tiers::kTierCount] = {0, 0, 0};  // per rank
+  TierTraffic traffic_per_step;                       // per rank
+
+  int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
+  // Rank r's range of unit u's flat buffer that its optimizer state covers.
+  int64_t optimizer_offset(int u, int rank) const;
+  // The parameters' element type: the compute precision.
+  kernels::cpu::ElementType compute_type() const;
+
+  // The CUDA backend's data paths (core/engine/gpu_rank.h). The units compute
+  // straight from the parameters' device home when each rank holds whole
+  // units there (stages 0-2, or one rank); otherwise they upload a gathered
+  // copy from pinned host memory.
+  bool gpu_params_in_place() const {
+    return input.gpu && homes.param == tiers::Tier::device &&
+           (input.stage < 3 || input.world_size == 1);
+  }
+  // Gradients accumulate straight into their device home when there is
+  // nothing to reduce (one rank; a bf16 reduction rounds even then, as on
+  // the CPU backend) and the optimizer is on the GPU; otherwise each unit's
+  // gradient goes to a pinned host buffer for the collectives.
+  bool gpu_grads_in_place() const {
+    return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1 &&
+           !input.reduce_in_bf16;
+  }
+  // New compute-precision parameters pass through a pinned host buffer: on
+  // their way to NVMe, or from the CPU optimizer to their device home.
+  bool new_params_staged() const {
+    return (homes.param == tiers::Tier::nvme && homes.separate_master) ||
+           (input.gpu && homes.param == tiers::Tier::device &&
+            homes.optimizer != tiers::Tier::device);
+  }
+};
+
+Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
+
+// "gather(layers.3) mb 1", "optimizer(embedding)", "exchange".
+std::string op_label(const TrainingPlan& plan, const PlanOp& op);
+
+// Extra bytes a NVMe swap file needs beyond the sum of its extents' sizes.
+int64_t nvme_bytes_needed(const TrainingPlan& plan);
+
+// "  12 gather(layers.0)  comm  <- 3, 11" lines of one step, then the memory table.
+std::string format_training_plan(const TrainingPlan& plan);
+nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan);
+
+}  // namespace strata
