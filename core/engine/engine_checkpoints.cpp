@@ -1,0 +1,296 @@
+#include "core/engine/engine_impl.h"
+
+namespace strata {
+
+// --- checkpoints -----------------------------------------------------------------------
+
+namespace {
+
+// The shape keys a checkpoint must share with the model it resumes.
+nlohmann::json model_shape(const nlohmann::json& config) {
+  nlohmann::json shape;
+  for (const char* key :
+       {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"})
+    shape[key] = config.contains(key) ? config[key] : nlohmann::json();
+  return shape;
+}
+
+}  // namespace
+
+Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
+  const nlohmann::json here = model_shape(model_config_to_json(plan.layout.config));
+  const nlohmann::json there = model_shape(checkpoint.model);
+  for (const auto& [key, value] : here.items()) {
+    if (there[key] != value)
+      return Status::error(
+          fmt::format("the checkpoint belongs to another model shape: {} is {} there and {} "
+                      "here; pass the model it was trained with",
+                      key, there[key].dump(), value.dump()));
+  }
+  const nlohmann::json& state = checkpoint.state;
+  int64_t offset = 0;
+  std::vector<float> master, m, v;
+  for (int u = 0; u < units(); ++u) {
+    const UnitLayout& unit = plan.layout.units[size_t(u)];
+    const nlohmann::json& stored = state["units"][size_t(u)];
+    if (stored.value("numel", int64_t{-1}) != unit.numel ||
+        stored.value("name", std::string()) != unit.unit.name)
+      return Status::error(
+          fmt::format("state.json: unit {} differs from this model's {}", u, unit.unit.name));
+    const size_t padded = size_t(unit.padded_numel);
+    master.assign(padded, 0.0f);
+    m.assign(padded, 0.0f);
+    v.assign(padded, 0.0f);
+    const uint64_t bytes = uint64_t(unit.numel) * 4;
+    if (Status s = checkpoint.read(0, uint64_t(offset) * 4, master.data(), bytes); !s) return s;
+    if (Status s = checkpoint.read(1, uint64_t(offset) * 4, m.data(), bytes); !s) return s;
+    if (Status s = checkpoint.read(2, uint64_t(offset) * 4, v.data(), bytes); !s) return s;
+    for (auto& rank : ranks) {
+      if (Status s = init_unit(*rank, u, master.data()); !s) return s;
+      if (Status s = load_moments(*rank, u, m.data(), v.data()); !s) return s;
+    }
+    offset += unit.numel;
+  }
+  OptimizerState optimizer;
+  const nlohmann::json& o = state["optimizer"];
+  optimizer.applied_steps = o.value("applied_steps", int64_t{0});
+  optimizer.skipped_steps = o.value("skipped_steps", int64_t{0});
+  optimizer.scheduler_iteration = o.value("scheduler_iteration", int64_t{-1});
+  optimizer.loss_scaler.scale = o["loss_scaler"].value("scale", 1.0);
+  optimizer.loss_scaler.iteration = o["loss_scaler"].value("iteration", int64_t{0});
+  optimizer.loss_scaler.last_overflow_iteration =
+      o["loss_scaler"].value("last_overflow_iteration", int64_t{-1});
+  optimizer.loss_scaler.hysteresis_left = o["loss_scaler"].value("hysteresis_left", 2);
+  for (auto& rank : ranks) rank->optimizer->restore(optimizer);
+  steps_done = state.value("step", int64_t{0});
+  sequence_offset = state.value("sequence_offset", int64_t{0});
+  // The loaded parameters are the update of the step before the next one.
+  for (auto& rank : ranks)
+    for (int u = 0; u < units(); ++u) rank->params_ready[size_t(u)] = steps_done - 1;
+  return Status::ok();
+}
+
+Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
+                               const std::vector<int64_t>& unit_offsets) {
+  const bool master_is_param = !plan.homes.separate_master;
+  for (int u = 0; u < units(); ++u) {
+    const UnitLayout& unit = plan.layout.units[size_t(u)];
+    const UnitPlacement& p = plan.units[size_t(u)];
+    const int64_t begin = plan.optimizer_offset(u, rank.rank);
+    const int64_t count = std::min(unit.numel, begin + p.optimizer_numel) - begin;  // unpadded part
+    if (count <= 0) continue;
+    const uint64_t file_offset = uint64_t(unit_offsets[size_t(u)] + begin) * 4;
+    const ShardKey keys[3] = {{u, master_is_param ? ShardKind::param : ShardKind::master},
+                              {u, ShardKind::m},
+                              {u, ShardKind::v}};
+    // Element `begin` of the unit sits at this element of each shard.
+    const int64_t master_start = master_is_param && plan.input.stage < 3 ? begin : 0;
+    if (optimizer_on_gpu()) {
+      // Homes on the GPU: each shard passes through host memory once (outside the budgets).
+      for (int f = 0; f < 3; ++f) {
+        Result<tiers::ShardHome> home = rank.store->home(keys[f]);
+        if (!home) return home.status();
+        std::vector<std::byte> bytes(size_t(home->bytes));
+        if (Status s = rank.store->read_shard(keys[f], bytes); !s) return s;
+        const std::byte* data = bytes.data() + (f == 0 ? master_start : 0) * 4;
+        if (Status s = writer.write(f, file_offset, data, uint64_t(count) * 4); !s) return s;
+      }
+      continue;
+    }
+    if (plan.homes.optimizer != tiers::Tier::nvme) {
+      for (int f = 0; f < 3; ++f) {
+        const std::byte* data = home_data(rank, keys[f]) + (f == 0 ? master_start : 0) * 4;
+        if (Status s = writer.write(f, file_offset, data, uint64_t(count) * 4); !s) return s;
+      }
+      continue;
+    }
+    // NVMe homes: chunk by chunk through the streamed pass's buffers, read-only.
+    std::vector<tiers::StreamItem> items;
+    const int64_t chunk = plan.optimizer_chunk_elements;
+    for (int64_t at = 0; at < p.optimizer_numel; at += chunk) {
+      const int64_t n = std::min(chunk, p.optimizer_numel - at);
+      tiers::StreamItem item;
+      for (int f = 0; f < 3; ++f) {
+        tiers::StreamPiece piece{keys[f], uint64_t(at) * 4, uint64_t(n) * 4};
+        piece.write = false;
+        item.pieces.push_back(piece);
+      }
+      items.push_back(std::move(item));
+    }
+    Status status =
+        rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+          const int64_t at = int64_t(index) * chunk;
+          const int64_t n = std::min(chunk, count - at);
+          if (n <= 0) return Status::ok();
+          for (int f = 0; f < 3; ++f) {
+            if (Status s = writer.write(f, file_offset + uint64_t(at) * 4, pieces[size_t(f)],
+                                        uint64_t(n) * 4);
+                !s)
+              return s;
+          }
+          return Status::ok();
+        });
+    if (!status) return status;
+  }
+  return Status::ok();
+}
+
+Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
+  Impl& im = *impl_;
+  if (im.poisoned)
+    return Status::error("engine: an earlier step failed (" + im.poison_reason + "); not saving");
+  // Several processes agree on it first (save_in_processes).
+  const Status finished = finish();
+  if (!finished && !im.process_mode()) return finished;
+  std::vector<int64_t> unit_offsets;
+  int64_t total = 0;
+  nlohmann::ordered_json units = nlohmann::ordered_json::array();
+  for (const UnitLayout& unit : im.plan.layout.units) {
+    unit_offsets.push_back(total);
+    units.push_back({{"name", unit.unit.name}, {"numel", unit.numel}, {"offset", total}});
+    total += unit.numel;
+  }
+  // At stage 0 every rank holds the whole state: rank 0 writes it.
+  auto writes = [&](const Impl::Rank& rank) { return im.plan.input.stage != 0 || rank.rank == 0; };
+  if (im.process_mode())
+    return im.save_in_processes(finished, root, keep, unit_offsets, total, units);
+  Result<CheckpointWriter> writer =
+      CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
+  if (!writer) return writer.status();
+  std::vector<Status> results(im.ranks.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < im.ranks.size(); ++i)
+      threads.emplace_back([&, i] {
+        if (writes(*im.ranks[i])) results[i] = im.save_rank(*im.ranks[i], *writer, unit_offsets);
+      });
+    for (auto& t : threads) t.join();
+  }
+  for (const Status& s : results)
+    if (!s) return s.with_context("saving a checkpoint");
+  return im.finish_checkpoint(*writer, keep, units);
+}
+
+// One rank of several processes: rank 0 begins the checkpoint, every rank
+// writes its part into the same files, rank 0 finishes it once all have.
+// Every step is followed by an agreement, so a failure on one rank fails all.
+Result<std::string> Engine::Impl::save_in_processes(Status ready, const std::string& root, int keep,
+                                                    const std::vector<int64_t>& unit_offsets,
+                                                    int64_t total,
+                                                    const nlohmann::ordered_json& units) {
+  Rank& rank = *ranks[0];
+  auto agree = [&](Status status, const char* what) {
+    return this->agree(status, fmt::format("saving a checkpoint: another rank failed to {}", what));
+  };
+  std::optional<CheckpointWriter> writer;
+  Status begun = ready;
+  if (begun && rank.rank == 0) {
+    Result<CheckpointWriter> made = CheckpointWriter::begin(root, steps_done, uint64_t(total) * 4);
+    if (made)
+      writer.emplace(std::move(*made));
+    else
+      begun = made.status();
+  }
+  if (Status s = agree(begun, "begin it"); !s) return s;
+  Status written = Status::ok();
+  if (rank.rank != 0) {
+    Result<CheckpointWriter> joined = CheckpointWriter::join(root, steps_done);
+    if (joined)
+      writer.emplace(std::move(*joined));
+    else
+      written = joined.status();
+  }
+  if (written && (plan.input.stage != 0 || rank.rank == 0))
+    written = save_rank(rank, *writer, unit_offsets);
+  if (written) written = writer->flush();
+  if (Status s = agree(written.with_context("saving a checkpoint"), "write its part"); !s) return s;
+  Result<std::string> finished = writer->final_directory();
+  if (rank.rank == 0) finished = finish_checkpoint(*writer, keep, units);
+  if (Status s = agree(finished.status(), "finish it"); !s) return s;
+  return finished;
+}
+
+Result<std::string> Engine::Impl::finish_checkpoint(CheckpointWriter& writer, int keep,
+                                                    const nlohmann::ordered_json& units) {
+  const OptimizerState& o = ranks[0]->optimizer->state();
+  nlohmann::ordered_json state;
+  state["format"] = kCheckpointFormat;
+  state["step"] = steps_done;
+  state["sequence_offset"] = sequence_offset;
+  state["seed"] = options.seed;
+  state["world_size"] = world();
+  state["stage"] = plan.input.stage;
+  state["precision"] = precision_name(plan.input.precision);
+  state["optimizer"] = {{"applied_steps", o.applied_steps},
+                        {"skipped_steps", o.skipped_steps},
+                        {"scheduler_iteration", o.scheduler_iteration},
+                        {"loss_scaler",
+                         {{"scale", o.loss_scaler.scale},
+                          {"iteration", o.loss_scaler.iteration},
+                          {"last_overflow_iteration", o.loss_scaler.last_overflow_iteration},
+                          {"hysteresis_left", o.loss_scaler.hysteresis_left}}}};
+  state["units"] = units;
+  if (Status s = writer.write_json("model.json", model_config_to_json(plan.layout.config)); !s)
+    return s;
+  if (Status s = writer.write_json("train.json", train_config_to_json(options.config)); !s)
+    return s;
+  if (Status s = writer.write_json("state.json", state); !s) return s;
+  return writer.finish(keep);
+}
+
+// --- reading the state back --------------------------------------------------------
+
+Status Engine::read_unit_parameters(int unit, float* flat) {
+  Impl& im = *impl_;
+  if (unit < 0 || unit >= im.units()) return Status::error(fmt::format("no unit {}", unit));
+  const UnitPlacement& p = im.plan.units[size_t(unit)];
+  const bool master = im.plan.homes.separate_master;
+  const int ranks = im.plan.input.stage == 0 ? 1 : im.world();
+  if (im.process_mode() && ranks > 1) {
+    // Each process holds one rank's range: read it, then gather every rank's.
+    // The processes agree first, so one that failed does not leave the others waiting.
+    Impl::Rank& rank = *im.ranks[0];
+    const ShardKey key{unit, master ? ShardKind::master : ShardKind::param};
+    const int64_t stored = master ? p.optimizer_numel : p.param_numel;
+    std::vector<std::byte> bytes(size_t(stored) * 4);
+    Status read = finish();
+    if (read) read = rank.store->read_shard(key, bytes);
+    if (Status s =
+            im.agree(read, "another rank failed to read its parameters (its own error says why)");
+        !s)
+      return s;
+    const int64_t from =
+        master || im.plan.input.stage == 3 ? 0 : im.plan.optimizer_offset(unit, rank.rank);
+    return rank.comm->all_gather(bytes.data() + from * 4, flat, size_t(p.optimizer_numel),
+                                 comm::DataType::fp32);
+  }
+  if (Status s = finish(); !s) return s;
+  for (int r = 0; r < ranks; ++r) {
+    Impl::Rank& rank = *im.ranks[size_t(r)];
+    const int64_t offset = im.plan.optimizer_offset(unit, r);
+    const ShardKey key{unit, master ? ShardKind::master : ShardKind::param};
+    const int64_t stored = master ? p.optimizer_numel : p.param_numel;
+    std::vector<std::byte> bytes(size_t(stored) * 4);
+    if (Status s = rank.store->read_shard(key, bytes); !s) return s;
+    const int64_t from = master || im.plan.input.stage == 3 ? 0 : offset;
+    std::memcpy(flat + offset, bytes.data() + from * 4, size_t(p.optimizer_numel) * 4);
+  }
+  return Status::ok();
+}
+
+Result<HostModel> Engine::read_model() {
+  Impl& im = *impl_;
+  HostModel model = make_host_model(im.plan.layout.config, 1);
+  std::vector<float> flat;
+  for (int u = 0; u < im.units(); ++u) {
+    flat.assign(size_t(im.plan.units[size_t(u)].padded_numel), 0.0f);
+    if (Status s = read_unit_parameters(u, flat.data()); !s) return s;
+    for (const TensorSlot& slot : im.plan.layout.units[size_t(u)].tensors)
+      std::memcpy(model.params[size_t(u)].data() + slot.offset, flat.data() + slot.offset,
+                  size_t(slot.numel) * 4);
+  }
+  return model;
+}
+
+}  // namespace strata

@@ -1,0 +1,258 @@
+// The engine's inside, shared by the files that implement it (not a public
+// header: tools and tests include core/engine/engine.h). The engine is cut
+// along its seams:
+//   engine.cpp             creation (the plan checked against the budgets, the
+//                          ranks opened) and the accessors
+//   engine_setup.cpp       one rank's store, shards and buffers, as the plan
+//                          lists them; initial parameters
+//   engine_checkpoints.cpp saving, resuming and reading the state back
+//   step_executor.cpp      a step: the lanes run the plan's operations in
+//                          order, each when its dependencies are done
+//   step_operations.cpp    one function per operation kind (gather, forward,
+//                          backward, reduce, exchange, optimizer, sync)
+#pragma once
+
+#include "core/engine/engine.h"
+
+
+#include <fmt/format.h>
+#include <tbb/parallel_for.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <utility>
+
+#include "comm/communicator.h"
+#include "comm/nccl_comm.h"
+#include "core/checkpoint/checkpoint.h"
+#include "core/engine/gpu_rank.h"
+#include "core/plan/planner.h"
+#include "core/checkpoint/safetensors.h"
+#include "io/base/sizes.h"
+#include "kernels/cpu/grad_norm.h"
+#include "kernels/cpu/simd.h"
+#include "tiers/streamed_pass.h"
+#include "tiers/tiered_store.h"
+
+namespace strata {
+
+using Clock = std::chrono::steady_clock;
+using kernels::cpu::ElementType;
+using tiers::ShardKey;
+using tiers::ShardKind;
+
+inline double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Narrows (n) fp32 elements to the compute precision (round to nearest even).
+inline void narrow(const float* source, ElementType type, std::byte* out, int64_t n) {
+  if (type == ElementType::f32) {
+    std::memcpy(out, source, size_t(n) * 4);
+    return;
+  }
+  auto* bits = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i)
+    bits[i] = type == ElementType::bf16 ? kernels::cpu::float_to_bf16(source[i])
+                                        : kernels::cpu::float_to_f16(source[i]);
+}
+
+// A lane: one thread running closures in the order they were posted.
+class LaneThread {
+ public:
+  LaneThread() : thread_([this] { run(); }) {}
+  ~LaneThread() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  void post(std::function<void()> work) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    wake_.notify_all();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> work;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      work();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// One step of every rank: which operations are done, the first error.
+struct StepRun {
+  int64_t index = 0;  // 0 for the first step
+  int world = 1;
+  size_t op_count = 0;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<std::vector<uint8_t>> done;  // [rank][op]
+  size_t remaining = 0;
+  std::optional<Status> error;
+  std::vector<StepPlan> decisions;  // per rank, set by the exchange
+  std::vector<double> loss_sum;     // per rank, global loss sum after the exchange
+  std::vector<double> grad_norm;
+  std::vector<double> stall_seconds;  // per rank: compute lane waiting
+  std::vector<uint8_t> exchanged;
+  double total_tokens = 0;
+
+  bool failed() {
+    std::lock_guard lock(mutex);
+    return error.has_value();
+  }
+};
+
+struct Engine::Impl {
+  uint64_t engine_serial = 0;  // names this engine's swap files
+  struct Rank {
+    int rank = 0;
+    std::shared_ptr<comm::Communicator> comm;
+    std::unique_ptr<tiers::TieredStore> store;
+    std::unique_ptr<tiers::StreamedPass> pass;
+    std::optional<Optimizer> optimizer;
+    std::unique_ptr<UnitWorkspace> ws;
+    std::unique_ptr<GpuRank> gpu;  // the CUDA backend's compute; null on the CPU backend
+    std::vector<tiers::DeviceBlock> device_blocks;
+    std::vector<tiers::HostBlock> host_blocks;
+    std::vector<std::byte*> gathered;   // [slot] (largest padded) compute precision
+    std::vector<float*> gathered_fp32;  // [slot] widened (compute precision != fp32)
+    std::vector<float*> widened;        // [2] stages 0-2 with compute precision != fp32
+    std::vector<float*> grad_slots;     // [slot] (largest padded) fp32
+    float* tied_grad = nullptr;         // (embedding padded)
+    float* reduce_out = nullptr;        // (largest shard)
+    std::vector<float*> checkpoints;    // [units - 1] (B*T, C)
+    float* activation_grad = nullptr;   // (B*T, C)
+    int32_t* tokens = nullptr;          // (G, B*T)
+    int32_t* targets = nullptr;         // (G, B*T)
+    std::byte* param_out = nullptr;     // (largest optimizer range) new parameters, staged
+    std::byte* sync_staging = nullptr;  // (largest padded) the CUDA backend's parameter all-gather
+    std::vector<std::vector<ShardSegment>> segments;       // per unit, over its optimizer range
+    std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
+    std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
+    std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
+    std::unique_ptr<LaneThread> lanes[kLaneCount];
+  };
+
+  EngineOptions options;
+  TrainingPlan plan;
+  std::vector<bool> publishes;  // op publishes its unit's new parameters
+  std::vector<std::unique_ptr<Rank>> ranks;
+  int64_t steps_done = 0;
+  int64_t sequence_offset = 0;
+  std::shared_ptr<StepRun> last_run;
+  bool poisoned = false;
+  std::string poison_reason;
+  Clock::time_point created = Clock::now();
+  uint64_t last_read = 0, last_written = 0;
+  std::mutex timing_mutex;
+  std::vector<OpTiming> timings;
+  std::mutex params_mutex;
+  std::condition_variable params_changed;
+
+  ElementType compute_type() const { return plan.compute_type(); }
+  // One rank of several processes (EngineOptions::process_comm).
+  bool process_mode() const { return options.process_comm != nullptr; }
+  // True on every process when `flag` is true on any (process mode; else `flag`).
+  Result<bool> any_rank(bool flag);
+  // `mine`, or `others_failed` when it is ok but another process's was not.
+  Status agree(Status mine, const std::string& others_failed);
+  int local_count() const { return static_cast<int>(ranks.size()); }
+  int world() const { return plan.input.world_size; }
+  int units() const { return static_cast<int>(plan.units.size()); }
+
+  // --- set-up ----------------------------------------------------------------------
+
+  Status open_rank(Rank& rank);
+  Status init_rank(Rank& rank, const std::vector<std::vector<float>>* loaded);
+  Status initialize();
+  Status init_unit(Rank& rank, int u, const float* full);
+  // The NVMe I/O engines' counters, summed over the ranks.
+  io::IoCounters nvme_counters() const;
+  Status load_moments(Rank& rank, int u, const float* m, const float* v);
+  Status resume(const CheckpointReader& checkpoint);
+  Status save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets);
+  // ready: this process's steps have finished (Engine::finish).
+  Result<std::string> save_in_processes(Status ready, const std::string& root, int keep,
+                                        const std::vector<int64_t>& unit_offsets, int64_t total,
+                                        const nlohmann::ordered_json& units);
+  // The JSON files and the manifest, then the rename (Engine::save_checkpoint's end).
+  Result<std::string> finish_checkpoint(CheckpointWriter& writer, int keep,
+                                        const nlohmann::ordered_json& units);
+
+  // --- execution -------------------------------------------------------------------
+
+  void post_step(const std::shared_ptr<StepRun>& run);
+  void run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int op_index);
+  Status execute(Rank& rank, StepRun& run, int op_index);
+  void wait_params(int64_t step_index, Rank& rank, int unit);
+  void publish_params(Rank& rank, int unit, int64_t step_index);
+
+  Status gather(Rank& rank, const PlanOp& op);
+  const float* unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit, int which);
+  Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
+  const std::byte* gathered_params(Rank& rank, int op_index, int unit) const;
+  const std::byte* gpu_params(Rank& rank, StepRun& run, int op_index, int unit);
+  // The CUDA backend: which state lives in GPU memory.
+  bool params_on_gpu() const { return plan.input.gpu && plan.homes.param == tiers::Tier::device; }
+  bool grads_on_gpu() const { return plan.input.gpu && plan.homes.grad == tiers::Tier::device; }
+  bool optimizer_on_gpu() const {
+    return plan.input.gpu && plan.homes.optimizer == tiers::Tier::device;
+  }
+  float* grad_home(Rank& rank, int unit) {
+    return reinterpret_cast<float*>(home_data(rank, {unit, ShardKind::grad}));
+  }
+  Status forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
+  Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
+  Status reduce(Rank& rank, const PlanOp& op);
+  Status exchange(Rank& rank, StepRun& run);
+  Status optimize(Rank& rank, StepRun& run, const PlanOp& op);
+  Status sync(Rank& rank, const PlanOp& op);
+
+  UnitBatch batch_of(Rank& rank, StepRun& run, int micro) const {
+    const int64_t N = plan.tokens_per_micro;
+    UnitBatch batch;
+    batch.tokens = rank.tokens + micro * N;
+    batch.targets = rank.targets + micro * N;
+    batch.B = plan.input.micro_batch;
+    batch.T = plan.input.seq_len;
+    const double scale = rank.optimizer ? rank.optimizer->loss_scale() : 1.0;
+    batch.loss_scale = float(scale / run.total_tokens);
+    return batch;
+  }
+  std::byte* home_data(Rank& rank, ShardKey key) {
+    Result<tiers::ShardHome> home = rank.store->home(key);
+    return home ? home->data : nullptr;
+  }
+};
+
+}  // namespace strata
