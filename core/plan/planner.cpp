@@ -81,18 +81,6 @@ int64_t padded_shard_elements(int64_t numel, int world_size) {
   return ceil_div(per_rank, kShardAlignElements) * kShardAlignElements;
 }
 
-const char* tier_name(Tier tier) {
-  switch (tier) {
-    case Tier::device:
-      return "device";
-    case Tier::host:
-      return "host";
-    case Tier::nvme:
-      return "nvme";
-  }
-  return "?";
-}
-
 int64_t& TierBytes::at(Tier tier) {
   return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
 }

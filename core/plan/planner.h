@@ -19,6 +19,7 @@
 
 #include "core/config/config.h"
 #include "core/model/model_config.h"
+#include "tiers/tier.h"
 
 namespace strata {
 
@@ -69,8 +70,9 @@ struct PlanInput {
   double nvme_bandwidth = 6e9;
 };
 
-enum class Tier { device, host, nvme };
-const char* tier_name(Tier tier);
+// The one Tier of the house (tiers/tier.h).
+using tiers::Tier;
+using tiers::tier_name;
 
 struct TierBytes {
   int64_t device = 0;
