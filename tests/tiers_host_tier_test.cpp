@@ -43,13 +43,13 @@ TEST(PoolAllocatorTest, RefusalsSayWhyWithTheNumbers) {
   Result<uint64_t> fragmented = pool.allocate(8192, "(unit 1, param)");
   ASSERT_FALSE(fragmented.is_ok());
   EXPECT_EQ(fragmented.status().message(),
-            "device tier: cannot place 8.0 KiB for (unit 1, param): 8.0 KiB of 16.0 KiB free but "
-            "the largest free range is 4.0 KiB (fragmented); release shards first or raise "
+            "device tier: cannot place 8.00 KiB for (unit 1, param): 8.00 KiB of 16.00 KiB free but "
+            "the largest free range is 4.00 KiB (fragmented); release shards first or raise "
             "--device-mem-limit");
   Result<uint64_t> full = pool.allocate(12288, "(unit 2, grad)");
   ASSERT_FALSE(full.is_ok());
   EXPECT_EQ(full.status().message(),
-            "device tier: cannot hold 12.0 KiB more for (unit 2, grad): 8.0 KiB of 16.0 KiB in use "
+            "device tier: cannot hold 12.00 KiB more for (unit 2, grad): 8.00 KiB of 16.00 KiB in use "
             "(budget); release shards first or raise --device-mem-limit");
   EXPECT_EQ(pool.usage().used, 8192u);
 }
@@ -64,7 +64,7 @@ TEST(HostTierTest, PinsOrWarnsAndWorksEitherWay) {
   ASSERT_TRUE(low.is_ok()) << low.status().message();
   EXPECT_EQ((*low)->pinning(), HostPinning::none);
   ASSERT_FALSE(notices.lines.empty());
-  EXPECT_NE(notices.lines.back().find("RLIMIT_MEMLOCK is 64.0 KiB, below the 1.0 MiB pool"),
+  EXPECT_NE(notices.lines.back().find("RLIMIT_MEMLOCK is 64.00 KiB, below the 1.00 MiB pool"),
             std::string::npos)
       << notices.lines.back();
   Result<HostBlock> block = (*low)->allocate(5000, "x");

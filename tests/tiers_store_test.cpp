@@ -203,17 +203,17 @@ TEST(TieredStoreTest, OverBudgetRequestFailsWithTheNumbersBeforeAnythingMoves) {
   Status nvme_full = store.add_shard({9, ShardKind::v}, 6 << 20, Tier::nvme);
   ASSERT_FALSE(nvme_full.is_ok());
   EXPECT_NE(nvme_full.message().find("nvme tier"), std::string::npos) << nvme_full.message();
-  EXPECT_NE(nvme_full.message().find("6.0 MiB"), std::string::npos) << nvme_full.message();
+  EXPECT_NE(nvme_full.message().find("6.00 MiB"), std::string::npos) << nvme_full.message();
 
   ASSERT_TRUE(store.prefetch({0, ShardKind::m}, Tier::host).is_ok());
   ASSERT_TRUE(store.prefetch({1, ShardKind::m}, Tier::host).is_ok());
   const TierUsage before = store.usage(Tier::host);
   Status refused = store.prefetch({2, ShardKind::m}, Tier::host);
   ASSERT_FALSE(refused.is_ok());
-  EXPECT_NE(refused.message().find("host tier: cannot hold 3.0 MiB more for (unit 2, m)"),
+  EXPECT_NE(refused.message().find("host tier: cannot hold 3.00 MiB more for (unit 2, m)"),
             std::string::npos)
       << refused.message();
-  EXPECT_NE(refused.message().find("6.0 MiB of 8.0 MiB in use"), std::string::npos)
+  EXPECT_NE(refused.message().find("6.00 MiB of 8.00 MiB in use"), std::string::npos)
       << refused.message();
   EXPECT_NE(refused.message().find("--host-mem-limit"), std::string::npos) << refused.message();
   EXPECT_EQ(store.usage(Tier::host).used, before.used);
