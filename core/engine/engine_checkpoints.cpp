@@ -119,7 +119,7 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
       items.push_back(std::move(item));
     }
     Status status =
-        rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+        rank.streamed->pass().run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
           const int64_t at = int64_t(index) * chunk;
           const int64_t n = std::min(chunk, count - at);
           if (n <= 0) return Status::ok();

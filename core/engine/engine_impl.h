@@ -37,6 +37,7 @@
 #include "comm/nccl_comm.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/engine/gpu_rank.h"
+#include "core/optimizer/streamed_optimizer.h"
 #include "core/plan/planner.h"
 #include "core/checkpoint/safetensors.h"
 #include "io/base/sizes.h"
@@ -138,7 +139,7 @@ struct Engine::Impl {
     int rank = 0;
     std::shared_ptr<comm::Communicator> comm;
     std::unique_ptr<tiers::TieredStore> store;
-    std::unique_ptr<tiers::StreamedPass> pass;
+    std::unique_ptr<StreamedOptimizer> streamed;  // optimizer state on NVMe
     std::optional<Optimizer> optimizer;
     std::unique_ptr<UnitWorkspace> ws;
     std::unique_ptr<GpuRank> gpu;  // the CUDA backend's compute; null on the CPU backend

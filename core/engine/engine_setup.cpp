@@ -198,13 +198,12 @@ Status Engine::Impl::open_rank(Rank& rank) {
       return t;
   }
   if (plan.streamed_optimizer) {
-    tiers::StreamedPassOptions pass;
-    pass.buffer_count = unsigned(in.optimizer_buffers);
-    pass.buffer_bytes = uint64_t(plan.optimizer_chunk_elements) * 12;
-    Result<std::unique_ptr<tiers::StreamedPass>> created = tiers::StreamedPass::create(s, pass);
-    if (!created)
-      return created.status().with_context(fmt::format("rank {}: streamed optimizer", r));
-    rank.pass = std::move(*created);
+    StreamedOptimizerOptions streamed;
+    streamed.buffer_count = unsigned(in.optimizer_buffers);
+    streamed.chunk_elements = plan.optimizer_chunk_elements;
+    Result<std::unique_ptr<StreamedOptimizer>> created = StreamedOptimizer::create(s, streamed);
+    if (!created) return created.status().with_context(fmt::format("rank {}", r));
+    rank.streamed = std::move(*created);
   }
 
   Result<Optimizer> optimizer =

@@ -413,26 +413,19 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     float* v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
     return publish(update(master, m, v, 0, numel));
   }
-  // Optimizer state on NVMe: chunks stream through the pass's buffers.
-  std::vector<tiers::StreamItem> items;
-  std::vector<int64_t> begins;
-  const int64_t chunk = plan.optimizer_chunk_elements;
-  for (int64_t begin = 0; begin < numel; begin += chunk) {
-    const int64_t count = std::min(chunk, numel - begin);
-    tiers::StreamItem item;
-    item.pieces.push_back({master_key, uint64_t(begin) * 4, uint64_t(count) * 4});
-    item.pieces.push_back({{u, ShardKind::m}, uint64_t(begin) * 4, uint64_t(count) * 4});
-    item.pieces.push_back({{u, ShardKind::v}, uint64_t(begin) * 4, uint64_t(count) * 4});
-    items.push_back(std::move(item));
-    begins.push_back(begin);
+  // Optimizer state on NVMe: chunks stream through the pass's buffers (the one chunk loop).
+  StreamedOptimizerUnit unit;
+  unit.unit = u;
+  unit.numel = numel;
+  unit.segments = segments;
+  unit.grad = grad;
+  unit.grad_type = ElementType::f32;
+  if (plan.homes.separate_master && destination != nullptr) {
+    unit.copy = destination;
+    unit.copy_type = cb == 4 ? ElementType::f32 : compute_type();
   }
-  return publish(
-      rank.pass->run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
-        const int64_t begin = begins[index];
-        const int64_t count = std::min(chunk, numel - begin);
-        return update(reinterpret_cast<float*>(pieces[0]), reinterpret_cast<float*>(pieces[1]),
-                      reinterpret_cast<float*>(pieces[2]), begin, count);
-      }));
+  unit.master_kind = master_key.kind;
+  return publish(rank.streamed->step(*rank.optimizer, decision, {&unit, 1}));
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace strata {
@@ -68,7 +69,7 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
       const int64_t numel = std::min(options_.chunk_elements, unit.numel - begin);
       chunks.push_back({u, begin, numel});
       StreamItem item;
-      for (ShardKind kind : {ShardKind::master, ShardKind::m, ShardKind::v})
+      for (ShardKind kind : {unit.master_kind, ShardKind::m, ShardKind::v})
         item.pieces.push_back(
             StreamPiece{{unit.unit, kind}, uint64_t(begin) * 4, uint64_t(numel) * 4});
       items.push_back(std::move(item));
@@ -94,12 +95,17 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     shard.arrays.exp_avg_sq = reinterpret_cast<float*>(pieces[2]);
     shard.arrays.grad = offset_elements(unit.grad, chunk.begin, unit.grad_type);
     shard.arrays.grad_type = unit.grad_type;
-    shard.arrays.copy =
+    // The kernel writes a bf16/fp16 copy in its pass; an fp32 copy is the new master itself.
+    void* copy =
         unit.copy ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
                   : nullptr;
+    const bool narrow_copy = copy != nullptr && unit.copy_type != kernels::cpu::ElementType::f32;
+    shard.arrays.copy = narrow_copy ? copy : nullptr;
     shard.arrays.copy_type = unit.copy_type;
     shard.segments = segments;
     Status status = optimizer.update_shard(plan, shard);
+    if (status && copy != nullptr && !narrow_copy)
+      std::memcpy(copy, pieces[0], size_t(chunk.numel) * 4);
     return status.with_context(
         fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
   };

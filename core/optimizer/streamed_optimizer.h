@@ -1,10 +1,13 @@
 // StreamedOptimizer: the AdamW step over optimizer state that lives on NVMe
 // (or in host memory), through the tiers' streamed pass (tiers/streamed_pass.h).
+// It is the one chunk loop of strata: the engine's optimizer operation over
+// NVMe-homed state runs it one unit at a time.
 // Tiers move bytes; this file says which bytes make an AdamW chunk and hands
 // the optimizer driver's update (core/optimizer/optimizer.h) to the pass as its work.
 //
 // Layout: for every unit, the store holds shards (unit, master), (unit, m) and
-// (unit, v), each numel * 4 bytes of fp32, homed on NVMe or host. step() walks
+// (unit, v), each numel * 4 bytes of fp32, homed on NVMe or host (in fp32
+// mode the master may be the (unit, param) shard itself: master_kind). step() walks
 // the units in the order given, each in chunks of at most chunk_elements
 // elements (the planner's kOptimizerChunkElements, lowered by sub_group_size):
 // chunk k+1 is read while chunk k is updated and chunk k-1 written back. The
@@ -43,8 +46,13 @@ struct StreamedOptimizerUnit {
   std::span<const ShardSegment> segments;  // as OptimizerShard::segments; empty: all `decay`
   const void* grad = nullptr;              // (numel) of grad_type, host memory
   kernels::cpu::ElementType grad_type = kernels::cpu::ElementType::f32;
-  void* copy = nullptr;  // (numel) of copy_type, host memory; nullptr: no copy (fp32 mode)
+  // (numel) of copy_type, host memory: the new parameters, written as each chunk
+  // is updated (bf16/fp16 rounded by the kernel, f32 copied); nullptr: no copy.
+  void* copy = nullptr;
   kernels::cpu::ElementType copy_type = kernels::cpu::ElementType::bf16;
+  // The shard holding the fp32 master: `master`, or `param` where the fp32
+  // parameters are the master.
+  tiers::ShardKind master_kind = tiers::ShardKind::master;
 };
 
 class StreamedOptimizer {
@@ -64,6 +72,9 @@ class StreamedOptimizer {
               std::span<const StreamedOptimizerUnit> units);
 
   const tiers::StreamedPassStats& last_step() const { return pass_->last_run(); }
+  // The pass and its buffers, for other chunked walks over the same shards
+  // (checkpoints read NVMe homes through it between steps).
+  tiers::StreamedPass& pass() { return *pass_; }
 
  private:
   StreamedOptimizer(StreamedOptimizerOptions options, std::unique_ptr<tiers::StreamedPass> pass)
