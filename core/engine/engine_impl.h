@@ -37,6 +37,7 @@
 #include "comm/nccl_comm.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/engine/gpu_rank.h"
+#include "core/engine/rank_buffers.h"
 #include "core/optimizer/streamed_optimizer.h"
 #include "core/plan/planner.h"
 #include "core/checkpoint/safetensors.h"
@@ -145,6 +146,7 @@ struct Engine::Impl {
     std::unique_ptr<GpuRank> gpu;  // the CUDA backend's compute; null on the CPU backend
     std::vector<tiers::DeviceBlock> device_blocks;
     std::vector<tiers::HostBlock> host_blocks;
+    RankBuffers buffers;  // the plan's buffers of owner `rank`; the views below point into them
     std::vector<std::byte*> gathered;   // [slot] (largest padded) compute precision
     std::vector<float*> gathered_fp32;  // [slot] widened (compute precision != fp32)
     std::vector<float*> widened;        // [2] stages 0-2 with compute precision != fp32

@@ -1,5 +1,7 @@
 #include "core/engine/engine_impl.h"
 
+#include <optional>
+
 namespace strata {
 
 // --- set-up ----------------------------------------------------------------------
@@ -29,7 +31,6 @@ Status Engine::Impl::initialize() {
 Status Engine::Impl::open_rank(Rank& rank) {
   const TrainingPlanInput& in = plan.input;
   const int r = rank.rank;
-  const int W = world();
   tiers::TieredStoreOptions store;
   // The pools hold what the plan needs (plus a page per buffer of slack),
   // never more than the budgets: a budget is a limit, and the host pool is
@@ -64,109 +65,58 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.store = std::move(*opened);
   tiers::TieredStore& s = *rank.store;
 
-  const int cb = plan.compute_bytes;
-  for (int u = 0; u < units(); ++u) {
-    const UnitPlacement& p = plan.units[size_t(u)];
-    Status added =
-        s.add_shard({u, ShardKind::param}, uint64_t(p.param_numel * cb), plan.homes.param);
-    if (added)
-      added = s.add_shard({u, ShardKind::grad}, uint64_t(p.grad_numel * 4), plan.homes.grad);
-    if (added && plan.homes.separate_master)
-      added = s.add_shard({u, ShardKind::master}, uint64_t(p.optimizer_numel * 4),
-                          plan.homes.optimizer);
-    if (added)
-      added = s.add_shard({u, ShardKind::m}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
-    if (added)
-      added = s.add_shard({u, ShardKind::v}, uint64_t(p.optimizer_numel * 4), plan.homes.optimizer);
-    if (!added) return added.with_context(fmt::format("rank {}", r));
+  // Model state: one shard per unit for each state line of the plan.
+  for (const PlanBuffer& b : plan.buffers) {
+    const std::optional<ShardKind> kind = state_shard_kind(b.role);
+    if (!kind) continue;
+    for (int u = 0; u < units(); ++u) {
+      const uint64_t bytes = uint64_t(plan.state_numel(u, b.role) * buffer_element_bytes(b.element));
+      if (Status added = s.add_shard({u, *kind}, bytes, b.tier); !added)
+        return added.with_context(fmt::format("rank {}", r));
+    }
   }
 
-  // Buffers, named as the plan lists them.
-  auto device = [&](int64_t bytes, const std::string& what) -> Result<std::byte*> {
-    Result<tiers::DeviceBlock> block = s.device_tier()->allocate(uint64_t(bytes), what);
-    if (!block) return block.status().with_context(fmt::format("rank {}", r));
-    rank.device_blocks.push_back(*block);
-    return block->data;
-  };
-  auto host = [&](int64_t bytes, const std::string& what) -> Result<std::byte*> {
-    Result<tiers::HostBlock> block = s.host_tier().allocate(uint64_t(bytes), what);
-    if (!block) return block.status().with_context(fmt::format("rank {}", r));
-    rank.host_blocks.push_back(*block);
-    return block->data;
-  };
-  int64_t largest_padded = 0, largest_shard = 0, largest_optimizer = 0;
-  for (const UnitPlacement& p : plan.units) {
-    largest_padded = std::max(largest_padded, p.padded_numel);
-    largest_shard = std::max(largest_shard, p.shard_numel);
-    largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
-  }
-  // Takes a block for `out`, or returns the allocation's error.
-  auto take = [](Result<std::byte*> block, auto*& out) -> Status {
-    if (!block) return block.status();
-    out = reinterpret_cast<std::remove_reference_t<decltype(out)>>(*block);
-    return Status::ok();
-  };
-  // On the CUDA backend the buffers of the collectives and the optimizer are
-  // pinned host memory; GpuRank holds the device's working set.
-  auto staging = [&](int64_t bytes, const std::string& what) {
-    return gpu ? host(bytes, what) : device(bytes, what);
-  };
-  for (int k = 0; k < plan.gather_slots && !plan.gpu_params_in_place(); ++k) {
-    std::byte* g = nullptr;
-    if (Status t = take(staging(largest_padded * cb, "gathered unit"), g); !t) return t;
-    rank.gathered.push_back(g);
-    if (cb != 4 && !gpu) {
-      float* f = nullptr;
-      if (Status t = take(device(largest_padded * 4, "gathered unit (fp32)"), f); !t) return t;
-      rank.gathered_fp32.push_back(f);
-    }
-  }
-  if (in.stage < 3 && cb != 4 && !gpu) {
-    for (int k = 0; k < 2; ++k) {
-      float* f = nullptr;
-      if (Status t = take(device(largest_padded * 4, "parameters widened to fp32"), f); !t)
-        return t;
-      rank.widened.push_back(f);
-    }
-  }
-  // Gradients may accumulate straight into their homes on the GPU.
-  const bool in_homes = plan.gpu_grads_in_place();
-  for (int k = 0; k < plan.grad_slots && !in_homes; ++k) {
-    float* g = nullptr;
-    if (Status t = take(staging(largest_padded * 4, "unit gradient"), g); !t) return t;
-    rank.grad_slots.push_back(g);
-  }
-  if (plan.tied_grad_buffer && !in_homes) {
-    if (Status t = take(staging(plan.units[0].padded_numel * 4, "tied embedding gradient"),
-                        rank.tied_grad);
-        !t)
-      return t;
-  }
-  if (in.stage >= 2 && in.reduce_scatter && W > 1 && !in_homes) {
-    if (Status t = take(staging(largest_shard * 4, "reduce-scatter output"), rank.reduce_out); !t)
-      return t;
-  }
-  if (gpu && (in.stage == 1 || in.stage == 2) && W > 1) {
-    if (Status t =
-            take(host(largest_padded * cb, "parameter all-gather staging"), rank.sync_staging);
-        !t)
-      return t;
-  }
+  // The rank's buffers: the plan's list, walked (core/engine/rank_buffers.h).
+  Result<RankBuffers> buffers = RankBuffers::allocate(
+      plan, BufferOwner::rank,
+      [&](tiers::Tier tier, uint64_t bytes, const std::string& what) -> Result<std::byte*> {
+        if (tier == tiers::Tier::host) {
+          Result<tiers::HostBlock> block = s.host_tier().allocate(bytes, what);
+          if (!block) return block.status();
+          rank.host_blocks.push_back(*block);
+          return block->data;
+        }
+        Result<tiers::DeviceBlock> block = s.device_tier()->allocate(bytes, what);
+        if (!block) return block.status();
+        rank.device_blocks.push_back(*block);
+        return block->data;
+      });
+  if (!buffers) return buffers.status().with_context(fmt::format("rank {}", r));
+  rank.buffers = std::move(*buffers);
+  const RankBuffers& b = rank.buffers;
+  using R = BufferRole;
+  rank.gathered = b.all_as<std::byte>(R::gathered_unit);
+  rank.gathered_fp32 = b.all_as<float>(R::gathered_unit_fp32);
+  rank.widened = b.all_as<float>(R::widened_params);
+  rank.grad_slots = b.all_as<float>(R::unit_gradient);
+  rank.tied_grad = b.as<float>(R::tied_gradient);
+  rank.reduce_out = b.as<float>(R::reduce_scatter_output);
+  rank.sync_staging = b.at(R::sync_staging);
+  rank.param_out = b.at(R::new_parameters);
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
-  int32_t* ids = nullptr;
-  if (Status t = take(staging(2 * N * 4 * in.grad_accum, "tokens and targets"), ids); !t) return t;
-  rank.tokens = ids;
-  rank.targets = ids + N * in.grad_accum;
-  if (plan.input.nccl_staging) {
+  rank.tokens = b.as<int32_t>(R::tokens_and_targets);
+  rank.targets = rank.tokens + N * in.grad_accum;
+  if (float* checkpoints = b.as<float>(R::activation_checkpoints))
+    for (int u = 0; u + 1 < units(); ++u)
+      rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
+  rank.activation_grad = b.as<float>(R::activation_gradient);
+  if (b.at(R::nccl_staging) != nullptr) {
     // NCCL stages the collectives' host buffers through the pool, not memory of its own.
-    std::byte* send = nullptr;
-    std::byte* recv = nullptr;
-    if (Status t = take(device(largest_padded * 4, "NCCL staging (send)"), send); !t) return t;
-    if (Status t = take(device(largest_padded * 4, "NCCL staging (receive)"), recv); !t) return t;
     if (auto* nccl = dynamic_cast<comm::NcclComm*>(rank.comm.get()))
-      nccl->use_staging(send, recv, size_t(largest_padded) * 4);
+      nccl->use_staging(b.at(R::nccl_staging, 0), b.at(R::nccl_staging, 1),
+                        size_t(plan.buffer(R::nccl_staging)->elements) * 4);
   }
-  if (gpu) {
+  if (in.gpu) {
     Result<std::unique_ptr<GpuRank>> created =
         options.emulate_gpu
             ? GpuRank::create_emulated(plan)
@@ -174,29 +124,11 @@ Status Engine::Impl::open_rank(Rank& rank) {
     if (!created) return created.status().with_context(fmt::format("rank {}", r));
     rank.gpu = std::move(*created);
   } else {
-    float* checkpoints = nullptr;
-    if (Status t = take(device((units() - 1) * N * C * 4, "activation checkpoints"), checkpoints);
-        !t)
-      return t;
-    for (int u = 0; u + 1 < units(); ++u)
-      rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
-    if (Status t = take(device(N * C * 4, "activation gradient"), rank.activation_grad); !t)
-      return t;
-    // The workspace allocates its own memory; its bytes are charged to the device budget here.
-    std::byte* reserved = nullptr;
-    if (Status t = take(device(UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len),
-                               "unit working set"),
-                        reserved);
-        !t)
-      return t;
+    // The workspace allocates its own memory; the plan's unit_working_set charged its bytes.
     rank.ws = std::make_unique<UnitWorkspace>(in.model, in.micro_batch, in.seq_len);
   }
-  // NVMe parameter copies (plan.fetch_slots) are the store's prefetched copies, charged when
-  // fetched.
-  if (plan.new_params_staged()) {
-    if (Status t = take(host(largest_optimizer * cb, "new parameters"), rank.param_out); !t)
-      return t;
-  }
+  // NVMe parameter copies, the streamed optimizer's buffers and the shard
+  // staging (owner: store) are taken by the store and the streamed optimizer.
   if (plan.streamed_optimizer) {
     StreamedOptimizerOptions streamed;
     streamed.buffer_count = unsigned(in.optimizer_buffers);

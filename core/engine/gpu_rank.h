@@ -126,10 +126,4 @@ class GpuRank {
   virtual std::byte* new_parameter_buffer() const = 0;
 };
 
-// The working set every rank keeps on the device on the CUDA backend, beyond
-// what scales with the batch; core/plan/training_plan.cpp lists these buffers.
-inline constexpr int kGpuParamSlots = 3;   // rotating device copies of a unit's parameters
-inline constexpr int kGpuGradBuffers = 2;  // rotating device fp32 unit gradients
-inline constexpr int64_t kGpuMatmulWorkspaceBytes = int64_t{32} << 20;  // cuBLASLt's
-
 }  // namespace strata

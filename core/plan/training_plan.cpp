@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 
 #include "core/model/cuda_units.h"
-#include "core/engine/gpu_rank.h"
 #include "io/base/sizes.h"
 
 namespace strata {
@@ -291,6 +290,147 @@ std::string op_label(const TrainingPlan& plan, const PlanOp& op) {
   return out;
 }
 
+const char* buffer_role_name(BufferRole role) {
+  switch (role) {
+    case BufferRole::param_state:
+      return "param_state";
+    case BufferRole::grad_state:
+      return "grad_state";
+    case BufferRole::master_state:
+      return "master_state";
+    case BufferRole::m_state:
+      return "m_state";
+    case BufferRole::v_state:
+      return "v_state";
+    case BufferRole::gathered_unit:
+      return "gathered_unit";
+    case BufferRole::gathered_unit_fp32:
+      return "gathered_unit_fp32";
+    case BufferRole::widened_params:
+      return "widened_params";
+    case BufferRole::unit_gradient:
+      return "unit_gradient";
+    case BufferRole::tied_gradient:
+      return "tied_gradient";
+    case BufferRole::reduce_scatter_output:
+      return "reduce_scatter_output";
+    case BufferRole::sync_staging:
+      return "sync_staging";
+    case BufferRole::tokens_and_targets:
+      return "tokens_and_targets";
+    case BufferRole::activation_checkpoints:
+      return "activation_checkpoints";
+    case BufferRole::activation_gradient:
+      return "activation_gradient";
+    case BufferRole::unit_working_set:
+      return "unit_working_set";
+    case BufferRole::new_parameters:
+      return "new_parameters";
+    case BufferRole::nccl_staging:
+      return "nccl_staging";
+    case BufferRole::gpu_param_slots:
+      return "gpu_param_slots";
+    case BufferRole::gpu_unit_gradients:
+      return "gpu_unit_gradients";
+    case BufferRole::gpu_tied_gradient:
+      return "gpu_tied_gradient";
+    case BufferRole::gpu_grad_norm_scratch:
+      return "gpu_grad_norm_scratch";
+    case BufferRole::gpu_reduced_gradient:
+      return "gpu_reduced_gradient";
+    case BufferRole::gpu_new_parameters:
+      return "gpu_new_parameters";
+    case BufferRole::gpu_activation_checkpoints:
+      return "gpu_activation_checkpoints";
+    case BufferRole::gpu_activation_gradient:
+      return "gpu_activation_gradient";
+    case BufferRole::gpu_tokens_and_targets:
+      return "gpu_tokens_and_targets";
+    case BufferRole::gpu_token_losses:
+      return "gpu_token_losses";
+    case BufferRole::gpu_matmul_workspace:
+      return "gpu_matmul_workspace";
+    case BufferRole::gpu_unit_working_set:
+      return "gpu_unit_working_set";
+    case BufferRole::nvme_parameter_copies:
+      return "nvme_parameter_copies";
+    case BufferRole::optimizer_stream:
+      return "optimizer_stream";
+    case BufferRole::nvme_shard_staging:
+      return "nvme_shard_staging";
+  }
+  return "?";
+}
+
+int64_t buffer_element_bytes(BufferElement element) {
+  switch (element) {
+    case BufferElement::f32:
+    case BufferElement::i32:
+      return 4;
+    case BufferElement::bf16:
+    case BufferElement::f16:
+      return 2;
+    case BufferElement::byte:
+      return 1;
+  }
+  return 1;
+}
+
+const char* buffer_element_name(BufferElement element) {
+  switch (element) {
+    case BufferElement::f32:
+      return "f32";
+    case BufferElement::bf16:
+      return "bf16";
+    case BufferElement::f16:
+      return "f16";
+    case BufferElement::i32:
+      return "i32";
+    case BufferElement::byte:
+      return "byte";
+  }
+  return "?";
+}
+
+std::optional<tiers::ShardKind> state_shard_kind(BufferRole role) {
+  switch (role) {
+    case BufferRole::param_state:
+      return tiers::ShardKind::param;
+    case BufferRole::grad_state:
+      return tiers::ShardKind::grad;
+    case BufferRole::master_state:
+      return tiers::ShardKind::master;
+    case BufferRole::m_state:
+      return tiers::ShardKind::m;
+    case BufferRole::v_state:
+      return tiers::ShardKind::v;
+    default:
+      return std::nullopt;
+  }
+}
+
+int64_t TrainingPlan::state_numel(int u, BufferRole role) const {
+  const UnitPlacement& p = units[size_t(u)];
+  switch (role) {
+    case BufferRole::param_state:
+      return p.param_numel;
+    case BufferRole::grad_state:
+      return p.grad_numel;
+    case BufferRole::master_state:
+    case BufferRole::m_state:
+    case BufferRole::v_state:
+      return p.optimizer_numel;
+    default:
+      return 0;
+  }
+}
+
+const PlanBuffer* TrainingPlan::buffer(BufferRole role) const {
+  for (const PlanBuffer& b : buffers)
+    if (b.role == role) return &b;
+  return nullptr;
+}
+
 kernels::cpu::ElementType TrainingPlan::compute_type() const {
   switch (input.precision) {
     case Precision::fp32:
@@ -362,130 +502,167 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
                     in.optimizer_chunk_elements));
   plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);
 
-  // --- memory, per rank ---------------------------------------------------------
+  // --- memory, per rank: every buffer, typed, in the order the ranks allocate --------
   const int64_t page = 4096;
   const int64_t cb = plan.compute_bytes;
-  auto add_buffer = [&](std::string name, Tier tier, int64_t bytes) {
-    if (bytes <= 0) return;
-    const int64_t rounded =
-        tier == Tier::nvme ? round_up(bytes, int64_t(in.nvme_alignment)) : round_up(bytes, page);
-    plan.buffers.push_back({std::move(name), tier, rounded});
-    plan.peak_bytes[static_cast<int>(tier)] += rounded;
+  const BufferElement compute = in.precision == Precision::fp32   ? BufferElement::f32
+                                : in.precision == Precision::bf16 ? BufferElement::bf16
+                                                                  : BufferElement::f16;
+  auto add = [&](BufferRole role, BufferOwner owner, std::string name, Tier tier,
+                 BufferElement element, int copies, int64_t elements) {
+    if (copies <= 0 || elements <= 0) return;
+    const int64_t alignment = tier == Tier::nvme ? int64_t(in.nvme_alignment) : page;
+    const int64_t bytes =
+        copies * round_up(elements * buffer_element_bytes(element), alignment);
+    plan.buffers.push_back({role, owner, std::move(name), tier, element, copies, elements, bytes});
+    plan.peak_bytes[static_cast<int>(tier)] += bytes;
   };
-  int64_t param_bytes = 0, grad_bytes = 0, master_bytes = 0, moment_bytes = 0;
-  for (const UnitPlacement& p : plan.units) {
-    param_bytes += round_up(p.param_numel * cb, page);
-    grad_bytes += round_up(p.grad_numel * 4, page);
-    moment_bytes += round_up(p.optimizer_numel * 4, page);
-  }
-  master_bytes = plan.homes.separate_master ? moment_bytes : 0;
-  add_buffer(fmt::format("parameters ({})", precision_name(in.precision)), plan.homes.param,
-             param_bytes);
-  add_buffer("gradients (fp32)", plan.homes.grad, grad_bytes);
-  add_buffer("fp32 master", plan.homes.optimizer, master_bytes);
-  add_buffer("Adam m", plan.homes.optimizer, moment_bytes);
-  add_buffer("Adam v", plan.homes.optimizer, moment_bytes);
+  // Model state: each unit's shard is rounded on its own, so the line holds
+  // the rounded sum (one "copy" of that many bytes).
+  auto add_state = [&](BufferRole role, std::string name, Tier tier, BufferElement element) {
+    int64_t bytes = 0, elements = 0;
+    for (int u = 0; u < int(plan.units.size()); ++u) {
+      elements += plan.state_numel(u, role);
+      bytes += round_up(plan.state_numel(u, role) * buffer_element_bytes(element), page);
+    }
+    if (bytes <= 0) return;
+    const int64_t alignment = tier == Tier::nvme ? int64_t(in.nvme_alignment) : page;
+    bytes = round_up(bytes, alignment);
+    plan.buffers.push_back(
+        {role, BufferOwner::store, std::move(name), tier, element, 1, elements, bytes});
+    plan.peak_bytes[static_cast<int>(tier)] += bytes;
+  };
+  add_state(BufferRole::param_state, fmt::format("parameters ({})", precision_name(in.precision)),
+            plan.homes.param, compute);
+  add_state(BufferRole::grad_state, "gradients (fp32)", plan.homes.grad, BufferElement::f32);
+  if (plan.homes.separate_master)
+    add_state(BufferRole::master_state, "fp32 master", plan.homes.optimizer, BufferElement::f32);
+  add_state(BufferRole::m_state, "Adam m", plan.homes.optimizer, BufferElement::f32);
+  add_state(BufferRole::v_state, "Adam v", plan.homes.optimizer, BufferElement::f32);
 
+  using R = BufferRole;
+  using O = BufferOwner;
+  const BufferElement f32 = BufferElement::f32, i32 = BufferElement::i32,
+                      byte = BufferElement::byte;
   const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
-  const int64_t units = static_cast<int64_t>(plan.units.size());
+  const int units = static_cast<int>(plan.units.size());
+  const int64_t embedding_padded = plan.units[0].padded_numel;
+  const bool scatter_output = in.stage >= 2 && in.reduce_scatter && in.world_size > 1;
   if (in.gpu) {
     // The GPU computes the units (core/engine/gpu_rank.h); the collectives and the
     // CPU optimizer work on pinned host buffers. What passes through host
     // memory depends on where the state lives.
     const bool params_in_place = plan.gpu_params_in_place();
     const bool grads_in_place = plan.gpu_grads_in_place();
-    if (plan.gather_slots > 0 && !params_in_place)
-      add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
-                 plan.gather_slots * round_up(largest_padded * cb, page));
+    if (!params_in_place)
+      add(R::gathered_unit, O::rank,
+          fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
+          compute, plan.gather_slots, largest_padded);
     if (!grads_in_place) {
-      add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots),
-                 Tier::host, plan.grad_slots * round_up(largest_padded * 4, page));
+      add(R::unit_gradient, O::rank,
+          fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host,
+          f32, plan.grad_slots, largest_padded);
       if (plan.tied_grad_buffer)
-        add_buffer("tied embedding gradient", Tier::host, plan.units[0].padded_numel * 4);
-      if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
-        add_buffer("reduce-scatter output", Tier::host, largest_shard * 4);
+        add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::host, f32, 1,
+            embedding_padded);
+      if (scatter_output)
+        add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::host, f32, 1,
+            largest_shard);
     }
     if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
-      add_buffer("parameter all-gather staging (largest unit)", Tier::host, largest_padded * cb);
-    add_buffer("tokens and targets", Tier::host, 2 * N * 4 * in.grad_accum);
+      add(R::sync_staging, O::rank, "parameter all-gather staging (largest unit)", Tier::host,
+          compute, 1, largest_padded);
+    add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::host, i32, 1,
+        2 * N * in.grad_accum);
     if (!params_in_place)
-      add_buffer(fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots),
-                 Tier::device, kGpuParamSlots * round_up(largest_padded * cb, page));
+      add(R::gpu_param_slots, O::gpu,
+          fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots), Tier::device,
+          compute, kGpuParamSlots, largest_padded);
     if (!grads_in_place) {
-      add_buffer(fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
-                 Tier::device, kGpuGradBuffers * round_up(largest_padded * 4, page));
+      add(R::gpu_unit_gradients, O::gpu,
+          fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
+          Tier::device, f32, kGpuGradBuffers, largest_padded);
       if (plan.tied_grad_buffer)
-        add_buffer("device tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
+        add(R::gpu_tied_gradient, O::gpu, "device tied embedding gradient", Tier::device, f32, 1,
+            embedding_padded);
     }
     if (plan.homes.grad == Tier::device) {
-      add_buffer("gradient norm scratch", Tier::device,
-                 cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
-      if (!grads_in_place) add_buffer("device reduced gradient", Tier::device, largest_padded * 4);
+      add(R::gpu_grad_norm_scratch, O::gpu, "gradient norm scratch", Tier::device, byte, 1,
+          cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
+      if (!grads_in_place)
+        add(R::gpu_reduced_gradient, O::gpu, "device reduced gradient", Tier::device, f32, 1,
+            largest_padded);
     }
     if (plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device && cb != 4)
-      add_buffer("device new parameter shard", Tier::device, largest_optimizer * cb);
+      add(R::gpu_new_parameters, O::gpu, "device new parameter shard", Tier::device, compute, 1,
+          largest_optimizer);
     if (in.nccl_staging)
-      add_buffer("NCCL staging (2 x largest unit, fp32)", Tier::device,
-                 2 * round_up(largest_padded * 4, page));
-    add_buffer("activation checkpoints (unit inputs)", Tier::device, (units - 1) * N * C * cb);
-    add_buffer("activation gradient", Tier::device, N * C * cb);
-    add_buffer("device tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
-    add_buffer("per-token losses", Tier::device, N * 4);
-    add_buffer("cuBLASLt workspace", Tier::device, kGpuMatmulWorkspaceBytes);
-    add_buffer("GPU unit working set", Tier::device,
-               cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
+      add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
+          largest_padded);
+    add(R::gpu_activation_checkpoints, O::gpu, "activation checkpoints (unit inputs)",
+        Tier::device, compute, 1, (units - 1) * N * C);
+    add(R::gpu_activation_gradient, O::gpu, "activation gradient", Tier::device, compute, 1,
+        N * C);
+    add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
+        2 * N * in.grad_accum);
+    add(R::gpu_token_losses, O::gpu, "per-token losses", Tier::device, f32, 1, N);
+    add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
+        kGpuMatmulWorkspaceBytes);
+    add(R::gpu_unit_working_set, O::gpu, "GPU unit working set", Tier::device, byte, 1,
+        cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
   } else {
     // The CPU backend computes in fp32, so compute-precision parameters are
     // widened into an fp32 twin; host memory stands in for the device.
     if (in.stage == 3) {
-      add_buffer(fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
-                 plan.gather_slots * round_up(largest_padded * cb, page));
+      add(R::gathered_unit, O::rank,
+          fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
+          compute, plan.gather_slots, largest_padded);
       if (cb != 4)
-        add_buffer("gathered units widened to fp32", Tier::device,
-                   plan.gather_slots * round_up(largest_padded * 4, page));
+        add(R::gathered_unit_fp32, O::rank, "gathered units widened to fp32", Tier::device, f32,
+            plan.gather_slots, largest_padded);
     } else if (cb != 4) {
-      add_buffer("parameters widened to fp32 (2 units)", Tier::device,
-                 2 * round_up(largest_padded * 4, page));
+      add(R::widened_params, O::rank, "parameters widened to fp32 (2 units)", Tier::device, f32,
+          2, largest_padded);
     }
-    add_buffer(fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots),
-               Tier::device, plan.grad_slots * round_up(largest_padded * 4, page));
+    add(R::unit_gradient, O::rank,
+        fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device,
+        f32, plan.grad_slots, largest_padded);
     if (plan.tied_grad_buffer)
-      add_buffer("tied embedding gradient", Tier::device, plan.units[0].padded_numel * 4);
-    if (in.stage >= 2 && in.reduce_scatter && in.world_size > 1)
-      add_buffer("reduce-scatter output", Tier::device, largest_shard * 4);
-    add_buffer("activation checkpoints (unit inputs, fp32)", Tier::device, (units - 1) * N * C * 4);
-    add_buffer("activation gradient", Tier::device, N * C * 4);
-    add_buffer("tokens and targets", Tier::device, 2 * N * 4 * in.grad_accum);
-    add_buffer("unit working set", Tier::device,
-               UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
+      add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::device, f32, 1,
+          embedding_padded);
+    if (scatter_output)
+      add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::device, f32, 1,
+          largest_shard);
+    add(R::activation_checkpoints, O::rank, "activation checkpoints (unit inputs, fp32)",
+        Tier::device, f32, 1, (units - 1) * N * C);
+    add(R::activation_gradient, O::rank, "activation gradient", Tier::device, f32, 1, N * C);
+    add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
+        2 * N * in.grad_accum);
+    add(R::unit_working_set, O::rank, "unit working set", Tier::device, byte, 1,
+        UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
   }
 
-  if (plan.fetch_slots > 0)
-    add_buffer(fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots),
-               Tier::host, plan.fetch_slots * round_up(largest_shard * cb, page));
+  add(R::nvme_parameter_copies, O::store,
+      fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
+      compute, plan.fetch_slots, largest_shard);
   if (plan.streamed_optimizer)
-    add_buffer(fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)",
-                           in.optimizer_buffers, plan.optimizer_chunk_elements),
-               Tier::host,
-               in.optimizer_buffers * round_up(plan.optimizer_chunk_elements * 12, page));
+    add(R::optimizer_stream, O::store,
+        fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,
+                    plan.optimizer_chunk_elements),
+        Tier::host, f32, in.optimizer_buffers, plan.optimizer_chunk_elements * 3);
   if (plan.new_params_staged())
-    add_buffer(plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
-                                              : "new parameters on their way to the GPU",
-               Tier::host, largest_optimizer * cb);
+    add(R::new_parameters, O::rank,
+        plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
+                                       : "new parameters on their way to the GPU",
+        Tier::host, compute, 1, largest_optimizer);
   // write_shard / read_shard stage NVMe homes through one block (tiers/tiered_store.h).
-  bool any_nvme = false;
   int64_t largest_nvme_shard = 0;
-  if (plan.homes.param == Tier::nvme) {
-    any_nvme = true;
+  if (plan.homes.param == Tier::nvme)
     largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
-  }
-  if (plan.homes.optimizer == Tier::nvme) {
-    any_nvme = true;
+  if (plan.homes.optimizer == Tier::nvme)
     largest_nvme_shard = std::max(largest_nvme_shard, largest_optimizer * 4);
-  }
-  if (any_nvme)
-    add_buffer("NVMe shard staging", Tier::host,
-               std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
+  add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte, 1,
+      std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
 
   PlanBuilder(plan).build();
 
@@ -562,7 +739,13 @@ nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
   j["ops"] = ops;
   nlohmann::ordered_json buffers = nlohmann::ordered_json::array();
   for (const PlanBuffer& b : plan.buffers)
-    buffers.push_back({{"name", b.name}, {"tier", tiers::tier_name(b.tier)}, {"bytes", b.bytes}});
+    buffers.push_back({{"name", b.name},
+                       {"role", buffer_role_name(b.role)},
+                       {"tier", tiers::tier_name(b.tier)},
+                       {"element", buffer_element_name(b.element)},
+                       {"copies", b.copies},
+                       {"elements", b.elements},
+                       {"bytes", b.bytes}});
   j["buffers"] = buffers;
   j["peak_bytes"] = {{"device", plan.peak(Tier::device)},
                      {"host", plan.peak(Tier::host)},

@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -129,11 +130,82 @@ struct StateHomes {
   bool separate_master = false;
 };
 
-// One line of the memory table: a buffer or a kind of state, its tier and bytes per rank.
+// The working set every rank keeps on the device on the CUDA backend, beyond
+// what scales with the batch (listed with the other buffers below).
+inline constexpr int kGpuParamSlots = 3;   // rotating device copies of a unit's parameters
+inline constexpr int kGpuGradBuffers = 2;  // rotating device fp32 unit gradients
+inline constexpr int64_t kGpuMatmulWorkspaceBytes = int64_t{32} << 20;  // cuBLASLt's
+
+// What a buffer of the plan is for; the ranks find their buffers by role.
+enum class BufferRole {
+  // Model state: one shard per unit, added to the rank's TieredStore.
+  param_state,
+  grad_state,
+  master_state,
+  m_state,
+  v_state,
+  // The engine rank's buffers (CPU backend: in host memory standing in for the device).
+  gathered_unit,           // [gather_slots] (largest padded) compute precision
+  gathered_unit_fp32,      // [gather_slots] (largest padded) the CPU backend's widened copy
+  widened_params,          // [2] (largest padded) stages 0-2, CPU backend, below fp32
+  unit_gradient,           // [grad_slots] (largest padded) fp32
+  tied_gradient,           // (embedding padded) fp32
+  reduce_scatter_output,   // (largest shard) fp32
+  sync_staging,            // (largest padded) compute precision: the GPU's stage 1-2 all-gather
+  tokens_and_targets,      // (2, G, B*T) int32: tokens, then targets
+  activation_checkpoints,  // (units - 1, B*T, C) fp32, the CPU units' inputs
+  activation_gradient,     // (B*T, C) fp32
+  unit_working_set,        // bytes the CPU UnitWorkspace allocates itself, charged here
+  new_parameters,          // (largest optimizer range) compute precision, staged
+  nccl_staging,            // [2] (largest padded) fp32: send, receive
+  // The GPU rank's device working set (core/engine/gpu_rank.h).
+  gpu_param_slots,        // [kGpuParamSlots] (largest padded) compute precision
+  gpu_unit_gradients,     // [kGpuGradBuffers] (largest padded) fp32
+  gpu_tied_gradient,      // (embedding padded) fp32
+  gpu_grad_norm_scratch,  // bytes: the result, then the reduction's scratch
+  gpu_reduced_gradient,   // (largest padded) fp32
+  gpu_new_parameters,     // (largest optimizer range) compute precision
+  gpu_activation_checkpoints,  // (units - 1, B*T, C) compute precision
+  gpu_activation_gradient,     // (B*T, C) compute precision
+  gpu_tokens_and_targets,      // (2, G, B*T) int32
+  gpu_token_losses,            // (B*T) fp32
+  gpu_matmul_workspace,        // bytes, cuBLASLt's
+  gpu_unit_working_set,        // bytes, CudaUnits' working set
+  // Taken by the store and the streamed optimizer from the host budget.
+  nvme_parameter_copies,  // [fetch_slots] (largest shard) compute precision
+  optimizer_stream,       // [optimizer buffers] (chunk x 3) fp32: master, m, v
+  nvme_shard_staging,     // bytes: write_shard / read_shard's block
+};
+const char* buffer_role_name(BufferRole role);
+// The store's shard kind of a state role; nullopt for any other role.
+std::optional<tiers::ShardKind> state_shard_kind(BufferRole role);
+
+// Who allocates a buffer of the plan.
+enum class BufferOwner {
+  store,  // model state shards, and what the store or the streamed optimizer take themselves
+  rank,   // the engine rank, walking the list (core/engine/engine_setup.cpp)
+  gpu,    // the GPU rank, walking the list (core/engine/gpu_rank.cpp)
+};
+
+enum class BufferElement { f32, bf16, f16, i32, byte };
+int64_t buffer_element_bytes(BufferElement element);
+const char* buffer_element_name(BufferElement element);
+
+// One buffer (or kind of state) of one rank: every rank of the plan keeps the
+// same list. `copies` x `elements` of `element`; each copy starts on a page
+// (NVMe: on the I/O alignment), and `bytes` counts the rounded copies: what
+// the tier's budget is charged. For state, `elements` is the rank's sum over
+// units of its shard (each shard rounded on its own).
 struct PlanBuffer {
-  std::string name;
+  BufferRole role = BufferRole::gathered_unit;
+  BufferOwner owner = BufferOwner::rank;
+  std::string name;  // as `strata plan` and --print-plan print it
   tiers::Tier tier = tiers::Tier::device;
-  int64_t bytes = 0;
+  BufferElement element = BufferElement::byte;
+  int copies = 1;
+  int64_t elements = 0;  // per copy
+  int64_t bytes = 0;     // all copies, rounded
+  int64_t copy_bytes() const { return bytes / copies; }
 };
 
 struct TierTraffic {
@@ -163,6 +235,10 @@ struct TrainingPlan {
   TierTraffic traffic_per_step;                       // per rank
 
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
+  // The buffer of `role`, or null when this plan has none.
+  const PlanBuffer* buffer(BufferRole role) const;
+  // Elements of unit u's shard of a state role (param_state ... v_state).
+  int64_t state_numel(int u, BufferRole role) const;
   // Rank r's range of unit u's flat buffer that its optimizer state covers.
   int64_t optimizer_offset(int u, int rank) const;
   // The parameters' element type: the compute precision.
