@@ -119,7 +119,7 @@ def flops_per_token(cfg, params, seq_len):
 
 
 def torch_model_classes(torch):
-    """The Llama of Hugging Face's LlamaForCausalLM, in plain torch (DESIGN.md section 5)."""
+    """The Llama of Hugging Face's LlamaForCausalLM, in plain torch (core/README.md, model)."""
     import torch.nn as nn
     import torch.nn.functional as F
     import torch.utils.checkpoint
@@ -604,7 +604,7 @@ def main():
               f"PyTorch model has {params}: the two sides differ")
     tokens_per_step = args.micro_batch * args.seq_len
     model_flops = flops_per_token(cfg, params, args.seq_len)
-    training_state = 18 * params  # bf16 params + fp32 grads, master, m, v (DESIGN.md section 1)
+    training_state = 18 * params  # bf16 params + fp32 grads, master, m, v (core/README.md, plan)
     cases = [args.only] if args.only else ["memory", "offload"]
     started = time.time()
 

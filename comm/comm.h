@@ -2,8 +2,8 @@
 //
 // LocalComm (ranks as threads, deterministic reduction order), SocketComm (one
 // process per rank on the CPU backend, over TCP, LocalComm's arithmetic) and
-// NcclComm (one process per GPU) implement the same interface; see DESIGN.md
-// section 4.
+// NcclComm (one process per GPU) implement the same interface; see
+// comm/README.md.
 //   comm/communicator.h  the Communicator contract, and LocalComm
 //   comm/socket_comm.h   SocketComm (every build)
 //   comm/nccl_comm.h     NcclComm (an error "built without CUDA" on CPU-only builds)

@@ -124,7 +124,7 @@ Reference reference_step(const State& before, ElementType grad_type, const AdamW
   return r;
 }
 
-// Per-tensor relative error |a - b| / |b| (DESIGN.md section 5); with
+// Per-tensor relative error |a - b| / |b| (tests/README.md); with
 // `magnitude`, relative to the norm of the terms that made b instead.
 double relative_error(const std::vector<float>& a, const std::vector<double>& b,
                       const std::vector<double>* magnitude = nullptr) {

@@ -150,7 +150,7 @@ inline std::vector<float> download(const DeviceBuffer& buffer, std::size_t n, DT
   return download(buffer.get(), n, type);
 }
 
-// fp32 against the CPU backend: per-tensor relative error |a - b| / |b| (DESIGN.md section 5).
+// fp32 against the CPU backend: per-tensor relative error |a - b| / |b| (tests/README.md).
 inline constexpr double kCudaFp32Tolerance = 1e-4;
 
 inline void expect_matches_cpu(const std::vector<float>& gpu, const std::vector<float>& cpu,

@@ -4,7 +4,7 @@ Llama (llama3 rope scaling), 2 ranks, gradient accumulation 2, ZeRO stage 3
 with parameters and optimizer state on NVMe, gradient clipping and weight
 decay. Per-step losses and final weights must agree within 1e-5 relative
 (per tensor). The reference is an independent PyTorch model (tests/model_ref.py)
-trained with torch.optim.AdamW on the same global batches (DESIGN.md section 5).
+trained with torch.optim.AdamW on the same global batches (core/README.md, model).
 
 Exit 77 (skipped) when torch is missing or no directory here supports O_DIRECT.
 """

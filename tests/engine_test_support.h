@@ -42,7 +42,7 @@ inline std::vector<int32_t> random_tokens(int64_t count, int64_t vocab, uint64_t
   return tokens;
 }
 
-// DESIGN.md section 5's sequential order over an in-memory token array.
+// core/data/token_data.h's sequential order over an in-memory token array.
 inline BatchReader memory_reader(std::shared_ptr<const std::vector<int32_t>> tokens) {
   return [tokens](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
                   int32_t* inputs, int32_t* targets) -> Status {

@@ -22,7 +22,7 @@ inline std::vector<double> to_double(const std::vector<float>& v) {
   return {v.begin(), v.end()};
 }
 
-// |a - b| / |b| over the whole tensor (DESIGN.md section 5).
+// |a - b| / |b| over the whole tensor (tests/README.md).
 inline double relative_error(const std::vector<float>& a, const std::vector<double>& b) {
   double diff = 0.0, norm = 0.0;
   for (size_t i = 0; i < b.size(); ++i) {

@@ -8,7 +8,7 @@ returns logits, loss and every parameter gradient through safetensors as well.
 Each is compared by per-tensor relative error |a - b| / |b| against PyTorch in
 fp32; the test fails above 1e-5.
 
-The reference follows Hugging Face's LlamaForCausalLM (DESIGN.md section 5):
+The reference follows Hugging Face's LlamaForCausalLM (kernels/README.md):
 RMSNorm in fp32, rotate_half rotary embeddings with llama3 scaling, grouped-
 query attention, SwiGLU, tied or untied lm_head, mean cross-entropy.
 Exit codes: 0 pass, 1 fail, 77 skipped (no torch).

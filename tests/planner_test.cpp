@@ -1,5 +1,5 @@
-// The planner's numbers, each derived by hand in the test from DESIGN.md
-// section 1 (strata's bytes) and the ZeRO paper (2 + 2 + 12 bytes).
+// The planner's numbers, each derived by hand in the test from core/README.md's
+// bytes per parameter (strata's) and the ZeRO paper's (2 + 2 + 12 bytes).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>

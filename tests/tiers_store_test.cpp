@@ -215,7 +215,8 @@ TEST(TieredStoreTest, OverBudgetRequestFailsWithTheNumbersBeforeAnythingMoves) {
       << refused.message();
   EXPECT_NE(refused.message().find("6.00 MiB of 8.00 MiB in use"), std::string::npos)
       << refused.message();
-  EXPECT_NE(refused.message().find("--host-mem-limit"), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("raise the host budget"), std::string::npos)
+      << refused.message();
   EXPECT_EQ(store.usage(Tier::host).used, before.used);
   EXPECT_FALSE(store.wait({2, ShardKind::m}, Tier::host).is_ok());
 
@@ -233,7 +234,7 @@ TEST(TieredStoreTest, OverBudgetRequestFailsWithTheNumbersBeforeAnythingMoves) {
   EXPECT_EQ(std::memcmp(on_device->data, contents[0].data(), contents[0].size()), 0);
   Status device_full = store.prefetch({1, ShardKind::m}, Tier::device);
   EXPECT_FALSE(device_full.is_ok());
-  EXPECT_NE(device_full.message().find("--device-mem-limit"), std::string::npos)
+  EXPECT_NE(device_full.message().find("raise the device budget"), std::string::npos)
       << device_full.message();
 
   for (Tier tier : {Tier::device, Tier::host, Tier::nvme}) {

@@ -1,5 +1,5 @@
 // Token files: nanoGPT, llm.c (uint16 and uint32) and raw uint32; the sequential
-// order of DESIGN.md section 5; corrupt files refused with the reason.
+// order of core/data/token_data.h; corrupt files refused with the reason.
 #include "core/data/token_data.h"
 
 #include <gtest/gtest.h>

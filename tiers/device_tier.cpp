@@ -85,7 +85,7 @@ Status DeviceCopy::wait() {
 }
 
 DeviceTier::DeviceTier(uint64_t capacity)
-    : allocator_(capacity, kAlignment, "device tier", "--device-mem-limit"),
+    : allocator_(capacity, kAlignment, "device tier", "the device budget"),
       capacity_(capacity / kAlignment * kAlignment) {}
 
 Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) {
@@ -113,7 +113,7 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
         cudaMemGetInfo(&free_bytes, &total_bytes);
         return Status::error(fmt::format(
             "device tier: cudaMalloc of a {} pool on GPU {} failed ({}); {} of {} free; lower "
-            "--device-mem-limit",
+            "the device budget",
             format_bytes(capacity), options.gpu_index, cudaGetErrorString(error),
             format_bytes(free_bytes), format_bytes(total_bytes)));
       }
@@ -143,7 +143,7 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
     if (mapped == MAP_FAILED)
       return Status::error(fmt::format(
           "device tier: mmap of {} (host memory standing in for the device) failed: {}; lower "
-          "--device-mem-limit",
+          "the device budget",
           format_bytes(capacity), std::strerror(errno)));
     tier->base_ = static_cast<std::byte*>(mapped);
   }

@@ -40,7 +40,7 @@ bool gpu_present() {
 HostTier::HostTier(std::byte* base, uint64_t capacity)
     : base_(base),
       capacity_(capacity),
-      allocator_(capacity, kPage, "host tier", "--host-mem-limit") {}
+      allocator_(capacity, kPage, "host tier", "the host budget") {}
 
 Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
   auto notice = options.notice ? options.notice : [](const std::string& line) {
@@ -52,7 +52,7 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
     void* mapped = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (mapped == MAP_FAILED)
-      return Status::error(fmt::format("host tier: mmap of {} failed: {}; lower --host-mem-limit",
+      return Status::error(fmt::format("host tier: mmap of {} failed: {}; lower the host budget",
                                        format_bytes(capacity), std::strerror(errno)));
     base = static_cast<std::byte*>(mapped);
   }

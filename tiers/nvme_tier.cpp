@@ -15,7 +15,7 @@ NvmeTier::NvmeTier(std::unique_ptr<io::IoEngine> engine, io::FileId file, uint64
 
 Result<std::unique_ptr<NvmeTier>> NvmeTier::open(NvmeTierOptions options) {
   if (options.io.paths.empty())
-    return Status::error("nvme tier: no NVMe path given; set strata.nvme_paths or --nvme-path");
+    return Status::error("nvme tier: no NVMe path given; the tier needs at least one directory");
   Result<std::unique_ptr<io::IoEngine>> engine = io::IoEngine::open(options.io);
   if (!engine) return engine.status().with_context("nvme tier");
   const uint64_t alignment = (*engine)->alignment();

@@ -22,8 +22,9 @@ namespace strata::tiers {
 
 class PoolAllocator {
  public:
-  // `tier`: "host tier" etc. for messages; `limit_hint`: what the user can raise
-  // ("--host-mem-limit"). `alignment` is a power of two.
+  // `tier`: "host tier" etc. for messages; `limit_hint`: what the user can raise,
+  // in the tier's terms ("the host budget"; the caller that read the flag names
+  // it). `alignment` is a power of two.
   PoolAllocator(uint64_t capacity, uint64_t alignment, std::string tier, std::string limit_hint);
 
   // Reserves round_up(bytes, alignment) bytes (at least one alignment unit) and

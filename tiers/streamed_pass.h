@@ -10,7 +10,7 @@
 // of the I/O alignment; pieces of host-homed shards are visited in place. A
 // piece's offset must be a multiple of the I/O alignment. The visitor gets one
 // pointer per piece, in order, and runs on the calling thread (it may use TBB
-// inside); tiers know bytes, not what the bytes mean (DESIGN.md section 3).
+// inside); tiers know bytes, not what the bytes mean (tiers/README.md).
 //
 // Completion: run() returns once every write-back of the pass has completed
 // (in the page cache of the device). On the first error (I/O or the

@@ -18,7 +18,7 @@
 // Copies in other tiers are never updated by a writeback.
 //
 // Every byte is charged against its tier: the device and host pools are the
-// --device-mem-limit / --host-mem-limit budgets, NVMe is one striped swap file
+// device and host budgets the caller gives, NVMe is one striped swap file
 // whose size is checked against the free space at open. usage(tier) reports
 // bytes in use and the peak, which never exceeds the capacity.
 //

@@ -76,7 +76,7 @@ Failure run_error(const Status& status) {
 }
 
 // The token file, its optional loss mask (one byte per token, 0: do not count
-// that token as a target), read in DESIGN.md section 5's order.
+// that token as a target), read in core/data/token_data.h's order.
 struct TrainData {
   TokenFile file;
   std::vector<uint8_t> mask;  // (file.size()) or empty

@@ -1,5 +1,5 @@
-// Token files for training, read through mmap, in the sequential order of
-// DESIGN.md section 5.
+// Token files for training, read through mmap, in the sequential order that
+// sequence_index (below) states.
 //
 // Formats:
 //  - nanoGPT: a headerless array of uint16 tokens (train.bin / val.bin).

@@ -1,4 +1,4 @@
-// The Llama model as units (DESIGN.md sections 1 and 5), computed on the CPU
+// The Llama model as units (core/README.md, model), computed on the CPU
 // backend.
 //
 // Layout. Every unit (embedding, layers.i, head) keeps its parameters in one
@@ -41,7 +41,7 @@ struct TensorSlot {
   int64_t offset = 0;          // elements from the start of the unit's flat buffer
   std::vector<int64_t> shape;  // Hugging Face shape, [out, in] for projections
   int64_t numel = 0;
-  bool weight_decay = false;  // 2-D tensors decay; norm weights do not (DESIGN.md section 5)
+  bool weight_decay = false;  // 2-D tensors decay; norm weights do not (core/optimizer/optimizer.h)
 };
 
 struct UnitLayout {
@@ -97,7 +97,7 @@ struct UnitBatch {
   int64_t B = 0;
   int64_t T = 0;
   // Head backward: d(objective)/d(each token's loss); 1 / (tokens in the global batch)
-  // for DESIGN.md's mean loss.
+  // for the mean loss over the global batch (core/README.md, model).
   float loss_scale = 1.0f;
 };
 

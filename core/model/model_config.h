@@ -1,4 +1,4 @@
-// The Llama family's shape (DESIGN.md section 5), from a preset or a Hugging
+// The Llama family's shape (core/README.md, model), from a preset or a Hugging
 // Face config.json, and the units the model is cut into.
 //
 // A ModelConfig is a plain value; the functions here are pure and thread-safe.
@@ -48,7 +48,7 @@ struct ModelConfig {
 
 // A unit's flat buffer is padded so that it splits into equal shards over the
 // ranks, each a multiple of this many elements: 4 KiB in every 2-byte dtype
-// (O_DIRECT needs aligned offsets and lengths; DESIGN.md section 1).
+// (O_DIRECT needs aligned offsets and lengths; io/io_engine.h).
 inline constexpr int64_t kShardAlignElements = 2048;
 
 enum class UnitKind { embedding, decoder_layer, head };

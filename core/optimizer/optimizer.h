@@ -3,7 +3,7 @@
 // clipping by global gradient norm. The per-element work is the CPU kernel
 // in kernels/cpu/adamw.h; this class decides what each step does.
 //
-// One training step, as the engine drives it (DESIGN.md section 2):
+// One training step, as the engine drives it (core/plan/training_plan.h orders it):
 //   1. backward with the loss multiplied by loss_scale();
 //   2. when needs_grad_norm(): sum kernels::cpu::grad_norm_squared() over every
 //      gradient shard, in a fixed order (unit order), into one GradNormPartial;
@@ -58,7 +58,7 @@ struct OptimizerOptions {
   // instead of writing NaN into every weight. DeepSpeed's bf16.check_grad_overflow
   // (default true); DeepSpeed does not check in fp32 training. When false, with
   // no clipping and no fp16, needs_grad_norm() is false and a unit's update may
-  // start as soon as its gradients are final (DESIGN.md section 2).
+  // start as soon as its gradients are final (core/plan/training_plan.h).
   bool skip_nonfinite_steps = true;
 };
 

@@ -3,7 +3,7 @@
 // One pass reads the gradient (fp32, bf16 or fp16), multiplies it by
 // `grad_scale` (1 / loss scale times the clipping coefficient, computed once
 // by the caller), updates the fp32 master weights and the moments m and v in
-// place with torch.optim.AdamW's arithmetic (DESIGN.md section 5), and writes
+// place with torch.optim.AdamW's arithmetic (the formulas below), and writes
 // the compute-precision copy of the new master (bf16 rounded to nearest even,
 // or fp16) in the same pass. 28 bytes move per parameter both in fp32 mode
 // (fp32 gradient, no copy) and in mixed mode (bf16 gradient in, bf16 copy

@@ -4,8 +4,8 @@
 // weight is [out, in] and out = inp @ weight^T), on device pointers:
 //  - forward:  out (N, OC) of type, = or += (accumulate), from inp and weight;
 //  - backward: dinp (N, C) of type, +=; dweight (OC, C) in fp32, +=, so
-//    parameter gradients accumulate in fp32 over micro-batches (DESIGN.md
-//    section 1) while activations stay in the compute type.
+//    parameter gradients accumulate in fp32 over micro-batches (core/README.md,
+//    plan) while activations stay in the compute type.
 // bf16 and fp16 products accumulate in fp32 (CUBLAS_COMPUTE_32F); fp32
 // products use true fp32 unless allow_tf32 is set (CUBLAS_COMPUTE_32F_FAST_TF32).
 //

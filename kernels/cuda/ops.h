@@ -7,7 +7,7 @@
 // fp32 (float64 for the gradient norm), rounded to `type` once per output
 // element, except where Hugging Face's LlamaForCausalLM rounds in between and
 // we follow it (RMSNorm's normalised row is cast to the input type before the
-// weight multiplies it; DESIGN.md section 5). Parameter gradients are fp32 and
+// weight multiplies it; kernels/README.md). Parameter gradients are fp32 and
 // accumulate (+=) like the CPU backend's; activation gradients follow each CPU
 // kernel's = or += (kernels/cpu/*.h), so a unit's code reads the same on both
 // backends. Shapes follow kernels/cpu/*.h exactly; only the pointers' element
