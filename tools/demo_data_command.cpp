@@ -10,15 +10,14 @@
 
 #include <CLI/CLI.hpp>
 #include <array>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "io/safe_write.h"
 #include "tools/subcommand.h"
 
 namespace strata::tools {
@@ -82,23 +81,10 @@ std::string generate_text(uint64_t seed, size_t bytes) {
 }
 
 // nanoGPT's format: headerless little-endian uint16 tokens; here each token is one byte of text.
-bool write_tokens(const std::string& path, const std::string& text, std::string& error) {
-  std::vector<uint16_t> tokens(text.size());
-  for (size_t i = 0; i < text.size(); ++i) tokens[i] = static_cast<unsigned char>(text[i]);
-  const std::string tmp = path + ".tmp";
-  std::FILE* file = std::fopen(tmp.c_str(), "wb");
-  if (file == nullptr) {
-    error = fmt::format("{}: cannot open for writing: {}", tmp, std::strerror(errno));
-    return false;
-  }
-  const bool written = std::fwrite(tokens.data(), 2, tokens.size(), file) == tokens.size();
-  const bool closed = std::fclose(file) == 0;
-  if (!written || !closed || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    error = fmt::format("{}: write failed: {}", path, std::strerror(errno));
-    std::remove(tmp.c_str());
-    return false;
-  }
-  return true;
+Status write_tokens(const std::string& path, const std::string& text) {
+  std::string tokens(2 * text.size(), '\0');
+  for (size_t i = 0; i < text.size(); ++i) tokens[2 * i] = text[i];
+  return io::write_file_atomically(path, tokens);
 }
 
 class DemoDataCommand : public Subcommand {
@@ -130,16 +116,13 @@ class DemoDataCommand : public Subcommand {
     }
     const std::string train = generate_text(seed_, size_t(tokens_));
     const std::string val = generate_text(seed_ + 1, size_t(val_tokens_));
-    std::string error;
     const fs::path dir(out_);
-    if (!write_tokens((dir / "train.bin").string(), train, error) ||
-        !write_tokens((dir / "val.bin").string(), val, error)) {
-      fmt::print(stderr, "strata demo-data: {}\n", error);
+    Status written = write_tokens((dir / "train.bin").string(), train);
+    if (written) written = write_tokens((dir / "val.bin").string(), val);
+    if (written) written = io::write_file_atomically((dir / "train.txt").string(), train);
+    if (!written) {
+      fmt::print(stderr, "strata demo-data: {}\n", written.message());
       return 1;
-    }
-    if (std::FILE* text = std::fopen((dir / "train.txt").c_str(), "w")) {
-      std::fwrite(train.data(), 1, train.size(), text);
-      std::fclose(text);
     }
     fmt::print("wrote {} tokens to {}, {} to {} (byte tokens, nanoGPT uint16; text in {})\n",
                tokens_, (dir / "train.bin").string(), val_tokens_, (dir / "val.bin").string(),

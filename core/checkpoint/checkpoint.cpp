@@ -12,10 +12,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "io/errno_text.h"
+#include "io/file_system.h"
+#include "io/safe_write.h"
 
 namespace strata {
 namespace fs = std::filesystem;
@@ -53,32 +56,9 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_hardware(const unsigned char* 
   return c32;
 }
 
-Status flush_directory(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return Status::error(fmt::format("{}: cannot open to flush: {}", path, errno_now()));
-  const int result = ::fsync(fd);
-  const std::string why = result != 0 ? errno_now() : "";
-  ::close(fd);
-  if (result != 0) return Status::error(fmt::format("{}: fsync: {}", path, why));
-  return Status::ok();
-}
-
-Status write_all(int fd, const void* data, uint64_t size, uint64_t offset,
-                 const std::string& path) {
-  const auto* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t put = ::pwrite(fd, p, size, off_t(offset));
-    if (put < 0) {
-      if (errno == EINTR) continue;
-      return Status::error(
-          fmt::format("{}: write of {} bytes at {}: {}{}", path, size, offset, errno_now(),
-                      errno == ENOSPC ? "; free space or choose another --save directory" : ""));
-    }
-    p += put;
-    size -= uint64_t(put);
-    offset += uint64_t(put);
-  }
-  return Status::ok();
+// What a CheckpointWriter creates, writes, flushes, renames and removes goes through here.
+io::FileSystem& file_system() {
+  return io::FileSystem::real();
 }
 
 // CRC32C and size of a whole file, read in blocks.
@@ -152,7 +132,7 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
   // Unfinished checkpoints of runs that were killed while saving.
   for (const auto& entry : fs::directory_iterator(root, error))
     if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0)
-      fs::remove_all(entry.path(), error);
+      file_system().remove_tree(entry.path().string());
   error.clear();
   if (!fs::create_directory(writer.temporary_, error) || error)
     return Status::error(
@@ -160,14 +140,12 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
                     writer.temporary_, error ? error.message() : "exists"));
   for (int f = 0; f < 3; ++f) {
     const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
-    writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (writer.fds_[f] < 0)
-      return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
-    if (bytes > 0 && ::posix_fallocate(writer.fds_[f], 0, off_t(bytes)) != 0)
-      return Status::error(
-          fmt::format("{}: cannot reserve {} bytes; free space or choose another --save "
-                      "directory",
-                      path, bytes));
+    const int fd = file_system().open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return io::file_error(path, "creating", -fd);
+    writer.fds_[f] = fd;
+    if (bytes == 0) continue;
+    if (const int reserved = file_system().allocate(fd, bytes); reserved != 0)
+      return io::file_error(path, fmt::format("reserving {} bytes", bytes), -reserved);
   }
   return writer;
 }
@@ -177,12 +155,13 @@ Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t
   writer.owner_ = false;
   for (int f = 0; f < 3; ++f) {
     const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
-    writer.fds_[f] = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (writer.fds_[f] < 0)
+    const int fd = file_system().open(path, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0)
       return Status::error(fmt::format(
           "{}: cannot open the checkpoint rank 0 began: {}; every rank needs the same --save "
           "directory, on a file system they share",
-          path, errno_now()));
+          path, io::errno_text(-fd)));
+    writer.fds_[f] = fd;
   }
   return writer;
 }
@@ -190,9 +169,9 @@ Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t
 Status CheckpointWriter::flush() {
   for (int f = 0; f < 3; ++f) {
     if (fds_[f] < 0) continue;
-    if (::fdatasync(fds_[f]) != 0)
-      return Status::error(
-          fmt::format("{}/{}: fdatasync: {}", temporary_, kCheckpointStateFiles[f], errno_now()));
+    // The files' sizes were reserved up front, so their data is all there is to flush.
+    if (const int synced = file_system().sync(fds_[f], /*data_only=*/true); synced != 0)
+      return io::file_error(temporary_ + "/" + kCheckpointStateFiles[f], "flushing", -synced);
   }
   return Status::ok();
 }
@@ -218,27 +197,18 @@ CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept
 
 CheckpointWriter::~CheckpointWriter() {
   for (int& fd : fds_)
-    if (fd >= 0) ::close(fd);
+    if (fd >= 0) file_system().close(fd);
   // An unfinished checkpoint leaves nothing behind (the previous ones are untouched).
-  if (owner_ && !temporary_.empty()) {
-    std::error_code ignored;
-    fs::remove_all(temporary_, ignored);
-  }
+  if (owner_ && !temporary_.empty()) file_system().remove_tree(temporary_);
 }
 
 Status CheckpointWriter::write(int file, uint64_t offset, const void* bytes, uint64_t size) {
-  return write_all(fds_[file], bytes, size, offset, temporary_ + "/" + kCheckpointStateFiles[file]);
+  return io::write_fully(file_system(), fds_[file], bytes, size, offset,
+                         temporary_ + "/" + kCheckpointStateFiles[file]);
 }
 
 Status CheckpointWriter::write_json(const std::string& name, const nlohmann::json& value) {
-  const std::string path = temporary_ + "/" + name;
-  const std::string text = value.dump(2) + "\n";
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::error(fmt::format("{}: cannot create: {}", path, errno_now()));
-  Status status = write_all(fd, text.data(), text.size(), 0, path);
-  if (status && ::fsync(fd) != 0)
-    status = Status::error(fmt::format("{}: fsync: {}", path, errno_now()));
-  ::close(fd);
+  Status status = io::write_file_atomically(temporary_ + "/" + name, value.dump(2) + "\n");
   if (status) json_files_.push_back(name);
   return status;
 }
@@ -248,9 +218,10 @@ Result<std::string> CheckpointWriter::finish(int keep) {
   manifest["format"] = kCheckpointFormat;
   nlohmann::ordered_json files = nlohmann::ordered_json::object();
   if (Status s = flush(); !s) return s;
-  for (int& fd : fds_) {
-    ::close(fd);
-    fd = -1;
+  for (int f = 0; f < 3; ++f) {
+    if (fds_[f] < 0) continue;
+    if (const int closed = file_system().close(std::exchange(fds_[f], -1)); closed != 0)
+      return io::file_error(temporary_ + "/" + kCheckpointStateFiles[f], "closing", -closed);
   }
   std::vector<std::string> names(json_files_);
   for (const char* name : kCheckpointStateFiles) names.push_back(name);
@@ -261,17 +232,12 @@ Result<std::string> CheckpointWriter::finish(int keep) {
   }
   manifest["files"] = files;
   if (Status s = write_json("manifest.json", manifest); !s) return s;
-  if (Status s = flush_directory(temporary_); !s) return s;
-  std::error_code error;
-  if (fs::exists(final_)) fs::remove_all(final_, error);
-  fs::rename(temporary_, final_, error);
-  if (error)
-    return Status::error(
-        fmt::format("{}: cannot rename into {}: {}", temporary_, final_, error.message()));
+  // A checkpoint of the same step already there (a rerun) is swapped out, not removed first.
+  if (Status s = io::move_directory_into_place(temporary_, final_, file_system()); !s) return s;
   temporary_.clear();
-  if (Status s = flush_directory(root_); !s) return s;
 
   if (keep > 0) {
+    std::error_code error;
     std::vector<std::pair<int64_t, fs::path>> steps;
     for (const auto& entry : fs::directory_iterator(root_, error)) {
       int64_t step = 0;
@@ -279,7 +245,8 @@ Result<std::string> CheckpointWriter::finish(int keep) {
         steps.push_back({step, entry.path()});
     }
     std::sort(steps.begin(), steps.end());
-    for (size_t i = 0; i + size_t(keep) < steps.size(); ++i) fs::remove_all(steps[i].second, error);
+    for (size_t i = 0; i + size_t(keep) < steps.size(); ++i)
+      file_system().remove_tree(steps[i].second.string());
   }
   return final_;
 }

@@ -13,8 +13,10 @@
 //                   ranges: resharding is a matter of offsets)
 //   manifest.json   every other file with its size and CRC32C; written last
 // A checkpoint is written into <root>/.tmp-step-<N>, every file and the
-// directory flushed, then renamed to step-<N> and <root> flushed. Only a
-// directory with a manifest is a checkpoint. `keep` removes the oldest beyond it.
+// directory flushed, then renamed to step-<N> and <root> flushed (through
+// io/safe_write.h: a step-<N> already there is swapped out atomically where the
+// file system can exchange names). Only a directory with a manifest is a
+// checkpoint. `keep` removes the oldest beyond it.
 //
 // Thread-safety: the functions are independent; a CheckpointWriter is used by
 // the ranks of one engine, each writing its own byte ranges.

@@ -16,6 +16,7 @@
 #include <set>
 
 #include "core/config/json_util.h"
+#include "io/file_system.h"
 
 namespace strata {
 namespace {
@@ -44,18 +45,6 @@ Status pread_all(int fd, void* out, uint64_t bytes, uint64_t offset, const std::
     p += got;
     bytes -= static_cast<uint64_t>(got);
     offset += static_cast<uint64_t>(got);
-  }
-  return Status::ok();
-}
-
-Status write_all(int fd, const void* data, uint64_t bytes, const std::string& path) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t put = ::write(fd, p, bytes);
-    if (put < 0 && errno == EINTR) continue;
-    if (put < 0) return Status::error(fmt::format("{}: write failed: {}", path, errno_text()));
-    p += put;
-    bytes -= static_cast<uint64_t>(put);
   }
   return Status::ok();
 }
@@ -411,47 +400,26 @@ Result<SafetensorsWriter> SafetensorsWriter::create(
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
+  Result<io::AtomicFileWriter> file = io::AtomicFileWriter::create(path);
+  if (!file) return file.status();
   SafetensorsWriter writer;
   writer.path_ = path;
-  writer.tmp_path_ = path + ".tmp";
+  writer.file_.emplace(std::move(file).value());
   writer.dtype_ = dtype;
   writer.tensors_ = std::move(tensors);
-  writer.fd_ = ::open(writer.tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (writer.fd_ < 0) {
-    return Status::error(fmt::format("{}: cannot create: {}", writer.tmp_path_, errno_text()));
-  }
   unsigned char length_bytes[8];
   for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(text.size() >> (8 * i));
-  if (Status s = write_all(writer.fd_, length_bytes, 8, writer.tmp_path_); !s) return s;
-  if (Status s = write_all(writer.fd_, text.data(), text.size(), writer.tmp_path_); !s) return s;
+  if (Status s = writer.file_->append(length_bytes, 8); !s) return s;
+  if (Status s = writer.file_->append(text.data(), text.size()); !s) return s;
   return writer;
 }
 
-SafetensorsWriter::SafetensorsWriter(SafetensorsWriter&& other) noexcept {
-  *this = std::move(other);
-}
-
-SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexcept {
-  if (this != &other) {
-    path_ = std::move(other.path_);
-    tmp_path_ = std::move(other.tmp_path_);
-    fd_ = std::exchange(other.fd_, -1);
-    dtype_ = other.dtype_;
-    tensors_ = std::move(other.tensors_);
-    next_ = other.next_;
-  }
-  return *this;
-}
-
-SafetensorsWriter::~SafetensorsWriter() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(tmp_path_.c_str());
-  }
-}
+SafetensorsWriter::SafetensorsWriter(SafetensorsWriter&& other) noexcept = default;
+SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexcept = default;
+SafetensorsWriter::~SafetensorsWriter() = default;
 
 Status SafetensorsWriter::write(const std::string& name, const float* data) {
-  if (fd_ < 0) return Status::error(fmt::format("{}: writer is closed", path_));
+  if (!file_) return Status::error(fmt::format("{}: writer is closed", path_));
   if (next_ >= tensors_.size() || tensors_[next_].name != name) {
     return Status::error(
         fmt::format("{}: tensor {} written out of the declared order (expected {})", path_, name,
@@ -459,7 +427,7 @@ Status SafetensorsWriter::write(const std::string& name, const float* data) {
   }
   const int64_t numel = tensors_[next_].numel();
   if (dtype_ == DType::f32) {
-    if (Status s = write_all(fd_, data, static_cast<uint64_t>(numel) * 4, tmp_path_); !s) return s;
+    if (Status s = file_->append(data, static_cast<size_t>(numel) * 4); !s) return s;
   } else {
     std::vector<uint16_t> buffer(static_cast<size_t>(std::min(numel, kChunkElements)));
     for (int64_t start = 0; start < numel; start += kChunkElements) {
@@ -468,10 +436,7 @@ Status SafetensorsWriter::write(const std::string& name, const float* data) {
         buffer[i] =
             dtype_ == DType::bf16 ? float_to_bf16(data[start + i]) : float_to_f16(data[start + i]);
       }
-      if (Status s = write_all(fd_, buffer.data(), static_cast<uint64_t>(count) * 2, tmp_path_);
-          !s) {
-        return s;
-      }
+      if (Status s = file_->append(buffer.data(), static_cast<size_t>(count) * 2); !s) return s;
     }
   }
   ++next_;
@@ -479,20 +444,14 @@ Status SafetensorsWriter::write(const std::string& name, const float* data) {
 }
 
 Status SafetensorsWriter::finish() {
-  if (fd_ < 0) return Status::error(fmt::format("{}: writer is closed", path_));
+  if (!file_) return Status::error(fmt::format("{}: writer is closed", path_));
   if (next_ != tensors_.size()) {
     return Status::error(fmt::format("{}: finished after {} of {} tensors (next: {})", path_, next_,
                                      tensors_.size(), tensors_[next_].name));
   }
-  if (::fsync(fd_) != 0)
-    return Status::error(fmt::format("{}: fsync: {}", tmp_path_, errno_text()));
-  ::close(std::exchange(fd_, -1));
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    const std::string why = errno_text();
-    ::unlink(tmp_path_.c_str());
-    return Status::error(fmt::format("{}: cannot rename {} into place: {}", path_, tmp_path_, why));
-  }
-  return Status::ok();
+  const Status committed = file_->commit();
+  file_.reset();
+  return committed;
 }
 
 Status write_safetensors_checkpoint(const std::string& dir, const std::vector<TensorSpec>& tensors,
@@ -533,25 +492,17 @@ Status write_safetensors_checkpoint(const std::string& dir, const std::vector<Te
     if (Status st = writer->finish(); !st) return st;
   }
   const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
-  if (count == 1) {
-    fs::remove(index_path, ec);  // a stale index would shadow model.safetensors
+  if (count == 1) {  // a stale index would shadow model.safetensors
+    const int removed = io::FileSystem::real().remove_file(index_path.string());
+    if (removed != 0 && removed != -ENOENT)
+      return io::file_error(index_path.string(), "removing the index of an earlier export",
+                            -removed);
     return Status::ok();
   }
   nlohmann::ordered_json index;
   index["metadata"] = {{"total_size", total_bytes}};
   index["weight_map"] = weight_map;
-  const std::string text = index.dump(2) + "\n";
-  const std::string tmp = index_path.string() + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::error(fmt::format("{}: cannot create: {}", tmp, errno_text()));
-  Status st = write_all(fd, text.data(), text.size(), tmp);
-  ::close(fd);
-  if (!st) return st;
-  if (::rename(tmp.c_str(), index_path.c_str()) != 0) {
-    return Status::error(
-        fmt::format("{}: cannot rename into place: {}", index_path.string(), errno_text()));
-  }
-  return Status::ok();
+  return io::write_file_atomically(index_path.string(), index.dump(2) + "\n");
 }
 
 }  // namespace strata

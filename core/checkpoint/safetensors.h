@@ -9,9 +9,10 @@
 // Reading streams: only the header is held in memory, and each tensor is read
 // through a bounded buffer and converted straight into the caller's memory.
 // Every error (truncated file, bad header, missing or mis-shaped tensor) is a
-// Status whose message names the file and the tensor. Writing goes to
-// "<file>.tmp" and is renamed into place only when complete, so an interrupted
-// write never leaves a half-written checkpoint under the real name.
+// Status whose message names the file and the tensor. Writing goes through
+// io::AtomicFileWriter (io/safe_write.h): a temporary file beside the real one,
+// flushed and renamed into place only when complete, so an interrupted or
+// failed write never leaves a half-written checkpoint under the real name.
 //
 // Readers are immutable after open() and safe to share between threads;
 // writers are not thread-safe.
@@ -21,10 +22,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "io/base/status.h"
+#include "io/safe_write.h"
 
 namespace strata {
 
@@ -109,18 +112,17 @@ class SafetensorsWriter {
                                               {"format", "pt"}});
   SafetensorsWriter(SafetensorsWriter&&) noexcept;
   SafetensorsWriter& operator=(SafetensorsWriter&&) noexcept;
-  ~SafetensorsWriter();  // an unfinished writer removes its .tmp file
+  ~SafetensorsWriter();  // an unfinished writer removes its temporary file
 
   // Converts `data` (numel floats of the next declared tensor, which must be `name`).
   Status write(const std::string& name, const float* data);
-  // Checks that every tensor was written, flushes, renames .tmp into place.
+  // Checks that every tensor was written, flushes, renames the file into place.
   Status finish();
 
  private:
   SafetensorsWriter() = default;
   std::string path_;
-  std::string tmp_path_;
-  int fd_ = -1;
+  std::optional<io::AtomicFileWriter> file_;  // empty once finished
   DType dtype_ = DType::f32;
   std::vector<TensorSpec> tensors_;
   size_t next_ = 0;

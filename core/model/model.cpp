@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numbers>
 
+#include "io/safe_write.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
@@ -567,15 +567,8 @@ Status write_model_config_json(const ModelConfig& model, const std::string& dir,
   config["torch_dtype"] = dtype == DType::f32    ? "float32"
                           : dtype == DType::bf16 ? "bfloat16"
                                                  : "float16";
-  const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  std::ofstream out(path + ".tmp");
-  out << config.dump(2) << "\n";
-  out.close();
-  if (!out) return Status::error(fmt::format("{}: cannot write", path));
-  std::error_code ec;
-  std::filesystem::rename(path + ".tmp", path, ec);
-  if (ec) return Status::error(fmt::format("{}: cannot rename into place: {}", path, ec.message()));
-  return Status::ok();
+  return io::write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
+                                   config.dump(2) + "\n");
 }
 
 Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
