@@ -205,6 +205,15 @@ Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan, int 
   return b;
 }
 
+// The sections of `strata train --help`, in the order they are listed.
+constexpr const char* kDataGroup = "Model and data";
+constexpr const char* kBatchGroup = "Batch, precision and optimizer";
+constexpr const char* kZeroGroup = "ZeRO and offload";
+constexpr const char* kIoGroup = "NVMe I/O";
+constexpr const char* kMemoryGroup = "Memory budgets";
+constexpr const char* kOutputGroup = "Output";
+constexpr const char* kCheckpointGroup = "Checkpoints";
+
 class TrainCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
@@ -214,143 +223,9 @@ class TrainCommand : public Subcommand {
         "result.\n"
         "Sizes: 512M, 16G (powers of 1024), 16GB (powers of 1000). Ctrl-C stops after the current "
         "step.");
-    const std::string data_group = "Model and data";
-    const std::string batch_group = "Batch, precision and optimizer";
-    const std::string zero_group = "ZeRO and offload";
-    const std::string io_group = "NVMe I/O";
-    const std::string memory_group = "Memory budgets";
-    const std::string output_group = "Output";
-    const std::string checkpoint_group = "Checkpoints";
-
-    cmd->add_option("--model", model_,
-                    "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
-        ->group(data_group);
-    cmd->add_option("--data", data_path_,
-                    "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see "
-                    "--data-format); "
-                    "`strata demo-data` writes one")
-        ->group(data_group);
-    cmd->add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
-        ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
-        ->group(data_group);
-    cmd->add_option(
-           "--loss-mask", loss_mask_path_,
-           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
-        ->group(data_group);
-    cmd->add_option("--eval-data", eval_path_,
-                    "Token file for a validation loss (same format as --data)")
-        ->group(data_group);
-    cmd->add_option("--eval-every", eval_every_,
-                    "Validation every N steps, and after the last (default: only after the last)")
-        ->group(data_group);
-    cmd->add_option("--eval-batches", eval_batches_,
-                    "Micro-batches of the eval file per validation (default 8)")
-        ->group(data_group);
-    cmd->add_option("--init", init_path_,
-                    "Start from these weights: .safetensors file or Hugging Face directory "
-                    "(default: random from --seed)")
-        ->group(data_group);
-    cmd->add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
-        ->group(data_group);
-    cmd->add_option("--backend", backend_,
-                    "cpu | cuda | auto (default auto: cuda when a GPU is present)")
-        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
-        ->group(data_group);
-
-    cmd->add_option("--steps", steps_,
-                    "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
-                    "when the config leaves it 0); 0 with --init and --export converts")
-        ->group(batch_group);
-
-    flags_.add_to(*cmd, /*with_plan_names=*/false);
-    // The shared flags, grouped, each with its default and the DeepSpeed key it overrides.
-    struct Placement {
-      const char* name;
-      const std::string* group;
-      const char* description;
-    };
-    const Placement placements[] = {
-        {"--config", &data_group,
-         "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
-        {"--micro-batch", &batch_group,
-         "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
-        {"--grad-accum", &batch_group,
-         "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
-        {"--global-batch", &batch_group,
-         "Sequences per step over all ranks (train_batch_size; default: derived)"},
-        {"--world-size", &batch_group,
-         "Ranks, as threads of this process (sharing one GPU on the CUDA backend; "
-         "strata.world_size; default 1)"},
-        {"--seq-len", &batch_group,
-         "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
-        {"--precision", &batch_group,
-         "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
-        {"--lr", &batch_group,
-         "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
-        {"--zero-stage", &zero_group, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
-        {"--offload-param", &zero_group,
-         "Home of the parameters: none | cpu | nvme, stage 3 only "
-         "(zero_optimization.offload_param.device; default none)"},
-        {"--offload-optimizer", &zero_group,
-         "Home of fp32 master, Adam m and v: none | cpu | nvme "
-         "(zero_optimization.offload_optimizer.device; default none)"},
-        {"--nvme-path", &zero_group,
-         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
-         "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
-        {"--aio-block-size", &io_group,
-         "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
-        {"--aio-queue-depth", &io_group,
-         "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
-        {"--aio-threads", &io_group, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
-        {"--device-mem-limit", &memory_group,
-         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
-         "(strata.device_mem_limit; default: the plan's peak + 25% + 64M)"},
-        {"--host-mem-limit", &memory_group,
-         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
-         "peak + 25% + 64M per rank)"},
-    };
-    for (const Placement& p : placements) {
-      CLI::Option* option = cmd->get_option_no_throw(p.name);
-      if (option == nullptr) continue;
-      option->group(*p.group);
-      option->description(p.description);
-    }
-
-    cmd->add_option("--metrics", metrics_path_,
-                    "Write one JSON object per step to this .jsonl file")
-        ->group(output_group);
-    cmd->add_option("--trace", trace_path_,
-                    "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
-                    "ui.perfetto.dev)")
-        ->group(output_group);
-    cmd->add_option(
-           "--export", export_path_,
-           "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
-           "(config.json + model.safetensors)")
-        ->group(output_group);
-    cmd->add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
-        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-        ->group(output_group);
-    cmd->add_option(
-           "--save", save_dir_,
-           "Write checkpoints into this directory (step-N, atomically; also at the end and "
-           "on Ctrl-C / SIGTERM)")
-        ->group(checkpoint_group);
-    cmd->add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
-        ->group(checkpoint_group);
-    cmd->add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")
-        ->group(checkpoint_group);
-    cmd->add_option(
-           "--resume", resume_,
-           "Resume from a checkpoint directory, or the newest one under a --save directory; "
-           "--steps is then the step to reach. World size, stage and offload may differ")
-        ->group(checkpoint_group);
-    cmd->add_flag("--print-config", print_config_,
-                  "Print the merged effective configuration as JSON and exit")
-        ->group(output_group);
-    cmd->add_flag("--print-plan", print_plan_,
-                  "Print the training plan (operations, lanes, buffers per tier) and exit")
-        ->group(output_group);
+    add_model_and_data_options(*cmd);
+    add_steps_and_shared_flags(*cmd);
+    add_output_and_checkpoint_options(*cmd);
     return cmd;
   }
 
@@ -367,6 +242,140 @@ class TrainCommand : public Subcommand {
   }
 
  private:
+  void add_model_and_data_options(CLI::App& cmd) {
+    cmd.add_option("--model", model_,
+                   "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
+        ->group(kDataGroup);
+    cmd.add_option("--data", data_path_,
+                   "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see "
+                   "--data-format); "
+                   "`strata demo-data` writes one")
+        ->group(kDataGroup);
+    cmd.add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
+        ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
+        ->group(kDataGroup);
+    cmd.add_option(
+           "--loss-mask", loss_mask_path_,
+           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
+        ->group(kDataGroup);
+    cmd.add_option("--eval-data", eval_path_,
+                   "Token file for a validation loss (same format as --data)")
+        ->group(kDataGroup);
+    cmd.add_option("--eval-every", eval_every_,
+                   "Validation every N steps, and after the last (default: only after the last)")
+        ->group(kDataGroup);
+    cmd.add_option("--eval-batches", eval_batches_,
+                   "Micro-batches of the eval file per validation (default 8)")
+        ->group(kDataGroup);
+    cmd.add_option("--init", init_path_,
+                   "Start from these weights: .safetensors file or Hugging Face directory "
+                   "(default: random from --seed)")
+        ->group(kDataGroup);
+    cmd.add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
+        ->group(kDataGroup);
+    cmd.add_option("--backend", backend_,
+                   "cpu | cuda | auto (default auto: cuda when a GPU is present)")
+        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+        ->group(kDataGroup);
+  }
+
+  void add_steps_and_shared_flags(CLI::App& cmd) {
+    cmd.add_option("--steps", steps_,
+                   "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
+                   "when the config leaves it 0); 0 with --init and --export converts")
+        ->group(kBatchGroup);
+
+    flags_.add_to(cmd, /*with_plan_names=*/false);
+    // The shared flags, grouped, each with its default and the DeepSpeed key it overrides.
+    struct Placement {
+      const char* name;
+      const char* group;
+      const char* description;
+    };
+    const Placement placements[] = {
+        {"--config", kDataGroup,
+         "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
+        {"--micro-batch", kBatchGroup,
+         "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
+        {"--grad-accum", kBatchGroup,
+         "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
+        {"--global-batch", kBatchGroup,
+         "Sequences per step over all ranks (train_batch_size; default: derived)"},
+        {"--world-size", kBatchGroup,
+         "Ranks, as threads of this process (sharing one GPU on the CUDA backend; "
+         "strata.world_size; default 1)"},
+        {"--seq-len", kBatchGroup,
+         "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
+        {"--precision", kBatchGroup,
+         "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
+        {"--lr", kBatchGroup,
+         "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
+        {"--zero-stage", kZeroGroup, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
+        {"--offload-param", kZeroGroup,
+         "Home of the parameters: none | cpu | nvme, stage 3 only "
+         "(zero_optimization.offload_param.device; default none)"},
+        {"--offload-optimizer", kZeroGroup,
+         "Home of fp32 master, Adam m and v: none | cpu | nvme "
+         "(zero_optimization.offload_optimizer.device; default none)"},
+        {"--nvme-path", kZeroGroup,
+         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
+         "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
+        {"--aio-block-size", kIoGroup,
+         "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
+        {"--aio-queue-depth", kIoGroup,
+         "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
+        {"--aio-threads", kIoGroup, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
+        {"--device-mem-limit", kMemoryGroup,
+         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
+         "(strata.device_mem_limit; default: the plan's peak + 25% + 64M)"},
+        {"--host-mem-limit", kMemoryGroup,
+         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
+         "peak + 25% + 64M per rank)"},
+    };
+    for (const Placement& p : placements) {
+      CLI::Option* option = cmd.get_option_no_throw(p.name);
+      if (option == nullptr) continue;
+      option->group(p.group);
+      option->description(p.description);
+    }
+  }
+
+  void add_output_and_checkpoint_options(CLI::App& cmd) {
+    cmd.add_option("--metrics", metrics_path_, "Write one JSON object per step to this .jsonl file")
+        ->group(kOutputGroup);
+    cmd.add_option("--trace", trace_path_,
+                   "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
+                   "ui.perfetto.dev)")
+        ->group(kOutputGroup);
+    cmd.add_option(
+           "--export", export_path_,
+           "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
+           "(config.json + model.safetensors)")
+        ->group(kOutputGroup);
+    cmd.add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
+        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+        ->group(kOutputGroup);
+    cmd.add_option("--save", save_dir_,
+                   "Write checkpoints into this directory (step-N, atomically; also at the end and "
+                   "on Ctrl-C / SIGTERM)")
+        ->group(kCheckpointGroup);
+    cmd.add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
+        ->group(kCheckpointGroup);
+    cmd.add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")
+        ->group(kCheckpointGroup);
+    cmd.add_option(
+           "--resume", resume_,
+           "Resume from a checkpoint directory, or the newest one under a --save directory; "
+           "--steps is then the step to reach. World size, stage and offload may differ")
+        ->group(kCheckpointGroup);
+    cmd.add_flag("--print-config", print_config_,
+                 "Print the merged effective configuration as JSON and exit")
+        ->group(kOutputGroup);
+    cmd.add_flag("--print-plan", print_plan_,
+                 "Print the training plan (operations, lanes, buffers per tier) and exit")
+        ->group(kOutputGroup);
+  }
+
   std::optional<Failure> train() {
     // One of several launched processes (strata launch, torchrun, SLURM, Open
     // MPI): this process trains one rank, and the world size is the launcher's.
