@@ -4,7 +4,9 @@
 // with a static SubcommandRegistration, so adding one touches no other file.
 // main() adds every registered subcommand to the CLI11 app, parses, and runs
 // the one the user named. run() returns the process exit status; errors are
-// printed by the subcommand as one line on stderr.
+// printed by the subcommand as one line on stderr, `strata <name>: ...`. A
+// command line CLI11 cannot parse never reaches run(): main() reports it the
+// same way, with exit status 2, the status of a usage error.
 #pragma once
 
 #include <functional>

@@ -205,6 +205,70 @@ Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan, int 
   return b;
 }
 
+// What a run builds, step by step, in the order TrainCommand::train builds it;
+// members are destroyed in reverse, so the trace and the engine go first.
+struct TrainingRun {
+  // Set when this process is one of several launched ones (strata launch,
+  // torchrun, SLURM, Open MPI): it trains one rank, and the world size is the launcher's.
+  std::optional<comm::LaunchEnvironment> launch;
+  bool rank0 = true;          // writes the metrics, the trace and the export
+  ConfigOverrides overrides;  // the flags, with the launcher's world size
+  TrainConfig config;         // the --config file merged with the flags
+  std::optional<ModelConfig> model;
+  BackendChoice backend;
+  std::optional<TrainingPlan> plan;
+  std::shared_ptr<TrainData> data;
+  std::optional<TokenFile> eval_file;
+  std::vector<std::string> nvme_paths;
+  DType export_dtype = DType::f32;
+  std::optional<MetricsWriter> metrics;
+  int local_ranks = 1;       // the ranks this process holds: the world size, or 1 when launched
+  int ranks_on_node = 1;     // the ranks on this machine, threads or processes
+  Budgets budgets;           // its note gains the NVMe line
+  uint64_t host_budget = 0;  // what the ranks of this process share of it
+  EngineOptions options;     // filled by the steps before create_engine, then the engine's
+  std::unique_ptr<Engine> engine;
+  std::optional<TraceWriter> trace;
+  int64_t tokens_per_step = 0;
+  RunSummary summary;
+  Clock::time_point start;  // of the first step
+  int64_t saved_at = -1;    // the step of the last checkpoint written
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Adds a finished step to the summary; returns its report for the progress
+// line and the metrics.
+StepReport account_step(RunSummary& summary, int64_t s, const StepResult& step,
+                        int64_t tokens_per_step, bool fp16) {
+  StepReport report;
+  report.result = step;
+  report.tokens_processed = tokens_per_step;
+  report.fp16 = fp16;
+  summary.steps = s;
+  summary.tokens += tokens_per_step;
+  summary.stall_seconds += step.stall_seconds;
+  summary.nvme_read += step.nvme_read_bytes;
+  summary.nvme_written += step.nvme_written_bytes;
+  if (s == 1) {
+    summary.first_loss = step.loss;
+    summary.first_step_seconds = step.seconds;
+  }
+  summary.last_loss = step.loss;
+  return report;
+}
+
+// The sections of `strata train --help`, in the order they are listed.
+constexpr const char* kDataGroup = "Model and data";
+constexpr const char* kBatchGroup = "Batch, precision and optimizer";
+constexpr const char* kZeroGroup = "ZeRO and offload";
+constexpr const char* kIoGroup = "NVMe I/O";
+constexpr const char* kMemoryGroup = "Memory budgets";
+constexpr const char* kOutputGroup = "Output";
+constexpr const char* kCheckpointGroup = "Checkpoints";
+
 class TrainCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
@@ -214,143 +278,9 @@ class TrainCommand : public Subcommand {
         "result.\n"
         "Sizes: 512M, 16G (powers of 1024), 16GB (powers of 1000). Ctrl-C stops after the current "
         "step.");
-    const std::string data_group = "Model and data";
-    const std::string batch_group = "Batch, precision and optimizer";
-    const std::string zero_group = "ZeRO and offload";
-    const std::string io_group = "NVMe I/O";
-    const std::string memory_group = "Memory budgets";
-    const std::string output_group = "Output";
-    const std::string checkpoint_group = "Checkpoints";
-
-    cmd->add_option("--model", model_,
-                    "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
-        ->group(data_group);
-    cmd->add_option("--data", data_path_,
-                    "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see "
-                    "--data-format); "
-                    "`strata demo-data` writes one")
-        ->group(data_group);
-    cmd->add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
-        ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
-        ->group(data_group);
-    cmd->add_option(
-           "--loss-mask", loss_mask_path_,
-           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
-        ->group(data_group);
-    cmd->add_option("--eval-data", eval_path_,
-                    "Token file for a validation loss (same format as --data)")
-        ->group(data_group);
-    cmd->add_option("--eval-every", eval_every_,
-                    "Validation every N steps, and after the last (default: only after the last)")
-        ->group(data_group);
-    cmd->add_option("--eval-batches", eval_batches_,
-                    "Micro-batches of the eval file per validation (default 8)")
-        ->group(data_group);
-    cmd->add_option("--init", init_path_,
-                    "Start from these weights: .safetensors file or Hugging Face directory "
-                    "(default: random from --seed)")
-        ->group(data_group);
-    cmd->add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
-        ->group(data_group);
-    cmd->add_option("--backend", backend_,
-                    "cpu | cuda | auto (default auto: cuda when a GPU is present)")
-        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
-        ->group(data_group);
-
-    cmd->add_option("--steps", steps_,
-                    "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
-                    "when the config leaves it 0); 0 with --init and --export converts")
-        ->group(batch_group);
-
-    flags_.add_to(*cmd, /*with_plan_names=*/false);
-    // The shared flags, grouped, each with its default and the DeepSpeed key it overrides.
-    struct Placement {
-      const char* name;
-      const std::string* group;
-      const char* description;
-    };
-    const Placement placements[] = {
-        {"--config", &data_group,
-         "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
-        {"--micro-batch", &batch_group,
-         "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
-        {"--grad-accum", &batch_group,
-         "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
-        {"--global-batch", &batch_group,
-         "Sequences per step over all ranks (train_batch_size; default: derived)"},
-        {"--world-size", &batch_group,
-         "Ranks, as threads of this process (sharing one GPU on the CUDA backend; "
-         "strata.world_size; default 1)"},
-        {"--seq-len", &batch_group,
-         "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
-        {"--precision", &batch_group,
-         "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
-        {"--lr", &batch_group,
-         "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
-        {"--zero-stage", &zero_group, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
-        {"--offload-param", &zero_group,
-         "Home of the parameters: none | cpu | nvme, stage 3 only "
-         "(zero_optimization.offload_param.device; default none)"},
-        {"--offload-optimizer", &zero_group,
-         "Home of fp32 master, Adam m and v: none | cpu | nvme "
-         "(zero_optimization.offload_optimizer.device; default none)"},
-        {"--nvme-path", &zero_group,
-         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
-         "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
-        {"--aio-block-size", &io_group,
-         "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
-        {"--aio-queue-depth", &io_group,
-         "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
-        {"--aio-threads", &io_group, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
-        {"--device-mem-limit", &memory_group,
-         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
-         "(strata.device_mem_limit; default: the plan's peak + 25% + 64M)"},
-        {"--host-mem-limit", &memory_group,
-         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
-         "peak + 25% + 64M per rank)"},
-    };
-    for (const Placement& p : placements) {
-      CLI::Option* option = cmd->get_option_no_throw(p.name);
-      if (option == nullptr) continue;
-      option->group(*p.group);
-      option->description(p.description);
-    }
-
-    cmd->add_option("--metrics", metrics_path_,
-                    "Write one JSON object per step to this .jsonl file")
-        ->group(output_group);
-    cmd->add_option("--trace", trace_path_,
-                    "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
-                    "ui.perfetto.dev)")
-        ->group(output_group);
-    cmd->add_option(
-           "--export", export_path_,
-           "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
-           "(config.json + model.safetensors)")
-        ->group(output_group);
-    cmd->add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
-        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-        ->group(output_group);
-    cmd->add_option(
-           "--save", save_dir_,
-           "Write checkpoints into this directory (step-N, atomically; also at the end and "
-           "on Ctrl-C / SIGTERM)")
-        ->group(checkpoint_group);
-    cmd->add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
-        ->group(checkpoint_group);
-    cmd->add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")
-        ->group(checkpoint_group);
-    cmd->add_option(
-           "--resume", resume_,
-           "Resume from a checkpoint directory, or the newest one under a --save directory; "
-           "--steps is then the step to reach. World size, stage and offload may differ")
-        ->group(checkpoint_group);
-    cmd->add_flag("--print-config", print_config_,
-                  "Print the merged effective configuration as JSON and exit")
-        ->group(output_group);
-    cmd->add_flag("--print-plan", print_plan_,
-                  "Print the training plan (operations, lanes, buffers per tier) and exit")
-        ->group(output_group);
+    add_model_and_data_options(*cmd);
+    add_steps_and_shared_flags(*cmd);
+    add_output_and_checkpoint_options(*cmd);
     return cmd;
   }
 
@@ -367,54 +297,227 @@ class TrainCommand : public Subcommand {
   }
 
  private:
+  void add_model_and_data_options(CLI::App& cmd) {
+    cmd.add_option("--model", model_,
+                   "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
+        ->group(kDataGroup);
+    cmd.add_option("--data", data_path_,
+                   "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see "
+                   "--data-format); "
+                   "`strata demo-data` writes one")
+        ->group(kDataGroup);
+    cmd.add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
+        ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
+        ->group(kDataGroup);
+    cmd.add_option(
+           "--loss-mask", loss_mask_path_,
+           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
+        ->group(kDataGroup);
+    cmd.add_option("--eval-data", eval_path_,
+                   "Token file for a validation loss (same format as --data)")
+        ->group(kDataGroup);
+    cmd.add_option("--eval-every", eval_every_,
+                   "Validation every N steps, and after the last (default: only after the last)")
+        ->group(kDataGroup);
+    cmd.add_option("--eval-batches", eval_batches_,
+                   "Micro-batches of the eval file per validation (default 8)")
+        ->group(kDataGroup);
+    cmd.add_option("--init", init_path_,
+                   "Start from these weights: .safetensors file or Hugging Face directory "
+                   "(default: random from --seed)")
+        ->group(kDataGroup);
+    cmd.add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
+        ->group(kDataGroup);
+    cmd.add_option("--backend", backend_,
+                   "cpu | cuda | auto (default auto: cuda when a GPU is present)")
+        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+        ->group(kDataGroup);
+  }
+
+  void add_steps_and_shared_flags(CLI::App& cmd) {
+    cmd.add_option("--steps", steps_,
+                   "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
+                   "when the config leaves it 0); 0 with --init and --export converts")
+        ->group(kBatchGroup);
+
+    flags_.add_to(cmd, /*with_plan_names=*/false);
+    // The shared flags, grouped, each with its default and the DeepSpeed key it overrides.
+    struct Placement {
+      const char* name;
+      const char* group;
+      const char* description;
+    };
+    const Placement placements[] = {
+        {"--config", kDataGroup,
+         "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
+        {"--micro-batch", kBatchGroup,
+         "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
+        {"--grad-accum", kBatchGroup,
+         "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
+        {"--global-batch", kBatchGroup,
+         "Sequences per step over all ranks (train_batch_size; default: derived)"},
+        {"--world-size", kBatchGroup,
+         "Ranks, as threads of this process (sharing one GPU on the CUDA backend; "
+         "strata.world_size; default 1)"},
+        {"--seq-len", kBatchGroup,
+         "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
+        {"--precision", kBatchGroup,
+         "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
+        {"--lr", kBatchGroup,
+         "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
+        {"--zero-stage", kZeroGroup, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
+        {"--offload-param", kZeroGroup,
+         "Home of the parameters: none | cpu | nvme, stage 3 only "
+         "(zero_optimization.offload_param.device; default none)"},
+        {"--offload-optimizer", kZeroGroup,
+         "Home of fp32 master, Adam m and v: none | cpu | nvme "
+         "(zero_optimization.offload_optimizer.device; default none)"},
+        {"--nvme-path", kZeroGroup,
+         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
+         "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
+        {"--aio-block-size", kIoGroup,
+         "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
+        {"--aio-queue-depth", kIoGroup,
+         "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
+        {"--aio-threads", kIoGroup, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
+        {"--device-mem-limit", kMemoryGroup,
+         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
+         "(strata.device_mem_limit; default: the plan's peak + 25% + 64M)"},
+        {"--host-mem-limit", kMemoryGroup,
+         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
+         "peak + 25% + 64M per rank)"},
+    };
+    for (const Placement& p : placements) {
+      CLI::Option* option = cmd.get_option_no_throw(p.name);
+      if (option == nullptr) continue;
+      option->group(p.group);
+      option->description(p.description);
+    }
+  }
+
+  void add_output_and_checkpoint_options(CLI::App& cmd) {
+    cmd.add_option("--metrics", metrics_path_, "Write one JSON object per step to this .jsonl file")
+        ->group(kOutputGroup);
+    cmd.add_option("--trace", trace_path_,
+                   "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
+                   "ui.perfetto.dev)")
+        ->group(kOutputGroup);
+    cmd.add_option(
+           "--export", export_path_,
+           "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
+           "(config.json + model.safetensors)")
+        ->group(kOutputGroup);
+    cmd.add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
+        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+        ->group(kOutputGroup);
+    cmd.add_option("--save", save_dir_,
+                   "Write checkpoints into this directory (step-N, atomically; also at the end and "
+                   "on Ctrl-C / SIGTERM)")
+        ->group(kCheckpointGroup);
+    cmd.add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
+        ->group(kCheckpointGroup);
+    cmd.add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")
+        ->group(kCheckpointGroup);
+    cmd.add_option(
+           "--resume", resume_,
+           "Resume from a checkpoint directory, or the newest one under a --save directory; "
+           "--steps is then the step to reach. World size, stage and offload may differ")
+        ->group(kCheckpointGroup);
+    cmd.add_flag("--print-config", print_config_,
+                 "Print the merged effective configuration as JSON and exit")
+        ->group(kOutputGroup);
+    cmd.add_flag("--print-plan", print_plan_,
+                 "Print the training plan (operations, lanes, buffers per tier) and exit")
+        ->group(kOutputGroup);
+  }
+
+  // The run as its steps; the first failure ends it. Every input but the
+  // --trace file (which needs the engine's plan) is checked before the engine
+  // allocates anything, so a usage error costs nothing.
   std::optional<Failure> train() {
-    // One of several launched processes (strata launch, torchrun, SLURM, Open
-    // MPI): this process trains one rank, and the world size is the launcher's.
-    std::optional<comm::LaunchEnvironment> launch;
-    ConfigOverrides overrides = flags_.overrides;
+    TrainingRun run;
+    if (std::optional<Failure> f = join_launched_processes(run)) return f;
+    if (std::optional<Failure> f = load_config_and_model(run)) return f;
+    if (print_config_) {
+      print_effective_config(run);
+      return std::nullopt;
+    }
+    if (std::optional<Failure> f = plan_training(run)) return f;
+    if (print_plan_) {
+      print_training_plan(run);
+      return std::nullopt;
+    }
+    if (std::optional<Failure> f = open_data(run)) return f;
+    if (std::optional<Failure> f = prepare_nvme_paths(run)) return f;
+    if (std::optional<Failure> f = check_outputs(run)) return f;
+    if (std::optional<Failure> f = choose_memory_budgets(run)) return f;
+    if (std::optional<Failure> f = fill_engine_options(run)) return f;
+    if (std::optional<Failure> f = connect_processes(run)) return f;
+    print_run_header(run);
+    if (std::optional<Failure> f = create_engine(run)) return f;
+    if (std::optional<Failure> f = train_steps(run)) return f;
+    if (std::optional<Failure> f = finish_run(run)) return f;
+    return export_weights(run);
+  }
+
+  // One of several launched processes: the world size is the launcher's, and
+  // only rank 0 prints.
+  std::optional<Failure> join_launched_processes(TrainingRun& run) {
+    run.overrides = flags_.overrides;
     if (Result<comm::LaunchEnvironment> env = comm::launch_environment();
         env && env->world_size > 1) {
-      launch = *env;
-      if (overrides.world_size && *overrides.world_size != launch->world_size)
-        return Failure{2, fmt::format("--world-size {} but launched as {} processes ({}); give the "
-                                      "same number or leave --world-size out",
-                                      *overrides.world_size, launch->world_size, launch->source)};
-      overrides.world_size = launch->world_size;
+      run.launch = *env;
+      if (run.overrides.world_size && *run.overrides.world_size != run.launch->world_size)
+        return Failure{
+            2, fmt::format("--world-size {} but launched as {} processes ({}); give the "
+                           "same number or leave --world-size out",
+                           *run.overrides.world_size, run.launch->world_size, run.launch->source)};
+      run.overrides.world_size = run.launch->world_size;
       // The others' output would repeat rank 0's: they keep stderr only.
-      if (launch->rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr)
+      if (run.launch->rank != 0 && std::freopen("/dev/null", "w", stdout) == nullptr)
         return Failure{1, "cannot silence the output of a rank other than 0"};
     } else if (!env && std::getenv("WORLD_SIZE") != nullptr) {
       return usage_error(env.status());
     }
-    const bool rank0 = !launch || launch->rank == 0;
+    run.rank0 = !run.launch || run.launch->rank == 0;
+    return std::nullopt;
+  }
 
-    Result<TrainConfig> loaded = load_train_config(flags_.config_path, overrides);
-    if (!loaded && overrides.nvme_paths.empty() &&
+  // The --config file merged with the flags, and the --model when given.
+  std::optional<Failure> load_config_and_model(TrainingRun& run) {
+    Result<TrainConfig> loaded = load_train_config(flags_.config_path, run.overrides);
+    if (!loaded && run.overrides.nvme_paths.empty() &&
         loaded.status().message().find("no NVMe directory") != std::string::npos) {
       // NVMe offload without a directory: swap under the current directory.
-      ConfigOverrides with_default = overrides;
+      ConfigOverrides with_default = run.overrides;
       with_default.nvme_paths = {kDefaultNvmePath};
       loaded = load_train_config(flags_.config_path, with_default);
       if (loaded)
         fmt::print(stderr, "strata: no --nvme-path given; swapping to ./{}\n", kDefaultNvmePath);
     }
     if (!loaded) return usage_error(loaded.status());
-    TrainConfig config = *loaded;
-    print_config_warnings(config);
-    nlohmann::ordered_json effective = train_config_to_json(config);
-    std::optional<ModelConfig> model;
+    run.config = *loaded;
+    print_config_warnings(run.config);
     if (!model_.empty()) {
       Result<ModelConfig> loaded_model = load_model_config(model_);
       if (!loaded_model) return usage_error(loaded_model.status());
-      model = *loaded_model;
-      effective["strata"]["model"] = model->name;
-      effective["strata"]["parameters"] = model->parameter_count();
+      run.model = *loaded_model;
     }
-    if (print_config_) {
-      fmt::print("{}\n", effective.dump(2));
-      return std::nullopt;
+    return std::nullopt;
+  }
+
+  void print_effective_config(const TrainingRun& run) {
+    nlohmann::ordered_json effective = train_config_to_json(run.config);
+    if (run.model) {
+      effective["strata"]["model"] = run.model->name;
+      effective["strata"]["parameters"] = run.model->parameter_count();
     }
-    if (!model)
+    fmt::print("{}\n", effective.dump(2));
+  }
+
+  // The plan of one step for the model, the config and the backend.
+  std::optional<Failure> plan_training(TrainingRun& run) {
+    if (!run.model)
       return Failure{
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
     if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
@@ -422,77 +525,88 @@ class TrainCommand : public Subcommand {
     // The backend decides where the plan puts the compute buffers.
     Result<BackendChoice> backend = choose_backend(backend_);
     if (!backend) return usage_error(backend.status());
-    TrainingPlanInput plan_input = training_plan_input(*model, config);
-    plan_input.gpu = backend->kind == kernels::BackendKind::cuda;
-    // Launched on GPUs, each process talks to the others through NCCL (below).
-    plan_input.nccl_staging = plan_input.gpu && launch.has_value();
+    run.backend = *backend;
+    TrainingPlanInput plan_input = training_plan_input(*run.model, run.config);
+    plan_input.gpu = run.backend.kind == kernels::BackendKind::cuda;
+    // Launched on GPUs, each process talks to the others through NCCL (connect_processes).
+    plan_input.nccl_staging = plan_input.gpu && run.launch.has_value();
     Result<TrainingPlan> plan = build_training_plan(plan_input);
     if (!plan) return usage_error(plan.status());
-    if (print_plan_) {
-      std::string text = format_training_plan(*plan);
-      if (!text.empty() && text.back() != '\n') text += '\n';
-      fmt::print("{}", text);
-      return std::nullopt;
-    }
+    run.plan = std::move(*plan);
+    return std::nullopt;
+  }
 
-    // Data, before anything is allocated.
-    const int64_t T = plan->input.seq_len, B = plan->input.micro_batch;
+  void print_training_plan(const TrainingRun& run) {
+    std::string text = format_training_plan(*run.plan);
+    if (!text.empty() && text.back() != '\n') text += '\n';
+    fmt::print("{}", text);
+  }
+
+  // The token file, its loss mask and the eval file, before anything is allocated.
+  std::optional<Failure> open_data(TrainingRun& run) {
+    const int64_t T = run.plan->input.seq_len;
     if (data_path_.empty())
       return Failure{2,
                      "--data FILE is required: a token file (nanoGPT .bin, llm.c shard or uint32); "
                      "`strata demo-data --out DIR` writes one"};
     Result<TokenFormat> format = parse_token_format(data_format_);
     if (!format) return usage_error(format.status().with_context("--data-format"));
-    auto data = std::make_shared<TrainData>();
-    {
-      Result<TokenFile> file = TokenFile::open(data_path_, *format);
-      if (!file) return usage_error(file.status().with_context("--data"));
-      data->file = std::move(*file);
-    }
-    data->vocab = model->vocab_size;
-    if (data->file.sequence_count(T) < 1)
+    run.data = std::make_shared<TrainData>();
+    Result<TokenFile> file = TokenFile::open(data_path_, *format);
+    if (!file) return usage_error(file.status().with_context("--data"));
+    run.data->file = std::move(*file);
+    run.data->vocab = run.model->vocab_size;
+    if (run.data->file.sequence_count(T) < 1)
       return Failure{
           2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
-                         data_path_, data->file.size(), T)};
+                         data_path_, run.data->file.size(), T)};
     if (!loss_mask_path_.empty()) {
-      Result<std::vector<uint8_t>> mask = read_loss_mask(loss_mask_path_, data->file.size());
+      Result<std::vector<uint8_t>> mask = read_loss_mask(loss_mask_path_, run.data->file.size());
       if (!mask) return usage_error(mask.status());
-      data->mask = std::move(*mask);
+      run.data->mask = std::move(*mask);
     }
-    std::optional<TokenFile> eval_file;
-    if (!eval_path_.empty()) {
-      Result<TokenFile> file = TokenFile::open(eval_path_, *format);
-      if (!file) return usage_error(file.status().with_context("--eval-data"));
-      if (file->sequence_count(T) < 1)
+    return open_eval_data(run, *format);
+  }
+
+  std::optional<Failure> open_eval_data(TrainingRun& run, TokenFormat format) {
+    if (eval_path_.empty()) {
+      if (eval_every_ > 0) return Failure{2, "--eval-every needs --eval-data FILE"};
+      return std::nullopt;
+    }
+    const int64_t T = run.plan->input.seq_len;
+    Result<TokenFile> file = TokenFile::open(eval_path_, format);
+    if (!file) return usage_error(file.status().with_context("--eval-data"));
+    if (file->sequence_count(T) < 1)
+      return Failure{2,
+                     fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one",
+                                 eval_path_, T)};
+    run.eval_file.emplace(std::move(*file));
+    if (eval_batches_ < 1) return Failure{2, "--eval-batches must be at least 1"};
+    return std::nullopt;
+  }
+
+  // NVMe: the configured directories, else ./strata-swap; created if missing.
+  std::optional<Failure> prepare_nvme_paths(TrainingRun& run) {
+    run.nvme_paths = run.config.effective_nvme_paths();
+    if (run.plan->peak(tiers::Tier::nvme) <= 0) return std::nullopt;
+    if (run.nvme_paths.empty()) run.nvme_paths = {kDefaultNvmePath};
+    for (const std::string& path : run.nvme_paths) {
+      std::error_code error;
+      fs::create_directories(path, error);
+      if (error || !fs::is_directory(path, error))
         return Failure{
-            2, fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one",
-                           eval_path_, T)};
-      eval_file.emplace(std::move(*file));
-      if (eval_batches_ < 1) return Failure{2, "--eval-batches must be at least 1"};
-    } else if (eval_every_ > 0) {
-      return Failure{2, "--eval-every needs --eval-data FILE"};
+            2, fmt::format(
+                   "--nvme-path {}: cannot create the directory: {}; give a writable directory",
+                   path, error ? error.message() : std::string("not a directory"))};
+      if (access(path.c_str(), W_OK | X_OK) != 0)
+        return Failure{2, fmt::format("--nvme-path {}: not writable: {}; give a writable directory",
+                                      path, std::strerror(errno))};
     }
+    return std::nullopt;
+  }
 
-    // NVMe: the configured directories, else ./strata-swap; created if missing.
-    std::vector<std::string> nvme_paths = config.effective_nvme_paths();
-    if (plan->peak(tiers::Tier::nvme) > 0) {
-      if (nvme_paths.empty()) nvme_paths = {kDefaultNvmePath};
-      for (const std::string& path : nvme_paths) {
-        std::error_code error;
-        fs::create_directories(path, error);
-        if (error || !fs::is_directory(path, error))
-          return Failure{
-              2, fmt::format(
-                     "--nvme-path {}: cannot create the directory: {}; give a writable directory",
-                     path, error ? error.message() : std::string("not a directory"))};
-        if (access(path.c_str(), W_OK | X_OK) != 0)
-          return Failure{
-              2, fmt::format("--nvme-path {}: not writable: {}; give a writable directory", path,
-                             std::strerror(errno))};
-      }
-    }
-
-    // Output files, opened before training so a bad path costs nothing.
+  // Output files, checked or opened before training so a bad path costs nothing.
+  std::optional<Failure> check_outputs(TrainingRun& run) {
     if (!export_path_.empty()) {
       const fs::path parent = fs::absolute(export_path_).parent_path();
       if (!fs::is_directory(parent))
@@ -501,44 +615,53 @@ class TrainCommand : public Subcommand {
     }
     Result<DType> export_dtype = parse_dtype(export_dtype_);
     if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
-    std::optional<MetricsWriter> metrics;
-    if (!metrics_path_.empty() && rank0) {
+    run.export_dtype = *export_dtype;
+    if (!metrics_path_.empty() && run.rank0) {
       Result<MetricsWriter> opened = MetricsWriter::open(metrics_path_);
       if (!opened) return usage_error(opened.status());
-      metrics.emplace(std::move(*opened));
+      run.metrics.emplace(std::move(*opened));
     }
+    return std::nullopt;
+  }
 
-    const int W = plan->input.world_size;
-    EngineOptions options;
+  // The device and host budgets, and a refusal when ranks that are threads
+  // would need more of their shared GPU than it has.
+  std::optional<Failure> choose_memory_budgets(TrainingRun& run) {
+    const int W = run.plan->input.world_size;
     // Launched processes hold one rank each and share the node's host budget.
-    const int local_ranks = launch ? 1 : W;
-    const int ranks_on_node = launch ? launch->local_world_size.value_or(W) : W;
-    const Budgets budgets = choose_budgets(config, *plan, local_ranks);
-    options.device_budget = budgets.device;
-    options.host_budget = launch && config.strata.host_mem_limit
-                              ? budgets.host / uint64_t(std::max(1, ranks_on_node))
-                              : budgets.host;
-    std::string budget_note = budgets.note;
-    if (backend->kind == kernels::BackendKind::cuda && local_ranks > 1) {
+    run.local_ranks = run.launch ? 1 : W;
+    run.ranks_on_node = run.launch ? run.launch->local_world_size.value_or(W) : W;
+    run.budgets = choose_budgets(run.config, *run.plan, run.local_ranks);
+    run.host_budget = run.launch && run.config.strata.host_mem_limit
+                          ? run.budgets.host / uint64_t(std::max(1, run.ranks_on_node))
+                          : run.budgets.host;
+    run.options.device_budget = run.budgets.device;
+    run.options.host_budget = run.host_budget;
+    if (run.backend.kind == kernels::BackendKind::cuda && run.local_ranks > 1) {
       // Ranks that are threads of this process share its GPU.
       const kernels::GpuQuery gpus = kernels::query_gpus();
       if (!gpus.devices.empty() &&
-          uint64_t(local_ranks) * budgets.device > gpus.devices[0].total_bytes)
+          uint64_t(run.local_ranks) * run.budgets.device > gpus.devices[0].total_bytes)
         return usage_error(Status::error(fmt::format(
             "{} ranks as threads share GPU 0 and need {} x {} of its {}; launch one process per "
             "GPU (`strata launch -n {} -- strata train ...`) or lower --device-mem-limit",
-            local_ranks, local_ranks, format_bytes(double(budgets.device)),
-            format_bytes(double(gpus.devices[0].total_bytes)), local_ranks)));
+            run.local_ranks, run.local_ranks, format_bytes(double(run.budgets.device)),
+            format_bytes(double(gpus.devices[0].total_bytes)), run.local_ranks)));
     }
-    if (plan->peak(tiers::Tier::nvme) > 0)
-      budget_note += fmt::format(", nvme {} per rank under {}",
-                                 format_bytes(double(plan->peak(tiers::Tier::nvme))),
-                                 fmt::join(nvme_paths, ", "));
+    if (run.plan->peak(tiers::Tier::nvme) > 0)
+      run.budgets.note += fmt::format(", nvme {} per rank under {}",
+                                      format_bytes(double(run.plan->peak(tiers::Tier::nvme))),
+                                      fmt::join(run.nvme_paths, ", "));
+    return std::nullopt;
+  }
 
-    options.model = *model;
-    options.config = config;
+  // What the engine starts from (--resume, --init or --seed) and what it reads.
+  std::optional<Failure> fill_engine_options(TrainingRun& run) {
+    EngineOptions& options = run.options;
+    options.model = *run.model;
+    options.config = run.config;
     options.total_steps = std::max<int64_t>(1, steps_);
-    options.nvme_paths = nvme_paths;
+    options.nvme_paths = run.nvme_paths;
     options.seed = seed_;
     options.init_checkpoint = init_path_;
     if (!resume_.empty()) {
@@ -553,150 +676,160 @@ class TrainCommand : public Subcommand {
             resume_)));
       options.resume_from = *found;
     }
-    options.data = batch_reader(data);
+    options.data = batch_reader(run.data);
+    return std::nullopt;
+  }
 
-    // The backend's notice last, so that input errors above stay one line without it.
-    options.backend = backend->kind;
-    if (launch) {
-      // This rank's link to the others: NCCL on GPUs (GPU LOCAL_RANK), sockets on the CPU.
-      if (backend->kind == kernels::BackendKind::cuda) {
-        options.gpu_index = launch->local_rank;
-        Result<std::unique_ptr<comm::NcclComm>> nccl =
-            comm::make_nccl_comm(*launch, launch->local_rank);
-        if (!nccl) return run_error(nccl.status());
-        options.process_comm = std::move(*nccl);
-      } else {
-        Result<std::unique_ptr<comm::Communicator>> sockets = comm::make_socket_comm(*launch);
-        if (!sockets) return run_error(sockets.status());
-        options.process_comm = std::move(*sockets);
-      }
+  // The backend, and when launched this rank's link to the others: NCCL on
+  // GPUs (GPU LOCAL_RANK), sockets on the CPU.
+  std::optional<Failure> connect_processes(TrainingRun& run) {
+    run.options.backend = run.backend.kind;
+    if (!run.launch) return std::nullopt;
+    if (run.backend.kind == kernels::BackendKind::cuda) {
+      run.options.gpu_index = run.launch->local_rank;
+      Result<std::unique_ptr<comm::NcclComm>> nccl =
+          comm::make_nccl_comm(*run.launch, run.launch->local_rank);
+      if (!nccl) return run_error(nccl.status());
+      run.options.process_comm = std::move(*nccl);
+    } else {
+      Result<std::unique_ptr<comm::Communicator>> sockets = comm::make_socket_comm(*run.launch);
+      if (!sockets) return run_error(sockets.status());
+      run.options.process_comm = std::move(*sockets);
     }
-    if (!backend->notice.empty()) fmt::print(stderr, "{}\n", backend->notice);
+    return std::nullopt;
+  }
 
-    const int64_t tokens_per_step = B * T * plan->input.grad_accum * W;
+  // The backend's notice, then what will run: model, batch, budgets.
+  void print_run_header(TrainingRun& run) {
+    // The notice only now, so that the input errors before stay one line without it.
+    if (!run.backend.notice.empty()) fmt::print(stderr, "{}\n", run.backend.notice);
+    const TrainingPlan& plan = *run.plan;
+    const ModelConfig& model = *run.model;
+    const int W = plan.input.world_size;
+    const int64_t T = plan.input.seq_len, B = plan.input.micro_batch;
+    run.tokens_per_step = B * T * plan.input.grad_accum * W;
     fmt::print(
         "{}: {} parameters, {} units; stage {}, params on {}, optimizer on {}; {} rank{} on the "
         "{}\n",
-        model->name, format_count(double(model->parameter_count())), plan->layout.units.size(),
-        plan->input.stage, tiers::tier_name(plan->homes.param),
-        tiers::tier_name(plan->homes.optimizer), W, W == 1 ? "" : "s",
-        std::string(plan->input.gpu ? "GPU" : "CPU") +
-            (launch ? fmt::format(", one process each ({})", launch->source) : ""));
+        model.name, format_count(double(model.parameter_count())), plan.layout.units.size(),
+        plan.input.stage, tiers::tier_name(plan.homes.param),
+        tiers::tier_name(plan.homes.optimizer), W, W == 1 ? "" : "s",
+        std::string(plan.input.gpu ? "GPU" : "CPU") +
+            (run.launch ? fmt::format(", one process each ({})", run.launch->source) : ""));
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
-        B, T, plan->input.grad_accum, tokens_per_step, precision_name(config.precision),
-        !resume_.empty()     ? "resuming " + options.resume_from
+        B, T, plan.input.grad_accum, run.tokens_per_step, precision_name(run.config.precision),
+        !resume_.empty()     ? "resuming " + run.options.resume_from
         : init_path_.empty() ? fmt::format("random init (seed {})", seed_)
                              : "from " + init_path_);
-    fmt::print("budgets: {}\n", budget_note);
+    fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
+  }
 
+  // The engine, and the trace of its plan.
+  std::optional<Failure> create_engine(TrainingRun& run) {
     // Ranks are threads that each call OpenBLAS: split the cores between them
     // rather than letting every rank's BLAS use them all.
-    if (ranks_on_node > 1) {
+    if (run.ranks_on_node > 1) {
       const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-      kernels::cpu::set_blas_threads(std::max(1, cores / ranks_on_node));
+      kernels::cpu::set_blas_threads(std::max(1, cores / run.ranks_on_node));
     }
-    const uint64_t options_host_budget = options.host_budget;
-    Result<std::unique_ptr<Engine>> created = Engine::create(std::move(options));
+    Result<std::unique_ptr<Engine>> created = Engine::create(std::move(run.options));
     if (!created) return run_error(created.status());
-    Engine& engine = **created;
-
-    std::optional<TraceWriter> trace;
-    if (!trace_path_.empty() && rank0) {
-      Result<TraceWriter> opened = TraceWriter::open(trace_path_, engine.plan());
+    run.engine = std::move(*created);
+    if (!trace_path_.empty() && run.rank0) {
+      Result<TraceWriter> opened = TraceWriter::open(trace_path_, run.engine->plan());
       if (!opened) return usage_error(opened.status());
-      trace.emplace(std::move(*opened));
+      run.trace.emplace(std::move(*opened));
     }
+    return std::nullopt;
+  }
 
+  // The steps up to --steps, each reported, evaluated and saved as asked;
+  // Ctrl-C or SIGTERM ends the loop after the step under way.
+  std::optional<Failure> train_steps(TrainingRun& run) {
+    Engine& engine = *run.engine;
     stop_requested.store(false);
     std::signal(SIGINT, request_stop);
     std::signal(SIGTERM, request_stop);
-    int64_t saved_at = -1;
-    auto save = [&](int64_t step) -> std::optional<Failure> {
-      if (save_dir_.empty() || saved_at == step) return std::nullopt;
-      Result<std::string> saved = engine.save_checkpoint(save_dir_, keep_);
-      if (!saved) return run_error(saved.status());
-      saved_at = step;
-      if (progress_) progress_->line(fmt::format("saved checkpoint {}", *saved));
-      return std::nullopt;
-    };
     if (engine.steps_done() >= steps_)
       fmt::print("the checkpoint is at step {}, which reaches --steps {}; nothing to train\n",
                  engine.steps_done(), steps_);
-    progress_.emplace(steps_, config.steps_per_print);
-    RunSummary summary;
-    summary.world = W;
-    const bool fp16 = config.precision == Precision::fp16;
-    const Clock::time_point start = Clock::now();
+    progress_.emplace(steps_, run.config.steps_per_print);
+    run.summary.world = run.plan->input.world_size;
+    const bool fp16 = run.config.precision == Precision::fp16;
+    run.start = Clock::now();
     (void)engine.take_timings();  // initialisation is not part of the trace
-    auto drain_timings = [&]() -> std::optional<Failure> {
-      std::vector<OpTiming> timings = engine.take_timings();
-      summary.lanes.add(engine.plan(), timings);
-      if (trace)
-        if (Status s = trace->write(timings); !s) return run_error(s);
-      return std::nullopt;
-    };
-    auto run_eval = [&](int64_t step) -> Result<double> {
-      Result<EvalResult> eval = evaluate(engine, *eval_file, eval_batches_, B, T);
-      if (!eval) return eval.status();
-      progress_->eval(step, eval->loss, eval->tokens);
-      return eval->loss;
-    };
 
     for (int64_t s = engine.steps_done() + 1; s <= steps_; ++s) {
       Result<StepResult> step = engine.step();
       if (!step) {
-        (void)drain_timings();
-        if (trace) (void)trace->finish();
+        (void)drain_timings(run);
+        if (run.trace) (void)run.trace->finish();
         return run_error(step.status());
       }
-      StepReport report;
-      report.result = *step;
-      report.tokens_processed = tokens_per_step;
-      report.fp16 = fp16;
-      summary.steps = s;
-      summary.tokens += tokens_per_step;
-      summary.stall_seconds += step->stall_seconds;
-      summary.nvme_read += step->nvme_read_bytes;
-      summary.nvme_written += step->nvme_written_bytes;
-      if (s == 1) {
-        summary.first_loss = step->loss;
-        summary.first_step_seconds = step->seconds;
-      }
-      summary.last_loss = step->loss;
+      StepReport report = account_step(run.summary, s, *step, run.tokens_per_step, fp16);
       // Every process stops after the same step (a signal may reach them at different times).
       Result<bool> stop = engine.any_rank(stop_requested.load());
       if (!stop) return run_error(stop.status());
       const bool last = s == steps_ || *stop;
-      progress_->step(report, std::chrono::duration<double>(Clock::now() - start).count());
-      if (eval_file && (last || (eval_every_ > 0 && s % eval_every_ == 0))) {
-        Result<double> loss = run_eval(s);
-        if (!loss) return run_error(loss.status());
-        report.eval_loss = *loss;
+      progress_->step(report, seconds_since(run.start));
+      if (run.eval_file && (last || (eval_every_ > 0 && s % eval_every_ == 0))) {
+        const int64_t T = run.plan->input.seq_len, B = run.plan->input.micro_batch;
+        Result<EvalResult> eval = evaluate(engine, *run.eval_file, eval_batches_, B, T);
+        if (!eval) return run_error(eval.status());
+        progress_->eval(s, eval->loss, eval->tokens);
+        report.eval_loss = eval->loss;
       }
-      if (metrics)
-        if (Status w = metrics->write(report); !w) return run_error(w);
-      if (std::optional<Failure> f = drain_timings()) return f;
+      if (run.metrics)
+        if (Status w = run.metrics->write(report); !w) return run_error(w);
+      if (std::optional<Failure> f = drain_timings(run)) return f;
       if (save_every_ > 0 && s % save_every_ == 0)
-        if (std::optional<Failure> f = save(s)) return f;
+        if (std::optional<Failure> f = save_checkpoint(run, s)) return f;
       if (last) break;
     }
+    return std::nullopt;
+  }
+
+  // The operations' timings since the last call, into the summary and the trace.
+  std::optional<Failure> drain_timings(TrainingRun& run) {
+    std::vector<OpTiming> timings = run.engine->take_timings();
+    run.summary.lanes.add(run.engine->plan(), timings);
+    if (run.trace)
+      if (Status s = run.trace->write(timings); !s) return run_error(s);
+    return std::nullopt;
+  }
+
+  // With --save, a checkpoint of `step` unless one was written at it already.
+  std::optional<Failure> save_checkpoint(TrainingRun& run, int64_t step) {
+    if (save_dir_.empty() || run.saved_at == step) return std::nullopt;
+    Result<std::string> saved = run.engine->save_checkpoint(save_dir_, keep_);
+    if (!saved) return run_error(saved.status());
+    run.saved_at = step;
+    if (progress_) progress_->line(fmt::format("saved checkpoint {}", *saved));
+    return std::nullopt;
+  }
+
+  // After the last step, or the one a signal stopped at: the engine's end,
+  // the final checkpoint, the end of the trace, and the summary.
+  std::optional<Failure> finish_run(TrainingRun& run) {
+    Engine& engine = *run.engine;
     if (Status s = engine.finish(); !s) return run_error(s);
-    if (std::optional<Failure> f = save(engine.steps_done())) return f;
-    summary.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (std::optional<Failure> f = save_checkpoint(run, engine.steps_done())) return f;
+    run.summary.seconds = seconds_since(run.start);
     std::signal(SIGINT, SIG_DFL);
     std::signal(SIGTERM, SIG_DFL);
-    if (std::optional<Failure> f = drain_timings()) return f;
-    if (trace)
-      if (Status s = trace->finish(); !s) return run_error(s);
+    if (std::optional<Failure> f = drain_timings(run)) return f;
+    if (run.trace)
+      if (Status s = run.trace->finish(); !s) return run_error(s);
+    RunSummary& summary = run.summary;
     for (int t = 0; t < tiers::kTierCount; ++t)
       for (int r = 0; r < engine.local_rank_count(); ++r) {
         const tiers::TierUsage u = engine.rank_usage(r, static_cast<tiers::Tier>(t));
         if (r == 0 || u.peak > summary.usage[t].peak) summary.usage[t] = u;
       }
-    summary.budget[int(tiers::Tier::device)] = budgets.device;
-    summary.budget[int(tiers::Tier::host)] = options_host_budget / uint64_t(local_ranks);
+    summary.budget[int(tiers::Tier::device)] = run.budgets.device;
+    summary.budget[int(tiers::Tier::host)] = run.host_budget / uint64_t(run.local_ranks);
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
     if (stop_requested.load())
@@ -704,14 +837,18 @@ class TrainCommand : public Subcommand {
           "stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
           save_dir_.empty() ? "" : "; the checkpoint above resumes it with --resume " + save_dir_);
     fmt::print("{}", format_run_summary(summary));
+    return std::nullopt;
+  }
 
+  // --export (rank 0 writes what every rank reads), then where the outputs are.
+  std::optional<Failure> export_weights(TrainingRun& run) {
     if (!export_path_.empty()) {
-      Result<HostModel> weights = engine.read_model();  // every rank takes part
+      Result<HostModel> weights = run.engine->read_model();  // every rank takes part
       if (!weights) return run_error(weights.status());
-      if (!rank0) return std::nullopt;
-      if (Status s = export_model(*weights, export_path_, *export_dtype); !s)
+      if (!run.rank0) return std::nullopt;
+      if (Status s = export_model(*weights, export_path_, run.export_dtype); !s)
         return run_error(s.with_context("--export " + export_path_));
-      fmt::print("exported the weights ({}) to {}\n", dtype_name(*export_dtype), export_path_);
+      fmt::print("exported the weights ({}) to {}\n", dtype_name(run.export_dtype), export_path_);
     }
     if (!metrics_path_.empty()) fmt::print("metrics: {}\n", metrics_path_);
     if (!trace_path_.empty())
