@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/engine/rank_buffers.h"
 #include "core/model/cuda_units.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/matmul.h"
@@ -314,87 +315,56 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   for (cudaEvent_t& e : g.slot_sent)
     if (Status s = event(e); !s) return s;
 
-  // The working set, named as the plan lists it.
-  auto take = [&](int64_t bytes, const std::string& what) -> Result<std::byte*> {
-    Result<tiers::DeviceBlock> block = device.allocate(uint64_t(bytes), what);
-    if (!block) return block.status();
-    blocks.push_back(*block);
-    return block->data;
-  };
+  // The device working set: the plan's buffers of owner `gpu`, walked (core/engine/rank_buffers.h).
   g.params_in_place = plan.gpu_params_in_place();
   g.grads_in_place = plan.gpu_grads_in_place();
   if (Status s = event(g.side_done); !s) return s;
-  int64_t largest_optimizer = 0;
-  for (const UnitPlacement& p : plan.units)
-    largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
-  for (int k = 0; k < kGpuParamSlots && !g.params_in_place; ++k) {
-    Result<std::byte*> slot = take(largest_padded * g.type_bytes, "device parameter slot");
-    if (!slot) return slot.status();
-    g.param_slots[size_t(k)] = *slot;
-  }
-  for (int k = 0; k < kGpuGradBuffers && !g.grads_in_place; ++k) {
-    Result<std::byte*> buffer = take(largest_padded * 4, "device unit gradient");
-    if (!buffer) return buffer.status();
-    g.grad_buffers[size_t(k)] = reinterpret_cast<float*>(*buffer);
-  }
-  if (plan.tied_grad_buffer && !g.grads_in_place) {
-    Result<std::byte*> buffer =
-        take(plan.units[0].padded_numel * 4, "device tied embedding gradient");
-    if (!buffer) return buffer.status();
-    g.tied_grad = reinterpret_cast<float*>(*buffer);
-  }
-  if (plan.homes.grad == tiers::Tier::device) {
+  Result<RankBuffers> taken = RankBuffers::allocate(
+      plan, BufferOwner::gpu,
+      [&](tiers::Tier, uint64_t bytes, const std::string& what) -> Result<std::byte*> {
+        Result<tiers::DeviceBlock> block = device.allocate(bytes, what);
+        if (!block) return block.status();
+        blocks.push_back(*block);
+        return block->data;
+      });
+  if (!taken) return taken.status();
+  const RankBuffers& b = *taken;
+  using R = BufferRole;
+  for (int k = 0; k < kGpuParamSlots; ++k) g.param_slots[size_t(k)] = b.at(R::gpu_param_slots, k);
+  for (int k = 0; k < kGpuGradBuffers; ++k)
+    g.grad_buffers[size_t(k)] = b.as<float>(R::gpu_unit_gradients, k);
+  g.tied_grad = b.as<float>(R::gpu_tied_gradient);
+  if (std::byte* scratch = b.at(R::gpu_grad_norm_scratch)) {
+    // The result first, then the reduction's scratch.
     g.norm_scratch_bytes = int64_t(cuda::grad_norm_scratch_bytes(largest_padded));
-    Result<std::byte*> scratch = take(g.norm_scratch_bytes + 4096, "gradient norm scratch");
-    if (!scratch) return scratch.status();
-    g.norm = reinterpret_cast<cuda::GradNormResult*>(*scratch);
-    g.norm_scratch = *scratch + 4096;
+    g.norm = reinterpret_cast<cuda::GradNormResult*>(scratch);
+    g.norm_scratch = scratch + 4096;
     if (Status s = cuda::check_cuda(
             cudaMallocHost(reinterpret_cast<void**>(&g.host_norm), sizeof(cuda::GradNormResult)),
             "allocating a pinned gradient norm");
         !s)
       return s;
-    if (!g.grads_in_place) {
-      Result<std::byte*> reduced = take(largest_padded * 4, "device reduced gradient");
-      if (!reduced) return reduced.status();
-      g.reduced = reinterpret_cast<float*>(*reduced);
-    }
   }
-  if (plan.homes.optimizer == tiers::Tier::device && plan.homes.param != tiers::Tier::device &&
-      g.type_bytes != 4) {
-    Result<std::byte*> buffer =
-        take(largest_optimizer * g.type_bytes, "device new parameter shard");
-    if (!buffer) return buffer.status();
-    g.new_params = *buffer;
-  }
+  g.reduced = b.as<float>(R::gpu_reduced_gradient);
+  g.new_params = b.at(R::gpu_new_parameters);
   const int64_t activation_bytes = g.N * g.C * g.type_bytes;
-  Result<std::byte*> checkpoints = take((units - 1) * activation_bytes, "activation checkpoints");
-  if (!checkpoints) return checkpoints.status();
-  for (int u = 0; u + 1 < units; ++u) g.checkpoints.push_back(*checkpoints + u * activation_bytes);
-  Result<std::byte*> activation_grad = take(activation_bytes, "activation gradient");
-  if (!activation_grad) return activation_grad.status();
-  g.activation_grad = *activation_grad;
-  Result<std::byte*> ids = take(2 * g.N * 4 * in.grad_accum, "device tokens and targets");
-  if (!ids) return ids.status();
-  g.tokens = reinterpret_cast<int32_t*>(*ids);
+  for (int u = 0; u + 1 < units; ++u)
+    g.checkpoints.push_back(b.at(R::gpu_activation_checkpoints) + u * activation_bytes);
+  g.activation_grad = b.at(R::gpu_activation_gradient);
+  g.tokens = b.as<int32_t>(R::gpu_tokens_and_targets);
   g.targets = g.tokens + g.N * in.grad_accum;
-  Result<std::byte*> losses = take(g.N * 4, "per-token losses");
-  if (!losses) return losses.status();
-  g.losses = reinterpret_cast<float*>(*losses);
+  g.losses = b.as<float>(R::gpu_token_losses);
   g.host_losses.resize(size_t(g.N));
-  Result<std::byte*> matmul_workspace = take(kGpuMatmulWorkspaceBytes, "cuBLASLt workspace");
-  if (!matmul_workspace) return matmul_workspace.status();
-  const int64_t workspace_bytes =
-      cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(g.type_bytes));
-  Result<std::byte*> workspace = take(workspace_bytes, "GPU unit working set");
-  if (!workspace) return workspace.status();
+  std::byte* matmul_workspace = b.at(R::gpu_matmul_workspace);
+  std::byte* workspace = b.at(R::gpu_unit_working_set);
+  const int64_t workspace_bytes = plan.buffer(R::gpu_unit_working_set)->elements;
 
   Result<std::unique_ptr<cuda::Matmuls>> matmuls =
-      cuda::Matmuls::create_in(*matmul_workspace, size_t(kGpuMatmulWorkspaceBytes));
+      cuda::Matmuls::create_in(matmul_workspace, size_t(kGpuMatmulWorkspaceBytes));
   if (!matmuls) return matmuls.status();
   g.matmuls = std::move(*matmuls);
   Result<std::unique_ptr<CudaUnits>> created = CudaUnits::create(
-      plan.layout, in.micro_batch, in.seq_len, g.type, *workspace, workspace_bytes, *g.matmuls);
+      plan.layout, in.micro_batch, in.seq_len, g.type, workspace, workspace_bytes, *g.matmuls);
   if (!created) return created.status();
   g.units = std::move(*created);
   return std::unique_ptr<GpuRank>(new CudaGpuRank(std::move(impl)));
