@@ -71,31 +71,32 @@ TEST_F(EngineOffload, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
   EXPECT_EQ(configurations, 2 * 2 * 18);
 }
 
-TEST_F(EngineOffload, PlanStatesMatchThePlannersAccounting) {
-  // The plan's model-state lines are the planner's strata accounting (core/plan/planner.h).
+TEST_F(EngineOffload, StrataPlanIsAViewOfTheEnginesPlan) {
+  // `strata plan` (core/plan/planner.h) reports the buffers of the plan the
+  // engine runs, for the same config: every line, every tier, byte for byte.
   for (EngineRun run : testing::every_placement(2, "bf16")) {
     Result<TrainConfig> config = testing::engine_config(run, dir_.path());
     ASSERT_TRUE(config.is_ok()) << config.status().message();
     Result<TrainingPlan> plan =
         build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    PlanInput input;
-    input.model = testing::small_gqa_model();
-    input.world_size = run.world;
-    input.stage = run.stage;
-    input.offload_param = config->zero.offload_param.device;
-    input.offload_optimizer = config->zero.offload_optimizer.device;
-    input.precision = config->precision;
-    const MemoryPlan planner = plan_memory(input);
-    int64_t states[tiers::kTierCount] = {0, 0, 0};
-    for (const PlanBuffer& b : plan->buffers) {
-      const bool state = b.name.rfind("parameters (", 0) == 0 || b.name == "gradients (fp32)" ||
-                         b.name == "fp32 master" || b.name == "Adam m" || b.name == "Adam v";
-      if (state) states[static_cast<int>(b.tier)] += b.bytes;
+    Result<MemoryPlan> planner =
+        plan_memory(plan_input_from_config(*config, testing::small_gqa_model()));
+    ASSERT_TRUE(planner.is_ok()) << planner.status().message();
+    ASSERT_EQ(planner->buffers.size(), plan->buffers.size()) << run.label();
+    for (size_t i = 0; i < plan->buffers.size(); ++i) {
+      EXPECT_EQ(planner->buffers[i].name, plan->buffers[i].name) << run.label();
+      EXPECT_EQ(planner->buffers[i].bytes, plan->buffers[i].bytes) << run.label();
     }
-    EXPECT_EQ(states[0], planner.model_states.device) << run.label();
-    EXPECT_EQ(states[1], planner.model_states.host) << run.label();
-    EXPECT_EQ(states[2], planner.model_states.nvme) << run.label();
+    EXPECT_EQ(planner->total_per_rank.device, plan->peak(tiers::Tier::device)) << run.label();
+    EXPECT_EQ(planner->total_per_rank.host, plan->peak(tiers::Tier::host)) << run.label();
+    EXPECT_EQ(planner->total_per_rank.nvme, plan->peak(tiers::Tier::nvme)) << run.label();
+    int64_t states[tiers::kTierCount] = {0, 0, 0};
+    for (const PlanBuffer& b : plan->buffers)
+      if (state_shard_kind(b.role)) states[static_cast<int>(b.tier)] += b.bytes;
+    EXPECT_EQ(states[0], planner->model_states.device) << run.label();
+    EXPECT_EQ(states[1], planner->model_states.host) << run.label();
+    EXPECT_EQ(states[2], planner->model_states.nvme) << run.label();
   }
 }
 

@@ -35,8 +35,8 @@ class PlanCommand : public Subcommand {
                   "Print the engine's plan of one step (every operation, its lane, bytes and "
                   "dependencies) and its buffers per tier; needs --model");
     cmd->add_option("--backend", backend_,
-                    "With --schedule: cpu or cuda, the backend the plan is for (default cpu; a "
-                    "machine without a GPU can plan for one)")
+                    "cpu or cuda, the backend whose buffers the plan lists (default cuda on a CUDA "
+                    "build, where a machine without a GPU can plan for one; cpu otherwise)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
     cmd->add_option("--net-bw", net_bw_,
                     "Network bandwidth per rank for collectives (default 25GB/s)");
@@ -116,17 +116,17 @@ class PlanCommand : public Subcommand {
     }
     Status valid = validate_plan_input(input);
     if (!valid.is_ok()) return valid;
+    if (backend_.empty()) backend_ = kernels::built_with_cuda() ? "cuda" : "cpu";
+    if (backend_ == "cuda" && !kernels::built_with_cuda())
+      return Status::error(
+          "--backend cuda: this strata was built without CUDA, so it cannot size the GPU's "
+          "buffers; plan on a CUDA build");
+    input.gpu = backend_ == "cuda";
 
     if (schedule_) {
       if (!input.model)
         return Status::error("--schedule needs --model (a plan is made of the model's units)");
-      if (backend_ == "cuda" && !kernels::built_with_cuda())
-        return Status::error(
-            "--backend cuda: this strata was built without CUDA, so it cannot size the GPU's "
-            "buffers; plan on a CUDA build");
-      TrainingPlanInput plan_input = training_plan_input(*input.model, c);
-      plan_input.gpu = backend_ == "cuda";
-      Result<TrainingPlan> steps = build_training_plan(plan_input);
+      Result<TrainingPlan> steps = build_training_plan(step_input(input));
       if (!steps.is_ok()) return steps.status();
       if (json_) {
         fmt::print("{}\n", training_plan_to_json(*steps).dump(2));
@@ -135,7 +135,9 @@ class PlanCommand : public Subcommand {
       }
       return 0;
     }
-    MemoryPlan plan = plan_with_suggestion(input);
+    Result<MemoryPlan> planned = plan_with_suggestion(input);
+    if (!planned.is_ok()) return planned.status();
+    const MemoryPlan& plan = *planned;
     const bool zero = accounting_ == "zero";
     if (json_) {
       fmt::print("{}\n", plan_to_json(plan, zero).dump(2));
@@ -151,7 +153,7 @@ class PlanCommand : public Subcommand {
   std::string accounting_ = "strata";
   bool json_ = false;
   bool schedule_ = false;
-  std::string backend_ = "cpu";
+  std::string backend_;  // empty: cuda on a CUDA build, else cpu
   std::string net_bw_, pcie_bw_, nvme_bw_;
 };
 

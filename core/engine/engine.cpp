@@ -39,28 +39,6 @@ OptimizerOptions optimizer_options_from_config(const TrainConfig& config, int64_
   return o;
 }
 
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config) {
-  TrainingPlanInput in;
-  in.model = model;
-  in.world_size = config.world_size;
-  in.stage = config.zero.stage;
-  in.offload_param = config.zero.offload_param.device;
-  in.offload_optimizer = config.zero.offload_optimizer.device;
-  in.precision = config.precision;
-  in.micro_batch = config.train_micro_batch_size_per_gpu;
-  in.seq_len = effective_seq_len(config, model);
-  in.grad_accum = config.gradient_accumulation_steps;
-  in.overlap_comm = config.zero.overlap_comm;
-  in.reduce_scatter = config.zero.reduce_scatter;
-  in.reduce_in_bf16 = config.strata.gradient_reduce_dtype == Precision::bf16;
-  // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
-  in.optimizer_during_backward =
-      config.gradient_clipping == 0.0 && config.precision == Precision::fp32;
-  in.fetch_slots = std::max(1, config.zero.offload_param.buffer_count);
-  in.optimizer_buffers = std::max(2, config.zero.offload_optimizer.buffer_count);
-  in.optimizer_chunk_elements = streamed_chunk_elements(config.zero.sub_group_size);
-  return in;
-}
 
 // --- creation ------------------------------------------------------------------------
 
@@ -140,15 +118,18 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const int local = options.process_comm ? 1 : W;
   const uint64_t host_per_rank = options.host_budget / uint64_t(local);
   auto refuse = [&](const char* tier, int64_t need, uint64_t budget, const char* flag) -> Status {
+    // The suggestion searches plans built by the same code as this one (core/plan/planner.h).
     PlanInput planner = plan_input_from_config(config, options.model);
+    planner.gpu = input.gpu;
+    planner.nccl_staging = input.nccl_staging;
     planner.nvme_path_known = !options.nvme_paths.empty();
     planner.device_budget = int64_t(options.device_budget);
     planner.host_budget = int64_t(options.host_budget);
     planner.device_budget_source = "--device-mem-limit";
     planner.host_budget_source = "--host-mem-limit";
-    MemoryPlan suggestion = plan_with_suggestion(planner);
-    std::string hint =
-        suggestion.suggestion.empty() ? std::string("raise ") + flag : suggestion.suggestion;
+    Result<MemoryPlan> suggestion = plan_with_suggestion(planner);
+    std::string hint = !suggestion || suggestion->suggestion.empty() ? std::string("raise ") + flag
+                                                                      : suggestion->suggestion;
     return Status::error(fmt::format(
         "the plan does not fit: it needs {} of {} per rank but {} allows {}; {} (`strata train "
         "--print-plan` lists every buffer)",

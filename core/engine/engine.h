@@ -46,6 +46,7 @@
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "core/optimizer/optimizer.h"
+#include "core/plan/planner.h"
 #include "core/plan/training_plan.h"
 #include "io/fault_injection.h"
 #include "io/base/status.h"
@@ -175,8 +176,5 @@ class Engine {
 // The optimizer driver's options from a merged config (lr, betas, schedule,
 // fp16 loss scaling, clipping); `total_steps` fills scheduler.total_num_steps when 0.
 OptimizerOptions optimizer_options_from_config(const TrainConfig& config, int64_t total_steps);
-
-// The plan input the config and model describe.
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config);
 
 }  // namespace strata

@@ -30,14 +30,6 @@ Tier home_of(OffloadDevice device) {
   return Tier::device;
 }
 
-// Per-token activation elements of one decoder layer's forward intermediates that its
-// backward reads: both norm outputs and the residual (3H), q and the attention output
-// (2 * heads * head_dim), k and v (2 * kv_heads * head_dim), gate, up and silu(gate)*up (3I).
-int64_t layer_activation_elements_per_token(const ModelConfig& m) {
-  return 3 * m.hidden_size + 2 * m.num_attention_heads * m.head_dim +
-         2 * m.num_key_value_heads * m.head_dim + 3 * m.intermediate_size;
-}
-
 struct Sizes {
   int64_t parameters = 0;
   int64_t shard = 0;
@@ -109,7 +101,38 @@ PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<Model
   input.param_buffer_elements = c.zero.offload_param.buffer_size;
   input.optimizer_buffer_count = c.zero.offload_optimizer.buffer_count;
   input.sub_group_size = c.zero.sub_group_size;
+  input.overlap_comm = c.zero.overlap_comm;
+  input.reduce_scatter = c.zero.reduce_scatter;
+  // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
+  input.optimizer_during_backward = c.gradient_clipping == 0.0 && c.precision == Precision::fp32;
   return input;
+}
+
+TrainingPlanInput step_input(const PlanInput& in) {
+  TrainingPlanInput step;
+  if (in.model) step.model = *in.model;
+  step.world_size = in.world_size;
+  step.stage = in.stage;
+  step.offload_param = in.offload_param;
+  step.offload_optimizer = in.offload_optimizer;
+  step.precision = in.precision;
+  step.micro_batch = in.micro_batch;
+  step.seq_len = in.seq_len;
+  step.grad_accum = in.grad_accum;
+  step.overlap_comm = in.overlap_comm;
+  step.reduce_scatter = in.reduce_scatter;
+  step.reduce_in_bf16 = in.gradient_reduce_dtype == Precision::bf16;
+  step.optimizer_during_backward = in.optimizer_during_backward;
+  step.gpu = in.gpu;
+  step.nccl_staging = in.nccl_staging;
+  step.fetch_slots = std::max(1, in.param_buffer_count);
+  step.optimizer_buffers = std::max(2, in.optimizer_buffer_count);
+  step.optimizer_chunk_elements = streamed_chunk_elements(in.sub_group_size);
+  return step;
+}
+
+TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config) {
+  return step_input(plan_input_from_config(config, model));
 }
 
 Status validate_plan_input(const PlanInput& in) {
@@ -131,110 +154,21 @@ Status validate_plan_input(const PlanInput& in) {
   return Status::ok();
 }
 
-MemoryPlan plan_memory(const PlanInput& in) {
-  MemoryPlan plan;
-  plan.input = in;
-  const Sizes sizes = compute_sizes(in);
-  plan.parameters = sizes.parameters;
-  plan.shard_elements = sizes.shard;
-  plan.padded_elements = sizes.padded;
-  plan.largest_unit_elements = sizes.largest_unit;
-  plan.units = sizes.units;
+namespace {
 
+// The bytes each link moves per step and rank, and their times at the given bandwidths.
+Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
+  Traffic t;
   const int w = in.world_size;
+  const int64_t n = sizes.parameters;
   const int64_t cb = compute_bytes(in.precision);
   const Tier param_home = home_of(in.offload_param);
-  const Tier optimizer_home = home_of(in.offload_optimizer);
   const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
-  // Gradients live where the optimizer reads them: the device, or pinned host
-  // memory when the optimizer runs on the CPU (its state on host or NVMe).
-  const Tier grad_home = optimizer_offloaded ? Tier::host : Tier::device;
-
-  // Elements per rank of each kind, by stage (DESIGN.md section 1).
   const int64_t param_elements = in.stage == 3 ? sizes.shard : sizes.padded;
   const int64_t grad_elements = in.stage >= 2 ? sizes.shard : sizes.padded;
   const int64_t optimizer_elements = in.stage >= 1 ? sizes.shard : sizes.padded;
-  // In fp32 the compute parameters are the master, unless the optimizer keeps
-  // its copy in another tier.
-  const bool separate_master = in.precision != Precision::fp32 || param_home != optimizer_home;
-
-  plan.states.push_back({fmt::format("parameters ({})", precision_name(in.precision)), param_home,
-                         param_elements * cb});
-  plan.states.push_back({"gradients (fp32)", grad_home, grad_elements * 4});
-  if (separate_master)
-    plan.states.push_back({"fp32 master", optimizer_home, optimizer_elements * 4});
-  plan.states.push_back({"Adam m", optimizer_home, optimizer_elements * 4});
-  plan.states.push_back({"Adam v", optimizer_home, optimizer_elements * 4});
-  for (const StateLine& line : plan.states) plan.model_states.at(line.tier) += line.bytes;
-
-  // The ZeRO paper: 2 + 2 + 12 bytes per (unpadded) parameter, divided by the
-  // world size where the stage shards it.
-  const int64_t n = sizes.parameters;
-  auto shard_if = [&](bool sharded, int64_t bytes) { return sharded ? ceil_div(bytes, w) : bytes; };
-  plan.states_zero.push_back({"parameters (fp16)", param_home, shard_if(in.stage == 3, 2 * n)});
-  plan.states_zero.push_back({"gradients (fp16)", grad_home, shard_if(in.stage >= 2, 2 * n)});
-  plan.states_zero.push_back(
-      {"optimizer states (fp32 master, m, v)", optimizer_home, shard_if(in.stage >= 1, 12 * n)});
-  for (const StateLine& line : plan.states_zero) plan.model_states_zero.at(line.tier) += line.bytes;
-
-  // Activations with per-unit checkpointing.
-  if (in.model) {
-    const ModelConfig& m = *in.model;
-    const int64_t tokens = in.micro_batch * in.seq_len;
-    // Token ids and targets (int32) plus the input of every decoder layer and of the head.
-    plan.activation_checkpoint_bytes =
-        2 * tokens * 4 + (m.num_hidden_layers + 1) * tokens * m.hidden_size * cb;
-    // One layer recomputed: its intermediates, their gradients (about as many again), and
-    // the attention's per-row softmax statistics (fp32; no T x T matrix is kept).
-    const int64_t layer_working = 2 * tokens * layer_activation_elements_per_token(m) * cb +
-                                  tokens * m.num_attention_heads * 4;
-    // The head: fp32 logits, whose gradient the fused cross-entropy writes in place.
-    const int64_t head_working = tokens * m.vocab_size * 4 + 2 * tokens * m.hidden_size * cb;
-    plan.activation_working_bytes = std::max(layer_working, head_working);
-  }
-
-  // Device staging: with stage 3 the gathered window (the unit in use and the
-  // one being prefetched); a full-unit fp32 gradient buffer, double-buffered so a
-  // unit's reduction overlaps the next unit's backward, whenever gradients are
-  // not kept whole on the device.
-  if (in.stage == 3) plan.device_staging_bytes += 2 * sizes.largest_unit * cb;
-  const bool full_grads_on_device = in.stage <= 1 && !optimizer_offloaded;
-  if (!full_grads_on_device) plan.device_staging_bytes += 2 * sizes.largest_unit * 4;
-
-  // Host staging (pinned): NVMe parameter reads, the streamed optimizer's
-  // buffers, and the new compute-precision shard on its way to the device.
-  // The streamed optimizer's chunk (streamed_chunk_elements), at most the largest shard.
-  const int64_t optimizer_chunk =
-      std::min(sizes.largest_unit_shard, streamed_chunk_elements(in.sub_group_size));
-  if (in.offload_param == OffloadDevice::nvme) {
-    const int64_t buffer =
-        std::min(sizes.largest_unit_shard, std::max<int64_t>(in.param_buffer_elements, 1));
-    plan.host_staging_bytes += in.param_buffer_count * buffer * cb;
-  }
-  if (in.offload_optimizer == OffloadDevice::nvme) {
-    // master (or, in fp32, the parameters that are the master), m and v: 12 bytes.
-    plan.host_staging_bytes += in.optimizer_buffer_count * optimizer_chunk * 12;
-  }
-  if (optimizer_offloaded && param_home == Tier::device) {
-    plan.host_staging_bytes += 2 * optimizer_chunk * cb;  // new compute copy, double-buffered
-  }
-
-  plan.total_per_rank = plan.model_states;
-  plan.total_per_rank.device +=
-      plan.activation_checkpoint_bytes + plan.activation_working_bytes + plan.device_staging_bytes;
-  plan.total_per_rank.host += plan.host_staging_bytes;
-
-  // Budgets: the device per rank; host and NVMe for the node (every rank on one node).
-  plan.verdicts = {
-      {Tier::device, plan.total_per_rank.device, in.device_budget, in.device_budget_source},
-      {Tier::host, plan.total_per_rank.host * w, in.host_budget, in.host_budget_source},
-      {Tier::nvme, plan.total_per_rank.nvme * w, in.nvme_budget, in.nvme_budget_source},
-  };
-  plan.fits = std::all_of(plan.verdicts.begin(), plan.verdicts.end(),
-                          [](const TierVerdict& v) { return v.fits(); });
-
-  // Traffic per step and rank.
-  Traffic& t = plan.traffic;
+  const bool separate_master =
+      in.precision != Precision::fp32 || param_home != home_of(in.offload_optimizer);
   const int64_t g = in.grad_accum;
   if (w > 1) {
     const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype);
@@ -294,12 +228,104 @@ MemoryPlan plan_memory(const PlanInput& in) {
       t.slowest_link = name;
     }
   }
+  return t;
+}
+
+// Which summary line of `strata plan` a buffer of the plan belongs to.
+enum class BufferKind { state, activation, working_set, staging };
+
+BufferKind buffer_kind(BufferRole role) {
+  if (state_shard_kind(role)) return BufferKind::state;
+  switch (role) {
+    case BufferRole::activation_checkpoints:
+    case BufferRole::activation_gradient:
+    case BufferRole::tokens_and_targets:
+    case BufferRole::gpu_activation_checkpoints:
+    case BufferRole::gpu_activation_gradient:
+    case BufferRole::gpu_tokens_and_targets:
+    case BufferRole::gpu_token_losses:
+      return BufferKind::activation;
+    case BufferRole::unit_working_set:
+    case BufferRole::gpu_unit_working_set:
+    case BufferRole::gpu_matmul_workspace:
+      return BufferKind::working_set;
+    default:
+      return BufferKind::staging;
+  }
+}
+
+}  // namespace
+
+Result<MemoryPlan> plan_memory(const PlanInput& in) {
+  MemoryPlan plan;
+  plan.input = in;
+  const Sizes sizes = compute_sizes(in);
+  plan.parameters = sizes.parameters;
+  plan.shard_elements = sizes.shard;
+  plan.padded_elements = sizes.padded;
+  plan.largest_unit_elements = sizes.largest_unit;
+  plan.units = sizes.units;
+
+  const int w = in.world_size;
+  const Tier param_home = home_of(in.offload_param);
+  const Tier optimizer_home = home_of(in.offload_optimizer);
+  const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
+  const Tier grad_home = optimizer_offloaded ? Tier::host : Tier::device;
+
+  // strata's bytes: the training plan's buffers, as the ranks allocate them.
+  if (in.model) {
+    Result<TrainingPlan> built = build_training_plan(step_input(in));
+    if (!built) return built.status();
+    plan.buffers = std::move(built->buffers);
+  } else {
+    plan.buffers = state_buffers_for(step_input(in), {in.parameters});
+  }
+  for (const PlanBuffer& b : plan.buffers) {
+    plan.total_per_rank.at(b.tier) += b.bytes;
+    switch (buffer_kind(b.role)) {
+      case BufferKind::state:
+        plan.states.push_back({b.name, b.tier, b.bytes});
+        plan.model_states.at(b.tier) += b.bytes;
+        break;
+      case BufferKind::activation:
+        plan.activation_checkpoint_bytes += b.bytes;
+        break;
+      case BufferKind::working_set:
+        plan.activation_working_bytes += b.bytes;
+        break;
+      case BufferKind::staging:
+        (b.tier == Tier::device ? plan.device_staging_bytes : plan.host_staging_bytes) += b.bytes;
+        break;
+    }
+  }
+
+  // The ZeRO paper: 2 + 2 + 12 bytes per (unpadded) parameter, divided by the
+  // world size where the stage shards it.
+  const int64_t n = sizes.parameters;
+  auto shard_if = [&](bool sharded, int64_t bytes) { return sharded ? ceil_div(bytes, w) : bytes; };
+  plan.states_zero.push_back({"parameters (fp16)", param_home, shard_if(in.stage == 3, 2 * n)});
+  plan.states_zero.push_back({"gradients (fp16)", grad_home, shard_if(in.stage >= 2, 2 * n)});
+  plan.states_zero.push_back(
+      {"optimizer states (fp32 master, m, v)", optimizer_home, shard_if(in.stage >= 1, 12 * n)});
+  for (const StateLine& line : plan.states_zero) plan.model_states_zero.at(line.tier) += line.bytes;
+
+  // Budgets: the device per rank; host and NVMe for the node (every rank on one node).
+  plan.verdicts = {
+      {Tier::device, plan.total_per_rank.device, in.device_budget, in.device_budget_source},
+      {Tier::host, plan.total_per_rank.host * w, in.host_budget, in.host_budget_source},
+      {Tier::nvme, plan.total_per_rank.nvme * w, in.nvme_budget, in.nvme_budget_source},
+  };
+  plan.fits = std::all_of(plan.verdicts.begin(), plan.verdicts.end(),
+                          [](const TierVerdict& v) { return v.fits(); });
+
+  plan.traffic = step_traffic(in, sizes);
   return plan;
 }
 
-MemoryPlan plan_with_suggestion(const PlanInput& input) {
-  MemoryPlan plan = plan_memory(input);
-  if (plan.fits) return plan;
+Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
+  Result<MemoryPlan> planned = plan_memory(input);
+  if (!planned || planned->fits) return planned;
+  MemoryPlan& plan = *planned;
 
   struct Candidate {
     std::string description;
@@ -365,10 +391,10 @@ MemoryPlan plan_with_suggestion(const PlanInput& input) {
     // An NVMe directory that was not given has no known free space: judge the rest.
     if (!input.nvme_path_known) changed.nvme_budget.reset();
     if (!validate_plan_input(changed).is_ok()) continue;
-    MemoryPlan alternative = plan_memory(changed);
-    if (alternative.fits) {
+    Result<MemoryPlan> alternative = plan_memory(changed);
+    if (alternative && alternative->fits) {
       plan.suggestion = candidate.description;
-      return plan;
+      return planned;
     }
   }
   // Nothing fits: say what the leanest layout still needs on this node.
@@ -377,13 +403,15 @@ MemoryPlan plan_with_suggestion(const PlanInput& input) {
   leanest.offload_optimizer = OffloadDevice::nvme;
   leanest.offload_param = OffloadDevice::nvme;
   leanest.micro_batch = 1;
-  MemoryPlan lean = plan_memory(leanest);
+  Result<MemoryPlan> lean_plan = plan_memory(leanest);
+  if (!lean_plan) return lean_plan.status();
+  const MemoryPlan& lean = *lean_plan;
   plan.suggestion = fmt::format(
       "none: even ZeRO stage 3 with everything on NVMe and micro batch 1 needs {} device per rank, "
       "{} host and {} NVMe on the node; add memory or disk, or spread the ranks over more nodes",
       format_bytes(double(lean.verdicts[0].need)), format_bytes(double(lean.verdicts[1].need)),
       format_bytes(double(lean.verdicts[2].need)));
-  return plan;
+  return planned;
 }
 
 std::optional<int64_t> detect_host_available_bytes() {
@@ -417,7 +445,7 @@ std::string cell(int64_t bytes) {
 }
 
 void row(std::ostringstream& out, const std::string& label, const TierBytes& bytes) {
-  out << fmt::format("  {:<40}{:>14}{:>14}{:>14}\n", label, cell(bytes.device), cell(bytes.host),
+  out << fmt::format("  {:<56}{:>14}{:>14}{:>14}\n", label, cell(bytes.device), cell(bytes.host),
                      cell(bytes.nvme));
 }
 
@@ -436,12 +464,14 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
                      offload_device_name(in.offload_optimizer),
                      offload_device_name(in.offload_param));
   if (in.model) {
-    out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}\n", in.micro_batch,
-                       in.seq_len, in.grad_accum);
+    out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}; {}\n",
+                       in.micro_batch, in.seq_len, in.grad_accum,
+                       in.gpu ? "CUDA backend (the device is a GPU)"
+                              : "CPU backend (host memory stands in for the device)");
   }
   out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
                      zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
-                     zero_accounting ? 10 : 24, "host", "nvme");
+                     zero_accounting ? 26 : 40, "host", "nvme");
   for (const StateLine& line : zero_accounting ? plan.states_zero : plan.states) {
     TierBytes bytes;
     bytes.at(line.tier) = line.bytes;
@@ -450,13 +480,16 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   const TierBytes& states = zero_accounting ? plan.model_states_zero : plan.model_states;
   row(out, "model states", states);
   if (in.model) {
-    row(out, "activation checkpoints (unit inputs)",
-        TierBytes{plan.activation_checkpoint_bytes, 0, 0});
-    row(out, "activation working set (one unit)", TierBytes{plan.activation_working_bytes, 0, 0});
+    // The rest of the training plan's buffers, as a rank allocates them.
+    for (const PlanBuffer& b : plan.buffers) {
+      if (state_shard_kind(b.role)) continue;
+      TierBytes bytes;
+      bytes.at(b.tier) = b.bytes;
+      row(out, b.name, bytes);
+    }
   } else {
-    out << "  (activations need --model: the shapes decide them)\n";
+    out << "  (activations and working buffers need --model: the shapes decide them)\n";
   }
-  row(out, "staging buffers", TierBytes{plan.device_staging_bytes, plan.host_staging_bytes, 0});
   row(out, "total per rank (strata)", plan.total_per_rank);
   if (in.world_size > 1) {
     row(out, fmt::format("node total ({} ranks)", in.world_size),
@@ -550,6 +583,14 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   j["per_rank_strata"] = tiers(plan.model_states);
   j["per_rank_zero"] = tiers(plan.model_states_zero);
   j["shard_elements"] = plan.shard_elements;
+  j["backend"] = in.gpu ? "cuda" : "cpu";
+  json buffers = json::array();
+  for (const PlanBuffer& b : plan.buffers)
+    buffers.push_back({{"name", b.name},
+                       {"role", buffer_role_name(b.role)},
+                       {"tier", tier_name(b.tier)},
+                       {"bytes", b.bytes}});
+  j["buffers"] = buffers;
   j["activations"] = {{"checkpoint_bytes", plan.activation_checkpoint_bytes},
                       {"working_bytes", plan.activation_working_bytes}};
   j["staging"] = {{"device_bytes", plan.device_staging_bytes},

@@ -1,13 +1,18 @@
-// The memory and traffic planner behind `strata plan` (and, later, the check
-// the engine runs before the first step).
+// The memory and traffic planner behind `strata plan` and the engine's
+// refusal of a configuration that cannot fit: a view of the training plan
+// (core/plan/training_plan.h), not a second accounting.
 //
-// From a model (or a bare parameter count), the ZeRO stage, the offload homes,
-// the precision and the batch shape it computes, per rank: the bytes of model
-// states in each tier in two accountings (strata's own: the bytes the engine
-// allocates, DESIGN.md section 1; and the ZeRO paper's 2 + 2 + 12 bytes per
-// parameter), the activation memory with per-unit checkpointing, the staging
-// buffers, whether the whole fits the budgets and, if not, the smallest change
-// that makes it fit; and the bytes each link moves per step with their times.
+// With a model, plan_memory builds the TrainingPlan the engine would run
+// (step_input: the one conversion from a config, which the engine's
+// training_plan_input also goes through) and reports its buffers: the model
+// states, the activations and the staging buffers, per rank and tier, exactly
+// as a rank allocates them. With a bare parameter count (`--params N`) it
+// reports the model-state lines alone, by the same rules (state_buffers_for,
+// the model as one unit); activations need the model's shapes. Beside
+// strata's bytes it prints the ZeRO paper's accounting (2 + 2 + 12 bytes per
+// parameter), which published tables use; whether the whole fits the budgets
+// and, if not, the smallest change that does (every candidate is a plan built
+// by the same code); and the bytes each link moves per step with their times.
 // Pure functions; thread-safe.
 #pragma once
 
@@ -19,6 +24,7 @@
 
 #include "core/config/config.h"
 #include "core/model/model_config.h"
+#include "core/plan/training_plan.h"
 #include "tiers/tier.h"
 
 namespace strata {
@@ -56,6 +62,13 @@ struct PlanInput {
       100000000;                   // offload_param.buffer_size: elements per staging buffer
   int optimizer_buffer_count = 4;  // offload_optimizer.buffer_count: streamed optimizer buffers
   int64_t sub_group_size = 1000000000;  // zero_optimization.sub_group_size: caps a streamed chunk
+  bool overlap_comm = true;             // zero_optimization.overlap_comm
+  bool reduce_scatter = true;           // zero_optimization.reduce_scatter
+  bool optimizer_during_backward = false;  // no clipping and fp32: updates start during backward
+  // The CUDA backend's buffers (the device is a GPU), else the CPU backend's
+  // (host memory standing in for the device).
+  bool gpu = false;
+  bool nccl_staging = false;  // one process per GPU through NCCL
   bool nvme_path_known = false;         // an NVMe directory was given (for suggestions)
 
   // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
@@ -122,12 +135,13 @@ struct MemoryPlan {
   TierBytes model_states;              // sum of `states`
   TierBytes model_states_zero;         // sum of `states_zero`
 
-  // Activations (on the device; host memory standing in on the CPU backend).
-  int64_t activation_checkpoint_bytes = 0;  // each unit's input, kept from forward to backward
-  int64_t activation_working_bytes = 0;     // the largest unit's recompute + backward working set
-  // Buffers the engine uses besides the states.
-  int64_t device_staging_bytes = 0;  // gathered-parameter window, full-unit gradient buffers
-  int64_t host_staging_bytes = 0;    // pinned NVMe staging and optimizer output buffers
+  // Every buffer of the training plan (with a model; else the state lines).
+  std::vector<PlanBuffer> buffers;
+  // The buffers besides the states, summed by what they hold.
+  int64_t activation_checkpoint_bytes = 0;  // unit inputs kept to the backward, tokens, losses
+  int64_t activation_working_bytes = 0;     // one unit's recompute + backward working set
+  int64_t device_staging_bytes = 0;         // gathered units, unit gradients, ... on the device
+  int64_t host_staging_bytes = 0;           // pinned copies, streamed optimizer, new parameters
 
   TierBytes total_per_rank;  // states + activations + staging
   std::vector<TierVerdict> verdicts;
@@ -146,14 +160,21 @@ int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelCo
 PlanInput plan_input_from_config(const TrainConfig& config,
                                  const std::optional<ModelConfig>& model);
 
+// The training-plan input a plan input describes (needs input.model); the
+// engine's plans are built from the same conversion.
+TrainingPlanInput step_input(const PlanInput& input);
+// step_input of plan_input_from_config: what the engine runs for this config
+// (the backend and NCCL staging are the caller's to set).
+TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config);
+
 // Checks the input (stage range, offload_param below stage 3, ...).
 Status validate_plan_input(const PlanInput& input);
 
 // The plan without suggestion search.
-MemoryPlan plan_memory(const PlanInput& input);
+Result<MemoryPlan> plan_memory(const PlanInput& input);
 
 // The plan, and when it does not fit, the smallest change that does.
-MemoryPlan plan_with_suggestion(const PlanInput& input);
+Result<MemoryPlan> plan_with_suggestion(const PlanInput& input);
 
 // Reading the node: MemAvailable, free bytes under the NVMe directories.
 std::optional<int64_t> detect_host_available_bytes();

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/model/cuda_units.h"
+#include "core/plan/planner.h"
 #include "io/base/sizes.h"
 
 namespace strata {
@@ -447,6 +448,87 @@ int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
   return input.stage == 0 ? 0 : int64_t(rank) * units[size_t(u)].shard_numel;
 }
 
+namespace {
+
+// Where each kind of state lives (the table in core/README.md): parameters and
+// optimizer state where offloaded, gradients where the optimizer reads them. In
+// fp32 the parameters are the master unless the optimizer keeps its state in
+// another tier.
+StateHomes state_homes(const TrainingPlanInput& in) {
+  StateHomes homes;
+  homes.param = home_of(in.offload_param);
+  homes.optimizer = home_of(in.offload_optimizer);
+  homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
+  homes.separate_master = in.precision != Precision::fp32 || homes.param != homes.optimizer;
+  return homes;
+}
+
+// What a rank keeps of one unit, by ZeRO stage.
+UnitPlacement place_unit(int64_t padded_numel, int64_t shard_numel, int stage) {
+  UnitPlacement p;
+  p.padded_numel = padded_numel;
+  p.shard_numel = shard_numel;
+  p.param_numel = stage == 3 ? shard_numel : padded_numel;
+  p.grad_numel = stage >= 2 ? shard_numel : padded_numel;
+  p.optimizer_numel = stage >= 1 ? shard_numel : padded_numel;
+  return p;
+}
+
+// The model-state lines: one per kind of state, each unit's shard rounded to
+// a page on its own (the store adds one shard per unit), the sum rounded to
+// the tier's alignment.
+void add_state_buffers(TrainingPlan& plan) {
+  const TrainingPlanInput& in = plan.input;
+  const int64_t page = 4096;
+  auto add_state = [&](BufferRole role, std::string name, Tier tier, BufferElement element) {
+    int64_t bytes = 0, elements = 0;
+    for (int u = 0; u < int(plan.units.size()); ++u) {
+      elements += plan.state_numel(u, role);
+      bytes += round_up(plan.state_numel(u, role) * buffer_element_bytes(element), page);
+    }
+    if (bytes <= 0) return;
+    const int64_t alignment = tier == Tier::nvme ? int64_t(in.nvme_alignment) : page;
+    bytes = round_up(bytes, alignment);
+    plan.buffers.push_back(
+        {role, BufferOwner::store, std::move(name), tier, element, 1, elements, bytes});
+    plan.peak_bytes[static_cast<int>(tier)] += bytes;
+  };
+  add_state(BufferRole::param_state, fmt::format("parameters ({})", precision_name(in.precision)),
+            plan.homes.param, compute_element(in.precision));
+  add_state(BufferRole::grad_state, "gradients (fp32)", plan.homes.grad, BufferElement::f32);
+  if (plan.homes.separate_master)
+    add_state(BufferRole::master_state, "fp32 master", plan.homes.optimizer, BufferElement::f32);
+  add_state(BufferRole::m_state, "Adam m", plan.homes.optimizer, BufferElement::f32);
+  add_state(BufferRole::v_state, "Adam v", plan.homes.optimizer, BufferElement::f32);
+}
+
+}  // namespace
+
+std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
+                                          const std::vector<int64_t>& unit_numels) {
+  TrainingPlan plan;
+  plan.input = input;
+  plan.homes = state_homes(input);
+  for (int64_t numel : unit_numels) {
+    const int64_t shard = padded_shard_elements(numel, input.world_size);
+    plan.units.push_back(place_unit(shard * input.world_size, shard, input.stage));
+  }
+  add_state_buffers(plan);
+  return plan.buffers;
+}
+
+BufferElement compute_element(Precision precision) {
+  switch (precision) {
+    case Precision::fp32:
+      return BufferElement::f32;
+    case Precision::bf16:
+      return BufferElement::bf16;
+    case Precision::fp16:
+      return BufferElement::f16;
+  }
+  return BufferElement::f32;
+}
+
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   if (in.world_size < 1) return Status::error("world size must be at least 1");
   if (in.stage < 0 || in.stage > 3)
@@ -470,13 +552,7 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   plan.layout = model_layout(in.model, in.world_size);
   plan.compute_bytes = compute_bytes(in.precision);
   plan.tokens_per_micro = in.micro_batch * in.seq_len;
-  plan.homes.param = home_of(in.offload_param);
-  plan.homes.optimizer = home_of(in.offload_optimizer);
-  plan.homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
-  // The planner's rule (core/plan/planner.cpp): in fp32 the parameters are the
-  // master unless the optimizer keeps its state in another tier.
-  plan.homes.separate_master =
-      in.precision != Precision::fp32 || plan.homes.param != plan.homes.optimizer;
+  plan.homes = state_homes(in);
   plan.gather_slots = in.stage == 3 ? 2 : 0;
   plan.tied_grad_buffer = in.model.tie_word_embeddings;
   plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
@@ -484,12 +560,7 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
 
   int64_t largest_padded = 0, largest_shard = 0, largest_optimizer = 0;
   for (const UnitLayout& unit : plan.layout.units) {
-    UnitPlacement p;
-    p.padded_numel = unit.padded_numel;
-    p.shard_numel = unit.shard_numel;
-    p.param_numel = in.stage == 3 ? unit.shard_numel : unit.padded_numel;
-    p.grad_numel = in.stage >= 2 ? unit.shard_numel : unit.padded_numel;
-    p.optimizer_numel = in.stage >= 1 ? unit.shard_numel : unit.padded_numel;
+    const UnitPlacement p = place_unit(unit.padded_numel, unit.shard_numel, in.stage);
     plan.units.push_back(p);
     largest_padded = std::max(largest_padded, p.padded_numel);
     largest_shard = std::max(largest_shard, p.shard_numel);
@@ -505,9 +576,7 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   // --- memory, per rank: every buffer, typed, in the order the ranks allocate --------
   const int64_t page = 4096;
   const int64_t cb = plan.compute_bytes;
-  const BufferElement compute = in.precision == Precision::fp32   ? BufferElement::f32
-                                : in.precision == Precision::bf16 ? BufferElement::bf16
-                                                                  : BufferElement::f16;
+  const BufferElement compute = compute_element(in.precision);
   auto add = [&](BufferRole role, BufferOwner owner, std::string name, Tier tier,
                  BufferElement element, int copies, int64_t elements) {
     if (copies <= 0 || elements <= 0) return;
@@ -517,28 +586,7 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     plan.buffers.push_back({role, owner, std::move(name), tier, element, copies, elements, bytes});
     plan.peak_bytes[static_cast<int>(tier)] += bytes;
   };
-  // Model state: each unit's shard is rounded on its own, so the line holds
-  // the rounded sum (one "copy" of that many bytes).
-  auto add_state = [&](BufferRole role, std::string name, Tier tier, BufferElement element) {
-    int64_t bytes = 0, elements = 0;
-    for (int u = 0; u < int(plan.units.size()); ++u) {
-      elements += plan.state_numel(u, role);
-      bytes += round_up(plan.state_numel(u, role) * buffer_element_bytes(element), page);
-    }
-    if (bytes <= 0) return;
-    const int64_t alignment = tier == Tier::nvme ? int64_t(in.nvme_alignment) : page;
-    bytes = round_up(bytes, alignment);
-    plan.buffers.push_back(
-        {role, BufferOwner::store, std::move(name), tier, element, 1, elements, bytes});
-    plan.peak_bytes[static_cast<int>(tier)] += bytes;
-  };
-  add_state(BufferRole::param_state, fmt::format("parameters ({})", precision_name(in.precision)),
-            plan.homes.param, compute);
-  add_state(BufferRole::grad_state, "gradients (fp32)", plan.homes.grad, BufferElement::f32);
-  if (plan.homes.separate_master)
-    add_state(BufferRole::master_state, "fp32 master", plan.homes.optimizer, BufferElement::f32);
-  add_state(BufferRole::m_state, "Adam m", plan.homes.optimizer, BufferElement::f32);
-  add_state(BufferRole::v_state, "Adam v", plan.homes.optimizer, BufferElement::f32);
+  add_state_buffers(plan);
 
   using R = BufferRole;
   using O = BufferOwner;

@@ -188,6 +188,7 @@ enum class BufferOwner {
 };
 
 enum class BufferElement { f32, bf16, f16, i32, byte };
+BufferElement compute_element(Precision precision);
 int64_t buffer_element_bytes(BufferElement element);
 const char* buffer_element_name(BufferElement element);
 
@@ -270,6 +271,12 @@ struct TrainingPlan {
 };
 
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
+
+// The model-state lines alone, for units of the given parameter counts
+// (`strata plan --params N`: one unit of N), by the rules build_training_plan
+// uses; `input.model` is not read.
+std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
+                                          const std::vector<int64_t>& unit_numels);
 
 // "gather(layers.3) mb 1", "optimizer(embedding)", "exchange".
 std::string op_label(const TrainingPlan& plan, const PlanOp& op);
