@@ -1,11 +1,12 @@
 // The planner's numbers, each derived by hand in the test from core/README.md's
 // bytes per parameter (strata's) and the ZeRO paper's (2 + 2 + 12 bytes).
+#include "core/plan/planner.h"
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include "core/model/model.h"
-#include "core/plan/planner.h"
 #include "io/base/sizes.h"
 
 namespace strata {

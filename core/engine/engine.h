@@ -18,9 +18,12 @@
 // the storage precision (bf16/fp16 parameters are widened for compute; the
 // fp32 master is what the optimizer updates). The CUDA backend (options.backend,
 // core/engine/gpu_rank.h) computes the units on one GPU shared by the ranks, in the
-// parameters' precision, with either every kind of state on the GPU (one
-// rank, stage 0) or the state in host memory or on NVMe (stage 3 with
-// parameter and optimizer offload); the plan refuses other placements.
+// parameters' precision, at every stage and offload placement; what passes
+// through pinned host memory is the plan's to say (TrainingPlan::gpu_*).
+//
+// Every buffer a rank holds is one of the plan's (TrainingPlan::buffers),
+// allocated by walking that list; engine_impl.h says how the implementation
+// is cut (creation, set-up, checkpoints, the step executor, the operations).
 //
 // Reproducibility: a step's result depends only on (model, seed, data,
 // world size, precision, optimizer settings, backend); the ZeRO stage, the
@@ -55,7 +58,7 @@
 
 namespace strata {
 
-// Reads one micro-batch in DESIGN.md section 5's order: inputs (B, T) and
+// Reads one micro-batch in the sequential order of core/data/token_data.h: inputs (B, T) and
 // targets (B, T) of micro-batch `micro` on `rank`, from the running sequence offset.
 using BatchReader =
     std::function<Status(int64_t sequence_offset, int64_t micro, int rank, int world, int64_t B,

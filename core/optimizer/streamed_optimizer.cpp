@@ -96,9 +96,9 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     shard.arrays.grad = offset_elements(unit.grad, chunk.begin, unit.grad_type);
     shard.arrays.grad_type = unit.grad_type;
     // The kernel writes a bf16/fp16 copy in its pass; an fp32 copy is the new master itself.
-    void* copy =
-        unit.copy ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
-                  : nullptr;
+    void* copy = unit.copy
+                     ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
+                     : nullptr;
     const bool narrow_copy = copy != nullptr && unit.copy_type != kernels::cpu::ElementType::f32;
     shard.arrays.copy = narrow_copy ? copy : nullptr;
     shard.arrays.copy_type = unit.copy_type;

@@ -36,7 +36,7 @@ namespace strata {
 
 struct StreamedOptimizerOptions {
   int64_t chunk_elements = kOptimizerChunkElements;  // a multiple of 1024
-  unsigned buffer_count = 4;                        // offload_optimizer.buffer_count
+  unsigned buffer_count = 4;                         // offload_optimizer.buffer_count
 };
 
 // One unit's shard as the step sees it.

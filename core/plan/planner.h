@@ -68,8 +68,8 @@ struct PlanInput {
   // The CUDA backend's buffers (the device is a GPU), else the CPU backend's
   // (host memory standing in for the device).
   bool gpu = false;
-  bool nccl_staging = false;  // one process per GPU through NCCL
-  bool nvme_path_known = false;         // an NVMe directory was given (for suggestions)
+  bool nccl_staging = false;     // one process per GPU through NCCL
+  bool nvme_path_known = false;  // an NVMe directory was given (for suggestions)
 
   // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
   std::optional<int64_t> device_budget;

@@ -46,191 +46,211 @@ std::string unit_label(const TrainingPlan& plan, int unit) {
 // allows, fetches as early as theirs, reductions right after their backward.
 class PlanBuilder {
  public:
-  explicit PlanBuilder(TrainingPlan& plan) : plan_(plan) {}
+  explicit PlanBuilder(TrainingPlan& plan)
+      : plan_(plan),
+        in_(plan.input),
+        units_(static_cast<int>(plan.layout.units.size())),
+        head_(units_ - 1),
+        tied_(plan.layout.config.tie_word_embeddings),
+        stage3_(plan.input.stage == 3),
+        early_(plan.input.optimizer_during_backward),
+        writeback_(plan.homes.param == Tier::nvme && plan.homes.separate_master),
+        comm_lane_(plan.input.overlap_comm ? Lane::comm : Lane::compute) {}
 
   void build() {
-    const TrainingPlanInput& in = plan_.input;
-    const int U = static_cast<int>(plan_.layout.units.size());
-    const int head = U - 1;
-    const bool tied = plan_.layout.config.tie_word_embeddings;
-    const bool stage3 = in.stage == 3;
-    const Lane comm_lane = in.overlap_comm ? Lane::comm : Lane::compute;
+    list_compute_and_uses();
+    if (early_) decide_index_ = add(make_op(OpKind::decide, Lane::optimizer));
+    update_done_.assign(size_t(units_), -1);
+    last_reduce_.assign(size_t(units_), -1);
+    if (stage3_ && in_.offload_param == OffloadDevice::nvme) emit_fetches();
+    for (size_t c = 0; c < compute_.size(); ++c) emit_compute(c);
+    emit_exchange_and_updates();
+  }
 
-    // The compute operations of one step, and the gathered units each one reads.
-    struct ComputeUse {
-      OpKind kind;
-      int unit;
-      int micro;
-      std::vector<int> units;  // gathered buffers it reads
-    };
-    std::vector<ComputeUse> compute;
-    for (int m = 0; m < in.grad_accum; ++m) {
-      for (int u = 0; u < head; ++u) compute.push_back({OpKind::forward, u, m, {u}});
-      compute.push_back(
-          {OpKind::forward, head, m, tied ? std::vector<int>{0, head} : std::vector<int>{head}});
-      for (int u = head - 1; u >= 0; --u) compute.push_back({OpKind::backward, u, m, {u}});
+ private:
+  // A compute operation of the step, and the gathered units it reads.
+  struct ComputeUse {
+    OpKind kind;
+    int unit;
+    int micro;
+    std::vector<int> units;
+  };
+  // A gathered-buffer use, in order; use i takes slot i % gather_slots.
+  struct Use {
+    int unit;
+    size_t compute_index;
+  };
+
+  void list_compute_and_uses() {
+    for (int m = 0; m < in_.grad_accum; ++m) {
+      for (int u = 0; u < head_; ++u) compute_.push_back({OpKind::forward, u, m, {u}});
+      compute_.push_back({OpKind::forward, head_, m,
+                          tied_ ? std::vector<int>{0, head_} : std::vector<int>{head_}});
+      for (int u = head_ - 1; u >= 0; --u) compute_.push_back({OpKind::backward, u, m, {u}});
     }
-
-    // Gathered-buffer uses, in order; use i takes slot i % gather_slots.
-    struct Use {
-      int unit;
-      size_t compute_index;
-    };
-    std::vector<Use> uses;
-    for (size_t c = 0; c < compute.size(); ++c)
-      for (int u : compute[c].units) uses.push_back({u, c});
-
-    const int K = plan_.gather_slots;
-    const int P = plan_.fetch_slots;
-    std::vector<int> gather_op(uses.size(), -1), fetch_op(uses.size(), -1);
-    std::vector<int> compute_op(compute.size(), -1), release_op(compute.size(), -1);
-    size_t next_gather = 0, next_fetch = 0;
-
+    for (size_t c = 0; c < compute_.size(); ++c)
+      for (int u : compute_[c].units) uses_.push_back({u, c});
+    gather_op_.assign(uses_.size(), -1);
+    fetch_op_.assign(uses_.size(), -1);
+    compute_op_.assign(compute_.size(), -1);
+    release_op_.assign(compute_.size(), -1);
     // The previous use of the same unit: its host copy must be gone before the
     // next fetch of that shard (a shard has one copy per tier).
-    std::vector<int> previous_use(uses.size(), -1);
-    {
-      std::vector<int> last(plan_.units.size(), -1);
-      for (size_t i = 0; i < uses.size(); ++i) {
-        previous_use[i] = last[size_t(uses[i].unit)];
-        last[size_t(uses[i].unit)] = int(i);
-      }
+    previous_use_.assign(uses_.size(), -1);
+    std::vector<int> last(plan_.units.size(), -1);
+    for (size_t i = 0; i < uses_.size(); ++i) {
+      previous_use_[i] = last[size_t(uses_[i].unit)];
+      last[size_t(uses_[i].unit)] = int(i);
     }
-    auto fetch_ready = [&](size_t i) {
-      if (int(i) >= P && gather_op[i - size_t(P)] < 0) return false;  // its slot is still taken
-      return previous_use[i] < 0 || gather_op[size_t(previous_use[i])] >= 0;
-    };
-    auto emit_fetches = [&]() {
-      // fetch(i) needs the host copy that gather(i - P) released.
-      while (next_fetch < uses.size() && fetch_ready(next_fetch)) {
-        const size_t i = next_fetch++;
-        PlanOp op = make_op(OpKind::fetch, Lane::io, uses[i].unit,
-                            compute[uses[i].compute_index].micro, int(i % size_t(P)));
-        if (int(i) >= P) op.deps.push_back(gather_op[i - size_t(P)]);
-        if (previous_use[i] >= 0) op.deps.push_back(gather_op[size_t(previous_use[i])]);
-        op.bytes = plan_.units[size_t(uses[i].unit)].param_numel * plan_.compute_bytes;
-        fetch_op[i] = add(std::move(op));
-      }
-    };
-    auto emit_gathers_before = [&](size_t c) {
-      // gather(i) reuses the slot of use i - K, free once that use's compute op released it.
-      while (next_gather < uses.size()) {
-        const size_t i = next_gather;
-        if (int(i) >= K && uses[i - size_t(K)].compute_index >= c) break;
-        PlanOp op = make_op(OpKind::gather, comm_lane, uses[i].unit,
-                            compute[uses[i].compute_index].micro, int(i % size_t(K)));
-        if (int(i) >= K) op.deps.push_back(release_op[uses[i - size_t(K)].compute_index]);
-        if (fetch_op[i] >= 0) op.deps.push_back(fetch_op[i]);
-        op.bytes = plan_.units[size_t(uses[i].unit)].shard_numel * plan_.compute_bytes *
-                   (in.world_size - 1);
-        gather_op[i] = add(std::move(op));
-        ++next_gather;
-        if (in.offload_param == OffloadDevice::nvme) emit_fetches();
-      }
-    };
+  }
 
-    const bool early = in.optimizer_during_backward;
-    const bool writeback = plan_.homes.param == Tier::nvme && plan_.homes.separate_master;
-    int decide_index = -1;
-    if (early) decide_index = add(make_op(OpKind::decide, Lane::optimizer));
-    // optimizer(u) and, for NVMe parameter homes, writeback(u).
-    auto emit_update = [&](int u, std::vector<int> deps) {
-      PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
-      optimizer.deps = std::move(deps);
-      const int64_t n = plan_.units[size_t(u)].optimizer_numel;
-      optimizer.bytes = plan_.homes.optimizer == Tier::nvme ? 2 * 3 * n * 4 : 0;
-      int last = add(std::move(optimizer));
-      if (writeback) {
-        PlanOp write = make_op(OpKind::writeback, Lane::optimizer, u);
-        write.deps.push_back(last);
-        write.bytes = plan_.units[size_t(u)].param_numel * plan_.compute_bytes;
-        last = add(std::move(write));
-      }
-      return last;
-    };
-    std::vector<int> update_done(size_t(U), -1);
-    std::vector<int> update_order;
+  bool fetch_ready(size_t i) const {
+    const int P = plan_.fetch_slots;
+    if (int(i) >= P && gather_op_[i - size_t(P)] < 0) return false;  // its slot is still taken
+    return previous_use_[i] < 0 || gather_op_[size_t(previous_use_[i])] >= 0;
+  }
 
-    if (stage3 && in.offload_param == OffloadDevice::nvme) emit_fetches();
-    size_t use_index = 0;
-    std::vector<int> last_reduce(size_t(U), -1);
-    int grad_use = 0;
-    std::vector<int> reduce_of_grad_use;
-    for (size_t c = 0; c < compute.size(); ++c) {
-      const ComputeUse& cu = compute[c];
-      if (stage3) emit_gathers_before(c);
-      PlanOp op = make_op(cu.kind, Lane::compute, cu.unit, cu.micro);
-      if (stage3) {
-        for (size_t k = 0; k < cu.units.size(); ++k) op.deps.push_back(gather_op[use_index + k]);
-      }
-      // Gradient buffers: the head and every backward fill one; a tied
-      // embedding's lives from the head to the embedding's reduce.
-      const bool fills_grad = cu.kind == OpKind::backward || cu.unit == head;
-      const bool uses_rotating_grad = fills_grad && !(tied && cu.unit == 0);
-      if (uses_rotating_grad) {
-        op.slot = grad_use % plan_.grad_slots;
-        if (grad_use >= plan_.grad_slots)
-          op.deps.push_back(reduce_of_grad_use[size_t(grad_use - plan_.grad_slots)]);
-      }
-      if (tied && cu.unit == head && cu.micro > 0) op.deps.push_back(last_reduce[0]);
-      compute_op[c] = add(std::move(op));
-      if (stage3) {
-        PlanOp release = make_op(OpKind::release, Lane::compute, cu.unit, cu.micro);
-        release.deps.push_back(compute_op[c]);
-        release_op[c] = add(std::move(release));
-        use_index += cu.units.size();
-      } else {
-        release_op[c] = compute_op[c];
-      }
-      if (fills_grad) {
-        PlanOp reduce = make_op(OpKind::reduce, comm_lane, cu.unit, cu.micro,
-                                uses_rotating_grad ? grad_use % plan_.grad_slots : -1);
-        reduce.deps.push_back(compute_op[c]);
-        if (last_reduce[size_t(cu.unit)] >= 0) reduce.deps.push_back(last_reduce[size_t(cu.unit)]);
-        const UnitPlacement& p = plan_.units[size_t(cu.unit)];
-        const bool scatter = in.stage >= 2 && in.reduce_scatter;
-        // Ring collectives: reduce-scatter sends (W-1)/W of the unit, all-reduce twice that.
-        reduce.bytes =
-            p.shard_numel * (in.reduce_in_bf16 ? 2 : 4) * (in.world_size - 1) * (scatter ? 1 : 2);
-        const int index = add(std::move(reduce));
-        last_reduce[size_t(cu.unit)] = index;
-        if (uses_rotating_grad) {
-          reduce_of_grad_use.push_back(index);
-          ++grad_use;
-        }
-        if (early && cu.micro == in.grad_accum - 1) {
-          update_done[size_t(cu.unit)] = emit_update(cu.unit, {decide_index, index});
-          update_order.push_back(cu.unit);
-        }
-      }
+  // fetch(i) needs the host copy that gather(i - P) released.
+  void emit_fetches() {
+    const int P = plan_.fetch_slots;
+    while (next_fetch_ < uses_.size() && fetch_ready(next_fetch_)) {
+      const size_t i = next_fetch_++;
+      PlanOp op = make_op(OpKind::fetch, Lane::io, uses_[i].unit,
+                          compute_[uses_[i].compute_index].micro, int(i % size_t(P)));
+      if (int(i) >= P) op.deps.push_back(gather_op_[i - size_t(P)]);
+      if (previous_use_[i] >= 0) op.deps.push_back(gather_op_[size_t(previous_use_[i])]);
+      op.bytes = plan_.units[size_t(uses_[i].unit)].param_numel * plan_.compute_bytes;
+      fetch_op_[i] = add(std::move(op));
     }
+  }
 
-    PlanOp exchange = make_op(OpKind::exchange, comm_lane);
-    for (int u = 0; u < U; ++u) exchange.deps.push_back(last_reduce[size_t(u)]);
+  // gather(i) reuses the slot of use i - K, free once that use's compute op released it.
+  void emit_gathers_before(size_t c) {
+    const int K = plan_.gather_slots;
+    while (next_gather_ < uses_.size()) {
+      const size_t i = next_gather_;
+      if (int(i) >= K && uses_[i - size_t(K)].compute_index >= c) break;
+      PlanOp op = make_op(OpKind::gather, comm_lane_, uses_[i].unit,
+                          compute_[uses_[i].compute_index].micro, int(i % size_t(K)));
+      if (int(i) >= K) op.deps.push_back(release_op_[uses_[i - size_t(K)].compute_index]);
+      if (fetch_op_[i] >= 0) op.deps.push_back(fetch_op_[i]);
+      op.bytes = plan_.units[size_t(uses_[i].unit)].shard_numel * plan_.compute_bytes *
+                 (in_.world_size - 1);
+      gather_op_[i] = add(std::move(op));
+      ++next_gather_;
+      if (in_.offload_param == OffloadDevice::nvme) emit_fetches();
+    }
+  }
+
+  // optimizer(u) and, for NVMe parameter homes, writeback(u); returns the last.
+  int emit_update(int u, std::vector<int> deps) {
+    PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
+    optimizer.deps = std::move(deps);
+    const int64_t n = plan_.units[size_t(u)].optimizer_numel;
+    optimizer.bytes = plan_.homes.optimizer == Tier::nvme ? 2 * 3 * n * 4 : 0;
+    int last = add(std::move(optimizer));
+    if (writeback_) {
+      PlanOp write = make_op(OpKind::writeback, Lane::optimizer, u);
+      write.deps.push_back(last);
+      write.bytes = plan_.units[size_t(u)].param_numel * plan_.compute_bytes;
+      last = add(std::move(write));
+    }
+    return last;
+  }
+
+  // Compute operation c with its gathers before it, its release and its reduction after it.
+  void emit_compute(size_t c) {
+    const ComputeUse& cu = compute_[c];
+    if (stage3_) emit_gathers_before(c);
+    PlanOp op = make_op(cu.kind, Lane::compute, cu.unit, cu.micro);
+    if (stage3_) {
+      for (size_t k = 0; k < cu.units.size(); ++k) op.deps.push_back(gather_op_[use_index_ + k]);
+    }
+    // Gradient buffers: the head and every backward fill one; a tied
+    // embedding's lives from the head to the embedding's reduce.
+    const bool fills_grad = cu.kind == OpKind::backward || cu.unit == head_;
+    const bool uses_rotating_grad = fills_grad && !(tied_ && cu.unit == 0);
+    if (uses_rotating_grad) {
+      op.slot = grad_use_ % plan_.grad_slots;
+      if (grad_use_ >= plan_.grad_slots)
+        op.deps.push_back(reduce_of_grad_use_[size_t(grad_use_ - plan_.grad_slots)]);
+    }
+    if (tied_ && cu.unit == head_ && cu.micro > 0) op.deps.push_back(last_reduce_[0]);
+    compute_op_[c] = add(std::move(op));
+    if (stage3_) {
+      PlanOp release = make_op(OpKind::release, Lane::compute, cu.unit, cu.micro);
+      release.deps.push_back(compute_op_[c]);
+      release_op_[c] = add(std::move(release));
+      use_index_ += cu.units.size();
+    } else {
+      release_op_[c] = compute_op_[c];
+    }
+    if (fills_grad) emit_reduce(c, uses_rotating_grad);
+  }
+
+  void emit_reduce(size_t c, bool uses_rotating_grad) {
+    const ComputeUse& cu = compute_[c];
+    PlanOp reduce = make_op(OpKind::reduce, comm_lane_, cu.unit, cu.micro,
+                            uses_rotating_grad ? grad_use_ % plan_.grad_slots : -1);
+    reduce.deps.push_back(compute_op_[c]);
+    if (last_reduce_[size_t(cu.unit)] >= 0) reduce.deps.push_back(last_reduce_[size_t(cu.unit)]);
+    const UnitPlacement& p = plan_.units[size_t(cu.unit)];
+    const bool scatter = in_.stage >= 2 && in_.reduce_scatter;
+    // Ring collectives: reduce-scatter sends (W-1)/W of the unit, all-reduce twice that.
+    reduce.bytes =
+        p.shard_numel * (in_.reduce_in_bf16 ? 2 : 4) * (in_.world_size - 1) * (scatter ? 1 : 2);
+    const int index = add(std::move(reduce));
+    last_reduce_[size_t(cu.unit)] = index;
+    if (uses_rotating_grad) {
+      reduce_of_grad_use_.push_back(index);
+      ++grad_use_;
+    }
+    if (early_ && cu.micro == in_.grad_accum - 1) {
+      update_done_[size_t(cu.unit)] = emit_update(cu.unit, {decide_index_, index});
+      update_order_.push_back(cu.unit);
+    }
+  }
+
+  // The exchange of norms and losses, the updates (unless they ran during
+  // backward) and, at stages 1-2, the all-gathers of the updated parameters.
+  void emit_exchange_and_updates() {
+    PlanOp exchange = make_op(OpKind::exchange, comm_lane_);
+    for (int u = 0; u < units_; ++u) exchange.deps.push_back(last_reduce_[size_t(u)]);
     const int exchange_index = add(std::move(exchange));
-
-    if (!early) {
-      for (int u = 0; u < U; ++u) {
-        update_done[size_t(u)] = emit_update(u, {exchange_index});
-        update_order.push_back(u);
+    if (!early_) {
+      for (int u = 0; u < units_; ++u) {
+        update_done_[size_t(u)] = emit_update(u, {exchange_index});
+        update_order_.push_back(u);
       }
     }
-    if (in.stage == 1 || in.stage == 2) {
-      for (int u : update_order) {
-        PlanOp sync = make_op(OpKind::sync, comm_lane, u);
-        sync.deps.push_back(update_done[size_t(u)]);
-        sync.bytes = plan_.units[size_t(u)].shard_numel * plan_.compute_bytes * (in.world_size - 1);
+    if (in_.stage == 1 || in_.stage == 2) {
+      for (int u : update_order_) {
+        PlanOp sync = make_op(OpKind::sync, comm_lane_, u);
+        sync.deps.push_back(update_done_[size_t(u)]);
+        sync.bytes =
+            plan_.units[size_t(u)].shard_numel * plan_.compute_bytes * (in_.world_size - 1);
         add(std::move(sync));
       }
     }
   }
 
- private:
   int add(PlanOp op) {
     plan_.ops.push_back(std::move(op));
     return static_cast<int>(plan_.ops.size()) - 1;
   }
+
   TrainingPlan& plan_;
+  const TrainingPlanInput& in_;
+  const int units_, head_;
+  const bool tied_, stage3_, early_, writeback_;
+  const Lane comm_lane_;
+  std::vector<ComputeUse> compute_;
+  std::vector<Use> uses_;
+  std::vector<int> gather_op_, fetch_op_, compute_op_, release_op_, previous_use_;
+  size_t next_gather_ = 0, next_fetch_ = 0, use_index_ = 0;
+  int decide_index_ = -1;
+  int grad_use_ = 0;
+  std::vector<int> reduce_of_grad_use_, last_reduce_, update_done_, update_order_;
 };
 
 }  // namespace
@@ -502,6 +522,171 @@ void add_state_buffers(TrainingPlan& plan) {
   add_state(BufferRole::v_state, "Adam v", plan.homes.optimizer, BufferElement::f32);
 }
 
+// The plan's buffers besides the model state, in the order the ranks allocate them.
+class BufferListing {
+ public:
+  BufferListing(TrainingPlan& plan, int64_t largest_padded, int64_t largest_shard,
+                int64_t largest_optimizer)
+      : plan(plan),
+        in(plan.input),
+        largest_padded(largest_padded),
+        largest_shard(largest_shard),
+        largest_optimizer(largest_optimizer),
+        cb(plan.compute_bytes),
+        compute(compute_element(plan.input.precision)),
+        N(plan.tokens_per_micro),
+        C(plan.input.model.hidden_size),
+        units(static_cast<int>(plan.units.size())),
+        embedding_padded(plan.units[0].padded_numel),
+        scatter_output(plan.input.stage >= 2 && plan.input.reduce_scatter &&
+                       plan.input.world_size > 1) {}
+
+  // The GPU computes the units (core/engine/gpu_rank.h); the collectives and the
+  // CPU optimizer work on pinned host buffers. What passes through host
+  // memory depends on where the state lives.
+  void add_gpu_buffers() {
+    const bool params_in_place = plan.gpu_params_in_place();
+    const bool grads_in_place = plan.gpu_grads_in_place();
+    if (!params_in_place)
+      add(R::gathered_unit, O::rank,
+          fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host, compute,
+          plan.gather_slots, largest_padded);
+    if (!grads_in_place) {
+      add(R::unit_gradient, O::rank,
+          fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host, f32,
+          plan.grad_slots, largest_padded);
+      if (plan.tied_grad_buffer)
+        add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::host, f32, 1,
+            embedding_padded);
+      if (scatter_output)
+        add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::host, f32, 1,
+            largest_shard);
+    }
+    if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
+      add(R::sync_staging, O::rank, "parameter all-gather staging (largest unit)", Tier::host,
+          compute, 1, largest_padded);
+    add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::host, i32, 1,
+        2 * N * in.grad_accum);
+    if (!params_in_place)
+      add(R::gpu_param_slots, O::gpu,
+          fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots), Tier::device,
+          compute, kGpuParamSlots, largest_padded);
+    if (!grads_in_place) {
+      add(R::gpu_unit_gradients, O::gpu,
+          fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
+          Tier::device, f32, kGpuGradBuffers, largest_padded);
+      if (plan.tied_grad_buffer)
+        add(R::gpu_tied_gradient, O::gpu, "device tied embedding gradient", Tier::device, f32, 1,
+            embedding_padded);
+    }
+    if (plan.homes.grad == Tier::device) {
+      add(R::gpu_grad_norm_scratch, O::gpu, "gradient norm scratch", Tier::device, byte, 1,
+          cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
+      if (!grads_in_place)
+        add(R::gpu_reduced_gradient, O::gpu, "device reduced gradient", Tier::device, f32, 1,
+            largest_padded);
+    }
+    if (plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device && cb != 4)
+      add(R::gpu_new_parameters, O::gpu, "device new parameter shard", Tier::device, compute, 1,
+          largest_optimizer);
+    if (in.nccl_staging)
+      add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
+          largest_padded);
+    add(R::gpu_activation_checkpoints, O::gpu, "activation checkpoints (unit inputs)", Tier::device,
+        compute, 1, (units - 1) * N * C);
+    add(R::gpu_activation_gradient, O::gpu, "activation gradient", Tier::device, compute, 1, N * C);
+    add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
+        2 * N * in.grad_accum);
+    add(R::gpu_token_losses, O::gpu, "per-token losses", Tier::device, f32, 1, N);
+    add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
+        kGpuMatmulWorkspaceBytes);
+    add(R::gpu_unit_working_set, O::gpu, "GPU unit working set", Tier::device, byte, 1,
+        cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
+  }
+
+  // The CPU backend computes in fp32, so compute-precision parameters are
+  // widened into an fp32 twin; host memory stands in for the device.
+  void add_cpu_buffers() {
+    if (in.stage == 3) {
+      add(R::gathered_unit, O::rank,
+          fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
+          compute, plan.gather_slots, largest_padded);
+      if (cb != 4)
+        add(R::gathered_unit_fp32, O::rank, "gathered units widened to fp32", Tier::device, f32,
+            plan.gather_slots, largest_padded);
+    } else if (cb != 4) {
+      add(R::widened_params, O::rank, "parameters widened to fp32 (2 units)", Tier::device, f32, 2,
+          largest_padded);
+    }
+    add(R::unit_gradient, O::rank,
+        fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device, f32,
+        plan.grad_slots, largest_padded);
+    if (plan.tied_grad_buffer)
+      add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::device, f32, 1,
+          embedding_padded);
+    if (scatter_output)
+      add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::device, f32, 1,
+          largest_shard);
+    add(R::activation_checkpoints, O::rank, "activation checkpoints (unit inputs, fp32)",
+        Tier::device, f32, 1, (units - 1) * N * C);
+    add(R::activation_gradient, O::rank, "activation gradient", Tier::device, f32, 1, N * C);
+    add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
+        2 * N * in.grad_accum);
+    add(R::unit_working_set, O::rank, "unit working set", Tier::device, byte, 1,
+        UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
+  }
+
+  // Pinned host buffers of the store, the streamed optimizer and the new parameters.
+  void add_host_buffers() {
+    add(R::nvme_parameter_copies, O::store,
+        fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
+        compute, plan.fetch_slots, largest_shard);
+    if (plan.streamed_optimizer)
+      add(R::optimizer_stream, O::store,
+          fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,
+                      plan.optimizer_chunk_elements),
+          Tier::host, f32, in.optimizer_buffers, plan.optimizer_chunk_elements * 3);
+    if (plan.new_params_staged())
+      add(R::new_parameters, O::rank,
+          plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
+                                         : "new parameters on their way to the GPU",
+          Tier::host, compute, 1, largest_optimizer);
+    // write_shard / read_shard stage NVMe homes through one block (tiers/tiered_store.h).
+    int64_t largest_nvme_shard = 0;
+    if (plan.homes.param == Tier::nvme)
+      largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
+    if (plan.homes.optimizer == Tier::nvme)
+      largest_nvme_shard = std::max(largest_nvme_shard, largest_optimizer * 4);
+    add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte, 1,
+        std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
+  }
+
+ private:
+  using R = BufferRole;
+  using O = BufferOwner;
+  static constexpr BufferElement f32 = BufferElement::f32, i32 = BufferElement::i32,
+                                 byte = BufferElement::byte;
+  static constexpr int64_t page = 4096;
+
+  void add(BufferRole role, BufferOwner owner, std::string name, Tier tier, BufferElement element,
+           int copies, int64_t elements) {
+    if (copies <= 0 || elements <= 0) return;
+    const int64_t alignment = tier == Tier::nvme ? int64_t(in.nvme_alignment) : page;
+    const int64_t bytes = copies * round_up(elements * buffer_element_bytes(element), alignment);
+    plan.buffers.push_back({role, owner, std::move(name), tier, element, copies, elements, bytes});
+    plan.peak_bytes[static_cast<int>(tier)] += bytes;
+  }
+
+  TrainingPlan& plan;
+  const TrainingPlanInput& in;
+  const int64_t largest_padded, largest_shard, largest_optimizer, cb;
+  const BufferElement compute;
+  const int64_t N, C;
+  const int units;
+  const int64_t embedding_padded;
+  const bool scatter_output;
+};
+
 }  // namespace
 
 std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
@@ -574,143 +759,13 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);
 
   // --- memory, per rank: every buffer, typed, in the order the ranks allocate --------
-  const int64_t page = 4096;
-  const int64_t cb = plan.compute_bytes;
-  const BufferElement compute = compute_element(in.precision);
-  auto add = [&](BufferRole role, BufferOwner owner, std::string name, Tier tier,
-                 BufferElement element, int copies, int64_t elements) {
-    if (copies <= 0 || elements <= 0) return;
-    const int64_t alignment = tier == Tier::nvme ? int64_t(in.nvme_alignment) : page;
-    const int64_t bytes =
-        copies * round_up(elements * buffer_element_bytes(element), alignment);
-    plan.buffers.push_back({role, owner, std::move(name), tier, element, copies, elements, bytes});
-    plan.peak_bytes[static_cast<int>(tier)] += bytes;
-  };
   add_state_buffers(plan);
-
-  using R = BufferRole;
-  using O = BufferOwner;
-  const BufferElement f32 = BufferElement::f32, i32 = BufferElement::i32,
-                      byte = BufferElement::byte;
-  const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
-  const int units = static_cast<int>(plan.units.size());
-  const int64_t embedding_padded = plan.units[0].padded_numel;
-  const bool scatter_output = in.stage >= 2 && in.reduce_scatter && in.world_size > 1;
-  if (in.gpu) {
-    // The GPU computes the units (core/engine/gpu_rank.h); the collectives and the
-    // CPU optimizer work on pinned host buffers. What passes through host
-    // memory depends on where the state lives.
-    const bool params_in_place = plan.gpu_params_in_place();
-    const bool grads_in_place = plan.gpu_grads_in_place();
-    if (!params_in_place)
-      add(R::gathered_unit, O::rank,
-          fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host,
-          compute, plan.gather_slots, largest_padded);
-    if (!grads_in_place) {
-      add(R::unit_gradient, O::rank,
-          fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host,
-          f32, plan.grad_slots, largest_padded);
-      if (plan.tied_grad_buffer)
-        add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::host, f32, 1,
-            embedding_padded);
-      if (scatter_output)
-        add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::host, f32, 1,
-            largest_shard);
-    }
-    if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
-      add(R::sync_staging, O::rank, "parameter all-gather staging (largest unit)", Tier::host,
-          compute, 1, largest_padded);
-    add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::host, i32, 1,
-        2 * N * in.grad_accum);
-    if (!params_in_place)
-      add(R::gpu_param_slots, O::gpu,
-          fmt::format("device parameter slots ({} x largest unit)", kGpuParamSlots), Tier::device,
-          compute, kGpuParamSlots, largest_padded);
-    if (!grads_in_place) {
-      add(R::gpu_unit_gradients, O::gpu,
-          fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
-          Tier::device, f32, kGpuGradBuffers, largest_padded);
-      if (plan.tied_grad_buffer)
-        add(R::gpu_tied_gradient, O::gpu, "device tied embedding gradient", Tier::device, f32, 1,
-            embedding_padded);
-    }
-    if (plan.homes.grad == Tier::device) {
-      add(R::gpu_grad_norm_scratch, O::gpu, "gradient norm scratch", Tier::device, byte, 1,
-          cuda_grad_norm_scratch_bytes(largest_padded) + 4096);
-      if (!grads_in_place)
-        add(R::gpu_reduced_gradient, O::gpu, "device reduced gradient", Tier::device, f32, 1,
-            largest_padded);
-    }
-    if (plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device && cb != 4)
-      add(R::gpu_new_parameters, O::gpu, "device new parameter shard", Tier::device, compute, 1,
-          largest_optimizer);
-    if (in.nccl_staging)
-      add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
-          largest_padded);
-    add(R::gpu_activation_checkpoints, O::gpu, "activation checkpoints (unit inputs)",
-        Tier::device, compute, 1, (units - 1) * N * C);
-    add(R::gpu_activation_gradient, O::gpu, "activation gradient", Tier::device, compute, 1,
-        N * C);
-    add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
-        2 * N * in.grad_accum);
-    add(R::gpu_token_losses, O::gpu, "per-token losses", Tier::device, f32, 1, N);
-    add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
-        kGpuMatmulWorkspaceBytes);
-    add(R::gpu_unit_working_set, O::gpu, "GPU unit working set", Tier::device, byte, 1,
-        cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
-  } else {
-    // The CPU backend computes in fp32, so compute-precision parameters are
-    // widened into an fp32 twin; host memory stands in for the device.
-    if (in.stage == 3) {
-      add(R::gathered_unit, O::rank,
-          fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::device,
-          compute, plan.gather_slots, largest_padded);
-      if (cb != 4)
-        add(R::gathered_unit_fp32, O::rank, "gathered units widened to fp32", Tier::device, f32,
-            plan.gather_slots, largest_padded);
-    } else if (cb != 4) {
-      add(R::widened_params, O::rank, "parameters widened to fp32 (2 units)", Tier::device, f32,
-          2, largest_padded);
-    }
-    add(R::unit_gradient, O::rank,
-        fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device,
-        f32, plan.grad_slots, largest_padded);
-    if (plan.tied_grad_buffer)
-      add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::device, f32, 1,
-          embedding_padded);
-    if (scatter_output)
-      add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::device, f32, 1,
-          largest_shard);
-    add(R::activation_checkpoints, O::rank, "activation checkpoints (unit inputs, fp32)",
-        Tier::device, f32, 1, (units - 1) * N * C);
-    add(R::activation_gradient, O::rank, "activation gradient", Tier::device, f32, 1, N * C);
-    add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
-        2 * N * in.grad_accum);
-    add(R::unit_working_set, O::rank, "unit working set", Tier::device, byte, 1,
-        UnitWorkspace::bytes_for(in.model, in.micro_batch, in.seq_len));
-  }
-
-  add(R::nvme_parameter_copies, O::store,
-      fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
-      compute, plan.fetch_slots, largest_shard);
-  if (plan.streamed_optimizer)
-    add(R::optimizer_stream, O::store,
-        fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,
-                    plan.optimizer_chunk_elements),
-        Tier::host, f32, in.optimizer_buffers, plan.optimizer_chunk_elements * 3);
-  if (plan.new_params_staged())
-    add(R::new_parameters, O::rank,
-        plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
-                                       : "new parameters on their way to the GPU",
-        Tier::host, compute, 1, largest_optimizer);
-  // write_shard / read_shard stage NVMe homes through one block (tiers/tiered_store.h).
-  int64_t largest_nvme_shard = 0;
-  if (plan.homes.param == Tier::nvme)
-    largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
-  if (plan.homes.optimizer == Tier::nvme)
-    largest_nvme_shard = std::max(largest_nvme_shard, largest_optimizer * 4);
-  add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte, 1,
-      std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
+  BufferListing listing(plan, largest_padded, largest_shard, largest_optimizer);
+  if (in.gpu)
+    listing.add_gpu_buffers();
+  else
+    listing.add_cpu_buffers();
+  listing.add_host_buffers();
 
   PlanBuilder(plan).build();
 

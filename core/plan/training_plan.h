@@ -1,10 +1,15 @@
 // The training plan: one step of one rank as a list of operations over units,
 // with their lanes, their dependencies and the bytes every buffer takes in
-// every tier, computed before the step runs (DESIGN.md section 2).
+// every tier, computed before the step runs (core/README.md, "plan").
+//
+// Buffers. `buffers` is the one list of what a rank holds: every kind of
+// state and every working buffer, typed (role, owner, tier, element type,
+// copies x elements, bytes). The ranks allocate by walking it
+// (core/engine/rank_buffers.h) and `strata plan` prints it
+// (core/plan/planner.h); nothing else derives a buffer's size.
 //
 // Placement. For every unit the plan says how many elements of each kind of
-// state a rank keeps and where (the table of DESIGN.md section 1 and the
-// planner's byte rules, core/plan/planner.h):
+// state a rank keeps and where (the table in core/README.md):
 //   param   compute precision; stage 3: the rank's shard, else the whole unit;
 //           home offload_param (device when none)
 //   master  fp32, only where it is not the parameters themselves (bf16/fp16, or
@@ -67,7 +72,7 @@ struct TrainingPlanInput {
       false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
   // No clipping and no loss scaling: the update needs no global result, so
   // `decide` runs at the start and each unit's optimizer as soon as its
-  // gradient is final, during backward (DESIGN.md section 2).
+  // gradient is final, during backward.
   bool optimizer_during_backward = false;
   // Compute on a GPU (the CUDA backend, core/engine/gpu_rank.h): the state's
   // device homes are GPU memory; the collectives and the CPU optimizer work
@@ -159,12 +164,12 @@ enum class BufferRole {
   new_parameters,          // (largest optimizer range) compute precision, staged
   nccl_staging,            // [2] (largest padded) fp32: send, receive
   // The GPU rank's device working set (core/engine/gpu_rank.h).
-  gpu_param_slots,        // [kGpuParamSlots] (largest padded) compute precision
-  gpu_unit_gradients,     // [kGpuGradBuffers] (largest padded) fp32
-  gpu_tied_gradient,      // (embedding padded) fp32
-  gpu_grad_norm_scratch,  // bytes: the result, then the reduction's scratch
-  gpu_reduced_gradient,   // (largest padded) fp32
-  gpu_new_parameters,     // (largest optimizer range) compute precision
+  gpu_param_slots,             // [kGpuParamSlots] (largest padded) compute precision
+  gpu_unit_gradients,          // [kGpuGradBuffers] (largest padded) fp32
+  gpu_tied_gradient,           // (embedding padded) fp32
+  gpu_grad_norm_scratch,       // bytes: the result, then the reduction's scratch
+  gpu_reduced_gradient,        // (largest padded) fp32
+  gpu_new_parameters,          // (largest optimizer range) compute precision
   gpu_activation_checkpoints,  // (units - 1, B*T, C) compute precision
   gpu_activation_gradient,     // (B*T, C) compute precision
   gpu_tokens_and_targets,      // (2, G, B*T) int32
