@@ -10,13 +10,14 @@
 //                          order, each when its dependencies are done
 //   step_operations.cpp    one function per operation kind (gather, forward,
 //                          backward, reduce, exchange, optimizer, sync)
+//   rank_compute.h         what a rank computes with, the CPU or a GPU
+//                          (cpu_rank_compute.cpp, gpu_rank_compute.cpp)
 #pragma once
 
 #include "core/engine/engine.h"
 
 
 #include <fmt/format.h>
-#include <tbb/parallel_for.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/engine/gpu_rank.h"
 #include "core/engine/rank_buffers.h"
+#include "core/engine/rank_compute.h"
 #include "core/optimizer/streamed_optimizer.h"
 #include "core/plan/planner.h"
 #include "core/checkpoint/safetensors.h"
@@ -142,19 +144,15 @@ struct Engine::Impl {
     std::unique_ptr<tiers::TieredStore> store;
     std::unique_ptr<StreamedOptimizer> streamed;  // optimizer state on NVMe
     std::optional<Optimizer> optimizer;
-    std::unique_ptr<UnitWorkspace> ws;
-    std::unique_ptr<GpuRank> gpu;  // the CUDA backend's compute; null on the CPU backend
+    // What the rank computes with (the units, the state's arithmetic): the CPU or a GPU.
+    std::unique_ptr<RankCompute> compute;
     std::vector<tiers::DeviceBlock> device_blocks;
     std::vector<tiers::HostBlock> host_blocks;
     RankBuffers buffers;  // the plan's buffers of owner `rank`; the views below point into them
     std::vector<std::byte*> gathered;   // [slot] (largest padded) compute precision
-    std::vector<float*> gathered_fp32;  // [slot] widened (compute precision != fp32)
-    std::vector<float*> widened;        // [2] stages 0-2 with compute precision != fp32
     std::vector<float*> grad_slots;     // [slot] (largest padded) fp32
     float* tied_grad = nullptr;         // (embedding padded)
     float* reduce_out = nullptr;        // (largest shard)
-    std::vector<float*> checkpoints;    // [units - 1] (B*T, C)
-    float* activation_grad = nullptr;   // (B*T, C)
     int32_t* tokens = nullptr;          // (G, B*T)
     int32_t* targets = nullptr;         // (G, B*T)
     std::byte* param_out = nullptr;     // (largest optimizer range) new parameters, staged
@@ -221,24 +219,32 @@ struct Engine::Impl {
   void publish_params(Rank& rank, int unit, int64_t step_index);
 
   Status gather(Rank& rank, const PlanOp& op);
-  const float* unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit, int which);
   Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
-  const std::byte* gathered_params(Rank& rank, int op_index, int unit) const;
-  const std::byte* gpu_params(Rank& rank, StepRun& run, int op_index, int unit);
-  // The CUDA backend: which state lives in GPU memory.
-  bool params_on_gpu() const { return plan.input.gpu && plan.homes.param == tiers::Tier::device; }
-  bool grads_on_gpu() const { return plan.input.gpu && plan.homes.grad == tiers::Tier::device; }
+  Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
+  // The units compute straight from the parameters' home at stages 0-2, and on
+  // the GPU wherever it holds whole units (TrainingPlan::gpu_params_in_place);
+  // otherwise from the copy each use's gather brought.
+  bool params_in_place() const { return plan.input.stage < 3 || plan.gpu_params_in_place(); }
+  // Unit `unit`'s parameters for compute op `op_index`, after this step's update of them.
+  ComputeParams unit_params(Rank& rank, StepRun& run, int op_index, int unit);
+  // Where compute op `op`'s gradient goes (TrainingPlan::gpu_grads_in_place).
+  GradTarget grad_target(Rank& rank, const PlanOp& op);
+  // The optimizer's state in GPU memory (the CUDA backend): checkpoints read
+  // it through the store.
   bool optimizer_on_gpu() const {
     return plan.input.gpu && plan.homes.optimizer == tiers::Tier::device;
   }
   float* grad_home(Rank& rank, int unit) {
     return reinterpret_cast<float*>(home_data(rank, {unit, ShardKind::grad}));
   }
-  Status forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
-  Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status reduce(Rank& rank, const PlanOp& op);
+  // Reduces compute op `op`'s gradient over the ranks into its accumulator.
+  Status reduce_and_accumulate(Rank& rank, const PlanOp& op);
   Status exchange(Rank& rank, StepRun& run);
   Status optimize(Rank& rank, StepRun& run, const PlanOp& op);
+  // AdamW of `update` over state homed on NVMe: the streamed optimizer's pass
+  // brings master, m and v chunk by chunk (update's pointers to them are unused).
+  Status update_streamed(Rank& rank, const UnitUpdate& update, int unit, ShardKind master_kind);
   Status sync(Rank& rank, const PlanOp& op);
 
   UnitBatch batch_of(Rank& rank, StepRun& run, int micro) const {

@@ -96,36 +96,30 @@ Status Engine::Impl::open_rank(Rank& rank) {
   const RankBuffers& b = rank.buffers;
   using R = BufferRole;
   rank.gathered = b.all_as<std::byte>(R::gathered_unit);
-  rank.gathered_fp32 = b.all_as<float>(R::gathered_unit_fp32);
-  rank.widened = b.all_as<float>(R::widened_params);
   rank.grad_slots = b.all_as<float>(R::unit_gradient);
   rank.tied_grad = b.as<float>(R::tied_gradient);
   rank.reduce_out = b.as<float>(R::reduce_scatter_output);
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);
-  const int64_t N = plan.tokens_per_micro, C = in.model.hidden_size;
   rank.tokens = b.as<int32_t>(R::tokens_and_targets);
-  rank.targets = rank.tokens + N * in.grad_accum;
-  if (float* checkpoints = b.as<float>(R::activation_checkpoints))
-    for (int u = 0; u + 1 < units(); ++u)
-      rank.checkpoints.push_back(checkpoints + int64_t(u) * N * C);
-  rank.activation_grad = b.as<float>(R::activation_gradient);
+  rank.targets = rank.tokens + plan.tokens_per_micro * in.grad_accum;
   if (b.at(R::nccl_staging) != nullptr) {
     // NCCL stages the collectives' host buffers through the pool, not memory of its own.
     if (auto* nccl = dynamic_cast<comm::NcclComm*>(rank.comm.get()))
       nccl->use_staging(b.at(R::nccl_staging, 0), b.at(R::nccl_staging, 1),
                         size_t(plan.buffer(R::nccl_staging)->elements) * 4);
   }
+  // What the rank computes with: a GPU (its working set is the plan's
+  // buffers of owner gpu), or the CPU over the rank's buffers above.
   if (in.gpu) {
     Result<std::unique_ptr<GpuRank>> created =
         options.emulate_gpu
             ? GpuRank::create_emulated(plan)
             : GpuRank::create(plan, options.gpu_index, *s.device_tier(), rank.device_blocks);
     if (!created) return created.status().with_context(fmt::format("rank {}", r));
-    rank.gpu = std::move(*created);
+    rank.compute = RankCompute::gpu(plan, std::move(*created));
   } else {
-    // The workspace allocates its own memory; the plan's unit_working_set charged its bytes.
-    rank.ws = std::make_unique<UnitWorkspace>(in.model, in.micro_batch, in.seq_len);
+    rank.compute = RankCompute::cpu(plan, rank.buffers);
   }
   // NVMe parameter copies, the streamed optimizer's buffers and the shard
   // staging (owner: store) are taken by the store and the streamed optimizer.

@@ -225,8 +225,7 @@ Status Engine::finish() {
   // Every operation is enqueued; on a GPU its work may still run (AdamW on
   // state there): the homes are read through the device tier's own streams.
   for (auto& rank : im.ranks) {
-    if (!rank->gpu) continue;
-    if (Status s = rank->gpu->synchronize(); !s)
+    if (Status s = rank->compute->synchronize(); !s)
       return s.with_context(fmt::format("rank {}", rank->rank));
   }
   return Status::ok();

@@ -5,20 +5,15 @@ namespace strata {
 // --- operations, one function per kind -------------------------------------------
 
 Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
-  // One rank with its parameters on the GPU computes from their home.
-  if (plan.gpu_params_in_place()) return Status::ok();
+  // Units computed in place need no copy (at stage 3: one rank, on the GPU).
+  if (params_in_place()) return Status::ok();
   const UnitPlacement& p = plan.units[size_t(op.unit)];
   const ShardKey key{op.unit, ShardKind::param};
   const bool fetched = plan.homes.param == tiers::Tier::nvme;
   std::byte* target = rank.gathered[size_t(op.slot)];
   Status status = Status::ok();
   const std::byte* source = nullptr;
-  if (params_on_gpu()) {
-    // The shard comes to its place in the host buffer, then gathers in place.
-    std::byte* own = target + int64_t(rank.rank) * p.shard_numel * plan.compute_bytes;
-    status = rank.gpu->download(own, home_data(rank, key), p.shard_numel * plan.compute_bytes);
-    source = own;
-  } else if (fetched) {
+  if (fetched) {
     Result<tiers::ShardView> view = rank.store->wait(key, tiers::Tier::host);
     // A failed load still takes part in the collective (with stale bytes), so
     // the other ranks are not left waiting; the step then fails.
@@ -26,6 +21,16 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
       source = view->data;
     else
       status = view.status();
+  } else if (plan.homes.param == tiers::Tier::device) {
+    // Where the host cannot read the device tier, the shard comes to its
+    // place in the gathered buffer and gathers in place.
+    std::byte* own = target + int64_t(rank.rank) * p.shard_numel * plan.compute_bytes;
+    Result<const std::byte*> readable = rank.compute->readable_on_host(
+        home_data(rank, key), own, p.shard_numel * plan.compute_bytes);
+    if (readable)
+      source = *readable;
+    else
+      status = readable.status();
   } else {
     source = home_data(rank, key);
   }
@@ -35,73 +40,54 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
-  if (plan.compute_bytes != 4 && !rank.gpu)
-    kernels::cpu::widen_to_float(target, compute_type(), rank.gathered_fp32[size_t(op.slot)],
-                                 p.padded_numel);
-  return Status::ok();
+  return rank.compute->take_gathered(op.unit, op.slot, target);
 }
 
-// Unit `unit`'s fp32 parameters for compute op `op_index`; `which` picks one of
-// two widening buffers at stages 0-2 (the tied head reads two units).
-const float* Engine::Impl::unit_params_fp32(Rank& rank, StepRun& run, int op_index, int unit,
-                                            int which) {
-  if (plan.input.stage == 3) {
-    for (int d : plan.ops[size_t(op_index)].deps) {
-      const PlanOp& dep = plan.ops[size_t(d)];
-      if (dep.kind == OpKind::gather && dep.unit == unit)
-        return plan.compute_bytes == 4
-                   ? reinterpret_cast<const float*>(rank.gathered[size_t(dep.slot)])
-                   : rank.gathered_fp32[size_t(dep.slot)];
-    }
-    return nullptr;
+ComputeParams Engine::Impl::unit_params(Rank& rank, StepRun& run, int op_index, int unit) {
+  if (params_in_place()) {
+    wait_params(run.index, rank, unit);
+    return {home_data(rank, {unit, ShardKind::param}), -1};
   }
-  wait_params(run.index, rank, unit);
-  const std::byte* home = home_data(rank, {unit, ShardKind::param});
-  if (plan.compute_bytes == 4) return reinterpret_cast<const float*>(home);
-  float* out = rank.widened[size_t(which)];
-  kernels::cpu::widen_to_float(home, compute_type(), out, plan.units[size_t(unit)].padded_numel);
-  return out;
-}
-
-// Unit `unit`'s gathered parameters in compute precision (stage 3, the CUDA backend).
-const std::byte* Engine::Impl::gathered_params(Rank& rank, int op_index, int unit) const {
   for (int d : plan.ops[size_t(op_index)].deps) {
     const PlanOp& dep = plan.ops[size_t(d)];
-    if (dep.kind == OpKind::gather && dep.unit == unit) return rank.gathered[size_t(dep.slot)];
+    if (dep.kind == OpKind::gather && dep.unit == unit)
+      return {rank.gathered[size_t(dep.slot)], dep.slot};
   }
-  return nullptr;
+  return {};
 }
 
-// Unit `unit`'s parameters for a GPU computation: its device home (whole
-// units there, after this step's update of it), else its gathered host copy.
-const std::byte* Engine::Impl::gpu_params(Rank& rank, StepRun& run, int op_index, int unit) {
-  if (!plan.gpu_params_in_place()) return gathered_params(rank, op_index, unit);
-  wait_params(run.index, rank, unit);
-  return home_data(rank, {unit, ShardKind::param});
-}
-
-Status Engine::Impl::forward_on_gpu(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
+GradTarget Engine::Impl::grad_target(Rank& rank, const PlanOp& op) {
   const int u = op.unit;
-  const std::byte* params = gpu_params(rank, run, op_index, u);
-  if (params == nullptr) return Status::error("no parameters for the unit (plan error)");
-  const UnitBatch batch = batch_of(rank, run, op.micro);
-  if (u != units() - 1) return rank.gpu->forward(u, op.micro, params, batch.tokens, batch.targets);
   const bool tied_model = plan.layout.config.tie_word_embeddings;
-  const std::byte* tied = nullptr;
-  if (tied_model) {
-    tied = gpu_params(rank, run, op_index, 0);
-    if (tied == nullptr) return Status::error("no embedding for the tied head (plan error)");
-  }
-  GpuRank::GradTarget target;
+  const bool tied_head = tied_model && u == units() - 1;
+  GradTarget target;
   if (plan.gpu_grads_in_place()) {
     target.grads = grad_home(rank, u);
-    target.tied = tied_model ? grad_home(rank, 0) : nullptr;
-    target.zero_first = op.micro == 0;
-  } else {
-    target.grads = rank.grad_slots[size_t(op.slot)];
-    target.slot = op.slot;
+    target.tied = tied_head ? grad_home(rank, 0) : nullptr;
+    // A tied embedding's gradient was zeroed by the head, which added the lm_head's.
+    target.zero_first = op.micro == 0 && !(u == 0 && tied_model);
+    return target;
   }
-  Result<double> loss = rank.gpu->head(op.micro, params, tied, batch.loss_scale, target);
+  target.slot = op.slot;
+  // Slot -1: the tied embedding's buffer, which holds the lm_head's gradient already.
+  target.grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
+  target.tied = tied_head ? rank.tied_grad : nullptr;
+  target.zero_first = op.slot >= 0;
+  return target;
+}
+
+Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
+  const int u = op.unit;
+  const ComputeParams params = unit_params(rank, run, op_index, u);
+  if (params.data == nullptr) return Status::error("no parameters for the unit (plan error)");
+  const UnitBatch batch = batch_of(rank, run, op.micro);
+  if (u != units() - 1) return rank.compute->forward(u, op.micro, params, batch);
+  ComputeParams tied;
+  if (plan.layout.config.tie_word_embeddings) {
+    tied = unit_params(rank, run, op_index, 0);
+    if (tied.data == nullptr) return Status::error("no embedding for the tied head (plan error)");
+  }
+  Result<double> loss = rank.compute->head(op.micro, params, tied, batch, grad_target(rank, op));
   if (!loss) return loss.status();
   if (!std::isfinite(*loss) && plan.input.precision == Precision::fp32)
     return Status::error(
@@ -111,96 +97,43 @@ Status Engine::Impl::forward_on_gpu(Rank& rank, StepRun& run, int op_index, cons
   return Status::ok();
 }
 
-Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
-  if (rank.gpu) return forward_on_gpu(rank, run, op_index, op);
-  const int u = op.unit;
-  const int head = units() - 1;
-  const UnitBatch batch = batch_of(rank, run, op.micro);
-  UnitParams params;
-  params.flat = unit_params_fp32(rank, run, op_index, u, 0);
-  if (params.flat == nullptr) return Status::error("no gathered parameters (plan error)");
-  if (u != head) {
-    const float* input = u == 0 ? nullptr : rank.checkpoints[size_t(u - 1)];
-    unit_forward(plan.layout, u, params, batch, input, rank.checkpoints[size_t(u)], *rank.ws);
-    return Status::ok();
-  }
-  const bool tied = plan.layout.config.tie_word_embeddings;
-  if (tied) params.tied_embedding = unit_params_fp32(rank, run, op_index, 0, 1);
-  UnitGrads grads;
-  grads.flat = rank.grad_slots[size_t(op.slot)];
-  std::memset(grads.flat, 0, size_t(plan.units[size_t(u)].padded_numel) * 4);
-  if (tied) {
-    std::memset(rank.tied_grad, 0, size_t(plan.units[0].padded_numel) * 4);
-    grads.tied_embedding = rank.tied_grad;
-  }
-  const double loss =
-      head_forward_backward(plan.layout, params, batch, rank.checkpoints[size_t(head - 1)],
-                            rank.activation_grad, grads, *rank.ws);
-  if (!std::isfinite(loss) && plan.input.precision == Precision::fp32)
-    return Status::error(
-        fmt::format("the loss is {} (micro-batch {}); lower the learning rate or check the data",
-                    loss, op.micro));
-  rank.micro_loss[size_t(op.micro)] = loss;
-  return Status::ok();
-}
-
 Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op) {
   const int u = op.unit;
-  const int head = units() - 1;
-  if (rank.gpu) {
-    // The last layer's activations are still on the device (the head keeps its own).
-    const bool recompute = !(u == head - 1 && u >= 1);
-    const std::byte* params = gpu_params(rank, run, op_index, u);
-    if (params == nullptr && u != 0)
-      return Status::error("no parameters for the unit (plan error)");
-    GpuRank::GradTarget target;
-    if (plan.gpu_grads_in_place()) {
-      target.grads = grad_home(rank, u);
-      // A tied embedding's gradient was zeroed by the head, which added the lm_head's.
-      target.zero_first = op.micro == 0 && !(u == 0 && plan.layout.config.tie_word_embeddings);
-    } else {
-      target.grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
-      target.slot = op.slot;
-    }
-    return rank.gpu->backward(u, op.micro, params, recompute, target);
-  }
-  const UnitBatch batch = batch_of(rank, run, op.micro);
-  UnitParams params;
-  params.flat = unit_params_fp32(rank, run, op_index, u, 0);
-  if (params.flat == nullptr) return Status::error("no gathered parameters (plan error)");
-  UnitGrads grads;
-  if (op.slot >= 0) {
-    grads.flat = rank.grad_slots[size_t(op.slot)];
-    std::memset(grads.flat, 0, size_t(plan.units[size_t(u)].padded_numel) * 4);
-  } else {
-    grads.flat = rank.tied_grad;  // the head has added the tied lm_head's gradient already
-  }
-  const float* input = u == 0 ? nullptr : rank.checkpoints[size_t(u - 1)];
-  // The last layer's activations are still in the workspace (the head keeps its own).
-  const bool recompute = !(u == head - 1 && u >= 1);
-  unit_backward(plan.layout, u, params, batch, input, rank.activation_grad,
-                u == 0 ? nullptr : rank.activation_grad, grads, *rank.ws, recompute);
-  return Status::ok();
+  const ComputeParams params = unit_params(rank, run, op_index, u);
+  if (params.data == nullptr) return Status::error("no parameters for the unit (plan error)");
+  // The last layer's activations are still those of its forward (the head keeps its own).
+  const bool recompute = !(u == units() - 2 && u >= 1);
+  return rank.compute->backward(u, op.micro, params, batch_of(rank, run, op.micro), recompute,
+                                grad_target(rank, op));
 }
 
 Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
+  // One rank with its gradients in place on the GPU has nothing to reduce:
+  // they accumulated in their home.
+  if (!plan.gpu_grads_in_place()) {
+    if (Status s = reduce_and_accumulate(rank, op); !s) return s;
+  }
+  if (op.micro != plan.input.grad_accum - 1) return Status::ok();
+  // This rank's slice of the final gradient, the same elements at every stage.
+  const int u = op.unit;
+  const UnitPlacement& p = plan.units[size_t(u)];
+  const float* slice = grad_home(rank, u) +
+                       (p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0);
+  Result<kernels::cpu::GradNormPartial> partial =
+      rank.compute->grad_norm(plan.homes.grad, slice, p.shard_numel);
+  if (!partial) return partial.status();
+  rank.partials[size_t(u)] = *partial;
+  return Status::ok();
+}
+
+Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
   const int r = rank.rank;
-  if (plan.gpu_grads_in_place()) {
-    // One rank: nothing to reduce; the gradient accumulated in its home on the GPU.
-    if (op.micro != plan.input.grad_accum - 1) return Status::ok();
-    Result<kernels::cpu::GradNormPartial> partial =
-        rank.gpu->grad_norm(grad_home(rank, u), p.shard_numel);
-    if (!partial) return partial.status();
-    rank.partials[size_t(u)] = *partial;
-    return Status::ok();
-  }
   // A gradient that failed to arrive still takes part in the collective (with
   // stale bytes), so the other ranks are not left waiting; the step then fails.
-  const Status arrived = rank.gpu ? rank.gpu->gradients_ready(op.slot) : Status::ok();
+  const Status arrived = rank.compute->gradients_ready(op.slot);
   float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
-  float* accumulator = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::grad}));
   const int stage = plan.input.stage;
   const bool scatter = stage >= 2 && plan.input.reduce_scatter && world() > 1;
   // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
@@ -231,36 +164,8 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
     if (!arrived) return arrived;
     if (!status) return status;
   }
-  if (grads_on_gpu()) {
-    // The reduced gradient accumulates in its home on the GPU, as below.
-    if (Status s = rank.gpu->accumulate(accumulator, reduced, count, op.micro == 0); !s) return s;
-    if (op.micro != plan.input.grad_accum - 1) return Status::ok();
-    const float* slice =
-        p.grad_numel == p.padded_numel ? accumulator + int64_t(r) * p.shard_numel : accumulator;
-    Result<kernels::cpu::GradNormPartial> partial = rank.gpu->grad_norm(slice, p.shard_numel);
-    if (!partial) return partial.status();
-    rank.partials[size_t(u)] = *partial;
-    return Status::ok();
-  }
-  if (op.micro == 0) {
-    std::memcpy(accumulator, reduced, size_t(count) * 4);
-  } else {
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, count, 1 << 16),
-                      [&](const tbb::blocked_range<int64_t>& range) {
-                        for (int64_t i = range.begin(); i < range.end(); ++i)
-                          accumulator[i] += reduced[i];
-                      });
-  }
-  if (op.micro == plan.input.grad_accum - 1) {
-    // This rank's slice of the final gradient, the same elements at every stage.
-    const float* slice =
-        p.grad_numel == p.padded_numel ? accumulator + int64_t(r) * p.shard_numel : accumulator;
-    Result<kernels::cpu::GradNormPartial> partial =
-        kernels::cpu::grad_norm_squared(slice, ElementType::f32, p.shard_numel);
-    if (!partial) return partial.status();
-    rank.partials[size_t(u)] = *partial;
-  }
-  return Status::ok();
+  return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count,
+                                  op.micro == 0);
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
@@ -331,101 +236,62 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
         "the gradients of {} hold inf or NaN; it was not updated. Lower the learning rate, enable "
         "gradient_clipping, or check the data",
         plan.layout.units[size_t(u)].unit.name));
-  const int r = rank.rank;
   const UnitPlacement& p = plan.units[size_t(u)];
   const int cb = plan.compute_bytes;
-  const int64_t numel = p.optimizer_numel;
-  const int64_t offset = plan.optimizer_offset(u, r);
-  const float* grad = reinterpret_cast<const float*>(home_data(rank, {u, ShardKind::grad})) +
-                      (p.grad_numel == p.padded_numel ? offset : 0);
-  // Where the new compute-precision parameters go: their home, or the
-  // staging buffer on their way to NVMe or (from the CPU) to the GPU.
+  const int64_t offset = plan.optimizer_offset(u, rank.rank);
+  const ShardKey master_key{u, plan.homes.separate_master ? ShardKind::master : ShardKind::param};
+  // In fp32 the parameters may be the master: then the update is already in them.
+  const int64_t master_offset = plan.homes.separate_master || plan.input.stage == 3 ? 0 : offset;
   const int64_t param_offset = plan.input.stage == 3 ? 0 : offset;
   std::byte* param_home = plan.homes.param == tiers::Tier::nvme
                               ? nullptr
                               : home_data(rank, {u, ShardKind::param}) + param_offset * cb;
-  std::byte* destination = nullptr;
-  if (plan.new_params_staged())
-    destination = rank.param_out;
-  else if (plan.homes.param != tiers::Tier::nvme)
-    destination = param_home;
-  const ShardKey master_key{u, plan.homes.separate_master ? ShardKind::master : ShardKind::param};
-  // In fp32 the parameters may be the master: then the update is already in them.
-  const int64_t master_offset = plan.homes.separate_master || plan.input.stage == 3 ? 0 : offset;
-  const std::span<const ShardSegment> segments = rank.segments[size_t(u)];
-  if (optimizer_on_gpu()) {
-    // AdamW on the GPU, over the state's device homes.
-    float* master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
-    float* m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
-    float* v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
-    // Parameters on the GPU take the copy in place; elsewhere it passes
-    // through a device buffer (fp32: the master is the copy) to their home.
-    std::byte* copy = nullptr;
-    if (plan.homes.separate_master)
-      copy = params_on_gpu() ? destination : rank.gpu->new_parameter_buffer();
-    for (const ShardSegment& segment : segments) {
-      if (segment.begin == segment.end) continue;
-      const int64_t b = segment.begin;
-      if (Status s = rank.gpu->adamw(master + b, m + b, v + b, grad + b,
-                                     copy == nullptr ? nullptr : copy + b * cb, segment.end - b,
-                                     rank.optimizer->hyperparams(decision, segment.group));
-          !s)
-        return s;
-    }
-    if (params_on_gpu()) return Status::ok();
-    // Parameters in host memory (their home) or on NVMe (param_out, then writeback).
-    const std::byte* from = copy != nullptr ? copy : reinterpret_cast<const std::byte*>(master);
-    return rank.gpu->download(destination, from, numel * cb);
-  }
-  // The CPU optimizer's new parameters reach their home on the GPU after the update.
-  auto publish = [&](Status updated) -> Status {
-    if (!updated || !params_on_gpu()) return updated;
-    return rank.gpu->upload(param_home, rank.param_out, numel * cb);
-  };
 
-  auto update = [&](float* master, float* m, float* v, int64_t begin, int64_t count) -> Status {
-    std::vector<ShardSegment> local;
-    for (const ShardSegment& s : segments) {
-      const int64_t b = std::max(s.begin, begin), e = std::min(s.end, begin + count);
-      if (b < e) local.push_back({b - begin, e - begin, s.group});
-    }
-    OptimizerShard shard;
-    shard.arrays.numel = count;
-    shard.arrays.master = master;
-    shard.arrays.exp_avg = m;
-    shard.arrays.exp_avg_sq = v;
-    shard.arrays.grad = grad + begin;
-    shard.arrays.grad_type = ElementType::f32;
-    const bool copy = plan.homes.separate_master && destination != nullptr;
-    if (copy && cb != 4) {
-      shard.arrays.copy = destination + begin * cb;
-      shard.arrays.copy_type = compute_type();
-    }
-    shard.segments = local;
-    if (Status s = rank.optimizer->update_shard(decision, shard); !s) return s;
-    if (copy && cb == 4) std::memcpy(destination + begin * 4, master, size_t(count) * 4);
-    return Status::ok();
-  };
+  UnitUpdate update;
+  update.optimizer = &*rank.optimizer;
+  update.decision = decision;
+  update.numel = p.optimizer_numel;
+  update.segments = rank.segments[size_t(u)];
+  update.grad = reinterpret_cast<const float*>(home_data(rank, {u, ShardKind::grad})) +
+                (p.grad_numel == p.padded_numel ? offset : 0);
+  update.new_params_type = compute_type();
+  if (plan.homes.separate_master) {
+    // The new compute-precision parameters go to their home, or to the staging
+    // buffer on their way to NVMe or (from the CPU) to the GPU.
+    update.new_params = plan.new_params_staged() ? rank.param_out : param_home;
+    update.new_params_home = plan.new_params_staged() ? tiers::Tier::host : plan.homes.param;
+  }
+  Status updated = Status::ok();
+  if (plan.homes.optimizer == tiers::Tier::nvme) {
+    updated = update_streamed(rank, update, u, master_key.kind);
+  } else {
+    update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
+    update.m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
+    update.v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
+    updated = rank.compute->update(plan.homes.optimizer, update);
+  }
+  if (!updated) return updated;
+  // Staged on their way to their home in the device tier.
+  if (plan.new_params_staged() && plan.homes.param == tiers::Tier::device)
+    return rank.compute->upload(param_home, rank.param_out, update.numel * cb);
+  return Status::ok();
+}
 
-  if (plan.homes.optimizer != tiers::Tier::nvme) {
-    float* master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
-    float* m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
-    float* v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
-    return publish(update(master, m, v, 0, numel));
+Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int unit,
+                                     ShardKind master_kind) {
+  // Chunks stream through the pass's buffers (the one chunk loop).
+  StreamedOptimizerUnit streamed;
+  streamed.unit = unit;
+  streamed.numel = update.numel;
+  streamed.segments = update.segments;
+  streamed.grad = update.grad;
+  streamed.grad_type = ElementType::f32;
+  if (update.new_params != nullptr) {
+    streamed.copy = update.new_params;
+    streamed.copy_type = update.new_params_type;
   }
-  // Optimizer state on NVMe: chunks stream through the pass's buffers (the one chunk loop).
-  StreamedOptimizerUnit unit;
-  unit.unit = u;
-  unit.numel = numel;
-  unit.segments = segments;
-  unit.grad = grad;
-  unit.grad_type = ElementType::f32;
-  if (plan.homes.separate_master && destination != nullptr) {
-    unit.copy = destination;
-    unit.copy_type = cb == 4 ? ElementType::f32 : compute_type();
-  }
-  unit.master_kind = master_key.kind;
-  return publish(rank.streamed->step(*rank.optimizer, decision, {&unit, 1}));
+  streamed.master_kind = master_kind;
+  return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1});
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
@@ -434,16 +300,20 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
   const int cb = plan.compute_bytes;
   const comm::DataType type = cb == 4 ? comm::DataType::fp32 : comm::DataType::bf16;
   const int64_t own = int64_t(rank.rank) * p.shard_numel * cb;
-  if (!rank.gpu) return rank.comm->all_gather(params + own, params, size_t(p.shard_numel), type);
-  // Parameters on the GPU: gathered in pinned host memory, then sent back whole.
+  // The data paths differ here: the collectives work on host memory, and
+  // whole units the GPU computes from in place are in GPU memory, so they
+  // gather in the plan's pinned staging buffer and go back whole; elsewhere
+  // they gather in place in their home.
+  if (!plan.gpu_params_in_place())
+    return rank.comm->all_gather(params + own, params, size_t(p.shard_numel), type);
   if (world() == 1) return Status::ok();
-  Status status = rank.gpu->download(rank.sync_staging + own, params + own, p.shard_numel * cb);
+  Status status = rank.compute->download(rank.sync_staging + own, params + own, p.shard_numel * cb);
   // A failed copy still takes part in the collective, so the other ranks are not left waiting.
   Status gathered = rank.comm->all_gather(rank.sync_staging + own, rank.sync_staging,
                                           size_t(p.shard_numel), type);
   if (status) status = gathered;
   if (!status) return status;
-  return rank.gpu->upload(params, rank.sync_staging, p.padded_numel * cb);
+  return rank.compute->upload(params, rank.sync_staging, p.padded_numel * cb);
 }
 
 }  // namespace strata

@@ -1,0 +1,181 @@
+// RankCompute::cpu: the CPU backend's units in fp32, and the CPU's
+// arithmetic on state in host memory (the *_on_host functions, which the
+// GPU's compute uses for state offloaded to the host).
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/engine/rank_buffers.h"
+#include "core/engine/rank_compute.h"
+#include "kernels/cpu/simd.h"
+
+namespace strata {
+
+Status accumulate_on_host(float* accumulator, const float* reduced, int64_t numel, bool first) {
+  if (first) {
+    std::memcpy(accumulator, reduced, size_t(numel) * 4);
+    return Status::ok();
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, 1 << 16),
+                    [&](const tbb::blocked_range<int64_t>& range) {
+                      for (int64_t i = range.begin(); i < range.end(); ++i)
+                        accumulator[i] += reduced[i];
+                    });
+  return Status::ok();
+}
+
+Result<kernels::cpu::GradNormPartial> grad_norm_on_host(const float* grads, int64_t numel) {
+  return kernels::cpu::grad_norm_squared(grads, kernels::cpu::ElementType::f32, numel);
+}
+
+Status update_on_host(const UnitUpdate& update) {
+  OptimizerShard shard;
+  shard.arrays.numel = update.numel;
+  shard.arrays.master = update.master;
+  shard.arrays.exp_avg = update.m;
+  shard.arrays.exp_avg_sq = update.v;
+  shard.arrays.grad = update.grad;
+  shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+  const bool narrowed =
+      update.new_params != nullptr && update.new_params_type != kernels::cpu::ElementType::f32;
+  if (narrowed) {
+    shard.arrays.copy = update.new_params;
+    shard.arrays.copy_type = update.new_params_type;
+  }
+  shard.segments = update.segments;
+  if (Status s = update.optimizer->update_shard(update.decision, shard); !s) return s;
+  // In fp32 the new parameters are the master's values.
+  if (update.new_params != nullptr && !narrowed)
+    std::memcpy(update.new_params, update.master, size_t(update.numel) * 4);
+  return Status::ok();
+}
+
+namespace {
+
+using kernels::cpu::ElementType;
+
+class CpuRankCompute final : public RankCompute {
+ public:
+  CpuRankCompute(const TrainingPlan& plan, const RankBuffers& buffers)
+      : plan_(plan),
+        workspace_(plan.input.model, plan.input.micro_batch, plan.input.seq_len),
+        gathered_fp32_(buffers.all_as<float>(BufferRole::gathered_unit_fp32)),
+        widened_(buffers.all_as<float>(BufferRole::widened_params)),
+        activation_grad_(buffers.as<float>(BufferRole::activation_gradient)) {
+    const int64_t N = plan.tokens_per_micro, C = plan.input.model.hidden_size;
+    if (float* checkpoints = buffers.as<float>(BufferRole::activation_checkpoints))
+      for (size_t u = 0; u + 1 < plan.units.size(); ++u)
+        checkpoints_.push_back(checkpoints + int64_t(u) * N * C);
+  }
+
+  Status forward(int unit, int, const ComputeParams& params, const UnitBatch& batch) override {
+    UnitParams p;
+    p.flat = fp32(unit, params, 0);
+    const float* input = unit == 0 ? nullptr : checkpoints_[size_t(unit - 1)];
+    unit_forward(plan_.layout, unit, p, batch, input, checkpoints_[size_t(unit)], workspace_);
+    return Status::ok();
+  }
+
+  Result<double> head(int, const ComputeParams& params, const ComputeParams& tied,
+                      const UnitBatch& batch, const GradTarget& target) override {
+    const int head = int(plan_.units.size()) - 1;
+    UnitParams p;
+    p.flat = fp32(head, params, 0);
+    UnitGrads g;
+    g.flat = target.grads;
+    if (tied.data != nullptr) {
+      p.tied_embedding = fp32(0, tied, 1);
+      g.tied_embedding = target.tied;
+    }
+    if (target.zero_first) {
+      zero(g.flat, head);
+      if (g.tied_embedding != nullptr) zero(g.tied_embedding, 0);
+    }
+    return head_forward_backward(plan_.layout, p, batch, checkpoints_[size_t(head - 1)],
+                                 activation_grad_, g, workspace_);
+  }
+
+  Status backward(int unit, int, const ComputeParams& params, const UnitBatch& batch,
+                  bool recompute, const GradTarget& target) override {
+    UnitParams p;
+    p.flat = fp32(unit, params, 0);
+    UnitGrads g;
+    g.flat = target.grads;
+    if (target.zero_first) zero(g.flat, unit);
+    const float* input = unit == 0 ? nullptr : checkpoints_[size_t(unit - 1)];
+    unit_backward(plan_.layout, unit, p, batch, input, activation_grad_,
+                  unit == 0 ? nullptr : activation_grad_, g, workspace_, recompute);
+    return Status::ok();
+  }
+
+  // The units compute in fp32: a gathered unit below fp32 is widened as it
+  // arrives (on the comm lane), so the compute lane reads it ready.
+  Status take_gathered(int unit, int slot, const std::byte* params) override {
+    if (plan_.compute_bytes == 4) return Status::ok();
+    kernels::cpu::widen_to_float(params, plan_.compute_type(), gathered_fp32_[size_t(slot)],
+                                 plan_.units[size_t(unit)].padded_numel);
+    return Status::ok();
+  }
+  // The units run on the calling thread: their results are there when they return.
+  Status gradients_ready(int) override { return Status::ok(); }
+  Status synchronize() override { return Status::ok(); }
+
+  // The device tier is host memory.
+  Result<const std::byte*> readable_on_host(const std::byte* device, std::byte*, int64_t) override {
+    return device;
+  }
+  Status download(void* host, const void* device, int64_t bytes) override {
+    std::memcpy(host, device, size_t(bytes));
+    return Status::ok();
+  }
+  Status upload(void* device, const void* host, int64_t bytes) override {
+    std::memcpy(device, host, size_t(bytes));
+    return Status::ok();
+  }
+
+  // Both tiers are host memory here.
+  Status accumulate(tiers::Tier, float* accumulator, const float* reduced, int64_t numel,
+                    bool first) override {
+    return accumulate_on_host(accumulator, reduced, numel, first);
+  }
+  Result<kernels::cpu::GradNormPartial> grad_norm(tiers::Tier, const float* grads,
+                                                  int64_t numel) override {
+    return grad_norm_on_host(grads, numel);
+  }
+  Status update(tiers::Tier, const UnitUpdate& update) override { return update_on_host(update); }
+
+ private:
+  // Unit `unit`'s parameters in fp32: as they are in fp32, the gather's
+  // widened copy, or their home widened into buffer `which` (the tied head
+  // reads two units).
+  const float* fp32(int unit, const ComputeParams& params, int which) {
+    if (plan_.compute_bytes == 4) return reinterpret_cast<const float*>(params.data);
+    if (params.gathered_slot >= 0) return gathered_fp32_[size_t(params.gathered_slot)];
+    float* out = widened_[size_t(which)];
+    kernels::cpu::widen_to_float(params.data, plan_.compute_type(), out,
+                                 plan_.units[size_t(unit)].padded_numel);
+    return out;
+  }
+  void zero(float* grads, int unit) const {
+    std::memset(grads, 0, size_t(plan_.units[size_t(unit)].padded_numel) * 4);
+  }
+
+  const TrainingPlan& plan_;
+  // Allocates its own memory; the plan's unit_working_set line charged its bytes.
+  UnitWorkspace workspace_;
+  std::vector<float*> gathered_fp32_;  // [gather slot] (largest padded), below fp32 at stage 3
+  std::vector<float*> widened_;        // [2] (largest padded), below fp32 at stages 0-2
+  std::vector<float*> checkpoints_;    // [units - 1] (B*T, C) each unit's output, the next's input
+  float* activation_grad_ = nullptr;   // (B*T, C)
+};
+
+}  // namespace
+
+std::unique_ptr<RankCompute> RankCompute::cpu(const TrainingPlan& plan,
+                                              const RankBuffers& buffers) {
+  return std::make_unique<CpuRankCompute>(plan, buffers);
+}
+
+}  // namespace strata

@@ -1,0 +1,107 @@
+// RankCompute::gpu: the CUDA backend's compute over a GpuRank. State in the
+// device tier is the GPU's; state offloaded to host memory is the CPU's.
+#include <memory>
+#include <utility>
+
+#include "core/engine/gpu_rank.h"
+#include "core/engine/rank_compute.h"
+
+namespace strata {
+namespace {
+
+class GpuRankCompute final : public RankCompute {
+ public:
+  GpuRankCompute(const TrainingPlan& plan, std::unique_ptr<GpuRank> gpu)
+      : plan_(plan), gpu_(std::move(gpu)) {}
+
+  // The embedding's forward also takes the micro-batch's tokens and targets to the GPU.
+  Status forward(int unit, int micro, const ComputeParams& params,
+                 const UnitBatch& batch) override {
+    return gpu_->forward(unit, micro, params.data, batch.tokens, batch.targets);
+  }
+  Result<double> head(int micro, const ComputeParams& params, const ComputeParams& tied,
+                      const UnitBatch& batch, const GradTarget& target) override {
+    return gpu_->head(micro, params.data, tied.data, batch.loss_scale, gpu_target(target));
+  }
+  Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch&,
+                  bool recompute, const GradTarget& target) override {
+    return gpu_->backward(unit, micro, params.data, recompute, gpu_target(target));
+  }
+
+  // A gathered unit is uploaded by the computation that reads it, in compute precision.
+  Status take_gathered(int, int, const std::byte*) override { return Status::ok(); }
+  Status gradients_ready(int slot) override { return gpu_->gradients_ready(slot); }
+  Status synchronize() override { return gpu_->synchronize(); }
+
+  Result<const std::byte*> readable_on_host(const std::byte* device, std::byte* host,
+                                            int64_t bytes) override {
+    if (Status s = gpu_->download(host, device, bytes); !s) return s;
+    return static_cast<const std::byte*>(host);
+  }
+  Status download(void* host, const void* device, int64_t bytes) override {
+    return gpu_->download(host, device, bytes);
+  }
+  Status upload(void* device, const void* host, int64_t bytes) override {
+    return gpu_->upload(device, host, bytes);
+  }
+
+  Status accumulate(tiers::Tier home, float* accumulator, const float* reduced, int64_t numel,
+                    bool first) override {
+    if (home != tiers::Tier::device) return accumulate_on_host(accumulator, reduced, numel, first);
+    return gpu_->accumulate(accumulator, reduced, numel, first);
+  }
+  Result<kernels::cpu::GradNormPartial> grad_norm(tiers::Tier home, const float* grads,
+                                                  int64_t numel) override {
+    if (home != tiers::Tier::device) return grad_norm_on_host(grads, numel);
+    return gpu_->grad_norm(grads, numel);
+  }
+  Status update(tiers::Tier home, const UnitUpdate& update) override {
+    if (home != tiers::Tier::device) return update_on_host(update);
+    return update_on_device(update);
+  }
+
+ private:
+  static GpuRank::GradTarget gpu_target(const GradTarget& target) {
+    GpuRank::GradTarget out;
+    out.grads = target.grads;
+    out.tied = target.tied;
+    out.slot = target.slot;
+    out.zero_first = target.zero_first;
+    return out;
+  }
+
+  // AdamW over the state's device homes. Parameters in the device tier take
+  // the new values in place; elsewhere they pass through the GPU's
+  // new-parameter buffer (in fp32 the master is the copy) and come down.
+  Status update_on_device(const UnitUpdate& update) {
+    const int64_t cb = plan_.compute_bytes;
+    const bool downloaded =
+        update.new_params != nullptr && update.new_params_home != tiers::Tier::device;
+    std::byte* copy = downloaded ? gpu_->new_parameter_buffer() : update.new_params;
+    for (const ShardSegment& segment : update.segments) {
+      if (segment.begin == segment.end) continue;
+      const int64_t b = segment.begin;
+      if (Status s = gpu_->adamw(update.master + b, update.m + b, update.v + b, update.grad + b,
+                                 copy == nullptr ? nullptr : copy + b * cb, segment.end - b,
+                                 update.optimizer->hyperparams(update.decision, segment.group));
+          !s)
+        return s;
+    }
+    if (!downloaded) return Status::ok();
+    const std::byte* from =
+        copy != nullptr ? copy : reinterpret_cast<const std::byte*>(update.master);
+    return gpu_->download(update.new_params, from, update.numel * cb);
+  }
+
+  const TrainingPlan& plan_;
+  std::unique_ptr<GpuRank> gpu_;
+};
+
+}  // namespace
+
+std::unique_ptr<RankCompute> RankCompute::gpu(const TrainingPlan& plan,
+                                              std::unique_ptr<GpuRank> gpu) {
+  return std::make_unique<GpuRankCompute>(plan, std::move(gpu));
+}
+
+}  // namespace strata
