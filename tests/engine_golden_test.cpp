@@ -57,6 +57,7 @@ class EngineGoldenTest : public EngineRunsTest {
   EngineGoldenTest() : EngineRunsTest("engine_golden") {}
   void SetUp() override {
     EngineRunsTest::SetUp();
+    if (IsSkipped()) return;
     // One fixed stream, not a fresh one: these runs pin results, they do not sample inputs
     // (the other engine tests do).
     seed_ = 20261201;
