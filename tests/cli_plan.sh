@@ -28,8 +28,8 @@ device=$(echo "$out" | json_get 'd["per_rank"]["device_bytes"]')
 out=$("$strata" plan --model llama3-8b --precision bf16 --device-mem-limit 80G --host-mem-limit 1T)
 status=$?
 [ $status -eq 1 ]; check "overflowing plan exits 1" $?
-echo "$out" | grep -q "device .*DOES NOT FIT: over by"; check "names the overflowing tier" $?
-echo "$out" | grep -q "smallest change that fits: --offload-optimizer cpu"; check "suggests offloading the optimizer" $?
+grep -q "device .*DOES NOT FIT: over by" <<<"$out"; check "names the overflowing tier" $?
+grep -q "smallest change that fits: --offload-optimizer cpu" <<<"$out"; check "suggests offloading the optimizer" $?
 
 # --params and traffic with bandwidths.
 out=$("$strata" plan --params 30e9 --stage 3 --world-size 4 --precision bf16 --net-bw 50GB/s \
@@ -51,22 +51,22 @@ rmdir "$nvme_dir"
 # Errors: one line, exit 2, naming the problem.
 err=$("$strata" plan --model llama3-8b --stage 2 --offload-param cpu 2>&1 >/dev/null)
 status=$?
-[ $status -eq 2 ] && echo "$err" | grep -q "needs ZeRO stage 3"; check "offload_param below stage 3 refused" $?
+[ $status -eq 2 ] && grep -q "needs ZeRO stage 3" <<<"$err"; check "offload_param below stage 3 refused" $?
 [ "$(echo "$err" | wc -l)" -eq 1 ]; check "error is one line" $?
 err=$("$strata" plan --model nonesuch 2>&1 >/dev/null)
-echo "$err" | grep -q "not a preset and no such file"; check "unknown model named" $?
+grep -q "not a preset and no such file" <<<"$err"; check "unknown model named" $?
 err=$("$strata" plan --params lots 2>&1 >/dev/null)
-echo "$err" | grep -q -- "--params: 'lots' is not a count"; check "bad --params named" $?
+grep -q -- "--params: 'lots' is not a count" <<<"$err"; check "bad --params named" $?
 err=$("$strata" plan --model tiny --device-mem-limit 12X 2>&1 >/dev/null)
-echo "$err" | grep -q -- "--device-mem-limit"; check "bad size flag named" $?
+grep -q -- "--device-mem-limit" <<<"$err"; check "bad size flag named" $?
 
 # The engine's per-step schedule of a real model.
 out=$("$strata" plan --model tiny --schedule --stage 3 --offload-param nvme --offload-optimizer nvme \
       --nvme-path . --world-size 2 --grad-accum 2 --micro-batch 1 2>&1)
-echo "$out" | grep -q "fetch(layers.0) mb 0 .* io" && echo "$out" | grep -q "gather(head) mb 1" &&
-  echo "$out" | grep -q "^ *[0-9]* *exchange" && echo "$out" | grep -q "optimizer(embedding)"
+grep -q "fetch(layers.0) mb 0 .* io" <<<"$out" && grep -q "gather(head) mb 1" <<<"$out" &&
+  grep -q "^ *[0-9]* *exchange" <<<"$out" && grep -q "optimizer(embedding)" <<<"$out"
 check "--schedule prints every kind of operation" $?
-echo "$out" | grep -q "NVMe traffic per step and rank: [0-9.]* [KM]iB read"; check "--schedule prints NVMe traffic" $?
+grep -q "NVMe traffic per step and rank: [0-9.]* [KM]iB read" <<<"$out"; check "--schedule prints NVMe traffic" $?
 "$strata" plan --model tiny --schedule --json --stage 3 --world-size 2 | python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["ops"] and j["peak_bytes"]["device"] > 0'
 check "--schedule --json parses" $?
 # The schedule for a GPU, planned on any machine: the state stays off the device when offloaded,
@@ -77,15 +77,15 @@ if "$strata" --version | grep -q "CUDA backend: not built"; then
   check "--schedule --backend cuda refused by a CPU-only build" $?
 else
   out=$("$strata" plan --model tiny --schedule --backend cuda --stage 3 --offload-param cpu --offload-optimizer cpu)
-  echo "$out" | grep -q "device parameter slots" && ! echo "$out" | grep -qE "^ *device .*(Adam|fp32 master|parameters \()"
+  grep -q "device parameter slots" <<<"$out" && ! grep -qE "^ *device .*(Adam|fp32 master|parameters \()" <<<"$out"
   check "--schedule --backend cuda: a device working set, the state off the device" $?
   out=$("$strata" plan --model tiny --schedule --backend cuda --stage 2 --world-size 2 --offload-optimizer cpu)
-  echo "$out" | grep -qE "^ *device .*parameters \(" && echo "$out" | grep -qE "^ *host .*Adam m" &&
-    echo "$out" | grep -q "new parameters on their way to the GPU" &&
-    echo "$out" | grep -q "parameter all-gather staging" && ! echo "$out" | grep -q "device parameter slots"
+  grep -qE "^ *device .*parameters \(" <<<"$out" && grep -qE "^ *host .*Adam m" <<<"$out" &&
+    grep -q "new parameters on their way to the GPU" <<<"$out" &&
+    grep -q "parameter all-gather staging" <<<"$out" && ! grep -q "device parameter slots" <<<"$out"
   check "--schedule --backend cuda: ZeRO-Offload keeps the parameters on the device" $?
 fi
 err=$("$strata" plan --params 7B --schedule 2>&1 >/dev/null)
-echo "$err" | grep -q -- "--schedule needs --model"; check "--schedule without a model refused" $?
+grep -q -- "--schedule needs --model" <<<"$err"; check "--schedule without a model refused" $?
 
 finish_checks
