@@ -444,6 +444,12 @@ std::string cell(int64_t bytes) {
   return bytes == 0 ? "-" : format_bytes(static_cast<double>(bytes));
 }
 
+// Bytes per model parameter, "-" for none.
+std::string per_parameter(int64_t bytes, int64_t parameters) {
+  if (bytes == 0 || parameters <= 0) return "-";
+  return fmt::format("{:.2f}", double(bytes) / double(parameters));
+}
+
 void row(std::ostringstream& out, const std::string& label, const TierBytes& bytes) {
   out << fmt::format("  {:<56}{:>14}{:>14}{:>14}\n", label, cell(bytes.device), cell(bytes.host),
                      cell(bytes.nvme));
@@ -491,12 +497,15 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
     out << "  (activations and working buffers need --model: the shapes decide them)\n";
   }
   row(out, "total per rank (strata)", plan.total_per_rank);
-  if (in.world_size > 1) {
-    row(out, fmt::format("node total ({} ranks)", in.world_size),
-        TierBytes{plan.total_per_rank.device * in.world_size,
-                  plan.total_per_rank.host * in.world_size,
-                  plan.total_per_rank.nvme * in.world_size});
-  }
+  const TierBytes node{plan.total_per_rank.device * in.world_size,
+                       plan.total_per_rank.host * in.world_size,
+                       plan.total_per_rank.nvme * in.world_size};
+  if (in.world_size > 1) row(out, fmt::format("node total ({} ranks)", in.world_size), node);
+  // What each choice costs, whatever the model's size: the node's bytes per parameter.
+  out << fmt::format("  {:<56}{:>14}{:>14}{:>14}\n", "bytes per parameter (node)",
+                     per_parameter(node.device, plan.parameters),
+                     per_parameter(node.host, plan.parameters),
+                     per_parameter(node.nvme, plan.parameters));
 
   out << "\nbudget\n";
   for (const TierVerdict& v : plan.verdicts) {
@@ -535,8 +544,10 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
     if (bytes == 0) {
       out << fmt::format("  {:<17}none\n", label);
     } else {
-      out << fmt::format("  {:<17}{:>12} at {}/s: {}\n", label, format_bytes(double(bytes)),
-                         format_bytes(bandwidth), format_seconds(seconds));
+      out << fmt::format("  {:<17}{:>12} at {}/s: {} ({} B per parameter, node)\n", label,
+                         format_bytes(double(bytes)), format_bytes(bandwidth),
+                         format_seconds(seconds),
+                         per_parameter(bytes * in.world_size, plan.parameters));
     }
   };
   link("PCIe host->dev", t.h2d_bytes, in.pcie_bandwidth, t.h2d_seconds);
@@ -544,10 +555,13 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   if (t.nvme_read_bytes + t.nvme_write_bytes == 0) {
     out << "  NVMe             none\n";
   } else {
-    out << fmt::format("  NVMe read/write  {:>12} / {} at {}/s shared by the node: {}\n",
-                       format_bytes(double(t.nvme_read_bytes)),
-                       format_bytes(double(t.nvme_write_bytes)), format_bytes(in.nvme_bandwidth),
-                       format_seconds(t.nvme_seconds));
+    out << fmt::format(
+        "  NVMe read/write  {:>12} / {} at {}/s shared by the node: {} ({} / {} B per "
+        "parameter, node)\n",
+        format_bytes(double(t.nvme_read_bytes)), format_bytes(double(t.nvme_write_bytes)),
+        format_bytes(in.nvme_bandwidth), format_seconds(t.nvme_seconds),
+        per_parameter(t.nvme_read_bytes * in.world_size, plan.parameters),
+        per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters));
   }
   if (!t.slowest_link.empty()) out << fmt::format("  slowest link: {}\n", t.slowest_link);
   return out.str();
@@ -596,6 +610,19 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   j["staging"] = {{"device_bytes", plan.device_staging_bytes},
                   {"host_bytes", plan.host_staging_bytes}};
   j["total_per_rank"] = tiers(plan.total_per_rank);
+  // The node's bytes per model parameter: memory per tier, and traffic per link per step.
+  const int64_t w = in.world_size;
+  auto per = [&](int64_t bytes) {
+    return plan.parameters > 0 ? double(bytes * w) / double(plan.parameters) : 0.0;
+  };
+  j["bytes_per_parameter"] = {{"device", per(plan.total_per_rank.device)},
+                              {"host", per(plan.total_per_rank.host)},
+                              {"nvme", per(plan.total_per_rank.nvme)},
+                              {"collectives_per_step", per(plan.traffic.collective_bytes)},
+                              {"pcie_h2d_per_step", per(plan.traffic.h2d_bytes)},
+                              {"pcie_d2h_per_step", per(plan.traffic.d2h_bytes)},
+                              {"nvme_read_per_step", per(plan.traffic.nvme_read_bytes)},
+                              {"nvme_write_per_step", per(plan.traffic.nvme_write_bytes)}};
   json verdicts = json::array();
   for (const TierVerdict& v : plan.verdicts) {
     verdicts.push_back({{"tier", tier_name(v.tier)},
