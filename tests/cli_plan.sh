@@ -36,6 +36,8 @@ out=$("$strata" plan --params 30e9 --stage 3 --world-size 4 --precision bf16 --n
       --device-mem-limit 80G --host-mem-limit 1T --json)
 zero=$(echo "$out" | json_get 'd["traffic"]["collective_bytes_zero"]')
 [ "$zero" = "$((3 * 2 * 30000000000))" ]; check "stage 3 collective volume is 3 psi ($zero)" $?
+per=$(echo "$out" | json_get 'round(d["bytes_per_parameter"]["device"], 2)')
+[ "$per" = "18.0" ]; check "bf16 states on the device: 18 bytes per parameter on the node ($per)" $?
 bw=$(echo "$out" | json_get 'int(d["traffic"]["net_bandwidth"])')
 [ "$bw" = "50000000000" ]; check "--net-bw 50GB/s is read" $?
 
