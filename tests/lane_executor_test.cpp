@@ -31,7 +31,7 @@ namespace {
 using namespace std::chrono_literals;
 
 // A working executor finishes these plans in microseconds; only a deadlock waits this long.
-constexpr auto kDeadlock = 60s;
+constexpr auto kDeadlock = 30s;
 
 constexpr int kIo = static_cast<int>(Lane::io);
 constexpr int kComm = static_cast<int>(Lane::comm);
@@ -123,9 +123,11 @@ struct TransferPlan {
   }
   Status run(int op) {
     if (op == 0) transfer_done.wait();
-    if (op == 2) transfer_done.open();
-    std::lock_guard lock(mutex);
-    order.push_back(op);
+    {
+      std::lock_guard lock(mutex);
+      order.push_back(op);
+    }
+    if (op == 2) transfer_done.open();  // after its entry, so that the order is fixed
     return Status::ok();
   }
   std::vector<int> ran() {
@@ -135,7 +137,7 @@ struct TransferPlan {
 
   Gate transfer_done;
   std::mutex mutex;
-  std::vector<int> order;  // operations in the order they finished
+  std::vector<int> order;  // operations in the order they did their work
 };
 
 TEST(LaneExecutor, AnOperationWaitingForALaterOneOnAnotherLaneFinishes) {
@@ -339,19 +341,22 @@ TEST(LaneExecutor, AfterAFailureOnlyCollectivesRunAndTheFirstErrorIsTheSteps) {
 
 TEST(LaneExecutor, WaitingForAnOperationEndsWhenTheStepFails) {
   // The engine's step() waits for the exchange this way: a failure must end
-  // the wait even though the exchange never comes.
+  // the wait even though the exchange does not end.
   const std::vector<LaneOp> ops = {
-      op_on(kComm, {}, "exchange", /*collective=*/true),  // 0: waits for the gate
-      op_on(kCompute, {}, "forward(head) mb 0"),          // 1: fails
+      op_on(kCompute, {}, "forward(head) mb 0"),           // 0: fails
+      op_on(kComm, {0}, "exchange", /*collective=*/true),  // 1: runs, waits for the gate
   };
   Gate gate;
+  std::atomic<bool> exchange_started{false};
   LaneExecutor executor(ops, {});
   std::shared_ptr<StepProgress> progress = executor.start_step(3, [&](int, int op) {
-    if (op == 0) gate.wait();
-    return op == 1 ? Status::error("non-finite loss") : Status::ok();
+    if (op == 0) return Status::error("non-finite loss");
+    exchange_started = true;
+    gate.wait();
+    return Status::ok();
   });
   std::future<Status> exchanged =
-      std::async(std::launch::async, [progress] { return progress->wait_done(0); });
+      std::async(std::launch::async, [progress] { return progress->wait_done(1); });
   const bool returned = ready_within(exchanged, kDeadlock);
   gate.open();
   ASSERT_TRUE(returned) << "waiting for an operation outlived the step's failure";
@@ -360,6 +365,7 @@ TEST(LaneExecutor, WaitingForAnOperationEndsWhenTheStepFails) {
   std::future<Status> done = step_done(progress);
   ASSERT_TRUE(ready_within(done, kDeadlock));
   EXPECT_EQ(done.get().message(), "rank 0, forward(head) mb 0: non-finite loss");
+  EXPECT_TRUE(exchange_started) << "a collective runs after a failure";
 }
 
 TEST(LaneExecutor, OnlyTheStallLanesWaitingCounts) {
