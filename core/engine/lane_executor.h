@@ -64,7 +64,7 @@ struct LaneExecutorOptions {
   // hooks and the run function get the index into this list.
   std::vector<int> ranks{0};
   // One thread per rank runs every operation in plan order. Never the
-  // engine's: it exists to show what the lanes are for (the test above).
+  // engine's: it shows what the lanes are for (tests/lane_executor_test.cpp).
   bool one_lane = false;
   // Whose waiting is counted in StepProgress::stall_seconds (-1: none).
   int stall_lane = -1;
