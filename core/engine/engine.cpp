@@ -87,8 +87,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
   if (!impl_) return;
   (void)finish();
-  for (auto& rank : impl_->ranks)
-    for (auto& lane : rank->lanes) lane.reset();
+  impl_->executor.reset();
   // NCCL's staging came from this engine's device pool, which goes with it.
   if (auto* nccl = dynamic_cast<comm::NcclComm*>(impl_->options.process_comm.get()))
     nccl->use_staging(nullptr, nullptr, 0);
@@ -202,8 +201,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   // Every process starts, or none does (the others would wait for it in the first step).
   if (Status s = impl->agree(started, "another rank failed to start (its own error says why)"); !s)
     return s;
-  for (auto& rank : impl->ranks)
-    for (auto& lane : rank->lanes) lane = std::make_unique<LaneThread>();
+  impl->start_lanes();
   // Step results count the I/O of steps, not of initialisation.
   const io::IoCounters counters = impl->nvme_counters();
   impl->last_read = counters.bytes_read;
@@ -290,8 +288,7 @@ uint64_t Engine::nvme_bytes_written() const {
 }
 
 std::vector<OpTiming> Engine::take_timings() {
-  std::lock_guard lock(impl_->timing_mutex);
-  return std::exchange(impl_->timings, {});
+  return impl_->executor->take_timings();
 }
 
 }  // namespace strata

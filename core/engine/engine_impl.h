@@ -6,8 +6,9 @@
 //   engine_setup.cpp       one rank's store, shards and buffers, as the plan
 //                          lists them; initial parameters
 //   engine_checkpoints.cpp saving, resuming and reading the state back
-//   step_executor.cpp      a step: the lanes run the plan's operations in
-//                          order, each when its dependencies are done
+//   step_executor.cpp      a step: the lanes (lane_executor.h) run the plan's
+//                          operations in order, each when its dependencies
+//                          are done
 //   step_operations.cpp    one function per operation kind (gather, forward,
 //                          backward, reduce, exchange, optimizer, sync)
 //   rank_compute.h         what a rank computes with, the CPU or a GPU
@@ -27,7 +28,6 @@
 #include <condition_variable>
 #include <csignal>
 #include <cstring>
-#include <deque>
 #include <filesystem>
 #include <mutex>
 #include <span>
@@ -38,6 +38,7 @@
 #include "comm/nccl_comm.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/engine/gpu_rank.h"
+#include "core/engine/lane_executor.h"
 #include "core/engine/rank_buffers.h"
 #include "core/engine/rank_compute.h"
 #include "core/optimizer/streamed_optimizer.h"
@@ -72,68 +73,16 @@ inline void narrow(const float* source, ElementType type, std::byte* out, int64_
                                         : kernels::cpu::float_to_f16(source[i]);
 }
 
-// A lane: one thread running closures in the order they were posted.
-class LaneThread {
- public:
-  LaneThread() : thread_([this] { run(); }) {}
-  ~LaneThread() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
-  }
-  void post(std::function<void()> work) {
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(work));
-    }
-    wake_.notify_all();
-  }
-
- private:
-  void run() {
-    for (;;) {
-      std::function<void()> work;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        work = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      work();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::function<void()>> queue_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
-
-// One step of every rank: which operations are done, the first error.
+// One step of every rank this process holds: the executor's progress, and
+// what the operations hand to step() (the exchange's results, the decision).
 struct StepRun {
   int64_t index = 0;  // 0 for the first step
-  int world = 1;
-  size_t op_count = 0;
-  std::mutex mutex;
-  std::condition_variable changed;
-  std::vector<std::vector<uint8_t>> done;  // [rank][op]
-  size_t remaining = 0;
-  std::optional<Status> error;
+  std::shared_ptr<StepProgress> progress;
+  std::mutex mutex;                 // guards the vectors below
   std::vector<StepPlan> decisions;  // per rank, set by the exchange
   std::vector<double> loss_sum;     // per rank, global loss sum after the exchange
   std::vector<double> grad_norm;
-  std::vector<double> stall_seconds;  // per rank: compute lane waiting
-  std::vector<uint8_t> exchanged;
   double total_tokens = 0;
-
-  bool failed() {
-    std::lock_guard lock(mutex);
-    return error.has_value();
-  }
 };
 
 struct Engine::Impl {
@@ -161,13 +110,16 @@ struct Engine::Impl {
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
-    std::unique_ptr<LaneThread> lanes[kLaneCount];
   };
 
   EngineOptions options;
   TrainingPlan plan;
   std::vector<bool> publishes;  // op publishes its unit's new parameters
   std::vector<std::unique_ptr<Rank>> ranks;
+  // The lanes of every rank in `ranks` (the executor's rank i is ranks[i]);
+  // started once the ranks are set up, ended before they go.
+  std::unique_ptr<LaneExecutor> executor;
+  int exchange_op = -1;  // the plan's exchange: step() returns once it is done
   int64_t steps_done = 0;
   int64_t sequence_offset = 0;
   std::shared_ptr<StepRun> last_run;
@@ -175,8 +127,6 @@ struct Engine::Impl {
   std::string poison_reason;
   Clock::time_point created = Clock::now();
   uint64_t last_read = 0, last_written = 0;
-  std::mutex timing_mutex;
-  std::vector<OpTiming> timings;
   std::mutex params_mutex;
   std::condition_variable params_changed;
 
@@ -212,8 +162,11 @@ struct Engine::Impl {
 
   // --- execution -------------------------------------------------------------------
 
-  void post_step(const std::shared_ptr<StepRun>& run);
-  void run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int op_index);
+  void start_lanes();
+  // The executor's hooks: before an operation, the previous step's update of
+  // the parameters it reads; after one, its unit's update is published.
+  void before_op(Rank& rank, int64_t step_index, int op_index);
+  void after_op(Rank& rank, int64_t step_index, int op_index);
   Status execute(Rank& rank, StepRun& run, int op_index);
   void wait_params(int64_t step_index, Rank& rank, int unit);
   void publish_params(Rank& rank, int unit, int64_t step_index);

@@ -15,15 +15,9 @@ Result<StepResult> Engine::step() {
 
   auto run = std::make_shared<StepRun>();
   run->index = im.steps_done;
-  run->world = W;
-  run->op_count = im.plan.ops.size();
-  run->done.assign(size_t(W), std::vector<uint8_t>(run->op_count, 0));
-  run->remaining = run->op_count * size_t(im.local_count());
   run->decisions.resize(size_t(W));
   run->loss_sum.assign(size_t(W), 0.0);
   run->grad_norm.assign(size_t(W), 0.0);
-  run->stall_seconds.assign(size_t(W), 0.0);
-  run->exchanged.assign(size_t(W), 0);
 
   // The global batch: every rank's micro-batches, read before the step (the
   // previous step's compute is over, so the token buffers are free).
@@ -56,22 +50,18 @@ Result<StepResult> Engine::step() {
         "every target of this step's global batch is masked out; nothing to learn from");
   run->total_tokens = double(counted);
 
-  im.post_step(run);
-  {
-    std::unique_lock lock(run->mutex);
-    run->changed.wait(lock, [&] {
-      if (run->error) return true;
-      return std::all_of(im.ranks.begin(), im.ranks.end(),
-                         [&](const auto& rank) { return run->exchanged[size_t(rank->rank)] != 0; });
-    });
-  }
+  // The StepRun lives as long as the step's operations (they hold it); the
+  // progress does not hold them.
+  run->progress = im.executor->start_step(run->index, [&im, run](int rank, int op) {
+    return im.execute(*im.ranks[size_t(rank)], *run, op);
+  });
+  (void)run->progress->wait_done(im.exchange_op);
   im.last_run = run;
-  if (run->failed()) {
+  if (Status failed = run->progress->status(); !failed) {
     (void)finish();
     im.poisoned = true;
-    std::lock_guard lock(run->mutex);
-    im.poison_reason = run->error->message();
-    return *run->error;
+    im.poison_reason = failed.message();
+    return failed;
   }
   im.steps_done += 1;
   im.sequence_offset += in.grad_accum * W * in.micro_batch;
@@ -88,12 +78,7 @@ Result<StepResult> Engine::step() {
   result.tokens = counted;
   result.sequence_offset = im.sequence_offset;
   result.seconds = seconds_between(start, Clock::now());
-  {
-    std::lock_guard lock(run->mutex);
-    double stall = 0;
-    for (double s : run->stall_seconds) stall += s;
-    result.stall_seconds = stall / im.local_count();
-  }
+  result.stall_seconds = run->progress->stall_seconds() / im.local_count();
   const io::IoCounters counters = im.nvme_counters();
   result.nvme_read_bytes = counters.bytes_read - im.last_read;
   result.nvme_written_bytes = counters.bytes_written - im.last_written;
@@ -102,60 +87,34 @@ Result<StepResult> Engine::step() {
   return result;
 }
 
-void Engine::Impl::post_step(const std::shared_ptr<StepRun>& run) {
-  for (auto& rank : ranks) {
-    for (size_t i = 0; i < plan.ops.size(); ++i) {
-      const PlanOp& op = plan.ops[i];
-      Rank* r = rank.get();
-      r->lanes[static_cast<int>(op.lane)]->post([this, r, run, i] { run_op(*r, run, int(i)); });
-    }
-  }
+void Engine::Impl::start_lanes() {
+  LaneExecutorOptions lanes;
+  lanes.ranks.clear();
+  for (const auto& rank : ranks) lanes.ranks.push_back(rank->rank);
+  lanes.stall_lane = static_cast<int>(Lane::compute);
+  lanes.before = [this](int rank, int64_t step_index, int op) {
+    before_op(*ranks[size_t(rank)], step_index, op);
+  };
+  lanes.after = [this](int rank, int64_t step_index, int op) {
+    after_op(*ranks[size_t(rank)], step_index, op);
+  };
+  lanes.origin = created;
+  for (size_t i = 0; i < plan.ops.size(); ++i)
+    if (plan.ops[i].kind == OpKind::exchange) exchange_op = int(i);
+  executor = std::make_unique<LaneExecutor>(lane_ops(plan), std::move(lanes));
 }
 
-void Engine::Impl::run_op(Rank& rank, const std::shared_ptr<StepRun>& run, int op_index) {
+void Engine::Impl::before_op(Rank& rank, int64_t step_index, int op_index) {
   const PlanOp& op = plan.ops[size_t(op_index)];
-  // Dependencies of the same step, same rank.
-  const Clock::time_point wait_start = Clock::now();
-  {
-    std::unique_lock lock(run->mutex);
-    run->changed.wait(lock, [&] {
-      for (int d : op.deps)
-        if (!run->done[size_t(rank.rank)][size_t(d)]) return false;
-      return true;
-    });
-  }
-  // And the previous step's update of the parameters it reads.
   const bool reads_params =
       op.kind == OpKind::fetch || op.kind == OpKind::gather ||
       (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
-  if (reads_params) wait_params(run->index, rank, op.unit);
-  if (op.lane == Lane::compute) {
-    std::lock_guard lock(run->mutex);
-    run->stall_seconds[size_t(rank.rank)] += seconds_between(wait_start, Clock::now());
-  }
-  const Clock::time_point start = Clock::now();
-  Status status = Status::ok();
-  // After a failure the remaining operations only keep the ranks in step:
-  // collectives still run (their ranks wait for each other), the rest is skipped.
-  const bool collective = op.kind == OpKind::gather || op.kind == OpKind::reduce ||
-                          op.kind == OpKind::exchange || op.kind == OpKind::sync;
-  if (!run->failed() || collective) status = execute(rank, *run, op_index);
-  const Clock::time_point end = Clock::now();
-  if (publishes[size_t(op_index)]) publish_params(rank, op.unit, run->index);
-  {
-    std::lock_guard lock(timing_mutex);
-    timings.push_back({rank.rank, op_index, run->index, seconds_between(created, start),
-                       seconds_between(created, end)});
-  }
-  {
-    std::lock_guard lock(run->mutex);
-    if (!status && !run->error)
-      run->error = status.with_context(fmt::format("rank {}, {}", rank.rank, op_label(plan, op)));
-    run->done[size_t(rank.rank)][size_t(op_index)] = 1;
-    run->remaining -= 1;
-    if (op.kind == OpKind::exchange) run->exchanged[size_t(rank.rank)] = 1;
-  }
-  run->changed.notify_all();
+  if (reads_params) wait_params(step_index, rank, op.unit);
+}
+
+void Engine::Impl::after_op(Rank& rank, int64_t step_index, int op_index) {
+  if (publishes[size_t(op_index)])
+    publish_params(rank, plan.ops[size_t(op_index)].unit, step_index);
 }
 
 void Engine::Impl::wait_params(int64_t step_index, Rank& rank, int unit) {
@@ -217,11 +176,7 @@ Status Engine::finish() {
   Impl& im = *impl_;
   std::shared_ptr<StepRun> run = im.last_run;
   if (!run) return Status::ok();
-  {
-    std::unique_lock lock(run->mutex);
-    run->changed.wait(lock, [&] { return run->remaining == 0; });
-    if (run->error) return *run->error;
-  }
+  if (Status s = run->progress->wait_all(); !s) return s;
   // Every operation is enqueued; on a GPU its work may still run (AdamW on
   // state there): the homes are read through the device tier's own streams.
   for (auto& rank : im.ranks) {
