@@ -101,6 +101,44 @@ TEST_F(EngineErrors, Fp16SkipsOverflowingStepsHalvingTheScaleThenGivesUp) {
   EXPECT_EQ((*engine)->optimizer_state().applied_steps, 0);
 }
 
+// A step returns once its loss and norm are known; its updates go on while
+// the next step's forward runs. An update that fails then must fail that next
+// step (naming the operation), not vanish while the next step trains on
+// parameters that were never updated.
+TEST_F(EngineErrors, AnUpdateFailingAfterItsStepReturnedFailsTheNextStep) {
+  EngineRun run;
+  run.stage = 3;
+  run.offload_param = "cpu";
+  run.offload_optimizer = "nvme";  // the update's writes are the only NVMe writes of a step
+  Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+  ASSERT_TRUE(options.is_ok()) << options.status().message();
+  // Count the writes of initialisation alone, then fail the first write after it.
+  auto counter = std::make_shared<io::FaultInjector>();
+  options->fault_injector = counter;
+  ASSERT_TRUE(Engine::create(*options).is_ok());
+  const uint64_t initial_writes = counter->calls(io::RingOp::kWrite);
+  auto injector = std::make_shared<io::FaultInjector>();
+  io::Fault fault;
+  fault.op = io::RingOp::kWrite;
+  fault.nth_call = initial_writes + 1;
+  fault.error_number = EIO;
+  injector->add(fault);
+  options->fault_injector = injector;
+  Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+  // The first step may see its own update fail (the update can finish before
+  // step() returns); if it does not, the second step must.
+  Result<StepResult> first = (*engine)->step();
+  Result<StepResult> failed = first;
+  if (first.is_ok()) failed = (*engine)->step();
+  ASSERT_FALSE(failed.is_ok()) << "an update's failure went unreported";
+  EXPECT_EQ(injector->faults_injected(), 1u);
+  const std::string& message = failed.status().message();
+  EXPECT_NE(message.find("optimizer"), std::string::npos) << message;
+  EXPECT_NE(message.find("Input/output error"), std::string::npos) << message;
+  EXPECT_FALSE((*engine)->step().is_ok());  // and the engine refuses to go on
+}
+
 TEST_F(EngineErrors, DataSourceFailuresAndMissingDirectoriesAreNamed) {
   EngineRun run;
   Result<TrainConfig> config = testing::engine_config(run, dir_.path());

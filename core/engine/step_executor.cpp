@@ -1,5 +1,7 @@
 #include "core/engine/engine_impl.h"
 
+#include <utility>
+
 namespace strata {
 
 // --- steps ---------------------------------------------------------------------------
@@ -56,8 +58,14 @@ Result<StepResult> Engine::step() {
     return im.execute(*im.ranks[size_t(rank)], *run, op);
   });
   (void)run->progress->wait_done(im.exchange_op);
-  im.last_run = run;
-  if (Status failed = run->progress->status(); !failed) {
+  // The previous step's updates ran alongside this step's forward; each
+  // unit's was over before this step read that unit's parameters, so by this
+  // step's exchange the previous step is complete. An update of it that failed
+  // after it returned fails this step: its parameters were never updated.
+  const std::shared_ptr<StepRun> previous = std::exchange(im.last_run, run);
+  Status failed = previous ? previous->progress->wait_all() : Status::ok();
+  if (failed) failed = run->progress->status();
+  if (!failed) {
     (void)finish();
     im.poisoned = true;
     im.poison_reason = failed.message();
