@@ -5,7 +5,8 @@
 # the losses agree within fp32 rounding, far closer than another order comes;
 # ranks as processes give the threads' run bitwise; a run saved inside its
 # second pass over the data and resumed gives the straight run's losses and
-# weights bitwise; a resume in another order is refused in one line.
+# weights bitwise; the loss mask follows the order; a resume in another order
+# is refused in one line.
 # Usage: cli_train_shuffle.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -105,6 +106,53 @@ check "resume" $?
 check "the resumed steps are the straight run's, bitwise" $?
 cmp -s "$dir/straight.safetensors" "$dir/resumed.safetensors"
 check "the resumed weights are the straight run's, bitwise" $?
+
+# The loss mask follows the shuffled order: random tokens and mask bytes, and
+# each step counts the targets the mask keeps in the sequences that the
+# order, computed here from its definition (core/data/sequence_order.h), reads.
+cat >"$dir/order.py" <<'PY'
+import json, random, struct, sys
+M = (1 << 64) - 1
+def mix(z):  # splitmix64's output function
+    z = ((z ^ (z >> 30)) * 0xbf58476d1ce4e5b9) & M
+    z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) & M
+    return z ^ (z >> 31)
+def output(state, n):
+    return mix((state + (n + 1) * 0x9e3779b97f4a7c15) & M)
+def shuffled(seed, e, index, n):  # swap-or-not, 90 rounds
+    if n <= 1:
+        return 0
+    key, x = output(mix(seed), e), index
+    for r in range(90):
+        pivot = (output(key, 2 * r) * n) >> 64
+        partner = (pivot - x) % n
+        if mix(output(key, 2 * r + 1) ^ max(x, partner)) >> 63:
+            x = partner
+    return x
+mode, path = sys.argv[1], sys.argv[2]
+T, S, per_step = 32, 40, 4
+if mode == "write":
+    rng = random.Random(int(sys.argv[3]))
+    tokens = [rng.randrange(256) for _ in range(S * T + 1)]
+    open(path + ".bin", "wb").write(struct.pack(f"<{len(tokens)}H", *tokens))
+    open(path + ".mask", "wb").write(bytes(rng.randrange(2) for _ in tokens))
+else:  # expected loss_tokens of each step, for shuffle seed argv[3] ("-": the file's order)
+    mask, steps = open(path + ".mask", "rb").read(), int(sys.argv[4])
+    kept = [sum(mask[j * T + 1:j * T + T + 1]) for j in range(S)]
+    order = (lambda i: i % S) if sys.argv[3] == "-" else (lambda i: shuffled(int(sys.argv[3]), i // S, i % S, S))
+    print(" ".join(str(sum(kept[order(i)] for i in range(s * per_step, (s + 1) * per_step))) for s in range(steps)))
+PY
+counted() { python3 -c 'import json,sys; print(" ".join(str(json.loads(l)["loss_tokens"]) for l in open(sys.argv[1])))' "$1"; }
+python3 "$dir/order.py" write "$dir/masked" "$seed"
+masked=(--model tiny --backend cpu --seq-len 32 --data "$dir/masked.bin" --loss-mask "$dir/masked.mask"
+        --grad-accum 2 --steps 25)
+"$strata" train "${masked[@]}" --micro-batch 2 --metrics "$dir/masked-seq.jsonl" >/dev/null 2>&1
+[ "$(counted "$dir/masked-seq.jsonl")" = "$(python3 "$dir/order.py" count "$dir/masked" - 25)" ]
+check "in the file's order, each step counts the mask's targets of its sequences" $?
+"$strata" train "${masked[@]}" --shuffle --shuffle-seed $seed --world-size 2 --micro-batch 1 \
+  --metrics "$dir/masked-shuffled.jsonl" >/dev/null 2>&1
+[ "$(counted "$dir/masked-shuffled.jsonl")" = "$(python3 "$dir/order.py" count "$dir/masked" $seed 25)" ]
+check "shuffled, each step counts the mask's targets of the sequences the order names" $?
 
 # A resume in another order is refused in one line that says what to pass.
 err=$("$strata" train "${base[@]}" --steps $steps --micro-batch 2 --grad-accum 2 --shuffle \
