@@ -62,6 +62,7 @@ std::vector<KeyCase> key_cases() {
   json decay = {{"scheduler", {{"type", "WarmupDecayLR"}}}};
   json cosine = {{"scheduler", {{"type", "WarmupCosineLR"}}}};
   json fp16 = {{"fp16", {{"enabled", true}}}};
+  json shuffled = {{"strata", {{"shuffle", true}}}};
   return {
       {"train_batch_size", 1, 8, 0, "", {{"train_micro_batch_size_per_gpu", 8}}},
       {"train_micro_batch_size_per_gpu", 1, 4, -2},
@@ -131,6 +132,8 @@ std::vector<KeyCase> key_cases() {
       {"strata.seq_len", nullptr, 512, 0},
       {"strata.world_size", 1, 2, 0},
       {"strata.precision", "fp32", "bf16", "fp64"},
+      {"strata.shuffle", false, true, "yes"},
+      {"strata.shuffle_seed", nullptr, 18446744073709551615ull, -1, "", shuffled},
   };
 }
 
@@ -327,6 +330,35 @@ TEST(Config, FlagsOverrideTheFile) {
   EXPECT_EQ(*c.strata.device_mem_limit, 80ull << 30);
   EXPECT_EQ(*c.strata.host_mem_limit, 512ull << 20);
   EXPECT_EQ(*c.strata.seq_len, 4096);
+}
+
+TEST(Config, ShuffleFlagsOverrideTheFileAndASeedThatOrdersNothingIsAWarning) {
+  const json doc = json::parse(R"({"strata": {"shuffle": true, "shuffle_seed": 3}})");
+  Result<TrainConfig> file = parse(doc);
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  EXPECT_TRUE(file->strata.shuffle);
+  EXPECT_EQ(file->strata.shuffle_seed, 3u);
+  EXPECT_TRUE(file->warnings.empty());
+  Result<TrainConfig> seeded =
+      parse(doc, with_overrides([](ConfigOverrides& o) { o.shuffle_seed = 8; }));
+  ASSERT_TRUE(seeded.is_ok()) << seeded.status().message();
+  EXPECT_EQ(seeded->strata.shuffle_seed, 8u);
+  Result<TrainConfig> off =
+      parse(doc, with_overrides([](ConfigOverrides& o) { o.shuffle = false; }));
+  ASSERT_TRUE(off.is_ok()) << off.status().message();
+  EXPECT_FALSE(off->strata.shuffle);
+  EXPECT_TRUE(off->warnings.empty()) << "--no-shuffle is a choice: " << off->warnings.front();
+  Result<TrainConfig> on =
+      parse(json::object(), with_overrides([](ConfigOverrides& o) { o.shuffle = true; }));
+  ASSERT_TRUE(on.is_ok()) << on.status().message();
+  EXPECT_TRUE(on->strata.shuffle);
+  EXPECT_FALSE(on->strata.shuffle_seed.has_value());  // strata train fills in --seed
+  Result<TrainConfig> alone =
+      parse(json::object(), with_overrides([](ConfigOverrides& o) { o.shuffle_seed = 8; }));
+  ASSERT_TRUE(alone.is_ok()) << alone.status().message();
+  ASSERT_EQ(alone->warnings.size(), 1u);
+  EXPECT_NE(alone->warnings[0].find("--shuffle-seed 8 has no effect"), std::string::npos)
+      << alone->warnings[0];
 }
 
 TEST(Config, BadFlagValuesNameTheFlag) {

@@ -8,14 +8,15 @@
 
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/data/token_data.h"
 #include "core/engine/engine.h"
 #include "core/model/model.h"
-#include "core/data/token_data.h"
 #include "tiers_test_support.h"
 
 namespace strata::testing {
@@ -42,13 +43,15 @@ inline std::vector<int32_t> random_tokens(int64_t count, int64_t vocab, uint64_t
   return tokens;
 }
 
-// core/data/token_data.h's sequential order over an in-memory token array.
-inline BatchReader memory_reader(std::shared_ptr<const std::vector<int32_t>> tokens) {
-  return [tokens](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
-                  int32_t* inputs, int32_t* targets) -> Status {
+// core/data/token_data.h's reading over an in-memory token array, in `order`
+// (core/data/sequence_order.h; default sequential).
+inline BatchReader memory_reader(std::shared_ptr<const std::vector<int32_t>> tokens,
+                                 SequenceOrder order = {}) {
+  return [tokens, order](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
+                         int32_t* inputs, int32_t* targets) -> Status {
     const int64_t sequences = (int64_t(tokens->size()) - 1) / T;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
+      const int64_t j = sequence_index(order, offset, micro, rank, world, B, b, sequences);
       std::memcpy(inputs + b * T, tokens->data() + j * T, size_t(T) * 4);
       std::memcpy(targets + b * T, tokens->data() + j * T + 1, size_t(T) * 4);
     }
@@ -84,6 +87,8 @@ struct EngineRun {
   std::shared_ptr<io::FaultInjector> fault_injector;
   kernels::BackendKind backend = kernels::BackendKind::cpu;
   bool emulate_gpu = false;  // EngineOptions::emulate_gpu
+  bool shuffle = false;      // strata.shuffle
+  std::optional<uint64_t> shuffle_seed;  // strata.shuffle_seed; unset: the run's seed
   std::string label() const {
     return std::string(backend == kernels::BackendKind::cuda ? "cuda "
                        : emulate_gpu                         ? "emulated gpu "
@@ -135,6 +140,8 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["aio"] = {{"block_size", 65536}, {"queue_depth", 8}};
   j["strata"] = {{"seq_len", run.seq_len}};
   if (run.reduce_in_bf16) j["strata"]["gradient_reduce_dtype"] = "bf16";
+  if (run.shuffle) j["strata"]["shuffle"] = true;
+  if (run.shuffle_seed) j["strata"]["shuffle_seed"] = *run.shuffle_seed;
   ConfigOverrides overrides;
   overrides.world_size = run.world;
   return train_config_from_json(j, "test config", overrides);
@@ -153,7 +160,7 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   options.host_budget = run.host_budget;
   options.nvme_paths = {nvme_dir};
   options.seed = seed;
-  options.data = memory_reader(tokens);
+  options.data = memory_reader(tokens, SequenceOrder::from_config(options.config.strata, seed));
   options.backend = run.backend;
   options.emulate_gpu = run.emulate_gpu;
   // Copies between pinned host memory and a GPU run asynchronously, as in training.

@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <random>
 
 namespace strata {
 namespace {
@@ -61,6 +63,30 @@ TEST_F(TokenData, NanoGptSequencesFollowTheSequentialOrder) {
   EXPECT_EQ(inputs, (std::vector<int32_t>{12, 13, 14, 15, 16, 17, 18, 19}));
   EXPECT_EQ(targets, (std::vector<int32_t>{13, 14, 15, 16, 17, 18, 19, 20}));
   EXPECT_EQ(sequence_index(7, 1, 1, 2, 2, 1, 10), 4);
+}
+
+TEST_F(TokenData, AShuffledOrderReadsTheSequencesItNames) {
+  std::vector<uint16_t> tokens(41);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  Result<TokenFile> file = TokenFile::open(write("train.bin", tokens));
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  file->expect_random_access();
+  const int64_t T = 4;
+  const SequenceOrder order = SequenceOrder::shuffled(std::random_device{}());
+  std::printf("order %s\n", order.describe().c_str());
+  // World 2, B 2, offset 7: micro-batch 1 on rank 1 reads positions 13 and 14,
+  // in the second pass over the 10 sequences.
+  std::vector<int32_t> inputs(2 * T), targets(2 * T);
+  ASSERT_TRUE(
+      read_micro_batch(*file, order, 7, 1, 1, 2, 2, T, 100, inputs.data(), targets.data()).is_ok());
+  for (int64_t b = 0; b < 2; ++b) {
+    const int64_t j = shuffled_sequence(order.seed(), 1, 3 + b, 10);
+    EXPECT_EQ(sequence_index(order, 7, 1, 1, 2, 2, b, 10), j);
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_EQ(inputs[size_t(b * T + t)], j * T + t);
+      EXPECT_EQ(targets[size_t(b * T + t)], j * T + t + 1);
+    }
+  }
 }
 
 TEST_F(TokenData, LlmcShardsOfBothWidthsAndRawUint32) {

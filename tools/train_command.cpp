@@ -76,11 +76,12 @@ Failure run_error(const Status& status) {
 }
 
 // The token file, its optional loss mask (one byte per token, 0: do not count
-// that token as a target), read in core/data/token_data.h's order.
+// that token as a target), and the order its sequences are read in.
 struct TrainData {
   TokenFile file;
   std::vector<uint8_t> mask;  // (file.size()) or empty
   int64_t vocab = 0;
+  SequenceOrder order;  // strata.shuffle; what the engine's checkpoints record
 };
 
 Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens) {
@@ -102,13 +103,13 @@ Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tok
 BatchReader batch_reader(std::shared_ptr<const TrainData> data) {
   return [data](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
                 int32_t* inputs, int32_t* targets) -> Status {
-    Status s = read_micro_batch(data->file, offset, micro, rank, world, B, T, data->vocab, inputs,
-                                targets);
+    Status s = read_micro_batch(data->file, data->order, offset, micro, rank, world, B, T,
+                                data->vocab, inputs, targets);
     if (!s || data->mask.empty()) return s;
     // Target t of sequence j is token j*T + t + 1; its mask byte decides whether it counts.
     const int64_t sequences = data->file.sequence_count(T);
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
+      const int64_t j = sequence_index(data->order, offset, micro, rank, world, B, b, sequences);
       const uint8_t* mask = data->mask.data() + j * T + 1;
       for (int64_t t = 0; t < T; ++t)
         if (mask[t] == 0) targets[b * T + t] = -1;
@@ -328,6 +329,16 @@ class TrainCommand : public Subcommand {
         ->group(kDataGroup);
     cmd.add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
         ->group(kDataGroup);
+    // --no-shuffle counts -1: it undoes a config file's strata.shuffle.
+    cmd.add_flag_function(
+           "--shuffle,!--no-shuffle",
+           [this](int64_t count) { flags_.overrides.shuffle = count > 0; },
+           "Read the sequences in a new seeded order every pass over the data (strata.shuffle; "
+           "default: the file's order)")
+        ->group(kDataGroup);
+    cmd.add_option("--shuffle-seed", flags_.overrides.shuffle_seed,
+                   "Seed of the --shuffle order (strata.shuffle_seed; default: --seed)")
+        ->group(kDataGroup);
     cmd.add_option("--backend", backend_,
                    "cpu | cuda | auto (default auto: cuda when a GPU is present)")
         ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
@@ -497,6 +508,10 @@ class TrainCommand : public Subcommand {
     }
     if (!loaded) return usage_error(loaded.status());
     run.config = *loaded;
+    // The shuffle's seed defaults to the run's; written into the config, it
+    // shows in --print-config and in the checkpoints' train.json.
+    if (run.config.strata.shuffle && !run.config.strata.shuffle_seed)
+      run.config.strata.shuffle_seed = seed_;
     print_config_warnings(run.config);
     if (!model_.empty()) {
       Result<ModelConfig> loaded_model = load_model_config(model_);
@@ -556,6 +571,8 @@ class TrainCommand : public Subcommand {
     if (!file) return usage_error(file.status().with_context("--data"));
     run.data->file = std::move(*file);
     run.data->vocab = run.model->vocab_size;
+    run.data->order = SequenceOrder::from_config(run.config.strata, seed_);
+    if (run.data->order.is_shuffled()) run.data->file.expect_random_access();
     if (run.data->file.sequence_count(T) < 1)
       return Failure{
           2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
@@ -722,6 +739,9 @@ class TrainCommand : public Subcommand {
         !resume_.empty()     ? "resuming " + run.options.resume_from
         : init_path_.empty() ? fmt::format("random init (seed {})", seed_)
                              : "from " + init_path_);
+    if (run.data->order.is_shuffled())
+      fmt::print("data: {} sequences, {}, a new order every pass\n",
+                 run.data->file.sequence_count(T), run.data->order.describe());
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }

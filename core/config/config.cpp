@@ -213,6 +213,16 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   if (in.optional_choice("gradient_reduce_dtype", reduce_dtype, {"fp32", "bf16"})) {
     out.gradient_reduce_dtype = reduce_dtype == "bf16" ? Precision::bf16 : Precision::fp32;
   }
+  in.optional_bool("shuffle", out.shuffle);
+  // A seed is any 64-bit unsigned integer, as --seed is; JsonReader's integers stop at 2^63.
+  in.accept("shuffle_seed");
+  if (block.is_object() && block.contains("shuffle_seed") && !block["shuffle_seed"].is_null()) {
+    const nlohmann::json& seed = block["shuffle_seed"];
+    if (seed.is_number_unsigned())
+      out.shuffle_seed = seed.get<uint64_t>();
+    else
+      in.fail("shuffle_seed", fmt::format("expected an integer >= 0, got {}", json_excerpt(seed)));
+  }
 }
 
 // Where a batch setting came from, for error messages.
@@ -473,6 +483,20 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     *target = *size;
   }
 
+  if (overrides.shuffle) config.strata.shuffle = *overrides.shuffle;
+  if (overrides.shuffle_seed) config.strata.shuffle_seed = *overrides.shuffle_seed;
+  // A seed that orders nothing is worth a line, unless --no-shuffle turned a file's shuffle off.
+  if (config.strata.shuffle_seed && !config.strata.shuffle && overrides.shuffle != false) {
+    config.warnings.push_back(
+        overrides.shuffle_seed
+            ? fmt::format("--shuffle-seed {} has no effect: the data are read in order; pass "
+                          "--shuffle too (or set strata.shuffle to true)",
+                          *config.strata.shuffle_seed)
+            : fmt::format("{}: strata.shuffle_seed {} has no effect: the data are read in order; "
+                          "set strata.shuffle to true (or pass --shuffle)",
+                          origin, *config.strata.shuffle_seed));
+  }
+
   if (overrides.seq_len) {
     if (*overrides.seq_len < 1) return Status::error(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
     config.strata.seq_len = *overrides.seq_len;
@@ -535,6 +559,8 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"nvme_paths", c.effective_nvme_paths()},
       {"gradient_reduce_dtype", precision_name(c.strata.gradient_reduce_dtype)},
       {"seq_len", c.strata.seq_len ? json(*c.strata.seq_len) : json(nullptr)},
+      {"shuffle", c.strata.shuffle},
+      {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},
   };
   json out = json::object();
   out["train_batch_size"] = c.train_batch_size;

@@ -111,6 +111,12 @@ struct StrataConfig {
   std::optional<int64_t> seq_len;  // tokens per sequence; unset: min(2048, the model's maximum)
   std::optional<int> world_size;   // ranks, when not given by --world-size or the launcher
   std::optional<Precision> precision;  // another way to say fp16/bf16 enabled; must agree with them
+  // The order sequences are read in (core/data/sequence_order.h): false, the
+  // file's order; true, a seeded permutation of the sequences for each pass.
+  bool shuffle = false;
+  // The permutations' seed; unset: the run's seed (strata train --seed), which
+  // the command fills in so that --print-config and checkpoints show it.
+  std::optional<uint64_t> shuffle_seed;
 };
 
 struct TrainConfig {
@@ -156,6 +162,8 @@ struct ConfigOverrides {
   std::optional<std::string> device_mem_limit;  // a size: "80G"
   std::optional<std::string> host_mem_limit;
   std::optional<int64_t> seq_len;
+  std::optional<bool> shuffle;
+  std::optional<uint64_t> shuffle_seed;
 };
 
 // Reads `config_path` (empty: no file, all defaults) and applies `overrides`.

@@ -154,14 +154,24 @@ Status TokenFile::read_sequence(int64_t j, int64_t T, int64_t vocab_size, int32_
   return Status::ok();
 }
 
-int64_t sequence_index(int64_t offset, int64_t micro, int64_t rank, int64_t world, int64_t B,
-                       int64_t b, int64_t sequences) {
-  return (offset + (micro * world + rank) * B + b) % sequences;
+void TokenFile::expect_random_access() const {
+  if (mapping_ && mapping_->address != nullptr)
+    ::madvise(mapping_->address, mapping_->bytes, MADV_RANDOM);
 }
 
-Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, int64_t rank,
-                        int64_t world, int64_t B, int64_t T, int64_t vocab_size, int32_t* inputs,
-                        int32_t* targets) {
+int64_t sequence_index(const SequenceOrder& order, int64_t offset, int64_t micro, int64_t rank,
+                       int64_t world, int64_t B, int64_t b, int64_t sequences) {
+  return order.sequence(batch_position(offset, micro, rank, world, B, b), sequences);
+}
+
+int64_t sequence_index(int64_t offset, int64_t micro, int64_t rank, int64_t world, int64_t B,
+                       int64_t b, int64_t sequences) {
+  return sequence_index(SequenceOrder(), offset, micro, rank, world, B, b, sequences);
+}
+
+Status read_micro_batch(const TokenFile& file, const SequenceOrder& order, int64_t offset,
+                        int64_t micro, int64_t rank, int64_t world, int64_t B, int64_t T,
+                        int64_t vocab_size, int32_t* inputs, int32_t* targets) {
   const int64_t sequences = file.sequence_count(T);
   if (sequences == 0) {
     return Status::error(
@@ -170,11 +180,18 @@ Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, in
                     file.path(), file.size(), T));
   }
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t j = sequence_index(offset, micro, rank, world, B, b, sequences);
+    const int64_t j = sequence_index(order, offset, micro, rank, world, B, b, sequences);
     if (Status s = file.read_sequence(j, T, vocab_size, inputs + b * T, targets + b * T); !s)
       return s;
   }
   return Status::ok();
+}
+
+Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, int64_t rank,
+                        int64_t world, int64_t B, int64_t T, int64_t vocab_size, int32_t* inputs,
+                        int32_t* targets) {
+  return read_micro_batch(file, SequenceOrder(), offset, micro, rank, world, B, T, vocab_size,
+                          inputs, targets);
 }
 
 }  // namespace strata

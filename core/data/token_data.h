@@ -1,5 +1,5 @@
-// Token files for training, read through mmap, in the sequential order that
-// sequence_index (below) states.
+// Token files for training, read through mmap, in the order that a
+// SequenceOrder (core/data/sequence_order.h) states: by default sequential.
 //
 // Formats:
 //  - nanoGPT: a headerless array of uint16 tokens (train.bin / val.bin).
@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 
+#include "core/data/sequence_order.h"
 #include "io/base/status.h"
 
 namespace strata {
@@ -52,6 +53,9 @@ class TokenFile {
   // or above vocab_size are an error naming the file and the token's position.
   Status read_sequence(int64_t j, int64_t T, int64_t vocab_size, int32_t* inputs,
                        int32_t* targets) const;
+  // Tells the kernel the sequences will be read out of order (a shuffled
+  // SequenceOrder), so it stops reading ahead for the file's order it was told at open.
+  void expect_random_access() const;
 
  private:
   struct Mapping;
@@ -63,12 +67,19 @@ class TokenFile {
   int token_bytes_ = 2;
 };
 
-// The sequence that row b of micro-batch `micro` on rank `rank` reads:
-// (offset + (micro * world + rank) * B + b) mod sequences.
+// The sequence that row b of micro-batch `micro` on rank `rank` reads in
+// `order`: order.sequence(batch_position(offset, micro, rank, world, B, b), sequences).
+int64_t sequence_index(const SequenceOrder& order, int64_t offset, int64_t micro, int64_t rank,
+                       int64_t world, int64_t B, int64_t b, int64_t sequences);
+// The same in the sequential order: (offset + (micro * world + rank) * B + b) mod sequences.
 int64_t sequence_index(int64_t offset, int64_t micro, int64_t rank, int64_t world, int64_t B,
                        int64_t b, int64_t sequences);
 
-// One micro-batch in the sequential order: inputs (B, T) and targets (B, T).
+// One micro-batch in `order`: inputs (B, T) and targets (B, T).
+Status read_micro_batch(const TokenFile& file, const SequenceOrder& order, int64_t offset,
+                        int64_t micro, int64_t rank, int64_t world, int64_t B, int64_t T,
+                        int64_t vocab_size, int32_t* inputs, int32_t* targets);
+// The same in the sequential order.
 Status read_micro_batch(const TokenFile& file, int64_t offset, int64_t micro, int64_t rank,
                         int64_t world, int64_t B, int64_t T, int64_t vocab_size, int32_t* inputs,
                         int32_t* targets);

@@ -58,8 +58,9 @@
 
 namespace strata {
 
-// Reads one micro-batch in the sequential order of core/data/token_data.h: inputs (B, T) and
-// targets (B, T) of micro-batch `micro` on `rank`, from the running sequence offset.
+// Reads one micro-batch in the order SequenceOrder::from_config(config.strata, seed) states
+// (core/data/sequence_order.h; checkpoints record it): inputs (B, T) and targets (B, T) of
+// micro-batch `micro` on `rank`, from the running sequence offset.
 using BatchReader =
     std::function<Status(int64_t sequence_offset, int64_t micro, int rank, int world, int64_t B,
                          int64_t T, int32_t* inputs, int32_t* targets)>;

@@ -1,3 +1,4 @@
+#include "core/data/sequence_order.h"
 #include "core/engine/engine_impl.h"
 
 namespace strata {
@@ -16,6 +17,28 @@ nlohmann::json model_shape(const nlohmann::json& config) {
   return shape;
 }
 
+// The order a checkpoint's sequence offset counts in (written by
+// finish_checkpoint); checkpoints from before shuffling existed read in order.
+SequenceOrder stored_data_order(const nlohmann::json& state) {
+  const nlohmann::json order = state.value("data_order", nlohmann::json::object());
+  if (!order.value("shuffle", false)) return SequenceOrder();
+  return SequenceOrder::shuffled(order.value("shuffle_seed", uint64_t{0}));
+}
+
+// A resume continues the checkpoint's data order exactly, or not at all: the
+// offset alone does not say which sequences the steps before it read.
+Status check_data_order(const SequenceOrder& stored, const SequenceOrder& here) {
+  if (stored == here) return Status::ok();
+  const std::string fix =
+      !stored.is_shuffled()
+          ? std::string("leave out --shuffle (strata.shuffle false)")
+          : fmt::format("pass --shuffle --shuffle-seed {} (strata.shuffle, strata.shuffle_seed)",
+                        stored.seed());
+  return Status::error(fmt::format(
+      "the checkpoint read its data {} but this run reads them {}; {} to continue its order",
+      stored.describe(), here.describe(), fix));
+}
+
 }  // namespace
 
 Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
@@ -29,6 +52,10 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
                       key, there[key].dump(), value.dump()));
   }
   const nlohmann::json& state = checkpoint.state;
+  if (Status s = check_data_order(stored_data_order(state),
+                                  SequenceOrder::from_config(options.config.strata, options.seed));
+      !s)
+    return s;
   int64_t offset = 0;
   std::vector<float> master, m, v;
   for (int u = 0; u < units(); ++u) {
@@ -219,6 +246,10 @@ Result<std::string> Engine::Impl::finish_checkpoint(CheckpointWriter& writer, in
   state["step"] = steps_done;
   state["sequence_offset"] = sequence_offset;
   state["seed"] = options.seed;
+  const SequenceOrder order = SequenceOrder::from_config(options.config.strata, options.seed);
+  state["data_order"] = {{"shuffle", order.is_shuffled()},
+                         {"shuffle_seed", order.is_shuffled() ? nlohmann::json(order.seed())
+                                                              : nlohmann::json(nullptr)}};
   state["world_size"] = world();
   state["stage"] = plan.input.stage;
   state["precision"] = precision_name(plan.input.precision);
