@@ -24,7 +24,7 @@ base=(--model tiny --backend cpu --seq-len 32 --lr 3e-3 --config "$dir/adam.json
       --nvme-path "$dir/swap")
 steps=24
 # A fresh shuffle seed each run (the demo data are the same every time).
-seed=$(( (RANDOM << 15 | RANDOM) + 1 ))
+seed=${STRATA_TEST_SEED:-$(( (RANDOM << 15 | RANDOM) + 1 ))}  # STRATA_TEST_SEED reruns a seed
 other_seed=$((seed + 1))
 echo "shuffle seed $seed"
 losses() { python3 -c 'import json,sys; print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1])))' "$1"; }
@@ -82,8 +82,10 @@ check "4 ranks, stage 3" $?
 for run in wide two four; do
   gap=$(loss_gap "$dir/$run.jsonl" "$dir/straight.jsonl")
   echo "  $run: losses within $gap of the straight run's"
-  below "$gap" 1e-5 && below "$gap" "$(python3 -c "print($other / 100)")"
-  check "$run reads the straight run's sequences (losses within 1e-5, 100x closer than another order)" $?
+  # Other splits round differently, and training amplifies that over the steps
+  # (seen here: 2e-8 to 1e-4, depending on the seed); another order is 100x further.
+  below "$gap" 1e-3 && below "$gap" "$(python3 -c "print($other / 100)")"
+  check "$run reads the straight run's sequences (losses within 1e-3, 100x closer than another order)" $?
 done
 
 # Ranks as processes: each process draws the same order as the threads.
