@@ -66,6 +66,18 @@ struct Arrays {
   void* copy;
 };
 
+// The loops ask for each array's line this many elements ahead (1 KiB of
+// fp32): in measurements on AMD Zen the hardware prefetchers alone leave a few
+// percent of the bandwidth unused with seven streams in flight per thread.
+// Prefetches never fault, so running past an array's end is harmless.
+constexpr int64_t kPrefetchElements = 256;
+
+template <ElementType T>
+inline void prefetch_ahead(const void* data, int64_t i) {
+  const int64_t size = T == ElementType::f32 ? 4 : 2;
+  _mm_prefetch(static_cast<const char*>(data) + (i + kPrefetchElements) * size, _MM_HINT_T0);
+}
+
 // ---------------------------------------------------------------------------------------
 // Scalar: the reference arithmetic, which every vector loop mirrors.
 
@@ -250,6 +262,14 @@ STRATA_TARGET_AVX2 inline __m256 update8(const Avx2Constants& k, bool decoupled,
   return p;
 }
 
+template <ElementType S, ElementType G>
+inline void prefetch16_ahead(const Arrays& s, int64_t i) {
+  prefetch_ahead<ElementType::f32>(s.master, i);
+  prefetch_ahead<S>(s.exp_avg, i);
+  prefetch_ahead<S>(s.exp_avg_sq, i);
+  prefetch_ahead<G>(s.grad, i);
+}
+
 template <ElementType S, ElementType G, CopyKind C>
 STRATA_TARGET_AVX2 void update_avx2(const Arrays& s, const StepConstants& c, int64_t begin,
                                     int64_t end) {
@@ -266,6 +286,7 @@ STRATA_TARGET_AVX2 void update_avx2(const Arrays& s, const StepConstants& c, int
     }
   }
   for (; i + 16 <= end; i += 16) {
+    prefetch16_ahead<S, G>(a, i);
     const __m256 low = update8<S, G>(k, decoupled, a, i);
     const __m256 high = update8<S, G>(k, decoupled, a, i + 8);
     if constexpr (C != CopyKind::none) store16_from_float_avx2<C>(a.copy, i, low, high);
@@ -301,6 +322,12 @@ STRATA_TARGET_AVX2 void update_int8_block_avx2(const Avx2Constants& k, bool deco
   __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
   for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
     const int64_t i = begin + j;
+    prefetch_ahead<ElementType::f32>(s.master, i);
+    prefetch_ahead<G>(s.grad, i);
+    if (j % 64 == 0) {  // 64 codes per line
+      _mm_prefetch(reinterpret_cast<const char*>(m_codes + i + kPrefetchElements), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(root_codes + i + kPrefetchElements), _MM_HINT_T0);
+    }
     __m256 p[2];
     for (int half = 0; half < 2; ++half) {
       const int64_t e = i + 8 * half;
@@ -445,6 +472,7 @@ STRATA_TARGET_AVX512 void update_avx512(const Arrays& s, const StepConstants& c,
     }
   }
   for (; i + 16 <= end; i += 16) {
+    prefetch16_ahead<S, G>(a, i);
     __m512 m = load16_as_float<S>(a.exp_avg, i);
     __m512 v = load16_as_float<S>(a.exp_avg_sq, i);
     __m512 root;
@@ -475,6 +503,12 @@ STRATA_TARGET_AVX512 void update_int8_block_avx512(const Avx512Constants& k, boo
   __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
   for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
     const int64_t i = begin + j;
+    prefetch_ahead<ElementType::f32>(s.master, i);
+    prefetch_ahead<G>(s.grad, i);
+    if (j % 64 == 0) {  // 64 codes per line
+      _mm_prefetch(reinterpret_cast<const char*>(m_codes + i + kPrefetchElements), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(root_codes + i + kPrefetchElements), _MM_HINT_T0);
+    }
     __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_codes + i)))),
                              m_unit);
