@@ -72,10 +72,15 @@ struct Arrays {
 // Prefetches never fault, so running past an array's end is harmless.
 constexpr int64_t kPrefetchElements = 256;
 
+// Element i + kPrefetchElements of an array of `size`-byte elements.
+template <int64_t size>
+inline void prefetch_ahead(const void* data, int64_t i) {
+  _mm_prefetch(static_cast<const char*>(data) + (i + kPrefetchElements) * size, _MM_HINT_T0);
+}
+
 template <ElementType T>
 inline void prefetch_ahead(const void* data, int64_t i) {
-  const int64_t size = T == ElementType::f32 ? 4 : 2;
-  _mm_prefetch(static_cast<const char*>(data) + (i + kPrefetchElements) * size, _MM_HINT_T0);
+  prefetch_ahead<T == ElementType::f32 ? 4 : 2>(data, i);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -122,35 +127,35 @@ void update_scalar(const Arrays& s, const StepConstants& c, int64_t begin, int64
 
 constexpr float kMCodes = 127.0f;     // m codes: [-127, 127]
 constexpr float kRootCodes = 255.0f;  // sqrt(v) codes: [0, 255]
+constexpr float kSmallestScale = 0x1p-100f;
 
 // The value of one code: the block's scale / codes.
 inline float code_unit(float scale, float codes) {
   return scale / codes;
 }
 
-// Codes per unit of value, codes / scale; 0 for a scale that is 0, inf or NaN.
+// Codes per unit of value, codes / scale: 0 for a scale below 2^-100 (where
+// the quotient could overflow; such a block reads back as 0), inf or NaN.
+// With |x| <= scale, |x * factor| <= codes * (1 + 3u) < codes + 1/2, so codes
+// need no clamp.
 inline float code_factor(float scale, float codes) {
-  return scale > 0.0f && scale <= 3.40282347e38f ? codes / scale : 0.0f;
+  return scale >= kSmallestScale && scale <= 3.40282347e38f ? codes / scale : 0.0f;
 }
 
-// x86 max/min semantics (the second operand when either is NaN), written out
-// so that the scalar path clamps exactly as _mm*_max_ps / _mm*_min_ps do.
-inline float max_like_x86(float a, float b) {
-  return a > b ? a : b;
-}
-inline float min_like_x86(float a, float b) {
-  return a < b ? a : b;
+// The code of t = x * factor: nearest, ties to even (cvtps2dq in the default
+// rounding mode); a NaN t gives code 0, the low byte of cvtps2dq's 0x80000000
+// that the vector paths keep.
+inline int32_t code_of(float t) {
+  return t == t ? static_cast<int32_t>(std::nearbyint(t)) : 0;
 }
 
 inline int8_t encode_m(float m, float factor) {
-  const float t = min_like_x86(max_like_x86(m * factor, -kMCodes), kMCodes);
-  return static_cast<int8_t>(std::nearbyint(t));  // ties to even, as cvtps2dq
+  return static_cast<int8_t>(code_of(m * factor));
 }
 
 inline uint8_t encode_root(float root, float factor) {
-  const float t = min_like_x86(max_like_x86(root * factor, 0.0f), kRootCodes);
-  auto code = static_cast<int32_t>(std::nearbyint(t));
-  if (root > 0.0f && code == 0) code = 1;  // a v > 0 never reads back as 0
+  int32_t code = code_of(root * factor);
+  if (root > 0.0f) code = std::max(code, 1);  // a v > 0 never reads back as 0
   return static_cast<uint8_t>(code);
 }
 
@@ -200,6 +205,17 @@ void update_int8_scalar(const Arrays& s, const StepConstants& c, int64_t begin, 
     update_int8_block_scalar<G, C>(s, c, i, std::min(i + kAdamWInt8Block, end));
   }
 }
+
+// The vector paths run each block in two passes, update (new master, m and
+// sqrt(v) of the block, and its maxima) and encode (the block's codes, once
+// its scales are known), and interleave the update of block k with the
+// encoding of block k - 1: the update is bound by the divider (sqrt and
+// division), the encoding by the other units, and interleaved they overlap.
+// The new m and sqrt(v) of two blocks wait on the stack meanwhile (4 KiB).
+struct Int8Blocks {
+  alignas(64) float new_m[2][kAdamWInt8Block];
+  alignas(64) float new_root[2][kAdamWInt8Block];
+};
 
 // ---------------------------------------------------------------------------------------
 // AVX2 + F16C + FMA: 8 elements per vector.
@@ -306,85 +322,124 @@ STRATA_TARGET_AVX2 inline uint32_t reduce_max_epu32_avx2(__m256i x) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(y));
 }
 
-// One whole block starting at `begin`; Stream: the copy is written with
-// non-temporal stores (copy + begin is 32-byte aligned).
+// The low byte of each 32-bit lane, in the low 8 bytes (as vpmovdb).
+STRATA_TARGET_AVX2 inline __m128i low_bytes8(__m256i x) {
+  const __m256i pick =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i gathered = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(x, pick),
+                                                       _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  return _mm256_castsi256_si128(gathered);
+}
+
+struct Avx2BlockScales {
+  __m256 m_unit, root_unit;  // the stored block's value of one code
+  __m256i m_max, root_max;   // the new block's largest magnitudes (as bits)
+};
+
+// Update pass over elements [i, i + 16) of a block: new master (and copy),
+// new m and sqrt(v) into m_out and root_out (16 each).
 template <ElementType G, CopyKind C, bool Stream>
-STRATA_TARGET_AVX2 void update_int8_block_avx2(const Avx2Constants& k, bool decoupled,
-                                               const Arrays& s, int64_t begin) {
-  const int64_t block = begin / kAdamWInt8Block;
-  auto* const m_codes = static_cast<int8_t*>(s.exp_avg);
-  auto* const root_codes = static_cast<uint8_t*>(s.exp_avg_sq);
-  const __m256 m_unit = _mm256_set1_ps(code_unit(s.exp_avg_scale[block], kMCodes));
-  const __m256 root_unit = _mm256_set1_ps(code_unit(s.exp_avg_sq_scale[block], kRootCodes));
+STRATA_TARGET_AVX2 inline void update_int8_16_avx2(const Avx2Constants& k, bool decoupled,
+                                                   const Arrays& s, int64_t i,
+                                                   Avx2BlockScales& scales, float* m_out,
+                                                   float* root_out) {
+  const auto* const m_codes = static_cast<const int8_t*>(s.exp_avg);
+  const auto* const root_codes = static_cast<const uint8_t*>(s.exp_avg_sq);
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-  alignas(32) float new_m[kAdamWInt8Block];
-  alignas(32) float new_root[kAdamWInt8Block];
-  __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
-  for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
-    const int64_t i = begin + j;
-    prefetch_ahead<ElementType::f32>(s.master, i);
-    prefetch_ahead<G>(s.grad, i);
-    if (j % 64 == 0) {  // 64 codes per line
-      _mm_prefetch(reinterpret_cast<const char*>(m_codes + i + kPrefetchElements), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(root_codes + i + kPrefetchElements), _MM_HINT_T0);
-    }
-    __m256 p[2];
-    for (int half = 0; half < 2; ++half) {
-      const int64_t e = i + 8 * half;
-      __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m_codes + e)))),
-                               m_unit);
-      __m256 root = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                      reinterpret_cast<const __m128i*>(root_codes + e)))),
-                                  root_unit);
-      __m256 v = _mm256_mul_ps(root, root);
-      p[half] = adamw8(k, decoupled, load8_as_float<G>(s.grad, e), _mm256_loadu_ps(s.master + e), m,
-                       v, root);
-      _mm256_storeu_ps(s.master + e, p[half]);
-      _mm256_store_ps(new_m + j + 8 * half, m);
-      _mm256_store_ps(new_root + j + 8 * half, root);
-      m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
-      root_max = _mm256_max_epu32(root_max, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
-    }
-    if constexpr (C != CopyKind::none) {
-      if constexpr (Stream) {
-        store16_from_float_avx2<C>(s.copy, i, p[0], p[1]);
-      } else {
-        store8_from_float<C>(s.copy, i, p[0]);
-        store8_from_float<C>(s.copy, i + 8, p[1]);
-      }
+  __m256 p[2];
+  for (int half = 0; half < 2; ++half) {
+    const int64_t e = i + 8 * half;
+    __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m_codes + e)))),
+                             scales.m_unit);
+    __m256 root = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                    reinterpret_cast<const __m128i*>(root_codes + e)))),
+                                scales.root_unit);
+    __m256 v = _mm256_mul_ps(root, root);
+    p[half] = adamw8(k, decoupled, load8_as_float<G>(s.grad, e), _mm256_loadu_ps(s.master + e), m,
+                     v, root);
+    _mm256_storeu_ps(s.master + e, p[half]);
+    _mm256_store_ps(m_out + 8 * half, m);
+    _mm256_store_ps(root_out + 8 * half, root);
+    scales.m_max =
+        _mm256_max_epu32(scales.m_max, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
+    scales.root_max =
+        _mm256_max_epu32(scales.root_max, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+  }
+  if constexpr (C != CopyKind::none) {
+    if constexpr (Stream) {
+      store16_from_float_avx2<C>(s.copy, i, p[0], p[1]);
+    } else {
+      store8_from_float<C>(s.copy, i, p[0]);
+      store8_from_float<C>(s.copy, i + 8, p[1]);
     }
   }
-  const float m_scale = bits_float(reduce_max_epu32_avx2(m_max));
-  const float root_scale = bits_float(reduce_max_epu32_avx2(root_max));
-  s.exp_avg_scale[block] = m_scale;
-  s.exp_avg_sq_scale[block] = root_scale;
-  const __m256 m_factor = _mm256_set1_ps(code_factor(m_scale, kMCodes));
-  const __m256 root_factor = _mm256_set1_ps(code_factor(root_scale, kRootCodes));
-  const __m256 m_low = _mm256_set1_ps(-kMCodes), m_high = _mm256_set1_ps(kMCodes);
-  const __m256 root_high = _mm256_set1_ps(kRootCodes);
+}
+
+// Encoding pass over elements [i, i + 16) of a block, from its new m and
+// sqrt(v) (16 each) and its code factors.
+STRATA_TARGET_AVX2 inline void encode_int8_16_avx2(const Arrays& s, int64_t i, const float* m_in,
+                                                   const float* root_in, __m256 m_factor,
+                                                   __m256 root_factor) {
   const __m256 zero = _mm256_setzero_ps();
   const __m256i one = _mm256_set1_epi32(1);
-  for (int64_t j = 0; j < kAdamWInt8Block; j += 8) {
-    const __m256 m = _mm256_load_ps(new_m + j);
-    const __m256 root = _mm256_load_ps(new_root + j);
-    const __m256i m_code =
-        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(m, m_factor), m_low), m_high));
-    __m256i root_code = _mm256_cvtps_epi32(
-        _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(root, root_factor), zero), root_high));
-    // Code 0 for a v > 0 becomes 1 (the lane is 0, so an or sets it).
+  for (int64_t j = 0; j < 16; j += 8) {
+    const __m256 root = _mm256_load_ps(root_in + j);
+    const __m256i m_code = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(m_in + j), m_factor));
+    __m256i root_code = _mm256_cvtps_epi32(_mm256_mul_ps(root, root_factor));
+    // A v > 0 gets code 1 at least (a NaN lane, 0x80000000, stays below it).
     const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(root, zero, _CMP_GT_OQ));
-    const __m256i is_zero = _mm256_cmpeq_epi32(root_code, _mm256_setzero_si256());
-    root_code =
-        _mm256_or_si256(root_code, _mm256_and_si256(_mm256_and_si256(positive, is_zero), one));
-    const __m128i m_words =
-        _mm_packs_epi32(_mm256_castsi256_si128(m_code), _mm256_extracti128_si256(m_code, 1));
-    const __m128i root_words =
-        _mm_packus_epi32(_mm256_castsi256_si128(root_code), _mm256_extracti128_si256(root_code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(m_codes + begin + j),
-                     _mm_packs_epi16(m_words, m_words));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(root_codes + begin + j),
-                     _mm_packus_epi16(root_words, root_words));
+    root_code = _mm256_max_epi32(root_code, _mm256_and_si256(positive, one));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(s.exp_avg) + i + j),
+                     low_bytes8(m_code));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(s.exp_avg_sq) + i + j),
+                     low_bytes8(root_code));
+  }
+}
+
+// Whole blocks [begin, end); Stream: the copy is written with non-temporal
+// stores (copy + begin is 32-byte aligned).
+template <ElementType G, CopyKind C, bool Stream>
+STRATA_TARGET_AVX2 void update_int8_blocks_avx2(const Avx2Constants& k, bool decoupled,
+                                                const Arrays& s, int64_t begin, int64_t end) {
+  Int8Blocks buffers;
+  __m256 m_factor = _mm256_setzero_ps(), root_factor = _mm256_setzero_ps();  // of block k - 1
+  int half = 0;
+  for (int64_t first = begin; first < end; first += kAdamWInt8Block, half ^= 1) {
+    const int64_t block = first / kAdamWInt8Block;
+    Avx2BlockScales scales{_mm256_set1_ps(code_unit(s.exp_avg_scale[block], kMCodes)),
+                           _mm256_set1_ps(code_unit(s.exp_avg_sq_scale[block], kRootCodes)),
+                           _mm256_setzero_si256(), _mm256_setzero_si256()};
+    float* const m_out = buffers.new_m[half];
+    float* const root_out = buffers.new_root[half];
+    const float* const m_in = buffers.new_m[half ^ 1];
+    const float* const root_in = buffers.new_root[half ^ 1];
+    for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
+      const int64_t i = first + j;
+      prefetch_ahead<ElementType::f32>(s.master, i);
+      prefetch_ahead<G>(s.grad, i);
+      if (j % 64 == 0) {  // 64 codes per line
+        prefetch_ahead<1>(s.exp_avg, i);
+        prefetch_ahead<1>(s.exp_avg_sq, i);
+      }
+      update_int8_16_avx2<G, C, Stream>(k, decoupled, s, i, scales, m_out + j, root_out + j);
+      if (first > begin) {
+        encode_int8_16_avx2(s, i - kAdamWInt8Block, m_in + j, root_in + j, m_factor, root_factor);
+      }
+    }
+    const float m_scale = bits_float(reduce_max_epu32_avx2(scales.m_max));
+    const float root_scale = bits_float(reduce_max_epu32_avx2(scales.root_max));
+    s.exp_avg_scale[block] = m_scale;
+    s.exp_avg_sq_scale[block] = root_scale;
+    m_factor = _mm256_set1_ps(code_factor(m_scale, kMCodes));
+    root_factor = _mm256_set1_ps(code_factor(root_scale, kRootCodes));
+  }
+  if (begin < end) {  // the last block's encoding
+    for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
+      encode_int8_16_avx2(s, end - kAdamWInt8Block + j, buffers.new_m[half ^ 1] + j,
+                          buffers.new_root[half ^ 1] + j, m_factor, root_factor);
+    }
   }
 }
 
@@ -393,21 +448,17 @@ STRATA_TARGET_AVX2 void update_int8_avx2(const Arrays& s, const StepConstants& c
                                          int64_t end) {
   const Avx2Constants k = avx2_constants(c);
   const Arrays a = s;
+  const int64_t whole_end = begin + (end - begin) / kAdamWInt8Block * kAdamWInt8Block;
   const bool stream =
       C != CopyKind::none &&
       (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(a.copy) + begin) & 31) == 0;
-  int64_t i = begin;
   if (stream) {
-    for (; i + kAdamWInt8Block <= end; i += kAdamWInt8Block) {
-      update_int8_block_avx2<G, C, true>(k, c.decoupled, a, i);
-    }
+    update_int8_blocks_avx2<G, C, true>(k, c.decoupled, a, begin, whole_end);
     _mm_sfence();
   } else {
-    for (; i + kAdamWInt8Block <= end; i += kAdamWInt8Block) {
-      update_int8_block_avx2<G, C, false>(k, c.decoupled, a, i);
-    }
+    update_int8_blocks_avx2<G, C, false>(k, c.decoupled, a, begin, whole_end);
   }
-  if (i < end) update_int8_block_scalar<G, C>(a, c, i, end);
+  if (whole_end < end) update_int8_block_scalar<G, C>(a, c, whole_end, end);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -489,66 +540,99 @@ STRATA_TARGET_AVX512 void update_avx512(const Arrays& s, const StepConstants& c,
 
 // --- int8 moments ------------------------------------------------------------------------
 
+struct Avx512BlockScales {
+  __m512 m_unit, root_unit;  // the stored block's value of one code
+  __m512i m_max, root_max;   // the new block's largest magnitudes (as bits)
+};
+
+// Update pass over elements [i, i + 16) of a block: new master (and copy),
+// new m and sqrt(v) into m_out and root_out (16 each).
 template <ElementType G, CopyKind C, bool Stream>
-STRATA_TARGET_AVX512 void update_int8_block_avx512(const Avx512Constants& k, bool decoupled,
-                                                   const Arrays& s, int64_t begin) {
-  const int64_t block = begin / kAdamWInt8Block;
-  auto* const m_codes = static_cast<int8_t*>(s.exp_avg);
-  auto* const root_codes = static_cast<uint8_t*>(s.exp_avg_sq);
-  const __m512 m_unit = _mm512_set1_ps(code_unit(s.exp_avg_scale[block], kMCodes));
-  const __m512 root_unit = _mm512_set1_ps(code_unit(s.exp_avg_sq_scale[block], kRootCodes));
+STRATA_TARGET_AVX512 inline void update_int8_16_avx512(const Avx512Constants& k, bool decoupled,
+                                                       const Arrays& s, int64_t i,
+                                                       Avx512BlockScales& scales, float* m_out,
+                                                       float* root_out) {
+  const auto* const m_codes = static_cast<const int8_t*>(s.exp_avg);
+  const auto* const root_codes = static_cast<const uint8_t*>(s.exp_avg_sq);
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-  alignas(64) float new_m[kAdamWInt8Block];
-  alignas(64) float new_root[kAdamWInt8Block];
-  __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
-  for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
-    const int64_t i = begin + j;
-    prefetch_ahead<ElementType::f32>(s.master, i);
-    prefetch_ahead<G>(s.grad, i);
-    if (j % 64 == 0) {  // 64 codes per line
-      _mm_prefetch(reinterpret_cast<const char*>(m_codes + i + kPrefetchElements), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(root_codes + i + kPrefetchElements), _MM_HINT_T0);
+  __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_codes + i)))),
+                           scales.m_unit);
+  __m512 root = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(root_codes + i)))),
+                              scales.root_unit);
+  __m512 v = _mm512_mul_ps(root, root);
+  const __m512 p = adamw16(k, decoupled, load16_as_float<G>(s.grad, i),
+                           _mm512_loadu_ps(s.master + i), m, v, root);
+  _mm512_storeu_ps(s.master + i, p);
+  store16_from_float<C, Stream>(s.copy, i, p);
+  _mm512_store_ps(m_out, m);
+  _mm512_store_ps(root_out, root);
+  scales.m_max =
+      _mm512_max_epu32(scales.m_max, _mm512_and_si512(_mm512_castps_si512(m), magnitude));
+  scales.root_max =
+      _mm512_max_epu32(scales.root_max, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
+}
+
+// Encoding pass over elements [i, i + 16) of a block, from its new m and
+// sqrt(v) (16 each) and its code factors.
+STRATA_TARGET_AVX512 inline void encode_int8_16_avx512(const Arrays& s, int64_t i,
+                                                       const float* m_in, const float* root_in,
+                                                       __m512 m_factor, __m512 root_factor) {
+  const __m512 root = _mm512_load_ps(root_in);
+  const __m512i m_code = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(m_in), m_factor));
+  __m512i root_code = _mm512_cvtps_epi32(_mm512_mul_ps(root, root_factor));
+  // A v > 0 gets code 1 at least.
+  const __mmask16 positive = _mm512_cmp_ps_mask(root, _mm512_setzero_ps(), _CMP_GT_OQ);
+  root_code = _mm512_mask_max_epi32(root_code, positive, root_code, _mm512_set1_epi32(1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(s.exp_avg) + i),
+                   _mm512_cvtepi32_epi8(m_code));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(s.exp_avg_sq) + i),
+                   _mm512_cvtepi32_epi8(root_code));
+}
+
+// Whole blocks [begin, end); Stream: the copy is written with non-temporal
+// stores (copy + begin is 32-byte aligned).
+template <ElementType G, CopyKind C, bool Stream>
+STRATA_TARGET_AVX512 void update_int8_blocks_avx512(const Avx512Constants& k, bool decoupled,
+                                                    const Arrays& s, int64_t begin, int64_t end) {
+  Int8Blocks buffers;
+  __m512 m_factor = _mm512_setzero_ps(), root_factor = _mm512_setzero_ps();  // of block k - 1
+  int half = 0;
+  for (int64_t first = begin; first < end; first += kAdamWInt8Block, half ^= 1) {
+    const int64_t block = first / kAdamWInt8Block;
+    Avx512BlockScales scales{_mm512_set1_ps(code_unit(s.exp_avg_scale[block], kMCodes)),
+                             _mm512_set1_ps(code_unit(s.exp_avg_sq_scale[block], kRootCodes)),
+                             _mm512_setzero_si512(), _mm512_setzero_si512()};
+    float* const m_out = buffers.new_m[half];
+    float* const root_out = buffers.new_root[half];
+    const float* const m_in = buffers.new_m[half ^ 1];
+    const float* const root_in = buffers.new_root[half ^ 1];
+    for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
+      const int64_t i = first + j;
+      prefetch_ahead<ElementType::f32>(s.master, i);
+      prefetch_ahead<G>(s.grad, i);
+      if (j % 64 == 0) {  // 64 codes per line
+        prefetch_ahead<1>(s.exp_avg, i);
+        prefetch_ahead<1>(s.exp_avg_sq, i);
+      }
+      update_int8_16_avx512<G, C, Stream>(k, decoupled, s, i, scales, m_out + j, root_out + j);
+      if (first > begin) {
+        encode_int8_16_avx512(s, i - kAdamWInt8Block, m_in + j, root_in + j, m_factor, root_factor);
+      }
     }
-    __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_codes + i)))),
-                             m_unit);
-    __m512 root = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                    reinterpret_cast<const __m128i*>(root_codes + i)))),
-                                root_unit);
-    __m512 v = _mm512_mul_ps(root, root);
-    const __m512 p = adamw16(k, decoupled, load16_as_float<G>(s.grad, i),
-                             _mm512_loadu_ps(s.master + i), m, v, root);
-    _mm512_storeu_ps(s.master + i, p);
-    store16_from_float<C, Stream>(s.copy, i, p);
-    _mm512_store_ps(new_m + j, m);
-    _mm512_store_ps(new_root + j, root);
-    m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), magnitude));
-    root_max = _mm512_max_epu32(root_max, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
+    const float m_scale = bits_float(_mm512_reduce_max_epu32(scales.m_max));
+    const float root_scale = bits_float(_mm512_reduce_max_epu32(scales.root_max));
+    s.exp_avg_scale[block] = m_scale;
+    s.exp_avg_sq_scale[block] = root_scale;
+    m_factor = _mm512_set1_ps(code_factor(m_scale, kMCodes));
+    root_factor = _mm512_set1_ps(code_factor(root_scale, kRootCodes));
   }
-  const float m_scale = bits_float(_mm512_reduce_max_epu32(m_max));
-  const float root_scale = bits_float(_mm512_reduce_max_epu32(root_max));
-  s.exp_avg_scale[block] = m_scale;
-  s.exp_avg_sq_scale[block] = root_scale;
-  const __m512 m_factor = _mm512_set1_ps(code_factor(m_scale, kMCodes));
-  const __m512 root_factor = _mm512_set1_ps(code_factor(root_scale, kRootCodes));
-  const __m512 m_low = _mm512_set1_ps(-kMCodes), m_high = _mm512_set1_ps(kMCodes);
-  const __m512 root_high = _mm512_set1_ps(kRootCodes);
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512i one = _mm512_set1_epi32(1);
-  for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
-    const __m512 m = _mm512_load_ps(new_m + j);
-    const __m512 root = _mm512_load_ps(new_root + j);
-    const __m512i m_code =
-        _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(m, m_factor), m_low), m_high));
-    __m512i root_code = _mm512_cvtps_epi32(
-        _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(root, root_factor), zero), root_high));
-    // Code 0 for a v > 0 becomes 1.
-    const __mmask16 raise = _mm512_cmp_ps_mask(root, zero, _CMP_GT_OQ) &
-                            _mm512_cmpeq_epi32_mask(root_code, _mm512_setzero_si512());
-    root_code = _mm512_mask_mov_epi32(root_code, raise, one);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + begin + j), _mm512_cvtepi32_epi8(m_code));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(root_codes + begin + j),
-                     _mm512_cvtepi32_epi8(root_code));
+  if (begin < end) {  // the last block's encoding
+    for (int64_t j = 0; j < kAdamWInt8Block; j += 16) {
+      encode_int8_16_avx512(s, end - kAdamWInt8Block + j, buffers.new_m[half ^ 1] + j,
+                            buffers.new_root[half ^ 1] + j, m_factor, root_factor);
+    }
   }
 }
 
@@ -557,21 +641,17 @@ STRATA_TARGET_AVX512 void update_int8_avx512(const Arrays& s, const StepConstant
                                              int64_t end) {
   const Avx512Constants k = avx512_constants(c);
   const Arrays a = s;
+  const int64_t whole_end = begin + (end - begin) / kAdamWInt8Block * kAdamWInt8Block;
   const bool stream =
       C != CopyKind::none &&
       (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(a.copy) + begin) & 31) == 0;
-  int64_t i = begin;
   if (stream) {
-    for (; i + kAdamWInt8Block <= end; i += kAdamWInt8Block) {
-      update_int8_block_avx512<G, C, true>(k, c.decoupled, a, i);
-    }
+    update_int8_blocks_avx512<G, C, true>(k, c.decoupled, a, begin, whole_end);
     _mm_sfence();
   } else {
-    for (; i + kAdamWInt8Block <= end; i += kAdamWInt8Block) {
-      update_int8_block_avx512<G, C, false>(k, c.decoupled, a, i);
-    }
+    update_int8_blocks_avx512<G, C, false>(k, c.decoupled, a, begin, whole_end);
   }
-  if (i < end) update_int8_block_scalar<G, C>(a, c, i, end);
+  if (whole_end < end) update_int8_block_scalar<G, C>(a, c, whole_end, end);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -47,9 +47,11 @@
 //        turn m / (sqrt(v) + eps) into m / eps); it only shrinks that step.
 //   round is to nearest, ties to even; a / 127, 127 / a, s / 255 and 255 / s
 //   are fp32 divisions made once per block (127 / a and 255 / s are taken as 0
-//   when the scale is 0, inf or NaN); the scales are exact maxima (NaN above
-//   everything, so a NaN anywhere in a block makes the block's scale NaN and
-//   the block reads back as NaN, as an fp32 state would show it). Linear codes
+//   when the scale is below 2^-100, inf or NaN: an m block that small reads
+//   back as 0, and no sqrt(v) of a v > 0 in fp32 is that small); a NaN
+//   product gets code 0. The scales are exact maxima (NaN above everything,
+//   so a NaN anywhere in a block makes the block's scale NaN and the block
+//   reads back as NaN, as an fp32 state would show it). Linear codes
 //   for m resolve it to 1/254 of the block's largest |m| (smaller values read
 //   back as 0: that element does not move this step); sqrt codes for v keep
 //   small second moments at the same relative resolution as m's step sizes.
