@@ -122,22 +122,26 @@ inline constexpr int64_t kRangeAlignment = 64;
 // Shards shorter than this run on the calling thread (threads cost more than they save).
 inline constexpr int64_t kParallelThreshold = int64_t{1} << 15;
 
-// Range `part` of `parts` contiguous, aligned ranges covering [0, n).
-inline void static_range(int64_t n, int part, int parts, int64_t* begin, int64_t* end) {
-  const int64_t blocks = (n + kRangeAlignment - 1) / kRangeAlignment;
+// Range `part` of `parts` contiguous ranges covering [0, n), each starting on a
+// multiple of `alignment` elements.
+inline void static_range(int64_t n, int part, int parts, int64_t* begin, int64_t* end,
+                         int64_t alignment = kRangeAlignment) {
+  const int64_t blocks = (n + alignment - 1) / alignment;
   const int64_t first = blocks * part / parts;
   const int64_t last = blocks * (part + 1) / parts;
-  *begin = first * kRangeAlignment < n ? first * kRangeAlignment : n;
-  *end = last * kRangeAlignment < n ? last * kRangeAlignment : n;
+  *begin = first * alignment < n ? first * alignment : n;
+  *end = last * alignment < n ? last * alignment : n;
 }
 
 // Calls body(begin, end) on one contiguous range per thread of the current TBB
-// arena. Range i always covers the same elements for a given n and thread
-// count, and tbb::static_partitioner keeps handing range i to the same worker,
-// so pages first touched through this function stay near the thread that
-// later updates them.
+// arena, each range starting on a multiple of `alignment` elements (a multiple
+// of kRangeAlignment; ranges of two alignments differ only near their ends).
+// Range i always covers the same elements
+// for a given n and thread count, and tbb::static_partitioner keeps handing
+// range i to the same worker, so pages first touched through this function
+// stay near the thread that later updates them.
 template <typename Body>
-void for_each_static_range(int64_t n, const Body& body) {
+void for_each_static_range(int64_t n, const Body& body, int64_t alignment = kRangeAlignment) {
   if (n <= 0) return;
   const int parts = tbb::this_task_arena::max_concurrency();
   if (n < kParallelThreshold || parts <= 1) {
@@ -149,7 +153,7 @@ void for_each_static_range(int64_t n, const Body& body) {
       [&](const tbb::blocked_range<int>& parts_range) {
         for (int part = parts_range.begin(); part != parts_range.end(); ++part) {
           int64_t begin = 0, end = 0;
-          static_range(n, part, parts, &begin, &end);
+          static_range(n, part, parts, &begin, &end, alignment);
           if (begin < end) body(begin, end);
         }
       },

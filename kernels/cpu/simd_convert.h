@@ -87,8 +87,9 @@ STRATA_TARGET_AVX2 inline void store8_from_float(void* data, int64_t i, __m256 v
 }
 
 // Stores 16 floats (low: elements i..i+7, high: i+8..i+15) as bf16 or fp16
-// with one 32-byte non-temporal store; data + i must be 32-byte aligned.
-template <CopyKind C>
+// with one 32-byte store. Stream: non-temporal, and data + i must be 32-byte
+// aligned.
+template <CopyKind C, bool Stream = true>
 STRATA_TARGET_AVX2 inline void store16_from_float_avx2(void* data, int64_t i, __m256 low,
                                                        __m256 high) {
   __m256i packed;
@@ -110,7 +111,12 @@ STRATA_TARGET_AVX2 inline void store16_from_float_avx2(void* data, int64_t i, __
     packed = _mm256_set_m128i(_mm256_cvtps_ph(high, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                               _mm256_cvtps_ph(low, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + i), packed);
+  __m256i* const target = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + i);
+  if constexpr (Stream) {
+    _mm256_stream_si256(target, packed);
+  } else {
+    _mm256_storeu_si256(target, packed);
+  }
 }
 
 // --- AVX-512: 16 elements ---------------------------------------------------------
@@ -130,6 +136,32 @@ STRATA_TARGET_AVX512 inline __m512 load16_as_float(const void* data, int64_t i) 
   }
 }
 
+// Round-to-nearest-even bf16 bits of 16 floats, in the low 16 bits of each
+// 32-bit lane. NaN lanes are not fixed here (see the callers).
+STRATA_TARGET_AVX512 inline __m512i bf16_round16_unchecked(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                           16);
+}
+
+// Stores two vectors of 16 floats as bf16 (a at first + i, b at second + i)
+// with one check for NaN in either (rare; every NaN becomes 0x7fc0).
+STRATA_TARGET_AVX512 inline void store16_bf16_pair(void* first, void* second, int64_t i, __m512 a,
+                                                   __m512 b) {
+  __m512i rounded_a = bf16_round16_unchecked(a);
+  __m512i rounded_b = bf16_round16_unchecked(b);
+  if (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0) {
+    const __m512i nan = _mm512_set1_epi32(0x7fc0);
+    rounded_a = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), rounded_a, nan);
+    rounded_b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), rounded_b, nan);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(first) + i),
+                      _mm512_cvtepi32_epi16(rounded_a));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(second) + i),
+                      _mm512_cvtepi32_epi16(rounded_b));
+}
+
 // Stream: a non-temporal store (data + i must be 32-byte aligned), for output
 // that the CPU will not read again soon; it also saves reading the line first.
 template <CopyKind C, bool Stream = false>
@@ -139,10 +171,7 @@ STRATA_TARGET_AVX512 inline void store16_from_float(void* data, int64_t i, __m51
   } else {
     __m256i packed;
     if constexpr (C == CopyKind::bf16) {
-      const __m512i bits = _mm512_castps_si512(value);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i rounded = _mm512_srli_epi32(
-          _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+      __m512i rounded = bf16_round16_unchecked(value);
       const __mmask16 is_nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
       rounded = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7fc0));
       packed = _mm512_cvtepi32_epi16(rounded);
