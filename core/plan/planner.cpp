@@ -18,18 +18,6 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-Tier home_of(OffloadDevice device) {
-  switch (device) {
-    case OffloadDevice::none:
-      return Tier::device;
-    case OffloadDevice::cpu:
-      return Tier::host;
-    case OffloadDevice::nvme:
-      return Tier::nvme;
-  }
-  return Tier::device;
-}
-
 struct Sizes {
   int64_t parameters = 0;
   int64_t shard = 0;
@@ -162,13 +150,11 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
   const int w = in.world_size;
   const int64_t n = sizes.parameters;
   const int64_t cb = compute_bytes(in.precision);
-  const Tier param_home = home_of(in.offload_param);
+  const StateHomes homes = state_homes(step_input(in));
   const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
   const int64_t param_elements = in.stage == 3 ? sizes.shard : sizes.padded;
   const int64_t grad_elements = in.stage >= 2 ? sizes.shard : sizes.padded;
   const int64_t optimizer_elements = in.stage >= 1 ? sizes.shard : sizes.padded;
-  const bool separate_master =
-      in.precision != Precision::fp32 || param_home != home_of(in.offload_optimizer);
   const int64_t g = in.grad_accum;
   if (w > 1) {
     const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype);
@@ -195,7 +181,7 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
     }
     t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * n;
   }
-  if (param_home != Tier::device) {
+  if (homes.param != Tier::device) {
     // Each shard goes to the device for the forward and again for the backward.
     t.h2d_bytes += 2 * g * param_elements * cb;
   } else if (optimizer_offloaded) {
@@ -211,7 +197,7 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
   if (in.offload_param == OffloadDevice::nvme) {
     t.nvme_read_bytes += 2 * g * param_elements * cb;
     // The updated compute copy, unless the optimizer's write of the master was it.
-    if (separate_master) t.nvme_write_bytes += param_elements * cb;
+    if (homes.separate_master) t.nvme_write_bytes += param_elements * cb;
   }
   t.collective_seconds = t.collective_bytes / in.net_bandwidth;
   t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;
@@ -267,10 +253,7 @@ Result<MemoryPlan> plan_memory(const PlanInput& in) {
   plan.units = sizes.units;
 
   const int w = in.world_size;
-  const Tier param_home = home_of(in.offload_param);
-  const Tier optimizer_home = home_of(in.offload_optimizer);
-  const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
-  const Tier grad_home = optimizer_offloaded ? Tier::host : Tier::device;
+  const StateHomes homes = state_homes(step_input(in));
 
   // strata's bytes: the training plan's buffers, as the ranks allocate them.
   if (in.model) {
@@ -303,10 +286,10 @@ Result<MemoryPlan> plan_memory(const PlanInput& in) {
   // world size where the stage shards it.
   const int64_t n = sizes.parameters;
   auto shard_if = [&](bool sharded, int64_t bytes) { return sharded ? ceil_div(bytes, w) : bytes; };
-  plan.states_zero.push_back({"parameters (fp16)", param_home, shard_if(in.stage == 3, 2 * n)});
-  plan.states_zero.push_back({"gradients (fp16)", grad_home, shard_if(in.stage >= 2, 2 * n)});
+  plan.states_zero.push_back({"parameters (fp16)", homes.param, shard_if(in.stage == 3, 2 * n)});
+  plan.states_zero.push_back({"gradients (fp16)", homes.grad, shard_if(in.stage >= 2, 2 * n)});
   plan.states_zero.push_back(
-      {"optimizer states (fp32 master, m, v)", optimizer_home, shard_if(in.stage >= 1, 12 * n)});
+      {"optimizer states (fp32 master, m, v)", homes.optimizer, shard_if(in.stage >= 1, 12 * n)});
   for (const StateLine& line : plan.states_zero) plan.model_states_zero.at(line.tier) += line.bytes;
 
   // Budgets: the device per rank; host and NVMe for the node (every rank on one node).

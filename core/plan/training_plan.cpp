@@ -14,18 +14,6 @@ namespace {
 
 using tiers::Tier;
 
-Tier home_of(OffloadDevice device) {
-  switch (device) {
-    case OffloadDevice::none:
-      return Tier::device;
-    case OffloadDevice::cpu:
-      return Tier::host;
-    case OffloadDevice::nvme:
-      return Tier::nvme;
-  }
-  return Tier::device;
-}
-
 PlanOp make_op(OpKind kind, Lane lane, int unit = -1, int micro = -1, int slot = -1) {
   PlanOp op;
   op.kind = kind;
@@ -470,19 +458,6 @@ int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
 
 namespace {
 
-// Where each kind of state lives (the table in core/README.md): parameters and
-// optimizer state where offloaded, gradients where the optimizer reads them. In
-// fp32 the parameters are the master unless the optimizer keeps its state in
-// another tier.
-StateHomes state_homes(const TrainingPlanInput& in) {
-  StateHomes homes;
-  homes.param = home_of(in.offload_param);
-  homes.optimizer = home_of(in.offload_optimizer);
-  homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
-  homes.separate_master = in.precision != Precision::fp32 || homes.param != homes.optimizer;
-  return homes;
-}
-
 // What a rank keeps of one unit, by ZeRO stage.
 UnitPlacement place_unit(int64_t padded_numel, int64_t shard_numel, int stage) {
   UnitPlacement p;
@@ -688,6 +663,31 @@ class BufferListing {
 };
 
 }  // namespace
+
+// Where each kind of state lives (the table in core/README.md): parameters and
+// optimizer state where offloaded, gradients where the optimizer reads them. In
+// fp32 the parameters are the master unless the optimizer keeps its state in
+// another tier.
+Tier home_of(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::none:
+      return Tier::device;
+    case OffloadDevice::cpu:
+      return Tier::host;
+    case OffloadDevice::nvme:
+      return Tier::nvme;
+  }
+  return Tier::device;
+}
+
+StateHomes state_homes(const TrainingPlanInput& in) {
+  StateHomes homes;
+  homes.param = home_of(in.offload_param);
+  homes.optimizer = home_of(in.offload_optimizer);
+  homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
+  homes.separate_master = in.precision != Precision::fp32 || homes.param != homes.optimizer;
+  return homes;
+}
 
 std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
                                           const std::vector<int64_t>& unit_numels) {

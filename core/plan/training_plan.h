@@ -277,6 +277,13 @@ struct TrainingPlan {
 
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
 
+// Where each kind of state lives: parameters and optimizer state where
+// offloaded, gradients where the optimizer reads them; in fp32 the parameters
+// are the master unless the optimizer keeps its state in another tier.
+StateHomes state_homes(const TrainingPlanInput& input);
+// The tier of an offload setting (none: the device).
+tiers::Tier home_of(OffloadDevice device);
+
 // The model-state lines alone, for units of the given parameter counts
 // (`strata plan --params N`: one unit of N), by the rules build_training_plan
 // uses; `input.model` is not read.
