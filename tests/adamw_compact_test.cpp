@@ -28,6 +28,7 @@
 #include <random>
 #include <vector>
 
+#include "adamw_reference.h"
 #include "kernels/cpu/adamw.h"
 
 namespace strata::kernels::cpu {
@@ -185,38 +186,25 @@ struct Reference {
 
 Reference reference_step(const State& before, ElementType grad_type, const AdamWHyperparams& h) {
   const int64_t n = before.size();
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, double(h.step)) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, double(h.step)) : 1.0;
   Reference r;
   for (auto* vector :
        {&r.master, &r.m, &r.v, &r.master_magnitude, &r.m_magnitude, &r.v_magnitude}) {
     vector->resize(n);
   }
   for (int64_t i = 0; i < n; ++i) {
-    double g = grad_at(before, grad_type, i) * h.grad_scale;
-    double g_magnitude = std::fabs(g);
-    double p = before.master[i];
-    if (h.decoupled_weight_decay) {
-      p *= 1.0 - h.lr * h.weight_decay;
-    } else {
-      g += h.weight_decay * p;
-      g_magnitude += std::fabs(h.weight_decay * p);
-    }
-    const double m_old = decoded_m(before, i), v_old = decoded_v(before, i);
-    const double m = h.beta1 * m_old + (1.0 - h.beta1) * g;
-    const double v = h.beta2 * v_old + (1.0 - h.beta2) * g * g;
-    const double denom = std::sqrt(v) / std::sqrt(bc2) + h.eps;
-    const double update = (h.lr / bc1) * m / denom;
-    r.master[i] = p - update;
-    r.m[i] = m;
-    r.v[i] = v;
-    r.m_magnitude[i] = std::fabs(h.beta1 * m_old) + (1.0 - h.beta1) * g_magnitude;
-    r.v_magnitude[i] = h.beta2 * v_old + (1.0 - h.beta2) * g_magnitude * g_magnitude;
+    const testing::AdamWReferenceElement e =
+        testing::adamw_reference_element(grad_at(before, grad_type, i), before.master[i],
+                                         decoded_m(before, i), decoded_v(before, i), h);
+    r.master[i] = e.p - e.update;
+    r.m[i] = e.m;
+    r.v[i] = e.v;
+    r.m_magnitude[i] = e.m_magnitude;
+    r.v_magnitude[i] = e.v_magnitude;
     // The step made from m's terms (where they cancel, m's rounding is
     // relative to them, not to m; random states put m far above sqrt(v)),
     // and the step's sensitivity to v's rounding (g = grad + wd * p cancels).
-    r.master_magnitude[i] = std::fabs(p) + (h.lr / bc1) * r.m_magnitude[i] / denom +
-                            (v > 0.0 ? std::fabs(update) * r.v_magnitude[i] / v : 0.0);
+    r.master_magnitude[i] = std::fabs(e.p) + (h.lr / e.bias_correction1) * e.m_magnitude / e.denom +
+                            (e.v > 0.0 ? std::fabs(e.update) * e.v_magnitude / e.v : 0.0);
   }
   return r;
 }

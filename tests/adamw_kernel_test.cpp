@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "adamw_reference.h"
 #include "kernels/cpu/adamw.h"
 
 namespace strata::kernels::cpu {
@@ -94,32 +95,21 @@ struct Reference {
 
 Reference reference_step(const State& before, ElementType grad_type, const AdamWHyperparams& h) {
   const int64_t n = static_cast<int64_t>(before.master.size());
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, double(h.step)) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, double(h.step)) : 1.0;
   Reference r;
   for (auto* vector :
        {&r.master, &r.m, &r.v, &r.master_magnitude, &r.m_magnitude, &r.v_magnitude}) {
     vector->resize(n);
   }
   for (int64_t i = 0; i < n; ++i) {
-    double g = grad_at(before, grad_type, i) * h.grad_scale;
-    double g_magnitude = std::fabs(g);
-    double p = before.master[i];
-    if (h.decoupled_weight_decay) {
-      p *= 1.0 - h.lr * h.weight_decay;
-    } else {
-      g += h.weight_decay * p;
-      g_magnitude += std::fabs(h.weight_decay * p);
-    }
-    const double mi = h.beta1 * before.exp_avg[i] + (1.0 - h.beta1) * g;
-    const double vi = h.beta2 * before.exp_avg_sq[i] + (1.0 - h.beta2) * g * g;
-    const double update = (h.lr / bc1) * mi / (std::sqrt(vi) / std::sqrt(bc2) + h.eps);
-    r.master[i] = p - update;
-    r.m[i] = mi;
-    r.v[i] = vi;
-    r.m_magnitude[i] = std::fabs(h.beta1 * before.exp_avg[i]) + (1.0 - h.beta1) * g_magnitude;
-    r.v_magnitude[i] = h.beta2 * before.exp_avg_sq[i] + (1.0 - h.beta2) * g_magnitude * g_magnitude;
-    r.master_magnitude[i] = std::fabs(p) + std::fabs(update);
+    const testing::AdamWReferenceElement e =
+        testing::adamw_reference_element(grad_at(before, grad_type, i), before.master[i],
+                                         before.exp_avg[i], before.exp_avg_sq[i], h);
+    r.master[i] = e.p - e.update;
+    r.m[i] = e.m;
+    r.v[i] = e.v;
+    r.m_magnitude[i] = e.m_magnitude;
+    r.v_magnitude[i] = e.v_magnitude;
+    r.master_magnitude[i] = std::fabs(e.p) + std::fabs(e.update);
   }
   return r;
 }

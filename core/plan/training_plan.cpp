@@ -664,10 +664,6 @@ class BufferListing {
 
 }  // namespace
 
-// Where each kind of state lives (the table in core/README.md): parameters and
-// optimizer state where offloaded, gradients where the optimizer reads them. In
-// fp32 the parameters are the master unless the optimizer keeps its state in
-// another tier.
 Tier home_of(OffloadDevice device) {
   switch (device) {
     case OffloadDevice::none:
@@ -680,6 +676,7 @@ Tier home_of(OffloadDevice device) {
   return Tier::device;
 }
 
+// Where each kind of state lives (the table in core/README.md).
 StateHomes state_homes(const TrainingPlanInput& in) {
   StateHomes homes;
   homes.param = home_of(in.offload_param);
