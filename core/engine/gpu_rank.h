@@ -124,6 +124,10 @@ class GpuRank {
   // not on the GPU (optimizer on the GPU, parameters in host memory or on
   // NVMe, compute precision below fp32); null otherwise.
   virtual std::byte* new_parameter_buffer() const = 0;
+  // New parameters arrived in host memory at `host` (a gather slot): an
+  // upload made from there is stale. Until then a computation on the same
+  // unit from the same host memory reads the upload still on the device.
+  virtual void forget_uploads(const std::byte* host) = 0;
 };
 
 }  // namespace strata

@@ -60,8 +60,8 @@ struct GradTarget {
   // place), else the tied embedding's host buffer (the GPU keeps it on the
   // device until the embedding's backward sends the sum there).
   float* tied = nullptr;
-  // Not in place: the host slot's index, -1 for the tied embedding's buffer
-  // (what gradients_ready waits for). Unused in place.
+  // Not in place: the host slot's index, or -1 - c for copy c of the tied
+  // embedding's buffer (what gradients_ready waits for). Unused in place.
   int slot = -1;
   // Zero `grads` (and `tied`) before adding: the buffer's first gradient.
   bool zero_first = false;
