@@ -141,14 +141,19 @@ TrainingPlanInput resolved_step_input(const PlanInput& in, Schedule schedule,
 }
 }  // namespace
 
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
-                                      bool gpu, bool nccl_staging) {
+PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
+                            bool nccl_staging) {
   PlanInput in = plan_input_from_config(config, model);
   in.gpu = gpu;
   in.nccl_staging = nccl_staging;
   if (config.strata.device_mem_limit) in.device_budget = int64_t(*config.strata.device_mem_limit);
   if (config.strata.host_mem_limit) in.host_budget = int64_t(*config.strata.host_mem_limit);
-  return step_input(in);
+  return in;
+}
+
+TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
+                                      bool gpu, bool nccl_staging) {
+  return step_input(engine_plan_input(model, config, gpu, nccl_staging));
 }
 
 Status validate_plan_input(const PlanInput& in) {

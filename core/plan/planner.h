@@ -198,6 +198,10 @@ TrainingPlanInput step_input(const PlanInput& input);
 // strata.host_mem_limit where the config gives them.
 TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
                                       bool gpu = false, bool nccl_staging = false);
+// The plan input training_plan_input converts (choose_schedule of it says why
+// the schedule is what it is).
+PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
+                            bool nccl_staging);
 
 // Checks the input (stage range, offload_param below stage 3, ...).
 Status validate_plan_input(const PlanInput& input);
