@@ -212,3 +212,38 @@ TEST_F(EngineSchedule, AutoPicksLayerWhereParametersMoveAndRefusesWhatCannotRun)
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// PCIe on the CUDA backend, from the plan: layer-major uploads each unit once
+// per use whatever the accumulation, and with one rank sends each gradient
+// down once per step (summed on the device), where the micro-batch order
+// sends one per micro-batch.
+TEST(ScheduleTraffic, LayerMajorCrossesPcieOncePerUseAndSendsEachGradientOnce) {
+  auto plan = [](Schedule schedule, int64_t accum) {
+    TrainingPlanInput in;
+    in.model = testing::small_gqa_model();
+    in.stage = 3;
+    in.offload_param = OffloadDevice::cpu;
+    in.offload_optimizer = OffloadDevice::cpu;
+    in.gpu = true;
+    in.micro_batch = 1;
+    in.seq_len = 16;
+    in.grad_accum = accum;
+    in.schedule = schedule;
+    Result<TrainingPlan> built = build_training_plan(in);
+    EXPECT_TRUE(built.is_ok()) << built.status().message();
+    return built ? built->traffic_per_step : StepTraffic{};
+  };
+  const StepTraffic micro4 = plan(Schedule::micro_batch, 4), layer4 = plan(Schedule::layer, 4);
+  const StepTraffic layer8 = plan(Schedule::layer, 8), layer1 = plan(Schedule::layer, 1);
+  EXPECT_EQ(micro4.d2h, 4 * layer4.d2h);
+  EXPECT_EQ(layer4.d2h, layer1.d2h);
+  EXPECT_EQ(layer8.d2h, layer1.d2h);
+  EXPECT_EQ(layer8.h2d, layer4.h2d);
+  EXPECT_GT(micro4.h2d, 3 * layer4.h2d);
+}
+
+}  // namespace
+}  // namespace strata

@@ -91,6 +91,10 @@ struct CudaGpuRank::Impl {
   std::array<cudaEvent_t, kGpuGradBuffers> grad_sent{};
   int next_grad_buffer = 0;
   std::vector<float*> tied_grads;  // [activation copies] (embedding padded_numel) fp32
+  // TrainingPlan::gpu_grads_summed_on_device: a unit's gradient summed over
+  // its micro-batches; the next unit's first waits until it went down (sum_sent).
+  float* grad_sum = nullptr;  // (largest padded) fp32
+  cudaEvent_t sum_sent = nullptr;
   cudaEvent_t computed = nullptr;
   // Per host gradient slot s (-1 - c for copy c of the tied embedding's, k for
   // rotating slot k), at index s + tied copies: copy done.
@@ -159,6 +163,9 @@ struct CudaGpuRank::Impl {
   // Sends `device` (numel fp32) to host `grads` once the computation so far is done.
   Status send_gradients(const float* device, float* grads, int64_t numel, int grad_slot,
                         int buffer);
+  // A computation's fresh gradient (in rotating buffer `buffer`, or -1): sent,
+  // or added to the sum over the micro-batches, which is sent after the last.
+  Status deliver(const float* fresh, const GradTarget& target, int64_t numel, int buffer);
   // Enqueues the upload of micro-batch `micro`'s ids (before the embedding's forward).
   Status upload_ids(int micro, const int32_t* tokens, const int32_t* targets);
   // The head on device parameters; losses summed on the host.
@@ -194,6 +201,7 @@ CudaGpuRank::Impl::~Impl() {
   for (cudaEvent_t e : slot_sent)
     if (e) cudaEventDestroy(e);
   if (computed) cudaEventDestroy(computed);
+  if (sum_sent) cudaEventDestroy(sum_sent);
   if (side_done) cudaEventDestroy(side_done);
   if (host_norm) cudaFreeHost(host_norm);
   for (cudaStream_t s : {compute, to_device, to_host})
@@ -311,6 +319,32 @@ Status CudaGpuRank::Impl::send_gradients(const float* device, float* grads, int6
   return Status::ok();
 }
 
+Status CudaGpuRank::Impl::deliver(const float* fresh, const GradTarget& target, int64_t numel,
+                                  int buffer) {
+  if (!target.sum_on_device) return send_gradients(fresh, target.grads, numel, target.slot, buffer);
+  if (grad_sum == nullptr) return Status::error("GpuRank: no gradient sum buffer (plan error)");
+  // In stream order after the computation; the rotating buffer is zeroed
+  // for its next use on the same stream, after this has read it.
+  if (target.sum_first) {
+    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, sum_sent, 0),
+                                    "ordering the gradient sum's reuse");
+        !s)
+      return s;
+    if (Status s = cuda::check_cuda(cudaMemcpyAsync(grad_sum, fresh, size_t(numel) * 4,
+                                                    cudaMemcpyDeviceToDevice, compute),
+                                    "starting a gradient sum");
+        !s)
+      return s;
+  } else if (Status s = cuda::residual_forward(grad_sum, grad_sum, fresh, numel, cuda::DType::f32,
+                                               compute);
+             !s) {
+    return s;
+  }
+  if (!target.send) return Status::ok();
+  if (Status s = send_gradients(grad_sum, target.grads, numel, target.slot, -1); !s) return s;
+  return cuda::check_cuda(cudaEventRecord(sum_sent, to_host), "recording a gradient sum's copy");
+}
+
 CudaGpuRank::CudaGpuRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaGpuRank::~CudaGpuRank() = default;
 
@@ -351,6 +385,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   for (int k = 0; k < kGpuGradBuffers; ++k)
     if (Status s = event(g.grad_sent[size_t(k)]); !s) return s;
   if (Status s = event(g.computed); !s) return s;
+  if (Status s = event(g.sum_sent); !s) return s;
   g.tied_copies = plan.activation_copies();
   g.slot_sent.assign(size_t(plan.grad_slots + g.tied_copies), nullptr);
   g.slot_pending.assign(g.slot_sent.size(), 0);
@@ -388,6 +423,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
       return s;
   }
   g.reduced = b.as<float>(R::gpu_reduced_gradient);
+  g.grad_sum = b.as<float>(R::gpu_gradient_sum);
   g.new_params = b.at(R::gpu_new_parameters);
   g.checkpoint_copies = b.all_as<std::byte>(R::gpu_activation_checkpoints);
   g.activation_grads = b.all_as<std::byte>(R::gpu_activation_gradient);
@@ -479,8 +515,7 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
                       tied_params != nullptr ? device_tied_grads : nullptr);
     status = loss.status();
   }
-  if (status && !g.grads_in_place)
-    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  if (status && !g.grads_in_place) status = g.deliver(device_grads, target, numel, buffer);
   Status released = slot >= 0 ? g.computed_with(slot) : Status::ok();
   if (tied_slot >= 0 && released) released = g.computed_with(tied_slot);
   if (status) status = released;
@@ -637,8 +672,7 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
   if (status)
     status = g.units->backward(unit, *device_params, g.batch(micro, 1.0f), input, dy, dinput,
                                device_grads, recompute, g.compute);
-  if (status && !g.grads_in_place)
-    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  if (status && !g.grads_in_place) status = g.deliver(device_grads, target, numel, buffer);
   if (slot < 0) return status;
   Status released = g.computed_with(slot);
   return status ? released : status;

@@ -84,6 +84,12 @@ class GpuRank {
     int slot = 0;
     // In place: zero the home(s) first (the micro-batch's first gradient).
     bool zero_first = false;
+    // Not in place, layer-major with one rank: the fresh gradient adds to the
+    // device's sum over the micro-batches (sum_first: becomes it), which goes
+    // to `grads` only when `send`.
+    bool sum_on_device = false;
+    bool sum_first = false;
+    bool send = true;
   };
 
   // The head's forward and backward: returns the sum of the token losses.

@@ -71,6 +71,9 @@ class GpuRankCompute final : public RankCompute {
     out.tied = target.tied;
     out.slot = target.slot;
     out.zero_first = target.zero_first;
+    out.sum_on_device = target.sum_on_device;
+    out.sum_first = target.sum_first;
+    out.send = target.send;
     return out;
   }
 

@@ -34,6 +34,7 @@ class EmulatedGpuRank final : public GpuRank {
     for (auto& w : widened_) w.resize(size_t(largest_padded));
     if (!plan.gpu_grads_in_place()) {
       grads_.resize(size_t(largest_padded));
+      if (plan.gpu_grads_summed_on_device()) grad_sum_.resize(size_t(largest_padded));
       if (plan.tied_grad_buffer)
         tied_grads_.resize(size_t(copies) * size_t(plan.units[0].padded_numel));
     }
@@ -82,7 +83,7 @@ class EmulatedGpuRank final : public GpuRank {
     const double loss =
         head_forward_backward(plan_.layout, p, batch(micro, loss_scale),
                               checkpoint(head - 1, micro), activation_grad(micro), g, ws_);
-    if (!plan_.gpu_grads_in_place()) std::memcpy(target.grads, g.flat, size_t(numel) * 4);
+    if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return loss;
   }
 
@@ -109,7 +110,7 @@ class EmulatedGpuRank final : public GpuRank {
     float* dy = activation_grad(micro);
     unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy,
                   g, ws_, recompute);
-    if (!plan_.gpu_grads_in_place()) std::memcpy(target.grads, g.flat, size_t(numel) * 4);
+    if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return Status::ok();
   }
 
@@ -160,6 +161,21 @@ class EmulatedGpuRank final : public GpuRank {
   }
 
  private:
+  // A fresh gradient to the host, or into the sum over the micro-batches
+  // (added in fp32 in micro-batch order, as the host would), which goes down
+  // after the last.
+  void send(const float* fresh, int64_t numel, const GradTarget& target) {
+    if (!target.sum_on_device) {
+      std::memcpy(target.grads, fresh, size_t(numel) * 4);
+      return;
+    }
+    if (target.sum_first)
+      std::memcpy(grad_sum_.data(), fresh, size_t(numel) * 4);
+    else
+      for (int64_t i = 0; i < numel; ++i) grad_sum_[size_t(i)] += fresh[i];
+    if (target.send) std::memcpy(target.grads, grad_sum_.data(), size_t(numel) * 4);
+  }
+
   // Copy activation_copy(micro) of each buffer that a micro-batch keeps to its backward.
   float* checkpoint(int unit, int micro) {
     const int64_t C = plan_.input.model.hidden_size;
@@ -198,6 +214,7 @@ class EmulatedGpuRank final : public GpuRank {
   std::vector<int32_t> tokens_, targets_;
   std::vector<float> widened_[2];
   std::vector<float> grads_, tied_grads_;
+  std::vector<float> grad_sum_;  // (largest padded): gpu_grads_summed_on_device
   std::vector<std::byte> new_params_;
 };
 

@@ -65,6 +65,12 @@ struct GradTarget {
   int slot = -1;
   // Zero `grads` (and `tied`) before adding: the buffer's first gradient.
   bool zero_first = false;
+  // TrainingPlan::gpu_grads_summed_on_device: the fresh gradient adds to the
+  // device's sum over the micro-batches (`sum_first`: becomes it) and goes to
+  // `grads` only when `send` (the last micro-batch).
+  bool sum_on_device = false;
+  bool sum_first = false;
+  bool send = true;
 };
 
 // AdamW over one unit's optimizer range of this rank (`numel` elements).

@@ -74,6 +74,11 @@ GradTarget Engine::Impl::grad_target(Rank& rank, const PlanOp& op) {
   target.grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : tied;
   target.tied = tied_head ? tied : nullptr;
   target.zero_first = op.slot >= 0;
+  if (plan.gpu_grads_summed_on_device()) {
+    target.sum_on_device = true;
+    target.sum_first = op.micro == 0;
+    target.send = op.micro == plan.input.grad_accum - 1;
+  }
   return target;
 }
 
@@ -109,10 +114,12 @@ Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const Plan
 Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
   // One rank with its gradients in place on the GPU has nothing to reduce:
   // they accumulated in their home.
-  if (!plan.gpu_grads_in_place()) {
+  // Summed on the GPU, the gradient comes down once, after the last micro-batch.
+  const bool last = op.micro == plan.input.grad_accum - 1;
+  if (!plan.gpu_grads_in_place() && (last || !plan.gpu_grads_summed_on_device())) {
     if (Status s = reduce_and_accumulate(rank, op); !s) return s;
   }
-  if (op.micro != plan.input.grad_accum - 1) return Status::ok();
+  if (!last) return Status::ok();
   // This rank's slice of the final gradient, the same elements at every stage.
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
@@ -165,7 +172,7 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!status) return status;
   }
   return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count,
-                                  op.micro == 0);
+                                  op.micro == 0 || plan.gpu_grads_summed_on_device());
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {

@@ -315,8 +315,10 @@ class PlanBuilder {
         case OpKind::forward:
         case OpKind::backward: {
           const bool fills_grad = op.kind == OpKind::backward || op.unit == head_;
-          // Each gradient goes down (a tied embedding's with the lm_head's part in it).
-          if (gpu && fills_grad && !grads_in_place) t.d2h += p->padded_numel * 4;
+          // Each gradient goes down (a tied embedding's with the lm_head's part in it),
+          // or once its micro-batches have added up on the device.
+          const bool sends = !plan_.gpu_grads_summed_on_device() || op.micro == in_.grad_accum - 1;
+          if (gpu && fills_grad && !grads_in_place && sends) t.d2h += p->padded_numel * 4;
           break;
         }
         default:
@@ -459,6 +461,8 @@ const char* buffer_role_name(BufferRole role) {
       return "gpu_grad_norm_scratch";
     case BufferRole::gpu_reduced_gradient:
       return "gpu_reduced_gradient";
+    case BufferRole::gpu_gradient_sum:
+      return "gpu_gradient_sum";
     case BufferRole::gpu_new_parameters:
       return "gpu_new_parameters";
     case BufferRole::gpu_activation_checkpoints:
@@ -650,6 +654,9 @@ class BufferListing {
         add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::host, f32, 1,
             largest_shard);
     }
+    if (plan.gpu_grads_summed_on_device())
+      add(R::gpu_gradient_sum, O::gpu, "device gradient sum over the micro-batches", Tier::device,
+          f32, 1, largest_padded);
     if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
       add(R::sync_staging, O::rank, "parameter all-gather staging (largest unit)", Tier::host,
           compute, 1, largest_padded);

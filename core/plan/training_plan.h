@@ -179,6 +179,7 @@ enum class BufferRole {
   gpu_tied_gradient,           // [activation copies] (embedding padded) fp32
   gpu_grad_norm_scratch,       // bytes: the result, then the reduction's scratch
   gpu_reduced_gradient,        // (largest padded) fp32
+  gpu_gradient_sum,            // (largest padded) fp32: gpu_grads_summed_on_device
   gpu_new_parameters,          // (largest optimizer range) compute precision
   gpu_activation_checkpoints,  // [activation copies] (units - 1, B*T, C) compute precision
   gpu_activation_gradient,     // [activation copies] (B*T, C) compute precision
@@ -292,6 +293,14 @@ struct TrainingPlan {
   bool gpu_grads_in_place() const {
     return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1 &&
            !input.reduce_in_bf16;
+  }
+  // Layer-major with one rank and gradients leaving the GPU: a unit's
+  // micro-batches run back to back, so their gradients add up on the device
+  // (each computed fresh, added in micro-batch order, as the host would) and
+  // go down once per step, after the last.
+  bool gpu_grads_summed_on_device() const {
+    return input.gpu && layer_major() && input.grad_accum > 1 && input.world_size == 1 &&
+           !input.reduce_in_bf16 && !gpu_grads_in_place();
   }
   // New compute-precision parameters pass through a pinned host buffer: on
   // their way to NVMe, or from the CPU optimizer to their device home.
