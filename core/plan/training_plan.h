@@ -20,19 +20,29 @@
 //           2-3: the shard; in host memory when the optimizer is offloaded
 // Elements [r * shard, (r + 1) * shard) of a unit's flat buffer are rank r's.
 //
-// Operations. A step is, per micro-batch, forward of every unit (the head's
-// forward and backward are one pass) and backward of the layers and the
-// embedding in reverse; gradients are reduced after every micro-batch; after
-// the last one the gradient-norm partials and losses are exchanged, the
-// optimizer driver decides the step, and the optimizer runs unit by unit in
-// forward order, overlapping the next step's forward (forward of unit u waits
-// only for optimizer(u), and at stages 1-2 for sync(u), the all-gather of the
-// updated parameters); without clipping or loss scaling it runs during
-// backward instead, unit by unit as gradients become final. At stage 3 a unit is gathered before
-// each use into one of `gather_slots` buffers and released after; a fetch brings a parameter shard
-// homed on NVMe into host memory ahead of its gather, at most `fetch_slots` at a time. Buffers are
-// reused in a ring; the dependency on the operation that last used a buffer is what bounds the
-// memory.
+// Operations. In the micro-batch order (schedule micro_batch) a step is, per
+// micro-batch, forward of every unit (the head's forward and backward are one
+// pass) and backward of the layers and the embedding in reverse. In the
+// layer-major order (schedule layer) each unit runs every micro-batch before
+// the next unit: forward of unit 0 for micro-batches 0..G-1, then unit 1, ...,
+// the head for 0..G-1, then backward of the last layer for 0..G-1, ... down to
+// the embedding; every micro-batch's unit inputs, activation gradient (and a
+// tied embedding's gradient) are kept to its backward, one copy per
+// micro-batch (activation_copies). Either way a unit meets its micro-batches
+// in order, and each micro-batch's gradient is reduced after its backward and
+// added to the accumulator in that order: the same sums in the same order,
+// so the two orders give the same bits. After the last micro-batch the
+// gradient-norm partials and losses are exchanged, the optimizer driver
+// decides the step, and the optimizer runs unit by unit in forward order,
+// overlapping the next step's forward (forward of unit u waits only for
+// optimizer(u), and at stages 1-2 for sync(u), the all-gather of the updated
+// parameters); without clipping or loss scaling it runs during backward
+// instead, unit by unit as gradients become final. At stage 3 a unit is
+// gathered before each use, a run of consecutive computations that read it,
+// into one of `gather_slots` buffers and released after; a fetch brings a
+// parameter shard homed on NVMe into host memory ahead of its gather, at most
+// `fetch_slots` at a time. Buffers are reused in a ring; the dependency on the
+// operation that last used a buffer is what bounds the memory.
 //
 // Lanes: io (starts fetches), comm (every collective, in one order that every
 // rank shares), compute, optimizer. Each lane runs its operations in plan
