@@ -116,6 +116,8 @@ Status rope_backward(void* dx,          // (B*T, row_stride) of type, heads*D us
 // --- causal grouped-query attention (kernels/cuda/attention.cu) ----------------------
 
 // The shape of kernels/cpu/attention.h (row_block is not used here). D <= 128.
+// A sliding window is accepted only when it holds the whole sequence
+// (window >= T, where it masks nothing); a shorter one is refused.
 using AttentionShape = cpu::AttentionShape;
 
 // Flash-style: tiles of keys stream through shared memory and an online
