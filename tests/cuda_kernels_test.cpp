@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/grad_norm.h"
@@ -26,7 +27,6 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/swiglu.h"
-#include "kernels/cpu/bias.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/ops.h"

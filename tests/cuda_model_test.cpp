@@ -239,9 +239,8 @@ TEST_F(CudaModelWindow, ASequenceLongerThanTheSlidingWindowIsRefused) {
   ASSERT_TRUE(matmuls.is_ok()) << matmuls.status().message();
   const int64_t bytes = cuda_unit_workspace_bytes(config, 1, 37, 4);
   DeviceBuffer memory{size_t(bytes)};
-  Result<std::unique_ptr<CudaUnits>> units =
-      CudaUnits::create(layout, 1, 37, DType::f32, static_cast<std::byte*>(memory.get()), bytes,
-                        **matmuls);
+  Result<std::unique_ptr<CudaUnits>> units = CudaUnits::create(
+      layout, 1, 37, DType::f32, static_cast<std::byte*>(memory.get()), bytes, **matmuls);
   ASSERT_FALSE(units.is_ok());
   EXPECT_NE(units.status().message().find("sliding_window 16"), std::string::npos)
       << units.status().message();

@@ -37,8 +37,8 @@ TEST(ModelConfig, FamilyPresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(count("qwen2.5-3b"), 3085938688LL);
   EXPECT_EQ(count("qwen2.5-7b"), 7615616512LL);
   // Qwen3 0.6B: head_dim 128 (16 x 128 = 2048 != hidden 1024), q/k norms of 128 per layer.
-  const int64_t qwen3_layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072 +
-                              2 * 1024 + 2 * 128;
+  const int64_t qwen3_layer =
+      1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128;
   EXPECT_EQ(count("qwen3-0.6b"), 151936LL * 1024 + 28 * qwen3_layer + 1024);
   EXPECT_EQ(count("qwen3-0.6b"), 596049920LL);
   EXPECT_EQ(count("qwen3-1.7b"), 1720574976LL);
@@ -110,7 +110,8 @@ TEST(ModelConfig, WhatNoFamilyComputesIsRefusedNamingTheKey) {
   auto error = [](const std::string& family, const std::string& extra) {
     const std::string text = R"({"model_type": ")" + family +
                              R"(", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-        "num_hidden_layers": 1, "num_attention_heads": 2, )" + extra + "}";
+        "num_hidden_layers": 1, "num_attention_heads": 2, )" +
+                             extra + "}";
     Result<ModelConfig> model = model_config_from_json(nlohmann::json::parse(text), "cfg.json");
     EXPECT_FALSE(model.is_ok()) << text;
     const std::string message = model.is_ok() ? std::string() : model.status().message();

@@ -38,28 +38,28 @@ struct WorkspaceShape {
   std::vector<int64_t> sizes() const {
     const int64_t most_heads = std::max(H, KV);
     return {
-        N * C * ts,          // xn1
-        N * 4,               // rstd1
-        N * QKV * ts,        // qkv
-        B * H * T * 4,       // lse
-        N * H * D * ts,      // attn
-        N * C * ts,          // x2
-        N * C * ts,          // xn2
-        N * 4,               // rstd2
-        N * 2 * I * ts,      // gate_up
-        N * I * ts,          // mlp
-        N * I * ts,          // d_mlp
-        N * 2 * I * ts,      // d_gate_up
-        N * C * ts,          // d_xn
-        N * H * D * ts,      // d_attn
-        N * QKV * ts,        // d_qkv
-        B * H * T * 4,       // delta
-        N * C * ts,          // head_xn
-        N * 4,               // head_rstd
-        head_rows * V * ts,  // logits
-        scratch,             // backward scratch (RMSNorm, embedding)
-        T * (D / 2) * 4,     // rope cos
-        T * (D / 2) * 4,     // rope sin
+        N * C * ts,                         // xn1
+        N * 4,                              // rstd1
+        N * QKV * ts,                       // qkv
+        B * H * T * 4,                      // lse
+        N * H * D * ts,                     // attn
+        N * C * ts,                         // x2
+        N * C * ts,                         // xn2
+        N * 4,                              // rstd2
+        N * 2 * I * ts,                     // gate_up
+        N * I * ts,                         // mlp
+        N * I * ts,                         // d_mlp
+        N * 2 * I * ts,                     // d_gate_up
+        N * C * ts,                         // d_xn
+        N * H * D * ts,                     // d_attn
+        N * QKV * ts,                       // d_qkv
+        B * H * T * 4,                      // delta
+        N * C * ts,                         // head_xn
+        N * 4,                              // head_rstd
+        head_rows * V * ts,                 // logits
+        scratch,                            // backward scratch (RMSNorm, embedding)
+        T * (D / 2) * 4,                    // rope cos
+        T * (D / 2) * 4,                    // rope sin
         qk_norm * N * H * D * ts,           // q_raw: q before its norm
         qk_norm * N * KV * D * ts,          // k_raw
         qk_norm * N * H * 4,                // q_rstd
@@ -88,8 +88,8 @@ WorkspaceShape workspace_shape(const ModelConfig& c, int64_t B, int64_t T, int t
   s.scratch = int64_t(std::max(cuda::rmsnorm_backward_scratch_bytes(s.N, s.C),
                                cuda::embedding_backward_scratch_bytes(s.N, s.V)));
   if (c.qk_norm)
-    s.scratch = std::max(s.scratch, int64_t(cuda::rmsnorm_backward_scratch_bytes(
-                                        s.N * std::max(s.H, s.KV), s.D)));
+    s.scratch = std::max(
+        s.scratch, int64_t(cuda::rmsnorm_backward_scratch_bytes(s.N * std::max(s.H, s.KV), s.D)));
   return s;
 }
 
@@ -242,10 +242,10 @@ Status CudaUnits::copy_heads(void* to, int64_t to_pitch, const void* from, int64
                              int64_t heads, cudaStream_t stream) const {
   const size_t ts = cuda::dtype_size(type_);
   const int64_t width = heads * layout_.config.head_dim;
-  return cuda::check_cuda(cudaMemcpy2DAsync(to, size_t(to_pitch) * ts, from,
-                                            size_t(from_pitch) * ts, size_t(width) * ts,
-                                            size_t(B_ * T_), cudaMemcpyDeviceToDevice, stream),
-                          "copying the heads of q or k");
+  return cuda::check_cuda(
+      cudaMemcpy2DAsync(to, size_t(to_pitch) * ts, from, size_t(from_pitch) * ts,
+                        size_t(width) * ts, size_t(B_ * T_), cudaMemcpyDeviceToDevice, stream),
+      "copying the heads of q or k");
 }
 
 Status CudaUnits::qk_norm_forward(const void* w, int64_t q_norm, int64_t k_norm,
@@ -277,12 +277,11 @@ Status CudaUnits::qk_norm_backward(const void* w, float* g, int64_t q_norm, int6
     const int64_t heads = part == 0 ? H : KV, norm = part == 0 ? q_norm : k_norm;
     void* rows = at(b.d_qkv, part == 0 ? 0 : H * D);
     STRATA_CHECK(copy_heads(b.heads, heads * D, rows, QKV, heads, stream));
-    STRATA_CHECK(cuda::check_cuda(
-        cudaMemsetAsync(b.d_heads, 0, size_t(N * heads * D) * ts, stream), "zeroing a gradient"));
-    STRATA_CHECK(cuda::rmsnorm_backward(b.d_heads, g + norm, b.heads,
-                                        part == 0 ? b.q_raw : b.k_raw, at(w, norm),
-                                        part == 0 ? b.q_rstd : b.k_rstd, N * heads, D, type_,
-                                        b.scratch, size_t(b.scratch_bytes), stream));
+    STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(b.d_heads, 0, size_t(N * heads * D) * ts, stream),
+                                  "zeroing a gradient"));
+    STRATA_CHECK(cuda::rmsnorm_backward(b.d_heads, g + norm, b.heads, part == 0 ? b.q_raw : b.k_raw,
+                                        at(w, norm), part == 0 ? b.q_rstd : b.k_rstd, N * heads, D,
+                                        type_, b.scratch, size_t(b.scratch_bytes), stream));
     STRATA_CHECK(copy_heads(rows, QKV, b.d_heads, heads * D, heads, stream));
   }
   return Status::ok();
@@ -368,8 +367,7 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
   STRATA_CHECK(cuda::rope_backward(at(b.d_qkv, 0), b.cos, b.sin, B_, T_, H, D, QKV, type_, stream));
   STRATA_CHECK(
       cuda::rope_backward(at(b.d_qkv, H * D), b.cos, b.sin, B_, T_, KV, D, QKV, type_, stream));
-  if (o.q_norm >= 0)
-    STRATA_CHECK(qk_norm_backward(w, g, o.q_norm, o.k_norm, stream));
+  if (o.q_norm >= 0) STRATA_CHECK(qk_norm_backward(w, g, o.q_norm, o.k_norm, stream));
   if (o.qkv_bias >= 0)
     STRATA_CHECK(cuda::bias_backward(g + o.qkv_bias, b.d_qkv, N, QKV, type_, stream));
   STRATA_CHECK(zero(b.d_xn, N * C));

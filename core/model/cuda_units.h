@@ -102,8 +102,8 @@ class CudaUnits {
   Status qk_norm_backward(const void* params, float* grads, int64_t q_norm, int64_t k_norm,
                           cudaStream_t stream);
   // Strided copy of `heads` heads per token between (B*T, pitch) buffers (pitches in elements).
-  Status copy_heads(void* to, int64_t to_pitch, const void* from, int64_t from_pitch,
-                    int64_t heads, cudaStream_t stream) const;
+  Status copy_heads(void* to, int64_t to_pitch, const void* from, int64_t from_pitch, int64_t heads,
+                    cudaStream_t stream) const;
   // Element `offset` of a flat buffer of the compute type.
   const void* at(const void* flat, int64_t offset) const;
   void* at(void* flat, int64_t offset) const;

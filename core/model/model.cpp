@@ -184,10 +184,10 @@ int64_t UnitWorkspace::bytes_for(const ModelConfig& c, int64_t B, int64_t T) {
                          + B * H * T * T + T * T           // probs, d_scores
                          + 2 * N * 2 * I + 2 * N * I       // gate_up, d_gate_up; mlp, d_mlp
                          + N * C + N + head_rows * V + N;  // head_xn, head_rstd, logits, losses
-  const int64_t qk_norm_floats =
-      c.qk_norm ? N * (H + KV) * D + N * (H + KV)  // q_raw, k_raw; q_rstd, k_rstd
-                      + 2 * N * std::max(H, KV) * D  // heads, d_heads
-                : 0;
+  const int64_t qk_norm_floats = c.qk_norm ? N * (H + KV) * D +
+                                                 N * (H + KV)  // q_raw, k_raw; q_rstd, k_rstd
+                                                 + 2 * N * std::max(H, KV) * D  // heads, d_heads
+                                           : 0;
   return (floats + qk_norm_floats) * int64_t(sizeof(float));
 }
 

@@ -123,20 +123,28 @@ const std::vector<Preset>& presets() {
 
 const char* model_family_name(ModelFamily family) {
   switch (family) {
-    case ModelFamily::llama: return "llama";
-    case ModelFamily::qwen2: return "qwen2";
-    case ModelFamily::qwen3: return "qwen3";
-    case ModelFamily::mistral: return "mistral";
+    case ModelFamily::llama:
+      return "llama";
+    case ModelFamily::qwen2:
+      return "qwen2";
+    case ModelFamily::qwen3:
+      return "qwen3";
+    case ModelFamily::mistral:
+      return "mistral";
   }
   return "llama";
 }
 
 const char* model_family_architecture(ModelFamily family) {
   switch (family) {
-    case ModelFamily::llama: return "LlamaForCausalLM";
-    case ModelFamily::qwen2: return "Qwen2ForCausalLM";
-    case ModelFamily::qwen3: return "Qwen3ForCausalLM";
-    case ModelFamily::mistral: return "MistralForCausalLM";
+    case ModelFamily::llama:
+      return "LlamaForCausalLM";
+    case ModelFamily::qwen2:
+      return "Qwen2ForCausalLM";
+    case ModelFamily::qwen3:
+      return "Qwen3ForCausalLM";
+    case ModelFamily::mistral:
+      return "MistralForCausalLM";
   }
   return "LlamaForCausalLM";
 }
@@ -196,8 +204,9 @@ void read_rope(JsonReader& in, const nlohmann::json& json, const std::string& ke
   if (type == "default" || type.empty()) {
     type.clear();
   } else if (type != "llama3") {
-    scaling.fail("rope_type",
-                 fmt::format("strata supports rope_scaling of type llama3 or default; got '{}'", type));
+    scaling.fail(
+        "rope_type",
+        fmt::format("strata supports rope_scaling of type llama3 or default; got '{}'", type));
   }
   c.rope_scaling.type = type;
   scaling.optional_double("rope_theta", c.rope_theta, 0.0);
@@ -250,8 +259,9 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   }
   const std::string family = model_family_name(c.family);
   // Mixture-of-experts configs (qwen2_moe, qwen3_moe, mixtral and the like) carry these.
-  for (const char* key : {"num_experts", "num_local_experts", "n_routed_experts",
-                          "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}) {
+  for (const char* key :
+       {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size"}) {
     refuse_if_set(in, json, key, "mixture of experts: strata trains dense models only");
   }
   in.required_int("vocab_size", c.vocab_size, 1);
@@ -278,7 +288,8 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   std::string hidden_act = "silu";
   in.optional_string("hidden_act", hidden_act);
   if (hidden_act != "silu") in.fail("hidden_act", "strata supports only 'silu' (SwiGLU)");
-  refuse_if_set(in, json, "mlp_bias", fmt::format("strata's {} has no MLP biases; expected false", family));
+  refuse_if_set(in, json, "mlp_bias",
+                fmt::format("strata's {} has no MLP biases; expected false", family));
   refuse_if_set(in, json, "attention_dropout", "strata has no attention dropout; expected 0");
   if (c.family == ModelFamily::qwen2) {
     // Qwen2's q, k and v always have biases (transformers reads no attention_bias for it).
@@ -292,20 +303,22 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   c.qk_norm = c.family == ModelFamily::qwen3;
   if (c.family == ModelFamily::qwen2 || c.family == ModelFamily::qwen3) {
     // sliding_window only counts with use_sliding_window, which strata does not compute.
-    refuse_if_set(in, json, "use_sliding_window",
-                  fmt::format("strata's {} has full attention in every layer; expected false", family));
+    refuse_if_set(
+        in, json, "use_sliding_window",
+        fmt::format("strata's {} has full attention in every layer; expected false", family));
     in.accept("sliding_window");
     in.accept("max_window_layers");
   } else if (c.family == ModelFamily::mistral) {
     in.optional_int("sliding_window", c.sliding_window, 1);
   } else {
-    refuse_if_set(in, json, "sliding_window", "strata's llama has no sliding window; expected null");
+    refuse_if_set(in, json, "sliding_window",
+                  "strata's llama has no sliding window; expected null");
   }
   if (json.contains("layer_types") && json["layer_types"].is_array()) {
     for (const nlohmann::json& type : json["layer_types"]) {
       if (type != "full_attention") {
-        in.fail("layer_types", fmt::format("strata computes full_attention layers only; got {}",
-                                           type.dump()));
+        in.fail("layer_types",
+                fmt::format("strata computes full_attention layers only; got {}", type.dump()));
         break;
       }
     }

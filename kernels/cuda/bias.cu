@@ -16,8 +16,8 @@ constexpr int kColumns = 32;   // columns per block of the backward
 constexpr int kRowGroups = 8;  // row groups per block of the backward
 
 template <typename T>
-__global__ void bias_forward_kernel(T* out,          // (N, OC), +=
-                                    const T* bias,   // (OC)
+__global__ void bias_forward_kernel(T* out,         // (N, OC), +=
+                                    const T* bias,  // (OC)
                                     int64_t N, int64_t OC) {
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= N * OC) return;
@@ -25,8 +25,8 @@ __global__ void bias_forward_kernel(T* out,          // (N, OC), +=
 }
 
 template <typename T>
-__global__ void bias_backward_kernel(float* dbias,    // (OC), +=
-                                     const T* dout,   // (N, OC)
+__global__ void bias_backward_kernel(float* dbias,   // (OC), +=
+                                     const T* dout,  // (N, OC)
                                      int64_t N, int64_t OC) {
   __shared__ float partial[kRowGroups][kColumns];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumns + threadIdx.x;
