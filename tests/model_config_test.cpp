@@ -106,6 +106,49 @@ TEST(ModelConfig, EachFamilyIsReadAndWrittenBackAsItself) {
   EXPECT_EQ(v5->rope_theta, 250000.0);
 }
 
+TEST(ModelConfig, PublishedConfigFilesGiveThePresets) {
+  // The config.json files as published (keys strata has no use for included).
+  const char* qwen25 = R"({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+      "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+      "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+      "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+      "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": true,
+      "use_mrope": false, "use_sliding_window": false, "vocab_size": 151936})";
+  const char* qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+      "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+      "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+      "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+      "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+      "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": null,
+      "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false,
+      "vocab_size": 151936})";
+  const char* mistral = R"({"architectures": ["MistralForCausalLM"], "bos_token_id": 1,
+      "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+      "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+      "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+      "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+      "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
+      "vocab_size": 32000})";
+  const std::pair<const char*, const char*> cases[] = {
+      {qwen25, "qwen2.5-0.5b"}, {qwen3, "qwen3-0.6b"}, {mistral, "mistral-7b"}};
+  for (const auto& [text, name] : cases) {
+    Result<ModelConfig> read = model_config_from_json(nlohmann::json::parse(text), name);
+    ASSERT_TRUE(read.is_ok()) << read.status().message();
+    const ModelConfig preset = *load_model_config(name);
+    EXPECT_EQ(read->parameter_count(), preset.parameter_count()) << name;
+    EXPECT_EQ(read->family, preset.family) << name;
+    EXPECT_EQ(read->head_dim, preset.head_dim) << name;
+    EXPECT_EQ(read->sliding_window, preset.sliding_window) << name;
+    EXPECT_EQ(read->rope_theta, preset.rope_theta) << name;
+    EXPECT_EQ(read->rms_norm_eps, preset.rms_norm_eps) << name;
+    EXPECT_EQ(read->max_position_embeddings, preset.max_position_embeddings) << name;
+    EXPECT_EQ(read->tie_word_embeddings, preset.tie_word_embeddings) << name;
+  }
+}
+
 TEST(ModelConfig, WhatNoFamilyComputesIsRefusedNamingTheKey) {
   auto error = [](const std::string& family, const std::string& extra) {
     const std::string text = R"({"model_type": ")" + family +
@@ -132,6 +175,7 @@ TEST(ModelConfig, WhatNoFamilyComputesIsRefusedNamingTheKey) {
   EXPECT_TRUE(names(error("llama", R"("sliding_window": 4096)"), "sliding_window"));
   EXPECT_TRUE(names(error("llama", R"("mlp_bias": true)"), "mlp_bias"));
   EXPECT_TRUE(names(error("qwen2", R"("attention_dropout": 0.1)"), "attention_dropout"));
+  EXPECT_TRUE(names(error("qwen2", R"("use_mrope": true)"), "use_mrope"));
   EXPECT_TRUE(names(error("qwen3", R"("layer_types": ["sliding_attention"])"), "layer_types"));
   EXPECT_TRUE(names(error("qwen2", R"("rope_scaling": {"type": "yarn", "factor": 4.0})"),
                     "rope_scaling.rope_type"));

@@ -300,6 +300,7 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
     refuse_if_set(in, json, "attention_bias",
                   fmt::format("strata's {} has no attention biases; expected false", family));
   }
+  refuse_if_set(in, json, "use_mrope", "multimodal rotary embeddings: strata computes 1-D RoPE");
   c.qk_norm = c.family == ModelFamily::qwen3;
   if (c.family == ModelFamily::qwen2 || c.family == ModelFamily::qwen3) {
     // sliding_window only counts with use_sliding_window, which strata does not compute.
