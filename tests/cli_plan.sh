@@ -18,6 +18,16 @@ shard=$(echo "$out" | json_get 'd["shard_elements"]')
 params=$(echo "$out" | json_get 'd["parameters"]')
 [ "$params" = "1235814400" ]; check "llama3.2-1b has 1235814400 parameters" $?
 
+# The families' presets: `strata plan` counts their published parameters exactly.
+for preset_count in qwen2.5-0.5b:494032768 qwen2.5-1.5b:1543714304 qwen2.5-3b:3085938688 \
+                    qwen2.5-7b:7615616512 qwen3-0.6b:596049920 qwen3-1.7b:1720574976 \
+                    qwen3-4b:4022468096 qwen3-8b:8190735360 mistral-7b:7241732096 \
+                    mistral-7b-v0.3:7248023552; do
+  preset=${preset_count%%:*}
+  params=$("$strata" plan --model "$preset" --json | json_get 'd["parameters"]')
+  [ "$params" = "${preset_count##*:}" ]; check "$preset has ${preset_count##*:} parameters ($params)" $?
+done
+
 # The ZeRO paper's accounting for Llama 3 8B at stage 3 over 8 ranks: 16 * psi / 8.
 out=$("$strata" plan --model llama3-8b --stage 3 --world-size 8 --precision bf16 --accounting zero --json \
       --device-mem-limit 80G --host-mem-limit 1T)
