@@ -118,7 +118,11 @@ TEST_F(EngineSchedule, Fp16OverflowSkipsTheSameStepsAndClippingOffUpdatesDuringB
       EXPECT_EQ(seen[0].steps, seen[1].steps) << run.label();
       ASSERT_FALSE(seen[0].steps.empty()) << run.label();
       EXPECT_TRUE(seen[0].steps[0].first) << run.label() << ": the overflow skipped the step";
-      EXPECT_EQ(seen[0].failure, seen[1].failure) << run.label();
+      // The same failure, whichever rank reported it first.
+      auto without_rank = [](const std::string& message) {
+        return message.substr(message.find(", ") == std::string::npos ? 0 : message.find(", "));
+      };
+      EXPECT_EQ(without_rank(seen[0].failure), without_rank(seen[1].failure)) << run.label();
       // And at a scale that does not overflow, the same bits.
       run.init.clear();
       run.initial_scale_power = 12;
