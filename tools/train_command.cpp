@@ -80,6 +80,7 @@ Failure run_error(const Status& status) {
 struct TrainData {
   TokenFile file;
   std::vector<uint8_t> mask;  // (file.size()) or empty
+  std::string mask_path, mask_source;  // where the mask came from, for the run header
   int64_t vocab = 0;
   SequenceOrder order;  // strata.shuffle; what the engine's checkpoints record
 };
@@ -312,7 +313,9 @@ class TrainCommand : public Subcommand {
         ->group(kDataGroup);
     cmd.add_option(
            "--loss-mask", loss_mask_path_,
-           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
+           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning). "
+           "Default: the .mask file next to --data when there is one (train.bin -> train.mask); "
+           "none: no mask")
         ->group(kDataGroup);
     cmd.add_option("--eval-data", eval_path_,
                    "Token file for a validation loss (same format as --data)")
@@ -577,10 +580,25 @@ class TrainCommand : public Subcommand {
       return Failure{
           2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
                          data_path_, run.data->file.size(), T)};
-    if (!loss_mask_path_.empty()) {
-      Result<std::vector<uint8_t>> mask = read_loss_mask(loss_mask_path_, run.data->file.size());
+    // Without --loss-mask, the mask prepare-data writes next to the token file
+    // (train.bin -> train.mask) is used when it is there; --loss-mask none turns that off.
+    std::string mask_path = loss_mask_path_;
+    if (mask_path.empty()) {
+      std::error_code error;
+      if (fs::is_regular_file(loss_mask_path(data_path_), error)) {
+        mask_path = loss_mask_path(data_path_);
+        run.data->mask_source = "found next to --data";
+      }
+    } else if (mask_path == "none") {
+      mask_path.clear();
+    } else {
+      run.data->mask_source = "--loss-mask";
+    }
+    if (!mask_path.empty()) {
+      Result<std::vector<uint8_t>> mask = read_loss_mask(mask_path, run.data->file.size());
       if (!mask) return usage_error(mask.status());
       run.data->mask = std::move(*mask);
+      run.data->mask_path = mask_path;
     }
     return open_eval_data(run, *format);
   }
@@ -742,6 +760,13 @@ class TrainCommand : public Subcommand {
     if (run.data->order.is_shuffled())
       fmt::print("data: {} sequences, {}, a new order every pass\n",
                  run.data->file.sequence_count(T), run.data->order.describe());
+    if (!run.data->mask.empty()) {
+      const auto kept = std::count_if(run.data->mask.begin(), run.data->mask.end(),
+                                      [](uint8_t byte) { return byte != 0; });
+      fmt::print("loss mask: {} ({}): {:.1f}% of the tokens are targets; the others do not count\n",
+                 run.data->mask_path, run.data->mask_source,
+                 100.0 * double(kept) / double(run.data->mask.size()));
+    }
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }
