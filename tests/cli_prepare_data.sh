@@ -13,7 +13,7 @@ root="$2"
 source "$(dirname "$0")/check_support.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-fixtures="$root/tests/data/tokenizers"
+fixtures="$root/tests/fixtures/tokenizers"
 
 # A model directory: the Llama-kind test tokenizer and a small Llama of its vocabulary.
 mkdir -p "$dir/model"

@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 
 Tokenizer load(const std::string& kind) {
   Result<Tokenizer> tokenizer = Tokenizer::load(std::string(STRATA_SOURCE_DIR) +
-                                                "/tests/data/tokenizers/" + kind + "/tokenizer.json");
+                                                "/tests/fixtures/tokenizers/" + kind + "/tokenizer.json");
   EXPECT_TRUE(tokenizer.is_ok()) << tokenizer.status().message();
   return std::move(*tokenizer);
 }

@@ -10,8 +10,8 @@ suite does not. Two jobs:
       template; Qwen2: its regex, NFC, a non-special added token; GPT-2:
       ByteLevel with its own regex, merges in the older "a b" form) and writes
       them with a tokenizer_config.json (bos/eos, chat template) under
-      tests/data/tokenizers/<name>/, then the ids `tokenizers` gives for a fixed
-      list of tricky inputs to tests/data/tokenizers/expected_ids.json, which
+      tests/fixtures/tokenizers/<name>/, then the ids `tokenizers` gives for a fixed
+      list of tricky inputs to tests/fixtures/tokenizers/expected_ids.json, which
       tests/tokenizer_test.cpp compares strata's ids with. Deterministic for a
       given `tokenizers` version.
 
@@ -34,7 +34,7 @@ import tempfile
 import unicodedata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "tests", "data", "tokenizers")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "tokenizers")
 
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -1,7 +1,7 @@
 // The byte-level BPE tokenizer (core/data/tokenizer.h) gives the ids of
 // Hugging Face `tokenizers`: three small tokenizers of the Llama 3, Qwen2 and
 // GPT-2 kinds and the ids `tokenizers` gave for tricky inputs are fixtures in
-// tests/data/tokenizers (tests/tokenizer_fixtures.py made them). Also: token
+// tests/fixtures/tokenizers (tests/tokenizer_fixtures.py made them). Also: token
 // spans cover the text, the cache changes nothing, unsupported keys are refused.
 #include "core/data/tokenizer.h"
 
@@ -15,7 +15,7 @@
 namespace strata {
 namespace {
 
-const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/data/tokenizers";
+const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizers";
 const char* const kKinds[] = {"llama3", "qwen2", "gpt2"};
 
 nlohmann::json read_json(const std::string& path) {
