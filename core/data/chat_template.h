@@ -6,8 +6,8 @@
 // with jinja2's ImmutableSandboxedEnvironment(trim_blocks=True,
 // lstrip_blocks=True) and the loopcontrols extension, with `raise_exception`,
 // `tojson` (json.dumps(x, ensure_ascii=False, indent=None, separators=None,
-// sort_keys=False)) and the variables `messages`, `tools` (absent when no tools
-// are given), `add_generation_prompt`, `bos_token`, `eos_token`. ChatTemplate
+// sort_keys=False)) and the variables `messages`, `tools` and `documents` (none
+// when not given), `add_generation_prompt`, `bos_token`, `eos_token`. ChatTemplate
 // renders that same text, byte for byte, with its own interpreter of the part
 // of Jinja2 that chat templates use (tests/chat_template_test.cpp compares it
 // with jinja2 on the Llama 3 / 3.1, Qwen2.5, Qwen3, Mistral and ChatML
@@ -68,11 +68,10 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "io/base/status.h"
 
@@ -86,7 +85,7 @@ struct ChatPiece {
 struct ChatTemplateContext {
   std::string bos_token, eos_token;
   bool add_generation_prompt = false;
-  std::optional<nlohmann::json> tools;  // absent: the template sees `tools` undefined
+  std::optional<nlohmann::json> tools;  // absent: the template sees `tools` as none
 };
 
 class ChatTemplate {
