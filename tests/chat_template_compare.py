@@ -33,16 +33,17 @@ from datetime import datetime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "chat_templates")
-TEMPLATES = ["chatml", "llama3", "llama3.1", "mistral", "qwen2.5", "qwen3"]
+TEMPLATES = ["chatml", "llama3", "llama3.1", "mistral-v0.1", "mistral-v0.3", "qwen2.5", "qwen3"]
 TOKENS = {
     "chatml": ("", "<|im_end|>"),
     "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
     "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"),
-    "mistral": ("<s>", "</s>"),
+    "mistral-v0.1": ("<s>", "</s>"),
+    "mistral-v0.3": ("<s>", "</s>"),
     "qwen2.5": ("", "<|im_end|>"),
     "qwen3": ("", "<|im_end|>"),
 }
-TOOL_TEMPLATES = {"llama3.1", "qwen2.5", "qwen3"}
+TOOL_TEMPLATES = {"llama3.1", "mistral-v0.3", "qwen2.5", "qwen3"}
 
 
 def make_environment():
@@ -153,10 +154,30 @@ def fixed_cases():
         add(f"{template}_without_system", template, no_system)
         add(f"{template}_generation_prompt", template, plain[:4], agp=True)
 
-    add("mistral_roles_must_alternate", "mistral",
-        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
-    add("mistral_tool_role_refused", "mistral",
-        [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
+    for template in ("mistral-v0.1", "mistral-v0.3"):
+        add(f"{template}_roles_must_alternate", template,
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        add(f"{template}_other_roles_refused", template,
+            [{"role": "user", "content": "a"}, {"role": "critic", "content": "b"}])
+    mistral_tools = [
+        {"role": "system", "content": "Answer with tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [
+            call("get_weather", {"city": "Paris", "unit": "celsius"}, id_="abc123XYZ")]},
+        {"role": "tool", "tool_call_id": "abc123XYZ", "content": {"temperature": 21, "sky": "it's clear"}},
+        {"role": "assistant", "content": "  21 °C, clear.  "},
+        {"role": "user", "content": "Search \"paris\" for me"},
+        {"role": "assistant", "tool_calls": [
+            call("search", {"q": "paris"}, id_="s00000001"), call("search", {"q": "Paris", "top_k": 2}, id_="s00000002")]},
+        {"role": "tool", "tool_call_id": "s00000001", "content": "result one"},
+        {"role": "tool", "tool_call_id": "s00000002", "content": {"content": ["two", 2.5, None]}},
+        {"role": "assistant", "content": "Found two."},
+    ]
+    add("mistral-v0.3_tools", "mistral-v0.3", mistral_tools, tools=[WEATHER_TOOL, SEARCH_TOOL])
+    add("mistral-v0.3_tools_last_user", "mistral-v0.3", mistral_tools[:6], tools=[WEATHER_TOOL])
+    add("mistral-v0.3_tool_call_id_refused", "mistral-v0.3",
+        [{"role": "user", "content": "a"},
+         {"role": "assistant", "tool_calls": [call("search", {"q": "x"}, id_="short")]}])
 
     llama_tools = [
         {"role": "system", "content": "Use tools when needed."},
@@ -374,13 +395,15 @@ def random_tools(rng):
 
 def random_tool_calls(rng, template):
     count = 1 if template == "llama3.1" else rng.randint(1, 3)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     calls = []
     for i in range(count):
         arguments = {f"a{j}": random_value(rng) for j in range(rng.randint(0, 3))}
         if template == "qwen3" and rng.random() < 0.2:
             arguments = json.dumps(arguments)
-        wrapped = template == "llama3.1" or rng.random() < 0.8
-        calls.append(call(f"tool_{i}", arguments, wrapped=wrapped))
+        wrapped = template in ("llama3.1", "mistral-v0.3") or rng.random() < 0.8
+        id_ = "".join(rng.choice(alphabet) for _ in range(9)) if template == "mistral-v0.3" else None
+        calls.append(call(f"tool_{i}", arguments, wrapped=wrapped, id_=id_))
     return calls
 
 
@@ -396,16 +419,20 @@ def random_case(rng, template):
         if turn == turns - 1 and rng.random() < 0.4:
             break  # ends with the user: the generation prompt case
         if template in TOOL_TEMPLATES and rng.random() < 0.35:
-            content = random_text(rng) if template != "llama3.1" and rng.random() < 0.5 else None
+            content = (random_text(rng) if template in ("qwen2.5", "qwen3") and rng.random() < 0.5
+                       else None)
             message = {"role": "assistant", "tool_calls": random_tool_calls(rng, template)}
             if content is not None or rng.random() < 0.5:
                 message["content"] = content
             messages.append(message)
-            for _ in range(len(message["tool_calls"]) if template != "llama3.1" else 1):
+            for tool_call in message["tool_calls"]:
                 content = random_text(rng)
-                if template == "llama3.1" and rng.random() < 0.3:
-                    content = {"result": random_value(rng)}
-                messages.append({"role": "tool", "content": content})
+                if template in ("llama3.1", "mistral-v0.3") and rng.random() < 0.3:
+                    content = {rng.choice(["result", "content"]): random_value(rng)}
+                result = {"role": "tool", "content": content}
+                if "id" in tool_call:
+                    result["tool_call_id"] = tool_call["id"]
+                messages.append(result)
         message = {"role": "assistant", "content": random_text(rng)}
         if template == "qwen3" and rng.random() < 0.3:
             message["content"] = "<think>" + random_text(rng) + "</think>" + random_text(rng)

@@ -2,7 +2,7 @@
 // the assistant's text, only it, is marked as targets.
 //
 // tests/fixtures/chat_templates/ holds the real templates (Llama 3 and 3.1,
-// Qwen2.5, Qwen3, Mistral, ChatML) and cases.json: conversations and small
+// Qwen2.5, Qwen3, Mistral 7B v0.1 and v0.3, ChatML) and cases.json: conversations and small
 // one-construct templates with jinja2's rendering of each, written by
 // tests/chat_template_compare.py --write-fixtures (which also compares
 // random conversations through tests/drivers/chat_template_render).
@@ -172,7 +172,7 @@ TEST(ChatTemplate, Qwen3ThinkingIsPartOfTheTarget) {
 }
 
 TEST(ChatTemplate, MistralTargetsTheReplyWithItsLeadingSpaceAndEos) {
-  auto pieces = load("mistral").render(kChat, context_for("<s>", "</s>"));
+  auto pieces = load("mistral-v0.1").render(kChat, context_for("<s>", "</s>"));
   ASSERT_TRUE(pieces) << pieces.status().message();
   EXPECT_EQ(joined(*pieces),
             "<s> [INST] Be brief.\n\nHi [/INST] Hello!</s> [INST] Bye [/INST] Ciao</s>");
@@ -264,7 +264,7 @@ TEST(ChatTemplate, RefusesMalformedTemplatesNamingTheLine) {
 }
 
 TEST(ChatTemplate, RenderErrorsAreOneLineNamingTheTemplateLine) {
-  auto mistral = load("mistral");
+  auto mistral = load("mistral-v0.1");
   auto refused = mistral.render(ordered::parse(R"([{"role": "assistant", "content": "x"}])"),
                                 context_for("<s>", "</s>"));
   ASSERT_FALSE(refused);

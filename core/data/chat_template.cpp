@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -1628,6 +1629,10 @@ class Parser {
 struct ChatTemplate::Program {
   Body body;
   bool has_generation = false;
+  // The assistant header (chat_template.h) by (bos_token, eos_token): two
+  // renders of a probe conversation, done once per pair of tokens.
+  mutable std::mutex header_mutex;
+  mutable std::map<std::pair<std::string, std::string>, std::string> headers;
 };
 
 namespace {
@@ -2634,7 +2639,15 @@ Result<std::vector<ChatPiece>> render_values(const ChatTemplate::Program& progra
   Value tagged_messages = Value::make_list(std::move(tagged));
   Output out;
   try {
-    std::string header = program.has_generation ? "" : assistant_header(program, context);
+    std::string header;
+    if (!program.has_generation) {
+      std::lock_guard<std::mutex> lock(program.header_mutex);
+      auto key = std::make_pair(context.bos_token, context.eos_token);
+      auto found = program.headers.find(key);
+      if (found == program.headers.end())
+        found = program.headers.emplace(key, assistant_header(program, context)).first;
+      header = found->second;
+    }
     Renderer renderer(program, out, true, header);
     renderer.run(make_globals(tagged_messages, context, std::move(tools)));
     if (has_assistant && !program.has_generation && !renderer.saw_assistant_iteration())

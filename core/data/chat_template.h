@@ -10,8 +10,8 @@
 // when not given), `add_generation_prompt`, `bos_token`, `eos_token`. ChatTemplate
 // renders that same text, byte for byte, with its own interpreter of the part
 // of Jinja2 that chat templates use (tests/chat_template_test.cpp compares it
-// with jinja2 on the Llama 3 / 3.1, Qwen2.5, Qwen3, Mistral and ChatML
-// templates):
+// with jinja2 on the Llama 3 / 3.1, Qwen2.5, Qwen3, Mistral 7B v0.1 / v0.3
+// and ChatML templates):
 //  - `{{ }}`, `{% %}`, `{# #}`, whitespace control `-` and `+`, trim_blocks,
 //    lstrip_blocks, and jinja2's removal of one trailing newline;
 //  - if/elif/else; for (tuple targets, `if` filter, `else`, `loop.index`,
@@ -54,9 +54,10 @@
 // So the reply, its tool calls and the end-of-turn text the template emits
 // right after it in the same iteration ("<|eot_id|>", "<|im_end|>", "</s>")
 // are targets; the role header before it, the newline after "<|im_end|>" and
-// every other message are not. An assistant message no loop iterated over
-// (a template that indexes `messages[i]` in a `range` loop) is an error
-// rather than a conversation trained on nothing; add generation tags then.
+// every other message are not. A conversation with assistant messages none
+// of which a loop visited (a template that indexes `messages[i]` in a `range`
+// loop) is an error rather than a conversation trained on nothing; add
+// generation tags to such a template.
 //
 // Key order: Python keeps a JSON object's keys in file order, and tojson and
 // `items` show it. nlohmann::json sorts keys; the ordered_json overload of
