@@ -6,6 +6,8 @@
 # `strata train --data` picks the mask up, says so, and counts only its
 # targets; each input error is one line naming what and where, and leaves the
 # outputs as they were.
+# Chat JSONL is rendered with the model's chat template, only the assistant's
+# tokens being targets.
 # Usage: cli_prepare_data.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -128,6 +130,60 @@ check "masked positions do not count in the loss" $?
 import json, sys; assert all(json.loads(l)['loss_tokens'] == 64 for l in open(sys.argv[1]))" "$dir/none.jsonl"
 check "--loss-mask none ignores it" $?
 
+# Chat: rendered with the template of tokenizer_config.json (a string, or the
+# "default" of a list) or chat_template.jinja; only the assistant's reply and
+# its end-of-turn token are targets.
+cat >"$dir/chat.jsonl" <<'JSON'
+{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]}
+{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4, of course."}, {"role": "user", "content": "Thanks"}]}
+JSON
+# Prints the text of the target tokens of a prepared file, conversation by conversation.
+targets_text() {
+  python3 - "$1" "$2/train.bin" "$2/train.mask" <<'PY'
+import json, struct, sys
+t = json.load(open(sys.argv[1]))
+chars = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+byte_of = {c: c for c in chars}
+byte_of.update({256 + n: b for n, b in enumerate(b for b in range(256) if b not in chars)})
+text = {i: bytes(byte_of[ord(c)] for c in tok) for tok, i in t["model"]["vocab"].items()}
+text.update({a["id"]: a["content"].encode() for a in t["added_tokens"]})
+data = open(sys.argv[2], "rb").read()
+count = struct.unpack("<3i", data[:12])[2]
+ids = struct.unpack(f"<{count}H", data[1024:])
+mask = open(sys.argv[3], "rb").read()
+print(repr(b"".join(text[i] if m else b"|" for i, m in zip(ids, mask)).decode()))
+PY
+}
+"$strata" prepare-data --model-dir "$dir/model" --input "$dir/chat.jsonl" --format chat --out "$dir/chat" >"$dir/out" 2>&1
+check "chat exits 0" $?
+grep -q "2 documents, .* tokens, [0-9.]*% targets" "$dir/out" && ! grep -q "100.0% targets" "$dir/out"
+check "chat: the summary gives the share of targets" $?
+targets_text "$dir/model/tokenizer.json" "$dir/chat" | grep -q "|Paris.<|eot_id|>|*4, of course.<|eot_id|>|*'$"
+check "chat: only the assistant's replies and their <|eot_id|> are targets" $?
+mkdir -p "$dir/listed"
+cp "$dir/model/tokenizer.json" "$dir/listed/"
+python3 - "$dir/model/tokenizer_config.json" "$dir/listed/tokenizer_config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["chat_template"] = [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+                      {"name": "default", "template": c["chat_template"]}]
+json.dump(c, open(sys.argv[2], "w"))
+PY
+"$strata" prepare-data --model-dir "$dir/listed" --input "$dir/chat.jsonl" --format chat --out "$dir/listed/out" >/dev/null 2>&1 &&
+  cmp -s "$dir/listed/out/train.bin" "$dir/chat/train.bin" && cmp -s "$dir/listed/out/train.mask" "$dir/chat/train.mask"
+check "chat: the \"default\" template of a list" $?
+mkdir -p "$dir/jinja"
+cp "$dir/model/tokenizer.json" "$dir/jinja/"
+python3 - "$dir/model/tokenizer_config.json" "$dir/jinja" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+open(sys.argv[2] + "/chat_template.jinja", "w").write(c.pop("chat_template"))
+json.dump(c, open(sys.argv[2] + "/tokenizer_config.json", "w"))
+PY
+"$strata" prepare-data --model-dir "$dir/jinja" --input "$dir/chat.jsonl" --format chat --out "$dir/jinja/out" >/dev/null 2>&1 &&
+  cmp -s "$dir/jinja/out/train.bin" "$dir/chat/train.bin"
+check "chat: chat_template.jinja" $?
+
 # Errors: one line, exit 2, naming what and where; nothing half-written.
 refuse() {  # NAME PATTERN -- ARGS
   local name="$1" pattern="$2"
@@ -151,9 +207,14 @@ refuse "--text-field names another field" "$dir/field.jsonl:1: no \"body\" field
   --model-dir "$dir/model" --input "$dir/field.jsonl" --format jsonl --out "$dir/data" --text-field body
 mkdir -p "$dir/notemplate"
 cp "$fixtures/gpt2/tokenizer.json" "$fixtures/gpt2/tokenizer_config.json" "$dir/notemplate/"
-echo '{"messages": [{"role": "user", "content": "hi"}]}' >"$dir/chat.jsonl"
 refuse "a chat without a template" "has no chat template" -- \
   --model-dir "$dir/notemplate" --input "$dir/chat.jsonl" --format chat --out "$dir/data"
+printf '{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "not a chat"}\n' >"$dir/nochat.jsonl"
+refuse "a chat line without messages names the line" "$dir/nochat.jsonl:2: no \"messages\" field" -- \
+  --model-dir "$dir/model" --input "$dir/nochat.jsonl" --format chat --out "$dir/data"
+printf '{"messages": [{"role": "user", "content": "hi"}, "not a message"]}\n' >"$dir/badchat.jsonl"
+refuse "a conversation the template cannot render names the line" "$dir/badchat.jsonl:1: " -- \
+  --model-dir "$dir/model" --input "$dir/badchat.jsonl" --format chat --out "$dir/data"
 printf 'ok \xff bad' >"$dir/latin1.txt"
 refuse "invalid UTF-8 names the byte" "$dir/latin1.txt: invalid UTF-8 at byte 3" -- \
   --model-dir "$dir/model" --input "$dir/latin1.txt" --out "$dir/data"

@@ -21,7 +21,10 @@ suite does not. Two jobs:
       tokens inside words, random characters that Unicode 3.2 assigned, or any
       with --any-code-points) as JSONL documents, tokenizes it with
       `strata prepare-data` and with `tokenizers`, and prints, per tokenizer,
-      how many documents and tokens are equal. Exits 1 on any difference.
+      how many documents and tokens are equal; then random conversations
+      through `strata prepare-data --format chat` against transformers'
+      apply_chat_template(tokenize=True) (where transformers is installed).
+      Exits 1 on any difference.
 """
 import argparse
 import json
@@ -265,7 +268,49 @@ def compare(args):
                   f"equal (strata wrote {len(ours)} tokens): {'EQUAL' if same else 'DIFFERENT'}")
             if first_difference:
                 print("  " + first_difference)
+        failures += compare_chats(args, rng, work)
     return 1 if failures else 0
+
+
+def compare_chats(args, rng, work):
+    """`--format chat` against transformers' apply_chat_template(tokenize=True)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        print("chat: transformers is not installed here; not compared")
+        return 0
+    conversations = []
+    for _ in range(args.conversations):
+        messages = [{"role": "system", "content": random_document(rng)[:rng.randrange(1, 200)]}] \
+            if rng.random() < 0.3 else []
+        for turn in range(rng.randrange(1, 5)):
+            messages.append({"role": "user", "content": random_document(rng)[:rng.randrange(1, 400)]})
+            messages.append({"role": "assistant", "content": random_document(rng)[:rng.randrange(1, 400)]})
+        conversations.append(messages)
+    path = os.path.join(work, "chats.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for messages in conversations:
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    failures = 0
+    for kind in ["llama3", "qwen2"]:  # the kinds whose fixtures have a chat template
+        folder = os.path.join(FIXTURES, kind)
+        out = os.path.join(work, "chat-" + kind)
+        subprocess.run([args.strata, "prepare-data", "--model-dir", folder, "--input", path,
+                        "--format", "chat", "--out", out, "--append-eos"], check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "train.bin"), "rb") as f:
+            header = struct.unpack("<256i", f.read(1024))
+            ours = list(struct.unpack(f"<{header[2]}{'H' if header[0] == 20240520 else 'I'}", f.read()))
+        mask = open(os.path.join(out, "train.mask"), "rb").read()
+        hf = AutoTokenizer.from_pretrained(folder)
+        eos = hf.convert_tokens_to_ids(json.load(open(os.path.join(folder, "tokenizer_config.json")))["eos_token"])
+        theirs = []
+        for messages in conversations:
+            theirs += list(hf.apply_chat_template(messages, tokenize=True, return_dict=False)) + [eos]
+        same = ours == theirs
+        failures += not same
+        print(f"chat {kind}: {len(conversations)} conversations, {len(theirs)} tokens from apply_chat_template, "
+              f"strata {len(ours)} ({100 * sum(mask) / len(mask):.1f}% targets): {'EQUAL' if same else 'DIFFERENT'}")
+    return failures
 
 
 def main():
@@ -275,6 +320,7 @@ def main():
     c = sub.add_parser("compare")
     c.add_argument("--strata", required=True)
     c.add_argument("--megabytes", type=float, default=20)
+    c.add_argument("--conversations", type=int, default=2000)
     c.add_argument("--any-code-points", action="store_true",
                    help="random characters from every code point, recent ones included")
     c.add_argument("--seed", type=int, default=random.SystemRandom().randrange(1 << 31))

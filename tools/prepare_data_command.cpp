@@ -6,7 +6,8 @@
 // Formats: `text` takes each input file as one document; `jsonl` one document
 // per line, its text in a field (`text` by default); `chat` one conversation
 // per line, `{"messages": [...]}`, rendered with the directory's chat template,
-// only the assistant's tokens counting as targets. Text and JSONL documents
+// only the assistant's tokens counting as targets (the pieces ChatTemplate
+// marks; see core/data/chat_template.h). Text and JSONL documents
 // get the tokenizer's post-processor tokens (a BOS like <|begin_of_text|>, as
 // `tokenizer(text)` adds them) unless --no-special-tokens; chats take theirs
 // from the template, like `apply_chat_template(tokenize=True)`.
@@ -30,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "core/data/chat_template.h"
 #include "core/data/prepared_data.h"
 #include "core/data/token_data.h"
 #include "core/data/tokenizer.h"
@@ -97,7 +99,8 @@ class PrepareDataCommand : public Subcommand {
     cmd->add_option("--input", inputs_, "Input files, read in the order given")->required();
     cmd->add_option("--format", format_,
                     "text: each file one document | jsonl: one {\"text\": ...} per line | chat: "
-                    "one {\"messages\": [...]} per line (default text)")
+                    "one {\"messages\": [...], \"tools\": [...]} per line, rendered with the chat "
+                    "template, the assistant's tokens as targets (default text)")
         ->check(CLI::IsMember({"text", "jsonl", "chat"}));
     cmd->add_option("--out", out_,
                     "Directory for train.bin and train.mask (and val.bin, val.mask); created if "
@@ -225,10 +228,39 @@ class PrepareDataCommand : public Subcommand {
   }
 
   void prepare_chat(const fs::path& dir) {
-    find_chat_template(dir);
-    throw UsageError{
-        "--format chat: rendering chat templates is not built into this strata yet; render the "
-        "conversations to text and use --format jsonl"};
+    Result<ChatTemplate> parsed = ChatTemplate::parse(find_chat_template(dir));
+    if (!parsed)
+      throw UsageError{fmt::format("--format chat: the chat template of {}: {}", model_dir_,
+                                   parsed.status().message())};
+    chat_template_.emplace(std::move(*parsed));
+    chat_context_.bos_token = config_token(config_, "bos_token").value_or("");
+    chat_context_.eos_token = config_token(config_, "eos_token").value_or("");
+  }
+
+  // A conversation: rendered, then tokenized as one text with the assistant's
+  // pieces as targets (core/data/prepared_data.h); its BOS comes from the template.
+  void add_chat_document(const nlohmann::ordered_json& document, const std::string& where) {
+    if (!document.contains("messages") || !document["messages"].is_array())
+      throw UsageError{fmt::format("{}: no \"messages\" field holding a list of messages", where)};
+    std::optional<nlohmann::ordered_json> tools;
+    if (document.contains("tools") && !document["tools"].is_null()) tools = document["tools"];
+    Result<std::vector<ChatPiece>> pieces =
+        chat_template_->render(document["messages"], chat_context_, tools);
+    if (!pieces) throw UsageError{fmt::format("{}: {}", where, pieces.status().message())};
+    std::vector<MarkedText> marked;
+    marked.reserve(pieces->size());
+    for (ChatPiece& piece : *pieces) {
+      if (invalid_utf8_offset(piece.text))
+        throw UsageError{fmt::format("{}: the rendered conversation holds invalid UTF-8", where)};
+      marked.push_back({std::move(piece.text), piece.target});
+    }
+    TokenStream& stream = stream_for_next_document();
+    append_marked_text(tokenizer_, marked, stream);
+    if (eos_id_) {  // a separator between conversations, not something to learn
+      stream.tokens.push_back(*eos_id_);
+      stream.mask.push_back(0);
+    }
+    ++stream.documents;
   }
 
   void prepare_out_dir() {
@@ -280,14 +312,22 @@ class PrepareDataCommand : public Subcommand {
     for (int64_t number = 1; std::getline(in, line); ++number) {
       bytes += line.size() + 1;
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
-      nlohmann::json document;
+      // Ordered: a chat template's tojson and items show keys in file order, as Python does.
+      nlohmann::ordered_json document;
       try {
-        document = nlohmann::json::parse(line);
+        document = nlohmann::ordered_json::parse(line);
       } catch (const nlohmann::json::exception& e) {
         throw UsageError{fmt::format("{}:{}: not valid JSON ({}); each line must be one JSON object",
                                      path, number, e.what())};
       }
-      if (!document.is_object() || !document.contains(text_field_) ||
+      if (!document.is_object())
+        throw UsageError{fmt::format("{}:{}: not a JSON object", path, number)};
+      if (chat_template_) {
+        add_chat_document(document, fmt::format("{}:{}", path, number));
+        if ((number & 1023) == 0) on_progress(bytes);
+        continue;
+      }
+      if (!document.contains(text_field_) ||
           !document[text_field_].is_string())
         throw UsageError{fmt::format("{}:{}: no \"{}\" field holding a string{}", path, number,
                                      text_field_,
@@ -322,6 +362,8 @@ class PrepareDataCommand : public Subcommand {
   Tokenizer tokenizer_;
   nlohmann::json config_;
   std::optional<uint32_t> eos_id_;
+  std::optional<ChatTemplate> chat_template_;  // --format chat
+  ChatTemplateContext chat_context_;
   TokenStream train_, val_;
 };
 
