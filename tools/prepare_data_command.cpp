@@ -151,12 +151,14 @@ class PrepareDataCommand : public Subcommand {
     Progress progress(total);
     uint64_t done = 0;
     for (const std::string& input : inputs_) {
-      if (format_ == "text")
+      // A text file is one document: the tokenizer reports within it.
+      auto report = [&](uint64_t bytes) { progress.update(done + bytes, documents(), tokens()); };
+      if (format_ == "text") {
+        tokenizer_.set_progress(report);
         read_text_file(input);
-      else
-        read_jsonl_file(input, [&](uint64_t bytes) {
-          progress.update(done + bytes, documents(), tokens());
-        });
+      } else {
+        read_jsonl_file(input, report);
+      }
       done += fs::file_size(input);
       progress.update(done, documents(), tokens());
     }

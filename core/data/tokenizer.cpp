@@ -523,7 +523,13 @@ std::string Tokenizer::normalize(std::string_view text) const {
   return U_SUCCESS(status) ? out : std::string(text);
 }
 
+void Tokenizer::set_progress(std::function<void(uint64_t)> progress, uint64_t every) {
+  progress_ = std::move(progress);
+  progress_every_ = std::max<uint64_t>(every, 1);
+}
+
 std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) {
+  next_progress_ = progress_every_;
   std::vector<TokenSpan> spans;
   // Added tokens with normalized=false are found in the raw text; the text
   // between them is normalized and searched for the others.
@@ -532,8 +538,10 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_
     auto match = tables_->raw_added.find(text, position);
     const size_t gap_end = match ? match->first : text.size();
     if (gap_end > position) {
+      // The spans' offsets are not returned: `position` as their base keeps
+      // progress counting in the raw text.
       const std::string normalized = normalize(text.substr(position, gap_end - position));
-      split_on_added(normalized, 0, true, spans);
+      split_on_added(normalized, position, true, spans);
     }
     if (!match) break;
     spans.push_back({match->second->id, match->first, match->first + match->second->content.size()});
@@ -548,6 +556,7 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_
 }
 
 void Tokenizer::encode_normalized(std::string_view normalized, std::vector<TokenSpan>& out) {
+  next_progress_ = progress_every_;
   split_on_added(normalized, 0, false, out);
 }
 
@@ -585,6 +594,10 @@ void Tokenizer::encode_added_free(std::string_view text, uint64_t base,
 
 void Tokenizer::encode_word(std::string_view word, uint64_t base, std::vector<TokenSpan>& out) {
   const TokenizerTables& t = *tables_;
+  if (progress_ && base + word.size() >= next_progress_) {
+    progress_(base + word.size());
+    next_progress_ = base + word.size() + progress_every_;
+  }
   auto emit = [&](const std::vector<uint32_t>& ids) {
     uint64_t offset = base;
     for (uint32_t id : ids) {

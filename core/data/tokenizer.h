@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,6 +67,10 @@ class Tokenizer {
   // valid UTF-8 (valid_utf8 says where it is not).
   std::vector<uint32_t> encode(std::string_view text, bool add_special_tokens = true);
 
+  // Calls progress(bytes) about every `every` bytes of a long text with the
+  // bytes of it tokenized so far (for a progress line on a large document).
+  void set_progress(std::function<void(uint64_t)> progress, uint64_t every = 1 << 20);
+
   // The normalizer alone (NFC or nothing).
   std::string normalize(std::string_view text) const;
   // The tokens of already normalized text, added tokens included, each with
@@ -82,6 +87,8 @@ class Tokenizer {
 
   std::shared_ptr<const TokenizerTables> tables_;
   std::unordered_map<std::string, std::vector<uint32_t>> cache_;  // word bytes -> ids
+  std::function<void(uint64_t)> progress_;
+  uint64_t progress_every_ = 0, next_progress_ = 0;
 };
 
 // The byte offset of the first invalid UTF-8 sequence in `text`, or nothing.
