@@ -19,8 +19,8 @@ namespace {
 namespace fs = std::filesystem;
 
 Tokenizer load(const std::string& kind) {
-  Result<Tokenizer> tokenizer = Tokenizer::load(std::string(STRATA_SOURCE_DIR) +
-                                                "/tests/fixtures/tokenizers/" + kind + "/tokenizer.json");
+  Result<Tokenizer> tokenizer = Tokenizer::load(
+      std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizers/" + kind + "/tokenizer.json");
   EXPECT_TRUE(tokenizer.is_ok()) << tokenizer.status().message();
   return std::move(*tokenizer);
 }
@@ -90,8 +90,9 @@ TEST(PreparedData, AChatIsTokenizedAsOneTextNotPieceByPiece) {
 TEST(PreparedData, RandomPiecesFollowTheByteRule) {
   const unsigned seed = std::random_device{}();
   std::mt19937 random(seed);
-  const std::vector<std::string> words = {"the", " model", "'s", "  ", "\n", "123", "4567", "café",
-                                          "🙂", "<|eot_id|>", "<|im_end|>", "x", "!", " "};
+  const std::vector<std::string> words = {"the",        " model", "'s",   "  ",   "\n",
+                                          "123",        "4567",   "café", "🙂", "<|eot_id|>",
+                                          "<|im_end|>", "x",      "!",    " "};
   for (const char* kind : {"llama3", "qwen2", "gpt2"}) {
     Tokenizer tokenizer = load(kind);
     for (int round = 0; round < 100; ++round) {

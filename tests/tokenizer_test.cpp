@@ -66,9 +66,9 @@ TEST(Tokenizer, SpansTileTheTextAndTheCacheChangesNothing) {
   std::random_device device;
   const unsigned seed = device();
   std::mt19937 random(seed);
-  const std::vector<std::string> pieces = {"the", " model", "'s", "  ", "\n", "\r\n", "123456",
-                                           "café", "日本語", "🙂", "<|eot_id|>", "<|im_end|>",
-                                           "\t", "x", "A\u030a", "!!", "'LL"};
+  const std::vector<std::string> pieces = {
+      "the",  " model",     "'s",         "  ", "\n", "\r\n",    "123456", "café", "日本語",
+      "🙂", "<|eot_id|>", "<|im_end|>", "\t", "x",  "A\u030a", "!!",     "'LL"};
   for (const char* kind : kKinds) {
     Tokenizer warm = load(kind);
     for (int round = 0; round < 50; ++round) {
@@ -91,7 +91,8 @@ TEST(Tokenizer, SpansTileTheTextAndTheCacheChangesNothing) {
   }
 }
 
-std::string fixture_with(const std::string& kind, const std::function<void(nlohmann::json&)>& edit) {
+std::string fixture_with(const std::string& kind,
+                         const std::function<void(nlohmann::json&)>& edit) {
   nlohmann::json root = read_json(kFixtures + "/" + kind + "/tokenizer.json");
   edit(root);
   return root.dump();
@@ -105,16 +106,26 @@ TEST(Tokenizer, RefusesWhatItDoesNotReadNamingTheKey) {
   const std::vector<Case> cases = {
       {[](nlohmann::json& j) { j["model"]["type"] = "WordPiece"; }, "model.type"},
       {[](nlohmann::json& j) { j["model"]["byte_fallback"] = true; }, "model.byte_fallback"},
-      {[](nlohmann::json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type"},
+      {[](nlohmann::json& j) {
+         j["normalizer"] = {{"type", "NFKC"}};
+       },
+       "normalizer.type"},
       {[](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; },
        "pre_tokenizer.pretokenizers[0].behavior"},
-      {[](nlohmann::json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; },
+      {[](nlohmann::json& j) {
+         j["pre_tokenizer"] = {{"type", "Whitespace"}};
+       },
        "pre_tokenizer.type"},
       {[](nlohmann::json& j) { j["pre_tokenizer"] = nullptr; }, "pre_tokenizer"},
       {[](nlohmann::json& j) { j["added_tokens"][0]["lstrip"] = true; }, "added_tokens[0].lstrip"},
-      {[](nlohmann::json& j) { j["post_processor"] = {{"type", "BertProcessing"}}; },
+      {[](nlohmann::json& j) {
+         j["post_processor"] = {{"type", "BertProcessing"}};
+       },
        "post_processor.type"},
-      {[](nlohmann::json& j) { j["truncation"] = {{"max_length", 8}}; }, "truncation"},
+      {[](nlohmann::json& j) {
+         j["truncation"] = {{"max_length", 8}};
+       },
+       "truncation"},
       {[](nlohmann::json& j) { j["model"]["merges"][0] = "nospace"; }, "model.merges[0]"},
       {[](nlohmann::json& j) { j["model"]["vocab"].erase("Ā"); }, "model.vocab"},
   };
@@ -133,9 +144,9 @@ TEST(Tokenizer, RefusesWhatItDoesNotReadNamingTheKey) {
 TEST(Tokenizer, FindsInvalidUtf8) {
   EXPECT_FALSE(invalid_utf8_offset("plain café 🙂").has_value());
   EXPECT_EQ(invalid_utf8_offset(std::string("ab\xff") + "c"), 2u);
-  EXPECT_EQ(invalid_utf8_offset(std::string("a\xc3")), 1u);              // truncated
-  EXPECT_EQ(invalid_utf8_offset(std::string("a\xc0\xaf")), 1u);          // overlong
-  EXPECT_EQ(invalid_utf8_offset(std::string("\xed\xa0\x80")), 0u);       // surrogate
+  EXPECT_EQ(invalid_utf8_offset(std::string("a\xc3")), 1u);         // truncated
+  EXPECT_EQ(invalid_utf8_offset(std::string("a\xc0\xaf")), 1u);     // overlong
+  EXPECT_EQ(invalid_utf8_offset(std::string("\xed\xa0\x80")), 0u);  // surrogate
 }
 
 }  // namespace

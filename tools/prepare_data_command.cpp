@@ -59,7 +59,8 @@ class Progress {
     const double seconds = std::chrono::duration<double>(now - start_).count();
     if (seconds < 2) return;
     shown_ = true;
-    fmt::print(stderr, "{}prepare-data: {:.1f} of {:.1f} MB, {} documents, {} tokens ({:.1f} MB/s){}",
+    fmt::print(stderr,
+               "{}prepare-data: {:.1f} of {:.1f} MB, {} documents, {} tokens ({:.1f} MB/s){}",
                terminal_ ? "\r" : "", bytes / 1e6, total_ / 1e6, documents, tokens,
                bytes / 1e6 / seconds, terminal_ ? "" : "\n");
     std::fflush(stderr);
@@ -113,7 +114,8 @@ class PrepareDataCommand : public Subcommand {
                   "End every document with the eos_token of tokenizer_config.json");
     cmd->add_flag("--no-special-tokens", no_special_tokens_,
                   "text/jsonl: leave out the post-processor's tokens (a BOS) around documents");
-    cmd->add_option("--text-field", text_field_, "jsonl: the field holding the text (default text)");
+    cmd->add_option("--text-field", text_field_,
+                    "jsonl: the field holding the text (default text)");
     return cmd;
   }
 
@@ -199,8 +201,8 @@ class PrepareDataCommand : public Subcommand {
                                    flag, key)};
     std::optional<uint32_t> id = tokenizer_.token_id(*content);
     if (!id)
-      throw UsageError{fmt::format("{}: {} '{}' is not a token of tokenizer.json", config_path,
-                                   key, *content)};
+      throw UsageError{
+          fmt::format("{}: {} '{}' is not a token of tokenizer.json", config_path, key, *content)};
     return *id;
   }
 
@@ -279,8 +281,8 @@ class PrepareDataCommand : public Subcommand {
   // Document i goes to validation when floor((i+1)F) > floor(iF).
   TokenStream& stream_for_next_document() {
     const int64_t i = documents();
-    const bool val = val_fraction_ > 0 &&
-                     std::floor(double(i + 1) * val_fraction_) > std::floor(double(i) * val_fraction_);
+    const bool val = val_fraction_ > 0 && std::floor(double(i + 1) * val_fraction_) >
+                                              std::floor(double(i) * val_fraction_);
     return val ? val_ : train_;
   }
 
@@ -308,7 +310,8 @@ class PrepareDataCommand : public Subcommand {
   template <typename OnProgress>
   void read_jsonl_file(const std::string& path, OnProgress&& on_progress) {
     std::ifstream in(path, std::ios::binary);
-    if (!in) throw UsageError{fmt::format("--input {}: cannot open: {}", path, std::strerror(errno))};
+    if (!in)
+      throw UsageError{fmt::format("--input {}: cannot open: {}", path, std::strerror(errno))};
     std::string line;
     uint64_t bytes = 0;
     for (int64_t number = 1; std::getline(in, line); ++number) {
@@ -319,8 +322,9 @@ class PrepareDataCommand : public Subcommand {
       try {
         document = nlohmann::ordered_json::parse(line);
       } catch (const nlohmann::json::exception& e) {
-        throw UsageError{fmt::format("{}:{}: not valid JSON ({}); each line must be one JSON object",
-                                     path, number, e.what())};
+        throw UsageError{
+            fmt::format("{}:{}: not valid JSON ({}); each line must be one JSON object", path,
+                        number, e.what())};
       }
       if (!document.is_object())
         throw UsageError{fmt::format("{}:{}: not a JSON object", path, number)};
@@ -329,11 +333,10 @@ class PrepareDataCommand : public Subcommand {
         if ((number & 1023) == 0) on_progress(bytes);
         continue;
       }
-      if (!document.contains(text_field_) ||
-          !document[text_field_].is_string())
-        throw UsageError{fmt::format("{}:{}: no \"{}\" field holding a string{}", path, number,
-                                     text_field_,
-                                     text_field_ == "text" ? " (another field: --text-field)" : "")};
+      if (!document.contains(text_field_) || !document[text_field_].is_string())
+        throw UsageError{
+            fmt::format("{}:{}: no \"{}\" field holding a string{}", path, number, text_field_,
+                        text_field_ == "text" ? " (another field: --text-field)" : "")};
       add_text_document(document[text_field_].get<std::string>());
       if ((number & 1023) == 0) on_progress(bytes);
     }

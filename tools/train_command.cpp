@@ -79,7 +79,7 @@ Failure run_error(const Status& status) {
 // that token as a target), and the order its sequences are read in.
 struct TrainData {
   TokenFile file;
-  std::vector<uint8_t> mask;  // (file.size()) or empty
+  std::vector<uint8_t> mask;           // (file.size()) or empty
   std::string mask_path, mask_source;  // where the mask came from, for the run header
   int64_t vocab = 0;
   SequenceOrder order;  // strata.shuffle; what the engine's checkpoints record

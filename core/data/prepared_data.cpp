@@ -83,14 +83,14 @@ Status write_token_outputs(const std::vector<TokenOutput>& outputs, int width) {
   for (const TokenOutput& output : outputs) {
     const TokenStream& stream = *output.stream;
     if (stream.tokens.size() < 2)
-      return Status::error(fmt::format(
-          "{}: {} token(s); a token file needs at least 2 (more input, or a different "
-          "--val-fraction)",
-          output.path, stream.tokens.size()));
+      return Status::error(
+          fmt::format("{}: {} token(s); a token file needs at least 2 (more input, or a different "
+                      "--val-fraction)",
+                      output.path, stream.tokens.size()));
     if (stream.tokens.size() > size_t(std::numeric_limits<int32_t>::max()))
-      return Status::error(fmt::format(
-          "{}: {} tokens exceed the 2^31-1 an llm.c shard counts; split the input", output.path,
-          stream.tokens.size()));
+      return Status::error(
+          fmt::format("{}: {} tokens exceed the 2^31-1 an llm.c shard counts; split the input",
+                      output.path, stream.tokens.size()));
     if (stream.mask.size() != stream.tokens.size())
       return Status::error(fmt::format("{}: the mask has {} bytes for {} tokens", output.path,
                                        stream.mask.size(), stream.tokens.size()));

@@ -15,8 +15,8 @@
 // Sequence j is tokens [j*T, j*T + T + 1): inputs are the first T, targets
 // the last T. A loss mask (one byte per token, 0: that token is not a target)
 // lives next to a token file under loss_mask_path's name; `strata train`
-// turns the targets it masks into -1, which the loss does not count. A TokenFile is immutable once open and safe to read from many
-// threads.
+// turns the targets it masks into -1, which the loss does not count. A
+// TokenFile is immutable once open and safe to read from many threads.
 #pragma once
 
 #include <cstdint>

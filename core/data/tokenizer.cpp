@@ -73,8 +73,7 @@ std::optional<uint32_t> next_code_point(std::string_view text, size_t& i) {
     cp = (cp << 6) | (byte(i + k) & 0x3F);
   }
   static constexpr uint32_t kMinimum[5] = {0, 0, 0x80, 0x800, 0x10000};
-  if (cp < kMinimum[length] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-    return std::nullopt;
+  if (cp < kMinimum[length] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return std::nullopt;
   i += length;
   return cp;
 }
@@ -197,8 +196,8 @@ struct TokenizerTables {
   bool ignore_merges = false;
   bool nfc = false;
   std::vector<std::shared_ptr<Pattern>> splits;  // applied in order
-  AddedMatcher raw_added;         // normalized=false, matched on the raw text
-  AddedMatcher normalized_added;  // normalized=true, matched after the normalizer
+  AddedMatcher raw_added;                        // normalized=false, matched on the raw text
+  AddedMatcher normalized_added;                 // normalized=true, matched after the normalizer
   AddedMatcher all_added;
   std::vector<uint32_t> prefix, suffix;
   int64_t vocab_size = 0;
@@ -211,7 +210,8 @@ struct Parser {
   Status error(const std::string& key, const std::string& what) const {
     return Status::error(fmt::format("{}: {}: {}", origin, key, what));
   }
-  Status unsupported(const std::string& key, const json& value, const std::string& supported) const {
+  Status unsupported(const std::string& key, const json& value,
+                     const std::string& supported) const {
     return error(key, fmt::format("{} is not supported (strata reads {}); this tokenizer cannot be "
                                   "used with strata",
                                   value.dump(), supported));
@@ -249,8 +249,9 @@ Status parse_pre_tokenizer(const Parser& p, const json& step, const std::string&
     if (!step.contains("pretokenizers") || !step["pretokenizers"].is_array())
       return p.error(key + ".pretokenizers", "missing or not a list");
     for (size_t i = 0; i < step["pretokenizers"].size(); ++i)
-      if (Status s = parse_pre_tokenizer(p, step["pretokenizers"][i],
-                                         fmt::format("{}.pretokenizers[{}]", key, i), t, byte_level);
+      if (Status s =
+              parse_pre_tokenizer(p, step["pretokenizers"][i],
+                                  fmt::format("{}.pretokenizers[{}]", key, i), t, byte_level);
           !s)
         return s;
     return Status::ok();
@@ -268,8 +269,9 @@ Status parse_pre_tokenizer(const Parser& p, const json& step, const std::string&
   }
   if (type == "Split") {
     if (byte_level)
-      return p.error(key, "a Split after ByteLevel is not supported (strata reads Split steps "
-                          "before ByteLevel)");
+      return p.error(key,
+                     "a Split after ByteLevel is not supported (strata reads Split steps "
+                     "before ByteLevel)");
     const json pattern = step.value("pattern", json());
     if (!pattern.is_object() || !pattern.contains("Regex") || !pattern["Regex"].is_string())
       return p.unsupported(key + ".pattern", pattern, "a {\"Regex\": ...} pattern");
@@ -348,8 +350,7 @@ std::optional<std::string> byte_level_bytes(std::string_view token,
 
 Status parse_model(const Parser& p, const json& model, TokenizerTables& t) {
   if (!model.is_object()) return p.error("model", "missing or not an object");
-  if (model.value("type", "BPE") != "BPE")
-    return p.unsupported("model.type", model["type"], "BPE");
+  if (model.value("type", "BPE") != "BPE") return p.unsupported("model.type", model["type"], "BPE");
   if (!is_null_or(model, "dropout", json()))
     return p.unsupported("model.dropout", model["dropout"], "null");
   if (!is_null_or(model, "byte_fallback", false))
@@ -427,8 +428,8 @@ Status parse_model(const Parser& p, const json& model, TokenizerTables& t) {
 Result<Tokenizer> Tokenizer::load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in)
-    return Status::error(fmt::format("{}: cannot open the tokenizer: {}", path,
-                                     std::strerror(errno)));
+    return Status::error(
+        fmt::format("{}: cannot open the tokenizer: {}", path, std::strerror(errno)));
   std::stringstream text;
   text << in.rdbuf();
   if (in.bad()) return Status::error(fmt::format("{}: read failed", path));
@@ -458,9 +459,11 @@ Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& ori
     if (!pre.is_null())
       if (Status s = parse_pre_tokenizer(p, pre, "pre_tokenizer", t, byte_level); !s) return s;
     if (!byte_level)
-      return p.error("pre_tokenizer", "has no ByteLevel step; strata reads byte-level BPE "
-                                      "tokenizers only (Llama 3, Qwen2, GPT-2 kinds)");
-    if (Status s = parse_post_processor(p, root.value("post_processor", json()), "post_processor", t);
+      return p.error("pre_tokenizer",
+                     "has no ByteLevel step; strata reads byte-level BPE "
+                     "tokenizers only (Llama 3, Qwen2, GPT-2 kinds)");
+    if (Status s =
+            parse_post_processor(p, root.value("post_processor", json()), "post_processor", t);
         !s)
       return s;
     const json added = root.value("added_tokens", json::array());
@@ -544,7 +547,8 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_
       split_on_added(normalized, position, true, spans);
     }
     if (!match) break;
-    spans.push_back({match->second->id, match->first, match->first + match->second->content.size()});
+    spans.push_back(
+        {match->second->id, match->first, match->first + match->second->content.size()});
     position = match->first + match->second->content.size();
   }
   std::vector<uint32_t> ids;
@@ -585,9 +589,8 @@ void Tokenizer::encode_added_free(std::string_view text, uint64_t base,
       encode_word(text.substr(begin, end - begin), base + begin, out);
       return;
     }
-    splits[stage]->split(text.substr(begin, end - begin), [&](size_t b, size_t e) {
-      self(self, stage + 1, begin + b, begin + e);
-    });
+    splits[stage]->split(text.substr(begin, end - begin),
+                         [&](size_t b, size_t e) { self(self, stage + 1, begin + b, begin + e); });
   };
   run(run, 0, 0, text.size());
 }
@@ -638,8 +641,7 @@ void Tokenizer::encode_word(std::string_view word, uint64_t base, std::vector<To
     auto push = [&](int i) {
       if (i < 0 || next[i] < 0) return;
       auto found = t.merges.find((uint64_t(symbol[i]) << 32) | symbol[next[i]]);
-      if (found != t.merges.end())
-        heap.push({found->second.rank, i, symbol[i], symbol[next[i]]});
+      if (found != t.merges.end()) heap.push({found->second.rank, i, symbol[i], symbol[next[i]]});
     };
     for (int i = 0; i + 1 < n; ++i) push(i);
     while (!heap.empty()) {
