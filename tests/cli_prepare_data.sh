@@ -195,6 +195,8 @@ refuse() {  # NAME PATTERN -- ARGS
 }
 before=$(md5sum "$dir/data/train.bin" "$dir/data/train.mask")
 mkdir -p "$dir/empty"
+refuse "an unknown --format" "--format" -- \
+  --model-dir "$dir/model" --input "$dir/train.jsonl" --format yaml --out "$dir/data"
 refuse "a directory without tokenizer.json" "--model-dir $dir/empty: no tokenizer.json" -- \
   --model-dir "$dir/empty" --input "$dir/train.jsonl" --format jsonl --out "$dir/data"
 printf '{"text": "fine"}\n{"text": "broken\n' >"$dir/bad.jsonl"

@@ -164,6 +164,7 @@ class PrepareDataCommand : public Subcommand {
       done += fs::file_size(input);
       progress.update(done, documents(), tokens());
     }
+    tokenizer_.set_progress(nullptr);
     progress.finish();
 
     const fs::path out(out_);
