@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace strata {
@@ -300,6 +301,30 @@ TEST(ChatTemplate, RenderErrorsAreOneLineNamingTheTemplateLine) {
   EXPECT_NE(undefined.status().message().find("line 1: 'role' of an undefined value"),
             std::string::npos)
       << undefined.status().message();
+}
+
+// One ChatTemplate rendered from several threads at once (the assistant
+// header computed for new tokens on the way) gives what one thread gives.
+TEST(ChatTemplate, ConcurrentRendersMatchOneThread) {
+  ChatTemplate qwen = load("qwen3");
+  auto expected = qwen.render(kChat, context_for("", "<|im_end|>"));
+  ASSERT_TRUE(expected) << expected.status().message();
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(8, 0);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 200; ++k) {
+        // Tokens unseen before make the threads fill the header cache together.
+        std::string bos = "<bos" + std::to_string((t * 200 + k) % 16) + ">";
+        auto pieces = qwen.render(kChat, context_for(k % 2 ? bos : "", "<|im_end|>"));
+        if (!pieces || joined(*pieces) != joined(*expected) ||
+            targets(*pieces) != targets(*expected))
+          ++mismatches[t];
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(mismatches[t], 0) << "thread " << t;
 }
 
 // Mutated templates (characters of the syntax deleted, inserted, swapped)
