@@ -272,7 +272,9 @@ SNIPPETS = {
                "{{ {'a': 1, 'b': [true, none]}|items|list }} {{ [1, 2]|reverse|list }} {{ -3|abs }} "
                "{{ '12'|int + 1 }} {{ 'x'|int }} {{ '2.5'|float }} {{ 'ab cd'|title }} {{ 'aB'|capitalize }} "
                "{{ messages|map(attribute='role')|join(',') }} {{ ['a', 'b']|map('upper')|list }} {{ 'ab'|list }} "
-               "{{ messages[0]|count }} [{{ nothing|trim }}] {{ nothing|length }} {{ nothing|items|list }}",
+               "{{ messages[0]|count }} [{{ nothing|trim }}] {{ nothing|length }} {{ nothing|items|list }} "
+               "{{ \"it's-a (test) x2y\"|title }} {{ \"it's-a (test) x2y\".title() }} {{ '2.7'|int }} "
+               "{{ ' 7 '|int }} {{ 'n/a'|float(-1.0) }}",
     "select_and_reject": "{{ messages|selectattr('role', 'equalto', 'user')|list|length }} "
                          "{{ messages|rejectattr('role', 'equalto', 'user')|map(attribute='content')|join('+') }} "
                          "{{ [1, 2, 3, 4]|select('odd')|list }} {{ [1, 2, 3]|reject('equalto', 2)|list }} "

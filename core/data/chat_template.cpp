@@ -113,6 +113,25 @@ std::string ascii_capitalize(std::string text) {
   if (!text.empty() && text[0] >= 'a' && text[0] <= 'z') text[0] = static_cast<char>(text[0] - 32);
   return text;
 }
+// jinja2's `title` filter: words begin after "-", "(", "{", "[", "<" or
+// whitespace (Python's str.title, the method, also after "'" and digits).
+std::string jinja_title(const std::string& text) {
+  std::string out;
+  bool word_start = true;
+  for (char c : text) {
+    bool separator = c == '-' || c == '(' || c == '{' || c == '[' || c == '<' ||
+                     std::isspace(static_cast<unsigned char>(c));
+    if (separator) {
+      out.push_back(c);
+      word_start = true;
+    } else {
+      out += word_start ? ascii_upper(std::string(1, c)) : ascii_lower(std::string(1, c));
+      word_start = false;
+    }
+  }
+  return out;
+}
+
 std::string ascii_title(std::string text) {
   bool previous_letter = false;
   for (char& c : text) {
@@ -868,10 +887,11 @@ class Lexer {
   size_t skip_after_close(size_t pos, bool strip_all, bool trim_newline, bool& line_starting) {
     size_t start = pos;
     if (strip_all) {
-      std::u32string rest = decode_utf8(std::string_view(source_).substr(pos));
-      size_t n = 0;
-      while (n < rest.size() && is_python_space(rest[n])) ++n;
-      pos += encode_utf8(rest.substr(0, n)).size();
+      while (pos < source_.size()) {
+        std::u32string next = decode_utf8(std::string_view(source_).substr(pos, 4));
+        if (!is_python_space(next[0])) break;
+        pos += encode_utf8(next.substr(0, 1)).size();
+      }
     } else if (trim_newline && pos < source_.size() && source_[pos] == '\n') {
       ++pos;
     }
@@ -880,14 +900,12 @@ class Lexer {
   }
 
   size_t lex_comment(size_t pos, int line, bool& line_starting) {
-    while (true) {
-      size_t close = source_.find("#}", pos);
-      if (close == std::string::npos) fail(line, "comment {# is never closed with #}");
-      char sign = close > pos && (source_[close - 1] == '-' || source_[close - 1] == '+')
-                      ? source_[close - 1]
-                      : 0;
-      return skip_after_close(close + 2, sign == '-', sign == 0, line_starting);
-    }
+    size_t close = source_.find("#}", pos);
+    if (close == std::string::npos) fail(line, "comment {# is never closed with #}");
+    char sign = close > pos && (source_[close - 1] == '-' || source_[close - 1] == '+')
+                    ? source_[close - 1]
+                    : 0;
+    return skip_after_close(close + 2, sign == '-', sign == 0, line_starting);
   }
 
   size_t lex_tag(size_t pos, bool variable, std::vector<Token>& tokens, bool& line_starting) {
@@ -2392,7 +2410,7 @@ class Renderer {
     if (name == "upper") return Value::make_string(ascii_upper(need_string("upper")));
     if (name == "capitalize")
       return Value::make_string(ascii_capitalize(need_string("capitalize")));
-    if (name == "title") return Value::make_string(ascii_title(need_string("title")));
+    if (name == "title") return Value::make_string(jinja_title(need_string("title")));
     if (name == "string") return Value::make_string(python_str(subject));
     if (name == "default" || name == "d") {
       const Value* fallback = argument(args, kwargs, 0, "default_value");
@@ -2461,9 +2479,15 @@ class Renderer {
         std::u32string trimmed = strip_chars(decode_utf8(subject.s), true, true, nullptr);
         std::string text = encode_utf8(trimmed);
         char* end = nullptr;
-        if (name == "int") {
+        if (name == "int") {  // int(text), else int(float(text)), as jinja2
           long long v = std::strtoll(text.c_str(), &end, 10);
-          if (!text.empty() && end && *end == '\0') result = Value::make_int(v);
+          if (!text.empty() && end && *end == '\0') {
+            result = Value::make_int(v);
+          } else {
+            double d = std::strtod(text.c_str(), &end);
+            if (!text.empty() && end && *end == '\0' && std::isfinite(d) && std::fabs(d) < 9e18)
+              result = Value::make_int(static_cast<int64_t>(d));
+          }
         } else {
           double v = std::strtod(text.c_str(), &end);
           if (!text.empty() && end && *end == '\0') result = Value::make_float(v);
