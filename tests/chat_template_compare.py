@@ -272,7 +272,9 @@ SNIPPETS = {
                "{{ {'a': 1, 'b': [true, none]}|items|list }} {{ [1, 2]|reverse|list }} {{ -3|abs }} "
                "{{ '12'|int + 1 }} {{ 'x'|int }} {{ '2.5'|float }} {{ 'ab cd'|title }} {{ 'aB'|capitalize }} "
                "{{ messages|map(attribute='role')|join(',') }} {{ ['a', 'b']|map('upper')|list }} {{ 'ab'|list }} "
-               "{{ messages[0]|count }} [{{ nothing|trim }}] {{ nothing|length }} {{ nothing|items|list }}",
+               "{{ messages[0]|count }} [{{ nothing|trim }}] {{ nothing|length }} {{ nothing|items|list }} "
+               "{{ \"it's-a (test) x2y\"|title }} {{ \"it's-a (test) x2y\".title() }} {{ '2.7'|int }} "
+               "{{ ' 7 '|int }} {{ 'n/a'|float(-1.0) }}",
     "select_and_reject": "{{ messages|selectattr('role', 'equalto', 'user')|list|length }} "
                          "{{ messages|rejectattr('role', 'equalto', 'user')|map(attribute='content')|join('+') }} "
                          "{{ [1, 2, 3, 4]|select('odd')|list }} {{ [1, 2, 3]|reject('equalto', 2)|list }} "
@@ -415,7 +417,12 @@ def random_case(rng, template):
         messages.append({"role": "system", "content": random_text(rng)})
     turns = rng.randint(1, 5)
     for turn in range(turns):
-        messages.append({"role": "user", "content": random_text(rng)})
+        user = {"role": "user", "content": random_text(rng)}
+        if rng.random() < 0.1:  # Qwen3 counts these as tool output, not a query
+            user["content"] = "<tool_response>" + user["content"] + "</tool_response>"
+        if rng.random() < 0.1:
+            user["name"] = random_text(rng)  # keys templates do not read
+        messages.append(user)
         if turn == turns - 1 and rng.random() < 0.4:
             break  # ends with the user: the generation prompt case
         if template in TOOL_TEMPLATES and rng.random() < 0.35:
@@ -439,6 +446,12 @@ def random_case(rng, template):
         if template == "qwen3" and rng.random() < 0.2:
             message["reasoning_content"] = random_text(rng)
         messages.append(message)
+    if rng.random() < 0.05:  # a malformed conversation: both sides must refuse it, or neither
+        broken = rng.choice(messages)
+        if rng.random() < 0.5:
+            broken.pop("content", None)
+        else:
+            broken["role"] = "critic"
     case = {"name": f"random_{template}", "template": template, "bos_token": bos,
             "eos_token": eos, "add_generation_prompt": rng.random() < 0.5, "messages": messages}
     if tools is not None:

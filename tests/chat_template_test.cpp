@@ -10,10 +10,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace strata {
@@ -297,6 +301,98 @@ TEST(ChatTemplate, RenderErrorsAreOneLineNamingTheTemplateLine) {
   EXPECT_NE(undefined.status().message().find("line 1: 'role' of an undefined value"),
             std::string::npos)
       << undefined.status().message();
+}
+
+// One ChatTemplate rendered from several threads at once (the assistant
+// header computed for new tokens on the way) gives what one thread gives.
+TEST(ChatTemplate, ConcurrentRendersMatchOneThread) {
+  ChatTemplate qwen = load("qwen3");
+  auto expected = qwen.render(kChat, context_for("", "<|im_end|>"));
+  ASSERT_TRUE(expected) << expected.status().message();
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(8, 0);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 200; ++k) {
+        // Tokens unseen before make the threads fill the header cache together.
+        std::string bos = "<bos" + std::to_string((t * 200 + k) % 16) + ">";
+        auto pieces = qwen.render(kChat, context_for(k % 2 ? bos : "", "<|im_end|>"));
+        if (!pieces || joined(*pieces) != joined(*expected) ||
+            targets(*pieces) != targets(*expected))
+          ++mismatches[t];
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(mismatches[t], 0) << "thread " << t;
+}
+
+// Mutated templates (characters of the syntax deleted, inserted, swapped)
+// either render or come back as one-line errors: nothing throws or crashes.
+TEST(ChatTemplate, MutatedTemplatesRenderOrFailInOneLine) {
+  uint64_t seed = std::random_device{}();
+  if (const char* fixed = std::getenv("STRATA_TEST_SEED")) seed = std::strtoull(fixed, nullptr, 10);
+  std::cout << "seed " << seed << " (STRATA_TEST_SEED reruns it)\n";
+  std::mt19937_64 rng(seed);
+  const std::string alphabet = "{}%#-+()[]'\"|.,:=~*/ \nabcnotinis0123456789";
+  int rendered = 0, refused = 0;
+  for (const char* name :
+       {"chatml", "llama3", "llama3.1", "mistral-v0.1", "mistral-v0.3", "qwen2.5", "qwen3"}) {
+    const std::string original = read_file(kFixtures + name + ".jinja");
+    for (int trial = 0; trial < 300; ++trial) {
+      std::string source = original;
+      int edits = 1 + static_cast<int>(rng() % 4);
+      for (int k = 0; k < edits && !source.empty(); ++k) {
+        size_t at = rng() % source.size();
+        switch (rng() % 3) {
+          case 0:
+            source.erase(at, 1 + rng() % 3);
+            break;
+          case 1:
+            source.insert(at, 1, alphabet[rng() % alphabet.size()]);
+            break;
+          default:
+            source[at] = alphabet[rng() % alphabet.size()];
+        }
+      }
+      Result<ChatTemplate> parsed = Status::error("not parsed");
+      ASSERT_NO_THROW(parsed = ChatTemplate::parse(source)) << name << " trial " << trial;
+      if (!parsed) {
+        ++refused;
+        EXPECT_EQ(parsed.status().message().find('\n'), std::string::npos)
+            << parsed.status().message();
+        continue;
+      }
+      Result<std::vector<ChatPiece>> pieces = Status::error("not rendered");
+      ASSERT_NO_THROW(pieces = parsed->render(kChat, context_for("<s>", "</s>", trial % 2 == 0)))
+          << name << " trial " << trial;
+      if (pieces) {
+        ++rendered;
+      } else {
+        ++refused;
+        EXPECT_EQ(pieces.status().message().find('\n'), std::string::npos)
+            << pieces.status().message();
+      }
+    }
+  }
+  std::cout << rendered << " mutated templates rendered, " << refused << " refused\n";
+  EXPECT_GT(refused, 0);
+}
+
+TEST(ChatTemplate, RefusesNestingDeeperThanAnyChatTemplate) {
+  std::string deep = "{{ " + std::string(500, '(') + "1" + std::string(500, ')') + " }}";
+  auto parsed = ChatTemplate::parse(deep);
+  ASSERT_FALSE(parsed);
+  EXPECT_NE(parsed.status().message().find("nested more than 200 deep"), std::string::npos);
+  std::string blocks;
+  for (int k = 0; k < 300; ++k) blocks += "{% if true %}";
+  for (int k = 0; k < 300; ++k) blocks += "{% endif %}";
+  EXPECT_FALSE(ChatTemplate::parse(blocks));
+  auto overflow = ChatTemplate::parse("{{ 2 ** 70 }}");
+  ASSERT_TRUE(overflow);
+  auto result = overflow->render(kChat, context_for("", ""));
+  ASSERT_FALSE(result);
+  EXPECT_NE(result.status().message().find("integer overflow"), std::string::npos);
 }
 
 }  // namespace

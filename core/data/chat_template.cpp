@@ -113,6 +113,25 @@ std::string ascii_capitalize(std::string text) {
   if (!text.empty() && text[0] >= 'a' && text[0] <= 'z') text[0] = static_cast<char>(text[0] - 32);
   return text;
 }
+// jinja2's `title` filter: words begin after "-", "(", "{", "[", "<" or
+// whitespace (Python's str.title, the method, also after "'" and digits).
+std::string jinja_title(const std::string& text) {
+  std::string out;
+  bool word_start = true;
+  for (char c : text) {
+    bool separator = c == '-' || c == '(' || c == '{' || c == '[' || c == '<' ||
+                     std::isspace(static_cast<unsigned char>(c));
+    if (separator) {
+      out.push_back(c);
+      word_start = true;
+    } else {
+      out += word_start ? ascii_upper(std::string(1, c)) : ascii_lower(std::string(1, c));
+      word_start = false;
+    }
+  }
+  return out;
+}
+
 std::string ascii_title(std::string text) {
   bool previous_letter = false;
   for (char& c : text) {
@@ -675,6 +694,14 @@ std::vector<size_t> slice_positions(std::optional<int64_t> start, std::optional<
 
 // ---------------------------------------------------------------- lexer
 
+int64_t parse_integer(const std::string& digits, int line) {
+  int64_t v = 0;
+  auto result = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+  if (result.ec != std::errc() || result.ptr != digits.data() + digits.size())
+    fail(line, "integer " + digits + " is out of range");
+  return v;
+}
+
 enum class Tok {
   data,
   variable_begin,
@@ -748,7 +775,9 @@ std::string unescape(std::string_view body, int line) {
         for (char h : hex)
           if (!std::isxdigit(static_cast<unsigned char>(h)))
             fail(line, "malformed \\" + std::string(1, e) + " escape in a string literal");
-        append_utf8(out, static_cast<char32_t>(std::stoul(hex, nullptr, 16)));
+        unsigned long code = std::stoul(hex, nullptr, 16);
+        if (code > 0x10ffff) fail(line, "\\U escape beyond U+10FFFF in a string literal");
+        append_utf8(out, static_cast<char32_t>(code));
         k += digits;
         break;
       }
@@ -858,10 +887,11 @@ class Lexer {
   size_t skip_after_close(size_t pos, bool strip_all, bool trim_newline, bool& line_starting) {
     size_t start = pos;
     if (strip_all) {
-      std::u32string rest = decode_utf8(std::string_view(source_).substr(pos));
-      size_t n = 0;
-      while (n < rest.size() && is_python_space(rest[n])) ++n;
-      pos += encode_utf8(rest.substr(0, n)).size();
+      while (pos < source_.size()) {
+        std::u32string next = decode_utf8(std::string_view(source_).substr(pos, 4));
+        if (!is_python_space(next[0])) break;
+        pos += encode_utf8(next.substr(0, 1)).size();
+      }
     } else if (trim_newline && pos < source_.size() && source_[pos] == '\n') {
       ++pos;
     }
@@ -870,14 +900,12 @@ class Lexer {
   }
 
   size_t lex_comment(size_t pos, int line, bool& line_starting) {
-    while (true) {
-      size_t close = source_.find("#}", pos);
-      if (close == std::string::npos) fail(line, "comment {# is never closed with #}");
-      char sign = close > pos && (source_[close - 1] == '-' || source_[close - 1] == '+')
-                      ? source_[close - 1]
-                      : 0;
-      return skip_after_close(close + 2, sign == '-', sign == 0, line_starting);
-    }
+    size_t close = source_.find("#}", pos);
+    if (close == std::string::npos) fail(line, "comment {# is never closed with #}");
+    char sign = close > pos && (source_[close - 1] == '-' || source_[close - 1] == '+')
+                    ? source_[close - 1]
+                    : 0;
+    return skip_after_close(close + 2, sign == '-', sign == 0, line_starting);
   }
 
   size_t lex_tag(size_t pos, bool variable, std::vector<Token>& tokens, bool& line_starting) {
@@ -1112,6 +1140,7 @@ class Parser {
 
   // Statements until a block tag named in `ends` (left unconsumed after its name).
   Body parse_body(const std::vector<std::string>& ends) {
+    Nesting nesting(*this, current().line);
     Body body;
     while (true) {
       const Token& token = current();
@@ -1278,6 +1307,7 @@ class Parser {
 
   ExprPtr parse_expression() {
     int line = current().line;
+    Nesting nesting(*this, line);
     ExprPtr expr = parse_or();
     while (at_name("if")) {
       next();
@@ -1313,6 +1343,7 @@ class Parser {
   ExprPtr parse_not() {
     if (at_name("not")) {
       int line = next().line;
+      Nesting nesting(*this, line);
       return make(Expr::unary, line, {parse_not()}, "not");
     }
     return parse_compare();
@@ -1389,6 +1420,7 @@ class Parser {
     ExprPtr node;
     if (at_op("-") || at_op("+")) {
       Token op = next();
+      Nesting nesting(*this, op.line);
       node = make(Expr::unary, op.line, {parse_unary(false)}, op.text);
     } else {
       node = parse_primary();
@@ -1418,11 +1450,7 @@ class Parser {
       }
       case Tok::integer: {
         next();
-        int64_t v = 0;
-        auto result = std::from_chars(token.text.data(), token.text.data() + token.text.size(), v);
-        if (result.ec != std::errc())
-          fail(token.line, "integer literal " + token.text + " is too large");
-        return literal(Value::make_int(v), token.line);
+        return literal(Value::make_int(parse_integer(token.text, token.line)), token.line);
       }
       case Tok::floating: {
         next();
@@ -1498,7 +1526,7 @@ class Parser {
       if (at_op(".")) {
         int line = next().line;
         if (current().type == Tok::integer) {
-          ExprPtr index = literal(Value::make_int(std::stoll(next().text)), line);
+          ExprPtr index = literal(Value::make_int(parse_integer(next().text, line)), line);
           node = make(Expr::getitem, line, {node, index});
         } else {
           node = make(Expr::getattr, line, {node}, expect_name("after '.'"));
@@ -1618,8 +1646,19 @@ class Parser {
     }
   }
 
+  // Bounds the parser's recursion (and so the evaluator's): a template nested
+  // deeper than any chat template is refused instead of overflowing the stack.
+  struct Nesting {
+    Nesting(Parser& parser, int line) : parser_(parser) {
+      if (++parser_.nesting_ > 200) fail(line, "expressions or blocks nested more than 200 deep");
+    }
+    ~Nesting() { --parser_.nesting_; }
+    Parser& parser_;
+  };
+
   std::vector<Token> tokens_;
   size_t pos_ = 0;
+  int nesting_ = 0;
   int loop_depth_ = 0;
   bool has_generation_ = false;
 };
@@ -1854,6 +1893,7 @@ class Renderer {
         if (e.name == "+")
           return operand.kind == Value::boolean ? Value::make_int(operand.as_int()) : operand;
         if (operand.kind == Value::floating) return Value::make_float(-operand.f);
+        if (operand.as_int() == INT64_MIN) fail(e.line, "integer overflow in unary '-'");
         return Value::make_int(-operand.as_int());
       }
       case Expr::binary:
@@ -1938,6 +1978,9 @@ class Renderer {
     if (op == "*" && (a.kind == Value::string || a.kind == Value::list) &&
         (b.kind == Value::integer || b.kind == Value::boolean)) {
       int64_t times = std::max<int64_t>(0, b.as_int());
+      size_t unit = a.kind == Value::string ? a.s.size() : a.items->size();
+      if (unit > 0 && times > static_cast<int64_t>((size_t{1} << 26) / unit))
+        fail(line, "'*' would build more than 64 Mi characters or items");
       if (a.kind == Value::string) {
         std::string text;
         for (int64_t k = 0; k < times; ++k) text += a.s;
@@ -1956,8 +1999,12 @@ class Renderer {
     }
     if (op == "**") {
       if (!floating && b.as_int() >= 0) {
-        int64_t result = 1;
-        for (int64_t k = 0; k < b.as_int(); ++k) result *= a.as_int();
+        int64_t base = a.as_int(), result = 1;
+        if (base == 0 || base == 1) return Value::make_int(b.as_int() == 0 ? 1 : base);
+        if (base == -1) return Value::make_int(b.as_int() % 2 ? -1 : 1);
+        for (int64_t k = 0; k < b.as_int(); ++k)
+          if (__builtin_mul_overflow(result, base, &result))
+            fail(line, "integer overflow in '**' (strata's integers are 64-bit)");
         return Value::make_int(result);
       }
       return Value::make_float(std::pow(a.as_double(), b.as_double()));
@@ -1974,10 +2021,13 @@ class Renderer {
       if (remainder != 0 && ((remainder < 0) != (y < 0))) remainder += y;
       return Value::make_float(remainder);
     }
-    int64_t x = a.as_int(), y = b.as_int();
-    if (op == "+") return Value::make_int(x + y);
-    if (op == "-") return Value::make_int(x - y);
-    if (op == "*") return Value::make_int(x * y);
+    int64_t x = a.as_int(), y = b.as_int(), result = 0;
+    bool overflow = op == "+"   ? __builtin_add_overflow(x, y, &result)
+                    : op == "-" ? __builtin_sub_overflow(x, y, &result)
+                    : op == "*" ? __builtin_mul_overflow(x, y, &result)
+                                : false;
+    if (overflow) fail(line, "integer overflow in '" + op + "' (strata's integers are 64-bit)");
+    if (op == "+" || op == "-" || op == "*") return Value::make_int(result);
     if (y == 0) fail(line, "integer division or modulo by zero");
     int64_t quotient = x / y;
     if ((x % y != 0) && ((x < 0) != (y < 0))) --quotient;
@@ -2285,7 +2335,7 @@ class Renderer {
       std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
       if (current.kind == Value::undefined) return current;
       bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit);
-      current = numeric ? get_item(current, Value::make_int(std::stoll(part)), line)
+      current = numeric ? get_item(current, Value::make_int(parse_integer(part, line)), line)
                         : get_item(current, Value::make_string(part), line);
       if (dot == std::string::npos) return current;
       pos = dot + 1;
@@ -2360,7 +2410,7 @@ class Renderer {
     if (name == "upper") return Value::make_string(ascii_upper(need_string("upper")));
     if (name == "capitalize")
       return Value::make_string(ascii_capitalize(need_string("capitalize")));
-    if (name == "title") return Value::make_string(ascii_title(need_string("title")));
+    if (name == "title") return Value::make_string(jinja_title(need_string("title")));
     if (name == "string") return Value::make_string(python_str(subject));
     if (name == "default" || name == "d") {
       const Value* fallback = argument(args, kwargs, 0, "default_value");
@@ -2429,9 +2479,15 @@ class Renderer {
         std::u32string trimmed = strip_chars(decode_utf8(subject.s), true, true, nullptr);
         std::string text = encode_utf8(trimmed);
         char* end = nullptr;
-        if (name == "int") {
+        if (name == "int") {  // int(text), else int(float(text)), as jinja2
           long long v = std::strtoll(text.c_str(), &end, 10);
-          if (!text.empty() && end && *end == '\0') result = Value::make_int(v);
+          if (!text.empty() && end && *end == '\0') {
+            result = Value::make_int(v);
+          } else {
+            double d = std::strtod(text.c_str(), &end);
+            if (!text.empty() && end && *end == '\0' && std::isfinite(d) && std::fabs(d) < 9e18)
+              result = Value::make_int(static_cast<int64_t>(d));
+          }
         } else {
           double v = std::strtod(text.c_str(), &end);
           if (!text.empty() && end && *end == '\0') result = Value::make_float(v);
@@ -2657,6 +2713,8 @@ Result<std::vector<ChatPiece>> render_values(const ChatTemplate::Program& progra
           "{% generation %}...{% endgeneration %}");
   } catch (const RenderError& error) {
     return Status::error(error.message);
+  } catch (const std::exception& error) {
+    return Status::error(std::string("chat template: cannot render: ") + error.what());
   }
   std::vector<ChatPiece> pieces;
   for (size_t k = 0; k < out.text.size();) {
@@ -2679,6 +2737,8 @@ Result<ChatTemplate> ChatTemplate::parse(std::string source) {
     return ChatTemplate(std::move(program));
   } catch (const RenderError& error) {
     return Status::error(error.message);
+  } catch (const std::exception& error) {
+    return Status::error(std::string("chat template: cannot parse: ") + error.what());
   }
 }
 

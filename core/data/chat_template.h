@@ -18,8 +18,8 @@
 //    `index0`, `revindex`, `revindex0`, `first`, `last`, `length`,
 //    `previtem`, `nextitem`), break, continue; set (a name, or `ns.attr` on a
 //    `namespace()`); `{% generation %}` (see below);
-//  - literals (strings, numbers, true/false/none, lists, dicts), attribute and
-//    item access, slices, calls; `+ - * / // % **`, `~`, comparisons, `in`,
+//  - literals (strings, numbers, true/false/none, lists, tuples, dicts),
+//    attribute and item access, slices, calls; `+ - * / // % **`, `~`, comparisons, `in`,
 //    `not in`, `and`, `or`, `not`, `x if c else y`;
 //  - filters abs, capitalize, count, d, default, first, float, int, items,
 //    join, last, length, list, lower, map, reject, rejectattr, replace,
@@ -27,10 +27,11 @@
 //  - tests boolean, callable, defined, divisibleby, eq, equalto, even, false,
 //    float, ge, gt, in, integer, iterable, le, lower, lt, mapping, ne, none,
 //    number, odd, sameas, sequence, string, true, undefined, upper (and
-//    `==`, `!=`, `<`, `<=`, `>`, `>=` as test names);
+//    "==", "!=", "<", "<=", ">", ">=" as the test names select and reject
+//    take);
 //  - string methods strip, lstrip, rstrip, split, startswith, endswith,
 //    lower, upper, title, capitalize, replace; dict methods items, keys,
-//    values, get; globals range, namespace, raise_exception.
+//    values, get; globals range, namespace, dict, raise_exception.
 // Anything else (macros, call blocks, includes, filter blocks, `set` blocks,
 // unknown filters or tests, ...) is refused by parse() in one line naming the
 // construct and its line. Python's str() of a list or dict is Python's repr;
@@ -50,11 +51,18 @@
 //   conversation gains when the flag is set, e.g. "<|im_start|>assistant\n",
 //   "<|start_header_id|>assistant<|end_header_id|>\n\n"), when the iteration's
 //   output starts with it (or holds it: then through its first occurrence);
-//   a template without a generation prompt has no header.
+//   a template without a generation prompt has no header, and a turn that
+//   neither starts with nor holds the header is a target as a whole.
 // So the reply, its tool calls and the end-of-turn text the template emits
 // right after it in the same iteration ("<|eot_id|>", "<|im_end|>", "</s>")
 // are targets; the role header before it, the newline after "<|im_end|>" and
-// every other message are not. A conversation with assistant messages none
+// every other message are not. Why this rule: at inference the model is
+// given the generation prompt and produces everything after it up to its
+// end-of-turn token, so that is what it must learn; the rule reads the
+// rendered text, not the template's variables, so it holds for replies,
+// tool calls (whose text precedes any value taken from the message, as in
+// '{"name": "' + name) and thinking alike, in every template above.
+// A conversation with assistant messages none
 // of which a loop visited (a template that indexes `messages[i]` in a `range`
 // loop) is an error rather than a conversation trained on nothing; add
 // generation tags to such a template.
