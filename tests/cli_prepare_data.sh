@@ -4,7 +4,7 @@
 # the vocabulary needs it) and a loss mask; the ids equal the fixture
 # tokenizer's expected ids; --val-fraction, --append-eos, --no-special-tokens;
 # `strata train --data` picks the mask up, says so, and counts only its
-# targets; each input error is one line naming what and where, and leaves the
+# targets (and --eval-data's in the validation loss); each input error is one line naming what and where, and leaves the
 # outputs as they were.
 # Chat JSONL is rendered with the model's chat template, only the assistant's
 # tokens being targets.
@@ -183,6 +183,27 @@ PY
 "$strata" prepare-data --model-dir "$dir/jinja" --input "$dir/chat.jsonl" --format chat --out "$dir/jinja/out" >/dev/null 2>&1 &&
   cmp -s "$dir/jinja/out/train.bin" "$dir/chat/train.bin"
 check "chat: chat_template.jinja" $?
+
+# The validation file's mask counts in the validation loss: half its targets kept,
+# half the tokens counted; none kept is an error.
+"$strata" prepare-data --model-dir "$dir/model" --input "$dir/train.jsonl" --format jsonl --out "$dir/vdata" \
+  --val-fraction 0.5 >/dev/null 2>&1
+eval_run=(train --model "$dir/model" --backend cpu --seq-len 32 --micro-batch 2 --steps 1
+          --data "$dir/vdata/train.bin" --eval-data "$dir/vdata/val.bin" --eval-batches 2)
+python3 - "$dir/vdata/val.mask" <<'PY'
+import sys
+mask = bytearray(open(sys.argv[1], "rb").read())
+for i in range(0, len(mask), 2): mask[i] = 0
+open(sys.argv[1], "wb").write(mask)
+PY
+"$strata" "${eval_run[@]}" >"$dir/out" 2>"$dir/err"
+[ $? -eq 0 ] && grep -q "eval loss mask: $dir/vdata/val.mask (found next to --eval-data)" "$dir/out" &&
+  grep -q "eval at step 1: loss [0-9.]* over 64 tokens" "$dir/out"
+check "the eval file's mask: half of 2 x 2 x 32 targets counted" $?
+python3 -c "import os, sys; n = os.path.getsize(sys.argv[1]); open(sys.argv[1], 'wb').write(bytes(n))" "$dir/vdata/val.mask"
+"$strata" "${eval_run[@]}" >/dev/null 2>"$dir/err"
+[ $? -eq 1 ] && grep -q "keeps no target" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
+check "an eval mask that keeps nothing is refused in one line" $?
 
 # Errors: one line, exit 2, naming what and where; nothing half-written.
 refuse() {  # NAME PATTERN -- ARGS
