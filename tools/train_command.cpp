@@ -162,10 +162,10 @@ Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, const std::ve
     sum += *loss;
   }
   if (counted == 0)
-    return Status::error(fmt::format(
-        "--eval-data {}: its mask keeps no target in the first {} micro-batches; raise "
-        "--eval-batches or check the mask",
-        file.path(), batches));
+    return Status::error(
+        fmt::format("--eval-data {}: its mask keeps no target in the first {} micro-batches; raise "
+                    "--eval-batches or check the mask",
+                    file.path(), batches));
   return EvalResult{sum / double(counted), counted};
 }
 
