@@ -11,7 +11,7 @@ cmake --build "$build" --target strata -j"$(nproc)" >>"$build.log" 2>&1 || { tai
 "$build/tools/strata" --version | tee /dev/stderr | grep -q "CUDA backend: not built (CPU-only)"
 "$build/tools/strata" plan --model tiny --json >/dev/null
 # It cannot size a GPU's buffers, and says so.
-! "$build/tools/strata" plan --model tiny --schedule --backend cuda --stage 3 --offload-param cpu \
+! "$build/tools/strata" plan --model tiny --ops --backend cuda --stage 3 --offload-param cpu \
   --offload-optimizer cpu >/dev/null 2>"$build.err"
 grep -q "built without CUDA" "$build.err"
 echo "1 passed, 0 failed"

@@ -18,6 +18,16 @@ shard=$(echo "$out" | json_get 'd["shard_elements"]')
 params=$(echo "$out" | json_get 'd["parameters"]')
 [ "$params" = "1235814400" ]; check "llama3.2-1b has 1235814400 parameters" $?
 
+# The families' presets: `strata plan` counts their published parameters exactly.
+for preset_count in qwen2.5-0.5b:494032768 qwen2.5-1.5b:1543714304 qwen2.5-3b:3085938688 \
+                    qwen2.5-7b:7615616512 qwen3-0.6b:596049920 qwen3-1.7b:1720574976 \
+                    qwen3-4b:4022468096 qwen3-8b:8190735360 mistral-7b:7241732096 \
+                    mistral-7b-v0.3:7248023552; do
+  preset=${preset_count%%:*}
+  params=$("$strata" plan --model "$preset" --json | json_get 'd["parameters"]')
+  [ "$params" = "${preset_count##*:}" ]; check "$preset has ${preset_count##*:} parameters ($params)" $?
+done
+
 # The ZeRO paper's accounting for Llama 3 8B at stage 3 over 8 ranks: 16 * psi / 8.
 out=$("$strata" plan --model llama3-8b --stage 3 --world-size 8 --precision bf16 --accounting zero --json \
       --device-mem-limit 80G --host-mem-limit 1T)
@@ -63,31 +73,51 @@ err=$("$strata" plan --model tiny --device-mem-limit 12X 2>&1 >/dev/null)
 grep -q -- "--device-mem-limit" <<<"$err"; check "bad size flag named" $?
 
 # The engine's per-step schedule of a real model.
-out=$("$strata" plan --model tiny --schedule --stage 3 --offload-param nvme --offload-optimizer nvme \
-      --nvme-path . --world-size 2 --grad-accum 2 --micro-batch 1 2>&1)
+out=$("$strata" plan --model tiny --ops --stage 3 --offload-param nvme --offload-optimizer nvme \
+      --nvme-path . --world-size 2 --grad-accum 2 --micro-batch 1 --schedule micro_batch 2>&1)
 grep -q "fetch(layers.0) mb 0 .* io" <<<"$out" && grep -q "gather(head) mb 1" <<<"$out" &&
   grep -q "^ *[0-9]* *exchange" <<<"$out" && grep -q "optimizer(embedding)" <<<"$out"
-check "--schedule prints every kind of operation" $?
-grep -q "NVMe traffic per step and rank: [0-9.]* [KM]iB read" <<<"$out"; check "--schedule prints NVMe traffic" $?
-"$strata" plan --model tiny --schedule --json --stage 3 --world-size 2 | python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["ops"] and j["peak_bytes"]["device"] > 0'
-check "--schedule --json parses" $?
+check "--ops prints every kind of operation" $?
+grep -q "NVMe traffic per step and rank: [0-9.]* [KM]iB read" <<<"$out"; check "--ops prints NVMe traffic" $?
+"$strata" plan --model tiny --ops --json --stage 3 --world-size 2 | python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["ops"] and j["peak_bytes"]["device"] > 0'
+check "--ops --json parses" $?
 # The schedule for a GPU, planned on any machine: the state stays off the device when offloaded,
 # ZeRO-Offload keeps the parameters there and passes the CPU optimizer's output through host memory.
 if "$strata" --version | grep -q "CUDA backend: not built"; then
-  "$strata" plan --model tiny --schedule --backend cuda --stage 3 --offload-param cpu \
+  "$strata" plan --model tiny --ops --backend cuda --stage 3 --offload-param cpu \
     --offload-optimizer cpu 2>&1 >/dev/null | grep -q "built without CUDA"
-  check "--schedule --backend cuda refused by a CPU-only build" $?
+  check "--ops --backend cuda refused by a CPU-only build" $?
 else
-  out=$("$strata" plan --model tiny --schedule --backend cuda --stage 3 --offload-param cpu --offload-optimizer cpu)
+  out=$("$strata" plan --model tiny --ops --backend cuda --stage 3 --offload-param cpu --offload-optimizer cpu)
   grep -q "device parameter slots" <<<"$out" && ! grep -qE "^ *device .*(Adam|fp32 master|parameters \()" <<<"$out"
-  check "--schedule --backend cuda: a device working set, the state off the device" $?
-  out=$("$strata" plan --model tiny --schedule --backend cuda --stage 2 --world-size 2 --offload-optimizer cpu)
+  check "--ops --backend cuda: a device working set, the state off the device" $?
+  out=$("$strata" plan --model tiny --ops --backend cuda --stage 2 --world-size 2 --offload-optimizer cpu)
   grep -qE "^ *device .*parameters \(" <<<"$out" && grep -qE "^ *host .*Adam m" <<<"$out" &&
     grep -q "new parameters on their way to the GPU" <<<"$out" &&
     grep -q "parameter all-gather staging" <<<"$out" && ! grep -q "device parameter slots" <<<"$out"
-  check "--schedule --backend cuda: ZeRO-Offload keeps the parameters on the device" $?
+  check "--ops --backend cuda: ZeRO-Offload keeps the parameters on the device" $?
 fi
-err=$("$strata" plan --params 7B --schedule 2>&1 >/dev/null)
-grep -q -- "--schedule needs --model" <<<"$err"; check "--schedule without a model refused" $?
+err=$("$strata" plan --params 7B --ops 2>&1 >/dev/null)
+grep -q -- "--ops needs --model" <<<"$err"; check "--ops without a model refused" $?
+
+# The layer-major schedule: each unit gathered once for the forward and once for the backward.
+out=$("$strata" plan --model tiny --ops --stage 3 --offload-param nvme --offload-optimizer nvme \
+      --nvme-path . --grad-accum 4 --micro-batch 1 --schedule layer 2>&1)
+grep -q "^schedule layer: activations of 4 micro-batches kept in device memory" <<<"$out" &&
+  [ "$(grep -c "gather(layers.0)" <<<"$out")" = 2 ] && [ "$(grep -c "forward(layers.0)" <<<"$out")" = 4 ]
+check "--schedule layer: one gather per unit and pass" $?
+# auto: with parameters on NVMe and several micro-batches the layer-major order moves less.
+out=$("$strata" plan --model tiny --stage 3 --offload-param nvme --offload-optimizer nvme \
+      --nvme-path . --grad-accum 4 --micro-batch 1 2>&1)
+grep -q "^schedule: layer: it moves .* through NVMe per step where the micro-batch order moves" <<<"$out" &&
+  grep -q "^  micro_batch " <<<"$out" && grep -q "^  layer " <<<"$out"
+check "auto picks layer for NVMe parameters, both schedules listed" $?
+out=$("$strata" plan --model tiny --grad-accum 4 --backend cpu 2>&1)
+grep -q "^schedule: micro_batch: no link carries parameters" <<<"$out"; check "auto keeps micro_batch when nothing moves" $?
+out=$("$strata" plan --model tiny --grad-accum 4 --backend cpu --schedule layer --json 2>&1)
+python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["schedule"]["chosen"] == "layer" and len(j["schedule"]["options"]) == 2' "$out"
+check "--schedule layer --json names the choice and both options" $?
+err=$("$strata" plan --model tiny --schedule sideways 2>&1 >/dev/null)
+grep -q -- "--schedule: expected auto, micro_batch or layer, got 'sideways'" <<<"$err"; check "bad --schedule named" $?
 
 finish_checks

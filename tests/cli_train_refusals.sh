@@ -2,7 +2,8 @@
 # `strata train` refuses what cannot work before training starts, each time
 # with one line on stderr that says what, where and what to do, and a
 # non-zero exit: a missing data file, a plan that does not fit the budgets,
-# an unwritable NVMe path, a GPU backend where there is none, bad masks.
+# an unwritable NVMe path, a GPU backend where there is none, bad masks, a
+# model config.json asking for what no family computes.
 # Usage: cli_train_refusals.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -55,6 +56,24 @@ if "$strata" --version | grep -q "GPUs: none"; then
   check "--backend cuda without a GPU" $?
 fi
 
+# A config.json asking for what no family computes: one line naming the file and the key.
+model_common=(--backend cpu --seq-len 32 --micro-batch 2 --steps 2 --data "$dir/data/train.bin")
+shape='"vocab_size": 256, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 1, "num_attention_heads": 4'
+echo "{\"model_type\": \"qwen2_moe\", $shape, \"num_experts\": 8}" >"$dir/moe.json"
+refuse "another model_type" 2 "moe.json: model_type" -- --model "$dir/moe.json" "${model_common[@]}"
+echo "{\"model_type\": \"mixtral\", $shape}" >"$dir/mixtral.json"
+refuse "mixtral" 2 "mixtral.json: model_type" -- --model "$dir/mixtral.json" "${model_common[@]}"
+echo "{\"model_type\": \"mistral\", $shape, \"num_local_experts\": 8}" >"$dir/experts.json"
+refuse "mixture-of-experts keys" 2 "experts.json: num_local_experts" -- \
+  --model "$dir/experts.json" "${model_common[@]}"
+echo "{\"model_type\": \"llama\", $shape, \"attention_bias\": true}" >"$dir/bias.json"
+refuse "attention_bias on llama" 2 "bias.json: attention_bias" -- --model "$dir/bias.json" "${model_common[@]}"
+echo "{\"model_type\": \"qwen2\", $shape, \"use_sliding_window\": true}" >"$dir/window.json"
+refuse "use_sliding_window on qwen2" 2 "window.json: use_sliding_window" -- \
+  --model "$dir/window.json" "${model_common[@]}"
+echo "{\"model_type\": \"qwen3\", $shape, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4}}" \
+  >"$dir/yarn.json"
+refuse "rope_scaling yarn" 2 "yarn.json: rope_scaling.rope_type" -- --model "$dir/yarn.json" "${model_common[@]}"
 
 # A plan that does not fit is refused before the swap file is made.
 "$strata" train "${common[@]}" --data "$dir/data/train.bin" --offload-optimizer nvme --nvme-path "$dir/swap" \

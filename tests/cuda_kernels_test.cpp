@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/grad_norm.h"
@@ -376,6 +377,49 @@ TEST_P(CudaKernelsLowPrecision, Swiglu) {
   expect_within_twice_emulated(download(d_out, N * I, type()), emulated.out, exact_ref.out, "out");
   expect_within_twice_emulated(download(d_dgate_up, N * 2 * I, type()), emulated.dgate_up,
                                exact_ref.dgate_up, "dgate_up");
+}
+
+// --- bias of a linear layer ------------------------------------------------------------
+
+TEST_F(CudaKernels, BiasMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 45, OC = 333;  // a ragged last block of columns and of row groups
+  const auto x = random_floats(N * OC, rng_), bias = random_floats(OC, rng_);
+  const auto dout = random_floats(N * OC, rng_), before = random_floats(OC, rng_);
+  std::vector<float> out = x, dbias = before;
+  cpu::bias_forward(out.data(), bias.data(), N, OC);
+  cpu::bias_backward(dbias.data(), dout.data(), N, OC);
+  auto d_out = upload(x, DType::f32), d_bias = upload(bias, DType::f32);
+  auto d_dout = upload(dout, DType::f32), d_dbias = upload(before, DType::f32);
+  expect_ok(cuda::bias_forward(d_out->get(), d_bias->get(), N, OC, DType::f32, nullptr));
+  expect_ok(cuda::bias_backward(static_cast<float*>(d_dbias->get()), d_dout->get(), N, OC,
+                                DType::f32, nullptr));
+  expect_matches_cpu(download(*d_out, N * OC, DType::f32), out, "out");
+  expect_matches_cpu(download(*d_dbias, OC, DType::f32), dbias, "dbias");
+}
+
+TEST_P(CudaKernelsLowPrecision, Bias) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 67, OC = 200;
+  const auto x = random(N * OC), bias = random(OC), dout = random(N * OC);
+  // PyTorch: out = x + bias [round]; dbias = sum over rows of dout, in fp32.
+  std::vector<double> exact_out(N * OC), emulated_out(N * OC), dbias_ref(OC, 0.0);
+  const Round round = rounding_to(type());
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t c = 0; c < OC; ++c) {
+      exact_out[n * OC + c] = double(x[n * OC + c]) + bias[c];
+      emulated_out[n * OC + c] = round(exact_out[n * OC + c]);
+      dbias_ref[c] += dout[n * OC + c];
+    }
+  }
+  auto d_out = upload(x, type()), d_bias = upload(bias, type()), d_dout = upload(dout, type());
+  DeviceBuffer d_dbias(OC * 4);
+  expect_ok(cuda::bias_forward(d_out->get(), d_bias->get(), N, OC, type(), nullptr));
+  expect_ok(cuda::bias_backward(static_cast<float*>(d_dbias.get()), d_dout->get(), N, OC, type(),
+                                nullptr));
+  expect_within_twice_emulated(download(*d_out, N * OC, type()), emulated_out, exact_out, "out");
+  // The sums are fp32 of values exact in the type: within fp32 rounding of float64.
+  EXPECT_LE(relative_error(download(d_dbias, OC, DType::f32), dbias_ref), 1e-6);
 }
 
 // --- cross-entropy --------------------------------------------------------------------

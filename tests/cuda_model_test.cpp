@@ -1,7 +1,10 @@
 // A whole model's forward and backward on the GPU against the CPU backend's
 // model_forward_backward (core/model/model.h), on a small Llama with grouped-query
 // heads, llama3 RoPE scaling, a sequence length that is not a multiple of the
-// attention tiles, tied and untied heads.
+// attention tiles, tied and untied heads; and on each other family: qwen2's
+// q/k/v biases (random, not zero), qwen3's per-head q/k norms with a head_dim
+// unrelated to hidden / heads, mistral with a window that holds the sequence
+// (a shorter one is refused by CudaUnits::create, naming --seq-len).
 //
 // GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
 // runs: the same fused qkv and gate/up products as core/model/model.cpp's
@@ -51,6 +54,31 @@ ModelConfig small_config(bool tied) {
   c.rope_scaling.original_max_position_embeddings = 16;
   c.tie_word_embeddings = tied;
   return c;
+}
+
+ModelConfig family_config(bool tied, ModelFamily family) {
+  ModelConfig c = small_config(tied);
+  c.family = family;
+  if (family == ModelFamily::qwen2) c.qkv_bias = true;
+  if (family == ModelFamily::qwen3) {
+    c.qk_norm = true;
+    c.head_dim = 48;  // 4 x 48 = 192 != hidden 128
+  }
+  if (family == ModelFamily::mistral) c.sliding_window = 64;
+  return c;
+}
+
+// Random values in every 1-D tensor: biases well away from zero, norms near one.
+void randomize_vectors(HostModel& model, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const NamedTensor& t : checkpoint_tensors(model.layout)) {
+    if (t.slot->shape.size() != 1) continue;
+    const bool bias = t.slot->name.ends_with(".bias");
+    float* p = model.params[t.unit].data() + t.slot->offset;
+    for (int64_t i = 0; i < t.slot->numel; ++i)
+      p[i] = bias ? 0.3f * normal(rng) : 1.0f + 0.1f * normal(rng);
+  }
 }
 
 // Runs the units of `model` on the GPU through core/model/cuda_units.h (what the
@@ -135,6 +163,7 @@ class GpuUnits {
 struct ModelCase {
   bool tied;
   DType type;
+  ModelFamily family = ModelFamily::llama;
 };
 
 class CudaModel : public CudaTestWithParam<ModelCase> {};
@@ -143,9 +172,10 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   const ModelCase param = GetParam();
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const ModelConfig config = small_config(param.tied);
+  const ModelConfig config = family_config(param.tied, param.family);
   HostModel model = make_host_model(config);
   init_host_model(model, seed, /*init_std=*/0.05f);
+  randomize_vectors(model, seed + 1);
   const int64_t B = 2, T = 37, N = B * T;
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(config.vocab_size - 1));
@@ -188,10 +218,35 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(
     Configs, CudaModel,
     ::testing::Values(ModelCase{false, DType::f32}, ModelCase{true, DType::f32},
-                      ModelCase{false, DType::bf16}, ModelCase{true, DType::f16}),
+                      ModelCase{false, DType::bf16}, ModelCase{true, DType::f16},
+                      ModelCase{true, DType::f32, ModelFamily::qwen2},
+                      ModelCase{false, DType::bf16, ModelFamily::qwen2},
+                      ModelCase{false, DType::f32, ModelFamily::qwen3},
+                      ModelCase{true, DType::bf16, ModelFamily::qwen3},
+                      ModelCase{false, DType::f32, ModelFamily::mistral}),
     [](const auto& info) {
-      return fmt::format("{}_{}", info.param.tied ? "tied" : "untied", type_label(info.param.type));
+      return fmt::format("{}_{}_{}", model_family_name(info.param.family),
+                         info.param.tied ? "tied" : "untied", type_label(info.param.type));
     });
+
+class CudaModelWindow : public CudaTest {};
+
+TEST_F(CudaModelWindow, ASequenceLongerThanTheSlidingWindowIsRefused) {
+  ModelConfig config = family_config(false, ModelFamily::mistral);
+  config.sliding_window = 16;
+  const ModelLayout layout = model_layout(config);
+  auto matmuls = cuda::Matmuls::create();
+  ASSERT_TRUE(matmuls.is_ok()) << matmuls.status().message();
+  const int64_t bytes = cuda_unit_workspace_bytes(config, 1, 37, 4);
+  DeviceBuffer memory{size_t(bytes)};
+  Result<std::unique_ptr<CudaUnits>> units = CudaUnits::create(
+      layout, 1, 37, DType::f32, static_cast<std::byte*>(memory.get()), bytes, **matmuls);
+  ASSERT_FALSE(units.is_ok());
+  EXPECT_NE(units.status().message().find("sliding_window 16"), std::string::npos)
+      << units.status().message();
+  EXPECT_NE(units.status().message().find("--seq-len 37"), std::string::npos)
+      << units.status().message();
+}
 
 }  // namespace
 }  // namespace strata::testing

@@ -26,6 +26,175 @@ TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(count("llama3-70b"), 70553706496LL);
 }
 
+TEST(ModelConfig, FamilyPresetsHaveThePublishedParameterCounts) {
+  // Qwen2.5 0.5B from its config.json: vocabulary 151936 x 896 (tied), 24 layers
+  // of 14 query and 2 key/value heads of 64 with biases on q, k and v, MLP 4864.
+  const int64_t q = 896 * 896 + 896, kv = 2 * (896 * 128 + 128), o = 896 * 896;
+  const int64_t qwen_layer = q + kv + o + 3 * 896 * 4864 + 2 * 896;
+  EXPECT_EQ(count("qwen2.5-0.5b"), 151936LL * 896 + 24 * qwen_layer + 896);
+  EXPECT_EQ(count("qwen2.5-0.5b"), 494032768LL);
+  EXPECT_EQ(count("qwen2.5-1.5b"), 1543714304LL);
+  EXPECT_EQ(count("qwen2.5-3b"), 3085938688LL);
+  EXPECT_EQ(count("qwen2.5-7b"), 7615616512LL);
+  // Qwen3 0.6B: head_dim 128 (16 x 128 = 2048 != hidden 1024), q/k norms of 128 per layer.
+  const int64_t qwen3_layer =
+      1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128;
+  EXPECT_EQ(count("qwen3-0.6b"), 151936LL * 1024 + 28 * qwen3_layer + 1024);
+  EXPECT_EQ(count("qwen3-0.6b"), 596049920LL);
+  EXPECT_EQ(count("qwen3-1.7b"), 1720574976LL);
+  EXPECT_EQ(count("qwen3-4b"), 4022468096LL);
+  EXPECT_EQ(count("qwen3-8b"), 8190735360LL);
+  EXPECT_EQ(count("mistral-7b"), 7241732096LL);
+  EXPECT_EQ(count("mistral-7b-v0.3"), 7248023552LL);
+  EXPECT_EQ(load_model_config("mistral-7b")->sliding_window, 4096);
+  EXPECT_EQ(load_model_config("mistral-7b-v0.3")->sliding_window, 0);
+}
+
+TEST(ModelConfig, EachFamilyIsReadAndWrittenBackAsItself) {
+  struct Case {
+    const char* text;
+    ModelFamily family;
+    const char* architecture;
+  };
+  const Case cases[] = {
+      {R"({"model_type": "qwen2", "vocab_size": 151, "hidden_size": 60, "intermediate_size": 86,
+           "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "use_sliding_window": false, "sliding_window": 32768, "max_window_layers": 21,
+           "tie_word_embeddings": true, "rope_theta": 1000000.0})",
+       ModelFamily::qwen2, "Qwen2ForCausalLM"},
+      {R"({"model_type": "qwen3", "vocab_size": 151, "hidden_size": 60, "intermediate_size": 86,
+           "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "head_dim": 14, "attention_bias": false, "use_sliding_window": false,
+           "sliding_window": null, "layer_types": ["full_attention", "full_attention"]})",
+       ModelFamily::qwen3, "Qwen3ForCausalLM"},
+      {R"({"model_type": "mistral", "vocab_size": 151, "hidden_size": 60, "intermediate_size": 86,
+           "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "sliding_window": 4096, "head_dim": null})",
+       ModelFamily::mistral, "MistralForCausalLM"},
+  };
+  for (const Case& c : cases) {
+    Result<ModelConfig> model = model_config_from_json(nlohmann::json::parse(c.text), "cfg.json");
+    ASSERT_TRUE(model.is_ok()) << model.status().message();
+    EXPECT_EQ(model->family, c.family);
+    EXPECT_EQ(model->qkv_bias, c.family == ModelFamily::qwen2);
+    EXPECT_EQ(model->qk_norm, c.family == ModelFamily::qwen3);
+    EXPECT_EQ(model->head_dim, c.family == ModelFamily::qwen3 ? 14 : 10);
+    EXPECT_EQ(model->sliding_window, c.family == ModelFamily::mistral ? 4096 : 0);
+    const nlohmann::json written = model_config_to_json(*model);
+    EXPECT_EQ(written["architectures"][0], c.architecture);
+    EXPECT_EQ(written["model_type"], model_family_name(c.family));
+    Result<ModelConfig> again = model_config_from_json(written, "again");
+    ASSERT_TRUE(again.is_ok()) << again.status().message();
+    EXPECT_EQ(again->family, c.family);
+    EXPECT_EQ(again->sliding_window, model->sliding_window);
+    EXPECT_EQ(again->parameter_count(), model->parameter_count());
+  }
+  // transformers' Qwen3Config has head_dim 128 when the key is absent.
+  Result<ModelConfig> qwen3 = model_config_from_json(
+      nlohmann::json::parse(R"({"model_type": "qwen3", "vocab_size": 10, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4})"),
+      "cfg.json");
+  ASSERT_TRUE(qwen3.is_ok()) << qwen3.status().message();
+  EXPECT_EQ(qwen3->head_dim, 128);
+  // transformers 5 writes the rotary settings as rope_parameters.
+  Result<ModelConfig> v5 = model_config_from_json(
+      nlohmann::json::parse(R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}})"),
+      "cfg.json");
+  ASSERT_TRUE(v5.is_ok()) << v5.status().message();
+  EXPECT_EQ(v5->rope_theta, 250000.0);
+}
+
+TEST(ModelConfig, PublishedConfigFilesGiveThePresets) {
+  // The config.json files as published (keys strata has no use for included).
+  const char* qwen25 = R"({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+      "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+      "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+      "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+      "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": true,
+      "use_mrope": false, "use_sliding_window": false, "vocab_size": 151936})";
+  const char* qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+      "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+      "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+      "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+      "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+      "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": null,
+      "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false,
+      "vocab_size": 151936})";
+  const char* mistral = R"({"architectures": ["MistralForCausalLM"], "bos_token_id": 1,
+      "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+      "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+      "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+      "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+      "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
+      "vocab_size": 32000})";
+  const std::pair<const char*, const char*> cases[] = {
+      {qwen25, "qwen2.5-0.5b"}, {qwen3, "qwen3-0.6b"}, {mistral, "mistral-7b"}};
+  for (const auto& [text, name] : cases) {
+    Result<ModelConfig> read = model_config_from_json(nlohmann::json::parse(text), name);
+    ASSERT_TRUE(read.is_ok()) << read.status().message();
+    const ModelConfig preset = *load_model_config(name);
+    EXPECT_EQ(read->parameter_count(), preset.parameter_count()) << name;
+    EXPECT_EQ(read->family, preset.family) << name;
+    EXPECT_EQ(read->head_dim, preset.head_dim) << name;
+    EXPECT_EQ(read->sliding_window, preset.sliding_window) << name;
+    EXPECT_EQ(read->rope_theta, preset.rope_theta) << name;
+    EXPECT_EQ(read->rms_norm_eps, preset.rms_norm_eps) << name;
+    EXPECT_EQ(read->max_position_embeddings, preset.max_position_embeddings) << name;
+    EXPECT_EQ(read->tie_word_embeddings, preset.tie_word_embeddings) << name;
+  }
+}
+
+TEST(ModelConfig, WhatNoFamilyComputesIsRefusedNamingTheKey) {
+  auto error = [](const std::string& family, const std::string& extra) {
+    const std::string text = R"({"model_type": ")" + family +
+                             R"(", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, )" +
+                             extra + "}";
+    Result<ModelConfig> model = model_config_from_json(nlohmann::json::parse(text), "cfg.json");
+    EXPECT_FALSE(model.is_ok()) << text;
+    const std::string message = model.is_ok() ? std::string() : model.status().message();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    return message;
+  };
+  auto names = [](const std::string& message, const std::string& key) {
+    return message.find("cfg.json: " + key + ":") != std::string::npos;
+  };
+  EXPECT_TRUE(names(error("qwen2", R"("num_experts": 60)"), "num_experts"));
+  EXPECT_TRUE(names(error("mistral", R"("num_local_experts": 8)"), "num_local_experts"));
+  EXPECT_TRUE(names(error("qwen3", R"("num_experts_per_tok": 8)"), "num_experts_per_tok"));
+  EXPECT_TRUE(names(error("llama", R"("attention_bias": true)"), "attention_bias"));
+  EXPECT_TRUE(names(error("qwen3", R"("attention_bias": true)"), "attention_bias"));
+  EXPECT_TRUE(names(error("qwen2", R"("attention_bias": false)"), "attention_bias"));
+  EXPECT_TRUE(names(error("qwen2", R"("use_sliding_window": true)"), "use_sliding_window"));
+  EXPECT_TRUE(names(error("qwen3", R"("use_sliding_window": true)"), "use_sliding_window"));
+  EXPECT_TRUE(names(error("llama", R"("sliding_window": 4096)"), "sliding_window"));
+  EXPECT_TRUE(names(error("llama", R"("mlp_bias": true)"), "mlp_bias"));
+  EXPECT_TRUE(names(error("qwen2", R"("attention_dropout": 0.1)"), "attention_dropout"));
+  EXPECT_TRUE(names(error("qwen2", R"("use_mrope": true)"), "use_mrope"));
+  EXPECT_TRUE(names(error("qwen3", R"("layer_types": ["sliding_attention"])"), "layer_types"));
+  EXPECT_TRUE(names(error("qwen2", R"("rope_scaling": {"type": "yarn", "factor": 4.0})"),
+                    "rope_scaling.rope_type"));
+  EXPECT_TRUE(names(error("qwen3", R"("rope_parameters": {"rope_type": "dynamic"})"),
+                    "rope_parameters.rope_type"));
+  EXPECT_TRUE(names(error("qwen2_moe", R"("num_experts": 60)"), "model_type"));
+  EXPECT_TRUE(names(error("gemma", R"("head_dim": 4)"), "model_type"));
+}
+
+TEST(ModelConfig, ASequenceLongerThanTheSlidingWindowIsNamed) {
+  ModelConfig mistral = *load_model_config("mistral-7b");
+  EXPECT_TRUE(check_sequence_window(mistral, 4096).is_ok());
+  const Status longer = check_sequence_window(mistral, 4097);
+  ASSERT_FALSE(longer.is_ok());
+  EXPECT_NE(longer.message().find("sliding_window 4096"), std::string::npos) << longer.message();
+  EXPECT_NE(longer.message().find("--seq-len 4097"), std::string::npos) << longer.message();
+  EXPECT_TRUE(check_sequence_window(*load_model_config("mistral-7b-v0.3"), 32768).is_ok());
+}
+
 TEST(ModelConfig, UnitsAreEmbeddingLayersHead) {
   ModelConfig tied = *load_model_config("llama3.2-1b");
   std::vector<UnitShape> units = model_units(tied);

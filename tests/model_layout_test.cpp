@@ -41,6 +41,38 @@ TEST(ModelLayout, UnitsHoldHuggingFaceTensorsBackToBackAndAgreeWithModelUnits) {
   EXPECT_NE(layout.units.back().find("lm_head.weight"), nullptr);
 }
 
+TEST(ModelLayout, FamiliesAddTheirTensorsAfterTheLlamaOnes) {
+  const ModelConfig qwen2 = preset("qwen2.5-0.5b"), qwen3 = preset("qwen3-0.6b");
+  const ModelLayout l2 = model_layout(qwen2), l3 = model_layout(qwen3);
+  const UnitLayout& layer2 = l2.units[1];
+  const UnitLayout& layer3 = l3.units[1];
+  ASSERT_EQ(layer2.tensors.size(), 12u);
+  ASSERT_EQ(layer3.tensors.size(), 11u);
+  EXPECT_EQ(layer2.tensors[8].name, "model.layers.0.post_attention_layernorm.weight");
+  EXPECT_EQ(layer2.tensors[9].name, "model.layers.0.self_attn.q_proj.bias");
+  EXPECT_EQ(layer2.tensors[9].shape, (std::vector<int64_t>{14 * 64}));
+  EXPECT_EQ(layer2.tensors[10].name, "model.layers.0.self_attn.k_proj.bias");
+  EXPECT_EQ(layer2.tensors[11].name, "model.layers.0.self_attn.v_proj.bias");
+  EXPECT_EQ(layer2.tensors[11].shape, (std::vector<int64_t>{2 * 64}));
+  EXPECT_FALSE(layer2.tensors[9].weight_decay);  // biases are 1-D: no weight decay
+  EXPECT_EQ(layer3.tensors[9].name, "model.layers.0.self_attn.q_norm.weight");
+  EXPECT_EQ(layer3.tensors[10].name, "model.layers.0.self_attn.k_norm.weight");
+  EXPECT_EQ(layer3.tensors[10].shape, (std::vector<int64_t>{128}));
+  // q_proj of Qwen3 0.6B is (16 x 128, 1024): head_dim is not hidden / heads.
+  EXPECT_EQ(layer3.find("model.layers.0.self_attn.q_proj.weight")->shape,
+            (std::vector<int64_t>{2048, 1024}));
+  EXPECT_EQ(layer2.numel, qwen2.layer_parameter_count());
+  EXPECT_EQ(layer3.numel, qwen3.layer_parameter_count());
+  // Initial biases are zero, norms one (as transformers initialises them).
+  std::vector<float> flat(size_t(layer2.padded_numel));
+  init_unit_parameters(l2, 1, 7, flat.data());
+  for (int64_t i = 0; i < layer2.tensors[9].numel; ++i)
+    ASSERT_EQ(flat[size_t(layer2.tensors[9].offset + i)], 0.0f);
+  std::vector<float> flat3(size_t(layer3.padded_numel));
+  init_unit_parameters(l3, 1, 7, flat3.data());
+  EXPECT_EQ(flat3[size_t(layer3.tensors[9].offset)], 1.0f);
+}
+
 TEST(ModelLayout, TiedHeadHasOnlyTheFinalNorm) {
   ModelConfig config = preset("tiny");
   config.tie_word_embeddings = true;

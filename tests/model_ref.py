@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Reference test: strata's CPU backend against an independent Llama in PyTorch.
+"""Reference test: strata's CPU backend against an independent model in PyTorch,
+for each family strata computes (llama, qwen2, qwen3, mistral).
 
 Fresh random weights and tokens on every run (the seed is printed; pass --seed
 to repeat one). For each case the weights go to strata through safetensors
@@ -10,7 +11,11 @@ fp32; the test fails above 1e-5.
 
 The reference follows Hugging Face's LlamaForCausalLM (kernels/README.md):
 RMSNorm in fp32, rotate_half rotary embeddings with llama3 scaling, grouped-
-query attention, SwiGLU, tied or untied lm_head, mean cross-entropy.
+query attention, SwiGLU, tied or untied lm_head, mean cross-entropy; and the
+families' differences as transformers' classes have them: Qwen2's biases on
+q, k and v; Qwen3's RMSNorm on each head of q and k before the rotary
+embedding, with a head_dim unrelated to hidden_size / heads; Mistral's
+sliding window (query i sees keys j with i - window < j <= i).
 Exit codes: 0 pass, 1 fail, 77 skipped (no torch).
 """
 import argparse
@@ -106,8 +111,12 @@ def write_checkpoint(directory, tensors, dtype, shards):
 # --- the reference model --------------------------------------------------------
 
 
+def head_dim_of(cfg):
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def inv_freq_of(cfg):
-    D, base = cfg["head_dim"], cfg["rope_theta"]
+    D, base = head_dim_of(cfg), cfg["rope_theta"]
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
     rs = cfg.get("rope_scaling")
     if rs:  # transformers' _compute_llama3_parameters
@@ -135,7 +144,7 @@ def rmsnorm(x, weight, eps):
 
 def reference_forward(p, cfg, inputs, targets):
     B, T = inputs.shape
-    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
     eps = cfg["rms_norm_eps"]
     inv_freq = inv_freq_of(cfg)
     positions = torch.arange(T).float()
@@ -143,13 +152,21 @@ def reference_forward(p, cfg, inputs, targets):
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     mask = torch.ones(T, T, dtype=torch.bool).tril()
+    window = cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
+    if window:
+        mask = mask & ~torch.ones(T, T, dtype=torch.bool).tril(-window)
     x = p["model.embed_tokens.weight"][inputs]
     for i in range(cfg["num_hidden_layers"]):
         w = lambda n: p[f"model.layers.{i}.{n}.weight"]
+        bias = lambda n: p.get(f"model.layers.{i}.{n}.bias", 0.0)
         h = rmsnorm(x, w("input_layernorm"), eps)
-        q = (h @ w("self_attn.q_proj").T).view(B, T, H, D).transpose(1, 2)
-        k = (h @ w("self_attn.k_proj").T).view(B, T, KV, D).transpose(1, 2)
-        v = (h @ w("self_attn.v_proj").T).view(B, T, KV, D).transpose(1, 2)
+        q = (h @ w("self_attn.q_proj").T + bias("self_attn.q_proj")).view(B, T, H, D)
+        k = (h @ w("self_attn.k_proj").T + bias("self_attn.k_proj")).view(B, T, KV, D)
+        v = (h @ w("self_attn.v_proj").T + bias("self_attn.v_proj")).view(B, T, KV, D)
+        if cfg["model_type"] == "qwen3":  # per head, over D, before the rotary embedding
+            q = rmsnorm(q, w("self_attn.q_norm"), eps)
+            k = rmsnorm(k, w("self_attn.k_norm"), eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // KV, dim=1)  # query head h reads kv head h // (H / KV)
@@ -169,7 +186,7 @@ def reference_forward(p, cfg, inputs, targets):
 
 def parameter_shapes(cfg):
     C, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
     shapes = {"model.embed_tokens.weight": (V, C)}
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}."
@@ -179,6 +196,11 @@ def parameter_shapes(cfg):
             pre + "mlp.gate_proj.weight": (I, C), pre + "mlp.up_proj.weight": (I, C),
             pre + "mlp.down_proj.weight": (C, I), pre + "input_layernorm.weight": (C,),
             pre + "post_attention_layernorm.weight": (C,)})
+        if cfg["model_type"] == "qwen2":
+            shapes.update({pre + "self_attn.q_proj.bias": (H * D,), pre + "self_attn.k_proj.bias": (KV * D,),
+                           pre + "self_attn.v_proj.bias": (KV * D,)})
+        if cfg["model_type"] == "qwen3":
+            shapes.update({pre + "self_attn.q_norm.weight": (D,), pre + "self_attn.k_norm.weight": (D,)})
     shapes["model.norm.weight"] = (C,)
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, C)
@@ -190,7 +212,8 @@ def rel_error(a, b):
 
 
 def run_case(args, case, generator, workdir):
-    cfg = dict(case["config"], model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
+    family = case.get("family", "llama")
+    cfg = dict(case["config"], model_type=family, architectures=[ARCHITECTURES[family]], hidden_act="silu")
     B, T, dtype = case["B"], case["T"], case["dtype"]
     model_dir = os.path.join(workdir, case["name"])
     os.makedirs(model_dir)
@@ -198,7 +221,9 @@ def run_case(args, case, generator, workdir):
         json.dump(cfg, f)
     params = {}
     for name, shape in parameter_shapes(cfg).items():
-        if len(shape) == 1:  # norm weights near 1, not exactly 1, so their gradients matter
+        if name.endswith(".bias"):  # biases well away from zero
+            t = 0.3 * torch.randn(shape, generator=generator)
+        elif len(shape) == 1:  # norm weights near 1, not exactly 1, so their gradients matter
             t = 1.0 + 0.1 * torch.randn(shape, generator=generator)
         else:
             t = 0.08 * torch.randn(shape, generator=generator)
@@ -249,6 +274,9 @@ def run_case(args, case, generator, workdir):
     return ok
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
 CASES = [
     # Untied, grouped-query heads (6 query heads on 2 kv heads), llama3 rope scaling whose
     # original context makes the frequencies fall in all three bands; F32 in one file.
@@ -274,6 +302,33 @@ CASES = [
                 "tie_word_embeddings": True,
                 "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}},
+    # Qwen2: biases on q, k and v, tied, grouped-query heads, head_dim derived (60 / 6), odd
+    # vocabulary and sequence; two micro-batches.
+    {"name": "qwen2-tied-gqa", "family": "qwen2", "B": 2, "T": 17, "micro": 2, "dtype": "F32", "shards": 2,
+     "config": {"vocab_size": 101, "hidden_size": 60, "intermediate_size": 74, "num_hidden_layers": 2,
+                "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2,
+                "rope_scaling": None}},
+    # Qwen3: q/k norms per head, head_dim 14 with 5 heads on hidden 38 (not hidden / heads), untied.
+    {"name": "qwen3-untied-headdim", "family": "qwen3", "B": 1, "T": 21, "micro": 1, "dtype": "BF16", "shards": 1,
+     "config": {"vocab_size": 89, "hidden_size": 38, "intermediate_size": 66, "num_hidden_layers": 2,
+                "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 14,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+                "sliding_window": None, "rope_scaling": None}},
+    # Mistral with a window of 7 keys over sequences of 25: the windowed mask computed.
+    {"name": "mistral-window", "family": "mistral", "B": 2, "T": 25, "micro": 1, "dtype": "F32", "shards": 1,
+     "config": {"vocab_size": 77, "hidden_size": 40, "intermediate_size": 86, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 10,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "tie_word_embeddings": False, "sliding_window": 7, "rope_scaling": None}},
+    # Mistral without a window (v0.3's shape), tied.
+    {"name": "mistral-nowindow", "family": "mistral", "B": 1, "T": 15, "micro": 1, "dtype": "F32", "shards": 1,
+     "config": {"vocab_size": 65, "hidden_size": 30, "intermediate_size": 46, "num_hidden_layers": 1,
+                "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 10,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "tie_word_embeddings": True, "sliding_window": None, "rope_scaling": None}},
 ]
 
 

@@ -25,6 +25,8 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
   app.add_option("--aio-threads", o.aio_threads, "aio.intra_op_parallelism (I/O threads)");
   app.add_option("--device-mem-limit", o.device_mem_limit, "Device memory budget per rank, e.g. 80G");
   app.add_option("--host-mem-limit", o.host_mem_limit, "Pinned host memory budget for the node, e.g. 512G");
+  app.add_option("--schedule", o.schedule,
+                 "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule)");
 }
 
 void print_config_warnings(const TrainConfig& config) {

@@ -31,7 +31,7 @@ class PlanCommand : public Subcommand {
                     "strata (bytes the engine allocates) or zero (2+2+12 bytes)")
         ->check(CLI::IsMember({"strata", "zero"}));
     cmd->add_flag("--json", json_, "Print a JSON object instead of the table");
-    cmd->add_flag("--schedule", schedule_,
+    cmd->add_flag("--ops", ops_,
                   "Print the engine's plan of one step (every operation, its lane, bytes and "
                   "dependencies) and its buffers per tier; needs --model");
     cmd->add_option("--backend", backend_,
@@ -123,9 +123,9 @@ class PlanCommand : public Subcommand {
           "buffers; plan on a CUDA build");
     input.gpu = backend_ == "cuda";
 
-    if (schedule_) {
+    if (ops_) {
       if (!input.model)
-        return Status::error("--schedule needs --model (a plan is made of the model's units)");
+        return Status::error("--ops needs --model (a plan is made of the model's units)");
       Result<TrainingPlan> steps = build_training_plan(step_input(input));
       if (!steps.is_ok()) return steps.status();
       if (json_) {
@@ -152,7 +152,7 @@ class PlanCommand : public Subcommand {
   ConfigFlags flags_;
   std::string accounting_ = "strata";
   bool json_ = false;
-  bool schedule_ = false;
+  bool ops_ = false;
   std::string backend_;  // empty: cuda on a CUDA build, else cpu
   std::string net_bw_, pcie_bw_, nvme_bw_;
 };

@@ -235,6 +235,7 @@ struct TrainingRun {
   std::optional<ModelConfig> model;
   BackendChoice backend;
   std::optional<TrainingPlan> plan;
+  std::string schedule_reason;  // why the plan's schedule (choose_schedule)
   std::shared_ptr<TrainData> data;
   std::optional<TokenFile> eval_file;
   std::vector<uint8_t> eval_mask;  // the mask next to the eval file, or empty
@@ -561,11 +562,13 @@ class TrainCommand : public Subcommand {
     Result<BackendChoice> backend = choose_backend(backend_);
     if (!backend) return usage_error(backend.status());
     run.backend = *backend;
-    TrainingPlanInput plan_input = training_plan_input(*run.model, run.config);
-    plan_input.gpu = run.backend.kind == kernels::BackendKind::cuda;
+    const bool gpu = run.backend.kind == kernels::BackendKind::cuda;
     // Launched on GPUs, each process talks to the others through NCCL (connect_processes).
-    plan_input.nccl_staging = plan_input.gpu && run.launch.has_value();
-    Result<TrainingPlan> plan = build_training_plan(plan_input);
+    const PlanInput planned = engine_plan_input(*run.model, run.config, gpu, gpu && run.launch);
+    Result<ScheduleChoice> choice = choose_schedule(planned);
+    if (!choice) return usage_error(choice.status());
+    run.schedule_reason = choice->reason;
+    Result<TrainingPlan> plan = build_training_plan(step_input(planned));
     if (!plan) return usage_error(plan.status());
     run.plan = std::move(*plan);
     return std::nullopt;
@@ -794,6 +797,7 @@ class TrainCommand : public Subcommand {
     }
     if (!run.eval_mask.empty())
       fmt::print("eval loss mask: {} (found next to --eval-data)\n", loss_mask_path(eval_path_));
+    if (plan.input.grad_accum > 1) fmt::print("schedule: {}\n", run.schedule_reason);
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }

@@ -214,6 +214,9 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
     out.gradient_reduce_dtype = reduce_dtype == "bf16" ? Precision::bf16 : Precision::fp32;
   }
   in.optional_bool("shuffle", out.shuffle);
+  std::string schedule;
+  if (in.optional_choice("schedule", schedule, {"auto", "micro_batch", "layer"}))
+    out.schedule = *parse_schedule(schedule);
   // A seed is any 64-bit unsigned integer, as --seed is; JsonReader's integers stop at 2^63.
   in.accept("shuffle_seed");
   if (block.is_object() && block.contains("shuffle_seed") && !block["shuffle_seed"].is_null()) {
@@ -320,6 +323,21 @@ const char* offload_device_name(OffloadDevice device) {
     case OffloadDevice::nvme: return "nvme";
   }
   return "?";
+}
+
+const char* schedule_name(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::auto_choice: return "auto";
+    case Schedule::micro_batch: return "micro_batch";
+    case Schedule::layer: return "layer";
+  }
+  return "?";
+}
+
+std::optional<Schedule> parse_schedule(const std::string& name) {
+  for (Schedule s : {Schedule::auto_choice, Schedule::micro_batch, Schedule::layer})
+    if (name == schedule_name(s)) return s;
+  return std::nullopt;
 }
 
 int compute_bytes(Precision precision) { return precision == Precision::fp32 ? 4 : 2; }
@@ -484,6 +502,13 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   }
 
   if (overrides.shuffle) config.strata.shuffle = *overrides.shuffle;
+  if (overrides.schedule) {
+    std::optional<Schedule> schedule = parse_schedule(*overrides.schedule);
+    if (!schedule)
+      return Status::error(fmt::format(
+          "--schedule: expected auto, micro_batch or layer, got '{}'", *overrides.schedule));
+    config.strata.schedule = *schedule;
+  }
   if (overrides.shuffle_seed) config.strata.shuffle_seed = *overrides.shuffle_seed;
   // A seed that orders nothing is worth a line, unless --no-shuffle turned a file's shuffle off.
   if (config.strata.shuffle_seed && !config.strata.shuffle && overrides.shuffle != false) {
@@ -561,6 +586,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"seq_len", c.strata.seq_len ? json(*c.strata.seq_len) : json(nullptr)},
       {"shuffle", c.strata.shuffle},
       {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},
+      {"schedule", schedule_name(c.strata.schedule)},
   };
   json out = json::object();
   out["train_batch_size"] = c.train_batch_size;

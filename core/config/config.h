@@ -22,9 +22,15 @@ namespace strata {
 
 enum class Precision { fp32, bf16, fp16 };
 enum class OffloadDevice { none, cpu, nvme };
+// The order of a step's computations with gradient accumulation
+// (core/plan/training_plan.h): micro-batch after micro-batch through every
+// unit, or unit after unit over every micro-batch; auto: the plan's choice.
+enum class Schedule { auto_choice, micro_batch, layer };
 
 const char* precision_name(Precision precision);
 const char* offload_device_name(OffloadDevice device);
+const char* schedule_name(Schedule schedule);  // "auto", "micro_batch", "layer"
+std::optional<Schedule> parse_schedule(const std::string& name);
 // Bytes of one parameter in the compute precision (4, 2, 2).
 int compute_bytes(Precision precision);
 
@@ -117,6 +123,9 @@ struct StrataConfig {
   // The permutations' seed; unset: the run's seed (strata train --seed), which
   // the command fills in so that --print-config and checkpoints show it.
   std::optional<uint64_t> shuffle_seed;
+  // The step's order with gradient accumulation; auto: the one whose plan
+  // moves fewer bytes over the slowest link (strata plan says which and why).
+  Schedule schedule = Schedule::auto_choice;
 };
 
 struct TrainConfig {
@@ -164,6 +173,7 @@ struct ConfigOverrides {
   std::optional<int64_t> seq_len;
   std::optional<bool> shuffle;
   std::optional<uint64_t> shuffle_seed;
+  std::optional<std::string> schedule;  // auto | micro_batch | layer
 };
 
 // Reads `config_path` (empty: no file, all defaults) and applies `overrides`.

@@ -63,22 +63,20 @@ class CpuRankCompute final : public RankCompute {
         workspace_(plan.input.model, plan.input.micro_batch, plan.input.seq_len),
         gathered_fp32_(buffers.all_as<float>(BufferRole::gathered_unit_fp32)),
         widened_(buffers.all_as<float>(BufferRole::widened_params)),
-        activation_grad_(buffers.as<float>(BufferRole::activation_gradient)) {
-    const int64_t N = plan.tokens_per_micro, C = plan.input.model.hidden_size;
-    if (float* checkpoints = buffers.as<float>(BufferRole::activation_checkpoints))
-      for (size_t u = 0; u + 1 < plan.units.size(); ++u)
-        checkpoints_.push_back(checkpoints + int64_t(u) * N * C);
-  }
+        activation_grads_(buffers.all_as<float>(BufferRole::activation_gradient)),
+        checkpoints_(buffers.all_as<float>(BufferRole::activation_checkpoints)),
+        activation_elements_(plan.tokens_per_micro * plan.input.model.hidden_size) {}
 
-  Status forward(int unit, int, const ComputeParams& params, const UnitBatch& batch) override {
+  Status forward(int unit, int micro, const ComputeParams& params,
+                 const UnitBatch& batch) override {
     UnitParams p;
     p.flat = fp32(unit, params, 0);
-    const float* input = unit == 0 ? nullptr : checkpoints_[size_t(unit - 1)];
-    unit_forward(plan_.layout, unit, p, batch, input, checkpoints_[size_t(unit)], workspace_);
+    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
+    unit_forward(plan_.layout, unit, p, batch, input, checkpoint(unit, micro), workspace_);
     return Status::ok();
   }
 
-  Result<double> head(int, const ComputeParams& params, const ComputeParams& tied,
+  Result<double> head(int micro, const ComputeParams& params, const ComputeParams& tied,
                       const UnitBatch& batch, const GradTarget& target) override {
     const int head = int(plan_.units.size()) - 1;
     UnitParams p;
@@ -93,20 +91,21 @@ class CpuRankCompute final : public RankCompute {
       zero(g.flat, head);
       if (g.tied_embedding != nullptr) zero(g.tied_embedding, 0);
     }
-    return head_forward_backward(plan_.layout, p, batch, checkpoints_[size_t(head - 1)],
-                                 activation_grad_, g, workspace_);
+    return head_forward_backward(plan_.layout, p, batch, checkpoint(head - 1, micro),
+                                 activation_grad(micro), g, workspace_);
   }
 
-  Status backward(int unit, int, const ComputeParams& params, const UnitBatch& batch,
+  Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch& batch,
                   bool recompute, const GradTarget& target) override {
     UnitParams p;
     p.flat = fp32(unit, params, 0);
     UnitGrads g;
     g.flat = target.grads;
     if (target.zero_first) zero(g.flat, unit);
-    const float* input = unit == 0 ? nullptr : checkpoints_[size_t(unit - 1)];
-    unit_backward(plan_.layout, unit, p, batch, input, activation_grad_,
-                  unit == 0 ? nullptr : activation_grad_, g, workspace_, recompute);
+    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
+    float* dy = activation_grad(micro);
+    unit_backward(plan_.layout, unit, p, batch, input, dy, unit == 0 ? nullptr : dy, g, workspace_,
+                  recompute);
     return Status::ok();
   }
 
@@ -158,6 +157,13 @@ class CpuRankCompute final : public RankCompute {
                                  plan_.units[size_t(unit)].padded_numel);
     return out;
   }
+  // Unit `unit`'s output (the next unit's input) of micro-batch `micro`.
+  float* checkpoint(int unit, int micro) const {
+    return checkpoints_[size_t(plan_.activation_copy(micro))] + unit * activation_elements_;
+  }
+  float* activation_grad(int micro) const {
+    return activation_grads_[size_t(plan_.activation_copy(micro))];
+  }
   void zero(float* grads, int unit) const {
     std::memset(grads, 0, size_t(plan_.units[size_t(unit)].padded_numel) * 4);
   }
@@ -167,8 +173,10 @@ class CpuRankCompute final : public RankCompute {
   UnitWorkspace workspace_;
   std::vector<float*> gathered_fp32_;  // [gather slot] (largest padded), below fp32 at stage 3
   std::vector<float*> widened_;        // [2] (largest padded), below fp32 at stages 0-2
-  std::vector<float*> checkpoints_;    // [units - 1] (B*T, C) each unit's output, the next's input
-  float* activation_grad_ = nullptr;   // (B*T, C)
+  std::vector<float*> activation_grads_;  // [activation copies] (B*T, C)
+  // [activation copies] (units - 1, B*T, C): each unit's output, the next's input
+  std::vector<float*> checkpoints_;
+  int64_t activation_elements_ = 0;  // B*T*C
 };
 
 }  // namespace

@@ -97,10 +97,10 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   auto impl = std::make_unique<Impl>();
   const TrainConfig& config = options.config;
   if (!options.data) return Status::error("engine: no data source");
-  TrainingPlanInput input = training_plan_input(options.model, config);
-  input.gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
-  input.nccl_staging =
-      input.gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr;
+  const bool gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
+  TrainingPlanInput input = training_plan_input(
+      options.model, config, gpu,
+      gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr);
   Result<TrainingPlan> plan = build_training_plan(input);
   if (!plan) return plan.status();
   impl->plan = std::move(*plan);

@@ -11,7 +11,7 @@ namespace {
 nlohmann::json model_shape(const nlohmann::json& config) {
   nlohmann::json shape;
   for (const char* key :
-       {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+       {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"})
     shape[key] = config.contains(key) ? config[key] : nlohmann::json();
   return shape;

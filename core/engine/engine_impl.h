@@ -100,7 +100,7 @@ struct Engine::Impl {
     RankBuffers buffers;  // the plan's buffers of owner `rank`; the views below point into them
     std::vector<std::byte*> gathered;   // [slot] (largest padded) compute precision
     std::vector<float*> grad_slots;     // [slot] (largest padded) fp32
-    float* tied_grad = nullptr;         // (embedding padded)
+    std::vector<float*> tied_grads;     // [activation copies] (embedding padded)
     float* reduce_out = nullptr;        // (largest shard)
     int32_t* tokens = nullptr;          // (G, B*T)
     int32_t* targets = nullptr;         // (G, B*T)
@@ -182,6 +182,11 @@ struct Engine::Impl {
   ComputeParams unit_params(Rank& rank, StepRun& run, int op_index, int unit);
   // Where compute op `op`'s gradient goes (TrainingPlan::gpu_grads_in_place).
   GradTarget grad_target(Rank& rank, const PlanOp& op);
+  // The host gradient slot of a computation or reduction: its rotating slot,
+  // or for the tied embedding's buffer of micro-batch m, -1 - activation_copy(m).
+  int grad_slot(const PlanOp& op) const {
+    return op.slot >= 0 ? op.slot : -1 - plan.activation_copy(op.micro);
+  }
   // The optimizer's state in GPU memory (the CUDA backend): checkpoints read
   // it through the store.
   bool optimizer_on_gpu() const {

@@ -97,7 +97,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   using R = BufferRole;
   rank.gathered = b.all_as<std::byte>(R::gathered_unit);
   rank.grad_slots = b.all_as<float>(R::unit_gradient);
-  rank.tied_grad = b.as<float>(R::tied_gradient);
+  rank.tied_grads = b.all_as<float>(R::tied_gradient);
   rank.reduce_out = b.as<float>(R::reduce_scatter_output);
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);

@@ -57,6 +57,7 @@ class CudaGpuRank final : public GpuRank {
   Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy, int64_t numel,
                const kernels::cpu::AdamWHyperparams& hyper) override;
   std::byte* new_parameter_buffer() const override;
+  void forget_uploads(const std::byte* host) override;
 
  private:
   std::unique_ptr<Impl> impl_;
@@ -78,19 +79,39 @@ struct CudaGpuRank::Impl {
   std::array<std::byte*, kGpuParamSlots> param_slots{};
   std::array<cudaEvent_t, kGpuParamSlots> slot_free{}, uploaded{};
   int next_param_slot = 0;
+  // What each slot holds: the host parameters it was uploaded from, until
+  // new ones arrive there (forget_uploads); consecutive computations on the
+  // same unit (the layer-major schedule) read one upload.
+  std::mutex slot_mutex;
+  std::array<const std::byte*, kGpuParamSlots> slot_source{};
+  std::array<int, kGpuParamSlots> slot_unit{};
 
   // Gradient buffers in rotation: zeroing one waits until its last copy to the host is done.
   std::array<float*, kGpuGradBuffers> grad_buffers{};
   std::array<cudaEvent_t, kGpuGradBuffers> grad_sent{};
   int next_grad_buffer = 0;
-  float* tied_grad = nullptr;  // (embedding padded_numel) fp32
+  std::vector<float*> tied_grads;  // [activation copies] (embedding padded_numel) fp32
+  // TrainingPlan::gpu_grads_summed_on_device: a unit's gradient summed over
+  // its micro-batches; the next unit's first waits until it went down (sum_sent).
+  float* grad_sum = nullptr;  // (largest padded) fp32
+  cudaEvent_t sum_sent = nullptr;
   cudaEvent_t computed = nullptr;
-  // Per host gradient slot (index 0 for the tied embedding, k + 1 for slot k): copy done.
+  // Per host gradient slot s (-1 - c for copy c of the tied embedding's, k for
+  // rotating slot k), at index s + tied copies: copy done.
   std::vector<cudaEvent_t> slot_sent;
   std::vector<char> slot_pending;
+  int tied_copies = 1;
+  size_t sent_index(int grad_slot) const { return size_t(grad_slot + tied_copies); }
 
-  std::vector<std::byte*> checkpoints;   // [units - 1] (N, C) compute type
-  std::byte* activation_grad = nullptr;  // (N, C) compute type
+  // [activation copies] (units - 1, N, C) compute type: each unit's output, the next's input
+  std::vector<std::byte*> checkpoint_copies;
+  std::vector<std::byte*> activation_grads;  // [activation copies] (N, C) compute type
+  std::byte* checkpoint(int unit, int micro) const {
+    return checkpoint_copies[size_t(plan.activation_copy(micro))] + unit * N * C * type_bytes;
+  }
+  std::byte* activation_grad(int micro) const {
+    return activation_grads[size_t(plan.activation_copy(micro))];
+  }
   int32_t* tokens = nullptr;             // (G, N)
   int32_t* targets = nullptr;            // (G, N)
   float* losses = nullptr;               // (N)
@@ -142,6 +163,9 @@ struct CudaGpuRank::Impl {
   // Sends `device` (numel fp32) to host `grads` once the computation so far is done.
   Status send_gradients(const float* device, float* grads, int64_t numel, int grad_slot,
                         int buffer);
+  // A computation's fresh gradient (in rotating buffer `buffer`, or -1): sent,
+  // or added to the sum over the micro-batches, which is sent after the last.
+  Status deliver(const float* fresh, const GradTarget& target, int64_t numel, int buffer);
   // Enqueues the upload of micro-batch `micro`'s ids (before the embedding's forward).
   Status upload_ids(int micro, const int32_t* tokens, const int32_t* targets);
   // The head on device parameters; losses summed on the host.
@@ -177,6 +201,7 @@ CudaGpuRank::Impl::~Impl() {
   for (cudaEvent_t e : slot_sent)
     if (e) cudaEventDestroy(e);
   if (computed) cudaEventDestroy(computed);
+  if (sum_sent) cudaEventDestroy(sum_sent);
   if (side_done) cudaEventDestroy(side_done);
   if (host_norm) cudaFreeHost(host_norm);
   for (cudaStream_t s : {compute, to_device, to_host})
@@ -186,6 +211,10 @@ CudaGpuRank::Impl::~Impl() {
 Result<int> CudaGpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
   const int k = next_param_slot;
   next_param_slot = (next_param_slot + 1) % kGpuParamSlots;
+  {
+    std::lock_guard lock(slot_mutex);
+    slot_source[size_t(k)] = nullptr;
+  }
   // An event never recorded is complete, so the first use of a slot does not wait.
   if (Status s = cuda::check_cuda(cudaStreamWaitEvent(to_device, slot_free[size_t(k)], 0),
                                   "ordering a parameter upload");
@@ -221,10 +250,30 @@ Result<const std::byte*> CudaGpuRank::Impl::unit_params(int unit, const std::byt
                                                         int* slot) {
   *slot = -1;
   if (params_in_place) return params;
+  {
+    // Still there from an earlier computation: the compute stream is already past its upload.
+    std::lock_guard lock(slot_mutex);
+    for (int k = 0; k < kGpuParamSlots; ++k) {
+      if (slot_source[size_t(k)] == params && slot_unit[size_t(k)] == unit) {
+        *slot = k;
+        return param_slots[size_t(k)];
+      }
+    }
+  }
   Result<int> taken = upload(params, unit_bytes(unit));
   if (!taken) return taken.status();
   *slot = *taken;
+  std::lock_guard lock(slot_mutex);
+  slot_source[size_t(*taken)] = params;
+  slot_unit[size_t(*taken)] = unit;
   return param_slots[size_t(*taken)];
+}
+
+void CudaGpuRank::forget_uploads(const std::byte* host) {
+  Impl& g = *impl_;
+  std::lock_guard lock(g.slot_mutex);
+  for (const std::byte*& source : g.slot_source)
+    if (source == host) source = nullptr;
 }
 
 Result<int> CudaGpuRank::Impl::take_grad_buffer(int64_t numel) {
@@ -261,13 +310,39 @@ Status CudaGpuRank::Impl::send_gradients(const float* device, float* grads, int6
         !s)
       return s;
   }
-  const size_t index = size_t(grad_slot + 1);
+  const size_t index = sent_index(grad_slot);
   if (Status s =
           cuda::check_cuda(cudaEventRecord(slot_sent[index], to_host), "recording a gradient copy");
       !s)
     return s;
   slot_pending[index] = 1;
   return Status::ok();
+}
+
+Status CudaGpuRank::Impl::deliver(const float* fresh, const GradTarget& target, int64_t numel,
+                                  int buffer) {
+  if (!target.sum_on_device) return send_gradients(fresh, target.grads, numel, target.slot, buffer);
+  if (grad_sum == nullptr) return Status::error("GpuRank: no gradient sum buffer (plan error)");
+  // In stream order after the computation; the rotating buffer is zeroed
+  // for its next use on the same stream, after this has read it.
+  if (target.sum_first) {
+    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, sum_sent, 0),
+                                    "ordering the gradient sum's reuse");
+        !s)
+      return s;
+    if (Status s = cuda::check_cuda(cudaMemcpyAsync(grad_sum, fresh, size_t(numel) * 4,
+                                                    cudaMemcpyDeviceToDevice, compute),
+                                    "starting a gradient sum");
+        !s)
+      return s;
+  } else if (Status s = cuda::residual_forward(grad_sum, grad_sum, fresh, numel, cuda::DType::f32,
+                                               compute);
+             !s) {
+    return s;
+  }
+  if (!target.send) return Status::ok();
+  if (Status s = send_gradients(grad_sum, target.grads, numel, target.slot, -1); !s) return s;
+  return cuda::check_cuda(cudaEventRecord(sum_sent, to_host), "recording a gradient sum's copy");
 }
 
 CudaGpuRank::CudaGpuRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -310,8 +385,10 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   for (int k = 0; k < kGpuGradBuffers; ++k)
     if (Status s = event(g.grad_sent[size_t(k)]); !s) return s;
   if (Status s = event(g.computed); !s) return s;
-  g.slot_sent.assign(size_t(plan.grad_slots + 1), nullptr);
-  g.slot_pending.assign(size_t(plan.grad_slots + 1), 0);
+  if (Status s = event(g.sum_sent); !s) return s;
+  g.tied_copies = plan.activation_copies();
+  g.slot_sent.assign(size_t(plan.grad_slots + g.tied_copies), nullptr);
+  g.slot_pending.assign(g.slot_sent.size(), 0);
   for (cudaEvent_t& e : g.slot_sent)
     if (Status s = event(e); !s) return s;
 
@@ -333,7 +410,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   for (int k = 0; k < kGpuParamSlots; ++k) g.param_slots[size_t(k)] = b.at(R::gpu_param_slots, k);
   for (int k = 0; k < kGpuGradBuffers; ++k)
     g.grad_buffers[size_t(k)] = b.as<float>(R::gpu_unit_gradients, k);
-  g.tied_grad = b.as<float>(R::gpu_tied_gradient);
+  g.tied_grads = b.all_as<float>(R::gpu_tied_gradient);
   if (std::byte* scratch = b.at(R::gpu_grad_norm_scratch)) {
     // The result first, then the reduction's scratch.
     g.norm_scratch_bytes = int64_t(cuda::grad_norm_scratch_bytes(largest_padded));
@@ -346,11 +423,10 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
       return s;
   }
   g.reduced = b.as<float>(R::gpu_reduced_gradient);
+  g.grad_sum = b.as<float>(R::gpu_gradient_sum);
   g.new_params = b.at(R::gpu_new_parameters);
-  const int64_t activation_bytes = g.N * g.C * g.type_bytes;
-  for (int u = 0; u + 1 < units; ++u)
-    g.checkpoints.push_back(b.at(R::gpu_activation_checkpoints) + u * activation_bytes);
-  g.activation_grad = b.at(R::gpu_activation_gradient);
+  g.checkpoint_copies = b.all_as<std::byte>(R::gpu_activation_checkpoints);
+  g.activation_grads = b.all_as<std::byte>(R::gpu_activation_gradient);
   g.tokens = b.as<int32_t>(R::gpu_tokens_and_targets);
   g.targets = g.tokens + g.N * in.grad_accum;
   g.losses = b.as<float>(R::gpu_token_losses);
@@ -380,9 +456,9 @@ Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const 
   int slot = -1;
   Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
   if (!device_params) return device_params.status();
-  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
+  const void* input = unit == 0 ? nullptr : g.checkpoint(unit - 1, micro);
   Status status = g.units->forward(unit, *device_params, g.batch(micro, 1.0f), input,
-                                   g.checkpoints[size_t(unit)], g.compute);
+                                   g.checkpoint(unit, micro), g.compute);
   if (slot < 0) return status;
   Status released = g.computed_with(slot);
   return status ? released : status;
@@ -417,11 +493,13 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
     }
   } else {
     if (tied_params != nullptr) {
-      // The previous micro-batch's tied gradient must have reached the host first.
-      status = cuda::check_cuda(cudaStreamWaitEvent(g.compute, g.slot_sent[0], 0),
-                                "ordering the tied embedding's gradient");
-      if (status) status = g.zero(g.tied_grad, tied_numel);
-      device_tied_grads = g.tied_grad;
+      // This copy's last tied gradient must have reached the host first.
+      const int copy = g.plan.activation_copy(micro);
+      status = cuda::check_cuda(
+          cudaStreamWaitEvent(g.compute, g.slot_sent[g.sent_index(-1 - copy)], 0),
+          "ordering the tied embedding's gradient");
+      if (status) status = g.zero(g.tied_grads[size_t(copy)], tied_numel);
+      device_tied_grads = g.tied_grads[size_t(copy)];
     }
     Result<int> taken = status ? g.take_grad_buffer(numel) : Result<int>(status);
     if (taken) {
@@ -437,8 +515,7 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
                       tied_params != nullptr ? device_tied_grads : nullptr);
     status = loss.status();
   }
-  if (status && !g.grads_in_place)
-    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+  if (status && !g.grads_in_place) status = g.deliver(device_grads, target, numel, buffer);
   Status released = slot >= 0 ? g.computed_with(slot) : Status::ok();
   if (tied_slot >= 0 && released) released = g.computed_with(tied_slot);
   if (status) status = released;
@@ -466,7 +543,7 @@ Result<double> CudaGpuRank::Impl::run_head(int micro, const void* params, const 
                                            float loss_scale, float* grads, float* tied_grads) {
   const int head = int(plan.units.size()) - 1;
   Status status = units->head_forward_backward(params, tied_params, batch(micro, loss_scale),
-                                               checkpoints[size_t(head - 1)], activation_grad,
+                                               checkpoint(head - 1, micro), activation_grad(micro),
                                                grads, tied_grads, losses, compute);
   // To pageable memory, the copy returns once it (and the work before it) is done.
   if (status)
@@ -578,7 +655,8 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
   if (g.grads_in_place) {
     if (target.zero_first) status = g.zero(target.grads, numel);
   } else if (target.slot < 0) {
-    device_grads = g.tied_grad;  // the head left the lm_head's gradient here
+    // The head left the lm_head's gradient here.
+    device_grads = g.tied_grads[size_t(-1 - target.slot)];
   } else {
     Result<int> taken = g.take_grad_buffer(numel);
     if (taken) {
@@ -588,13 +666,13 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
       status = taken.status();
     }
   }
-  const void* input = unit == 0 ? nullptr : g.checkpoints[size_t(unit - 1)];
-  void* dinput = unit == 0 ? nullptr : g.activation_grad;
+  const void* input = unit == 0 ? nullptr : g.checkpoint(unit - 1, micro);
+  void* dy = g.activation_grad(micro);
+  void* dinput = unit == 0 ? nullptr : dy;
   if (status)
-    status = g.units->backward(unit, *device_params, g.batch(micro, 1.0f), input, g.activation_grad,
-                               dinput, device_grads, recompute, g.compute);
-  if (status && !g.grads_in_place)
-    status = g.send_gradients(device_grads, target.grads, numel, target.slot, buffer);
+    status = g.units->backward(unit, *device_params, g.batch(micro, 1.0f), input, dy, dinput,
+                               device_grads, recompute, g.compute);
+  if (status && !g.grads_in_place) status = g.deliver(device_grads, target, numel, buffer);
   if (slot < 0) return status;
   Status released = g.computed_with(slot);
   return status ? released : status;
@@ -611,7 +689,7 @@ Status CudaGpuRank::synchronize() {
 
 Status CudaGpuRank::gradients_ready(int grad_slot) {
   Impl& g = *impl_;
-  const size_t index = size_t(grad_slot + 1);
+  const size_t index = g.sent_index(grad_slot);
   if (index >= g.slot_pending.size() || !g.slot_pending[index]) return Status::ok();
   if (Status s = g.select(); !s) return s;
   g.slot_pending[index] = 0;

@@ -84,6 +84,12 @@ class GpuRank {
     int slot = 0;
     // In place: zero the home(s) first (the micro-batch's first gradient).
     bool zero_first = false;
+    // Not in place, layer-major with one rank: the fresh gradient adds to the
+    // device's sum over the micro-batches (sum_first: becomes it), which goes
+    // to `grads` only when `send`.
+    bool sum_on_device = false;
+    bool sum_first = false;
+    bool send = true;
   };
 
   // The head's forward and backward: returns the sum of the token losses.
@@ -124,6 +130,10 @@ class GpuRank {
   // not on the GPU (optimizer on the GPU, parameters in host memory or on
   // NVMe, compute precision below fp32); null otherwise.
   virtual std::byte* new_parameter_buffer() const = 0;
+  // New parameters arrived in host memory at `host` (a gather slot): an
+  // upload made from there is stale. Until then a computation on the same
+  // unit from the same host memory reads the upload still on the device.
+  virtual void forget_uploads(const std::byte* host) = 0;
 };
 
 }  // namespace strata

@@ -28,8 +28,12 @@ class GpuRankCompute final : public RankCompute {
     return gpu_->backward(unit, micro, params.data, recompute, gpu_target(target));
   }
 
-  // A gathered unit is uploaded by the computation that reads it, in compute precision.
-  Status take_gathered(int, int, const std::byte*) override { return Status::ok(); }
+  // A gathered unit is uploaded by the first computation that reads it, in
+  // compute precision; what was uploaded from this slot before is stale.
+  Status take_gathered(int, int, const std::byte* params) override {
+    gpu_->forget_uploads(params);
+    return Status::ok();
+  }
   Status gradients_ready(int slot) override { return gpu_->gradients_ready(slot); }
   Status synchronize() override { return gpu_->synchronize(); }
 
@@ -67,6 +71,9 @@ class GpuRankCompute final : public RankCompute {
     out.tied = target.tied;
     out.slot = target.slot;
     out.zero_first = target.zero_first;
+    out.sum_on_device = target.sum_on_device;
+    out.sum_first = target.sum_first;
+    out.send = target.send;
     return out;
   }
 

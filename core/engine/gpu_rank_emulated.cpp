@@ -26,14 +26,17 @@ class EmulatedGpuRank final : public GpuRank {
       largest_padded = std::max(largest_padded, p.padded_numel);
       largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
     }
-    checkpoints_.resize(size_t(units - 1) * size_t(N_ * C));
-    activation_grad_.resize(size_t(N_ * C));
+    const int copies = plan.activation_copies();
+    checkpoints_.resize(size_t(copies) * size_t(units - 1) * size_t(N_ * C));
+    activation_grad_.resize(size_t(copies) * size_t(N_ * C));
     tokens_.resize(size_t(N_ * plan.input.grad_accum));
     targets_.resize(tokens_.size());
     for (auto& w : widened_) w.resize(size_t(largest_padded));
     if (!plan.gpu_grads_in_place()) {
       grads_.resize(size_t(largest_padded));
-      if (plan.tied_grad_buffer) tied_grads_.resize(size_t(plan.units[0].padded_numel));
+      if (plan.gpu_grads_summed_on_device()) grad_sum_.resize(size_t(largest_padded));
+      if (plan.tied_grad_buffer)
+        tied_grads_.resize(size_t(copies) * size_t(plan.units[0].padded_numel));
     }
     if (plan.homes.optimizer == tiers::Tier::device && plan.homes.param != tiers::Tier::device &&
         plan.compute_bytes != 4)
@@ -48,8 +51,8 @@ class EmulatedGpuRank final : public GpuRank {
     }
     UnitParams p;
     p.flat = widen(unit, params, 0);
-    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1);
-    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, checkpoint(unit), ws_);
+    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
+    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, checkpoint(unit, micro), ws_);
     return Status::ok();
   }
 
@@ -73,14 +76,14 @@ class EmulatedGpuRank final : public GpuRank {
       g.flat = grads_.data();
       std::fill_n(g.flat, numel, 0.0f);
       if (tied_params != nullptr) {
-        g.tied_embedding = tied_grads_.data();
+        g.tied_embedding = tied_grads(plan_.activation_copy(micro));
         std::fill_n(g.tied_embedding, tied_numel, 0.0f);
       }
     }
     const double loss =
-        head_forward_backward(plan_.layout, p, batch(micro, loss_scale), checkpoint(head - 1),
-                              activation_grad_.data(), g, ws_);
-    if (!plan_.gpu_grads_in_place()) std::memcpy(target.grads, g.flat, size_t(numel) * 4);
+        head_forward_backward(plan_.layout, p, batch(micro, loss_scale),
+                              checkpoint(head - 1, micro), activation_grad(micro), g, ws_);
+    if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return loss;
   }
 
@@ -98,19 +101,22 @@ class EmulatedGpuRank final : public GpuRank {
       g.flat = target.grads;
       if (target.zero_first) std::fill_n(g.flat, numel, 0.0f);
     } else if (target.slot < 0) {
-      g.flat = tied_grads_.data();  // the head left the lm_head's gradient here
+      g.flat = tied_grads(-1 - target.slot);  // the head left the lm_head's gradient here
     } else {
       g.flat = grads_.data();
       std::fill_n(g.flat, numel, 0.0f);
     }
-    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1);
-    unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, activation_grad_.data(),
-                  unit == 0 ? nullptr : activation_grad_.data(), g, ws_, recompute);
-    if (!plan_.gpu_grads_in_place()) std::memcpy(target.grads, g.flat, size_t(numel) * 4);
+    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
+    float* dy = activation_grad(micro);
+    unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy,
+                  g, ws_, recompute);
+    if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return Status::ok();
   }
 
   Status gradients_ready(int) override { return Status::ok(); }
+  // Nothing is uploaded: the computations read host memory.
+  void forget_uploads(const std::byte*) override {}
   Status synchronize() override { return Status::ok(); }
 
   Status download(void* host, const void* device, int64_t bytes) override {
@@ -155,8 +161,34 @@ class EmulatedGpuRank final : public GpuRank {
   }
 
  private:
-  float* checkpoint(int unit) {
-    return checkpoints_.data() + int64_t(unit) * N_ * plan_.input.model.hidden_size;
+  // A fresh gradient to the host, or into the sum over the micro-batches
+  // (added in fp32 in micro-batch order, as the host would), which goes down
+  // after the last.
+  void send(const float* fresh, int64_t numel, const GradTarget& target) {
+    if (!target.sum_on_device) {
+      std::memcpy(target.grads, fresh, size_t(numel) * 4);
+      return;
+    }
+    if (target.sum_first)
+      std::memcpy(grad_sum_.data(), fresh, size_t(numel) * 4);
+    else
+      for (int64_t i = 0; i < numel; ++i) grad_sum_[size_t(i)] += fresh[i];
+    if (target.send) std::memcpy(target.grads, grad_sum_.data(), size_t(numel) * 4);
+  }
+
+  // Copy activation_copy(micro) of each buffer that a micro-batch keeps to its backward.
+  float* checkpoint(int unit, int micro) {
+    const int64_t C = plan_.input.model.hidden_size;
+    const int64_t per_copy = int64_t(plan_.units.size() - 1) * N_ * C;
+    return checkpoints_.data() + plan_.activation_copy(micro) * per_copy +
+           int64_t(unit) * N_ * C;
+  }
+  float* activation_grad(int micro) {
+    return activation_grad_.data() +
+           plan_.activation_copy(micro) * N_ * plan_.input.model.hidden_size;
+  }
+  float* tied_grads(int copy) {
+    return tied_grads_.data() + int64_t(copy) * plan_.units[0].padded_numel;
   }
   UnitBatch batch(int micro, float loss_scale) {
     UnitBatch b;
@@ -182,6 +214,7 @@ class EmulatedGpuRank final : public GpuRank {
   std::vector<int32_t> tokens_, targets_;
   std::vector<float> widened_[2];
   std::vector<float> grads_, tied_grads_;
+  std::vector<float> grad_sum_;  // (largest padded): gpu_grads_summed_on_device
   std::vector<std::byte> new_params_;
 };
 

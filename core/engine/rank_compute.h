@@ -60,11 +60,17 @@ struct GradTarget {
   // place), else the tied embedding's host buffer (the GPU keeps it on the
   // device until the embedding's backward sends the sum there).
   float* tied = nullptr;
-  // Not in place: the host slot's index, -1 for the tied embedding's buffer
-  // (what gradients_ready waits for). Unused in place.
+  // Not in place: the host slot's index, or -1 - c for copy c of the tied
+  // embedding's buffer (what gradients_ready waits for). Unused in place.
   int slot = -1;
   // Zero `grads` (and `tied`) before adding: the buffer's first gradient.
   bool zero_first = false;
+  // TrainingPlan::gpu_grads_summed_on_device: the fresh gradient adds to the
+  // device's sum over the micro-batches (`sum_first`: becomes it) and goes to
+  // `grads` only when `send` (the last micro-batch).
+  bool sum_on_device = false;
+  bool sum_first = false;
+  bool send = true;
 };
 
 // AdamW over one unit's optimizer range of this rank (`numel` elements).

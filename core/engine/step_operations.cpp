@@ -68,11 +68,17 @@ GradTarget Engine::Impl::grad_target(Rank& rank, const PlanOp& op) {
     target.zero_first = op.micro == 0 && !(u == 0 && tied_model);
     return target;
   }
-  target.slot = op.slot;
+  target.slot = grad_slot(op);
   // Slot -1: the tied embedding's buffer, which holds the lm_head's gradient already.
-  target.grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
-  target.tied = tied_head ? rank.tied_grad : nullptr;
+  float* tied = tied_model ? rank.tied_grads[size_t(plan.activation_copy(op.micro))] : nullptr;
+  target.grads = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : tied;
+  target.tied = tied_head ? tied : nullptr;
   target.zero_first = op.slot >= 0;
+  if (plan.gpu_grads_summed_on_device()) {
+    target.sum_on_device = true;
+    target.sum_first = op.micro == 0;
+    target.send = op.micro == plan.input.grad_accum - 1;
+  }
   return target;
 }
 
@@ -101,19 +107,19 @@ Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const Plan
   const int u = op.unit;
   const ComputeParams params = unit_params(rank, run, op_index, u);
   if (params.data == nullptr) return Status::error("no parameters for the unit (plan error)");
-  // The last layer's activations are still those of its forward (the head keeps its own).
-  const bool recompute = !(u == units() - 2 && u >= 1);
-  return rank.compute->backward(u, op.micro, params, batch_of(rank, run, op.micro), recompute,
-                                grad_target(rank, op));
+  return rank.compute->backward(u, op.micro, params, batch_of(rank, run, op.micro),
+                                plan.recomputes(u), grad_target(rank, op));
 }
 
 Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
   // One rank with its gradients in place on the GPU has nothing to reduce:
   // they accumulated in their home.
-  if (!plan.gpu_grads_in_place()) {
+  // Summed on the GPU, the gradient comes down once, after the last micro-batch.
+  const bool last = op.micro == plan.input.grad_accum - 1;
+  if (!plan.gpu_grads_in_place() && (last || !plan.gpu_grads_summed_on_device())) {
     if (Status s = reduce_and_accumulate(rank, op); !s) return s;
   }
-  if (op.micro != plan.input.grad_accum - 1) return Status::ok();
+  if (!last) return Status::ok();
   // This rank's slice of the final gradient, the same elements at every stage.
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
@@ -132,8 +138,9 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
   const int r = rank.rank;
   // A gradient that failed to arrive still takes part in the collective (with
   // stale bytes), so the other ranks are not left waiting; the step then fails.
-  const Status arrived = rank.compute->gradients_ready(op.slot);
-  float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)] : rank.tied_grad;
+  const Status arrived = rank.compute->gradients_ready(grad_slot(op));
+  float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)]
+                               : rank.tied_grads[size_t(plan.activation_copy(op.micro))];
   const int stage = plan.input.stage;
   const bool scatter = stage >= 2 && plan.input.reduce_scatter && world() > 1;
   // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
@@ -165,7 +172,7 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!status) return status;
   }
   return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count,
-                                  op.micro == 0);
+                                  op.micro == 0 || plan.gpu_grads_summed_on_device());
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {

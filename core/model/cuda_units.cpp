@@ -34,30 +34,38 @@ constexpr int64_t kAlign = 256;
 // them out in this same order.
 struct WorkspaceShape {
   int64_t N, C, I, H, KV, D, QKV, V, B, T, ts, head_rows, scratch;
+  int64_t qk_norm;  // 1 with per-head q/k norms (qwen3), else 0: their buffers are empty
   std::vector<int64_t> sizes() const {
+    const int64_t most_heads = std::max(H, KV);
     return {
-        N * C * ts,          // xn1
-        N * 4,               // rstd1
-        N * QKV * ts,        // qkv
-        B * H * T * 4,       // lse
-        N * H * D * ts,      // attn
-        N * C * ts,          // x2
-        N * C * ts,          // xn2
-        N * 4,               // rstd2
-        N * 2 * I * ts,      // gate_up
-        N * I * ts,          // mlp
-        N * I * ts,          // d_mlp
-        N * 2 * I * ts,      // d_gate_up
-        N * C * ts,          // d_xn
-        N * H * D * ts,      // d_attn
-        N * QKV * ts,        // d_qkv
-        B * H * T * 4,       // delta
-        N * C * ts,          // head_xn
-        N * 4,               // head_rstd
-        head_rows * V * ts,  // logits
-        scratch,             // backward scratch (RMSNorm, embedding)
-        T * (D / 2) * 4,     // rope cos
-        T * (D / 2) * 4,     // rope sin
+        N * C * ts,                         // xn1
+        N * 4,                              // rstd1
+        N * QKV * ts,                       // qkv
+        B * H * T * 4,                      // lse
+        N * H * D * ts,                     // attn
+        N * C * ts,                         // x2
+        N * C * ts,                         // xn2
+        N * 4,                              // rstd2
+        N * 2 * I * ts,                     // gate_up
+        N * I * ts,                         // mlp
+        N * I * ts,                         // d_mlp
+        N * 2 * I * ts,                     // d_gate_up
+        N * C * ts,                         // d_xn
+        N * H * D * ts,                     // d_attn
+        N * QKV * ts,                       // d_qkv
+        B * H * T * 4,                      // delta
+        N * C * ts,                         // head_xn
+        N * 4,                              // head_rstd
+        head_rows * V * ts,                 // logits
+        scratch,                            // backward scratch (RMSNorm, embedding)
+        T * (D / 2) * 4,                    // rope cos
+        T * (D / 2) * 4,                    // rope sin
+        qk_norm * N * H * D * ts,           // q_raw: q before its norm
+        qk_norm * N * KV * D * ts,          // k_raw
+        qk_norm * N * H * 4,                // q_rstd
+        qk_norm * N * KV * 4,               // k_rstd
+        qk_norm * N * most_heads * D * ts,  // heads: (N * heads, D) contiguous
+        qk_norm * N * most_heads * D * ts,  // d_heads
     };
   }
 };
@@ -76,8 +84,12 @@ WorkspaceShape workspace_shape(const ModelConfig& c, int64_t B, int64_t T, int t
   s.V = c.vocab_size;
   s.ts = ts;
   s.head_rows = cuda_head_rows(c, B, T, ts);
+  s.qk_norm = c.qk_norm ? 1 : 0;
   s.scratch = int64_t(std::max(cuda::rmsnorm_backward_scratch_bytes(s.N, s.C),
                                cuda::embedding_backward_scratch_bytes(s.N, s.V)));
+  if (c.qk_norm)
+    s.scratch = std::max(
+        s.scratch, int64_t(cuda::rmsnorm_backward_scratch_bytes(s.N * std::max(s.H, s.KV), s.D)));
   return s;
 }
 
@@ -105,6 +117,9 @@ struct CudaUnits::Buffers {
   void* scratch;
   int64_t scratch_bytes;
   float *cos, *sin;
+  void *q_raw, *k_raw;
+  float *q_rstd, *k_rstd;
+  void *heads, *d_heads;
   int64_t head_rows;
 };
 
@@ -126,6 +141,7 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
   if (c.head_dim > 128)
     return Status::error(fmt::format(
         "head_dim {} is above the CUDA attention kernel's 128; use the CPU backend", c.head_dim));
+  if (Status s = check_sequence_window(c, T); !s) return s;
   std::unique_ptr<CudaUnits> units(new CudaUnits(layout, B, T, type, matmuls));
   auto b = std::make_unique<Buffers>();
   std::vector<std::byte*> at;
@@ -158,6 +174,12 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
   b->scratch_bytes = shape.scratch;
   b->cos = reinterpret_cast<float*>(at[i++]);
   b->sin = reinterpret_cast<float*>(at[i++]);
+  b->q_raw = at[i++];
+  b->k_raw = at[i++];
+  b->q_rstd = reinterpret_cast<float*>(at[i++]);
+  b->k_rstd = reinterpret_cast<float*>(at[i++]);
+  b->heads = at[i++];
+  b->d_heads = at[i++];
   b->head_rows = shape.head_rows;
 
   // RoPE tables as the CPU backend's.
@@ -187,13 +209,22 @@ void* CudaUnits::at(void* flat, int64_t offset) const {
 
 namespace {
 
-// Layer tensors in core/model/model.cpp's order: q k v o gate up down norm_in norm_post.
+// Layer tensors in core/model/model.cpp's order: q k v o gate up down norm_in norm_post,
+// then the q/k/v biases (qwen2) and the q/k norms (qwen3); -1 where the family has none.
 struct LayerOffsets {
   int64_t qkv, o, gate_up, down, norm_in, norm_post;
+  int64_t qkv_bias = -1, q_norm = -1, k_norm = -1;
 };
-LayerOffsets layer_offsets(const UnitLayout& unit) {
+LayerOffsets layer_offsets(const ModelConfig& c, const UnitLayout& unit) {
   const auto& t = unit.tensors;
-  return {t[0].offset, t[3].offset, t[4].offset, t[6].offset, t[7].offset, t[8].offset};
+  LayerOffsets o{t[0].offset, t[3].offset, t[4].offset, t[6].offset, t[7].offset, t[8].offset};
+  const size_t norms = c.qkv_bias ? 12 : 9;
+  if (c.qkv_bias) o.qkv_bias = t[9].offset;
+  if (c.qk_norm) {
+    o.q_norm = t[norms].offset;
+    o.k_norm = t[norms + 1].offset;
+  }
+  return o;
 }
 
 }  // namespace
@@ -205,6 +236,57 @@ LayerOffsets layer_offsets(const UnitLayout& unit) {
     if (Status status_ = (expression); !status_) return status_; \
   } while (false)
 
+// (N * heads, D) contiguous <-> the first heads * D elements of each (N, row_stride) row,
+// as strided device copies.
+Status CudaUnits::copy_heads(void* to, int64_t to_pitch, const void* from, int64_t from_pitch,
+                             int64_t heads, cudaStream_t stream) const {
+  const size_t ts = cuda::dtype_size(type_);
+  const int64_t width = heads * layout_.config.head_dim;
+  return cuda::check_cuda(
+      cudaMemcpy2DAsync(to, size_t(to_pitch) * ts, from, size_t(from_pitch) * ts,
+                        size_t(width) * ts, size_t(B_ * T_), cudaMemcpyDeviceToDevice, stream),
+      "copying the heads of q or k");
+}
+
+Status CudaUnits::qk_norm_forward(const void* w, int64_t q_norm, int64_t k_norm,
+                                  cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int64_t D = c.head_dim, QKV = (H + 2 * KV) * D;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Buffers& b = *b_;
+  // q: gather its heads, keep them for the backward, normalise, scatter back; k likewise.
+  STRATA_CHECK(copy_heads(b.q_raw, H * D, b.qkv, QKV, H, stream));
+  STRATA_CHECK(cuda::rmsnorm_forward(b.heads, b.q_rstd, b.q_raw, at(w, q_norm), N * H, D, eps,
+                                     type_, stream));
+  STRATA_CHECK(copy_heads(b.qkv, QKV, b.heads, H * D, H, stream));
+  STRATA_CHECK(copy_heads(b.k_raw, KV * D, at(b.qkv, H * D), QKV, KV, stream));
+  STRATA_CHECK(cuda::rmsnorm_forward(b.heads, b.k_rstd, b.k_raw, at(w, k_norm), N * KV, D, eps,
+                                     type_, stream));
+  return copy_heads(at(b.qkv, H * D), QKV, b.heads, KV * D, KV, stream);
+}
+
+Status CudaUnits::qk_norm_backward(const void* w, float* g, int64_t q_norm, int64_t k_norm,
+                                   cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int64_t D = c.head_dim, QKV = (H + 2 * KV) * D;
+  const size_t ts = cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  for (int part = 0; part < 2; ++part) {
+    const int64_t heads = part == 0 ? H : KV, norm = part == 0 ? q_norm : k_norm;
+    void* rows = at(b.d_qkv, part == 0 ? 0 : H * D);
+    STRATA_CHECK(copy_heads(b.heads, heads * D, rows, QKV, heads, stream));
+    STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(b.d_heads, 0, size_t(N * heads * D) * ts, stream),
+                                  "zeroing a gradient"));
+    STRATA_CHECK(cuda::rmsnorm_backward(b.d_heads, g + norm, b.heads, part == 0 ? b.q_raw : b.k_raw,
+                                        at(w, norm), part == 0 ? b.q_rstd : b.k_rstd, N * heads, D,
+                                        type_, b.scratch, size_t(b.scratch_bytes), stream));
+    STRATA_CHECK(copy_heads(rows, QKV, b.d_heads, heads * D, heads, stream));
+  }
+  return Status::ok();
+}
+
 Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* out,
                                 cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
@@ -212,12 +294,15 @@ Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* o
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
   const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
   const int64_t QKV = s.row_stride;
-  const LayerOffsets o = layer_offsets(layout_.units[size_t(u)]);
+  const LayerOffsets o = layer_offsets(c, layout_.units[size_t(u)]);
   const float eps = static_cast<float>(c.rms_norm_eps);
   Buffers& b = *b_;
   STRATA_CHECK(
       cuda::rmsnorm_forward(b.xn1, b.rstd1, x, at(w, o.norm_in), N, C, eps, type_, stream));
   STRATA_CHECK(matmuls_.forward(b.qkv, b.xn1, at(w, o.qkv), N, C, QKV, type_, false, stream));
+  if (o.qkv_bias >= 0)
+    STRATA_CHECK(cuda::bias_forward(b.qkv, at(w, o.qkv_bias), N, QKV, type_, stream));
+  if (o.q_norm >= 0) STRATA_CHECK(qk_norm_forward(w, o.q_norm, o.k_norm, stream));
   STRATA_CHECK(cuda::rope_forward(at(b.qkv, 0), b.cos, b.sin, B_, T_, H, D, QKV, type_, stream));
   STRATA_CHECK(
       cuda::rope_forward(at(b.qkv, H * D), b.cos, b.sin, B_, T_, KV, D, QKV, type_, stream));
@@ -248,7 +333,7 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
   const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
   const int64_t QKV = s.row_stride;
-  const LayerOffsets o = layer_offsets(layout_.units[size_t(u)]);
+  const LayerOffsets o = layer_offsets(c, layout_.units[size_t(u)]);
   const size_t ts = cuda::dtype_size(type_);
   Buffers& b = *b_;
   if (recompute) STRATA_CHECK(layer_forward(u, w, x, nullptr, stream));
@@ -282,6 +367,9 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
   STRATA_CHECK(cuda::rope_backward(at(b.d_qkv, 0), b.cos, b.sin, B_, T_, H, D, QKV, type_, stream));
   STRATA_CHECK(
       cuda::rope_backward(at(b.d_qkv, H * D), b.cos, b.sin, B_, T_, KV, D, QKV, type_, stream));
+  if (o.q_norm >= 0) STRATA_CHECK(qk_norm_backward(w, g, o.q_norm, o.k_norm, stream));
+  if (o.qkv_bias >= 0)
+    STRATA_CHECK(cuda::bias_backward(g + o.qkv_bias, b.d_qkv, N, QKV, type_, stream));
   STRATA_CHECK(zero(b.d_xn, N * C));
   STRATA_CHECK(
       matmuls_.backward(b.d_xn, g + o.qkv, b.d_qkv, b.xn1, at(w, o.qkv), N, C, QKV, type_, stream));

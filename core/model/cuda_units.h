@@ -3,7 +3,10 @@
 // semantics (per-unit activation checkpointing, the backward recomputing a
 // layer's forward from its input, parameter gradients accumulating in fp32,
 // the gradient of a unit's input overwritten) and the same fused products
-// (qkv, gate/up), built from kernels/cuda/ops.h and kernels/cuda/matmul.h.
+// (qkv, gate/up), built from kernels/cuda/ops.h and kernels/cuda/matmul.h, and
+// the families' features: q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3).
+// Mistral's sliding window is computed only where it holds the whole sequence
+// (create refuses a longer sequence, naming the window and --seq-len).
 //
 // Contract. Every call enqueues work on `stream` and returns at once; every
 // pointer is a device pointer. Parameters and activations are in the compute
@@ -93,6 +96,14 @@ class CudaUnits {
                        cudaStream_t stream);
   Status layer_backward(int64_t u, const void* params, float* grads, const void* x,
                         const void* dout, void* dx, bool recompute, cudaStream_t stream);
+  // Qwen3's RMSNorm on each head of q and k, in place in the qkv rows (the inputs
+  // and rstd kept), and its backward in place in d_qkv; the norms' flat offsets.
+  Status qk_norm_forward(const void* params, int64_t q_norm, int64_t k_norm, cudaStream_t stream);
+  Status qk_norm_backward(const void* params, float* grads, int64_t q_norm, int64_t k_norm,
+                          cudaStream_t stream);
+  // Strided copy of `heads` heads per token between (B*T, pitch) buffers (pitches in elements).
+  Status copy_heads(void* to, int64_t to_pitch, const void* from, int64_t from_pitch, int64_t heads,
+                    cudaStream_t stream) const;
   // Element `offset` of a flat buffer of the compute type.
   const void* at(const void* flat, int64_t offset) const;
   void* at(void* flat, int64_t offset) const;

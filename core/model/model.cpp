@@ -12,6 +12,7 @@
 
 #include "io/safe_write.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/matmul.h"
@@ -83,6 +84,16 @@ ModelLayout model_layout(const ModelConfig& c, int world_size) {
       add_slot(layout, p + "mlp.down_proj.weight", {C, I});
       add_slot(layout, p + "input_layernorm.weight", {C});
       add_slot(layout, p + "post_attention_layernorm.weight", {C});
+      // The families' extras follow, so a Llama layer's layout is the same as ever.
+      if (c.qkv_bias) {  // adjacent: one bias of (H + 2 KV) D for the fused projection
+        add_slot(layout, p + "self_attn.q_proj.bias", {H * D});
+        add_slot(layout, p + "self_attn.k_proj.bias", {KV * D});
+        add_slot(layout, p + "self_attn.v_proj.bias", {KV * D});
+      }
+      if (c.qk_norm) {
+        add_slot(layout, p + "self_attn.q_norm.weight", {D});
+        add_slot(layout, p + "self_attn.k_norm.weight", {D});
+      }
     } else {
       add_slot(layout, "model.norm.weight", {C});
       if (!c.tie_word_embeddings) add_slot(layout, "lm_head.weight", {V, C});
@@ -110,8 +121,9 @@ void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, fl
   std::fill(flat, flat + layout.padded_numel, 0.0f);
   for (const TensorSlot& slot : layout.tensors) {
     float* out = flat + slot.offset;
-    if (slot.shape.size() == 1) {
-      std::fill(out, out + slot.numel, 1.0f);
+    if (slot.shape.size() == 1) {  // norms start at one, biases at zero (as transformers does)
+      const bool bias = slot.name.ends_with(".bias");
+      std::fill(out, out + slot.numel, bias ? 0.0f : 1.0f);
       continue;
     }
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, slot.numel, 4096),
@@ -146,6 +158,14 @@ UnitWorkspace::UnitWorkspace(const ModelConfig& c, int64_t B, int64_t T) : B_(B)
   d_attn.resize(N * H * D);
   d_qkv.resize(N * QKV);
   d_scores.resize(T * T);
+  if (c.qk_norm) {
+    q_raw.resize(N * H * D);
+    k_raw.resize(N * KV * D);
+    q_rstd.resize(N * H);
+    k_rstd.resize(N * KV);
+    heads.resize(N * std::max(H, KV) * D);
+    d_heads.resize(N * std::max(H, KV) * D);
+  }
   head_xn.resize(N * C);
   head_rstd.resize(N);
   head_rows = std::clamp<int64_t>(kHeadLogitElements / std::max<int64_t>(V, 1), 1, N);
@@ -164,7 +184,11 @@ int64_t UnitWorkspace::bytes_for(const ModelConfig& c, int64_t B, int64_t T) {
                          + B * H * T * T + T * T           // probs, d_scores
                          + 2 * N * 2 * I + 2 * N * I       // gate_up, d_gate_up; mlp, d_mlp
                          + N * C + N + head_rows * V + N;  // head_xn, head_rstd, logits, losses
-  return floats * int64_t(sizeof(float));
+  const int64_t qk_norm_floats = c.qk_norm ? N * (H + KV) * D +
+                                                 N * (H + KV)  // q_raw, k_raw; q_rstd, k_rstd
+                                                 + 2 * N * std::max(H, KV) * D  // heads, d_heads
+                                           : 0;
+  return (floats + qk_norm_floats) * int64_t(sizeof(float));
 }
 
 void rope_tables(const ModelConfig& c, int64_t T, float* cos, float* sin) {
@@ -190,8 +214,27 @@ kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& c, int64_t
   s.KV = c.num_key_value_heads;
   s.D = c.head_dim;
   s.row_stride = (s.H + 2 * s.KV) * s.D;
+  s.window = c.sliding_window;
   return s;
 }
+
+namespace {
+
+// heads (N * heads, D) = the first `heads` heads of D in each row of x (N, row_stride).
+void gather_heads(float* out, const float* x, int64_t N, int64_t heads, int64_t D,
+                  int64_t row_stride) {
+  for (int64_t n = 0; n < N; ++n)
+    std::copy(x + n * row_stride, x + n * row_stride + heads * D, out + n * heads * D);
+}
+
+// The inverse of gather_heads: rows of x (N, row_stride) get their first heads * D back.
+void scatter_heads(float* x, const float* heads_in, int64_t N, int64_t heads, int64_t D,
+                   int64_t row_stride) {
+  for (int64_t n = 0; n < N; ++n)
+    std::copy(heads_in + n * heads * D, heads_in + (n + 1) * heads * D, x + n * row_stride);
+}
+
+}  // namespace
 
 // The unit computations; a struct so it can reach the workspace's buffers.
 struct UnitKernels {
@@ -203,12 +246,60 @@ struct UnitKernels {
     T* down;       // (C, I)
     T* norm_in;    // (C)
     T* norm_post;  // (C)
+    T* qkv_bias;   // (QKV): q_proj, k_proj, v_proj biases stacked; null without
+    T* q_norm;     // (D); null without
+    T* k_norm;     // (D); null without
   };
   template <typename T>
-  static LayerWeights<T> layer_weights(const UnitLayout& layout, T* flat) {
+  static LayerWeights<T> layer_weights(const ModelConfig& c, const UnitLayout& layout, T* flat) {
     const auto& t = layout.tensors;  // order fixed by model_layout
-    return {flat + t[0].offset, flat + t[3].offset, flat + t[4].offset,
-            flat + t[6].offset, flat + t[7].offset, flat + t[8].offset};
+    const size_t extra = c.qkv_bias ? 12 : 9;  // the q/k norms follow the biases
+    return {flat + t[0].offset,
+            flat + t[3].offset,
+            flat + t[4].offset,
+            flat + t[6].offset,
+            flat + t[7].offset,
+            flat + t[8].offset,
+            c.qkv_bias ? flat + t[9].offset : nullptr,
+            c.qk_norm ? flat + t[extra].offset : nullptr,
+            c.qk_norm ? flat + t[extra + 1].offset : nullptr};
+  }
+
+  // Qwen3's RMSNorm over each head of q and k, in place in the qkv rows; keeps
+  // the inputs and rstd for the backward.
+  static void qk_norm_forward(const ModelConfig& c, const LayerWeights<const float>& w,
+                              UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, H = c.num_attention_heads, KV = c.num_key_value_heads;
+    const int64_t D = c.head_dim, QKV = (H + 2 * KV) * D;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    float* q = ws.qkv.data();
+    gather_heads(ws.q_raw.data(), q, N, H, D, QKV);
+    cpu::rmsnorm_forward(ws.heads.data(), ws.q_rstd.data(), ws.q_raw.data(), w.q_norm, N * H, D,
+                         eps);
+    scatter_heads(q, ws.heads.data(), N, H, D, QKV);
+    gather_heads(ws.k_raw.data(), q + H * D, N, KV, D, QKV);
+    cpu::rmsnorm_forward(ws.heads.data(), ws.k_rstd.data(), ws.k_raw.data(), w.k_norm, N * KV, D,
+                         eps);
+    scatter_heads(q + H * D, ws.heads.data(), N, KV, D, QKV);
+  }
+
+  // Backward of qk_norm_forward, in place in d_qkv: d(normed q, k) in, d(raw q, k) out.
+  static void qk_norm_backward(const ModelConfig& c, const LayerWeights<const float>& w,
+                               const LayerWeights<float>& g, UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, H = c.num_attention_heads, KV = c.num_key_value_heads;
+    const int64_t D = c.head_dim, QKV = (H + 2 * KV) * D;
+    float* dq = ws.d_qkv.data();
+    for (int part = 0; part < 2; ++part) {
+      const int64_t heads = part == 0 ? H : KV;
+      float* rows = part == 0 ? dq : dq + H * D;
+      gather_heads(ws.heads.data(), rows, N, heads, D, QKV);
+      std::fill(ws.d_heads.begin(), ws.d_heads.begin() + N * heads * D, 0.0f);
+      cpu::rmsnorm_backward(ws.d_heads.data(), part == 0 ? g.q_norm : g.k_norm, ws.heads.data(),
+                            part == 0 ? ws.q_raw.data() : ws.k_raw.data(),
+                            part == 0 ? w.q_norm : w.k_norm,
+                            part == 0 ? ws.q_rstd.data() : ws.k_rstd.data(), N * heads, D);
+      scatter_heads(rows, ws.d_heads.data(), N, heads, D, QKV);
+    }
   }
 
   static void layer_forward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
@@ -217,10 +308,12 @@ struct UnitKernels {
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
     const cpu::AttentionShape s = layer_attention_shape(c, B, T);
     const int64_t QKV = s.row_stride;
-    const LayerWeights<const float> w = layer_weights(layout, flat);
+    const LayerWeights<const float> w = layer_weights(c, layout, flat);
     const float eps = static_cast<float>(c.rms_norm_eps);
     cpu::rmsnorm_forward(ws.xn1.data(), ws.rstd1.data(), x, w.norm_in, N, C, eps);
     cpu::matmul_forward(ws.qkv.data(), ws.xn1.data(), w.qkv, N, C, QKV);
+    if (w.qkv_bias != nullptr) cpu::bias_forward(ws.qkv.data(), w.qkv_bias, N, QKV);
+    if (w.q_norm != nullptr) qk_norm_forward(c, w, ws);
     float* q = ws.qkv.data();
     float* k = q + H * D;
     float* v = k + KV * D;
@@ -244,8 +337,8 @@ struct UnitKernels {
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
     const cpu::AttentionShape s = layer_attention_shape(c, B, T);
     const int64_t QKV = s.row_stride;
-    const LayerWeights<const float> w = layer_weights(layout, flat);
-    const LayerWeights<float> g = layer_weights(layout, grad_flat);
+    const LayerWeights<const float> w = layer_weights(c, layout, flat);
+    const LayerWeights<float> g = layer_weights(c, layout, grad_flat);
     // Recompute the activations from the checkpointed input; the output is not needed.
     if (recompute) layer_forward(c, layout, flat, x, nullptr, ws);
 
@@ -269,6 +362,8 @@ struct UnitKernels {
                             ws.probs.data(), q, q + H * D, q + (H + KV) * D, s);
     cpu::rope_backward(dq, ws.rope_cos.data(), ws.rope_sin.data(), B, T, H, D, QKV);
     cpu::rope_backward(dq + H * D, ws.rope_cos.data(), ws.rope_sin.data(), B, T, KV, D, QKV);
+    if (w.q_norm != nullptr) qk_norm_backward(c, w, g, ws);
+    if (g.qkv_bias != nullptr) cpu::bias_backward(g.qkv_bias, dq, N, QKV);
     std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
     cpu::matmul_backward(ws.d_xn.data(), g.qkv, dq, ws.xn1.data(), w.qkv, N, C, QKV);
     cpu::rmsnorm_backward(dx, g.norm_in, ws.d_xn.data(), x, w.norm_in, ws.rstd1.data(), N, C);

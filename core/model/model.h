@@ -1,5 +1,5 @@
-// The Llama model as units (core/README.md, model), computed on the CPU
-// backend.
+// The decoder model of every family (core/model/model_config.h) as units
+// (core/README.md, model), computed on the CPU backend.
 //
 // Layout. Every unit (embedding, layers.i, head) keeps its parameters in one
 // flat fp32 buffer. UnitLayout maps each Hugging Face tensor name to (offset,
@@ -7,7 +7,9 @@
 // `world_size` equal shards whose size is a multiple of 4 KiB in every dtype
 // (2048 elements). Padding is zero and never read. A decoder layer stores
 // q, k, v, o, gate, up, down, then the two norms: q/k/v and gate/up sit next
-// to each other and run as one matrix product each. A tied lm_head is the
+// to each other and run as one matrix product each. The families' extras
+// follow: the q, k, v biases (qwen2; adjacent, one bias of the fused product),
+// then the q and k norms (qwen3; applied to each head before RoPE). A tied lm_head is the
 // embedding unit's tensor: the head unit reads it through
 // UnitParams::tied_embedding and adds into UnitGrads::tied_embedding.
 //
@@ -64,7 +66,8 @@ struct ModelLayout {
 ModelLayout model_layout(const ModelConfig& config, int world_size = 1);
 
 // Writes the initial parameters of unit `u` (padding zero): projections and
-// embeddings ~ N(0, init_std) (Hugging Face's initializer_range 0.02), norms 1.
+// embeddings ~ N(0, init_std) (Hugging Face's initializer_range 0.02), norms 1,
+// biases 0.
 void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, float* flat,
                           float init_std = 0.02f);
 
@@ -125,6 +128,10 @@ class UnitWorkspace {
   std::vector<float> mlp;         // (N, I)
   // Backward scratch.
   std::vector<float> d_mlp, d_gate_up, d_xn, d_attn, d_qkv, d_scores;
+  // Per-head q/k norms (qk_norm only): their inputs and rstd, and two (N * heads, D) scratches.
+  std::vector<float> q_raw, k_raw;    // (N, H, D), (N, KV, D)
+  std::vector<float> q_rstd, k_rstd;  // (N * H), (N * KV)
+  std::vector<float> heads, d_heads;  // (N * max(H, KV), D)
   // Head: its own norm output (so a layer's activations survive it), logits of a
   // block of rows, the per-token losses.
   std::vector<float> head_xn, head_rstd;  // (N, C), (N)

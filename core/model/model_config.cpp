@@ -71,6 +71,49 @@ const std::vector<Preset>& presets() {
       if (preset.config.vocab_size >= 32000) preset.config.rms_norm_eps = 1e-5;
     }
     p[0].config.rms_norm_eps = 1e-6;  // tiny: exercise a non-default eps
+    // Qwen2.5: biases on q, k and v; the small sizes tie the embeddings.
+    auto qwen2 = [](ModelConfig c) {
+      c.family = ModelFamily::qwen2;
+      c.qkv_bias = true;
+      c.rms_norm_eps = 1e-6;
+      return c;
+    };
+    p.push_back({"qwen2.5-0.5b", "Qwen2.5 0.5B",
+                 qwen2(make(151936, 896, 4864, 24, 14, 2, 32768, 1000000.0, true))});
+    p.push_back({"qwen2.5-1.5b", "Qwen2.5 1.5B",
+                 qwen2(make(151936, 1536, 8960, 28, 12, 2, 131072, 1000000.0, true))});
+    p.push_back({"qwen2.5-3b", "Qwen2.5 3B",
+                 qwen2(make(151936, 2048, 11008, 36, 16, 2, 32768, 1000000.0, true))});
+    p.push_back({"qwen2.5-7b", "Qwen2.5 7B",
+                 qwen2(make(152064, 3584, 18944, 28, 28, 4, 131072, 1000000.0, false))});
+    // Qwen3 (dense): q/k norms per head, head_dim 128 whatever hidden / heads is.
+    auto qwen3 = [](ModelConfig c) {
+      c.family = ModelFamily::qwen3;
+      c.qk_norm = true;
+      c.head_dim = 128;
+      c.rms_norm_eps = 1e-6;
+      return c;
+    };
+    p.push_back({"qwen3-0.6b", "Qwen3 0.6B",
+                 qwen3(make(151936, 1024, 3072, 28, 16, 8, 40960, 1000000.0, true))});
+    p.push_back({"qwen3-1.7b", "Qwen3 1.7B",
+                 qwen3(make(151936, 2048, 6144, 28, 16, 8, 40960, 1000000.0, true))});
+    p.push_back({"qwen3-4b", "Qwen3 4B",
+                 qwen3(make(151936, 2560, 9728, 36, 32, 8, 40960, 1000000.0, true))});
+    p.push_back({"qwen3-8b", "Qwen3 8B",
+                 qwen3(make(151936, 4096, 12288, 36, 32, 8, 40960, 1000000.0, false))});
+    // Mistral 7B: v0.1 attends through a window of 4096 keys, v0.3 has none.
+    auto mistral = [](ModelConfig c, int64_t window) {
+      c.family = ModelFamily::mistral;
+      c.sliding_window = window;
+      c.rms_norm_eps = 1e-5;
+      return c;
+    };
+    p.push_back({"mistral-7b", "Mistral 7B v0.1",
+                 mistral(make(32000, 4096, 14336, 32, 32, 8, 32768, 10000.0, false), 4096)});
+    p.push_back({"mistral-7b-v0.3", "Mistral 7B v0.3",
+                 mistral(make(32768, 4096, 14336, 32, 32, 8, 32768, 1000000.0, false), 0)});
+    for (auto& preset : p) preset.config.name = preset.name;
     return p;
   }();
   return list;
@@ -78,13 +121,43 @@ const std::vector<Preset>& presets() {
 
 }  // namespace
 
+const char* model_family_name(ModelFamily family) {
+  switch (family) {
+    case ModelFamily::llama:
+      return "llama";
+    case ModelFamily::qwen2:
+      return "qwen2";
+    case ModelFamily::qwen3:
+      return "qwen3";
+    case ModelFamily::mistral:
+      return "mistral";
+  }
+  return "llama";
+}
+
+const char* model_family_architecture(ModelFamily family) {
+  switch (family) {
+    case ModelFamily::llama:
+      return "LlamaForCausalLM";
+    case ModelFamily::qwen2:
+      return "Qwen2ForCausalLM";
+    case ModelFamily::qwen3:
+      return "Qwen3ForCausalLM";
+    case ModelFamily::mistral:
+      return "MistralForCausalLM";
+  }
+  return "LlamaForCausalLM";
+}
+
 int64_t ModelConfig::layer_parameter_count() const {
   const int64_t q = hidden_size * num_attention_heads * head_dim;
   const int64_t kv = 2 * hidden_size * num_key_value_heads * head_dim;
   const int64_t o = num_attention_heads * head_dim * hidden_size;
   const int64_t mlp = 3 * hidden_size * intermediate_size;
   const int64_t norms = 2 * hidden_size;
-  return q + kv + o + mlp + norms;
+  const int64_t biases = qkv_bias ? (num_attention_heads + 2 * num_key_value_heads) * head_dim : 0;
+  const int64_t qk_norms = qk_norm ? 2 * head_dim : 0;
+  return q + kv + o + mlp + norms + biases + qk_norms;
 }
 
 int64_t ModelConfig::parameter_count() const {
@@ -105,11 +178,63 @@ std::vector<UnitShape> model_units(const ModelConfig& config) {
   return units;
 }
 
+Status check_sequence_window(const ModelConfig& config, int64_t seq_len) {
+  if (config.sliding_window <= 0 || seq_len <= config.sliding_window) return Status::ok();
+  return Status::error(fmt::format(
+      "{}: sliding_window {} is shorter than --seq-len {}, and the CUDA attention kernels have no "
+      "window; pass --seq-len {} or less, or train on the CPU backend",
+      config.name, config.sliding_window, seq_len, config.sliding_window));
+}
+
 std::vector<std::string> model_preset_names() {
   std::vector<std::string> names;
   for (const auto& preset : presets()) names.push_back(preset.name);
   return names;
 }
+
+namespace {
+
+// Reads rope_scaling (or transformers' newer rope_parameters, which also carries
+// rope_theta) into `c`: none, "default" or "llama3"; any other type is refused.
+void read_rope(JsonReader& in, const nlohmann::json& json, const std::string& key, ModelConfig& c) {
+  if (!json.contains(key) || json[key].is_null()) return;
+  JsonReader scaling = in.object(key);
+  std::string type;
+  if (!scaling.optional_string("rope_type", type)) scaling.optional_string("type", type);
+  if (type == "default" || type.empty()) {
+    type.clear();
+  } else if (type != "llama3") {
+    scaling.fail(
+        "rope_type",
+        fmt::format("strata supports rope_scaling of type llama3 or default; got '{}'", type));
+  }
+  c.rope_scaling.type = type;
+  scaling.optional_double("rope_theta", c.rope_theta, 0.0);
+  if (type.empty()) {
+    // A default rope reads no factor; one present with another value would be ignored.
+    double factor = 1.0;
+    if (scaling.optional_double("factor", factor) && factor != 1.0)
+      scaling.fail("factor", "a rope of type default takes no factor; expected 1 or none");
+    return;
+  }
+  scaling.optional_double("factor", c.rope_scaling.factor, 1e-12);
+  scaling.optional_double("low_freq_factor", c.rope_scaling.low_freq_factor, 1e-12);
+  scaling.optional_double("high_freq_factor", c.rope_scaling.high_freq_factor, 1e-12);
+  scaling.optional_int("original_max_position_embeddings",
+                       c.rope_scaling.original_max_position_embeddings, 1);
+}
+
+// A key that must be absent, null, false or zero: what it asks for strata does not compute.
+void refuse_if_set(JsonReader& in, const nlohmann::json& json, const std::string& key,
+                   const std::string& why) {
+  if (!json.contains(key)) return;
+  const nlohmann::json& value = json[key];
+  const bool unset = value.is_null() || (value.is_boolean() && !value.get<bool>()) ||
+                     (value.is_number() && value.get<double>() == 0.0);
+  if (!unset) in.fail(key, why);
+}
+
+}  // namespace
 
 Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std::string& origin) {
   if (!json.is_object()) return Status::error(fmt::format("{}: expected a JSON object", origin));
@@ -118,8 +243,26 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   c.name = origin;
   std::string model_type = "llama";
   in.optional_string("model_type", model_type);
-  if (model_type != "llama") {
-    in.fail("model_type", fmt::format("strata trains the Llama family; got model_type '{}'", model_type));
+  if (model_type == "llama") {
+    c.family = ModelFamily::llama;
+  } else if (model_type == "qwen2") {
+    c.family = ModelFamily::qwen2;
+  } else if (model_type == "qwen3") {
+    c.family = ModelFamily::qwen3;
+  } else if (model_type == "mistral") {
+    c.family = ModelFamily::mistral;
+  } else {
+    in.fail("model_type", fmt::format("strata trains the families llama, qwen2, qwen3 and mistral "
+                                      "(dense); got '{}'",
+                                      model_type));
+    return in.status();
+  }
+  const std::string family = model_family_name(c.family);
+  // Mixture-of-experts configs (qwen2_moe, qwen3_moe, mixtral and the like) carry these.
+  for (const char* key :
+       {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size"}) {
+    refuse_if_set(in, json, key, "mixture of experts: strata trains dense models only");
   }
   in.required_int("vocab_size", c.vocab_size, 1);
   in.required_int("hidden_size", c.hidden_size, 1);
@@ -128,40 +271,61 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   in.required_int("num_attention_heads", c.num_attention_heads, 1);
   c.num_key_value_heads = c.num_attention_heads;
   in.optional_int("num_key_value_heads", c.num_key_value_heads, 1);
-  c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
+  // transformers' defaults per family: Qwen3Config's head_dim is 128, the others
+  // derive it; LlamaConfig's eps is 1e-6 like the others', its context 2048.
+  c.head_dim = c.family == ModelFamily::qwen3 ? 128
+               : c.num_attention_heads > 0    ? c.hidden_size / c.num_attention_heads
+                                              : 0;
   in.optional_int("head_dim", c.head_dim, 1);
-  c.max_position_embeddings = 2048;
+  c.max_position_embeddings = c.family == ModelFamily::llama     ? 2048
+                              : c.family == ModelFamily::mistral ? 4096 * 32
+                                                                 : 32768;
   in.optional_int("max_position_embeddings", c.max_position_embeddings, 1);
-  c.rms_norm_eps = 1e-6;  // LlamaConfig's default
+  c.rms_norm_eps = 1e-6;
   in.optional_double("rms_norm_eps", c.rms_norm_eps, 0.0);
   in.optional_double("rope_theta", c.rope_theta, 0.0);
   in.optional_bool("tie_word_embeddings", c.tie_word_embeddings);
   std::string hidden_act = "silu";
   in.optional_string("hidden_act", hidden_act);
   if (hidden_act != "silu") in.fail("hidden_act", "strata supports only 'silu' (SwiGLU)");
-  bool bias = false;
-  in.optional_bool("attention_bias", bias);
-  if (bias) in.fail("attention_bias", "strata's Llama has no biases; expected false");
-  bias = false;
-  in.optional_bool("mlp_bias", bias);
-  if (bias) in.fail("mlp_bias", "strata's Llama has no biases; expected false");
-  if (json.contains("rope_scaling") && !json["rope_scaling"].is_null()) {
-    JsonReader scaling = in.object("rope_scaling");
-    std::string type;
-    if (!scaling.optional_string("rope_type", type)) scaling.optional_string("type", type);
-    if (type == "default" || type.empty()) {
-      type.clear();
-    } else if (type != "llama3") {
-      scaling.fail("rope_type", fmt::format("strata supports rope_scaling of type llama3; got '{}'", type));
-    }
-    c.rope_scaling.type = type;
-    scaling.optional_double("factor", c.rope_scaling.factor, 1e-12);
-    scaling.optional_double("low_freq_factor", c.rope_scaling.low_freq_factor, 1e-12);
-    scaling.optional_double("high_freq_factor", c.rope_scaling.high_freq_factor, 1e-12);
-    scaling.optional_int("original_max_position_embeddings",
-                         c.rope_scaling.original_max_position_embeddings, 1);
-    if (!scaling.status().is_ok()) return scaling.status();
+  refuse_if_set(in, json, "mlp_bias",
+                fmt::format("strata's {} has no MLP biases; expected false", family));
+  refuse_if_set(in, json, "attention_dropout", "strata has no attention dropout; expected 0");
+  if (c.family == ModelFamily::qwen2) {
+    // Qwen2's q, k and v always have biases (transformers reads no attention_bias for it).
+    c.qkv_bias = true;
+    if (json.contains("attention_bias") && json["attention_bias"] == false)
+      in.fail("attention_bias", "qwen2 always has q, k and v biases; expected true or none");
+  } else {
+    refuse_if_set(in, json, "attention_bias",
+                  fmt::format("strata's {} has no attention biases; expected false", family));
   }
+  refuse_if_set(in, json, "use_mrope", "multimodal rotary embeddings: strata computes 1-D RoPE");
+  c.qk_norm = c.family == ModelFamily::qwen3;
+  if (c.family == ModelFamily::qwen2 || c.family == ModelFamily::qwen3) {
+    // sliding_window only counts with use_sliding_window, which strata does not compute.
+    refuse_if_set(
+        in, json, "use_sliding_window",
+        fmt::format("strata's {} has full attention in every layer; expected false", family));
+    in.accept("sliding_window");
+    in.accept("max_window_layers");
+  } else if (c.family == ModelFamily::mistral) {
+    in.optional_int("sliding_window", c.sliding_window, 1);
+  } else {
+    refuse_if_set(in, json, "sliding_window",
+                  "strata's llama has no sliding window; expected null");
+  }
+  if (json.contains("layer_types") && json["layer_types"].is_array()) {
+    for (const nlohmann::json& type : json["layer_types"]) {
+      if (type != "full_attention") {
+        in.fail("layer_types",
+                fmt::format("strata computes full_attention layers only; got {}", type.dump()));
+        break;
+      }
+    }
+  }
+  read_rope(in, json, "rope_scaling", c);
+  read_rope(in, json, "rope_parameters", c);
   if (!in.status().is_ok()) return in.status();
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     return Status::error(fmt::format(
@@ -196,8 +360,8 @@ Result<ModelConfig> load_model_config(const std::string& spec) {
 
 nlohmann::json model_config_to_json(const ModelConfig& c) {
   nlohmann::json j;
-  j["architectures"] = {"LlamaForCausalLM"};
-  j["model_type"] = "llama";
+  j["architectures"] = {model_family_architecture(c.family)};
+  j["model_type"] = model_family_name(c.family);
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
   j["intermediate_size"] = c.intermediate_size;
@@ -210,8 +374,25 @@ nlohmann::json model_config_to_json(const ModelConfig& c) {
   j["rope_theta"] = c.rope_theta;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["hidden_act"] = "silu";
-  j["attention_bias"] = false;
-  j["mlp_bias"] = false;
+  switch (c.family) {
+    case ModelFamily::llama:
+      j["attention_bias"] = false;
+      j["mlp_bias"] = false;
+      break;
+    case ModelFamily::qwen2:
+    case ModelFamily::qwen3:
+      if (c.family == ModelFamily::qwen3) j["attention_bias"] = false;
+      j["use_sliding_window"] = false;
+      j["sliding_window"] = nullptr;
+      break;
+    case ModelFamily::mistral:
+      if (c.sliding_window > 0) {
+        j["sliding_window"] = c.sliding_window;
+      } else {
+        j["sliding_window"] = nullptr;
+      }
+      break;
+  }
   if (c.rope_scaling.type.empty()) {
     j["rope_scaling"] = nullptr;
   } else {

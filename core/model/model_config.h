@@ -1,5 +1,11 @@
-// The Llama family's shape (core/README.md, model), from a preset or a Hugging
-// Face config.json, and the units the model is cut into.
+// A model's shape (core/README.md, model), from a preset or a Hugging Face
+// config.json, and the units the model is cut into. Four families share one
+// decoder (RMSNorm, rotary grouped-query attention, SwiGLU) and differ in a few
+// features: llama (none), qwen2 (biases on q, k and v), qwen3 (RMSNorm over
+// each head of q and k before the rotary embedding, explicit head_dim) and
+// mistral (sliding-window attention). A config.json asking for anything else
+// (mixture of experts, another rope_scaling type, a bias the family has not)
+// is refused in one line naming the key.
 //
 // A ModelConfig is a plain value; the functions here are pure and thread-safe.
 // The parameter count is computed from the shapes (no lookup tables), and the
@@ -25,8 +31,17 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// The families strata computes, by their Hugging Face model_type.
+enum class ModelFamily { llama, qwen2, qwen3, mistral };
+
+// "llama", "qwen2", "qwen3", "mistral".
+const char* model_family_name(ModelFamily family);
+// The Hugging Face class of the family: "LlamaForCausalLM", "Qwen2ForCausalLM", ...
+const char* model_family_architecture(ModelFamily family);
+
 struct ModelConfig {
   std::string name;  // preset name or the config.json it came from
+  ModelFamily family = ModelFamily::llama;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -39,8 +54,13 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
+  // Features of the families (all off for llama).
+  bool qkv_bias = false;       // qwen2: q_proj, k_proj and v_proj have biases
+  bool qk_norm = false;        // qwen3: RMSNorm (weights of head_dim) on each head of q and k
+  int64_t sliding_window = 0;  // mistral: a query sees the last this-many keys; 0: all before it
 
-  // Parameters of one decoder layer: q, k, v, o, gate, up, down and the two norms.
+  // Parameters of one decoder layer: q, k, v, o, gate, up, down, the two norms,
+  // and the q/k/v biases or q/k norms of the families that have them.
   int64_t layer_parameter_count() const;
   // Every parameter of the model, counted from the shapes (a tied lm_head once).
   int64_t parameter_count() const;
@@ -66,14 +86,22 @@ std::vector<UnitShape> model_units(const ModelConfig& config);
 // The names accepted by load_model_config as presets.
 std::vector<std::string> model_preset_names();
 
+// OK when a sequence of `seq_len` tokens is computed as the model defines it:
+// mistral's sliding window must hold the whole sequence on the CUDA backend
+// (whose attention kernels have no window); otherwise a one-line error naming
+// the window and --seq-len.
+Status check_sequence_window(const ModelConfig& config, int64_t seq_len);
+
 // A preset ("tiny", "llama3.2-1b", ...), a path to a config.json, or a Hugging
 // Face model directory holding config.json. Errors name the file and key.
 Result<ModelConfig> load_model_config(const std::string& spec);
 
-// Parses a Hugging Face LlamaConfig object; `origin` names it in errors.
+// Parses a Hugging Face config of a family above (LlamaConfig, Qwen2Config,
+// Qwen3Config, MistralConfig); `origin` names it in errors.
 Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std::string& origin);
 
-// The Hugging Face config.json for this shape (model_type llama, LlamaForCausalLM).
+// The Hugging Face config.json for this shape, with the family's model_type
+// and architectures, so transformers loads it as that family.
 nlohmann::json model_config_to_json(const ModelConfig& config);
 
 }  // namespace strata

@@ -93,11 +93,32 @@ PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<Model
   input.reduce_scatter = c.zero.reduce_scatter;
   // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
   input.optimizer_during_backward = c.gradient_clipping == 0.0 && c.precision == Precision::fp32;
+  input.schedule = c.strata.schedule;
   return input;
 }
 
+namespace {
+// step_input for a resolved schedule and activation home.
+TrainingPlanInput resolved_step_input(const PlanInput& in, Schedule schedule, Tier activation_home);
+}  // namespace
+
 TrainingPlanInput step_input(const PlanInput& in) {
+  if (in.schedule != Schedule::auto_choice && in.activation_home)
+    return resolved_step_input(in, in.schedule, *in.activation_home);
+  Result<ScheduleChoice> choice = choose_schedule(in);
+  if (!choice)
+    return resolved_step_input(
+        in, in.schedule == Schedule::auto_choice ? Schedule::micro_batch : in.schedule,
+        in.activation_home.value_or(Tier::device));
+  return resolved_step_input(in, choice->schedule, choice->activation_home);
+}
+
+namespace {
+TrainingPlanInput resolved_step_input(const PlanInput& in, Schedule schedule,
+                                      Tier activation_home) {
   TrainingPlanInput step;
+  step.schedule = schedule;
+  step.activation_home = activation_home;
   if (in.model) step.model = *in.model;
   step.world_size = in.world_size;
   step.stage = in.stage;
@@ -118,9 +139,21 @@ TrainingPlanInput step_input(const PlanInput& in) {
   step.optimizer_chunk_elements = streamed_chunk_elements(in.sub_group_size);
   return step;
 }
+}  // namespace
 
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config) {
-  return step_input(plan_input_from_config(config, model));
+PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
+                            bool nccl_staging) {
+  PlanInput in = plan_input_from_config(config, model);
+  in.gpu = gpu;
+  in.nccl_staging = nccl_staging;
+  if (config.strata.device_mem_limit) in.device_budget = int64_t(*config.strata.device_mem_limit);
+  if (config.strata.host_mem_limit) in.host_budget = int64_t(*config.strata.host_mem_limit);
+  return in;
+}
+
+TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
+                                      bool gpu, bool nccl_staging) {
+  return step_input(engine_plan_input(model, config, gpu, nccl_staging));
 }
 
 Status validate_plan_input(const PlanInput& in) {
@@ -144,8 +177,47 @@ Status validate_plan_input(const PlanInput& in) {
 
 namespace {
 
-// The bytes each link moves per step and rank, and their times at the given bandwidths.
-Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
+// The links' times at the given bandwidths, and the slowest.
+void time_links(const PlanInput& in, Traffic& t) {
+  t.collective_seconds = t.collective_bytes / in.net_bandwidth;
+  t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;
+  t.d2h_seconds = t.d2h_bytes / in.pcie_bandwidth;
+  // Every rank on the node shares the NVMe drives.
+  t.nvme_seconds = (t.nvme_read_bytes + t.nvme_write_bytes) * static_cast<double>(in.world_size) /
+                   in.nvme_bandwidth;
+  double slowest = 0;
+  t.slowest_link.clear();
+  for (auto [seconds, name] : {std::pair{t.collective_seconds, "network"},
+                               std::pair{std::max(t.h2d_seconds, t.d2h_seconds), "PCIe"},
+                               std::pair{t.nvme_seconds, "NVMe"}}) {
+    if (seconds > slowest) {
+      slowest = seconds;
+      t.slowest_link = name;
+    }
+  }
+}
+
+double slowest_seconds(const Traffic& t) {
+  return std::max({t.collective_seconds, t.h2d_seconds, t.d2h_seconds, t.nvme_seconds});
+}
+
+// The bytes each link moves per step and rank: the training plan's operations
+// (core/plan/training_plan.h); the ZeRO paper's count beside them.
+Traffic plan_traffic(const PlanInput& in, const TrainingPlan& plan, const Sizes& sizes) {
+  Traffic t;
+  const StepTraffic& s = plan.traffic_per_step;
+  t.collective_bytes = s.collective;
+  t.h2d_bytes = s.h2d;
+  t.d2h_bytes = s.d2h;
+  t.nvme_read_bytes = s.nvme_read;
+  t.nvme_write_bytes = s.nvme_written;
+  if (in.world_size > 1) t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * sizes.parameters;
+  time_links(in, t);
+  return t;
+}
+
+// Without a model (--params N): the same data paths in closed form, the model as one unit.
+Traffic step_traffic(const PlanInput& in, const Sizes& sizes, Schedule schedule) {
   Traffic t;
   const int w = in.world_size;
   const int64_t n = sizes.parameters;
@@ -156,6 +228,8 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
   const int64_t grad_elements = in.stage >= 2 ? sizes.shard : sizes.padded;
   const int64_t optimizer_elements = in.stage >= 1 ? sizes.shard : sizes.padded;
   const int64_t g = in.grad_accum;
+  // Layer-major: a unit's parameters are fetched once for the forward and once for the backward.
+  const int64_t fetches = schedule == Schedule::layer ? 1 : g;
   if (w > 1) {
     const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype);
     // Gradients are reduced per micro-batch when they are sharded or leave the
@@ -176,14 +250,14 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
         t.collective_bytes = reductions * reduce_scatter + all_gather;
         break;
       case 3:
-        t.collective_bytes = reductions * reduce_scatter + 2 * g * all_gather;
+        t.collective_bytes = reductions * reduce_scatter + 2 * fetches * all_gather;
         break;
     }
     t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * n;
   }
   if (homes.param != Tier::device) {
     // Each shard goes to the device for the forward and again for the backward.
-    t.h2d_bytes += 2 * g * param_elements * cb;
+    t.h2d_bytes += 2 * fetches * param_elements * cb;
   } else if (optimizer_offloaded) {
     t.h2d_bytes += optimizer_elements * cb;  // the new compute copy after the CPU step
   }
@@ -195,25 +269,11 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes) {
     t.nvme_write_bytes += 12 * optimizer_elements;
   }
   if (in.offload_param == OffloadDevice::nvme) {
-    t.nvme_read_bytes += 2 * g * param_elements * cb;
+    t.nvme_read_bytes += 2 * fetches * param_elements * cb;
     // The updated compute copy, unless the optimizer's write of the master was it.
     if (homes.separate_master) t.nvme_write_bytes += param_elements * cb;
   }
-  t.collective_seconds = t.collective_bytes / in.net_bandwidth;
-  t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;
-  t.d2h_seconds = t.d2h_bytes / in.pcie_bandwidth;
-  // Every rank on the node shares the NVMe drives.
-  t.nvme_seconds =
-      (t.nvme_read_bytes + t.nvme_write_bytes) * static_cast<double>(w) / in.nvme_bandwidth;
-  double slowest = 0;
-  for (auto [seconds, name] : {std::pair{t.collective_seconds, "network"},
-                               std::pair{std::max(t.h2d_seconds, t.d2h_seconds), "PCIe"},
-                               std::pair{t.nvme_seconds, "NVMe"}}) {
-    if (seconds > slowest) {
-      slowest = seconds;
-      t.slowest_link = name;
-    }
-  }
+  time_links(in, t);
   return t;
 }
 
@@ -240,9 +300,8 @@ BufferKind buffer_kind(BufferRole role) {
   }
 }
 
-}  // namespace
-
-Result<MemoryPlan> plan_memory(const PlanInput& in) {
+// plan_memory for an input whose schedule and activation home are resolved.
+Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
   MemoryPlan plan;
   plan.input = in;
   const Sizes sizes = compute_sizes(in);
@@ -260,8 +319,10 @@ Result<MemoryPlan> plan_memory(const PlanInput& in) {
     Result<TrainingPlan> built = build_training_plan(step_input(in));
     if (!built) return built.status();
     plan.buffers = std::move(built->buffers);
+    plan.traffic = plan_traffic(in, *built, sizes);
   } else {
     plan.buffers = state_buffers_for(step_input(in), {in.parameters});
+    plan.traffic = step_traffic(in, sizes, in.schedule);
   }
   for (const PlanBuffer& b : plan.buffers) {
     plan.total_per_rank.at(b.tier) += b.bytes;
@@ -300,8 +361,137 @@ Result<MemoryPlan> plan_memory(const PlanInput& in) {
   };
   plan.fits = std::all_of(plan.verdicts.begin(), plan.verdicts.end(),
                           [](const TierVerdict& v) { return v.fits(); });
+  return plan;
+}
 
-  plan.traffic = step_traffic(in, sizes);
+// One schedule's option: its plan with the first activation home that fits
+// (device, then on the CPU backend host), or the device's when none does.
+Result<std::pair<ScheduleOption, MemoryPlan>> schedule_option(const PlanInput& in,
+                                                              Schedule schedule) {
+  std::vector<Tier> homes;
+  if (in.activation_home)
+    homes = {*in.activation_home};
+  else if (schedule == Schedule::layer && !in.gpu && in.grad_accum > 1)
+    homes = {Tier::device, Tier::host};
+  else
+    homes = {Tier::device};
+  std::optional<std::pair<ScheduleOption, MemoryPlan>> first;
+  for (Tier home : homes) {
+    PlanInput fixed = in;
+    fixed.schedule = schedule;
+    fixed.activation_home = home;
+    Result<MemoryPlan> planned = plan_memory_fixed(fixed);
+    if (!planned) return planned.status();
+    ScheduleOption option;
+    option.schedule = schedule;
+    option.activation_home = home;
+    option.fits = planned->fits;
+    option.traffic = planned->traffic;
+    option.slowest_seconds = slowest_seconds(planned->traffic);
+    for (const PlanBuffer& b : planned->buffers)
+      if (buffer_kind(b.role) == BufferKind::activation) option.activations.at(b.tier) += b.bytes;
+    std::pair<ScheduleOption, MemoryPlan> result{option, std::move(*planned)};
+    if (option.fits) return result;
+    if (!first) first = std::move(result);
+  }
+  return std::move(*first);
+}
+
+// "2.00 GiB over NVMe"
+std::string slowest_bytes(const Traffic& t) {
+  if (t.slowest_link == "network") return fmt::format("{} over the network", format_bytes(double(t.collective_bytes)));
+  if (t.slowest_link == "PCIe")
+    return fmt::format("{} over PCIe", format_bytes(double(std::max(t.h2d_bytes, t.d2h_bytes))));
+  if (t.slowest_link == "NVMe")
+    return fmt::format("{} through NVMe",
+                       format_bytes(double(t.nvme_read_bytes + t.nvme_write_bytes)));
+  return "nothing";
+}
+
+// The choice among the options (micro-batch first), and why.
+Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
+  std::vector<Schedule> schedules = {Schedule::micro_batch, Schedule::layer};
+  if (!in.model) schedules = {Schedule::micro_batch};
+  ScheduleChoice choice;
+  std::vector<MemoryPlan> plans;
+  std::string unavailable;  // why the layer-major order cannot run here
+  for (Schedule s : schedules) {
+    auto option = schedule_option(in, s);
+    if (!option) {
+      if (s == Schedule::layer && in.schedule == Schedule::auto_choice) {
+        unavailable = option.status().message();
+        continue;
+      }
+      return option.status();
+    }
+    choice.options.push_back(option->first);
+    plans.push_back(std::move(option->second));
+  }
+  size_t pick = 0;
+  if (!unavailable.empty()) {
+    choice.reason = "micro_batch: " + unavailable;
+  } else if (in.schedule != Schedule::auto_choice) {
+    pick = in.schedule == Schedule::layer && plans.size() > 1 ? 1 : 0;
+    choice.reason = fmt::format("{} (given)", schedule_name(in.schedule));
+    if (!in.model && in.schedule == Schedule::layer) {
+      // Without the model's shapes there are no activations to keep: the traffic alone.
+      PlanInput fixed = in;
+      fixed.activation_home = Tier::device;
+      Result<MemoryPlan> planned = plan_memory_fixed(fixed);
+      if (!planned) return planned.status();
+      plans[0] = std::move(*planned);
+      choice.options[0].schedule = Schedule::layer;
+      choice.options[0].traffic = plans[0].traffic;
+    }
+  } else if (plans.size() < 2 || in.grad_accum == 1) {
+    choice.reason = "micro_batch: one micro-batch per step, where both orders are the same";
+  } else {
+    const ScheduleOption& micro = choice.options[0];
+    const ScheduleOption& layer = choice.options[1];
+    const int64_t kept = layer.activations.total() - micro.activations.total();
+    if (!layer.fits && micro.fits) {
+      choice.reason = fmt::format(
+          "micro_batch: the layer-major order keeps {} more activations for {} micro-batches, "
+          "which do not fit",
+          format_bytes(double(kept)), in.grad_accum);
+    } else if (layer.fits && !micro.fits) {
+      pick = 1;
+      choice.reason = "layer: the micro-batch order does not fit";
+    } else if (layer.slowest_seconds < micro.slowest_seconds) {
+      pick = 1;
+      choice.reason = fmt::format(
+          "layer: it moves {} per step where the micro-batch order moves {}, for {} more "
+          "activations in {} memory",
+          slowest_bytes(layer.traffic), slowest_bytes(micro.traffic), format_bytes(double(kept)),
+          tier_name(layer.activation_home));
+    } else {
+      choice.reason =
+          micro.slowest_seconds == 0
+              ? "micro_batch: no link carries parameters, so the layer-major order would save nothing"
+              : fmt::format("micro_batch: the layer-major order moves as much ({}) and keeps {} "
+                            "more activations",
+                            slowest_bytes(layer.traffic), format_bytes(double(kept)));
+    }
+  }
+  choice.schedule = choice.options[pick].schedule;
+  choice.activation_home = choice.options[pick].activation_home;
+  MemoryPlan plan = std::move(plans[pick]);
+  return std::pair{std::move(choice), std::move(plan)};
+}
+
+}  // namespace
+
+Result<ScheduleChoice> choose_schedule(const PlanInput& input) {
+  auto resolved = resolve(input);
+  if (!resolved) return resolved.status();
+  return std::move(resolved->first);
+}
+
+Result<MemoryPlan> plan_memory(const PlanInput& input) {
+  auto resolved = resolve(input);
+  if (!resolved) return resolved.status();
+  MemoryPlan plan = std::move(resolved->second);
+  plan.schedule = std::move(resolved->first);
   return plan;
 }
 
@@ -547,6 +737,23 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
         per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters));
   }
   if (!t.slowest_link.empty()) out << fmt::format("  slowest link: {}\n", t.slowest_link);
+
+  // The schedules side by side: what each moves per step and keeps for the backward.
+  const ScheduleChoice& choice = plan.schedule;
+  out << fmt::format("\nschedule: {}\n", choice.reason);
+  if (in.model && choice.options.size() > 1) {
+    out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}  {}\n", "per step",
+                       "collectives", "PCIe h2d", "PCIe d2h", "NVMe read", "NVMe write",
+                       "act. device", "act. host", "fits");
+    for (const ScheduleOption& o : choice.options) {
+      out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}  {}\n",
+                         schedule_name(o.schedule), cell(o.traffic.collective_bytes),
+                         cell(o.traffic.h2d_bytes), cell(o.traffic.d2h_bytes),
+                         cell(o.traffic.nvme_read_bytes), cell(o.traffic.nvme_write_bytes),
+                         cell(o.activations.device), cell(o.activations.host),
+                         o.fits ? "yes" : "no");
+    }
+  }
   return out.str();
 }
 
@@ -617,6 +824,22 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   j["budgets"] = verdicts;
   j["fits"] = plan.fits;
   j["suggestion"] = plan.fits ? json(nullptr) : json(plan.suggestion);
+  json options = json::array();
+  for (const ScheduleOption& o : plan.schedule.options)
+    options.push_back({{"schedule", schedule_name(o.schedule)},
+                       {"activation_home", tier_name(o.activation_home)},
+                       {"fits", o.fits},
+                       {"collective_bytes", o.traffic.collective_bytes},
+                       {"h2d_bytes", o.traffic.h2d_bytes},
+                       {"d2h_bytes", o.traffic.d2h_bytes},
+                       {"nvme_read_bytes", o.traffic.nvme_read_bytes},
+                       {"nvme_write_bytes", o.traffic.nvme_write_bytes},
+                       {"activation_bytes", tiers(o.activations)},
+                       {"slowest_seconds", o.slowest_seconds}});
+  j["schedule"] = {{"chosen", schedule_name(plan.schedule.schedule)},
+                   {"activation_home", tier_name(plan.schedule.activation_home)},
+                   {"reason", plan.schedule.reason},
+                   {"options", options}};
   const Traffic& t = plan.traffic;
   j["traffic"] = {{"collective_bytes", t.collective_bytes},
                   {"collective_bytes_zero", t.collective_bytes_zero},

@@ -70,6 +70,11 @@ struct PlanInput {
   bool gpu = false;
   bool nccl_staging = false;     // one process per GPU through NCCL
   bool nvme_path_known = false;  // an NVMe directory was given (for suggestions)
+  // The step's order (strata.schedule); auto: choose_schedule's pick.
+  Schedule schedule = Schedule::auto_choice;
+  // Where layer-major activation checkpoints live; unset: the first of
+  // device, host (CPU backend) that fits the budgets.
+  std::optional<tiers::Tier> activation_home;
 
   // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
   std::optional<int64_t> device_budget;
@@ -122,8 +127,31 @@ struct Traffic {
   std::string slowest_link;  // "network", "PCIe", "NVMe" or "" when nothing moves
 };
 
+// One schedule's plan in brief, for the comparison `strata plan` prints.
+struct ScheduleOption {
+  Schedule schedule = Schedule::micro_batch;
+  Tier activation_home = Tier::device;
+  bool fits = true;
+  Traffic traffic;
+  TierBytes activations;  // activation checkpoints, gradients, tokens: per rank and tier
+  double slowest_seconds = 0;  // the step's time on its slowest link
+};
+
+// The schedule a plan input runs: the given one, or for auto the one whose
+// plan moves fewer bytes over its slowest link among those that fit (the
+// micro-batch order on a tie, and with one micro-batch, where both are the
+// same); with the activation home the first of device, host that fits.
+struct ScheduleChoice {
+  Schedule schedule = Schedule::micro_batch;
+  Tier activation_home = Tier::device;
+  std::string reason;                   // one line: why
+  std::vector<ScheduleOption> options;  // both schedules (with a model), micro-batch first
+};
+Result<ScheduleChoice> choose_schedule(const PlanInput& input);
+
 struct MemoryPlan {
-  PlanInput input;
+  PlanInput input;  // with the schedule and activation home resolved
+  ScheduleChoice schedule;
   int64_t parameters = 0;       // unpadded
   int64_t shard_elements = 0;   // this rank's padded shard, summed over units
   int64_t padded_elements = 0;  // every unit padded to a multiple of world_size shards
@@ -162,10 +190,18 @@ PlanInput plan_input_from_config(const TrainConfig& config,
 
 // The training-plan input a plan input describes (needs input.model); the
 // engine's plans are built from the same conversion.
+// An unresolved schedule (auto, or no activation home) is resolved by
+// choose_schedule; an input it cannot plan falls back to the micro-batch order.
 TrainingPlanInput step_input(const PlanInput& input);
 // step_input of plan_input_from_config: what the engine runs for this config
-// (the backend and NCCL staging are the caller's to set).
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config);
+// on the given backend; auto judges fit against strata.device_mem_limit and
+// strata.host_mem_limit where the config gives them.
+TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
+                                      bool gpu = false, bool nccl_staging = false);
+// The plan input training_plan_input converts (choose_schedule of it says why
+// the schedule is what it is).
+PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
+                            bool nccl_staging);
 
 // Checks the input (stage range, offload_param below stage 3, ...).
 Status validate_plan_input(const PlanInput& input);

@@ -53,6 +53,7 @@ class PlanBuilder {
     if (stage3_ && in_.offload_param == OffloadDevice::nvme) emit_fetches();
     for (size_t c = 0; c < compute_.size(); ++c) emit_compute(c);
     emit_exchange_and_updates();
+    count_traffic();
   }
 
  private:
@@ -63,25 +64,60 @@ class PlanBuilder {
     int micro;
     std::vector<int> units;
   };
-  // A gathered-buffer use, in order; use i takes slot i % gather_slots.
+  // A gathered-buffer use: one unit over a run of consecutive compute
+  // operations that read it (one gather serves them all); use i takes slot
+  // i % gather_slots.
   struct Use {
     int unit;
-    size_t compute_index;
+    size_t first, last;  // compute operations
   };
 
-  void list_compute_and_uses() {
-    for (int m = 0; m < in_.grad_accum; ++m) {
+  // The compute operations in schedule order. Micro-batch-major: per
+  // micro-batch, forward of every unit (the head's forward and backward are
+  // one pass), then backward of the layers and the embedding in reverse.
+  // Layer-major: each unit's forward over every micro-batch, the head over
+  // every micro-batch, then each unit's backward over every micro-batch in
+  // reverse. Either way a unit's micro-batches reach it in order, so its
+  // gradient sums in the same order.
+  void list_compute() {
+    const int G = int(in_.grad_accum);
+    const std::vector<int> head_units = tied_ ? std::vector<int>{0, head_} : std::vector<int>{head_};
+    if (plan_.layer_major()) {
+      for (int u = 0; u < head_; ++u)
+        for (int m = 0; m < G; ++m) compute_.push_back({OpKind::forward, u, m, {u}});
+      for (int m = 0; m < G; ++m) compute_.push_back({OpKind::forward, head_, m, head_units});
+      for (int u = head_ - 1; u >= 0; --u)
+        for (int m = 0; m < G; ++m) compute_.push_back({OpKind::backward, u, m, {u}});
+      return;
+    }
+    for (int m = 0; m < G; ++m) {
       for (int u = 0; u < head_; ++u) compute_.push_back({OpKind::forward, u, m, {u}});
-      compute_.push_back({OpKind::forward, head_, m,
-                          tied_ ? std::vector<int>{0, head_} : std::vector<int>{head_}});
+      compute_.push_back({OpKind::forward, head_, m, head_units});
       for (int u = head_ - 1; u >= 0; --u) compute_.push_back({OpKind::backward, u, m, {u}});
     }
-    for (size_t c = 0; c < compute_.size(); ++c)
-      for (int u : compute_[c].units) uses_.push_back({u, c});
+  }
+
+  void list_compute_and_uses() {
+    list_compute();
+    // A unit read by consecutive compute operations is gathered once for all of them.
+    std::vector<int> open(plan_.units.size(), -1);  // the unit's latest use
+    compute_uses_.resize(compute_.size());
+    for (size_t c = 0; c < compute_.size(); ++c) {
+      for (int u : compute_[c].units) {
+        int& latest = open[size_t(u)];
+        if (latest >= 0 && uses_[size_t(latest)].last + 1 == c) {
+          uses_[size_t(latest)].last = c;
+        } else {
+          uses_.push_back({u, c, c});
+          latest = int(uses_.size()) - 1;
+        }
+        compute_uses_[c].push_back(size_t(latest));
+      }
+    }
     gather_op_.assign(uses_.size(), -1);
     fetch_op_.assign(uses_.size(), -1);
+    release_op_.assign(uses_.size(), -1);
     compute_op_.assign(compute_.size(), -1);
-    release_op_.assign(compute_.size(), -1);
     // The previous use of the same unit: its host copy must be gone before the
     // next fetch of that shard (a shard has one copy per tier).
     previous_use_.assign(uses_.size(), -1);
@@ -103,8 +139,8 @@ class PlanBuilder {
     const int P = plan_.fetch_slots;
     while (next_fetch_ < uses_.size() && fetch_ready(next_fetch_)) {
       const size_t i = next_fetch_++;
-      PlanOp op = make_op(OpKind::fetch, Lane::io, uses_[i].unit,
-                          compute_[uses_[i].compute_index].micro, int(i % size_t(P)));
+      PlanOp op = make_op(OpKind::fetch, Lane::io, uses_[i].unit, compute_[uses_[i].first].micro,
+                          int(i % size_t(P)));
       if (int(i) >= P) op.deps.push_back(gather_op_[i - size_t(P)]);
       if (previous_use_[i] >= 0) op.deps.push_back(gather_op_[size_t(previous_use_[i])]);
       op.bytes = plan_.units[size_t(uses_[i].unit)].param_numel * plan_.compute_bytes;
@@ -112,15 +148,15 @@ class PlanBuilder {
     }
   }
 
-  // gather(i) reuses the slot of use i - K, free once that use's compute op released it.
+  // gather(i) reuses the slot of use i - K, free once that use's last compute op released it.
   void emit_gathers_before(size_t c) {
     const int K = plan_.gather_slots;
     while (next_gather_ < uses_.size()) {
       const size_t i = next_gather_;
-      if (int(i) >= K && uses_[i - size_t(K)].compute_index >= c) break;
-      PlanOp op = make_op(OpKind::gather, comm_lane_, uses_[i].unit,
-                          compute_[uses_[i].compute_index].micro, int(i % size_t(K)));
-      if (int(i) >= K) op.deps.push_back(release_op_[uses_[i - size_t(K)].compute_index]);
+      if (int(i) >= K && uses_[i - size_t(K)].last >= c) break;
+      PlanOp op = make_op(OpKind::gather, comm_lane_, uses_[i].unit, compute_[uses_[i].first].micro,
+                          int(i % size_t(K)));
+      if (int(i) >= K) op.deps.push_back(release_op_[i - size_t(K)]);
       if (fetch_op_[i] >= 0) op.deps.push_back(fetch_op_[i]);
       op.bytes = plan_.units[size_t(uses_[i].unit)].shard_numel * plan_.compute_bytes *
                  (in_.world_size - 1);
@@ -152,7 +188,7 @@ class PlanBuilder {
     if (stage3_) emit_gathers_before(c);
     PlanOp op = make_op(cu.kind, Lane::compute, cu.unit, cu.micro);
     if (stage3_) {
-      for (size_t k = 0; k < cu.units.size(); ++k) op.deps.push_back(gather_op_[use_index_ + k]);
+      for (size_t i : compute_uses_[c]) op.deps.push_back(gather_op_[i]);
     }
     // Gradient buffers: the head and every backward fill one; a tied
     // embedding's lives from the head to the embedding's reduce.
@@ -163,15 +199,23 @@ class PlanBuilder {
       if (grad_use_ >= plan_.grad_slots)
         op.deps.push_back(reduce_of_grad_use_[size_t(grad_use_ - plan_.grad_slots)]);
     }
-    if (tied_ && cu.unit == head_ && cu.micro > 0) op.deps.push_back(last_reduce_[0]);
+    // One tied embedding gradient buffer: the next micro-batch's head waits
+    // for the embedding's reduce (layer-major keeps one per micro-batch).
+    if (tied_ && cu.unit == head_ && cu.micro > 0 && !plan_.layer_major())
+      op.deps.push_back(last_reduce_[0]);
     compute_op_[c] = add(std::move(op));
     if (stage3_) {
-      PlanOp release = make_op(OpKind::release, Lane::compute, cu.unit, cu.micro);
-      release.deps.push_back(compute_op_[c]);
-      release_op_[c] = add(std::move(release));
-      use_index_ += cu.units.size();
-    } else {
-      release_op_[c] = compute_op_[c];
+      // The uses that end here give their slots back.
+      int release_index = -1;
+      for (size_t i : compute_uses_[c]) {
+        if (uses_[i].last != c) continue;
+        if (release_index < 0) {
+          PlanOp release = make_op(OpKind::release, Lane::compute, cu.unit, cu.micro);
+          release.deps.push_back(compute_op_[c]);
+          release_index = add(std::move(release));
+        }
+        release_op_[i] = release_index;
+      }
     }
     if (fills_grad) emit_reduce(c, uses_rotating_grad);
   }
@@ -222,6 +266,74 @@ class PlanBuilder {
     }
   }
 
+  // The bytes every link moves in one step: NVMe and the collectives from the
+  // operations' bytes; on the CUDA backend, PCIe from the data paths of
+  // core/engine/gpu_rank.h (a gathered unit goes up once per use, unless the
+  // use is only the embedding's backward, which reads no parameters).
+  void count_traffic() {
+    StepTraffic& t = plan_.traffic_per_step;
+    const bool gpu = in_.gpu;
+    const int64_t cb = plan_.compute_bytes;
+    const bool params_in_place = plan_.gpu_params_in_place();
+    const bool grads_in_place = plan_.gpu_grads_in_place();
+    for (const PlanOp& op : plan_.ops) {
+      const UnitPlacement* p = op.unit >= 0 ? &plan_.units[size_t(op.unit)] : nullptr;
+      switch (op.kind) {
+        case OpKind::fetch:
+          t.nvme_read += op.bytes;
+          break;
+        case OpKind::writeback:
+          t.nvme_written += op.bytes;
+          break;
+        case OpKind::optimizer:
+          if (plan_.streamed_optimizer) {
+            t.nvme_read += op.bytes / 2;
+            t.nvme_written += op.bytes / 2;
+          }
+          if (gpu && plan_.new_params_staged() && plan_.homes.param == Tier::device)
+            t.h2d += p->optimizer_numel * cb;
+          if (gpu && plan_.homes.optimizer == Tier::device && plan_.homes.param != Tier::device)
+            t.d2h += p->optimizer_numel * cb;
+          break;
+        case OpKind::gather:
+          t.collective += op.bytes;
+          if (gpu && !params_in_place && plan_.homes.param == Tier::device)
+            t.d2h += p->shard_numel * cb;
+          break;
+        case OpKind::reduce:
+          t.collective += op.bytes;
+          if (gpu && !grads_in_place && plan_.homes.grad == Tier::device)
+            t.h2d += (in_.stage >= 2 ? p->shard_numel : p->padded_numel) * 4;
+          break;
+        case OpKind::sync:
+          t.collective += op.bytes;
+          if (gpu && params_in_place && in_.world_size > 1) {
+            t.d2h += p->shard_numel * cb;
+            t.h2d += p->padded_numel * cb;
+          }
+          break;
+        case OpKind::forward:
+        case OpKind::backward: {
+          const bool fills_grad = op.kind == OpKind::backward || op.unit == head_;
+          // Each gradient goes down (a tied embedding's with the lm_head's part in it),
+          // or once its micro-batches have added up on the device.
+          const bool sends = !plan_.gpu_grads_summed_on_device() || op.micro == in_.grad_accum - 1;
+          if (gpu && fills_grad && !grads_in_place && sends) t.d2h += p->padded_numel * 4;
+          break;
+        }
+        default:
+          break;
+      }
+    }
+    if (!gpu || params_in_place) return;
+    for (const Use& use : uses_) {
+      bool reads = false;
+      for (size_t c = use.first; c <= use.last; ++c)
+        reads = reads || !(compute_[c].kind == OpKind::backward && use.unit == 0);
+      if (reads) t.h2d += plan_.units[size_t(use.unit)].padded_numel * cb;
+    }
+  }
+
   int add(PlanOp op) {
     plan_.ops.push_back(std::move(op));
     return static_cast<int>(plan_.ops.size()) - 1;
@@ -234,8 +346,10 @@ class PlanBuilder {
   const Lane comm_lane_;
   std::vector<ComputeUse> compute_;
   std::vector<Use> uses_;
-  std::vector<int> gather_op_, fetch_op_, compute_op_, release_op_, previous_use_;
-  size_t next_gather_ = 0, next_fetch_ = 0, use_index_ = 0;
+  std::vector<std::vector<size_t>> compute_uses_;  // per compute op: its uses
+  std::vector<int> gather_op_, fetch_op_, release_op_, previous_use_;  // per use
+  std::vector<int> compute_op_;                                        // per compute op
+  size_t next_gather_ = 0, next_fetch_ = 0;
   int decide_index_ = -1;
   int grad_use_ = 0;
   std::vector<int> reduce_of_grad_use_, last_reduce_, update_done_, update_order_;
@@ -347,6 +461,8 @@ const char* buffer_role_name(BufferRole role) {
       return "gpu_grad_norm_scratch";
     case BufferRole::gpu_reduced_gradient:
       return "gpu_reduced_gradient";
+    case BufferRole::gpu_gradient_sum:
+      return "gpu_gradient_sum";
     case BufferRole::gpu_new_parameters:
       return "gpu_new_parameters";
     case BufferRole::gpu_activation_checkpoints:
@@ -513,6 +629,7 @@ class BufferListing {
         C(plan.input.model.hidden_size),
         units(static_cast<int>(plan.units.size())),
         embedding_padded(plan.units[0].padded_numel),
+        copies(plan.activation_copies()),
         scatter_output(plan.input.stage >= 2 && plan.input.reduce_scatter &&
                        plan.input.world_size > 1) {}
 
@@ -531,12 +648,15 @@ class BufferListing {
           fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host, f32,
           plan.grad_slots, largest_padded);
       if (plan.tied_grad_buffer)
-        add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::host, f32, 1,
-            embedding_padded);
+        add(R::tied_gradient, O::rank, copies_name("tied embedding gradient"), Tier::host, f32,
+            copies, embedding_padded);
       if (scatter_output)
         add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::host, f32, 1,
             largest_shard);
     }
+    if (plan.gpu_grads_summed_on_device())
+      add(R::gpu_gradient_sum, O::gpu, "device gradient sum over the micro-batches", Tier::device,
+          f32, 1, largest_padded);
     if ((in.stage == 1 || in.stage == 2) && in.world_size > 1)
       add(R::sync_staging, O::rank, "parameter all-gather staging (largest unit)", Tier::host,
           compute, 1, largest_padded);
@@ -551,8 +671,8 @@ class BufferListing {
           fmt::format("device unit gradients ({} x largest unit, fp32)", kGpuGradBuffers),
           Tier::device, f32, kGpuGradBuffers, largest_padded);
       if (plan.tied_grad_buffer)
-        add(R::gpu_tied_gradient, O::gpu, "device tied embedding gradient", Tier::device, f32, 1,
-            embedding_padded);
+        add(R::gpu_tied_gradient, O::gpu, copies_name("device tied embedding gradient"),
+            Tier::device, f32, copies, embedding_padded);
     }
     if (plan.homes.grad == Tier::device) {
       add(R::gpu_grad_norm_scratch, O::gpu, "gradient norm scratch", Tier::device, byte, 1,
@@ -567,9 +687,11 @@ class BufferListing {
     if (in.nccl_staging)
       add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
           largest_padded);
-    add(R::gpu_activation_checkpoints, O::gpu, "activation checkpoints (unit inputs)", Tier::device,
-        compute, 1, (units - 1) * N * C);
-    add(R::gpu_activation_gradient, O::gpu, "activation gradient", Tier::device, compute, 1, N * C);
+    add(R::gpu_activation_checkpoints, O::gpu,
+        copies_name("activation checkpoints (unit inputs)"), Tier::device, compute, copies,
+        (units - 1) * N * C);
+    add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
+        compute, copies, N * C);
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);
     add(R::gpu_token_losses, O::gpu, "per-token losses", Tier::device, f32, 1, N);
@@ -597,14 +719,16 @@ class BufferListing {
         fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device, f32,
         plan.grad_slots, largest_padded);
     if (plan.tied_grad_buffer)
-      add(R::tied_gradient, O::rank, "tied embedding gradient", Tier::device, f32, 1,
-          embedding_padded);
+      add(R::tied_gradient, O::rank, copies_name("tied embedding gradient"), Tier::device, f32,
+          copies, embedding_padded);
     if (scatter_output)
       add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::device, f32, 1,
           largest_shard);
-    add(R::activation_checkpoints, O::rank, "activation checkpoints (unit inputs, fp32)",
-        Tier::device, f32, 1, (units - 1) * N * C);
-    add(R::activation_gradient, O::rank, "activation gradient", Tier::device, f32, 1, N * C);
+    add(R::activation_checkpoints, O::rank,
+        copies_name("activation checkpoints (unit inputs, fp32)"), in.activation_home, f32, copies,
+        (units - 1) * N * C);
+    add(R::activation_gradient, O::rank, copies_name("activation gradient"), in.activation_home,
+        f32, copies, N * C);
     add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);
     add(R::unit_working_set, O::rank, "unit working set", Tier::device, byte, 1,
@@ -659,7 +783,13 @@ class BufferListing {
   const int64_t N, C;
   const int units;
   const int64_t embedding_padded;
+  const int copies;  // of what a micro-batch keeps to its backward
   const bool scatter_output;
+
+  // "activation gradient (8 micro-batches)" in the layer-major schedule.
+  std::string copies_name(const char* what) const {
+    return copies == 1 ? std::string(what) : fmt::format("{} ({} micro-batches)", what, copies);
+  }
 };
 
 }  // namespace
@@ -728,6 +858,14 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     return Status::error("zero_optimization.offload_param.buffer_count must be at least 1");
   if (in.optimizer_buffers < 2)
     return Status::error("zero_optimization.offload_optimizer.buffer_count must be at least 2");
+  if (in.schedule == Schedule::auto_choice)
+    return Status::error("the training plan needs a schedule (micro_batch or layer), not auto");
+  if (in.activation_home == Tier::nvme || (in.gpu && in.activation_home != Tier::device))
+    return Status::error(fmt::format(
+        "activation checkpoints homed in {} are not built for the {} backend; they live in device "
+        "memory{}",
+        tiers::tier_name(in.activation_home), in.gpu ? "CUDA" : "CPU",
+        in.gpu ? "" : " or pinned host memory"));
 
   TrainingPlan plan;
   plan.input = in;
@@ -739,6 +877,15 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
   plan.tied_grad_buffer = in.model.tie_word_embeddings;
   plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
   plan.streamed_optimizer = plan.homes.optimizer == Tier::nvme;
+  // In place the head adds the lm_head's gradient straight into the tied
+  // embedding's home; layer-major would add every micro-batch's before the
+  // embedding's own, another order of the same sum.
+  if (plan.layer_major() && in.grad_accum > 1 && in.model.tie_word_embeddings &&
+      plan.gpu_grads_in_place())
+    return Status::error(
+        "the layer-major schedule is not built for a tied embedding whose gradient accumulates in "
+        "GPU memory (one rank, optimizer on the GPU): it would sum in another order; use "
+        "--schedule micro_batch or offload the optimizer");
 
   int64_t largest_padded = 0, largest_shard = 0, largest_optimizer = 0;
   for (const UnitLayout& unit : plan.layout.units) {
@@ -766,15 +913,6 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
 
   PlanBuilder(plan).build();
 
-  // --- NVMe traffic per step ------------------------------------------------------
-  for (const PlanOp& op : plan.ops) {
-    if (op.kind == OpKind::fetch) plan.traffic_per_step.nvme_read += op.bytes;
-    if (op.kind == OpKind::writeback) plan.traffic_per_step.nvme_written += op.bytes;
-    if (op.kind == OpKind::optimizer && plan.streamed_optimizer) {
-      plan.traffic_per_step.nvme_read += op.bytes / 2;
-      plan.traffic_per_step.nvme_written += op.bytes / 2;
-    }
-  }
   return plan;
 }
 
@@ -792,6 +930,11 @@ std::string format_training_plan(const TrainingPlan& plan) {
       in.stage, in.world_size, in.grad_accum, in.micro_batch, in.seq_len,
       offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer),
       precision_name(in.precision), in.overlap_comm ? "" : ", collectives on the compute lane");
+  out += fmt::format("schedule {}", schedule_name(in.schedule));
+  if (plan.activation_copies() > 1)
+    out += fmt::format(": activations of {} micro-batches kept in {} memory",
+                       plan.activation_copies(), tiers::tier_name(in.activation_home));
+  out += "\n";
   out += "units:";
   for (size_t u = 0; u < plan.layout.units.size(); ++u)
     out += fmt::format(" {}={}", u, plan.layout.units[u].unit.name);
@@ -811,9 +954,13 @@ std::string format_training_plan(const TrainingPlan& plan) {
   for (int t = 0; t < tiers::kTierCount; ++t)
     out += fmt::format("  {:<7} {:>12}  total\n", tiers::tier_name(static_cast<Tier>(t)),
                        format_bytes(uint64_t(plan.peak_bytes[t])));
+  const StepTraffic& t = plan.traffic_per_step;
   out += fmt::format("NVMe traffic per step and rank: {} read, {} written\n",
-                     format_bytes(uint64_t(plan.traffic_per_step.nvme_read)),
-                     format_bytes(uint64_t(plan.traffic_per_step.nvme_written)));
+                     format_bytes(uint64_t(t.nvme_read)), format_bytes(uint64_t(t.nvme_written)));
+  out += fmt::format("Collectives: {} sent per step and rank\n", format_bytes(uint64_t(t.collective)));
+  if (in.gpu)
+    out += fmt::format("PCIe per step and rank: {} host to device, {} device to host\n",
+                       format_bytes(uint64_t(t.h2d)), format_bytes(uint64_t(t.d2h)));
   return out;
 }
 
@@ -821,6 +968,8 @@ nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
   nlohmann::ordered_json j;
   j["stage"] = plan.input.stage;
   j["world_size"] = plan.input.world_size;
+  j["schedule"] = schedule_name(plan.input.schedule);
+  j["activation_home"] = tiers::tier_name(plan.input.activation_home);
   nlohmann::ordered_json units = nlohmann::ordered_json::array();
   for (const UnitLayout& u : plan.layout.units) units.push_back(u.unit.name);
   j["units"] = units;
@@ -852,6 +1001,9 @@ nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
                      {"nvme", plan.peak(Tier::nvme)}};
   j["nvme_bytes_per_step"] = {{"read", plan.traffic_per_step.nvme_read},
                               {"written", plan.traffic_per_step.nvme_written}};
+  j["link_bytes_per_step"] = {{"collectives", plan.traffic_per_step.collective},
+                              {"pcie_h2d", plan.traffic_per_step.h2d},
+                              {"pcie_d2h", plan.traffic_per_step.d2h}};
   return j;
 }
 

@@ -20,19 +20,29 @@
 //           2-3: the shard; in host memory when the optimizer is offloaded
 // Elements [r * shard, (r + 1) * shard) of a unit's flat buffer are rank r's.
 //
-// Operations. A step is, per micro-batch, forward of every unit (the head's
-// forward and backward are one pass) and backward of the layers and the
-// embedding in reverse; gradients are reduced after every micro-batch; after
-// the last one the gradient-norm partials and losses are exchanged, the
-// optimizer driver decides the step, and the optimizer runs unit by unit in
-// forward order, overlapping the next step's forward (forward of unit u waits
-// only for optimizer(u), and at stages 1-2 for sync(u), the all-gather of the
-// updated parameters); without clipping or loss scaling it runs during
-// backward instead, unit by unit as gradients become final. At stage 3 a unit is gathered before
-// each use into one of `gather_slots` buffers and released after; a fetch brings a parameter shard
-// homed on NVMe into host memory ahead of its gather, at most `fetch_slots` at a time. Buffers are
-// reused in a ring; the dependency on the operation that last used a buffer is what bounds the
-// memory.
+// Operations. In the micro-batch order (schedule micro_batch) a step is, per
+// micro-batch, forward of every unit (the head's forward and backward are one
+// pass) and backward of the layers and the embedding in reverse. In the
+// layer-major order (schedule layer) each unit runs every micro-batch before
+// the next unit: forward of unit 0 for micro-batches 0..G-1, then unit 1, ...,
+// the head for 0..G-1, then backward of the last layer for 0..G-1, ... down to
+// the embedding; every micro-batch's unit inputs, activation gradient (and a
+// tied embedding's gradient) are kept to its backward, one copy per
+// micro-batch (activation_copies). Either way a unit meets its micro-batches
+// in order, and each micro-batch's gradient is reduced after its backward and
+// added to the accumulator in that order: the same sums in the same order,
+// so the two orders give the same bits. After the last micro-batch the
+// gradient-norm partials and losses are exchanged, the optimizer driver
+// decides the step, and the optimizer runs unit by unit in forward order,
+// overlapping the next step's forward (forward of unit u waits only for
+// optimizer(u), and at stages 1-2 for sync(u), the all-gather of the updated
+// parameters); without clipping or loss scaling it runs during backward
+// instead, unit by unit as gradients become final. At stage 3 a unit is
+// gathered before each use, a run of consecutive computations that read it,
+// into one of `gather_slots` buffers and released after; a fetch brings a
+// parameter shard homed on NVMe into host memory ahead of its gather, at most
+// `fetch_slots` at a time. Buffers are reused in a ring; the dependency on the
+// operation that last used a buffer is what bounds the memory.
 //
 // Lanes: io (starts fetches), comm (every collective, in one order that every
 // rank shares), compute, optimizer. Each lane runs its operations in plan
@@ -82,6 +92,16 @@ struct TrainingPlanInput {
   // collectives' host buffers are staged through two device buffers of the
   // largest collective, taken from the device budget.
   bool nccl_staging = false;
+  // The order of the computations (config.h): micro_batch, each micro-batch
+  // through every unit; layer, each unit through every micro-batch, so a
+  // unit's parameters are fetched once for the forward and once for the
+  // backward, and every micro-batch's unit inputs are kept to the backward.
+  // Resolved: never auto (core/plan/planner.h chooses).
+  Schedule schedule = Schedule::micro_batch;
+  // Where the layer-major schedule keeps its activation checkpoints: device,
+  // or pinned host memory (the CPU backend; there the device tier is host
+  // memory too, so only the budget they count against changes).
+  tiers::Tier activation_home = tiers::Tier::device;
   int fetch_slots = 5;        // offload_param.buffer_count
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count
   int64_t optimizer_chunk_elements = int64_t{1}
@@ -154,24 +174,25 @@ enum class BufferRole {
   gathered_unit_fp32,      // [gather_slots] (largest padded) the CPU backend's widened copy
   widened_params,          // [2] (largest padded) stages 0-2, CPU backend, below fp32
   unit_gradient,           // [grad_slots] (largest padded) fp32
-  tied_gradient,           // (embedding padded) fp32
+  tied_gradient,           // [activation copies] (embedding padded) fp32
   reduce_scatter_output,   // (largest shard) fp32
   sync_staging,            // (largest padded) compute precision: the GPU's stage 1-2 all-gather
   tokens_and_targets,      // (2, G, B*T) int32: tokens, then targets
-  activation_checkpoints,  // (units - 1, B*T, C) fp32, the CPU units' inputs
-  activation_gradient,     // (B*T, C) fp32
+  activation_checkpoints,  // [activation copies] (units - 1, B*T, C) fp32, the CPU units' inputs
+  activation_gradient,     // [activation copies] (B*T, C) fp32
   unit_working_set,        // bytes the CPU UnitWorkspace allocates itself, charged here
   new_parameters,          // (largest optimizer range) compute precision, staged
   nccl_staging,            // [2] (largest padded) fp32: send, receive
   // The GPU rank's device working set (core/engine/gpu_rank.h).
   gpu_param_slots,             // [kGpuParamSlots] (largest padded) compute precision
   gpu_unit_gradients,          // [kGpuGradBuffers] (largest padded) fp32
-  gpu_tied_gradient,           // (embedding padded) fp32
+  gpu_tied_gradient,           // [activation copies] (embedding padded) fp32
   gpu_grad_norm_scratch,       // bytes: the result, then the reduction's scratch
   gpu_reduced_gradient,        // (largest padded) fp32
+  gpu_gradient_sum,            // (largest padded) fp32: gpu_grads_summed_on_device
   gpu_new_parameters,          // (largest optimizer range) compute precision
-  gpu_activation_checkpoints,  // (units - 1, B*T, C) compute precision
-  gpu_activation_gradient,     // (B*T, C) compute precision
+  gpu_activation_checkpoints,  // [activation copies] (units - 1, B*T, C) compute precision
+  gpu_activation_gradient,     // [activation copies] (B*T, C) compute precision
   gpu_tokens_and_targets,      // (2, G, B*T) int32
   gpu_token_losses,            // (B*T) fp32
   gpu_matmul_workspace,        // bytes, cuBLASLt's
@@ -214,9 +235,13 @@ struct PlanBuffer {
   int64_t copy_bytes() const { return bytes / copies; }
 };
 
-struct TierTraffic {
+// What one step of one rank moves over each link, from its operations.
+struct StepTraffic {
   int64_t nvme_read = 0;
   int64_t nvme_written = 0;
+  int64_t collective = 0;  // sent by this rank (ring collectives)
+  int64_t h2d = 0;         // host to GPU (the CUDA backend; 0 on the CPU)
+  int64_t d2h = 0;         // GPU to host
 };
 
 struct TrainingPlan {
@@ -238,9 +263,22 @@ struct TrainingPlan {
   std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
   std::vector<PlanBuffer> buffers;  // states and buffers, per rank
   int64_t peak_bytes[tiers::kTierCount] = {0, 0, 0};  // per rank
-  TierTraffic traffic_per_step;                       // per rank
+  StepTraffic traffic_per_step;                       // per rank
 
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
+  bool layer_major() const { return input.schedule == Schedule::layer; }
+  // What a micro-batch keeps from its forward to its backward (the units'
+  // inputs, the activation gradient, a tied embedding's gradient) has one
+  // copy per micro-batch in the layer-major schedule, else one in all;
+  // micro-batch m uses copy activation_copy(m).
+  int activation_copies() const { return layer_major() ? int(input.grad_accum) : 1; }
+  int activation_copy(int micro) const { return layer_major() ? micro : 0; }
+  // Backward of the last layer before the head can reuse its forward's
+  // activations only when nothing ran in between but the head of the same micro-batch.
+  bool recomputes(int unit) const {
+    const int head = int(units.size()) - 1;
+    return !(unit == head - 1 && unit >= 1 && activation_copies() == 1);
+  }
   // The buffer of `role`, or null when this plan has none.
   const PlanBuffer* buffer(BufferRole role) const;
   // Elements of unit u's shard of a state role (param_state ... v_state).
@@ -265,6 +303,14 @@ struct TrainingPlan {
   bool gpu_grads_in_place() const {
     return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1 &&
            !input.reduce_in_bf16;
+  }
+  // Layer-major with one rank and gradients leaving the GPU: a unit's
+  // micro-batches run back to back, so their gradients add up on the device
+  // (each computed fresh, added in micro-batch order, as the host would) and
+  // go down once per step, after the last.
+  bool gpu_grads_summed_on_device() const {
+    return input.gpu && layer_major() && input.grad_accum > 1 && input.world_size == 1 &&
+           !input.reduce_in_bf16 && !gpu_grads_in_place();
   }
   // New compute-precision parameters pass through a pinned host buffer: on
   // their way to NVMe, or from the CPU optimizer to their device home.

@@ -31,16 +31,20 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
                           [&](const tbb::blocked_range<int64_t>& rows) {
                             for (int64_t i = rows.begin(); i < rows.end(); ++i) {
                               float* row = p + i * T;
-                              float max_score = row[0];
-                              for (int64_t j = 1; j <= i; ++j)
+                              // Keys [first, i]: causal, and within the window if any.
+                              const int64_t first =
+                                  s.window > 0 ? std::max<int64_t>(0, i - s.window + 1) : 0;
+                              float max_score = row[first];
+                              for (int64_t j = first + 1; j <= i; ++j)
                                 max_score = std::max(max_score, row[j]);
                               float sum = 0.0f;
-                              for (int64_t j = 0; j <= i; ++j) {
+                              for (int64_t j = first; j <= i; ++j) {
                                 row[j] = std::exp(row[j] - max_score);
                                 sum += row[j];
                               }
                               const float inv_sum = 1.0f / sum;
-                              for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
+                              for (int64_t j = first; j <= i; ++j) row[j] *= inv_sum;
+                              std::fill(row, row + first, 0.0f);
                               std::fill(row + i + 1, row + T, 0.0f);
                             }
                           });
@@ -84,7 +88,8 @@ void attention_backward(float* dq, float* dk, float* dv, float* scratch, const f
                     s.H * D, 1.0f, dvh, ld);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows_n, r1, D, 1.0f, dob, s.H * D, vh,
                     ld, 0.0f, dpb, T);
-        // Softmax backward, in place: ds = p * (dp - sum_j p dp) * scale.
+        // Softmax backward, in place: ds = p * (dp - sum_j p dp) * scale (zero where p is
+        // masked, the window's keys included).
         tbb::parallel_for(tbb::blocked_range<int64_t>(r0, r1, 16),
                           [&](const tbb::blocked_range<int64_t>& rows) {
                             for (int64_t i = rows.begin(); i < rows.end(); ++i) {

@@ -1,7 +1,9 @@
 // Causal self-attention with grouped-query heads, CPU backend (fp32).
 //
 // Query head h reads key/value head h / (H / KV). Scores are scaled by
-// 1/sqrt(D), masked causally and soft-maxed in fp32; the probabilities are
+// 1/sqrt(D), masked causally (and, with a sliding window W, to the last W keys:
+// key j is seen by query i when i - W < j <= i, as Hugging Face's
+// sliding_window_overlay) and soft-maxed in fp32; the probabilities are
 // saved for the backward. q, k and v are read in place from rows of the fused
 // qkv projection (`row_stride` floats per token), so no copy is made.
 //
@@ -21,13 +23,14 @@ struct AttentionShape {
   int64_t KV = 0;          // key/value heads; H % KV == 0
   int64_t D = 0;           // head dimension
   int64_t row_stride = 0;  // floats between tokens in q, k, v (and dq, dk, dv)
+  int64_t window = 0;      // sliding window: keys a query sees, ending at itself; 0: all
   // Queries are taken in blocks of this many rows; a block's products stop at
   // its last row's key (causality), which skips about half of the T x T work.
   int64_t row_block = 64;
 };
 
 void attention_forward(float* out,      // (B, T, H*D)
-                       float* probs,    // (B, H, T, T), zero above the diagonal
+                       float* probs,    // (B, H, T, T), zero where masked
                        const float* q,  // (B, T, row_stride), H heads of D
                        const float* k,  // (B, T, row_stride), KV heads of D
                        const float* v,  // (B, T, row_stride), KV heads of D

@@ -389,6 +389,10 @@ Status check_shape(const char* name, const AttentionShape& s, DType type, std::s
     return argument_error(name, type, *shape, "bad shape (H must be a multiple of KV)");
   }
   if (s.D > 128) return argument_error(name, type, *shape, "head dimension above 128");
+  if (s.window > 0 && s.window < s.T) {
+    return argument_error(name, type, *shape,
+                          "a sliding window shorter than the sequence (these kernels have none)");
+  }
   if (s.row_stride < s.D || s.B * s.H > 65535 || s.B * s.KV > 65535) {
     return argument_error(name, type, *shape, "row_stride below D or B*H above 65535");
   }

@@ -95,6 +95,18 @@ Status rmsnorm_backward(void* dinp,          // (N, C) of type, +=
                         void* scratch,  // rmsnorm_backward_scratch_bytes(N, C)
                         std::size_t scratch_bytes, cudaStream_t stream);
 
+// --- bias of a linear layer (kernels/cuda/bias.cu) --------------------------------------
+
+// out (N, OC) += bias in every row (fp32 add, one rounding).
+Status bias_forward(void* out,         // (N, OC) of type, +=
+                    const void* bias,  // (OC) of type
+                    int64_t N, int64_t OC, DType type, cudaStream_t stream);
+
+// dbias += the column sums of dout, in a fixed order.
+Status bias_backward(float* dbias,      // (OC), +=
+                     const void* dout,  // (N, OC) of type
+                     int64_t N, int64_t OC, DType type, cudaStream_t stream);
+
 // --- rotary embedding (kernels/cuda/rope.cu) -------------------------------------------
 
 // In place on rows n = b*T + t of `row_stride` elements holding `heads` heads of
@@ -116,6 +128,8 @@ Status rope_backward(void* dx,          // (B*T, row_stride) of type, heads*D us
 // --- causal grouped-query attention (kernels/cuda/attention.cu) ----------------------
 
 // The shape of kernels/cpu/attention.h (row_block is not used here). D <= 128.
+// A sliding window is accepted only when it holds the whole sequence
+// (window >= T, where it masks nothing); a shorter one is refused.
 using AttentionShape = cpu::AttentionShape;
 
 // Flash-style: tiles of keys stream through shared memory and an online

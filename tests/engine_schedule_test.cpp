@@ -1,0 +1,249 @@
+// The layer-major schedule computes what the micro-batch order computes: a
+// unit's micro-batches reach it in order, so every gradient sums in the same
+// order and the runs are bitwise equal, at every placement, world size and
+// precision, with clipping and with fp16 loss scaling. What it changes is
+// what moves: each unit's parameters cross each link once for the forward
+// and once for the backward, whatever the number of micro-batches, for the
+// activation copies the plan lists.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <utility>
+
+#include "engine_test_support.h"
+
+namespace strata {
+namespace {
+
+using testing::EngineOutcome;
+using testing::EngineRun;
+
+class EngineSchedule : public testing::EngineRunsTest {
+ protected:
+  EngineSchedule() : EngineRunsTest("engine_schedule") {}
+
+  // Trains `run` in both orders and expects the same bits.
+  void expect_schedules_agree(EngineRun run) {
+    run.schedule = "micro_batch";
+    const EngineOutcome micro = train(run);
+    run.schedule = "layer";
+    const EngineOutcome layer = train(run);
+    ASSERT_EQ(micro.plan.input.schedule, Schedule::micro_batch) << run.label();
+    ASSERT_EQ(layer.plan.input.schedule, Schedule::layer) << run.label();
+    testing::expect_identical(layer, micro, run.label());
+  }
+};
+
+TEST_F(EngineSchedule, LayerMajorIsBitwiseTheMicroBatchOrderAtEveryPlacement) {
+  for (int world : {1, 2, 3}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      if (world == 3 && std::string(precision) == "bf16") continue;
+      for (EngineRun run : testing::every_placement(world, precision)) {
+        run.grad_accum = 3;
+        run.steps = 2;
+        expect_schedules_agree(run);
+      }
+    }
+  }
+}
+
+TEST_F(EngineSchedule, TiedEmbeddingsAndTheGpuDataPathsAgree) {
+  for (int world : {1, 2}) {
+    for (EngineRun run : testing::every_placement(world, "bf16")) {
+      run.tied = true;
+      run.grad_accum = 3;
+      run.steps = 2;
+      expect_schedules_agree(run);
+    }
+    // The CUDA backend's data paths, emulated: uploads per use, gradients
+    // through host slots, tied copies per micro-batch.
+    for (EngineRun run : testing::every_placement(world, "fp32")) {
+      run.emulate_gpu = true;
+      run.grad_accum = 3;
+      run.steps = 2;
+      expect_schedules_agree(run);
+      // A tied embedding accumulating in place on the GPU is refused (the
+      // order of its sum would change), so those runs are not compared.
+      run.tied = true;
+      if (world == 1 && run.offload_optimizer == "none") continue;
+      expect_schedules_agree(run);
+    }
+  }
+}
+
+// The steps of a run until it ends or fails: (skipped, loss scale) per step, and the failure.
+struct Skips {
+  std::vector<std::pair<bool, double>> steps;
+  std::string failure;
+};
+
+TEST_F(EngineSchedule, Fp16OverflowSkipsTheSameStepsAndClippingOffUpdatesDuringBackward) {
+  // An infinite lm_head element: every step's gradients overflow, the scaler
+  // halves its scale, skipping, until it gives up; both orders alike.
+  HostModel model = make_host_model(testing::small_gqa_model(), 1);
+  init_host_model(model, seed_);
+  const TensorSlot* slot = model.layout.units.back().find("lm_head.weight");
+  model.params.back()[size_t(slot->offset + 7)] = std::numeric_limits<float>::infinity();
+  const std::string poisoned = dir_.subdirectory("poisoned");
+  ASSERT_TRUE(save_host_model(model, poisoned, DType::f32).is_ok());
+  for (int world : {1, 2}) {
+    for (const char* optimizer : {"none", "nvme"}) {
+      EngineRun run;
+      run.stage = 3;
+      run.offload_param = "nvme";
+      run.offload_optimizer = optimizer;
+      run.world = world;
+      run.precision = "fp16";
+      run.grad_accum = 3;
+      run.initial_scale_power = 3;
+      run.steps = 8;
+      Skips seen[2];
+      for (int s = 0; s < 2; ++s) {
+        run.init = poisoned;
+        run.schedule = s == 0 ? "micro_batch" : "layer";
+        Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+        ASSERT_TRUE(options.is_ok()) << options.status().message();
+        Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
+        ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+        ASSERT_EQ((*engine)->plan().input.schedule, s == 0 ? Schedule::micro_batch : Schedule::layer);
+        for (int step = 0; step < run.steps; ++step) {
+          Result<StepResult> result = (*engine)->step();
+          if (!result) {
+            seen[s].failure = result.status().message();
+            break;
+          }
+          seen[s].steps.push_back({result->skipped, result->loss_scale});
+        }
+      }
+      EXPECT_EQ(seen[0].steps, seen[1].steps) << run.label();
+      ASSERT_FALSE(seen[0].steps.empty()) << run.label();
+      EXPECT_TRUE(seen[0].steps[0].first) << run.label() << ": the overflow skipped the step";
+      EXPECT_EQ(seen[0].failure, seen[1].failure) << run.label();
+      // And at a scale that does not overflow, the same bits.
+      run.init.clear();
+      run.initial_scale_power = 12;
+      run.steps = 2;
+      expect_schedules_agree(run);
+    }
+    // No clipping in fp32: each unit's update runs during backward.
+    EngineRun run;
+    run.stage = 3;
+    run.offload_param = "cpu";
+    run.offload_optimizer = "cpu";
+    run.world = world;
+    run.clipping = 0.0;
+    run.grad_accum = 4;
+    run.steps = 2;
+    expect_schedules_agree(run);
+  }
+}
+
+TEST_F(EngineSchedule, NvmeBytesEqualThePlanAndParameterReadsDoNotGrowWithAccumulation) {
+  int64_t layer_reads_at_one = 0;
+  for (int64_t accum : {1, 2, 4, 8}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      EngineRun run;
+      run.stage = 3;
+      run.offload_param = "nvme";
+      run.offload_optimizer = "nvme";
+      run.micro_batch = 1;
+      run.grad_accum = accum;
+      run.steps = 2;
+      run.schedule = schedule;
+      const EngineOutcome outcome = train(run);
+      const StepTraffic& planned = outcome.plan.traffic_per_step;
+      EXPECT_EQ(outcome.nvme_read, uint64_t(planned.nvme_read) * 2) << run.label() << " x" << accum;
+      EXPECT_EQ(outcome.nvme_written, uint64_t(planned.nvme_written) * 2)
+          << run.label() << " x" << accum;
+      // The parameters' share of the reads: the fetches.
+      int64_t fetched = 0;
+      for (const PlanOp& op : outcome.plan.ops)
+        if (op.kind == OpKind::fetch) fetched += op.bytes;
+      if (std::string(schedule) == "layer") {
+        if (accum == 1) layer_reads_at_one = fetched;
+        EXPECT_EQ(fetched, layer_reads_at_one) << "layer-major fetches at accumulation " << accum;
+        // What grows instead: the activation copies the plan keeps.
+        const PlanBuffer* kept = outcome.plan.buffer(BufferRole::activation_checkpoints);
+        ASSERT_NE(kept, nullptr);
+        EXPECT_EQ(kept->copies, accum);
+      } else if (accum > 1) {
+        EXPECT_GT(fetched, layer_reads_at_one) << "micro-batch-major fetches at " << accum;
+      }
+    }
+  }
+}
+
+TEST_F(EngineSchedule, AutoPicksLayerWhereParametersMoveAndRefusesWhatCannotRun) {
+  EngineRun run;
+  run.stage = 3;
+  run.offload_param = "nvme";
+  run.offload_optimizer = "nvme";
+  run.grad_accum = 4;
+  run.steps = 1;
+  EXPECT_EQ(train(run).plan.input.schedule, Schedule::layer);
+  run.offload_param = "none";
+  run.offload_optimizer = "none";
+  run.stage = 0;
+  EXPECT_EQ(train(run).plan.input.schedule, Schedule::micro_batch);
+  // Activations that do not fit the device budget go to host memory on the CPU backend.
+  run.stage = 3;
+  run.offload_param = "nvme";
+  run.offload_optimizer = "nvme";
+  run.grad_accum = 8;
+  run.schedule = "layer";
+  const EngineOutcome planned = train(run);
+  const PlanBuffer* kept = planned.plan.buffer(BufferRole::activation_checkpoints);
+  ASSERT_NE(kept, nullptr);
+  EXPECT_EQ(planned.plan.input.activation_home, tiers::Tier::device);
+  // A tied embedding accumulating in GPU memory cannot run layer-major: one line, up front.
+  run = EngineRun();
+  run.tied = true;
+  run.emulate_gpu = true;
+  run.stage = 3;
+  run.offload_param = "cpu";
+  run.schedule = "layer";
+  run.grad_accum = 2;
+  Result<testing::EngineOutcome> refused = testing::train_engine(run, dir_.path(), tokens_, seed_);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("--schedule micro_batch"), std::string::npos)
+      << refused.status().message();
+  EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// PCIe on the CUDA backend, from the plan: layer-major uploads each unit once
+// per use whatever the accumulation, and with one rank sends each gradient
+// down once per step (summed on the device), where the micro-batch order
+// sends one per micro-batch.
+TEST(ScheduleTraffic, LayerMajorCrossesPcieOncePerUseAndSendsEachGradientOnce) {
+  auto plan = [](Schedule schedule, int64_t accum) {
+    TrainingPlanInput in;
+    in.model = testing::small_gqa_model();
+    in.stage = 3;
+    in.offload_param = OffloadDevice::cpu;
+    in.offload_optimizer = OffloadDevice::cpu;
+    in.gpu = true;
+    in.micro_batch = 1;
+    in.seq_len = 16;
+    in.grad_accum = accum;
+    in.schedule = schedule;
+    Result<TrainingPlan> built = build_training_plan(in);
+    EXPECT_TRUE(built.is_ok()) << built.status().message();
+    return built ? built->traffic_per_step : StepTraffic{};
+  };
+  const StepTraffic micro4 = plan(Schedule::micro_batch, 4), layer4 = plan(Schedule::layer, 4);
+  const StepTraffic layer8 = plan(Schedule::layer, 8), layer1 = plan(Schedule::layer, 1);
+  EXPECT_EQ(micro4.d2h, 4 * layer4.d2h);
+  EXPECT_EQ(layer4.d2h, layer1.d2h);
+  EXPECT_EQ(layer8.d2h, layer1.d2h);
+  EXPECT_EQ(layer8.h2d, layer4.h2d);
+  EXPECT_GT(micro4.h2d, 3 * layer4.h2d);
+}
+
+}  // namespace
+}  // namespace strata
