@@ -79,24 +79,27 @@ Failure run_error(const Status& status) {
 // that token as a target), and the order its sequences are read in.
 struct TrainData {
   TokenFile file;
-  std::vector<uint8_t> mask;  // (file.size()) or empty
+  std::vector<uint8_t> mask;           // (file.size()) or empty
+  std::string mask_path, mask_source;  // where the mask came from, for the run header
   int64_t vocab = 0;
   SequenceOrder order;  // strata.shuffle; what the engine's checkpoints record
 };
 
-Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens) {
+// `what` names the mask in errors: "--loss-mask", or the file a mask was found next to.
+Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens,
+                                            const std::string& what = "--loss-mask") {
   std::error_code error;
   const uintmax_t size = fs::file_size(path, error);
-  if (error) return Status::error(fmt::format("--loss-mask {}: {}", path, error.message()));
+  if (error) return Status::error(fmt::format("{} {}: {}", what, path, error.message()));
   if (int64_t(size) != tokens)
     return Status::error(
-        fmt::format("--loss-mask {}: {} bytes, but the data file has {} tokens; the mask needs one "
+        fmt::format("{} {}: {} bytes, but the data file has {} tokens; the mask needs one "
                     "byte per token",
-                    path, size, tokens));
+                    what, path, size, tokens));
   std::vector<uint8_t> mask(static_cast<size_t>(size));
   std::ifstream in(path, std::ios::binary);
   if (!in.read(reinterpret_cast<char*>(mask.data()), std::streamsize(size)))
-    return Status::error(fmt::format("--loss-mask {}: read failed", path));
+    return Status::error(fmt::format("{} {}: read failed", what, path));
   return mask;
 }
 
@@ -125,21 +128,30 @@ struct EvalResult {
 
 // The validation loss: the first `batches` micro-batches of (B, T) of the eval
 // file in sequential order, forward only, on the weights as they are after the
-// last update. The engine has no forward-only entry yet, so this runs the CPU
-// model on a one-rank copy of the weights (Engine::read_model).
-Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batches, int64_t B,
-                            int64_t T) {
+// last update, over the targets its mask keeps (all when `mask` is empty). The
+// engine has no forward-only entry yet, so this runs the CPU model on a
+// one-rank copy of the weights (Engine::read_model).
+Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, const std::vector<uint8_t>& mask,
+                            int64_t batches, int64_t B, int64_t T) {
   Result<HostModel> model = engine.read_model();
   if (!model) return model.status();
   const ModelConfig& config = model->layout.config;
   UnitWorkspace workspace(config, B, T);
   std::vector<int32_t> inputs(size_t(B * T)), targets(size_t(B * T));
   double sum = 0;
+  int64_t counted = 0;
   for (int64_t k = 0; k < batches; ++k) {
     if (Status s = read_micro_batch(file, 0, k, 0, 1, B, T, config.vocab_size, inputs.data(),
                                     targets.data());
         !s)
       return s.with_context("--eval-data");
+    const int64_t sequences = file.sequence_count(T);
+    for (int64_t b = 0; b < B && !mask.empty(); ++b) {
+      const uint8_t* kept = mask.data() + sequence_index(0, k, 0, 1, B, b, sequences) * T + 1;
+      for (int64_t t = 0; t < T; ++t)
+        if (kept[t] == 0) targets[size_t(b * T + t)] = -1;
+    }
+    counted += std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; });
     UnitBatch batch;
     batch.tokens = inputs.data();
     batch.targets = targets.data();
@@ -149,7 +161,12 @@ Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, int64_t batch
     if (!loss) return loss.status();
     sum += *loss;
   }
-  return EvalResult{sum / double(batches * B * T), batches * B * T};
+  if (counted == 0)
+    return Status::error(
+        fmt::format("--eval-data {}: its mask keeps no target in the first {} micro-batches; raise "
+                    "--eval-batches or check the mask",
+                    file.path(), batches));
+  return EvalResult{sum / double(counted), counted};
 }
 
 // --export: a .safetensors file, or else a Hugging Face directory (config.json +
@@ -221,6 +238,7 @@ struct TrainingRun {
   std::string schedule_reason;  // why the plan's schedule (choose_schedule)
   std::shared_ptr<TrainData> data;
   std::optional<TokenFile> eval_file;
+  std::vector<uint8_t> eval_mask;  // the mask next to the eval file, or empty
   std::vector<std::string> nvme_paths;
   DType export_dtype = DType::f32;
   std::optional<MetricsWriter> metrics;
@@ -313,7 +331,9 @@ class TrainCommand : public Subcommand {
         ->group(kDataGroup);
     cmd.add_option(
            "--loss-mask", loss_mask_path_,
-           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning)")
+           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning). "
+           "Default: the .mask file next to --data when there is one (train.bin -> train.mask); "
+           "none: no mask")
         ->group(kDataGroup);
     cmd.add_option("--eval-data", eval_path_,
                    "Token file for a validation loss (same format as --data)")
@@ -580,10 +600,25 @@ class TrainCommand : public Subcommand {
       return Failure{
           2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
                          data_path_, run.data->file.size(), T)};
-    if (!loss_mask_path_.empty()) {
-      Result<std::vector<uint8_t>> mask = read_loss_mask(loss_mask_path_, run.data->file.size());
+    // Without --loss-mask, the mask prepare-data writes next to the token file
+    // (train.bin -> train.mask) is used when it is there; --loss-mask none turns that off.
+    std::string mask_path = loss_mask_path_;
+    if (mask_path.empty()) {
+      std::error_code error;
+      if (fs::is_regular_file(loss_mask_path(data_path_), error)) {
+        mask_path = loss_mask_path(data_path_);
+        run.data->mask_source = "found next to --data";
+      }
+    } else if (mask_path == "none") {
+      mask_path.clear();
+    } else {
+      run.data->mask_source = "--loss-mask";
+    }
+    if (!mask_path.empty()) {
+      Result<std::vector<uint8_t>> mask = read_loss_mask(mask_path, run.data->file.size());
       if (!mask) return usage_error(mask.status());
       run.data->mask = std::move(*mask);
+      run.data->mask_path = mask_path;
     }
     return open_eval_data(run, *format);
   }
@@ -601,6 +636,14 @@ class TrainCommand : public Subcommand {
                      fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one",
                                  eval_path_, T)};
     run.eval_file.emplace(std::move(*file));
+    // The mask next to the eval file (val.bin -> val.mask), unless --loss-mask none.
+    std::error_code error;
+    if (loss_mask_path_ != "none" && fs::is_regular_file(loss_mask_path(eval_path_), error)) {
+      Result<std::vector<uint8_t>> mask =
+          read_loss_mask(loss_mask_path(eval_path_), run.eval_file->size(), "--eval-data's mask");
+      if (!mask) return usage_error(mask.status());
+      run.eval_mask = std::move(*mask);
+    }
     if (eval_batches_ < 1) return Failure{2, "--eval-batches must be at least 1"};
     return std::nullopt;
   }
@@ -745,6 +788,15 @@ class TrainCommand : public Subcommand {
     if (run.data->order.is_shuffled())
       fmt::print("data: {} sequences, {}, a new order every pass\n",
                  run.data->file.sequence_count(T), run.data->order.describe());
+    if (!run.data->mask.empty()) {
+      const auto kept = std::count_if(run.data->mask.begin(), run.data->mask.end(),
+                                      [](uint8_t byte) { return byte != 0; });
+      fmt::print("loss mask: {} ({}): {:.1f}% of the tokens are targets; the others do not count\n",
+                 run.data->mask_path, run.data->mask_source,
+                 100.0 * double(kept) / double(run.data->mask.size()));
+    }
+    if (!run.eval_mask.empty())
+      fmt::print("eval loss mask: {} (found next to --eval-data)\n", loss_mask_path(eval_path_));
     if (plan.input.grad_accum > 1) fmt::print("schedule: {}\n", run.schedule_reason);
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
@@ -800,7 +852,8 @@ class TrainCommand : public Subcommand {
       progress_->step(report, seconds_since(run.start));
       if (run.eval_file && (last || (eval_every_ > 0 && s % eval_every_ == 0))) {
         const int64_t T = run.plan->input.seq_len, B = run.plan->input.micro_batch;
-        Result<EvalResult> eval = evaluate(engine, *run.eval_file, eval_batches_, B, T);
+        Result<EvalResult> eval =
+            evaluate(engine, *run.eval_file, run.eval_mask, eval_batches_, B, T);
         if (!eval) return run_error(eval.status());
         progress_->eval(s, eval->loss, eval->tokens);
         report.eval_loss = eval->loss;

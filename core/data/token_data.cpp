@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 namespace strata {
 
@@ -152,6 +153,10 @@ Status TokenFile::read_sequence(int64_t j, int64_t T, int64_t vocab_size, int32_
     if (t > 0) targets[t - 1] = static_cast<int32_t>(token);
   }
   return Status::ok();
+}
+
+std::string loss_mask_path(const std::string& token_path) {
+  return std::filesystem::path(token_path).replace_extension(".mask").string();
 }
 
 void TokenFile::expect_random_access() const {

@@ -13,8 +13,10 @@
 // the vocabulary is refused with the file name and the reason.
 //
 // Sequence j is tokens [j*T, j*T + T + 1): inputs are the first T, targets
-// the last T. A TokenFile is immutable once open and safe to read from many
-// threads.
+// the last T. A loss mask (one byte per token, 0: that token is not a target)
+// lives next to a token file under loss_mask_path's name; `strata train`
+// turns the targets it masks into -1, which the loss does not count. A
+// TokenFile is immutable once open and safe to read from many threads.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +68,10 @@ class TokenFile {
   int64_t tokens_ = 0;
   int token_bytes_ = 2;
 };
+
+// Where the loss mask of a token file lives: the same name with the extension
+// .mask ("data/train.bin" -> "data/train.mask"; "train" -> "train.mask").
+std::string loss_mask_path(const std::string& token_path);
 
 // The sequence that row b of micro-batch `micro` on rank `rank` reads in
 // `order`: order.sequence(batch_position(offset, micro, rank, world, B, b), sequences).

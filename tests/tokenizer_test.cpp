@@ -1,0 +1,153 @@
+// The byte-level BPE tokenizer (core/data/tokenizer.h) gives the ids of
+// Hugging Face `tokenizers`: three small tokenizers of the Llama 3, Qwen2 and
+// GPT-2 kinds and the ids `tokenizers` gave for tricky inputs are fixtures in
+// tests/fixtures/tokenizers (tests/tokenizer_fixtures.py made them). Also: token
+// spans cover the text, the cache changes nothing, unsupported keys are refused.
+#include "core/data/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+namespace strata {
+namespace {
+
+const std::string kFixtures = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizers";
+const char* const kKinds[] = {"llama3", "qwen2", "gpt2"};
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  return nlohmann::json::parse(in);
+}
+
+Tokenizer load(const std::string& kind) {
+  Result<Tokenizer> tokenizer = Tokenizer::load(kFixtures + "/" + kind + "/tokenizer.json");
+  EXPECT_TRUE(tokenizer.is_ok()) << tokenizer.status().message();
+  return std::move(*tokenizer);
+}
+
+TEST(Tokenizer, IdsEqualThoseOfHuggingFaceTokenizersOnTrickyInputs) {
+  const nlohmann::json expected = read_json(kFixtures + "/expected_ids.json");
+  int compared = 0;
+  for (const char* kind : kKinds) {
+    Tokenizer tokenizer = load(kind);
+    ASSERT_TRUE(expected.contains(kind));
+    for (const nlohmann::json& entry : expected[kind]) {
+      const std::string text = entry["text"];
+      EXPECT_EQ(tokenizer.encode(text, true), entry["ids"].get<std::vector<uint32_t>>())
+          << kind << " with special tokens: '" << text << "'";
+      EXPECT_EQ(tokenizer.encode(text, false),
+                entry["ids_without_special"].get<std::vector<uint32_t>>())
+          << kind << ": '" << text << "'";
+      ++compared;
+    }
+  }
+  EXPECT_GE(compared, 3 * 40);
+}
+
+TEST(Tokenizer, LlamaKindAddsItsBeginOfTextToken) {
+  Tokenizer llama = load("llama3");
+  ASSERT_EQ(llama.prefix_tokens().size(), 1u);
+  EXPECT_EQ(llama.prefix_tokens()[0], *llama.token_id("<|begin_of_text|>"));
+  EXPECT_TRUE(llama.suffix_tokens().empty());
+  Tokenizer qwen = load("qwen2");
+  EXPECT_TRUE(qwen.prefix_tokens().empty());
+  EXPECT_EQ(qwen.vocab_size(), 652);
+}
+
+// Random text of the hard kinds: the spans of encode_normalized tile the text
+// in order, their bytes decode back to it through the ids, and a fresh
+// tokenizer (empty cache) and a warm one agree.
+TEST(Tokenizer, SpansTileTheTextAndTheCacheChangesNothing) {
+  std::random_device device;
+  const unsigned seed = device();
+  std::mt19937 random(seed);
+  const std::vector<std::string> pieces = {
+      "the",  " model",     "'s",         "  ", "\n", "\r\n",    "123456", "café", "日本語",
+      "🙂", "<|eot_id|>", "<|im_end|>", "\t", "x",  "A\u030a", "!!",     "'LL"};
+  for (const char* kind : kKinds) {
+    Tokenizer warm = load(kind);
+    for (int round = 0; round < 50; ++round) {
+      std::string text;
+      const int count = int(random() % 60);
+      for (int i = 0; i < count; ++i) text += pieces[random() % pieces.size()];
+      const std::string normalized = warm.normalize(text);
+      std::vector<TokenSpan> spans;
+      warm.encode_normalized(normalized, spans);
+      uint64_t position = 0;
+      for (const TokenSpan& span : spans) {
+        ASSERT_EQ(span.begin, position) << kind << " seed " << seed;
+        ASSERT_GT(span.end, span.begin) << kind << " seed " << seed;
+        position = span.end;
+      }
+      EXPECT_EQ(position, normalized.size()) << kind << " seed " << seed;
+      Tokenizer cold = load(kind);
+      EXPECT_EQ(cold.encode(text), warm.encode(text)) << kind << " seed " << seed;
+    }
+  }
+}
+
+std::string fixture_with(const std::string& kind,
+                         const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json root = read_json(kFixtures + "/" + kind + "/tokenizer.json");
+  edit(root);
+  return root.dump();
+}
+
+TEST(Tokenizer, RefusesWhatItDoesNotReadNamingTheKey) {
+  struct Case {
+    std::function<void(nlohmann::json&)> edit;
+    std::string key;
+  };
+  const std::vector<Case> cases = {
+      {[](nlohmann::json& j) { j["model"]["type"] = "WordPiece"; }, "model.type"},
+      {[](nlohmann::json& j) { j["model"]["byte_fallback"] = true; }, "model.byte_fallback"},
+      {[](nlohmann::json& j) {
+         j["normalizer"] = {{"type", "NFKC"}};
+       },
+       "normalizer.type"},
+      {[](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; },
+       "pre_tokenizer.pretokenizers[0].behavior"},
+      {[](nlohmann::json& j) {
+         j["pre_tokenizer"] = {{"type", "Whitespace"}};
+       },
+       "pre_tokenizer.type"},
+      {[](nlohmann::json& j) { j["pre_tokenizer"] = nullptr; }, "pre_tokenizer"},
+      {[](nlohmann::json& j) { j["added_tokens"][0]["lstrip"] = true; }, "added_tokens[0].lstrip"},
+      {[](nlohmann::json& j) {
+         j["post_processor"] = {{"type", "BertProcessing"}};
+       },
+       "post_processor.type"},
+      {[](nlohmann::json& j) {
+         j["truncation"] = {{"max_length", 8}};
+       },
+       "truncation"},
+      {[](nlohmann::json& j) { j["model"]["merges"][0] = "nospace"; }, "model.merges[0]"},
+      {[](nlohmann::json& j) { j["model"]["vocab"].erase("Ā"); }, "model.vocab"},
+  };
+  for (const Case& c : cases) {
+    Result<Tokenizer> t = Tokenizer::parse(fixture_with("llama3", c.edit), "x/tokenizer.json");
+    ASSERT_FALSE(t.is_ok()) << c.key;
+    const std::string& message = t.status().message();
+    EXPECT_NE(message.find("x/tokenizer.json: " + c.key), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+  Result<Tokenizer> missing = Tokenizer::load(kFixtures + "/absent/tokenizer.json");
+  ASSERT_FALSE(missing.is_ok());
+  EXPECT_NE(missing.status().message().find("absent/tokenizer.json"), std::string::npos);
+}
+
+TEST(Tokenizer, FindsInvalidUtf8) {
+  EXPECT_FALSE(invalid_utf8_offset("plain café 🙂").has_value());
+  EXPECT_EQ(invalid_utf8_offset(std::string("ab\xff") + "c"), 2u);
+  EXPECT_EQ(invalid_utf8_offset(std::string("a\xc3")), 1u);         // truncated
+  EXPECT_EQ(invalid_utf8_offset(std::string("a\xc0\xaf")), 1u);     // overlong
+  EXPECT_EQ(invalid_utf8_offset(std::string("\xed\xa0\x80")), 0u);  // surrogate
+}
+
+}  // namespace
+}  // namespace strata
