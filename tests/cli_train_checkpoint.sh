@@ -94,13 +94,17 @@ for attempt in $(seq 1 40); do
   "$strata" train "${common[@]}" "${nvme[@]}" --steps $long --save "$dir/kill" --save-every 1 --keep 2 \
     "${resume[@]}" >"$dir/kill.out" 2>"$dir/kill.err" &
   pid=$!
-  sleep "0.$((RANDOM % 6 + 1))"
+  # 0.1 to 1.2 s: on a loaded machine a run may need most of that to start.
+  sleep "$((RANDOM % 2)).$((RANDOM % 10 + 1))"
   if kill -KILL $pid 2>/dev/null; then kills=$((kills + 1)); fi
   wait $pid 2>/dev/null
 done
 echo "  killed $kills runs"
 [ $kills -ge 3 ]; check "several runs were killed" $?
-"$strata" train "${common[@]}" "${nvme[@]}" --steps $long --resume "$dir/kill" --save "$dir/kill" \
+# Resume from the newest checkpoint (none when every run was killed before its first save).
+resume=()
+ls -d "$dir/kill"/step-* >/dev/null 2>&1 && resume=(--resume "$dir/kill")
+"$strata" train "${common[@]}" "${nvme[@]}" --steps $long "${resume[@]}" --save "$dir/kill" \
   --export "$dir/killed.safetensors" >"$dir/out" 2>"$dir/err"
 check "the last resume succeeds" $?
 cmp -s "$dir/long.safetensors" "$dir/killed.safetensors"
