@@ -166,6 +166,17 @@ void read_activation_checkpointing(JsonReader in, ActivationCheckpointingConfig&
   in.optional_bool("profile", out.profile);
 }
 
+bool parse_optimizer_state_dtype(const std::string& text, OptimizerStateDtype& out) {
+  for (OptimizerStateDtype d :
+       {OptimizerStateDtype::fp32, OptimizerStateDtype::bf16, OptimizerStateDtype::int8}) {
+    if (text == optimizer_state_dtype_name(d)) {
+      out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
 void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& block) {
   for (const char* key : {"device_mem_limit", "host_mem_limit"}) {
     in.accept(key);
@@ -213,6 +224,9 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   if (in.optional_choice("gradient_reduce_dtype", reduce_dtype, {"fp32", "bf16"})) {
     out.gradient_reduce_dtype = reduce_dtype == "bf16" ? Precision::bf16 : Precision::fp32;
   }
+  std::string state_dtype;
+  if (in.optional_choice("optimizer_state_dtype", state_dtype, {"fp32", "bf16", "int8"}))
+    parse_optimizer_state_dtype(state_dtype, out.optimizer_state_dtype);
   in.optional_bool("shuffle", out.shuffle);
   // A seed is any 64-bit unsigned integer, as --seed is; JsonReader's integers stop at 2^63.
   in.accept("shuffle_seed");
@@ -309,6 +323,15 @@ const char* precision_name(Precision precision) {
     case Precision::fp32: return "fp32";
     case Precision::bf16: return "bf16";
     case Precision::fp16: return "fp16";
+  }
+  return "?";
+}
+
+const char* optimizer_state_dtype_name(OptimizerStateDtype dtype) {
+  switch (dtype) {
+    case OptimizerStateDtype::fp32: return "fp32";
+    case OptimizerStateDtype::bf16: return "bf16";
+    case OptimizerStateDtype::int8: return "int8";
   }
   return "?";
 }
@@ -483,6 +506,11 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     *target = *size;
   }
 
+  if (overrides.optimizer_state_dtype &&
+      !parse_optimizer_state_dtype(*overrides.optimizer_state_dtype,
+                                   config.strata.optimizer_state_dtype))
+    return Status::error(fmt::format("--optimizer-state-dtype: expected fp32, bf16 or int8, got '{}'",
+                                     *overrides.optimizer_state_dtype));
   if (overrides.shuffle) config.strata.shuffle = *overrides.shuffle;
   if (overrides.shuffle_seed) config.strata.shuffle_seed = *overrides.shuffle_seed;
   // A seed that orders nothing is worth a line, unless --no-shuffle turned a file's shuffle off.
@@ -558,6 +586,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"host_mem_limit", c.strata.host_mem_limit ? json(*c.strata.host_mem_limit) : json(nullptr)},
       {"nvme_paths", c.effective_nvme_paths()},
       {"gradient_reduce_dtype", precision_name(c.strata.gradient_reduce_dtype)},
+      {"optimizer_state_dtype", optimizer_state_dtype_name(c.strata.optimizer_state_dtype)},
       {"seq_len", c.strata.seq_len ? json(*c.strata.seq_len) : json(nullptr)},
       {"shuffle", c.strata.shuffle},
       {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},

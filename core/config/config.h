@@ -23,8 +23,13 @@ namespace strata {
 enum class Precision { fp32, bf16, fp16 };
 enum class OffloadDevice { none, cpu, nvme };
 
+// How Adam's m and v are stored (kernels/cpu/adamw.h): fp32 (exact), bf16
+// (rounded to nearest even), int8 (blockwise codes with a per-block scale).
+enum class OptimizerStateDtype { fp32, bf16, int8 };
+
 const char* precision_name(Precision precision);
 const char* offload_device_name(OffloadDevice device);
+const char* optimizer_state_dtype_name(OptimizerStateDtype dtype);  // "fp32", "bf16", "int8"
 // Bytes of one parameter in the compute precision (4, 2, 2).
 int compute_bytes(Precision precision);
 
@@ -108,6 +113,7 @@ struct StrataConfig {
   std::optional<uint64_t> host_mem_limit;    // bytes per node; unset: detected
   std::vector<std::string> nvme_paths;       // striped; unset: the offload blocks' nvme_path
   Precision gradient_reduce_dtype = Precision::fp32;  // fp32 or bf16
+  OptimizerStateDtype optimizer_state_dtype = OptimizerStateDtype::fp32;  // m and v
   std::optional<int64_t> seq_len;  // tokens per sequence; unset: min(2048, the model's maximum)
   std::optional<int> world_size;   // ranks, when not given by --world-size or the launcher
   std::optional<Precision> precision;  // another way to say fp16/bf16 enabled; must agree with them
@@ -164,6 +170,7 @@ struct ConfigOverrides {
   std::optional<int64_t> seq_len;
   std::optional<bool> shuffle;
   std::optional<uint64_t> shuffle_seed;
+  std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
 };
 
 // Reads `config_path` (empty: no file, all defaults) and applies `overrides`.

@@ -71,9 +71,14 @@ struct GradTarget {
 struct UnitUpdate {
   const Optimizer* optimizer = nullptr;  // the rank's driver: hyperparameters per group
   StepPlan decision;
-  float* master = nullptr;      // (numel) fp32, in the optimizer's home
-  float* m = nullptr;           // (numel) fp32, in the optimizer's home
-  float* v = nullptr;           // (numel) fp32, in the optimizer's home
+  float* master = nullptr;  // (numel) fp32, in the optimizer's home
+  // (numel) each in the optimizer's home, as `state_type` stores them (fp32
+  // floats; bf16 bits; int8 codes, with their block scales in host memory).
+  void* m = nullptr;
+  void* v = nullptr;
+  kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
+  float* m_scale = nullptr;  // int8: (int8_block_count(segments, numel)) each; else null
+  float* v_scale = nullptr;
   const float* grad = nullptr;  // (numel) fp32, in the gradient's home (the optimizer's tier)
   int64_t numel = 0;
   std::span<const ShardSegment> segments;  // parameter groups over [0, numel)

@@ -255,6 +255,9 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   update.grad = reinterpret_cast<const float*>(home_data(rank, {u, ShardKind::grad})) +
                 (p.grad_numel == p.padded_numel ? offset : 0);
   update.new_params_type = compute_type();
+  update.state_type = plan.state_type();
+  update.m_scale = rank.m_scales.empty() ? nullptr : rank.m_scales[size_t(u)];
+  update.v_scale = rank.v_scales.empty() ? nullptr : rank.v_scales[size_t(u)];
   if (plan.homes.separate_master) {
     // The new compute-precision parameters go to their home, or to the staging
     // buffer on their way to NVMe or (from the CPU) to the GPU.
@@ -266,8 +269,8 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     updated = update_streamed(rank, update, u, master_key.kind);
   } else {
     update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
-    update.m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
-    update.v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
+    update.m = home_data(rank, {u, ShardKind::m});
+    update.v = home_data(rank, {u, ShardKind::v});
     updated = rank.compute->update(plan.homes.optimizer, update);
   }
   if (!updated) return updated;
@@ -291,6 +294,8 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
     streamed.copy_type = update.new_params_type;
   }
   streamed.master_kind = master_kind;
+  streamed.m_scale = update.m_scale;
+  streamed.v_scale = update.v_scale;
   return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1});
 }
 

@@ -82,6 +82,7 @@ PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<Model
   input.offload_param = c.zero.offload_param.device;
   input.precision = c.precision;
   input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
+  input.optimizer_state_dtype = c.strata.optimizer_state_dtype;
   input.micro_batch = c.train_micro_batch_size_per_gpu;
   input.grad_accum = c.gradient_accumulation_steps;
   input.seq_len = effective_seq_len(c, model);
@@ -110,6 +111,7 @@ TrainingPlanInput step_input(const PlanInput& in) {
   step.overlap_comm = in.overlap_comm;
   step.reduce_scatter = in.reduce_scatter;
   step.reduce_in_bf16 = in.gradient_reduce_dtype == Precision::bf16;
+  step.optimizer_state = in.optimizer_state_dtype;
   step.optimizer_during_backward = in.optimizer_during_backward;
   step.gpu = in.gpu;
   step.nccl_staging = in.nccl_staging;

@@ -54,6 +54,7 @@ struct PlanInput {
   OffloadDevice offload_param = OffloadDevice::none;
   Precision precision = Precision::bf16;
   Precision gradient_reduce_dtype = Precision::fp32;
+  OptimizerStateDtype optimizer_state_dtype = OptimizerStateDtype::fp32;  // m and v
   int64_t micro_batch = 1;
   int64_t seq_len = 2048;
   int64_t grad_accum = 1;

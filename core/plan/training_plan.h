@@ -50,6 +50,7 @@
 #include "core/config/config.h"
 #include "core/model/model.h"
 #include "core/model/model_config.h"
+#include "core/optimizer/optimizer.h"
 #include "io/base/status.h"
 #include "kernels/cpu/simd.h"
 #include "tiers/tier.h"
@@ -70,6 +71,8 @@ struct TrainingPlanInput {
   bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
   bool reduce_in_bf16 =
       false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
+  // strata.optimizer_state_dtype: how m and v are stored (kernels/cpu/adamw.h).
+  OptimizerStateDtype optimizer_state = OptimizerStateDtype::fp32;
   // No clipping and no loss scaling: the update needs no global result, so
   // `decide` runs at the start and each unit's optimizer as soon as its
   // gradient is final, during backward.
@@ -126,6 +129,9 @@ struct UnitPlacement {
   int64_t param_numel = 0;      // stored per rank
   int64_t grad_numel = 0;       // accumulator per rank
   int64_t optimizer_numel = 0;  // master / m / v per rank
+  // int8 state: the int8 blocks of a rank's optimizer range (int8_block_count
+  // of its parameter-group segments), the most of any rank; 0 otherwise.
+  int64_t int8_blocks = 0;
 };
 
 struct StateHomes {
@@ -149,6 +155,9 @@ enum class BufferRole {
   master_state,
   m_state,
   v_state,
+  // int8 m and v: [2] (sum over units of int8_blocks) fp32 block scales, m's
+  // then v's, in host memory beside the CPU optimizer whatever tier holds the codes.
+  int8_scales,
   // The engine rank's buffers (CPU backend: in host memory standing in for the device).
   gathered_unit,           // [gather_slots] (largest padded) compute precision
   gathered_unit_fp32,      // [gather_slots] (largest padded) the CPU backend's widened copy
@@ -178,7 +187,7 @@ enum class BufferRole {
   gpu_unit_working_set,        // bytes, CudaUnits' working set
   // Taken by the store and the streamed optimizer from the host budget.
   nvme_parameter_copies,  // [fetch_slots] (largest shard) compute precision
-  optimizer_stream,       // [optimizer buffers] (chunk x 3) fp32: master, m, v
+  optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
 };
 const char* buffer_role_name(BufferRole role);
@@ -249,6 +258,11 @@ struct TrainingPlan {
   int64_t optimizer_offset(int u, int rank) const;
   // The parameters' element type: the compute precision.
   kernels::cpu::ElementType compute_type() const;
+  // How m and v are stored, and the bytes of one element of each (int8: the codes).
+  kernels::cpu::AdamWStateType state_type() const;
+  int64_t moment_bytes() const;
+  // The parameter groups of rank r's optimizer range of unit u, over [0, optimizer_numel).
+  std::vector<ShardSegment> segments(int u, int rank) const;
 
   // The CUDA backend's data paths (core/engine/gpu_rank.h). The units compute
   // straight from the parameters' device home when each rank holds whole
