@@ -177,6 +177,17 @@ bool parse_optimizer_state_dtype(const std::string& text, OptimizerStateDtype& o
   return false;
 }
 
+bool parse_gradient_home(const std::string& text, GradientHome& out) {
+  for (GradientHome h :
+       {GradientHome::automatic, GradientHome::host, GradientHome::host_bf16, GradientHome::nvme}) {
+    if (text == gradient_home_name(h)) {
+      out = h;
+      return true;
+    }
+  }
+  return false;
+}
+
 void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& block) {
   for (const char* key : {"device_mem_limit", "host_mem_limit"}) {
     in.accept(key);
@@ -227,6 +238,9 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   std::string state_dtype;
   if (in.optional_choice("optimizer_state_dtype", state_dtype, {"fp32", "bf16", "int8"}))
     parse_optimizer_state_dtype(state_dtype, out.optimizer_state_dtype);
+  std::string gradient_home;
+  if (in.optional_choice("gradient_home", gradient_home, {"auto", "host", "host_bf16", "nvme"}))
+    parse_gradient_home(gradient_home, out.gradient_home);
   in.optional_bool("shuffle", out.shuffle);
   // A seed is any 64-bit unsigned integer, as --seed is; JsonReader's integers stop at 2^63.
   in.accept("shuffle_seed");
@@ -332,6 +346,16 @@ const char* optimizer_state_dtype_name(OptimizerStateDtype dtype) {
     case OptimizerStateDtype::fp32: return "fp32";
     case OptimizerStateDtype::bf16: return "bf16";
     case OptimizerStateDtype::int8: return "int8";
+  }
+  return "?";
+}
+
+const char* gradient_home_name(GradientHome home) {
+  switch (home) {
+    case GradientHome::automatic: return "auto";
+    case GradientHome::host: return "host";
+    case GradientHome::host_bf16: return "host_bf16";
+    case GradientHome::nvme: return "nvme";
   }
   return "?";
 }
@@ -511,6 +535,10 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
                                    config.strata.optimizer_state_dtype))
     return Status::error(fmt::format("--optimizer-state-dtype: expected fp32, bf16 or int8, got '{}'",
                                      *overrides.optimizer_state_dtype));
+  if (overrides.gradient_home &&
+      !parse_gradient_home(*overrides.gradient_home, config.strata.gradient_home))
+    return Status::error(fmt::format(
+        "--gradient-home: expected auto, host, host_bf16 or nvme, got '{}'", *overrides.gradient_home));
   if (overrides.shuffle) config.strata.shuffle = *overrides.shuffle;
   if (overrides.shuffle_seed) config.strata.shuffle_seed = *overrides.shuffle_seed;
   // A seed that orders nothing is worth a line, unless --no-shuffle turned a file's shuffle off.
@@ -587,6 +615,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"nvme_paths", c.effective_nvme_paths()},
       {"gradient_reduce_dtype", precision_name(c.strata.gradient_reduce_dtype)},
       {"optimizer_state_dtype", optimizer_state_dtype_name(c.strata.optimizer_state_dtype)},
+      {"gradient_home", gradient_home_name(c.strata.gradient_home)},
       {"seq_len", c.strata.seq_len ? json(*c.strata.seq_len) : json(nullptr)},
       {"shuffle", c.strata.shuffle},
       {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},

@@ -40,7 +40,7 @@ Status update_on_host(const UnitUpdate& update) {
     shard.arrays.exp_avg = static_cast<float*>(update.m);
     shard.arrays.exp_avg_sq = static_cast<float*>(update.v);
     shard.arrays.grad = update.grad;
-    shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+    shard.arrays.grad_type = update.grad_type;
     if (narrowed) {
       shard.arrays.copy = update.new_params;
       shard.arrays.copy_type = update.new_params_type;
@@ -58,7 +58,7 @@ Status update_on_host(const UnitUpdate& update) {
     shard.arrays.exp_avg_scale = update.m_scale;
     shard.arrays.exp_avg_sq_scale = update.v_scale;
     shard.arrays.grad = update.grad;
-    shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+    shard.arrays.grad_type = update.grad_type;
     if (narrowed) {
       shard.arrays.copy = update.new_params;
       shard.arrays.copy_type = update.new_params_type;

@@ -109,6 +109,7 @@ struct Engine::Impl {
     std::vector<std::vector<ShardSegment>> segments;       // per unit, over its optimizer range
     // int8 state: per unit, (int8_block_count of its segments) block scales of m and of v.
     std::vector<float*> m_scales, v_scales;
+    float* grad_staging = nullptr;  // (largest gradient shard) an NVMe-homed gradient, read back
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
@@ -207,6 +208,10 @@ struct Engine::Impl {
   Status reduce(Rank& rank, const PlanOp& op);
   // Reduces compute op `op`'s gradient over the ranks into its accumulator.
   Status reduce_and_accumulate(Rank& rank, const PlanOp& op);
+  // Adds the reduced `count` fp32 elements of micro-batch `micro` into unit u's
+  // gradient, in its home (strata.gradient_home); on NVMe the final sum's norm
+  // partial is taken here, while it is in host memory.
+  Status accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count, int micro);
   Status exchange(Rank& rank, StepRun& run);
   Status optimize(Rank& rank, StepRun& run, const PlanOp& op);
   // AdamW of `update` over state homed on NVMe: the streamed optimizer's pass

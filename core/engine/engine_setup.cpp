@@ -101,6 +101,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.reduce_out = b.as<float>(R::reduce_scatter_output);
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);
+  rank.grad_staging = b.as<float>(R::gradient_staging);
   rank.tokens = b.as<int32_t>(R::tokens_and_targets);
   rank.targets = rank.tokens + plan.tokens_per_micro * in.grad_accum;
   if (b.at(R::nccl_staging) != nullptr) {
@@ -128,6 +129,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
     streamed.buffer_count = unsigned(in.optimizer_buffers);
     streamed.chunk_elements = plan.optimizer_chunk_elements;
     streamed.state_type = plan.state_type();
+    streamed.grads_in_store = plan.homes.grad == tiers::Tier::nvme;
     Result<std::unique_ptr<StreamedOptimizer>> created = StreamedOptimizer::create(s, streamed);
     if (!created) return created.status().with_context(fmt::format("rank {}", r));
     rank.streamed = std::move(*created);

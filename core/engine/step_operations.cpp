@@ -114,13 +114,17 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
     if (Status s = reduce_and_accumulate(rank, op); !s) return s;
   }
   if (op.micro != plan.input.grad_accum - 1) return Status::ok();
+  // On NVMe the norm was taken before the sum was written (accumulate_gradient).
+  if (plan.homes.grad == tiers::Tier::nvme) return Status::ok();
   // This rank's slice of the final gradient, the same elements at every stage.
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
-  const float* slice = grad_home(rank, u) +
-                       (p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0);
+  const int64_t from = p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0;
   Result<kernels::cpu::GradNormPartial> partial =
-      rank.compute->grad_norm(plan.homes.grad, slice, p.shard_numel);
+      plan.homes.grad_bf16
+          ? kernels::cpu::grad_norm_squared(home_data(rank, {u, ShardKind::grad}) + from * 2,
+                                            ElementType::bf16, p.shard_numel)
+          : rank.compute->grad_norm(plan.homes.grad, grad_home(rank, u) + from, p.shard_numel);
   if (!partial) return partial.status();
   rank.partials[size_t(u)] = *partial;
   return Status::ok();
@@ -164,8 +168,42 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!arrived) return arrived;
     if (!status) return status;
   }
-  return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count,
-                                  op.micro == 0);
+  return accumulate_gradient(rank, u, reduced, count, op.micro);
+}
+
+Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count,
+                                         int micro) {
+  const ShardKey key{u, ShardKind::grad};
+  if (plan.homes.grad_bf16) {
+    // Each micro-batch's sum is taken in fp32 and rounded once to bf16 (to
+    // nearest even): acc = bf16(float(acc) + reduced).
+    auto* acc = reinterpret_cast<uint16_t*>(home_data(rank, key));
+    for (int64_t i = 0; i < count; ++i)
+      acc[i] = kernels::cpu::float_to_bf16(
+          micro == 0 ? reduced[i] : kernels::cpu::bf16_to_float(acc[i]) + reduced[i]);
+    return Status::ok();
+  }
+  if (plan.homes.grad != tiers::Tier::nvme)
+    return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count,
+                                    micro == 0);
+  // NVMe: the sum so far is read back and added to (acc + reduced, as in
+  // memory), then written; the last micro-batch's sum is final: its norm first.
+  const std::span<std::byte> bytes(reinterpret_cast<std::byte*>(reduced), size_t(count) * 4);
+  if (micro > 0) {
+    const std::span<std::byte> stored(reinterpret_cast<std::byte*>(rank.grad_staging),
+                                      size_t(count) * 4);
+    if (Status s = rank.store->read_shard(key, stored); !s) return s;
+    if (Status s = accumulate_on_host(rank.grad_staging, reduced, count, false); !s) return s;
+    std::memcpy(reduced, rank.grad_staging, size_t(count) * 4);
+  }
+  if (micro == plan.input.grad_accum - 1) {
+    const UnitPlacement& p = plan.units[size_t(u)];
+    const int64_t from = p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0;
+    Result<kernels::cpu::GradNormPartial> partial = grad_norm_on_host(reduced + from, p.shard_numel);
+    if (!partial) return partial.status();
+    rank.partials[size_t(u)] = *partial;
+  }
+  return rank.store->write_shard(key, bytes);
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
@@ -252,8 +290,12 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   update.decision = decision;
   update.numel = p.optimizer_numel;
   update.segments = rank.segments[size_t(u)];
-  update.grad = reinterpret_cast<const float*>(home_data(rank, {u, ShardKind::grad})) +
-                (p.grad_numel == p.padded_numel ? offset : 0);
+  const int64_t grad_offset = p.grad_numel == p.padded_numel ? offset : 0;
+  update.grad_type = plan.homes.grad_bf16 ? ElementType::bf16 : ElementType::f32;
+  // On NVMe the streamed optimizer reads the gradient with its chunks.
+  if (plan.homes.grad != tiers::Tier::nvme)
+    update.grad = home_data(rank, {u, ShardKind::grad}) +
+                  grad_offset * int64_t(kernels::cpu::element_size(update.grad_type));
   update.new_params_type = compute_type();
   update.state_type = plan.state_type();
   update.m_scale = rank.m_scales.empty() ? nullptr : rank.m_scales[size_t(u)];
@@ -288,7 +330,9 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
   streamed.numel = update.numel;
   streamed.segments = update.segments;
   streamed.grad = update.grad;
-  streamed.grad_type = ElementType::f32;
+  streamed.grad_type = update.grad_type;
+  const UnitPlacement& p = plan.units[size_t(unit)];
+  streamed.grad_offset = p.grad_numel == p.padded_numel ? plan.optimizer_offset(unit, rank.rank) : 0;
   if (update.new_params != nullptr) {
     streamed.copy = update.new_params;
     streamed.copy_type = update.new_params_type;

@@ -43,7 +43,7 @@ int64_t blocks_before(std::span<const ShardSegment> segments, int64_t at) {
 
 uint64_t StreamedOptimizer::host_buffer_bytes(const StreamedOptimizerOptions& options) {
   return uint64_t(options.buffer_count) * uint64_t(options.chunk_elements) *
-         uint64_t(4 + 2 * moment_bytes(options.state_type));
+         uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0));
 }
 
 Result<std::unique_ptr<StreamedOptimizer>> StreamedOptimizer::create(
@@ -59,7 +59,8 @@ Result<std::unique_ptr<StreamedOptimizer>> StreamedOptimizer::create(
   tiers::StreamedPassOptions pass_options;
   pass_options.buffer_count = options.buffer_count;
   pass_options.buffer_bytes =
-      uint64_t(options.chunk_elements) * uint64_t(4 + 2 * moment_bytes(options.state_type));
+      uint64_t(options.chunk_elements) *
+      uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0));
   Result<std::unique_ptr<tiers::StreamedPass>> pass =
       tiers::StreamedPass::create(store, pass_options);
   if (!pass) return pass.status().with_context("streamed optimizer");
@@ -85,7 +86,7 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
   std::vector<StreamItem> items;
   for (size_t u = 0; u < units.size(); ++u) {
     const StreamedOptimizerUnit& unit = units[u];
-    if (unit.numel > 0 && unit.grad == nullptr)
+    if (unit.numel > 0 && unit.grad == nullptr && !options_.grads_in_store)
       return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
     if (unit.numel > 0 && int8 && (unit.m_scale == nullptr || unit.v_scale == nullptr))
       return Status::error(
@@ -99,6 +100,12 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
       for (ShardKind kind : {ShardKind::m, ShardKind::v})
         item.pieces.push_back(
             StreamPiece{{unit.unit, kind}, uint64_t(begin) * mb, uint64_t(numel) * mb});
+      if (options_.grads_in_store) {
+        StreamPiece grad{{unit.unit, ShardKind::grad}, uint64_t(unit.grad_offset + begin) * 4,
+                         uint64_t(numel) * 4};
+        grad.write = false;
+        item.pieces.push_back(grad);
+      }
       items.push_back(std::move(item));
     }
   }
@@ -120,6 +127,11 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
                      ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
                      : nullptr;
     const bool narrow_copy = copy != nullptr && unit.copy_type != kernels::cpu::ElementType::f32;
+    const void* grad = options_.grads_in_store
+                           ? static_cast<const void*>(pieces[3])
+                           : offset_elements(unit.grad, chunk.begin, unit.grad_type);
+    const kernels::cpu::ElementType grad_type =
+        options_.grads_in_store ? kernels::cpu::ElementType::f32 : unit.grad_type;
     Status status = Status::ok();
     if (state_type == kernels::cpu::AdamWStateType::f32) {
       OptimizerShard shard;
@@ -127,8 +139,8 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
       shard.arrays.master = reinterpret_cast<float*>(pieces[0]);
       shard.arrays.exp_avg = reinterpret_cast<float*>(pieces[1]);
       shard.arrays.exp_avg_sq = reinterpret_cast<float*>(pieces[2]);
-      shard.arrays.grad = offset_elements(unit.grad, chunk.begin, unit.grad_type);
-      shard.arrays.grad_type = unit.grad_type;
+      shard.arrays.grad = grad;
+      shard.arrays.grad_type = grad_type;
       shard.arrays.copy = narrow_copy ? copy : nullptr;
       shard.arrays.copy_type = unit.copy_type;
       shard.segments = segments;
@@ -145,8 +157,8 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
         shard.arrays.exp_avg_scale = unit.m_scale + first;
         shard.arrays.exp_avg_sq_scale = unit.v_scale + first;
       }
-      shard.arrays.grad = offset_elements(unit.grad, chunk.begin, unit.grad_type);
-      shard.arrays.grad_type = unit.grad_type;
+      shard.arrays.grad = grad;
+      shard.arrays.grad_type = grad_type;
       shard.arrays.copy = narrow_copy ? copy : nullptr;
       shard.arrays.copy_type = unit.copy_type;
       shard.segments = segments;

@@ -21,7 +21,8 @@
 // elements, a chunk's blocks are a contiguous run of the unit's.
 //
 // Host memory: buffer_count buffers of chunk_elements * (4 + 2 x the moment's
-// bytes) bytes (12 for fp32 state), charged to
+// bytes, + 4 when the gradients come from the store) bytes (12 for fp32
+// state), charged to
 // the host tier at create() (the planner's host staging for the streamed
 // optimizer). Completion: step() returns once every updated chunk is written
 // back; on an error the message names the unit, chunk and shard, and chunks
@@ -46,6 +47,8 @@ struct StreamedOptimizerOptions {
   unsigned buffer_count = 4;                         // offload_optimizer.buffer_count
   // How m and v are stored; compact formats need chunk_elements a multiple of 4096.
   kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
+  // The gradients are (unit, grad) shards homed on NVMe, read with each chunk.
+  bool grads_in_store = false;
 };
 
 // One unit's shard as the step sees it.
@@ -66,6 +69,9 @@ struct StreamedOptimizerUnit {
   // block scales of m and v (CompactOptimizerShard); nullptr otherwise.
   float* m_scale = nullptr;
   float* v_scale = nullptr;
+  // grads_in_store: instead of `grad`, fp32 elements [grad_offset, grad_offset
+  // + numel) of shard (unit, grad), read (not written back) with each chunk.
+  int64_t grad_offset = 0;
 };
 
 class StreamedOptimizer {

@@ -379,6 +379,8 @@ const char* buffer_role_name(BufferRole role) {
       return "optimizer_stream";
     case BufferRole::nvme_shard_staging:
       return "nvme_shard_staging";
+    case BufferRole::gradient_staging:
+      return "gradient_staging";
   }
   return "?";
 }
@@ -537,7 +539,8 @@ void add_state_buffers(TrainingPlan& plan) {
   };
   add_state(BufferRole::param_state, fmt::format("parameters ({})", precision_name(in.precision)),
             plan.homes.param, compute_element(in.precision));
-  add_state(BufferRole::grad_state, "gradients (fp32)", plan.homes.grad, BufferElement::f32);
+  add_state(BufferRole::grad_state, plan.homes.grad_bf16 ? "gradients (bf16)" : "gradients (fp32)",
+            plan.homes.grad, plan.homes.grad_bf16 ? BufferElement::bf16 : BufferElement::f32);
   if (plan.homes.separate_master)
     add_state(BufferRole::master_state, "fp32 master", plan.homes.optimizer, BufferElement::f32);
   // m and v as strata.optimizer_state_dtype stores them; int8's block scales
@@ -682,7 +685,9 @@ class BufferListing {
     add(R::nvme_parameter_copies, O::store,
         fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
         compute, plan.fetch_slots, largest_shard);
-    const int64_t chunk_bytes = 4 + 2 * plan.moment_bytes();  // per element: master, m, v
+    // Per element: master, m, v (and the gradient, read from NVMe).
+    const int64_t chunk_bytes =
+        4 + 2 * plan.moment_bytes() + (plan.homes.grad == Tier::nvme ? 4 : 0);
     if (plan.streamed_optimizer && chunk_bytes == 12)
       add(R::optimizer_stream, O::store,
           fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,
@@ -704,6 +709,15 @@ class BufferListing {
       largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
     if (plan.homes.optimizer == Tier::nvme)
       largest_nvme_shard = std::max(largest_nvme_shard, largest_optimizer * 4);
+    int64_t largest_grad = 0;
+    for (const UnitPlacement& p : plan.units) largest_grad = std::max(largest_grad, p.grad_numel);
+    if (plan.homes.grad == Tier::nvme) {
+      largest_nvme_shard = std::max(largest_nvme_shard, largest_grad * 4);
+      // From the second micro-batch on, the stored sum is read to add to.
+      if (in.grad_accum > 1)
+        add(R::gradient_staging, O::rank, "gradient read back from NVMe (largest shard, fp32)",
+            Tier::host, f32, 1, largest_grad);
+    }
     add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte, 1,
         std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
   }
@@ -754,6 +768,10 @@ StateHomes state_homes(const TrainingPlanInput& in) {
   homes.param = home_of(in.offload_param);
   homes.optimizer = home_of(in.offload_optimizer);
   homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
+  if (homes.grad == Tier::host) {
+    homes.grad_bf16 = in.gradient_home == GradientHome::host_bf16;
+    if (in.gradient_home == GradientHome::nvme) homes.grad = Tier::nvme;
+  }
   homes.separate_master = in.precision != Precision::fp32 || homes.param != homes.optimizer;
   return homes;
 }
@@ -788,7 +806,52 @@ BufferElement compute_element(Precision precision) {
   return BufferElement::f32;
 }
 
+Status check_gradient_home(const TrainingPlanInput& in) {
+  if (in.offload_optimizer == OffloadDevice::none && in.gradient_home != GradientHome::automatic)
+    return Status::error(fmt::format(
+        "strata.gradient_home {}: with the optimizer on the device the gradients stay there; "
+        "offload the optimizer (--offload-optimizer cpu or nvme) or leave it auto",
+        gradient_home_name(in.gradient_home)));
+  if (in.gradient_home == GradientHome::nvme && in.offload_optimizer != OffloadDevice::nvme)
+    return Status::error(
+        "strata.gradient_home nvme: the streamed optimizer reads gradients from NVMe with its "
+        "state, so it needs --offload-optimizer nvme; use host or host_bf16 otherwise");
+  return Status::ok();
+}
+
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
+  // The gradient's home: an exact one (fp32) unless another is asked for.
+  if (Status s = check_gradient_home(in); !s) return s;
+  if (in.gradient_home == GradientHome::automatic && in.offload_optimizer != OffloadDevice::none) {
+    TrainingPlanInput host = in;
+    host.gradient_home = GradientHome::host;
+    Result<TrainingPlan> plan = build_training_plan(host);
+    if (!plan) return plan;
+    const int64_t need = plan->peak(Tier::host);
+    const bool over = in.host_budget > 0 && need > in.host_budget;
+    if (over && in.offload_optimizer == OffloadDevice::nvme) {
+      TrainingPlanInput nvme = in;
+      nvme.gradient_home = GradientHome::nvme;
+      Result<TrainingPlan> on_nvme = build_training_plan(nvme);
+      if (!on_nvme) return on_nvme;
+      on_nvme->input.gradient_home = GradientHome::automatic;
+      on_nvme->gradient_home_reason = fmt::format(
+          "gradients on NVMe, fp32 (auto: in host memory the plan needs {} of host per rank, "
+          "over the budget of {})",
+          format_bytes(double(need)), format_bytes(double(in.host_budget)));
+      return on_nvme;
+    }
+    plan->input.gradient_home = GradientHome::automatic;
+    plan->gradient_home_reason =
+        in.host_budget > 0 && !over
+            ? fmt::format("gradients in host memory, fp32 (auto: the plan's {} of host per rank "
+                          "fits the budget of {})",
+                          format_bytes(double(need)), format_bytes(double(in.host_budget)))
+            : std::string("gradients in host memory, fp32 (auto") +
+                  (over ? ": over the host budget, but only an optimizer on NVMe reads them there)"
+                        : ": no host budget given)");
+    return plan;
+  }
   if (in.world_size < 1) return Status::error("world size must be at least 1");
   if (in.stage < 0 || in.stage > 3)
     return Status::error(
@@ -869,6 +932,32 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
       plan.traffic_per_step.nvme_written += op.bytes / 2;
     }
   }
+  // A gradient on NVMe: written after each reduce, read back to add to from
+  // the second micro-batch on, and read by the streamed optimizer chunk by chunk.
+  if (plan.homes.grad == Tier::nvme) {
+    const int64_t alignment = int64_t(in.nvme_alignment);
+    for (const PlanOp& op : plan.ops) {
+      if (op.kind == OpKind::reduce) {
+        const int64_t bytes = round_up(plan.units[size_t(op.unit)].grad_numel * 4, alignment);
+        plan.traffic_per_step.nvme_written += bytes;
+        if (op.micro > 0) plan.traffic_per_step.nvme_read += bytes;
+      }
+      if (op.kind == OpKind::optimizer) {
+        const int64_t n = plan.units[size_t(op.unit)].optimizer_numel;
+        for (int64_t at = 0; at < n; at += plan.optimizer_chunk_elements)
+          plan.traffic_per_step.nvme_read +=
+              round_up(std::min(plan.optimizer_chunk_elements, n - at) * 4, alignment);
+      }
+    }
+  }
+  if (plan.gradient_home_reason.empty())
+    plan.gradient_home_reason =
+        plan.homes.grad == Tier::device
+            ? "gradients on the device, fp32 (with the optimizer)"
+            : fmt::format("gradients {}, {} (strata.gradient_home {})",
+                          plan.homes.grad == Tier::nvme ? "on NVMe" : "in host memory",
+                          plan.homes.grad_bf16 ? "bf16" : "fp32",
+                          gradient_home_name(in.gradient_home));
   return plan;
 }
 

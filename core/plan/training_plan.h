@@ -17,7 +17,11 @@
 //           stage 0: the whole unit, else the shard; home offload_optimizer
 //   m, v    fp32, as master
 //   grad    fp32 accumulator across micro-batches; stages 0-1: the whole unit,
-//           2-3: the shard; in host memory when the optimizer is offloaded
+//           2-3: the shard; on the device with the optimizer there, else
+//           where strata.gradient_home says (gradient_home_reason): host
+//           fp32, host bf16, or NVMe fp32 (with the optimizer on NVMe: written
+//           after each reduce, read-modify-written from the second
+//           micro-batch on, read by the streamed optimizer with its chunks)
 // Elements [r * shard, (r + 1) * shard) of a unit's flat buffer are rank r's.
 //
 // Operations. A step is, per micro-batch, forward of every unit (the head's
@@ -73,6 +77,11 @@ struct TrainingPlanInput {
       false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
   // strata.optimizer_state_dtype: how m and v are stored (kernels/cpu/adamw.h).
   OptimizerStateDtype optimizer_state = OptimizerStateDtype::fp32;
+  // strata.gradient_home; automatic takes host fp32 unless the plan then
+  // needs more host memory than host_budget (per rank, 0: unknown) and the
+  // optimizer is on NVMe, where it takes NVMe fp32.
+  GradientHome gradient_home = GradientHome::automatic;
+  int64_t host_budget = 0;
   // No clipping and no loss scaling: the update needs no global result, so
   // `decide` runs at the start and each unit's optimizer as soon as its
   // gradient is final, during backward.
@@ -138,6 +147,7 @@ struct StateHomes {
   tiers::Tier param = tiers::Tier::device;
   tiers::Tier optimizer = tiers::Tier::device;  // master, m, v
   tiers::Tier grad = tiers::Tier::device;
+  bool grad_bf16 = false;  // the accumulator is bf16 (strata.gradient_home host_bf16)
   bool separate_master = false;
 };
 
@@ -189,6 +199,7 @@ enum class BufferRole {
   nvme_parameter_copies,  // [fetch_slots] (largest shard) compute precision
   optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
+  gradient_staging,       // (largest gradient shard) fp32: an NVMe-homed gradient, read to add to
 };
 const char* buffer_role_name(BufferRole role);
 // The store's shard kind of a state role; nullopt for any other role.
@@ -243,6 +254,7 @@ struct TrainingPlan {
   int fetch_slots = 0;  // NVMe parameter copies in host memory
   int64_t optimizer_chunk_elements = 0;
   bool streamed_optimizer = false;  // some optimizer state is on NVMe
+  std::string gradient_home_reason;  // where the gradient lives and why, one line
 
   std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
   std::vector<PlanBuffer> buffers;  // states and buffers, per rank
@@ -290,6 +302,9 @@ struct TrainingPlan {
 };
 
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
+// Refuses a strata.gradient_home that cannot work with the optimizer's home
+// (build_training_plan checks it first).
+Status check_gradient_home(const TrainingPlanInput& input);
 
 // Where each kind of state lives: parameters and optimizer state where
 // offloaded, gradients where the optimizer reads them; in fp32 the parameters
