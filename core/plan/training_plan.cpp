@@ -718,7 +718,10 @@ class BufferListing {
         add(R::gradient_staging, O::rank, "gradient read back from NVMe (largest shard, fp32)",
             Tier::host, f32, 1, largest_grad);
     }
-    add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte, 1,
+    // One block per lane that stages at once: the optimizer's writebacks, and
+    // the reductions writing gradients homed on NVMe.
+    add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte,
+        plan.homes.grad == Tier::nvme ? 2 : 1,
         std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
   }
 
