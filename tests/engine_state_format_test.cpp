@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <random>
 
 #include "core/optimizer/optimizer.h"
@@ -90,6 +91,29 @@ TEST_F(EngineStateFormat, OneRankInMemoryEqualsNvmeBitwiseAndTheLossFalls) {
             << run.label();
       }
     }
+  }
+}
+
+// What each format buys on NVMe: the bytes per step the I/O engines moved
+// equal the plan's, and fall from fp32 to bf16 to int8 (gradients on NVMe too).
+TEST_F(EngineStateFormat, NvmeBytesPerStepFallWithTheFormatAndEqualThePlan) {
+  uint64_t previous = ~uint64_t{0};
+  for (const char* state : {"fp32", "bf16", "int8"}) {
+    EngineRun run = placed(1, 3, "nvme", "nvme", "bf16", state);
+    run.gradient_home = "nvme";
+    run.steps = 2;
+    const EngineOutcome outcome = train(run);
+    const TrainingPlan& plan = outcome.plan;
+    EXPECT_EQ(outcome.nvme_read, uint64_t(plan.traffic_per_step.nvme_read) * 2) << state;
+    EXPECT_EQ(outcome.nvme_written, uint64_t(plan.traffic_per_step.nvme_written) * 2) << state;
+    const uint64_t per_step = (outcome.nvme_read + outcome.nvme_written) / 2;
+    EXPECT_LT(per_step, previous) << state;
+    previous = per_step;
+    std::printf("%s state: NVMe per step %llu read + %llu written (plan %lld + %lld)\n", state,
+                static_cast<unsigned long long>(outcome.nvme_read / 2),
+                static_cast<unsigned long long>(outcome.nvme_written / 2),
+                static_cast<long long>(plan.traffic_per_step.nvme_read),
+                static_cast<long long>(plan.traffic_per_step.nvme_written));
   }
 }
 
