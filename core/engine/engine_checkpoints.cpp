@@ -62,7 +62,8 @@ Engine::Impl::MomentFiles Engine::Impl::moment_files(int64_t total_numel) const 
 Status Engine::Impl::load_int8_moments(Rank& rank, int u, const CheckpointReader& checkpoint,
                                        const MomentFiles& files) {
   const int64_t numel = plan.units[size_t(u)].optimizer_numel;
-  const int64_t offset = files.int8_offset[size_t(u)][plan.input.stage == 0 ? 0 : size_t(rank.rank)];
+  const int64_t offset =
+      files.int8_offset[size_t(u)][plan.input.stage == 0 ? 0 : size_t(rank.rank)];
   const int64_t blocks = int8_block_count(rank.segments[size_t(u)], numel);
   std::vector<std::byte> codes(static_cast<size_t>(numel));
   for (int f = 1; f <= 2; ++f) {
@@ -241,8 +242,8 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
       }
       items.push_back(std::move(item));
     }
-    Status status =
-        rank.streamed->pass().run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+    Status status = rank.streamed->pass().run(
+        items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
           const int64_t at = int64_t(index) * chunk;
           for (int f = 0; f < 3; ++f) {
             const int64_t n = std::min(chunk, counts[f] - at);
@@ -309,8 +310,8 @@ Result<std::string> Engine::Impl::save_in_processes(Status ready, const std::str
   std::optional<CheckpointWriter> writer;
   Status begun = ready;
   if (begun && rank.rank == 0) {
-    Result<CheckpointWriter> made = CheckpointWriter::begin(
-        root, steps_done, uint64_t(total) * 4, uint64_t(moment_files(total).bytes));
+    Result<CheckpointWriter> made = CheckpointWriter::begin(root, steps_done, uint64_t(total) * 4,
+                                                            uint64_t(moment_files(total).bytes));
     if (made)
       writer.emplace(std::move(*made));
     else

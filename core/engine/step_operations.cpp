@@ -199,7 +199,8 @@ Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int6
   if (micro == plan.input.grad_accum - 1) {
     const UnitPlacement& p = plan.units[size_t(u)];
     const int64_t from = p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0;
-    Result<kernels::cpu::GradNormPartial> partial = grad_norm_on_host(reduced + from, p.shard_numel);
+    Result<kernels::cpu::GradNormPartial> partial =
+        grad_norm_on_host(reduced + from, p.shard_numel);
     if (!partial) return partial.status();
     rank.partials[size_t(u)] = *partial;
   }
@@ -332,7 +333,8 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
   streamed.grad = update.grad;
   streamed.grad_type = update.grad_type;
   const UnitPlacement& p = plan.units[size_t(unit)];
-  streamed.grad_offset = p.grad_numel == p.padded_numel ? plan.optimizer_offset(unit, rank.rank) : 0;
+  streamed.grad_offset =
+      p.grad_numel == p.padded_numel ? plan.optimizer_offset(unit, rank.rank) : 0;
   if (update.new_params != nullptr) {
     streamed.copy = update.new_params;
     streamed.copy_type = update.new_params_type;

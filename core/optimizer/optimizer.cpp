@@ -147,8 +147,8 @@ Status for_each_run(const CompactOptimizerShard& shard, Visit visit) {
   for (const ShardSegment& segment : segments) {
     int64_t at = segment.begin;
     while (at < segment.end) {
-      const int64_t stop = int8 && at % B != 0 ? std::min(segment.end, (at / B + 1) * B)
-                                               : segment.end;
+      const int64_t stop =
+          int8 && at % B != 0 ? std::min(segment.end, (at / B + 1) * B) : segment.end;
       if (Status s = visit(at, stop, segment.group, block); !s) return s;
       block += kernels::cpu::adamw_state_scale_count(whole.state_type, stop - at);
       at = stop;
@@ -160,7 +160,7 @@ Status for_each_run(const CompactOptimizerShard& shard, Visit visit) {
 // Run [begin, end) of `whole` as a shard of its own, its scales from `block`.
 kernels::cpu::AdamWStateShard run_of(const kernels::cpu::AdamWStateShard& whole, int64_t begin,
                                      int64_t end, int64_t block) {
-  const int64_t moment = whole.state_type == kernels::cpu::AdamWStateType::f32   ? 4
+  const int64_t moment = whole.state_type == kernels::cpu::AdamWStateType::f32    ? 4
                          : whole.state_type == kernels::cpu::AdamWStateType::bf16 ? 2
                                                                                   : 1;
   kernels::cpu::AdamWStateShard part = whole;

@@ -25,7 +25,7 @@ const void* offset_elements(const void* base, int64_t elements, kernels::cpu::El
 }
 
 int64_t moment_bytes(kernels::cpu::AdamWStateType type) {
-  return type == kernels::cpu::AdamWStateType::f32 ? 4
+  return type == kernels::cpu::AdamWStateType::f32    ? 4
          : type == kernels::cpu::AdamWStateType::bf16 ? 2
                                                       : 1;
 }
@@ -35,7 +35,8 @@ int64_t blocks_before(std::span<const ShardSegment> segments, int64_t at) {
   if (segments.empty()) return at / kernels::cpu::kAdamWInt8Block;
   std::vector<ShardSegment> before;
   for (const ShardSegment& segment : segments)
-    if (segment.begin < at) before.push_back({segment.begin, std::min(segment.end, at), segment.group});
+    if (segment.begin < at)
+      before.push_back({segment.begin, std::min(segment.end, at), segment.group});
   return int8_block_count(before, at);
 }
 
@@ -101,7 +102,8 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
         item.pieces.push_back(
             StreamPiece{{unit.unit, kind}, uint64_t(begin) * mb, uint64_t(numel) * mb});
       if (options_.grads_in_store) {
-        StreamPiece grad{{unit.unit, ShardKind::grad}, uint64_t(unit.grad_offset + begin) * 4,
+        StreamPiece grad{{unit.unit, ShardKind::grad},
+                         uint64_t(unit.grad_offset + begin) * 4,
                          uint64_t(numel) * 4};
         grad.write = false;
         item.pieces.push_back(grad);

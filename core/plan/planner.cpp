@@ -310,7 +310,8 @@ Result<MemoryPlan> plan_memory(const PlanInput& in) {
               ? "gradients on the device, fp32 (with the optimizer)"
               : fmt::format("gradients {}, {} (strata.gradient_home {})",
                             homes.grad == Tier::nvme ? "on NVMe" : "in host memory",
-                            homes.grad_bf16 ? "bf16" : "fp32", gradient_home_name(in.gradient_home));
+                            homes.grad_bf16 ? "bf16" : "fp32",
+                            gradient_home_name(in.gradient_home));
   }
   plan.homes = homes;
   for (const PlanBuffer& b : plan.buffers) {
@@ -502,7 +503,8 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
                      in.world_size, in.stage, precision_name(in.precision),
                      offload_device_name(in.offload_optimizer),
                      offload_device_name(in.offload_param));
-  out << fmt::format("  Adam m and v in {}; {}\n", optimizer_state_dtype_name(in.optimizer_state_dtype),
+  out << fmt::format("  Adam m and v in {}; {}\n",
+                     optimizer_state_dtype_name(in.optimizer_state_dtype),
                      plan.gradient_home_reason);
   if (in.model) {
     out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}; {}\n",

@@ -485,7 +485,7 @@ kernels::cpu::AdamWStateType TrainingPlan::state_type() const {
 int64_t TrainingPlan::moment_bytes() const {
   return input.optimizer_state == OptimizerStateDtype::fp32   ? 4
          : input.optimizer_state == OptimizerStateDtype::bf16 ? 2
-                                                               : 1;
+                                                              : 1;
 }
 
 // Weight decay on 2-D tensors only; padding and gaps have none.
@@ -548,9 +548,10 @@ void add_state_buffers(TrainingPlan& plan) {
   const OptimizerStateDtype state = in.optimizer_state;
   const BufferElement moment = state == OptimizerStateDtype::fp32   ? BufferElement::f32
                                : state == OptimizerStateDtype::bf16 ? BufferElement::bf16
-                                                                     : BufferElement::byte;
-  const std::string suffix =
-      state == OptimizerStateDtype::fp32 ? "" : fmt::format(" ({})", optimizer_state_dtype_name(state));
+                                                                    : BufferElement::byte;
+  const std::string suffix = state == OptimizerStateDtype::fp32
+                                 ? ""
+                                 : fmt::format(" ({})", optimizer_state_dtype_name(state));
   add_state(BufferRole::m_state, "Adam m" + suffix, plan.homes.optimizer, moment);
   add_state(BufferRole::v_state, "Adam v" + suffix, plan.homes.optimizer, moment);
   if (state == OptimizerStateDtype::int8) {
@@ -789,9 +790,8 @@ std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
     plan.units.push_back(place_unit(shard * input.world_size, shard, input.stage));
     // One parameter group: the range's blocks of 256.
     if (input.optimizer_state == OptimizerStateDtype::int8)
-      plan.units.back().int8_blocks =
-          kernels::cpu::adamw_state_scale_count(kernels::cpu::AdamWStateType::int8,
-                                                plan.units.back().optimizer_numel);
+      plan.units.back().int8_blocks = kernels::cpu::adamw_state_scale_count(
+          kernels::cpu::AdamWStateType::int8, plan.units.back().optimizer_numel);
   }
   add_state_buffers(plan);
   return plan.buffers;
@@ -847,9 +847,10 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     plan->input.gradient_home = GradientHome::automatic;
     plan->gradient_home_reason =
         in.host_budget > 0 && !over
-            ? fmt::format("gradients in host memory, fp32 (auto: the plan's {} of host per rank "
-                          "fits the budget of {})",
-                          format_bytes(double(need)), format_bytes(double(in.host_budget)))
+            ? fmt::format(
+                  "gradients in host memory, fp32 (auto: the plan's {} of host per rank "
+                  "fits the budget of {})",
+                  format_bytes(double(need)), format_bytes(double(in.host_budget)))
             : std::string("gradients in host memory, fp32 (auto") +
                   (over ? ": over the host budget, but only an optimizer on NVMe reads them there)"
                         : ": no host budget given)");
