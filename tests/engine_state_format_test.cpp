@@ -203,6 +203,28 @@ TEST_F(EngineStateFormat, CheckpointsResumeBitwiseInEachFormat) {
   }
 }
 
+// The CUDA backend's data paths (emulated on the CPU) with the optimizer
+// offloaded: compact state and every gradient home give the CPU backend's
+// run bitwise; compact state in the GPU optimizer's memory is refused.
+TEST_F(EngineStateFormat, GpuPathsWithTheOptimizerOffloadedEqualTheCpuBackend) {
+  for (auto [state, home] :
+       {std::pair{"int8", "auto"}, std::pair{"bf16", "nvme"}, std::pair{"fp32", "host_bf16"}}) {
+    for (auto [world, optimizer] : {std::pair{1, "nvme"}, std::pair{2, "cpu"}}) {
+      EngineRun cpu = placed(world, 3, "cpu", optimizer, "bf16", state);
+      cpu.steps = 3;
+      if (std::string(home) != "nvme" || std::string(optimizer) == "nvme") cpu.gradient_home = home;
+      EngineRun gpu = cpu;
+      gpu.emulate_gpu = true;
+      testing::expect_identical(train(cpu), train(gpu), gpu.label() + " vs the CPU backend");
+    }
+  }
+  EngineRun refused = placed(1, 0, "none", "none", "bf16", "int8");
+  refused.emulate_gpu = true;
+  std::string error;
+  EXPECT_FALSE(engine(refused, "", &error));
+  EXPECT_NE(error.find("offload the optimizer"), std::string::npos) << error;
+}
+
 TEST(StateFormatPlan, MomentsTakeTheirFormatsBytesAndGpuHomesAreRefused) {
   TrainingPlanInput in;
   in.model = testing::small_gqa_model();
