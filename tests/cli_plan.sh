@@ -120,4 +120,28 @@ check "--schedule layer --json names the choice and both options" $?
 err=$("$strata" plan --model tiny --schedule sideways 2>&1 >/dev/null)
 grep -q -- "--schedule: expected auto, micro_batch or layer, got 'sideways'" <<<"$err"; check "bad --schedule named" $?
 
+# Llama 3 70B in bf16 on one 80 GB GPU with 256 GB of host memory and NVMe:
+# the fp32 gradients do not fit the host with everything else, so auto puts
+# them on NVMe (exact), and the plan fits (on a node with 4 TB of NVMe).
+nvme_dir=$(mktemp -d)
+trap 'rm -rf "$nvme_dir"' EXIT
+nvme=(--nvme-path "$nvme_dir" --nvme-limit 4T)
+out=$("$strata" plan --model llama3-70b --precision bf16 --stage 3 --offload-param nvme \
+      --offload-optimizer nvme --device-mem-limit 80G --host-mem-limit 256G "${nvme[@]}" --json)
+check "llama3-70b on one GPU with NVMe fits" $?
+home=$(echo "$out" | json_get 'd["gradient_home"]')
+[ "$home" = "nvme" ]; check "auto puts its gradients on NVMe ($home)" $?
+fp32_read=$(echo "$out" | json_get 'd["traffic"]["nvme_read_bytes"]')
+out=$("$strata" plan --model llama3-70b --precision bf16 --stage 3 --offload-param nvme \
+      --offload-optimizer nvme --device-mem-limit 80G --host-mem-limit 256G \
+      --optimizer-state-dtype int8 "${nvme[@]}" --json)
+int8_read=$(echo "$out" | json_get 'd["traffic"]["nvme_read_bytes"]')
+[ "$int8_read" -lt "$fp32_read" ]; check "int8 state reads less from NVMe ($int8_read < $fp32_read)" $?
+out=$("$strata" plan --model llama3-70b --precision bf16 --stage 3 --offload-param nvme \
+      --offload-optimizer nvme --device-mem-limit 80G --host-mem-limit 256G "${nvme[@]}")
+grep -q "gradients on NVMe, fp32 (auto: " <<<"$out"; check "the table says where the gradients went and why" $?
+grep -q "model states per parameter (node, bytes): " <<<"$out"; check "bytes per parameter of each state" $?
+err=$("$strata" plan --model tiny --gradient-home nvme --offload-optimizer cpu 2>&1 >/dev/null)
+grep -q "strata.gradient_home nvme" <<<"$err"; check "NVMe gradients without the optimizer on NVMe refused" $?
+
 finish_checks

@@ -129,6 +129,8 @@ std::vector<KeyCase> key_cases() {
       {"strata.host_mem_limit", nullptr, 1073741824, true},
       {"strata.nvme_paths", json::array(), json::array({"/a", "/b"}), json::array({1})},
       {"strata.gradient_reduce_dtype", "fp32", "bf16", "fp8"},
+      {"strata.optimizer_state_dtype", "fp32", "int8", "fp8"},
+      {"strata.gradient_home", "auto", "nvme", "disk"},
       {"strata.seq_len", nullptr, 512, 0},
       {"strata.world_size", 1, 2, 0},
       {"strata.precision", "fp32", "bf16", "fp64"},
@@ -383,6 +385,10 @@ TEST(Config, BadFlagValuesNameTheFlag) {
   cases.push_back({with_overrides([](ConfigOverrides& o) { o.device_mem_limit = "80 apples"; }), "--device-mem-limit"});
   cases.push_back({with_overrides([](ConfigOverrides& o) { o.host_mem_limit = "-3G"; }), "--host-mem-limit"});
   cases.push_back({with_overrides([](ConfigOverrides& o) { o.seq_len = 0; }), "--seq-len"});
+  cases.push_back({with_overrides([](ConfigOverrides& o) { o.optimizer_state_dtype = "int4"; }),
+                   "--optimizer-state-dtype"});
+  cases.push_back({with_overrides([](ConfigOverrides& o) { o.gradient_home = "disk"; }),
+                   "--gradient-home"});
   for (const Case& c : cases) {
     Result<TrainConfig> config = parse(json::object(), c.overrides);
     ASSERT_FALSE(config.is_ok()) << c.flag;

@@ -90,6 +90,8 @@ struct EngineRun {
   bool shuffle = false;      // strata.shuffle
   std::optional<uint64_t> shuffle_seed;  // strata.shuffle_seed; unset: the run's seed
   std::string schedule = "auto";         // strata.schedule
+  std::string state_dtype = "fp32";      // strata.optimizer_state_dtype
+  std::string gradient_home = "auto";    // strata.gradient_home
   std::string label() const {
     return std::string(backend == kernels::BackendKind::cuda ? "cuda "
                        : emulate_gpu                         ? "emulated gpu "
@@ -97,7 +99,9 @@ struct EngineRun {
            "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
            offload_optimizer + " world " + std::to_string(world) + " " + precision +
            (overlap_comm ? "" : " no-overlap") + (reduce_scatter ? "" : " all-reduce") +
-           (schedule == "auto" ? "" : " schedule " + schedule);
+           (schedule == "auto" ? "" : " schedule " + schedule) +
+           (state_dtype == "fp32" ? "" : " state " + state_dtype) +
+           (gradient_home == "auto" ? "" : " gradients " + gradient_home);
   }
 };
 
@@ -143,6 +147,8 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["strata"] = {{"seq_len", run.seq_len}};
   if (run.reduce_in_bf16) j["strata"]["gradient_reduce_dtype"] = "bf16";
   if (run.shuffle) j["strata"]["shuffle"] = true;
+  if (run.state_dtype != "fp32") j["strata"]["optimizer_state_dtype"] = run.state_dtype;
+  if (run.gradient_home != "auto") j["strata"]["gradient_home"] = run.gradient_home;
   if (run.shuffle_seed) j["strata"]["shuffle_seed"] = *run.shuffle_seed;
   j["strata"]["schedule"] = run.schedule;
   ConfigOverrides overrides;

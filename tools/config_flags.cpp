@@ -12,6 +12,11 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
                  "ZeRO stage 0-3 (zero_optimization.stage)");
   app.add_option("--offload-param", o.offload_param, "Home of the parameters: none | cpu | nvme (stage 3)");
   app.add_option("--offload-optimizer", o.offload_optimizer, "Home of master/m/v: none | cpu | nvme");
+  app.add_option("--optimizer-state-dtype", o.optimizer_state_dtype,
+                 "Adam m and v: fp32 (exact) | bf16 | int8 (strata.optimizer_state_dtype)");
+  app.add_option("--gradient-home", o.gradient_home,
+                 "Gradient accumulator with the optimizer offloaded: auto | host | host_bf16 | nvme "
+                 "(strata.gradient_home)");
   app.add_option("--nvme-path", o.nvme_paths, "NVMe directory for swap files; repeat to stripe over several");
   app.add_option("--micro-batch", o.micro_batch, "train_micro_batch_size_per_gpu");
   app.add_option("--grad-accum", o.grad_accum, "gradient_accumulation_steps");

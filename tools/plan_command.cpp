@@ -42,6 +42,9 @@ class PlanCommand : public Subcommand {
                     "Network bandwidth per rank for collectives (default 25GB/s)");
     cmd->add_option("--pcie-bw", pcie_bw_, "Host-device bandwidth per direction (default 25GB/s)");
     cmd->add_option("--nvme-bw", nvme_bw_, "NVMe bandwidth of the node (default 6GB/s)");
+    cmd->add_option("--nvme-limit", nvme_limit_,
+                    "NVMe capacity of the node to plan for, e.g. 4T (default: the free space "
+                    "under the NVMe paths)");
     return cmd;
   }
 
@@ -99,7 +102,12 @@ class PlanCommand : public Subcommand {
     // --nvme-path is already in the config's stripe set.
     const std::vector<std::string> nvme_paths = c.effective_nvme_paths();
     input.nvme_path_known = !nvme_paths.empty();
-    if (auto free_bytes = detect_free_bytes(nvme_paths)) {
+    if (!nvme_limit_.empty()) {
+      Result<uint64_t> size = parse_size(nvme_limit_);
+      if (!size.is_ok()) return size.status().with_context("--nvme-limit");
+      input.nvme_budget = static_cast<int64_t>(*size);
+      input.nvme_budget_source = "given";
+    } else if (auto free_bytes = detect_free_bytes(nvme_paths)) {
       input.nvme_budget = *free_bytes;
       input.nvme_budget_source = "free under the NVMe paths";
     } else if (!nvme_paths.empty()) {
@@ -155,6 +163,7 @@ class PlanCommand : public Subcommand {
   bool ops_ = false;
   std::string backend_;  // empty: cuda on a CUDA build, else cpu
   std::string net_bw_, pcie_bw_, nvme_bw_;
+  std::string nvme_limit_;  // --nvme-limit
 };
 
 SubcommandRegistration registration([] { return std::make_unique<PlanCommand>(); });

@@ -123,6 +123,11 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
 
 Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_t step,
                                                  uint64_t bytes) {
+  return begin(root, step, bytes, bytes);
+}
+
+Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_t step,
+                                                 uint64_t master_bytes, uint64_t moment_bytes) {
   std::error_code error;
   fs::create_directories(root, error);
   if (error)
@@ -143,6 +148,7 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
     const int fd = file_system().open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return io::file_error(path, "creating", -fd);
     writer.fds_[f] = fd;
+    const uint64_t bytes = f == 0 ? master_bytes : moment_bytes;
     if (bytes == 0) continue;
     if (const int reserved = file_system().allocate(fd, bytes); reserved != 0)
       return io::file_error(path, fmt::format("reserving {} bytes", bytes), -reserved);

@@ -10,7 +10,12 @@
 //                   unpadded size of every unit
 //   master.bin      fp32 weights, every unit's tensors back to back in unit
 //   m.bin, v.bin    order without padding (so any world size can read its
-//                   ranges: resharding is a matter of offsets)
+//                   ranges: resharding is a matter of offsets); in the format
+//                   state.json's "optimizer_state_dtype" names (absent: fp32):
+//                   fp32 or bf16 in that order; int8 per unit and rank range
+//                   (rank 0's alone at stage 0), the range's codes, padding
+//                   included, then its block scales (fp32), so only the same
+//                   world size (and stage 0 or not) reads them
 //   manifest.json   every other file with its size and CRC32C; written last
 // A checkpoint is written into <root>/.tmp-step-<N>, every file and the
 // directory flushed, then renamed to step-<N> and <root> flushed (through
@@ -45,6 +50,9 @@ class CheckpointWriter {
   // Creates <root>/.tmp-step-<step> (removing a stale one) and the state files of `bytes` each.
   static Result<CheckpointWriter> begin(const std::string& root, int64_t step,
                                         uint64_t state_file_bytes);
+  // The same with m.bin and v.bin of `moment_file_bytes` each (compact moments).
+  static Result<CheckpointWriter> begin(const std::string& root, int64_t step,
+                                        uint64_t master_file_bytes, uint64_t moment_file_bytes);
   // Opens the state files that another process's begin() created for the same
   // checkpoint, to write this process's part of them (one rank of several
   // processes). A joined writer writes and flushes; it never finishes the

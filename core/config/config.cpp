@@ -166,6 +166,28 @@ void read_activation_checkpointing(JsonReader in, ActivationCheckpointingConfig&
   in.optional_bool("profile", out.profile);
 }
 
+bool parse_optimizer_state_dtype(const std::string& text, OptimizerStateDtype& out) {
+  for (OptimizerStateDtype d :
+       {OptimizerStateDtype::fp32, OptimizerStateDtype::bf16, OptimizerStateDtype::int8}) {
+    if (text == optimizer_state_dtype_name(d)) {
+      out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool parse_gradient_home(const std::string& text, GradientHome& out) {
+  for (GradientHome h :
+       {GradientHome::automatic, GradientHome::host, GradientHome::host_bf16, GradientHome::nvme}) {
+    if (text == gradient_home_name(h)) {
+      out = h;
+      return true;
+    }
+  }
+  return false;
+}
+
 void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& block) {
   for (const char* key : {"device_mem_limit", "host_mem_limit"}) {
     in.accept(key);
@@ -213,6 +235,12 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   if (in.optional_choice("gradient_reduce_dtype", reduce_dtype, {"fp32", "bf16"})) {
     out.gradient_reduce_dtype = reduce_dtype == "bf16" ? Precision::bf16 : Precision::fp32;
   }
+  std::string state_dtype;
+  if (in.optional_choice("optimizer_state_dtype", state_dtype, {"fp32", "bf16", "int8"}))
+    parse_optimizer_state_dtype(state_dtype, out.optimizer_state_dtype);
+  std::string gradient_home;
+  if (in.optional_choice("gradient_home", gradient_home, {"auto", "host", "host_bf16", "nvme"}))
+    parse_gradient_home(gradient_home, out.gradient_home);
   in.optional_bool("shuffle", out.shuffle);
   std::string schedule;
   if (in.optional_choice("schedule", schedule, {"auto", "micro_batch", "layer"}))
@@ -312,6 +340,25 @@ const char* precision_name(Precision precision) {
     case Precision::fp32: return "fp32";
     case Precision::bf16: return "bf16";
     case Precision::fp16: return "fp16";
+  }
+  return "?";
+}
+
+const char* optimizer_state_dtype_name(OptimizerStateDtype dtype) {
+  switch (dtype) {
+    case OptimizerStateDtype::fp32: return "fp32";
+    case OptimizerStateDtype::bf16: return "bf16";
+    case OptimizerStateDtype::int8: return "int8";
+  }
+  return "?";
+}
+
+const char* gradient_home_name(GradientHome home) {
+  switch (home) {
+    case GradientHome::automatic: return "auto";
+    case GradientHome::host: return "host";
+    case GradientHome::host_bf16: return "host_bf16";
+    case GradientHome::nvme: return "nvme";
   }
   return "?";
 }
@@ -501,6 +548,15 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     *target = *size;
   }
 
+  if (overrides.optimizer_state_dtype &&
+      !parse_optimizer_state_dtype(*overrides.optimizer_state_dtype,
+                                   config.strata.optimizer_state_dtype))
+    return Status::error(fmt::format("--optimizer-state-dtype: expected fp32, bf16 or int8, got '{}'",
+                                     *overrides.optimizer_state_dtype));
+  if (overrides.gradient_home &&
+      !parse_gradient_home(*overrides.gradient_home, config.strata.gradient_home))
+    return Status::error(fmt::format(
+        "--gradient-home: expected auto, host, host_bf16 or nvme, got '{}'", *overrides.gradient_home));
   if (overrides.shuffle) config.strata.shuffle = *overrides.shuffle;
   if (overrides.schedule) {
     std::optional<Schedule> schedule = parse_schedule(*overrides.schedule);
@@ -583,6 +639,8 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"host_mem_limit", c.strata.host_mem_limit ? json(*c.strata.host_mem_limit) : json(nullptr)},
       {"nvme_paths", c.effective_nvme_paths()},
       {"gradient_reduce_dtype", precision_name(c.strata.gradient_reduce_dtype)},
+      {"optimizer_state_dtype", optimizer_state_dtype_name(c.strata.optimizer_state_dtype)},
+      {"gradient_home", gradient_home_name(c.strata.gradient_home)},
       {"seq_len", c.strata.seq_len ? json(*c.strata.seq_len) : json(nullptr)},
       {"shuffle", c.strata.shuffle},
       {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},

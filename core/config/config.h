@@ -27,10 +27,20 @@ enum class OffloadDevice { none, cpu, nvme };
 // unit, or unit after unit over every micro-batch; auto: the plan's choice.
 enum class Schedule { auto_choice, micro_batch, layer };
 
+// How Adam's m and v are stored (kernels/cpu/adamw.h): fp32 (exact), bf16
+// (rounded to nearest even), int8 (blockwise codes with a per-block scale).
+enum class OptimizerStateDtype { fp32, bf16, int8 };
+// Where the gradient accumulator lives when the optimizer is offloaded:
+// automatic (host fp32 when it fits the host budget, else NVMe fp32 with the
+// optimizer on NVMe), host (fp32), host_bf16, nvme (fp32).
+enum class GradientHome { automatic, host, host_bf16, nvme };
+
 const char* precision_name(Precision precision);
 const char* offload_device_name(OffloadDevice device);
 const char* schedule_name(Schedule schedule);  // "auto", "micro_batch", "layer"
 std::optional<Schedule> parse_schedule(const std::string& name);
+const char* optimizer_state_dtype_name(OptimizerStateDtype dtype);  // "fp32", "bf16", "int8"
+const char* gradient_home_name(GradientHome home);  // "auto", "host", "host_bf16", "nvme"
 // Bytes of one parameter in the compute precision (4, 2, 2).
 int compute_bytes(Precision precision);
 
@@ -114,6 +124,8 @@ struct StrataConfig {
   std::optional<uint64_t> host_mem_limit;    // bytes per node; unset: detected
   std::vector<std::string> nvme_paths;       // striped; unset: the offload blocks' nvme_path
   Precision gradient_reduce_dtype = Precision::fp32;  // fp32 or bf16
+  OptimizerStateDtype optimizer_state_dtype = OptimizerStateDtype::fp32;  // m and v
+  GradientHome gradient_home = GradientHome::automatic;
   std::optional<int64_t> seq_len;  // tokens per sequence; unset: min(2048, the model's maximum)
   std::optional<int> world_size;   // ranks, when not given by --world-size or the launcher
   std::optional<Precision> precision;  // another way to say fp16/bf16 enabled; must agree with them
@@ -174,6 +186,8 @@ struct ConfigOverrides {
   std::optional<bool> shuffle;
   std::optional<uint64_t> shuffle_seed;
   std::optional<std::string> schedule;  // auto | micro_batch | layer
+  std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
+  std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
 };
 
 // Reads `config_path` (empty: no file, all defaults) and applies `overrides`.

@@ -101,6 +101,9 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   TrainingPlanInput input = training_plan_input(
       options.model, config, gpu,
       gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr);
+  // The host budget this rank may use: the gradient's home follows it (strata.gradient_home auto).
+  input.host_budget =
+      int64_t(options.host_budget / uint64_t(options.process_comm ? 1 : input.world_size));
   Result<TrainingPlan> plan = build_training_plan(input);
   if (!plan) return plan.status();
   impl->plan = std::move(*plan);

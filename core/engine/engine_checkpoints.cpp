@@ -41,6 +41,43 @@ Status check_data_order(const SequenceOrder& stored, const SequenceOrder& here) 
 
 }  // namespace
 
+Engine::Impl::MomentFiles Engine::Impl::moment_files(int64_t total_numel) const {
+  MomentFiles files;
+  if (plan.input.optimizer_state != OptimizerStateDtype::int8) {
+    files.bytes = total_numel * plan.moment_bytes();
+    return files;
+  }
+  const int ranges = plan.input.stage == 0 ? 1 : world();
+  for (int u = 0; u < units(); ++u) {
+    const int64_t numel = plan.units[size_t(u)].optimizer_numel;
+    files.int8_offset.emplace_back();
+    for (int r = 0; r < ranges; ++r) {
+      files.int8_offset.back().push_back(files.bytes);
+      files.bytes += numel + 4 * int8_block_count(plan.segments(u, r), numel);
+    }
+  }
+  return files;
+}
+
+Status Engine::Impl::load_int8_moments(Rank& rank, int u, const CheckpointReader& checkpoint,
+                                       const MomentFiles& files) {
+  const int64_t numel = plan.units[size_t(u)].optimizer_numel;
+  const int64_t offset =
+      files.int8_offset[size_t(u)][plan.input.stage == 0 ? 0 : size_t(rank.rank)];
+  const int64_t blocks = int8_block_count(rank.segments[size_t(u)], numel);
+  std::vector<std::byte> codes(static_cast<size_t>(numel));
+  for (int f = 1; f <= 2; ++f) {
+    if (Status s = checkpoint.read(f, uint64_t(offset), codes.data(), uint64_t(numel)); !s)
+      return s;
+    if (Status s = rank.store->write_shard({u, f == 1 ? ShardKind::m : ShardKind::v}, codes); !s)
+      return s;
+    float* scales = (f == 1 ? rank.m_scales : rank.v_scales)[size_t(u)];
+    if (Status s = checkpoint.read(f, uint64_t(offset + numel), scales, uint64_t(blocks) * 4); !s)
+      return s;
+  }
+  return Status::ok();
+}
+
 Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   const nlohmann::json here = model_shape(model_config_to_json(plan.layout.config));
   const nlohmann::json there = model_shape(checkpoint.model);
@@ -56,8 +93,32 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
                                   SequenceOrder::from_config(options.config.strata, options.seed));
       !s)
     return s;
+  // m and v are read in their stored format, never converted: a resume
+  // continues the run exactly or not at all.
+  const OptimizerStateDtype format = plan.input.optimizer_state;
+  const std::string stored_format = state.value("optimizer_state_dtype", std::string("fp32"));
+  if (stored_format != optimizer_state_dtype_name(format))
+    return Status::error(fmt::format(
+        "the checkpoint's optimizer state (m, v) is {} but this run's strata.optimizer_state_dtype "
+        "is {}; pass --optimizer-state-dtype {} to resume it (strata export reads any format)",
+        stored_format, optimizer_state_dtype_name(format), stored_format));
+  if (format == OptimizerStateDtype::int8) {
+    const int stored_world = state.value("world_size", 0);
+    const int stored_stage = state.value("stage", -1);
+    if (stored_world != world() || (stored_stage == 0) != (plan.input.stage == 0))
+      return Status::error(fmt::format(
+          "the checkpoint's int8 optimizer state is blocked per rank range of {} rank(s) at stage "
+          "{}; resume it with --world-size {} and {}",
+          stored_world, stored_stage, stored_world,
+          stored_stage == 0 ? "--zero-stage 0" : "a ZeRO stage of 1 to 3"));
+  }
+  int64_t total = 0;
+  for (const UnitLayout& unit : plan.layout.units) total += unit.numel;
+  const MomentFiles files = moment_files(total);
+  const int64_t mb = plan.moment_bytes();
   int64_t offset = 0;
-  std::vector<float> master, m, v;
+  std::vector<float> master;
+  std::vector<std::byte> m, v;
   for (int u = 0; u < units(); ++u) {
     const UnitLayout& unit = plan.layout.units[size_t(u)];
     const nlohmann::json& stored = state["units"][size_t(u)];
@@ -67,15 +128,23 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
           fmt::format("state.json: unit {} differs from this model's {}", u, unit.unit.name));
     const size_t padded = size_t(unit.padded_numel);
     master.assign(padded, 0.0f);
-    m.assign(padded, 0.0f);
-    v.assign(padded, 0.0f);
     const uint64_t bytes = uint64_t(unit.numel) * 4;
     if (Status s = checkpoint.read(0, uint64_t(offset) * 4, master.data(), bytes); !s) return s;
-    if (Status s = checkpoint.read(1, uint64_t(offset) * 4, m.data(), bytes); !s) return s;
-    if (Status s = checkpoint.read(2, uint64_t(offset) * 4, v.data(), bytes); !s) return s;
+    if (format != OptimizerStateDtype::int8) {
+      m.assign(padded * size_t(mb), std::byte{0});
+      v.assign(padded * size_t(mb), std::byte{0});
+      const uint64_t moment_bytes = uint64_t(unit.numel * mb);
+      if (Status s = checkpoint.read(1, uint64_t(offset * mb), m.data(), moment_bytes); !s)
+        return s;
+      if (Status s = checkpoint.read(2, uint64_t(offset * mb), v.data(), moment_bytes); !s)
+        return s;
+    }
     for (auto& rank : ranks) {
       if (Status s = init_unit(*rank, u, master.data()); !s) return s;
-      if (Status s = load_moments(*rank, u, m.data(), v.data()); !s) return s;
+      const Status loaded = format == OptimizerStateDtype::int8
+                                ? load_int8_moments(*rank, u, checkpoint, files)
+                                : load_moments(*rank, u, m.data(), v.data());
+      if (!loaded) return loaded;
     }
     offset += unit.numel;
   }
@@ -101,13 +170,37 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
 Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
                                const std::vector<int64_t>& unit_offsets) {
   const bool master_is_param = !plan.homes.separate_master;
+  const bool int8 = plan.input.optimizer_state == OptimizerStateDtype::int8;
+  const int64_t mb = plan.moment_bytes();
+  const MomentFiles files = int8 ? moment_files(0) : MomentFiles{};
   for (int u = 0; u < units(); ++u) {
     const UnitLayout& unit = plan.layout.units[size_t(u)];
     const UnitPlacement& p = plan.units[size_t(u)];
     const int64_t begin = plan.optimizer_offset(u, rank.rank);
     const int64_t count = std::min(unit.numel, begin + p.optimizer_numel) - begin;  // unpadded part
-    if (count <= 0) continue;
+    // int8 ranges keep their codes whole (padding included) and their scales.
+    if (count <= 0 && !int8) continue;
     const uint64_t file_offset = uint64_t(unit_offsets[size_t(u)] + begin) * 4;
+    // Per file: where this range starts and how many elements of it are written.
+    const uint64_t offsets[3] = {
+        file_offset,
+        int8 ? uint64_t(files.int8_offset[size_t(u)][size_t(plan.input.stage == 0 ? 0 : rank.rank)])
+             : uint64_t((unit_offsets[size_t(u)] + begin) * mb),
+        0};
+    const int64_t counts[3] = {std::max<int64_t>(count, 0), int8 ? p.optimizer_numel : count,
+                               int8 ? p.optimizer_numel : count};
+    const int64_t element[3] = {4, mb, mb};
+    auto file_at = [&](int f) { return offsets[f == 0 ? 0 : 1]; };
+    if (int8) {
+      const int64_t blocks = int8_block_count(rank.segments[size_t(u)], p.optimizer_numel);
+      for (int f = 1; f <= 2; ++f) {
+        const float* scales = (f == 1 ? rank.m_scales : rank.v_scales)[size_t(u)];
+        if (Status s = writer.write(f, file_at(f) + uint64_t(p.optimizer_numel), scales,
+                                    uint64_t(blocks) * 4);
+            !s)
+          return s;
+      }
+    }
     const ShardKey keys[3] = {{u, master_is_param ? ShardKind::param : ShardKind::master},
                               {u, ShardKind::m},
                               {u, ShardKind::v}};
@@ -121,14 +214,18 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
         std::vector<std::byte> bytes(size_t(home->bytes));
         if (Status s = rank.store->read_shard(keys[f], bytes); !s) return s;
         const std::byte* data = bytes.data() + (f == 0 ? master_start : 0) * 4;
-        if (Status s = writer.write(f, file_offset, data, uint64_t(count) * 4); !s) return s;
+        if (counts[f] == 0) continue;
+        if (Status s = writer.write(f, file_at(f), data, uint64_t(counts[f] * element[f])); !s)
+          return s;
       }
       continue;
     }
     if (plan.homes.optimizer != tiers::Tier::nvme) {
       for (int f = 0; f < 3; ++f) {
         const std::byte* data = home_data(rank, keys[f]) + (f == 0 ? master_start : 0) * 4;
-        if (Status s = writer.write(f, file_offset, data, uint64_t(count) * 4); !s) return s;
+        if (counts[f] == 0) continue;
+        if (Status s = writer.write(f, file_at(f), data, uint64_t(counts[f] * element[f])); !s)
+          return s;
       }
       continue;
     }
@@ -139,20 +236,20 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
       const int64_t n = std::min(chunk, p.optimizer_numel - at);
       tiers::StreamItem item;
       for (int f = 0; f < 3; ++f) {
-        tiers::StreamPiece piece{keys[f], uint64_t(at) * 4, uint64_t(n) * 4};
+        tiers::StreamPiece piece{keys[f], uint64_t(at * element[f]), uint64_t(n * element[f])};
         piece.write = false;
         item.pieces.push_back(piece);
       }
       items.push_back(std::move(item));
     }
-    Status status =
-        rank.streamed->pass().run(items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+    Status status = rank.streamed->pass().run(
+        items, [&](size_t index, std::span<std::byte* const> pieces) -> Status {
           const int64_t at = int64_t(index) * chunk;
-          const int64_t n = std::min(chunk, count - at);
-          if (n <= 0) return Status::ok();
           for (int f = 0; f < 3; ++f) {
-            if (Status s = writer.write(f, file_offset + uint64_t(at) * 4, pieces[size_t(f)],
-                                        uint64_t(n) * 4);
+            const int64_t n = std::min(chunk, counts[f] - at);
+            if (n <= 0) continue;
+            if (Status s = writer.write(f, file_at(f) + uint64_t(at * element[f]),
+                                        pieces[size_t(f)], uint64_t(n * element[f]));
                 !s)
               return s;
           }
@@ -182,8 +279,8 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
   auto writes = [&](const Impl::Rank& rank) { return im.plan.input.stage != 0 || rank.rank == 0; };
   if (im.process_mode())
     return im.save_in_processes(finished, root, keep, unit_offsets, total, units);
-  Result<CheckpointWriter> writer =
-      CheckpointWriter::begin(root, im.steps_done, uint64_t(total) * 4);
+  Result<CheckpointWriter> writer = CheckpointWriter::begin(
+      root, im.steps_done, uint64_t(total) * 4, uint64_t(im.moment_files(total).bytes));
   if (!writer) return writer.status();
   std::vector<Status> results(im.ranks.size());
   {
@@ -213,7 +310,8 @@ Result<std::string> Engine::Impl::save_in_processes(Status ready, const std::str
   std::optional<CheckpointWriter> writer;
   Status begun = ready;
   if (begun && rank.rank == 0) {
-    Result<CheckpointWriter> made = CheckpointWriter::begin(root, steps_done, uint64_t(total) * 4);
+    Result<CheckpointWriter> made = CheckpointWriter::begin(root, steps_done, uint64_t(total) * 4,
+                                                            uint64_t(moment_files(total).bytes));
     if (made)
       writer.emplace(std::move(*made));
     else
@@ -253,6 +351,7 @@ Result<std::string> Engine::Impl::finish_checkpoint(CheckpointWriter& writer, in
   state["world_size"] = world();
   state["stage"] = plan.input.stage;
   state["precision"] = precision_name(plan.input.precision);
+  state["optimizer_state_dtype"] = optimizer_state_dtype_name(plan.input.optimizer_state);
   state["optimizer"] = {{"applied_steps", o.applied_steps},
                         {"skipped_steps", o.skipped_steps},
                         {"scheduler_iteration", o.scheduler_iteration},

@@ -107,6 +107,9 @@ struct Engine::Impl {
     std::byte* param_out = nullptr;     // (largest optimizer range) new parameters, staged
     std::byte* sync_staging = nullptr;  // (largest padded) the CUDA backend's parameter all-gather
     std::vector<std::vector<ShardSegment>> segments;       // per unit, over its optimizer range
+    // int8 state: per unit, (int8_block_count of its segments) block scales of m and of v.
+    std::vector<float*> m_scales, v_scales;
+    float* grad_staging = nullptr;  // (largest gradient shard) an NVMe-homed gradient, read back
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
@@ -147,9 +150,21 @@ struct Engine::Impl {
   Status init_rank(Rank& rank, const std::vector<std::vector<float>>* loaded);
   Status initialize();
   Status init_unit(Rank& rank, int u, const float* full);
+  // Compact m and v: the kernel's zero state, and the rank's int8 scale pointers.
+  Status zero_moments(Rank& rank);
   // The NVMe I/O engines' counters, summed over the ranks.
   io::IoCounters nvme_counters() const;
-  Status load_moments(Rank& rank, int u, const float* m, const float* v);
+  // m and v of unit u (padded, fp32 or bf16 as stored) into the rank's range.
+  Status load_moments(Rank& rank, int u, const std::byte* m, const std::byte* v);
+  // m.bin and v.bin: their size, and for int8 where each rank range's codes
+  // start (its scales follow them), [unit][rank] (rank 0 alone at stage 0).
+  struct MomentFiles {
+    int64_t bytes = 0;
+    std::vector<std::vector<int64_t>> int8_offset;
+  };
+  MomentFiles moment_files(int64_t total_numel) const;
+  Status load_int8_moments(Rank& rank, int u, const CheckpointReader& checkpoint,
+                           const MomentFiles& files);
   Status resume(const CheckpointReader& checkpoint);
   Status save_rank(Rank& rank, CheckpointWriter& writer, const std::vector<int64_t>& unit_offsets);
   // ready: this process's steps have finished (Engine::finish).
@@ -198,6 +213,12 @@ struct Engine::Impl {
   Status reduce(Rank& rank, const PlanOp& op);
   // Reduces compute op `op`'s gradient over the ranks into its accumulator.
   Status reduce_and_accumulate(Rank& rank, const PlanOp& op);
+  // Adds the reduced `count` fp32 elements of micro-batch `micro` into unit u's
+  // gradient, in its home (strata.gradient_home); on NVMe the final sum's norm
+  // partial is taken here, while it is in host memory.
+  // `first`: the accumulator becomes `reduced` (its first sum of the step).
+  Status accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count, int micro,
+                             bool first);
   Status exchange(Rank& rank, StepRun& run);
   Status optimize(Rank& rank, StepRun& run, const PlanOp& op);
   // AdamW of `update` over state homed on NVMe: the streamed optimizer's pass

@@ -101,6 +101,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.reduce_out = b.as<float>(R::reduce_scatter_output);
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);
+  rank.grad_staging = b.as<float>(R::gradient_staging);
   rank.tokens = b.as<int32_t>(R::tokens_and_targets);
   rank.targets = rank.tokens + plan.tokens_per_micro * in.grad_accum;
   if (b.at(R::nccl_staging) != nullptr) {
@@ -127,6 +128,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
     StreamedOptimizerOptions streamed;
     streamed.buffer_count = unsigned(in.optimizer_buffers);
     streamed.chunk_elements = plan.optimizer_chunk_elements;
+    streamed.state_type = plan.state_type();
+    streamed.grads_in_store = plan.homes.grad == tiers::Tier::nvme;
     Result<std::unique_ptr<StreamedOptimizer>> created = StreamedOptimizer::create(s, streamed);
     if (!created) return created.status().with_context(fmt::format("rank {}", r));
     rank.streamed = std::move(*created);
@@ -139,24 +142,55 @@ Status Engine::Impl::open_rank(Rank& rank) {
 
   // Parameter groups over this rank's optimizer range of each unit; padding has no decay.
   rank.segments.resize(size_t(units()));
-  for (int u = 0; u < units(); ++u) {
-    const int64_t begin = plan.optimizer_offset(u, r);
-    const int64_t end = begin + plan.units[size_t(u)].optimizer_numel;
-    std::vector<ShardSegment>& out = rank.segments[size_t(u)];
-    int64_t at = begin;
-    for (const TensorSlot& slot : plan.layout.units[size_t(u)].tensors) {
-      const int64_t b = std::max(begin, slot.offset), e = std::min(end, slot.offset + slot.numel);
-      if (b >= e) continue;
-      if (b > at) out.push_back({at - begin, b - begin, ParamGroup::no_decay});
-      out.push_back({b - begin, e - begin, param_group_for_shape(slot.shape)});
-      at = e;
-    }
-    if (at < end) out.push_back({at - begin, end - begin, ParamGroup::no_decay});
-  }
+  for (int u = 0; u < units(); ++u) rank.segments[size_t(u)] = plan.segments(u, r);
+  if (Status s = zero_moments(rank); !s) return s.with_context(fmt::format("rank {}", r));
   rank.micro_loss.assign(size_t(in.grad_accum), 0.0);
   rank.partials.assign(size_t(units()), {});
   rank.params_ready = std::make_unique<std::atomic<int64_t>[]>(size_t(units()));
   for (int u = 0; u < units(); ++u) rank.params_ready[size_t(u)] = -1;
+  return Status::ok();
+}
+
+// Compact moments start as the kernel's zero state (codes and scales 0),
+// zeroed block by block with its range-to-thread mapping; a new swap file
+// reads as zeros, so NVMe-homed codes need only their scales zeroed here.
+Status Engine::Impl::zero_moments(Rank& rank) {
+  if (plan.input.optimizer_state == OptimizerStateDtype::fp32) return Status::ok();
+  const bool int8 = plan.input.optimizer_state == OptimizerStateDtype::int8;
+  if (int8) {
+    float* m_scales = rank.buffers.as<float>(BufferRole::int8_scales, 0);
+    float* v_scales = rank.buffers.as<float>(BufferRole::int8_scales, 1);
+    if (m_scales == nullptr || v_scales == nullptr)
+      return Status::error("no int8 scales in the plan (plan error)");
+    int64_t at = 0;
+    for (int u = 0; u < units(); ++u) {
+      rank.m_scales.push_back(m_scales + at);
+      rank.v_scales.push_back(v_scales + at);
+      at += plan.units[size_t(u)].int8_blocks;
+    }
+  }
+  for (int u = 0; u < units(); ++u) {
+    const UnitPlacement& p = plan.units[size_t(u)];
+    CompactOptimizerShard shard;
+    shard.arrays.numel = p.optimizer_numel;
+    shard.arrays.state_type = plan.state_type();
+    shard.segments = rank.segments[size_t(u)];
+    if (int8) {
+      shard.arrays.exp_avg_scale = rank.m_scales[size_t(u)];
+      shard.arrays.exp_avg_sq_scale = rank.v_scales[size_t(u)];
+    }
+    if (plan.homes.optimizer == tiers::Tier::nvme) {
+      if (int8) {
+        const int64_t blocks = int8_block_count(shard.segments, p.optimizer_numel);
+        std::fill_n(shard.arrays.exp_avg_scale, blocks, 0.0f);
+        std::fill_n(shard.arrays.exp_avg_sq_scale, blocks, 0.0f);
+      }
+      continue;
+    }
+    shard.arrays.exp_avg = home_data(rank, {u, ShardKind::m});
+    shard.arrays.exp_avg_sq = home_data(rank, {u, ShardKind::v});
+    if (Status s = Optimizer::zero_state(shard); !s) return s;
+  }
   return Status::ok();
 }
 
@@ -177,16 +211,13 @@ Status Engine::Impl::init_unit(Rank& rank, int u, const float* full) {
   return Status::ok();
 }
 
-Status Engine::Impl::load_moments(Rank& rank, int u, const float* m, const float* v) {
+Status Engine::Impl::load_moments(Rank& rank, int u, const std::byte* m, const std::byte* v) {
   const UnitPlacement& p = plan.units[size_t(u)];
-  const int64_t begin = plan.optimizer_offset(u, rank.rank);
-  const size_t bytes = size_t(p.optimizer_numel) * 4;
-  if (Status s = rank.store->write_shard({u, ShardKind::m},
-                                         {reinterpret_cast<const std::byte*>(m + begin), bytes});
-      !s)
-    return s;
-  return rank.store->write_shard({u, ShardKind::v},
-                                 {reinterpret_cast<const std::byte*>(v + begin), bytes});
+  const int64_t mb = plan.moment_bytes();
+  const int64_t begin = plan.optimizer_offset(u, rank.rank) * mb;
+  const size_t bytes = size_t(p.optimizer_numel * mb);
+  if (Status s = rank.store->write_shard({u, ShardKind::m}, {m + begin, bytes}); !s) return s;
+  return rank.store->write_shard({u, ShardKind::v}, {v + begin, bytes});
 }
 
 }  // namespace strata

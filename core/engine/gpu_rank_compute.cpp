@@ -88,7 +88,9 @@ class GpuRankCompute final : public RankCompute {
     for (const ShardSegment& segment : update.segments) {
       if (segment.begin == segment.end) continue;
       const int64_t b = segment.begin;
-      if (Status s = gpu_->adamw(update.master + b, update.m + b, update.v + b, update.grad + b,
+      if (Status s = gpu_->adamw(update.master + b, static_cast<float*>(update.m) + b,
+                                 static_cast<float*>(update.v) + b,
+                                 static_cast<const float*>(update.grad) + b,
                                  copy == nullptr ? nullptr : copy + b * cb, segment.end - b,
                                  update.optimizer->hyperparams(update.decision, segment.group));
           !s)

@@ -77,10 +77,18 @@ struct GradTarget {
 struct UnitUpdate {
   const Optimizer* optimizer = nullptr;  // the rank's driver: hyperparameters per group
   StepPlan decision;
-  float* master = nullptr;      // (numel) fp32, in the optimizer's home
-  float* m = nullptr;           // (numel) fp32, in the optimizer's home
-  float* v = nullptr;           // (numel) fp32, in the optimizer's home
-  const float* grad = nullptr;  // (numel) fp32, in the gradient's home (the optimizer's tier)
+  float* master = nullptr;  // (numel) fp32, in the optimizer's home
+  // (numel) each in the optimizer's home, as `state_type` stores them (fp32
+  // floats; bf16 bits; int8 codes, with their block scales in host memory).
+  void* m = nullptr;
+  void* v = nullptr;
+  kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
+  float* m_scale = nullptr;  // int8: (int8_block_count(segments, numel)) each; else null
+  float* v_scale = nullptr;
+  // (numel) of grad_type (fp32; bf16 for strata.gradient_home host_bf16), in
+  // the gradient's home (the optimizer's tier, or host memory).
+  const void* grad = nullptr;
+  kernels::cpu::ElementType grad_type = kernels::cpu::ElementType::f32;
   int64_t numel = 0;
   std::span<const ShardSegment> segments;  // parameter groups over [0, numel)
   // (numel) where the new compute-precision parameters go (in fp32 the

@@ -120,13 +120,17 @@ Status Engine::Impl::reduce(Rank& rank, const PlanOp& op) {
     if (Status s = reduce_and_accumulate(rank, op); !s) return s;
   }
   if (!last) return Status::ok();
+  // On NVMe the norm was taken before the sum was written (accumulate_gradient).
+  if (plan.homes.grad == tiers::Tier::nvme) return Status::ok();
   // This rank's slice of the final gradient, the same elements at every stage.
   const int u = op.unit;
   const UnitPlacement& p = plan.units[size_t(u)];
-  const float* slice = grad_home(rank, u) +
-                       (p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0);
+  const int64_t from = p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0;
   Result<kernels::cpu::GradNormPartial> partial =
-      rank.compute->grad_norm(plan.homes.grad, slice, p.shard_numel);
+      plan.homes.grad_bf16
+          ? kernels::cpu::grad_norm_squared(home_data(rank, {u, ShardKind::grad}) + from * 2,
+                                            ElementType::bf16, p.shard_numel)
+          : rank.compute->grad_norm(plan.homes.grad, grad_home(rank, u) + from, p.shard_numel);
   if (!partial) return partial.status();
   rank.partials[size_t(u)] = *partial;
   return Status::ok();
@@ -171,8 +175,44 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!arrived) return arrived;
     if (!status) return status;
   }
-  return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count,
-                                  op.micro == 0 || plan.gpu_grads_summed_on_device());
+  // Summed on the GPU, the one sum that comes down is the first.
+  return accumulate_gradient(rank, u, reduced, count, op.micro,
+                             op.micro == 0 || plan.gpu_grads_summed_on_device());
+}
+
+Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count,
+                                         int micro, bool first) {
+  const ShardKey key{u, ShardKind::grad};
+  if (plan.homes.grad_bf16) {
+    // Each micro-batch's sum is taken in fp32 and rounded once to bf16 (to
+    // nearest even): acc = bf16(float(acc) + reduced).
+    auto* acc = reinterpret_cast<uint16_t*>(home_data(rank, key));
+    for (int64_t i = 0; i < count; ++i)
+      acc[i] = kernels::cpu::float_to_bf16(
+          first ? reduced[i] : kernels::cpu::bf16_to_float(acc[i]) + reduced[i]);
+    return Status::ok();
+  }
+  if (plan.homes.grad != tiers::Tier::nvme)
+    return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count, first);
+  // NVMe: the sum so far is read back and added to (acc + reduced, as in
+  // memory), then written; the last micro-batch's sum is final: its norm first.
+  const std::span<std::byte> bytes(reinterpret_cast<std::byte*>(reduced), size_t(count) * 4);
+  if (!first) {
+    const std::span<std::byte> stored(reinterpret_cast<std::byte*>(rank.grad_staging),
+                                      size_t(count) * 4);
+    if (Status s = rank.store->read_shard(key, stored); !s) return s;
+    if (Status s = accumulate_on_host(rank.grad_staging, reduced, count, false); !s) return s;
+    std::memcpy(reduced, rank.grad_staging, size_t(count) * 4);
+  }
+  if (micro == plan.input.grad_accum - 1) {
+    const UnitPlacement& p = plan.units[size_t(u)];
+    const int64_t from = p.grad_numel == p.padded_numel ? int64_t(rank.rank) * p.shard_numel : 0;
+    Result<kernels::cpu::GradNormPartial> partial =
+        grad_norm_on_host(reduced + from, p.shard_numel);
+    if (!partial) return partial.status();
+    rank.partials[size_t(u)] = *partial;
+  }
+  return rank.store->write_shard(key, bytes);
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
@@ -259,9 +299,16 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   update.decision = decision;
   update.numel = p.optimizer_numel;
   update.segments = rank.segments[size_t(u)];
-  update.grad = reinterpret_cast<const float*>(home_data(rank, {u, ShardKind::grad})) +
-                (p.grad_numel == p.padded_numel ? offset : 0);
+  const int64_t grad_offset = p.grad_numel == p.padded_numel ? offset : 0;
+  update.grad_type = plan.homes.grad_bf16 ? ElementType::bf16 : ElementType::f32;
+  // On NVMe the streamed optimizer reads the gradient with its chunks.
+  if (plan.homes.grad != tiers::Tier::nvme)
+    update.grad = home_data(rank, {u, ShardKind::grad}) +
+                  grad_offset * int64_t(kernels::cpu::element_size(update.grad_type));
   update.new_params_type = compute_type();
+  update.state_type = plan.state_type();
+  update.m_scale = rank.m_scales.empty() ? nullptr : rank.m_scales[size_t(u)];
+  update.v_scale = rank.v_scales.empty() ? nullptr : rank.v_scales[size_t(u)];
   if (plan.homes.separate_master) {
     // The new compute-precision parameters go to their home, or to the staging
     // buffer on their way to NVMe or (from the CPU) to the GPU.
@@ -273,8 +320,8 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     updated = update_streamed(rank, update, u, master_key.kind);
   } else {
     update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
-    update.m = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::m}));
-    update.v = reinterpret_cast<float*>(home_data(rank, {u, ShardKind::v}));
+    update.m = home_data(rank, {u, ShardKind::m});
+    update.v = home_data(rank, {u, ShardKind::v});
     updated = rank.compute->update(plan.homes.optimizer, update);
   }
   if (!updated) return updated;
@@ -292,12 +339,17 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
   streamed.numel = update.numel;
   streamed.segments = update.segments;
   streamed.grad = update.grad;
-  streamed.grad_type = ElementType::f32;
+  streamed.grad_type = update.grad_type;
+  const UnitPlacement& p = plan.units[size_t(unit)];
+  streamed.grad_offset =
+      p.grad_numel == p.padded_numel ? plan.optimizer_offset(unit, rank.rank) : 0;
   if (update.new_params != nullptr) {
     streamed.copy = update.new_params;
     streamed.copy_type = update.new_params_type;
   }
   streamed.master_kind = master_kind;
+  streamed.m_scale = update.m_scale;
+  streamed.v_scale = update.v_scale;
   return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1});
 }
 

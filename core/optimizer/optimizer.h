@@ -82,6 +82,21 @@ struct OptimizerShard {
   std::span<const ShardSegment> segments;
 };
 
+// A shard whose m and v are stored in a compact format (kernels/cpu/adamw.h,
+// AdamWStateShard), read and written in that form by the fused kernel.
+// int8 blocks: the 256-element windows of the shard counted from its element
+// 0, cut where a segment ends (a block has one parameter group), in order;
+// exp_avg_scale and exp_avg_sq_scale hold int8_block_count(segments, numel)
+// scales each. A shard cut at multiples of 256 (a streamed chunk) has the
+// same blocks as the whole, so its scales are a contiguous run of the whole's.
+struct CompactOptimizerShard {
+  kernels::cpu::AdamWStateShard arrays;
+  std::span<const ShardSegment> segments;  // as OptimizerShard::segments
+};
+
+// The int8 blocks of a shard of `numel` elements with these segments (empty: one).
+int64_t int8_block_count(std::span<const ShardSegment> segments, int64_t numel);
+
 // What begin_step() decided for one step.
 struct StepPlan {
   bool apply = false;     // false: the step is skipped and shards stay as they are
@@ -126,6 +141,11 @@ class Optimizer {
 
   // Step 4: one shard's AdamW update for `plan` (nothing when !plan.apply).
   Status update_shard(const StepPlan& plan, const OptimizerShard& shard) const;
+  // The same over compact moments (fp32 moments: exactly the above).
+  Status update_shard(const StepPlan& plan, const CompactOptimizerShard& shard) const;
+  // Zeroes the moments and scales of `shard` (the state before step 1), each
+  // block with the kernel's range-to-thread mapping (first_touch_zero).
+  static Status zero_state(const CompactOptimizerShard& shard);
 
   // The AdamW hyperparameters update_shard gives the kernel for one parameter
   // group of `plan` (also what a GPU update of device-resident state uses).

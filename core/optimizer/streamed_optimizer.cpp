@@ -24,23 +24,44 @@ const void* offset_elements(const void* base, int64_t elements, kernels::cpu::El
   return static_cast<const std::byte*>(base) + elements * int64_t(kernels::cpu::element_size(type));
 }
 
+int64_t moment_bytes(kernels::cpu::AdamWStateType type) {
+  return type == kernels::cpu::AdamWStateType::f32    ? 4
+         : type == kernels::cpu::AdamWStateType::bf16 ? 2
+                                                      : 1;
+}
+
+// The int8 blocks of a unit before element `at` (a multiple of 256).
+int64_t blocks_before(std::span<const ShardSegment> segments, int64_t at) {
+  if (segments.empty()) return at / kernels::cpu::kAdamWInt8Block;
+  std::vector<ShardSegment> before;
+  for (const ShardSegment& segment : segments)
+    if (segment.begin < at)
+      before.push_back({segment.begin, std::min(segment.end, at), segment.group});
+  return int8_block_count(before, at);
+}
+
 }  // namespace
 
 uint64_t StreamedOptimizer::host_buffer_bytes(const StreamedOptimizerOptions& options) {
-  return uint64_t(options.buffer_count) * uint64_t(options.chunk_elements) * 12;
+  return uint64_t(options.buffer_count) * uint64_t(options.chunk_elements) *
+         uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0));
 }
 
 Result<std::unique_ptr<StreamedOptimizer>> StreamedOptimizer::create(
     tiers::TieredStore& store, StreamedOptimizerOptions options) {
   // Chunks start at multiples of chunk_elements * 4 bytes, which must be I/O-aligned.
-  if (options.chunk_elements <= 0 || options.chunk_elements % 1024 != 0)
-    return Status::error(
-        fmt::format("streamed optimizer: chunk of {} elements; it must be a "
-                    "positive multiple of 1024 (4 KiB of fp32); check sub_group_size",
-                    options.chunk_elements));
+  const bool compact = options.state_type != kernels::cpu::AdamWStateType::f32;
+  const int64_t granule = compact ? 4096 : 1024;
+  if (options.chunk_elements <= 0 || options.chunk_elements % granule != 0)
+    return Status::error(fmt::format(
+        "streamed optimizer: chunk of {} elements; it must be a positive multiple of {} (4 KiB "
+        "of {}); check sub_group_size",
+        options.chunk_elements, granule, compact ? "the compact moments" : "fp32"));
   tiers::StreamedPassOptions pass_options;
   pass_options.buffer_count = options.buffer_count;
-  pass_options.buffer_bytes = uint64_t(options.chunk_elements) * 12;
+  pass_options.buffer_bytes =
+      uint64_t(options.chunk_elements) *
+      uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0));
   Result<std::unique_ptr<tiers::StreamedPass>> pass =
       tiers::StreamedPass::create(store, pass_options);
   if (!pass) return pass.status().with_context("streamed optimizer");
@@ -59,19 +80,34 @@ Status StreamedOptimizer::add_unit_state(tiers::TieredStore& store, int unit, in
 Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
                                std::span<const StreamedOptimizerUnit> units) {
   if (!plan.apply) return Status::ok();
+  const kernels::cpu::AdamWStateType state_type = options_.state_type;
+  const uint64_t mb = uint64_t(moment_bytes(state_type));
+  const bool int8 = state_type == kernels::cpu::AdamWStateType::int8;
   std::vector<Chunk> chunks;
   std::vector<StreamItem> items;
   for (size_t u = 0; u < units.size(); ++u) {
     const StreamedOptimizerUnit& unit = units[u];
-    if (unit.numel > 0 && unit.grad == nullptr)
+    if (unit.numel > 0 && unit.grad == nullptr && !options_.grads_in_store)
       return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
+    if (unit.numel > 0 && int8 && (unit.m_scale == nullptr || unit.v_scale == nullptr))
+      return Status::error(
+          fmt::format("streamed optimizer: unit {} has int8 state but no scales", unit.unit));
     for (int64_t begin = 0; begin < unit.numel; begin += options_.chunk_elements) {
       const int64_t numel = std::min(options_.chunk_elements, unit.numel - begin);
       chunks.push_back({u, begin, numel});
       StreamItem item;
-      for (ShardKind kind : {unit.master_kind, ShardKind::m, ShardKind::v})
+      item.pieces.push_back(
+          StreamPiece{{unit.unit, unit.master_kind}, uint64_t(begin) * 4, uint64_t(numel) * 4});
+      for (ShardKind kind : {ShardKind::m, ShardKind::v})
         item.pieces.push_back(
-            StreamPiece{{unit.unit, kind}, uint64_t(begin) * 4, uint64_t(numel) * 4});
+            StreamPiece{{unit.unit, kind}, uint64_t(begin) * mb, uint64_t(numel) * mb});
+      if (options_.grads_in_store) {
+        StreamPiece grad{{unit.unit, ShardKind::grad},
+                         uint64_t(unit.grad_offset + begin) * 4,
+                         uint64_t(numel) * 4};
+        grad.write = false;
+        item.pieces.push_back(grad);
+      }
       items.push_back(std::move(item));
     }
   }
@@ -88,22 +124,48 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
       if (begin < stop)
         segments.push_back({begin - chunk.begin, stop - chunk.begin, segment.group});
     }
-    OptimizerShard shard;
-    shard.arrays.numel = chunk.numel;
-    shard.arrays.master = reinterpret_cast<float*>(pieces[0]);
-    shard.arrays.exp_avg = reinterpret_cast<float*>(pieces[1]);
-    shard.arrays.exp_avg_sq = reinterpret_cast<float*>(pieces[2]);
-    shard.arrays.grad = offset_elements(unit.grad, chunk.begin, unit.grad_type);
-    shard.arrays.grad_type = unit.grad_type;
     // The kernel writes a bf16/fp16 copy in its pass; an fp32 copy is the new master itself.
     void* copy = unit.copy
                      ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
                      : nullptr;
     const bool narrow_copy = copy != nullptr && unit.copy_type != kernels::cpu::ElementType::f32;
-    shard.arrays.copy = narrow_copy ? copy : nullptr;
-    shard.arrays.copy_type = unit.copy_type;
-    shard.segments = segments;
-    Status status = optimizer.update_shard(plan, shard);
+    const void* grad = options_.grads_in_store
+                           ? static_cast<const void*>(pieces[3])
+                           : offset_elements(unit.grad, chunk.begin, unit.grad_type);
+    const kernels::cpu::ElementType grad_type =
+        options_.grads_in_store ? kernels::cpu::ElementType::f32 : unit.grad_type;
+    Status status = Status::ok();
+    if (state_type == kernels::cpu::AdamWStateType::f32) {
+      OptimizerShard shard;
+      shard.arrays.numel = chunk.numel;
+      shard.arrays.master = reinterpret_cast<float*>(pieces[0]);
+      shard.arrays.exp_avg = reinterpret_cast<float*>(pieces[1]);
+      shard.arrays.exp_avg_sq = reinterpret_cast<float*>(pieces[2]);
+      shard.arrays.grad = grad;
+      shard.arrays.grad_type = grad_type;
+      shard.arrays.copy = narrow_copy ? copy : nullptr;
+      shard.arrays.copy_type = unit.copy_type;
+      shard.segments = segments;
+      status = optimizer.update_shard(plan, shard);
+    } else {
+      CompactOptimizerShard shard;
+      shard.arrays.numel = chunk.numel;
+      shard.arrays.state_type = state_type;
+      shard.arrays.master = reinterpret_cast<float*>(pieces[0]);
+      shard.arrays.exp_avg = pieces[1];
+      shard.arrays.exp_avg_sq = pieces[2];
+      if (int8) {
+        const int64_t first = blocks_before(unit.segments, chunk.begin);
+        shard.arrays.exp_avg_scale = unit.m_scale + first;
+        shard.arrays.exp_avg_sq_scale = unit.v_scale + first;
+      }
+      shard.arrays.grad = grad;
+      shard.arrays.grad_type = grad_type;
+      shard.arrays.copy = narrow_copy ? copy : nullptr;
+      shard.arrays.copy_type = unit.copy_type;
+      shard.segments = segments;
+      status = optimizer.update_shard(plan, shard);
+    }
     if (status && copy != nullptr && !narrow_copy)
       std::memcpy(copy, pieces[0], size_t(chunk.numel) * 4);
     return status.with_context(

@@ -14,7 +14,15 @@
 // gradient and the compute-precision copy are host arrays the caller owns
 // (the gradient is read only; the copy, when given, is written).
 //
-// Host memory: buffer_count buffers of chunk_elements * 12 bytes, charged to
+// Compact m and v (state_type bf16 or int8, kernels/cpu/adamw.h): the m and v
+// shards hold numel elements as stored (bf16, or int8 codes) and a chunk's
+// pieces are that many bytes; int8 block scales are host arrays the caller
+// owns (StreamedOptimizerUnit), since chunks start at multiples of 4096
+// elements, a chunk's blocks are a contiguous run of the unit's.
+//
+// Host memory: buffer_count buffers of chunk_elements * (4 + 2 x the moment's
+// bytes, + 4 when the gradients come from the store) bytes (12 for fp32
+// state), charged to
 // the host tier at create() (the planner's host staging for the streamed
 // optimizer). Completion: step() returns once every updated chunk is written
 // back; on an error the message names the unit, chunk and shard, and chunks
@@ -37,6 +45,10 @@ namespace strata {
 struct StreamedOptimizerOptions {
   int64_t chunk_elements = kOptimizerChunkElements;  // a multiple of 1024
   unsigned buffer_count = 4;                         // offload_optimizer.buffer_count
+  // How m and v are stored; compact formats need chunk_elements a multiple of 4096.
+  kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
+  // The gradients are (unit, grad) shards homed on NVMe, read with each chunk.
+  bool grads_in_store = false;
 };
 
 // One unit's shard as the step sees it.
@@ -53,6 +65,13 @@ struct StreamedOptimizerUnit {
   // The shard holding the fp32 master: `master`, or `param` where the fp32
   // parameters are the master.
   tiers::ShardKind master_kind = tiers::ShardKind::master;
+  // int8 state: (int8_block_count(segments, numel)) each, host memory, the
+  // block scales of m and v (CompactOptimizerShard); nullptr otherwise.
+  float* m_scale = nullptr;
+  float* v_scale = nullptr;
+  // grads_in_store: instead of `grad`, fp32 elements [grad_offset, grad_offset
+  // + numel) of shard (unit, grad), read (not written back) with each chunk.
+  int64_t grad_offset = 0;
 };
 
 class StreamedOptimizer {

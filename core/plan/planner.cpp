@@ -82,6 +82,8 @@ PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<Model
   input.offload_param = c.zero.offload_param.device;
   input.precision = c.precision;
   input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
+  input.optimizer_state_dtype = c.strata.optimizer_state_dtype;
+  input.gradient_home = c.strata.gradient_home;
   input.micro_batch = c.train_micro_batch_size_per_gpu;
   input.grad_accum = c.gradient_accumulation_steps;
   input.seq_len = effective_seq_len(c, model);
@@ -131,6 +133,10 @@ TrainingPlanInput resolved_step_input(const PlanInput& in, Schedule schedule,
   step.overlap_comm = in.overlap_comm;
   step.reduce_scatter = in.reduce_scatter;
   step.reduce_in_bf16 = in.gradient_reduce_dtype == Precision::bf16;
+  step.optimizer_state = in.optimizer_state_dtype;
+  step.gradient_home = in.gradient_home;
+  // The node's host budget, shared by its ranks (auto's choice of the gradient's home).
+  if (in.host_budget) step.host_budget = *in.host_budget / std::max(1, in.world_size);
   step.optimizer_during_backward = in.optimizer_during_backward;
   step.gpu = in.gpu;
   step.nccl_staging = in.nccl_staging;
@@ -217,12 +223,12 @@ Traffic plan_traffic(const PlanInput& in, const TrainingPlan& plan, const Sizes&
 }
 
 // Without a model (--params N): the same data paths in closed form, the model as one unit.
-Traffic step_traffic(const PlanInput& in, const Sizes& sizes, Schedule schedule) {
+Traffic step_traffic(const PlanInput& in, const Sizes& sizes, Schedule schedule,
+                     const StateHomes& homes) {
   Traffic t;
   const int w = in.world_size;
   const int64_t n = sizes.parameters;
   const int64_t cb = compute_bytes(in.precision);
-  const StateHomes homes = state_homes(step_input(in));
   const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
   const int64_t param_elements = in.stage == 3 ? sizes.shard : sizes.padded;
   const int64_t grad_elements = in.stage >= 2 ? sizes.shard : sizes.padded;
@@ -264,9 +270,18 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes, Schedule schedule)
   if (optimizer_offloaded) t.d2h_bytes += g * grad_elements * 4;
   if (in.offload_optimizer == OffloadDevice::nvme) {
     // The streamed step reads and writes master (or the fp32 parameters that are
-    // the master), m and v.
-    t.nvme_read_bytes += 12 * optimizer_elements;
-    t.nvme_write_bytes += 12 * optimizer_elements;
+    // the master), m and v as strata.optimizer_state_dtype stores them.
+    const int64_t moment = in.optimizer_state_dtype == OptimizerStateDtype::fp32   ? 4
+                           : in.optimizer_state_dtype == OptimizerStateDtype::bf16 ? 2
+                                                                                   : 1;
+    t.nvme_read_bytes += (4 + 2 * moment) * optimizer_elements;
+    t.nvme_write_bytes += (4 + 2 * moment) * optimizer_elements;
+  }
+  if (homes.grad == Tier::nvme) {
+    // Written after every micro-batch's reduce, read back from the second on,
+    // and read by the streamed optimizer.
+    t.nvme_write_bytes += g * grad_elements * 4;
+    t.nvme_read_bytes += (g - 1) * grad_elements * 4 + optimizer_elements * 4;
   }
   if (in.offload_param == OffloadDevice::nvme) {
     t.nvme_read_bytes += 2 * fetches * param_elements * cb;
@@ -281,7 +296,7 @@ Traffic step_traffic(const PlanInput& in, const Sizes& sizes, Schedule schedule)
 enum class BufferKind { state, activation, working_set, staging };
 
 BufferKind buffer_kind(BufferRole role) {
-  if (state_shard_kind(role)) return BufferKind::state;
+  if (state_shard_kind(role) || role == BufferRole::int8_scales) return BufferKind::state;
   switch (role) {
     case BufferRole::activation_checkpoints:
     case BufferRole::activation_gradient:
@@ -312,18 +327,47 @@ Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
   plan.units = sizes.units;
 
   const int w = in.world_size;
-  const StateHomes homes = state_homes(step_input(in));
+  StateHomes homes = state_homes(step_input(in));
 
   // strata's bytes: the training plan's buffers, as the ranks allocate them.
   if (in.model) {
     Result<TrainingPlan> built = build_training_plan(step_input(in));
     if (!built) return built.status();
     plan.buffers = std::move(built->buffers);
+    homes = built->homes;
+    plan.gradient_home_reason = built->gradient_home_reason;
     plan.traffic = plan_traffic(in, *built, sizes);
   } else {
-    plan.buffers = state_buffers_for(step_input(in), {in.parameters});
-    plan.traffic = step_traffic(in, sizes, in.schedule);
+    TrainingPlanInput step = step_input(in);
+    if (Status s = check_gradient_home(step); !s) return s;
+    plan.buffers = state_buffers_for(step, {in.parameters});
+    // The gradient's home by the rule build_training_plan applies (the state lines' host bytes).
+    if (step.gradient_home == GradientHome::automatic &&
+        step.offload_optimizer == OffloadDevice::nvme && in.host_budget) {
+      int64_t host = 0;
+      for (const PlanBuffer& b : plan.buffers)
+        if (b.tier == Tier::host) host += b.bytes;
+      if (host * w > *in.host_budget) {
+        step.gradient_home = GradientHome::nvme;
+        plan.buffers = state_buffers_for(step, {in.parameters});
+        plan.gradient_home_reason = fmt::format(
+            "gradients on NVMe, fp32 (auto: in host memory the states need {} of host per rank, "
+            "over the budget)",
+            format_bytes(double(host)));
+      }
+    }
+    homes = state_homes(step);
+    if (plan.gradient_home_reason.empty())
+      plan.gradient_home_reason =
+          homes.grad == Tier::device
+              ? "gradients on the device, fp32 (with the optimizer)"
+              : fmt::format("gradients {}, {} (strata.gradient_home {})",
+                            homes.grad == Tier::nvme ? "on NVMe" : "in host memory",
+                            homes.grad_bf16 ? "bf16" : "fp32",
+                            gradient_home_name(in.gradient_home));
+    plan.traffic = step_traffic(in, sizes, in.schedule, homes);
   }
+  plan.homes = homes;
   for (const PlanBuffer& b : plan.buffers) {
     plan.total_per_rank.at(b.tier) += b.bytes;
     switch (buffer_kind(b.role)) {
@@ -642,6 +686,9 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
                      in.world_size, in.stage, precision_name(in.precision),
                      offload_device_name(in.offload_optimizer),
                      offload_device_name(in.offload_param));
+  out << fmt::format("  Adam m and v in {}; {}\n",
+                     optimizer_state_dtype_name(in.optimizer_state_dtype),
+                     plan.gradient_home_reason);
   if (in.model) {
     out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}; {}\n",
                        in.micro_batch, in.seq_len, in.grad_accum,
@@ -658,10 +705,20 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   }
   const TierBytes& states = zero_accounting ? plan.model_states_zero : plan.model_states;
   row(out, "model states", states);
+  if (!zero_accounting && plan.parameters > 0) {
+    // What each kind of state costs per parameter on the node, and where.
+    std::string parts;
+    for (const StateLine& line : plan.states)
+      parts += fmt::format("{}{} {} ({})", parts.empty() ? "" : ", ", line.name,
+                           per_parameter(line.bytes * in.world_size, plan.parameters),
+                           tier_name(line.tier));
+    out << fmt::format("  model states per parameter (node, bytes): {} = {}\n", parts,
+                       per_parameter(states.total() * in.world_size, plan.parameters));
+  }
   if (in.model) {
     // The rest of the training plan's buffers, as a rank allocates them.
     for (const PlanBuffer& b : plan.buffers) {
-      if (state_shard_kind(b.role)) continue;
+      if (buffer_kind(b.role) == BufferKind::state) continue;
       TierBytes bytes;
       bytes.at(b.tier) = b.bytes;
       row(out, b.name, bytes);
@@ -781,6 +838,10 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   j["micro_batch"] = in.micro_batch;
   j["seq_len"] = in.seq_len;
   j["grad_accum"] = in.grad_accum;
+  j["optimizer_state_dtype"] = optimizer_state_dtype_name(in.optimizer_state_dtype);
+  j["gradient_home"] = tier_name(plan.homes.grad);
+  j["gradient_bf16"] = plan.homes.grad_bf16;
+  j["gradient_home_reason"] = plan.gradient_home_reason;
   j["accounting"] = zero_accounting ? "zero" : "strata";
   j["per_rank"] = tiers(zero_accounting ? plan.model_states_zero : plan.model_states);
   j["per_rank"]["states"] = lines(zero_accounting ? plan.states_zero : plan.states);

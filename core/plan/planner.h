@@ -54,6 +54,8 @@ struct PlanInput {
   OffloadDevice offload_param = OffloadDevice::none;
   Precision precision = Precision::bf16;
   Precision gradient_reduce_dtype = Precision::fp32;
+  OptimizerStateDtype optimizer_state_dtype = OptimizerStateDtype::fp32;  // m and v
+  GradientHome gradient_home = GradientHome::automatic;                   // strata.gradient_home
   int64_t micro_batch = 1;
   int64_t seq_len = 2048;
   int64_t grad_accum = 1;
@@ -158,6 +160,8 @@ struct MemoryPlan {
   int64_t largest_unit_elements = 0;
   int units = 0;
 
+  StateHomes homes;                    // where each kind of state lives (the gradient's resolved)
+  std::string gradient_home_reason;    // the gradient's home and why, one line
   std::vector<StateLine> states;       // strata's accounting
   std::vector<StateLine> states_zero;  // the ZeRO paper's accounting
   TierBytes model_states;              // sum of `states`

@@ -171,7 +171,17 @@ class PlanBuilder {
     PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
     optimizer.deps = std::move(deps);
     const int64_t n = plan_.units[size_t(u)].optimizer_numel;
-    optimizer.bytes = plan_.homes.optimizer == Tier::nvme ? 2 * 3 * n * 4 : 0;
+    // Read and written: the fp32 master, m and v as stored, chunk by chunk,
+    // each piece rounded to the I/O alignment (int8's last piece may be short).
+    if (plan_.homes.optimizer == Tier::nvme) {
+      const int64_t chunk = plan_.optimizer_chunk_elements;
+      const int64_t alignment = int64_t(in_.nvme_alignment);
+      for (int64_t at = 0; at < n; at += chunk) {
+        const int64_t piece = std::min(chunk, n - at);
+        optimizer.bytes += 2 * (round_up(piece * 4, alignment) +
+                                2 * round_up(piece * plan_.moment_bytes(), alignment));
+      }
+    }
     int last = add(std::move(optimizer));
     if (writeback_) {
       PlanOp write = make_op(OpKind::writeback, Lane::optimizer, u);
@@ -425,6 +435,8 @@ const char* buffer_role_name(BufferRole role) {
       return "m_state";
     case BufferRole::v_state:
       return "v_state";
+    case BufferRole::int8_scales:
+      return "int8_scales";
     case BufferRole::gathered_unit:
       return "gathered_unit";
     case BufferRole::gathered_unit_fp32:
@@ -483,6 +495,8 @@ const char* buffer_role_name(BufferRole role) {
       return "optimizer_stream";
     case BufferRole::nvme_shard_staging:
       return "nvme_shard_staging";
+    case BufferRole::gradient_staging:
+      return "gradient_staging";
   }
   return "?";
 }
@@ -572,6 +586,41 @@ int64_t TrainingPlan::optimizer_offset(int u, int rank) const {
   return input.stage == 0 ? 0 : int64_t(rank) * units[size_t(u)].shard_numel;
 }
 
+kernels::cpu::AdamWStateType TrainingPlan::state_type() const {
+  switch (input.optimizer_state) {
+    case OptimizerStateDtype::fp32:
+      return kernels::cpu::AdamWStateType::f32;
+    case OptimizerStateDtype::bf16:
+      return kernels::cpu::AdamWStateType::bf16;
+    case OptimizerStateDtype::int8:
+      return kernels::cpu::AdamWStateType::int8;
+  }
+  return kernels::cpu::AdamWStateType::f32;
+}
+
+int64_t TrainingPlan::moment_bytes() const {
+  return input.optimizer_state == OptimizerStateDtype::fp32   ? 4
+         : input.optimizer_state == OptimizerStateDtype::bf16 ? 2
+                                                              : 1;
+}
+
+// Weight decay on 2-D tensors only; padding and gaps have none.
+std::vector<ShardSegment> TrainingPlan::segments(int u, int rank) const {
+  const int64_t begin = optimizer_offset(u, rank);
+  const int64_t end = begin + units[size_t(u)].optimizer_numel;
+  std::vector<ShardSegment> out;
+  int64_t at = begin;
+  for (const TensorSlot& slot : layout.units[size_t(u)].tensors) {
+    const int64_t b = std::max(begin, slot.offset), e = std::min(end, slot.offset + slot.numel);
+    if (b >= e) continue;
+    if (b > at) out.push_back({at - begin, b - begin, ParamGroup::no_decay});
+    out.push_back({b - begin, e - begin, param_group_for_shape(slot.shape)});
+    at = e;
+  }
+  if (at < end) out.push_back({at - begin, end - begin, ParamGroup::no_decay});
+  return out;
+}
+
 namespace {
 
 // What a rank keeps of one unit, by ZeRO stage.
@@ -606,11 +655,32 @@ void add_state_buffers(TrainingPlan& plan) {
   };
   add_state(BufferRole::param_state, fmt::format("parameters ({})", precision_name(in.precision)),
             plan.homes.param, compute_element(in.precision));
-  add_state(BufferRole::grad_state, "gradients (fp32)", plan.homes.grad, BufferElement::f32);
+  add_state(BufferRole::grad_state, plan.homes.grad_bf16 ? "gradients (bf16)" : "gradients (fp32)",
+            plan.homes.grad, plan.homes.grad_bf16 ? BufferElement::bf16 : BufferElement::f32);
   if (plan.homes.separate_master)
     add_state(BufferRole::master_state, "fp32 master", plan.homes.optimizer, BufferElement::f32);
-  add_state(BufferRole::m_state, "Adam m", plan.homes.optimizer, BufferElement::f32);
-  add_state(BufferRole::v_state, "Adam v", plan.homes.optimizer, BufferElement::f32);
+  // m and v as strata.optimizer_state_dtype stores them; int8's block scales
+  // stay in host memory beside the CPU optimizer (one fp32 each per block).
+  const OptimizerStateDtype state = in.optimizer_state;
+  const BufferElement moment = state == OptimizerStateDtype::fp32   ? BufferElement::f32
+                               : state == OptimizerStateDtype::bf16 ? BufferElement::bf16
+                                                                    : BufferElement::byte;
+  const std::string suffix = state == OptimizerStateDtype::fp32
+                                 ? ""
+                                 : fmt::format(" ({})", optimizer_state_dtype_name(state));
+  add_state(BufferRole::m_state, "Adam m" + suffix, plan.homes.optimizer, moment);
+  add_state(BufferRole::v_state, "Adam v" + suffix, plan.homes.optimizer, moment);
+  if (state == OptimizerStateDtype::int8) {
+    int64_t blocks = 0;
+    for (const UnitPlacement& p : plan.units) blocks += p.int8_blocks;
+    if (blocks > 0) {
+      const int64_t bytes = 2 * round_up(blocks * 4, page);
+      plan.buffers.push_back({BufferRole::int8_scales, BufferOwner::rank,
+                              "Adam m and v int8 block scales (fp32)", Tier::host,
+                              BufferElement::f32, 2, blocks, bytes});
+      plan.peak_bytes[static_cast<int>(Tier::host)] += bytes;
+    }
+  }
 }
 
 // The plan's buffers besides the model state, in the order the ranks allocate them.
@@ -740,11 +810,19 @@ class BufferListing {
     add(R::nvme_parameter_copies, O::store,
         fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
         compute, plan.fetch_slots, largest_shard);
-    if (plan.streamed_optimizer)
+    // Per element: master, m, v (and the gradient, read from NVMe).
+    const int64_t chunk_bytes =
+        4 + 2 * plan.moment_bytes() + (plan.homes.grad == Tier::nvme ? 4 : 0);
+    if (plan.streamed_optimizer && chunk_bytes == 12)
       add(R::optimizer_stream, O::store,
           fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,
                       plan.optimizer_chunk_elements),
           Tier::host, f32, in.optimizer_buffers, plan.optimizer_chunk_elements * 3);
+    else if (plan.streamed_optimizer)
+      add(R::optimizer_stream, O::store,
+          fmt::format("streamed optimizer buffers ({} x {} elements x {} B)", in.optimizer_buffers,
+                      plan.optimizer_chunk_elements, chunk_bytes),
+          Tier::host, byte, in.optimizer_buffers, plan.optimizer_chunk_elements * chunk_bytes);
     if (plan.new_params_staged())
       add(R::new_parameters, O::rank,
           plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
@@ -756,7 +834,19 @@ class BufferListing {
       largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
     if (plan.homes.optimizer == Tier::nvme)
       largest_nvme_shard = std::max(largest_nvme_shard, largest_optimizer * 4);
-    add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte, 1,
+    int64_t largest_grad = 0;
+    for (const UnitPlacement& p : plan.units) largest_grad = std::max(largest_grad, p.grad_numel);
+    if (plan.homes.grad == Tier::nvme) {
+      largest_nvme_shard = std::max(largest_nvme_shard, largest_grad * 4);
+      // From the second micro-batch on, the stored sum is read to add to.
+      if (in.grad_accum > 1)
+        add(R::gradient_staging, O::rank, "gradient read back from NVMe (largest shard, fp32)",
+            Tier::host, f32, 1, largest_grad);
+    }
+    // One block per lane that stages at once: the optimizer's writebacks, and
+    // the reductions writing gradients homed on NVMe.
+    add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte,
+        plan.homes.grad == Tier::nvme ? 2 : 1,
         std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
   }
 
@@ -812,6 +902,10 @@ StateHomes state_homes(const TrainingPlanInput& in) {
   homes.param = home_of(in.offload_param);
   homes.optimizer = home_of(in.offload_optimizer);
   homes.grad = in.offload_optimizer == OffloadDevice::none ? Tier::device : Tier::host;
+  if (homes.grad == Tier::host) {
+    homes.grad_bf16 = in.gradient_home == GradientHome::host_bf16;
+    if (in.gradient_home == GradientHome::nvme) homes.grad = Tier::nvme;
+  }
   homes.separate_master = in.precision != Precision::fp32 || homes.param != homes.optimizer;
   return homes;
 }
@@ -824,6 +918,10 @@ std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
   for (int64_t numel : unit_numels) {
     const int64_t shard = padded_shard_elements(numel, input.world_size);
     plan.units.push_back(place_unit(shard * input.world_size, shard, input.stage));
+    // One parameter group: the range's blocks of 256.
+    if (input.optimizer_state == OptimizerStateDtype::int8)
+      plan.units.back().int8_blocks = kernels::cpu::adamw_state_scale_count(
+          kernels::cpu::AdamWStateType::int8, plan.units.back().optimizer_numel);
   }
   add_state_buffers(plan);
   return plan.buffers;
@@ -841,7 +939,53 @@ BufferElement compute_element(Precision precision) {
   return BufferElement::f32;
 }
 
+Status check_gradient_home(const TrainingPlanInput& in) {
+  if (in.offload_optimizer == OffloadDevice::none && in.gradient_home != GradientHome::automatic)
+    return Status::error(fmt::format(
+        "strata.gradient_home {}: with the optimizer on the device the gradients stay there; "
+        "offload the optimizer (--offload-optimizer cpu or nvme) or leave it auto",
+        gradient_home_name(in.gradient_home)));
+  if (in.gradient_home == GradientHome::nvme && in.offload_optimizer != OffloadDevice::nvme)
+    return Status::error(
+        "strata.gradient_home nvme: the streamed optimizer reads gradients from NVMe with its "
+        "state, so it needs --offload-optimizer nvme; use host or host_bf16 otherwise");
+  return Status::ok();
+}
+
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
+  // The gradient's home: an exact one (fp32) unless another is asked for.
+  if (Status s = check_gradient_home(in); !s) return s;
+  if (in.gradient_home == GradientHome::automatic && in.offload_optimizer != OffloadDevice::none) {
+    TrainingPlanInput host = in;
+    host.gradient_home = GradientHome::host;
+    Result<TrainingPlan> plan = build_training_plan(host);
+    if (!plan) return plan;
+    const int64_t need = plan->peak(Tier::host);
+    const bool over = in.host_budget > 0 && need > in.host_budget;
+    if (over && in.offload_optimizer == OffloadDevice::nvme) {
+      TrainingPlanInput nvme = in;
+      nvme.gradient_home = GradientHome::nvme;
+      Result<TrainingPlan> on_nvme = build_training_plan(nvme);
+      if (!on_nvme) return on_nvme;
+      on_nvme->input.gradient_home = GradientHome::automatic;
+      on_nvme->gradient_home_reason = fmt::format(
+          "gradients on NVMe, fp32 (auto: in host memory the plan needs {} of host per rank, "
+          "over the budget of {})",
+          format_bytes(double(need)), format_bytes(double(in.host_budget)));
+      return on_nvme;
+    }
+    plan->input.gradient_home = GradientHome::automatic;
+    plan->gradient_home_reason =
+        in.host_budget > 0 && !over
+            ? fmt::format(
+                  "gradients in host memory, fp32 (auto: the plan's {} of host per rank "
+                  "fits the budget of {})",
+                  format_bytes(double(need)), format_bytes(double(in.host_budget)))
+            : std::string("gradients in host memory, fp32 (auto") +
+                  (over ? ": over the host budget, but only an optimizer on NVMe reads them there)"
+                        : ": no host budget given)");
+    return plan;
+  }
   if (in.world_size < 1) return Status::error("world size must be at least 1");
   if (in.stage < 0 || in.stage > 3)
     return Status::error(
@@ -866,6 +1010,12 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
         "memory{}",
         tiers::tier_name(in.activation_home), in.gpu ? "CUDA" : "CPU",
         in.gpu ? "" : " or pinned host memory"));
+  if (in.gpu && in.offload_optimizer == OffloadDevice::none &&
+      in.optimizer_state != OptimizerStateDtype::fp32)
+    return Status::error(fmt::format(
+        "strata.optimizer_state_dtype {}: the CUDA backend's optimizer in GPU memory keeps fp32 m "
+        "and v; offload the optimizer (--offload-optimizer cpu or nvme) or use fp32",
+        optimizer_state_dtype_name(in.optimizer_state)));
 
   TrainingPlan plan;
   plan.input = in;
@@ -901,6 +1051,17 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
                     "zero_optimization.sub_group_size",
                     in.optimizer_chunk_elements));
   plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);
+  // Compact m and v: chunks start at multiples of 4096 elements, so their
+  // pieces of bf16 or int8 stay on the I/O alignment (and int8 blocks whole).
+  if (in.optimizer_state != OptimizerStateDtype::fp32)
+    plan.optimizer_chunk_elements = round_up(plan.optimizer_chunk_elements, int64_t{4096});
+  if (in.optimizer_state == OptimizerStateDtype::int8) {
+    for (int u = 0; u < int(plan.units.size()); ++u)
+      for (int r = 0; r < (in.stage == 0 ? 1 : in.world_size); ++r)
+        plan.units[size_t(u)].int8_blocks =
+            std::max(plan.units[size_t(u)].int8_blocks,
+                     int8_block_count(plan.segments(u, r), plan.units[size_t(u)].optimizer_numel));
+  }
 
   // --- memory, per rank: every buffer, typed, in the order the ranks allocate --------
   add_state_buffers(plan);
@@ -913,6 +1074,35 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
 
   PlanBuilder(plan).build();
 
+  // A gradient on NVMe: written after each reduce, read back to add to from
+  // the second micro-batch on, and read by the streamed optimizer chunk by chunk.
+  if (plan.homes.grad == Tier::nvme) {
+    const int64_t alignment = int64_t(in.nvme_alignment);
+    for (const PlanOp& op : plan.ops) {
+      if (op.kind == OpKind::reduce) {
+        // Summed on the GPU, only the last micro-batch's reduce brings a gradient.
+        const bool summed = plan.gpu_grads_summed_on_device();
+        if (summed && op.micro != in.grad_accum - 1) continue;
+        const int64_t bytes = round_up(plan.units[size_t(op.unit)].grad_numel * 4, alignment);
+        plan.traffic_per_step.nvme_written += bytes;
+        if (op.micro > 0 && !summed) plan.traffic_per_step.nvme_read += bytes;
+      }
+      if (op.kind == OpKind::optimizer) {
+        const int64_t n = plan.units[size_t(op.unit)].optimizer_numel;
+        for (int64_t at = 0; at < n; at += plan.optimizer_chunk_elements)
+          plan.traffic_per_step.nvme_read +=
+              round_up(std::min(plan.optimizer_chunk_elements, n - at) * 4, alignment);
+      }
+    }
+  }
+  if (plan.gradient_home_reason.empty())
+    plan.gradient_home_reason =
+        plan.homes.grad == Tier::device
+            ? "gradients on the device, fp32 (with the optimizer)"
+            : fmt::format("gradients {}, {} (strata.gradient_home {})",
+                          plan.homes.grad == Tier::nvme ? "on NVMe" : "in host memory",
+                          plan.homes.grad_bf16 ? "bf16" : "fp32",
+                          gradient_home_name(in.gradient_home));
   return plan;
 }
 

@@ -17,7 +17,11 @@
 //           stage 0: the whole unit, else the shard; home offload_optimizer
 //   m, v    fp32, as master
 //   grad    fp32 accumulator across micro-batches; stages 0-1: the whole unit,
-//           2-3: the shard; in host memory when the optimizer is offloaded
+//           2-3: the shard; on the device with the optimizer there, else
+//           where strata.gradient_home says (gradient_home_reason): host
+//           fp32, host bf16, or NVMe fp32 (with the optimizer on NVMe: written
+//           after each reduce, read-modify-written from the second
+//           micro-batch on, read by the streamed optimizer with its chunks)
 // Elements [r * shard, (r + 1) * shard) of a unit's flat buffer are rank r's.
 //
 // Operations. In the micro-batch order (schedule micro_batch) a step is, per
@@ -60,6 +64,7 @@
 #include "core/config/config.h"
 #include "core/model/model.h"
 #include "core/model/model_config.h"
+#include "core/optimizer/optimizer.h"
 #include "io/base/status.h"
 #include "kernels/cpu/simd.h"
 #include "tiers/tier.h"
@@ -80,6 +85,13 @@ struct TrainingPlanInput {
   bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
   bool reduce_in_bf16 =
       false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
+  // strata.optimizer_state_dtype: how m and v are stored (kernels/cpu/adamw.h).
+  OptimizerStateDtype optimizer_state = OptimizerStateDtype::fp32;
+  // strata.gradient_home; automatic takes host fp32 unless the plan then
+  // needs more host memory than host_budget (per rank, 0: unknown) and the
+  // optimizer is on NVMe, where it takes NVMe fp32.
+  GradientHome gradient_home = GradientHome::automatic;
+  int64_t host_budget = 0;
   // No clipping and no loss scaling: the update needs no global result, so
   // `decide` runs at the start and each unit's optimizer as soon as its
   // gradient is final, during backward.
@@ -146,12 +158,16 @@ struct UnitPlacement {
   int64_t param_numel = 0;      // stored per rank
   int64_t grad_numel = 0;       // accumulator per rank
   int64_t optimizer_numel = 0;  // master / m / v per rank
+  // int8 state: the int8 blocks of a rank's optimizer range (int8_block_count
+  // of its parameter-group segments), the most of any rank; 0 otherwise.
+  int64_t int8_blocks = 0;
 };
 
 struct StateHomes {
   tiers::Tier param = tiers::Tier::device;
   tiers::Tier optimizer = tiers::Tier::device;  // master, m, v
   tiers::Tier grad = tiers::Tier::device;
+  bool grad_bf16 = false;  // the accumulator is bf16 (strata.gradient_home host_bf16)
   bool separate_master = false;
 };
 
@@ -169,6 +185,9 @@ enum class BufferRole {
   master_state,
   m_state,
   v_state,
+  // int8 m and v: [2] (sum over units of int8_blocks) fp32 block scales, m's
+  // then v's, in host memory beside the CPU optimizer whatever tier holds the codes.
+  int8_scales,
   // The engine rank's buffers (CPU backend: in host memory standing in for the device).
   gathered_unit,           // [gather_slots] (largest padded) compute precision
   gathered_unit_fp32,      // [gather_slots] (largest padded) the CPU backend's widened copy
@@ -199,8 +218,9 @@ enum class BufferRole {
   gpu_unit_working_set,        // bytes, CudaUnits' working set
   // Taken by the store and the streamed optimizer from the host budget.
   nvme_parameter_copies,  // [fetch_slots] (largest shard) compute precision
-  optimizer_stream,       // [optimizer buffers] (chunk x 3) fp32: master, m, v
+  optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
+  gradient_staging,       // (largest gradient shard) fp32: an NVMe-homed gradient, read to add to
 };
 const char* buffer_role_name(BufferRole role);
 // The store's shard kind of a state role; nullopt for any other role.
@@ -259,6 +279,7 @@ struct TrainingPlan {
   int fetch_slots = 0;  // NVMe parameter copies in host memory
   int64_t optimizer_chunk_elements = 0;
   bool streamed_optimizer = false;  // some optimizer state is on NVMe
+  std::string gradient_home_reason;  // where the gradient lives and why, one line
 
   std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
   std::vector<PlanBuffer> buffers;  // states and buffers, per rank
@@ -287,6 +308,11 @@ struct TrainingPlan {
   int64_t optimizer_offset(int u, int rank) const;
   // The parameters' element type: the compute precision.
   kernels::cpu::ElementType compute_type() const;
+  // How m and v are stored, and the bytes of one element of each (int8: the codes).
+  kernels::cpu::AdamWStateType state_type() const;
+  int64_t moment_bytes() const;
+  // The parameter groups of rank r's optimizer range of unit u, over [0, optimizer_numel).
+  std::vector<ShardSegment> segments(int u, int rank) const;
 
   // The CUDA backend's data paths (core/engine/gpu_rank.h). The units compute
   // straight from the parameters' device home when each rank holds whole
@@ -322,6 +348,9 @@ struct TrainingPlan {
 };
 
 Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
+// Refuses a strata.gradient_home that cannot work with the optimizer's home
+// (build_training_plan checks it first).
+Status check_gradient_home(const TrainingPlanInput& input);
 
 // Where each kind of state lives: parameters and optimizer state where
 // offloaded, gradients where the optimizer reads them; in fp32 the parameters
