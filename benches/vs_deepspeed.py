@@ -408,7 +408,8 @@ def bench(args, rows, accums, work, nvme_root):
           f"{args.vocab}, untied), fp32; transformers {model_info['transformers']}, torch {model_info['torch']}")
     print(f"batch: micro-batch {args.micro_batch} x {args.seq_len} tokens; AdamW lr {args.lr} betas 0.9/0.95 "
           f"eps 1e-8 weight decay {args.weight_decay} (2-D tensors), clipping {args.clip}, constant lr; "
-          f"{args.steps} steps, medians after {args.warmup}; {os.cpu_count()} cores; swap under {nvme_root}")
+          f"{args.steps} steps, medians after {args.warmup}; {os.cpu_count()} cores (load average "
+          f"{os.getloadavg()[0]:.1f} at the start); swap under {nvme_root}")
     sys.stdout.flush()
 
     results = []
@@ -456,7 +457,8 @@ def bench(args, rows, accums, work, nvme_root):
 
     info = next((r["deepspeed"].get("info") for r in results if r["deepspeed"].get("info")), {})
     print(f"DeepSpeed {info.get('deepspeed', '?')} on {info.get('accelerator', '?')}, optimizer "
-          f"{info.get('optimizer', '?')}, torch threads {info.get('threads', '?')}; strata {args.strata}")
+          f"{info.get('optimizer', '?')}, torch threads {info.get('threads', '?')}; strata {args.strata}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model_info, "args": {k: v for k, v in vars(args).items()
