@@ -134,29 +134,8 @@ def read_tokens(path):
     return np.fromfile(path, dtype=np.uint16).astype(np.int64)
 
 
-def worker_deepspeed(args):
-    """ZeRO-3 training of the model directory with the DeepSpeed config, one process."""
-    if args.backend == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(args.port))
-    import torch
-    import torch.nn.functional as F
-    import deepspeed
-    import transformers
-    from deepspeed.accelerator import get_accelerator
-
-    config = json.load(open(args.config))
-    B = config["train_micro_batch_size_per_gpu"]
-    G = config.get("gradient_accumulation_steps", 1)
-    T = args.seq_len
-    tokens = read_tokens(args.data)
-    sequences = (len(tokens) - 1) // T
-
-    deepspeed.init_distributed()
-    device = get_accelerator().device_name()
+def build_under_zero_init(args, config, torch, deepspeed, transformers):
+    """LlamaForCausalLM built inside zero.Init, its weights copied in from the model directory."""
     hf_config = transformers.LlamaConfig.from_pretrained(args.model)
     hf_config.use_cache = False
     hf_config._attn_implementation = "eager"
@@ -180,6 +159,39 @@ def worker_deepspeed(args):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             param.data.copy_(weights[name].to(param.dtype))
     del weights
+    return model
+
+
+def worker_deepspeed(args):
+    """ZeRO-3 training of the model directory with the DeepSpeed config, one process."""
+    if args.backend == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(args.port))
+    import torch
+    import torch.nn.functional as F
+    import deepspeed
+    import transformers
+    from deepspeed.accelerator import get_accelerator
+
+    config = json.load(open(args.config))
+    B = config["train_micro_batch_size_per_gpu"]
+    G = config.get("gradient_accumulation_steps", 1)
+    T = args.seq_len
+    tokens = read_tokens(args.data)
+    sequences = (len(tokens) - 1) // T
+
+    deepspeed.init_distributed()
+    device = get_accelerator().device_name()
+    if args.ds_late_partition:
+        # The other way: load the whole model, let deepspeed.initialize partition it.
+        model = transformers.LlamaForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32,
+                                                              attn_implementation="eager")
+        model.config.use_cache = False
+    else:
+        model = build_under_zero_init(args, config, torch, deepspeed, transformers)
     # Partitioned parameters hold an empty tensor: their shape is ds_shape.
     rank_of = lambda p: len(getattr(p, "ds_shape", p.shape))
     decay = [p for _, p in model.named_parameters() if rank_of(p) == 2]
@@ -285,7 +297,7 @@ def run_deepspeed(args, config_path, model_dir, data, metrics, port):
     command = [args.python, os.path.abspath(__file__), "--worker", "deepspeed", "--config-file", config_path,
                "--model-dir", model_dir, "--data-file", data, "--seq-len", str(args.seq_len),
                "--steps", str(args.steps), "--metrics-file", metrics, "--backend", args.backend,
-               "--port", str(port)]
+               "--port", str(port)] + (["--ds-late-partition"] if args.ds_late_partition else [])
     start = time.monotonic()
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -332,6 +344,9 @@ def main():
                         help="\"torch_adam\": true: DeepSpeed runs torch.optim.AdamW instead of its CPU Adam")
     parser.add_argument("--ds-param-cpu", action="store_true",
                         help="DeepSpeed's side of the param-nvme row with offload_param cpu")
+    parser.add_argument("--ds-late-partition", action="store_true",
+                        help="DeepSpeed loads the whole model and deepspeed.initialize partitions it "
+                             "(its NVMe parameter swapper then runs in bf16 on a CPU without fp16)")
     parser.add_argument("--nvme-path", help="swap directory for both engines (default: a temporary one here)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--keep", help="keep the model, data and configs in this directory")
@@ -455,6 +470,8 @@ def bench(args, rows, accums, work, nvme_root):
             print_row(entry, args, header=len(results) == 1)
             sys.stdout.flush()
 
+    if any(not r["same_config_file"] for r in results):
+        print("* DeepSpeed ran this row from its own config file, with offload_param cpu (--ds-param-cpu)")
     info = next((r["deepspeed"].get("info") for r in results if r["deepspeed"].get("info")), {})
     print(f"DeepSpeed {info.get('deepspeed', '?')} on {info.get('accelerator', '?')}, optimizer "
           f"{info.get('optimizer', '?')}, torch threads {info.get('threads', '?')}; strata {args.strata}; "
