@@ -177,6 +177,36 @@ TEST_F(EngineSchedule, NvmeBytesEqualThePlanAndParameterReadsDoNotGrowWithAccumu
   }
 }
 
+TEST_F(EngineSchedule, GradientsOnNvmeAreWrittenOnceAndAgree) {
+  // Layer-major keeps a unit's sum over its micro-batches in host memory and
+  // writes it once; the micro-batch order reads back and rewrites it each time.
+  for (int world : {1, 2}) {
+    for (const char* state : {"fp32", "int8"}) {
+      EngineRun run;
+      run.stage = 3;
+      run.offload_param = "nvme";
+      run.offload_optimizer = "nvme";
+      run.gradient_home = "nvme";
+      run.state_dtype = state;
+      run.world = world;
+      run.grad_accum = 3;
+      run.steps = 2;
+      run.schedule = "micro_batch";
+      const EngineOutcome micro = train(run);
+      run.schedule = "layer";
+      const EngineOutcome layer = train(run);
+      testing::expect_identical(layer, micro, run.label());
+      for (const EngineOutcome* o : {&micro, &layer}) {
+        EXPECT_EQ(o->nvme_read, uint64_t(o->plan.traffic_per_step.nvme_read) * 2 * world)
+            << run.label();
+        EXPECT_EQ(o->nvme_written, uint64_t(o->plan.traffic_per_step.nvme_written) * 2 * world)
+            << run.label();
+      }
+      EXPECT_LT(layer.nvme_written, micro.nvme_written) << run.label();
+    }
+  }
+}
+
 TEST_F(EngineSchedule, AutoPicksLayerWhereParametersMoveAndRefusesWhatCannotRun) {
   EngineRun run;
   run.stage = 3;

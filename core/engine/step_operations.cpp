@@ -194,6 +194,19 @@ Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int6
   }
   if (plan.homes.grad != tiers::Tier::nvme)
     return rank.compute->accumulate(plan.homes.grad, grad_home(rank, u), reduced, count, first);
+  const bool last = micro == plan.input.grad_accum - 1;
+  if (plan.layer_major() && plan.input.grad_accum > 1 && !(first && last)) {
+    // Layer-major: the unit's micro-batches come one after another, so the
+    // sum (acc + reduced, as in memory) stays in host memory until the last.
+    if (first) {
+      std::memcpy(rank.grad_staging, reduced, size_t(count) * 4);
+    } else if (Status s = accumulate_on_host(rank.grad_staging, reduced, count, false); !s) {
+      return s;
+    }
+    if (!last) return Status::ok();
+    std::memcpy(reduced, rank.grad_staging, size_t(count) * 4);
+    first = true;  // nothing stored to read back
+  }
   // NVMe: the sum so far is read back and added to (acc + reduced, as in
   // memory), then written; the last micro-batch's sum is final: its norm first.
   const std::span<std::byte> bytes(reinterpret_cast<std::byte*>(reduced), size_t(count) * 4);

@@ -838,9 +838,13 @@ class BufferListing {
     for (const UnitPlacement& p : plan.units) largest_grad = std::max(largest_grad, p.grad_numel);
     if (plan.homes.grad == Tier::nvme) {
       largest_nvme_shard = std::max(largest_nvme_shard, largest_grad * 4);
-      // From the second micro-batch on, the stored sum is read to add to.
+      // From the second micro-batch on, the stored sum is read to add to; in
+      // the layer-major order a unit's micro-batches come one after another,
+      // so the sum stays here and goes to NVMe once.
       if (in.grad_accum > 1)
-        add(R::gradient_staging, O::rank, "gradient read back from NVMe (largest shard, fp32)",
+        add(R::gradient_staging, O::rank,
+            plan.layer_major() ? "gradient sum on its way to NVMe (largest shard, fp32)"
+                               : "gradient read back from NVMe (largest shard, fp32)",
             Tier::host, f32, 1, largest_grad);
     }
     // One block per lane that stages at once: the optimizer's writebacks, and
@@ -1080,12 +1084,12 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     const int64_t alignment = int64_t(in.nvme_alignment);
     for (const PlanOp& op : plan.ops) {
       if (op.kind == OpKind::reduce) {
-        // Summed on the GPU, only the last micro-batch's reduce brings a gradient.
-        const bool summed = plan.gpu_grads_summed_on_device();
-        if (summed && op.micro != in.grad_accum - 1) continue;
+        // Layer-major: the sum over a unit's micro-batches is kept in host
+        // memory (or on the GPU) and written once, after the last.
+        if (plan.layer_major() && op.micro != in.grad_accum - 1) continue;
         const int64_t bytes = round_up(plan.units[size_t(op.unit)].grad_numel * 4, alignment);
         plan.traffic_per_step.nvme_written += bytes;
-        if (op.micro > 0 && !summed) plan.traffic_per_step.nvme_read += bytes;
+        if (op.micro > 0 && !plan.layer_major()) plan.traffic_per_step.nvme_read += bytes;
       }
       if (op.kind == OpKind::optimizer) {
         const int64_t n = plan.units[size_t(op.unit)].optimizer_numel;
