@@ -105,7 +105,8 @@ TEST_F(EngineSchedule, Fp16OverflowSkipsTheSameStepsAndClippingOffUpdatesDuringB
         ASSERT_TRUE(options.is_ok()) << options.status().message();
         Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
         ASSERT_TRUE(engine.is_ok()) << engine.status().message();
-        ASSERT_EQ((*engine)->plan().input.schedule, s == 0 ? Schedule::micro_batch : Schedule::layer);
+        ASSERT_EQ((*engine)->plan().input.schedule,
+                  s == 0 ? Schedule::micro_batch : Schedule::layer);
         for (int step = 0; step < run.steps; ++step) {
           Result<StepResult> result = (*engine)->step();
           if (!result) {

@@ -191,8 +191,8 @@ class CpuRankCompute final : public RankCompute {
   const TrainingPlan& plan_;
   // Allocates its own memory; the plan's unit_working_set line charged its bytes.
   UnitWorkspace workspace_;
-  std::vector<float*> gathered_fp32_;  // [gather slot] (largest padded), below fp32 at stage 3
-  std::vector<float*> widened_;        // [2] (largest padded), below fp32 at stages 0-2
+  std::vector<float*> gathered_fp32_;     // [gather slot] (largest padded), below fp32 at stage 3
+  std::vector<float*> widened_;           // [2] (largest padded), below fp32 at stages 0-2
   std::vector<float*> activation_grads_;  // [activation copies] (B*T, C)
   // [activation copies] (units - 1, B*T, C): each unit's output, the next's input
   std::vector<float*> checkpoints_;

@@ -112,12 +112,12 @@ struct CudaGpuRank::Impl {
   std::byte* activation_grad(int micro) const {
     return activation_grads[size_t(plan.activation_copy(micro))];
   }
-  int32_t* tokens = nullptr;             // (G, N)
-  int32_t* targets = nullptr;            // (G, N)
-  float* losses = nullptr;               // (N)
-  std::vector<float> host_losses;        // (N)
-  bool params_in_place = false;          // TrainingPlan::gpu_params_in_place
-  bool grads_in_place = false;           // TrainingPlan::gpu_grads_in_place
+  int32_t* tokens = nullptr;       // (G, N)
+  int32_t* targets = nullptr;      // (G, N)
+  float* losses = nullptr;         // (N)
+  std::vector<float> host_losses;  // (N)
+  bool params_in_place = false;    // TrainingPlan::gpu_params_in_place
+  bool grads_in_place = false;     // TrainingPlan::gpu_grads_in_place
   // The calls from other lanes (transfers, norm, AdamW) take turns; each
   // waits for its own work through `side_done`.
   std::mutex side;
@@ -330,9 +330,9 @@ Status CudaGpuRank::Impl::deliver(const float* fresh, const GradTarget& target, 
                                     "ordering the gradient sum's reuse");
         !s)
       return s;
-    if (Status s = cuda::check_cuda(cudaMemcpyAsync(grad_sum, fresh, size_t(numel) * 4,
-                                                    cudaMemcpyDeviceToDevice, compute),
-                                    "starting a gradient sum");
+    if (Status s = cuda::check_cuda(
+            cudaMemcpyAsync(grad_sum, fresh, size_t(numel) * 4, cudaMemcpyDeviceToDevice, compute),
+            "starting a gradient sum");
         !s)
       return s;
   } else if (Status s = cuda::residual_forward(grad_sum, grad_sum, fresh, numel, cuda::DType::f32,
@@ -495,9 +495,9 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
     if (tied_params != nullptr) {
       // This copy's last tied gradient must have reached the host first.
       const int copy = g.plan.activation_copy(micro);
-      status = cuda::check_cuda(
-          cudaStreamWaitEvent(g.compute, g.slot_sent[g.sent_index(-1 - copy)], 0),
-          "ordering the tied embedding's gradient");
+      status =
+          cuda::check_cuda(cudaStreamWaitEvent(g.compute, g.slot_sent[g.sent_index(-1 - copy)], 0),
+                           "ordering the tied embedding's gradient");
       if (status) status = g.zero(g.tied_grads[size_t(copy)], tied_numel);
       device_tied_grads = g.tied_grads[size_t(copy)];
     }

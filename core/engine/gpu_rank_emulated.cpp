@@ -108,8 +108,8 @@ class EmulatedGpuRank final : public GpuRank {
     }
     const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
     float* dy = activation_grad(micro);
-    unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy,
-                  g, ws_, recompute);
+    unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy, g,
+                  ws_, recompute);
     if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return Status::ok();
   }
@@ -180,8 +180,7 @@ class EmulatedGpuRank final : public GpuRank {
   float* checkpoint(int unit, int micro) {
     const int64_t C = plan_.input.model.hidden_size;
     const int64_t per_copy = int64_t(plan_.units.size() - 1) * N_ * C;
-    return checkpoints_.data() + plan_.activation_copy(micro) * per_copy +
-           int64_t(unit) * N_ * C;
+    return checkpoints_.data() + plan_.activation_copy(micro) * per_copy + int64_t(unit) * N_ * C;
   }
   float* activation_grad(int micro) {
     return activation_grad_.data() +

@@ -157,8 +157,8 @@ PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config,
   return in;
 }
 
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
-                                      bool gpu, bool nccl_staging) {
+TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
+                                      bool nccl_staging) {
   return step_input(engine_plan_input(model, config, gpu, nccl_staging));
 }
 
@@ -443,7 +443,8 @@ Result<std::pair<ScheduleOption, MemoryPlan>> schedule_option(const PlanInput& i
 
 // "2.00 GiB over NVMe"
 std::string slowest_bytes(const Traffic& t) {
-  if (t.slowest_link == "network") return fmt::format("{} over the network", format_bytes(double(t.collective_bytes)));
+  if (t.slowest_link == "network")
+    return fmt::format("{} over the network", format_bytes(double(t.collective_bytes)));
   if (t.slowest_link == "PCIe")
     return fmt::format("{} over PCIe", format_bytes(double(std::max(t.h2d_bytes, t.d2h_bytes))));
   if (t.slowest_link == "NVMe")
@@ -511,10 +512,12 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
     } else {
       choice.reason =
           micro.slowest_seconds == 0
-              ? "micro_batch: no link carries parameters, so the layer-major order would save nothing"
-              : fmt::format("micro_batch: the layer-major order moves as much ({}) and keeps {} "
-                            "more activations",
-                            slowest_bytes(layer.traffic), format_bytes(double(kept)));
+              ? "micro_batch: no link carries parameters, so the layer-major order would save "
+                "nothing"
+              : fmt::format(
+                    "micro_batch: the layer-major order moves as much ({}) and keeps {} "
+                    "more activations",
+                    slowest_bytes(layer.traffic), format_bytes(double(kept)));
     }
   }
   choice.schedule = choice.options[pick].schedule;
@@ -803,12 +806,11 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
                        "collectives", "PCIe h2d", "PCIe d2h", "NVMe read", "NVMe write",
                        "act. device", "act. host", "fits");
     for (const ScheduleOption& o : choice.options) {
-      out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}  {}\n",
-                         schedule_name(o.schedule), cell(o.traffic.collective_bytes),
-                         cell(o.traffic.h2d_bytes), cell(o.traffic.d2h_bytes),
-                         cell(o.traffic.nvme_read_bytes), cell(o.traffic.nvme_write_bytes),
-                         cell(o.activations.device), cell(o.activations.host),
-                         o.fits ? "yes" : "no");
+      out << fmt::format(
+          "  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}  {}\n", schedule_name(o.schedule),
+          cell(o.traffic.collective_bytes), cell(o.traffic.h2d_bytes), cell(o.traffic.d2h_bytes),
+          cell(o.traffic.nvme_read_bytes), cell(o.traffic.nvme_write_bytes),
+          cell(o.activations.device), cell(o.activations.host), o.fits ? "yes" : "no");
     }
   }
   return out.str();

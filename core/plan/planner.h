@@ -135,7 +135,7 @@ struct ScheduleOption {
   Tier activation_home = Tier::device;
   bool fits = true;
   Traffic traffic;
-  TierBytes activations;  // activation checkpoints, gradients, tokens: per rank and tier
+  TierBytes activations;       // activation checkpoints, gradients, tokens: per rank and tier
   double slowest_seconds = 0;  // the step's time on its slowest link
 };
 

@@ -81,7 +81,8 @@ class PlanBuilder {
   // gradient sums in the same order.
   void list_compute() {
     const int G = int(in_.grad_accum);
-    const std::vector<int> head_units = tied_ ? std::vector<int>{0, head_} : std::vector<int>{head_};
+    const std::vector<int> head_units =
+        tied_ ? std::vector<int>{0, head_} : std::vector<int>{head_};
     if (plan_.layer_major()) {
       for (int u = 0; u < head_; ++u)
         for (int m = 0; m < G; ++m) compute_.push_back({OpKind::forward, u, m, {u}});
@@ -356,7 +357,7 @@ class PlanBuilder {
   const Lane comm_lane_;
   std::vector<ComputeUse> compute_;
   std::vector<Use> uses_;
-  std::vector<std::vector<size_t>> compute_uses_;  // per compute op: its uses
+  std::vector<std::vector<size_t>> compute_uses_;                      // per compute op: its uses
   std::vector<int> gather_op_, fetch_op_, release_op_, previous_use_;  // per use
   std::vector<int> compute_op_;                                        // per compute op
   size_t next_gather_ = 0, next_fetch_ = 0;
@@ -757,9 +758,8 @@ class BufferListing {
     if (in.nccl_staging)
       add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
           largest_padded);
-    add(R::gpu_activation_checkpoints, O::gpu,
-        copies_name("activation checkpoints (unit inputs)"), Tier::device, compute, copies,
-        (units - 1) * N * C);
+    add(R::gpu_activation_checkpoints, O::gpu, copies_name("activation checkpoints (unit inputs)"),
+        Tier::device, compute, copies, (units - 1) * N * C);
     add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
         compute, copies, N * C);
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
@@ -1151,7 +1151,8 @@ std::string format_training_plan(const TrainingPlan& plan) {
   const StepTraffic& t = plan.traffic_per_step;
   out += fmt::format("NVMe traffic per step and rank: {} read, {} written\n",
                      format_bytes(uint64_t(t.nvme_read)), format_bytes(uint64_t(t.nvme_written)));
-  out += fmt::format("Collectives: {} sent per step and rank\n", format_bytes(uint64_t(t.collective)));
+  out +=
+      fmt::format("Collectives: {} sent per step and rank\n", format_bytes(uint64_t(t.collective)));
   if (in.gpu)
     out += fmt::format("PCIe per step and rank: {} host to device, {} device to host\n",
                        format_bytes(uint64_t(t.h2d)), format_bytes(uint64_t(t.d2h)));

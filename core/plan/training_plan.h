@@ -278,7 +278,7 @@ struct TrainingPlan {
       false;            // tied model: the embedding's gradient buffer lives through backward
   int fetch_slots = 0;  // NVMe parameter copies in host memory
   int64_t optimizer_chunk_elements = 0;
-  bool streamed_optimizer = false;  // some optimizer state is on NVMe
+  bool streamed_optimizer = false;   // some optimizer state is on NVMe
   std::string gradient_home_reason;  // where the gradient lives and why, one line
 
   std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
