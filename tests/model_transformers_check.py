@@ -16,12 +16,28 @@ config with odd sizes:
    untied), `strata export` writes the checkpoint as a Hugging Face directory;
    transformers loads it and its logits are compared with strata's forward of
    that directory.
+4. bf16, the CPU backend's (--no-bf16 skips it): on the model of 1 and fresh tokens
+   (--seed), transformers in float64 is the reference. Measured against it:
+   transformers in bf16 (the fp32 directory loaded with dtype=torch.bfloat16:
+   parameters, activations and gradients in bf16, rotary frequencies in fp32)
+   and strata's bf16 on the CPU backend: that bf16 model saved by transformers
+   (BF16 safetensors: the weights rounded as `--precision bf16` stores them)
+   read by the reference driver, whose units widen them to fp32 and compute in
+   fp32, gradients in fp32, as the engine's CPU units do (the engine itself,
+   `--precision bf16` from that checkpoint, must give the driver's loss and
+   gradient norm on its first step). Relative error per tensor of the logits,
+   each token's loss, the worst gradient, and the mean loss as a root mean
+   square over 64 batches (one batch's mean loss is a scalar whose error sums
+   errors of either sign: shown, not compared); strata's must be at most twice
+   transformers'. The CUDA backend's bf16 (units computing in bf16,
+   kernels/cuda) needs a GPU run; it is not measured here.
 Needs transformers and safetensors (a virtual environment with PyPI
 transformers); exits 77 when they are missing.
 Usage: python tests/model_transformers_check.py --drivers BUILD/tests/drivers [--strata BUILD/tools/strata]
-       [--families qwen2,qwen3]
+       [--families qwen2,qwen3] [--no-bf16] [--seed N]
 """
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -66,6 +82,7 @@ FAMILY_CONFIGS = {
                 "tie_word_embeddings": False, "sliding_window": 9, "hidden_act": "silu"},
 }
 TOLERANCE = 1e-5
+BF16_FACTOR = 2.0  # strata's bf16 error at most this times transformers' in bf16
 
 
 def hf_model(family, config, seed):
@@ -192,23 +209,196 @@ def check_exported_checkpoints(args, work, family, config, tokens_path, inputs, 
     return ok
 
 
+def token_losses(logits, targets):
+    """Each token's cross-entropy, computed in float64 from the logits given."""
+    return torch.nn.functional.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             reduction="none")
+
+
+def forward_backward(model, inputs, targets):
+    """Logits, mean loss (cross-entropy in fp32 at least, as transformers' own loss upcasts
+    the logits), each token's loss and every parameter's gradient, by name."""
+    model.zero_grad()
+    logits = model(inputs).logits
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                  targets.reshape(-1), reduction="none")
+    loss = per_token.mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach().reshape(1), per_token.detach(), grads
+
+
+def bf16_errors(logits, loss, per_token, grads, ref):
+    """Relative errors per tensor against the float64 reference: logits, each token's loss,
+    the worst gradient, and the mean loss of this batch (a scalar: its error is a sum of
+    errors of either sign, near zero on some batches, so it is shown and the comparison
+    takes its root mean square over many batches, mean_loss_rms)."""
+    ref_logits, ref_loss, ref_per_token, ref_grads = ref
+    grad_errors = {n: model_ref.rel_error(grads[n], ref_grads[n]) for n in grads}
+    worst = max(grad_errors, key=grad_errors.get)
+    return {"logits": model_ref.rel_error(logits, ref_logits),
+            "token losses": model_ref.rel_error(per_token, ref_per_token), "grads": grad_errors[worst],
+            "mean loss": model_ref.rel_error(loss, ref_loss)}, worst
+
+
+CHECKED = ("logits", "token losses", "mean loss rms", "grads")
+LOSS_DRAWS = 64
+LABELS = {"logits": "logits", "token losses": "each token's loss", "mean loss rms": f"loss (rms, {LOSS_DRAWS} batches)",
+          "grads": "worst gradient", "mean loss": "loss (this batch, shown)"}
+
+
+def check_bf16(args, work, family, config):
+    """bf16 on the CPU backend: strata's error against a float64 reference at most twice
+    that of transformers in bf16, for logits, the tokens' losses, the mean loss (over many
+    batches) and the worst gradient."""
+    model = hf_model(family, config, seed=17)
+    hf_dir = os.path.join(work, f"bf16-{family}-fp32")
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    B, T = 2, 23
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, config["vocab_size"], (B * T + 1,), generator=generator)
+    tokens_path = os.path.join(work, f"bf16-tokens-{family}.u32")
+    tokens.numpy().astype(np.uint32).tofile(tokens_path)
+    rows = torch.stack([tokens[b * T:b * T + T + 1] for b in range(B)])
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+
+    # The reference: transformers in float64 on the fp32 weights.
+    ref = forward_backward(copy.deepcopy(model).double(), inputs, targets)
+    tied = config["tie_word_embeddings"]
+    names = [n for n, _ in model.named_parameters() if not (tied and n == "lm_head.weight")]
+
+    # transformers in bf16, loaded as users load it in bf16.
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16,
+                                                                attn_implementation="eager")
+    hf_logits, hf_loss, hf_per_token, hf_grads = forward_backward(hf_bf16, inputs, targets)
+    hf_err, hf_worst = bf16_errors(hf_logits, hf_loss, hf_per_token, {n: hf_grads[n] for n in names}, ref)
+
+    # strata: the checkpoint in bf16, through the reference driver (CPU units, widened to fp32).
+    bf16_dir = os.path.join(work, f"bf16-{family}")
+    hf_bf16.save_pretrained(bf16_dir, max_shard_size="100KB", safe_serialization=True)
+    out_dir = os.path.join(work, f"bf16-{family}-out")
+    run = subprocess.run([os.path.join(args.drivers, "model_ref"), bf16_dir, tokens_path, str(B), str(T), "1",
+                          out_dir], capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"{family} bf16: strata could not read the bf16 checkpoint: {run.stderr.strip()}")
+        return False, None
+    outputs = model_ref.read_safetensors(os.path.join(out_dir, "outputs.safetensors"))
+    grads = model_ref.read_checkpoint(os.path.join(out_dir, "grads"))
+    if set(grads) != set(names):
+        print(f"{family} bf16: gradient names differ: {sorted(set(grads) ^ set(names))}")
+        return False, None
+    # strata's tokens' losses from its logits (its mean loss is their mean: checked).
+    st_per_token = token_losses(outputs["logits"], targets)
+    mean_ok = model_ref.rel_error(outputs["loss"], st_per_token.mean().reshape(1)) <= TOLERANCE
+    if not mean_ok:
+        print(f"{family} bf16: strata's loss is not the mean of its logits' token losses")
+    st_err, st_worst = bf16_errors(outputs["logits"], outputs["loss"], st_per_token, grads, ref)
+    hf_err["mean loss rms"], st_err["mean loss rms"] = mean_loss_rms(args, work, family, model, hf_bf16, bf16_dir,
+                                                                     config, generator, B, T)
+    ok = mean_ok and all(st_err[k] <= BF16_FACTOR * hf_err[k] for k in CHECKED)
+    engine_ok = check_engine_bf16(args, work, family, bf16_dir, tokens, B, T, outputs["loss"].item(), grads)
+    row = (family, hf_err, st_err, hf_worst, st_worst, ok and engine_ok)
+    print(f"{family} bf16 (CPU backend) vs float64: transformers bf16 / strata bf16 relative error: "
+          + ", ".join(f"{LABELS[k]} {hf_err[k]:.2e} / {st_err[k]:.2e} (x{st_err[k] / hf_err[k]:.2f})"
+                      for k in CHECKED + ("mean loss",))
+          + f" -> {'ok' if ok else 'FAIL'}")
+    return ok and engine_ok, row
+
+
+def mean_loss_rms(args, work, family, model, hf_bf16, bf16_dir, config, generator, B, T):
+    """The mean loss's relative error against float64, root mean square over LOSS_DRAWS fresh
+    batches, for transformers in bf16 and for strata's bf16 (its driver's loss): one draw's
+    error is a sum of errors of either sign, so only an average over draws compares."""
+    ref_model = copy.deepcopy(model).double()
+    hf_sq = st_sq = 0.0
+    for d in range(LOSS_DRAWS):
+        tokens = torch.randint(0, config["vocab_size"], (B * T + 1,), generator=generator)
+        tokens_path = os.path.join(work, f"bf16-draw-{family}.u32")
+        tokens.numpy().astype(np.uint32).tofile(tokens_path)
+        rows = torch.stack([tokens[b * T:b * T + T + 1] for b in range(B)])
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        with torch.no_grad():
+            ref_loss = token_losses(ref_model(inputs).logits, targets).mean().item()
+            hf_loss = token_losses(hf_bf16(inputs).logits.float(), targets).mean().item()
+        out_dir = os.path.join(work, f"bf16-draw-{family}-{d}")
+        subprocess.run([os.path.join(args.drivers, "model_ref"), bf16_dir, tokens_path, str(B), str(T), "1",
+                        out_dir], check=True, capture_output=True)
+        st_loss = model_ref.read_safetensors(os.path.join(out_dir, "outputs.safetensors"))["loss"].item()
+        hf_sq += ((hf_loss - ref_loss) / ref_loss) ** 2
+        st_sq += ((st_loss - ref_loss) / ref_loss) ** 2
+    return (hf_sq / LOSS_DRAWS) ** 0.5, (st_sq / LOSS_DRAWS) ** 0.5
+
+
+def check_engine_bf16(args, work, family, bf16_dir, tokens, B, T, driver_loss, driver_grads):
+    """The engine with --precision bf16 from the bf16 checkpoint: its first step's loss and
+    gradient norm are the reference driver's (it computes what the engine's CPU units do)."""
+    data = os.path.join(work, f"bf16-{family}-tokens.bin")
+    tokens.numpy().astype(np.uint16).tofile(data)
+    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+          "strata": {"seq_len": T}}
+    ds_path = os.path.join(work, f"bf16-{family}-ds.json")
+    with open(ds_path, "w") as f:
+        json.dump(ds, f)
+    report = os.path.join(work, f"bf16-{family}-report.json")
+    run = subprocess.run([os.path.join(args.drivers, "engine_train"), "--model", bf16_dir, "--init", bf16_dir,
+                          "--config", ds_path, "--data", data, "--steps", "1", "--report", report],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"{family} bf16: the engine failed: {run.stderr.strip()}")
+        return False
+    with open(report) as f:
+        result = json.load(f)
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in driver_grads.values())).item()
+    loss_err = abs(result["losses"][0] - driver_loss) / abs(driver_loss)
+    norm_err = abs(result["grad_norms"][0] - norm) / norm
+    ok = loss_err <= TOLERANCE and norm_err <= TOLERANCE
+    print(f"{family} bf16: the engine's first step (--precision bf16, CPU) against the driver: loss "
+          f"{loss_err:.1e}, gradient norm {norm_err:.1e} relative -> {'ok' if ok else 'FAIL'}")
+    return ok
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--drivers", required=True)
     parser.add_argument("--strata")
     parser.add_argument("--families", default=",".join(FAMILY_CONFIGS))
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 comparison")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the bf16 comparison's tokens")
     args = parser.parse_args()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(1)
     ok = True
+    rows = []
     with tempfile.TemporaryDirectory(prefix="strata-hf-") as work:
         for family in args.families.split(","):
             config = FAMILY_CONFIGS[family]
             ok = check_transformers_in_strata(args, work, family, config) and ok
             ok = check_strata_in_transformers(args, work, family, config) and ok
+            if not args.no_bf16:
+                family_ok, row = check_bf16(args, work, family, config)
+                ok = family_ok and ok
+                if row is not None:
+                    rows.append(row)
+    if rows:
+        print_bf16_table(rows)
     print("model_transformers_check: " + ("PASS" if ok else "FAIL"))
     return 0 if ok else 1
 
+
+def print_bf16_table(rows):
+    print("\nbf16 on the CPU backend (parameters in bf16, units in fp32 from them, gradients in fp32) "
+          "and transformers in bf16:\nrelative error per tensor against transformers in float64; strata "
+          "must be within %gx transformers on every line but the last of each family" % BF16_FACTOR)
+    print(f"{'family':8} {'':24} {'transformers bf16':>17} {'strata bf16':>12} {'ratio':>6}")
+    for family, hf_err, st_err, hf_worst, st_worst, ok in rows:
+        for k in CHECKED + ("mean loss",):
+            print(f"{family:8} {LABELS[k]:24} {hf_err[k]:17.2e} {st_err[k]:12.2e} {st_err[k] / hf_err[k]:6.2f}")
+        print(f"{'':8} worst gradient: transformers {hf_worst}, strata {st_worst}; "
+              f"{'pass' if ok else 'FAIL'}")
+    print("The CUDA backend's bf16 (units computing in bf16, kernels/cuda) is not measured here: it needs a "
+          "GPU run (tests/cuda_model_test.cpp drives those units).")
 
 if __name__ == "__main__":
     sys.exit(main())
