@@ -117,6 +117,11 @@ grep -q "^schedule: micro_batch: no link carries parameters" <<<"$out"; check "a
 out=$("$strata" plan --model tiny --grad-accum 4 --backend cpu --schedule layer --json 2>&1)
 python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["schedule"]["chosen"] == "layer" and len(j["schedule"]["options"]) == 2' "$out"
 check "--schedule layer --json names the choice and both options" $?
+# Asked for, layer-major activations that do not fit: the suggestion is the micro-batch order.
+out=$("$strata" plan --model small --backend cpu --schedule layer --grad-accum 16 --micro-batch 8 \
+      --seq-len 128 --device-mem-limit 100M --host-mem-limit 60M 2>&1)
+grep -q "smallest change that fits: --schedule micro_batch" <<<"$out"
+check "layer-major activations over the budget suggest --schedule micro_batch" $?
 err=$("$strata" plan --model tiny --schedule sideways 2>&1 >/dev/null)
 grep -q -- "--schedule: expected auto, micro_batch or layer, got 'sideways'" <<<"$err"; check "bad --schedule named" $?
 

@@ -553,6 +553,10 @@ Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
   };
   std::vector<Candidate> candidates;
   const std::string nvme_hint = input.nvme_path_known ? "" : " --nvme-path DIR";
+  // The layer-major order's activations, asked for, may be what does not fit.
+  if (plan.schedule.schedule == Schedule::layer && input.grad_accum > 1)
+    candidates.push_back({"--schedule micro_batch (the layer-major activations do not fit)",
+                          [](PlanInput& p) { p.schedule = Schedule::micro_batch; }});
   if (input.world_size > 1) {
     for (int stage = input.stage + 1; stage <= 3; ++stage) {
       candidates.push_back(
