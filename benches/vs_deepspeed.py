@@ -60,8 +60,22 @@ and the largest relative difference of the losses over all steps (the JSON
 also has the gradient norms'). A side that cannot run the row is reported in
 it with the reason (its last line of error), and the bench exits 1.
 
+--formats fp32,bf16,int8 (default fp32) adds under each placement a row per
+optimizer state format: strata's config file adds "strata":
+{"optimizer_state_dtype": FORMAT}; beside the bf16 row DeepSpeed's file has
+"fp32_optimizer_states": false in zero_optimization.offload_optimizer
+(DeepSpeed 0.19.8 refuses that key there: the block forbids unknown keys; the
+row says so and DeepSpeed runs again with the key in optimizer.params, where
+0.19.8 reads it and hands it to DeepSpeedCPUAdam, which then keeps m and v in
+the dtype of the fp32 master partition: fp32; the row prints the dtype the
+worker found). DeepSpeed has no int8 state: an int8 row shows its fp32 run.
+These rows also print the relative difference of strata's loss from its own
+fp32 row (at step N and over all steps) and strata's NVMe bytes per step
+(nvme_read_bytes / nvme_written_bytes from --metrics, medians).
+
     python3 benches/vs_deepspeed.py --strata build/tools/strata --python VENV/bin/python [--steps 8]
-        [--accum 1,4] [--rows opt-cpu,opt-nvme,param-cpu,param-nvme] [--nvme-path DIR]
+        [--accum 1,4] [--rows opt-cpu,opt-nvme,param-cpu,param-nvme] [--formats fp32,bf16,int8]
+        [--nvme-path DIR]
         [--hidden 512 --layers 8 --vocab 8192 --seq-len 64 --micro-batch 1] [--json OUT.json]
 
 --python is an interpreter with PyPI torch, deepspeed, transformers and
@@ -222,6 +236,13 @@ def worker_deepspeed(args):
         norm = engine.get_global_grad_norm()
         out.write(json.dumps({"step": step + 1, "loss": sum(losses) / G, "step_time_s": elapsed,
                               "grad_norm": None if norm is None else float(norm)}) + "\n")
+        if step == 0:
+            # The dtype DeepSpeed's optimizer actually keeps Adam's moments in (with the
+            # optimizer on NVMe the swapped-out state tensors are empty, but keep their dtype).
+            dtypes = sorted({str(state[key].dtype).replace("torch.", "") for state in inner.state.values()
+                             for key in ("exp_avg", "exp_avg_sq") if key in state})
+            out.write(json.dumps({"state_dtypes": dtypes,
+                                  "fp32_optimizer_states": getattr(inner, "fp32_optimizer_states", None)}) + "\n")
         out.flush()
     out.close()
 
@@ -230,15 +251,24 @@ def worker_deepspeed(args):
 
 def last_error_line(text):
     lines = [l.strip() for l in text.splitlines() if l.strip()]
+    lines = [l[len("[rank0]:"):].strip() if l.startswith("[rank0]:") else l for l in lines]
+    for i, line in enumerate(lines):
+        # A pydantic refusal of a config key: name the key, not the link after it.
+        if "Extra inputs are not permitted" in line and i > 0:
+            return f"{lines[i - 1]}: {line.split(' [type=')[0]} (pydantic, extra_forbidden)"
     for line in reversed(lines):
         if "Error" in line or "error" in line or "refused" in line or "cannot" in line:
             return line[:300]
     return lines[-1][:300] if lines else "no output"
 
 
-def ds_config(args, row, accum, side, nvme_dir):
+def ds_config(args, row, accum, side, nvme_dir, fmt="fp32", ds_key="offload_optimizer"):
     """The DeepSpeed JSON config of one row; with --ds-param-cpu, DeepSpeed's side of the
-    param-nvme row keeps the parameters in host memory."""
+    param-nvme row keeps the parameters in host memory. fmt: the optimizer state format;
+    strata's side gets "strata": {"optimizer_state_dtype": fmt}, DeepSpeed's side of a bf16 row
+    "fp32_optimizer_states": false in its offload_optimizer block (ds_key "optimizer": in the
+    optimizer's params instead, where DeepSpeed 0.19.8 reads it); int8 has no DeepSpeed
+    counterpart, so DeepSpeed's side of an int8 row is its fp32 config."""
     param, optimizer = ROWS[row]
     if side == "deepspeed" and param == "nvme" and args.ds_param_cpu:
         param = "cpu"
@@ -265,6 +295,13 @@ def ds_config(args, row, accum, side, nvme_dir):
         "steps_per_print": 1000000,
         "wall_clock_breakdown": False,
     }
+    if side == "strata" and fmt != "fp32":
+        config["strata"] = {"optimizer_state_dtype": fmt}
+    if side == "deepspeed" and fmt == "bf16":
+        if ds_key == "offload_optimizer":
+            zero["offload_optimizer"]["fp32_optimizer_states"] = False
+        else:
+            params["fp32_optimizer_states"] = False
     return config
 
 
@@ -290,7 +327,9 @@ def run_strata(args, config_path, model_dir, data, metrics):
     if run.returncode != 0 or len(lines) < args.steps:
         return {"error": last_error_line(run.stderr + run.stdout)}, wall
     return {"losses": [l["loss"] for l in lines], "times": [l["step_time_s"] for l in lines],
-            "grad_norms": [l.get("grad_norm") for l in lines]}, wall
+            "grad_norms": [l.get("grad_norm") for l in lines],
+            "nvme_read_bytes": [l.get("nvme_read_bytes", 0) for l in lines],
+            "nvme_written_bytes": [l.get("nvme_written_bytes", 0) for l in lines]}, wall
 
 
 def run_deepspeed(args, config_path, model_dir, data, metrics, port):
@@ -309,6 +348,9 @@ def run_deepspeed(args, config_path, model_dir, data, metrics, port):
     steps = [l for l in lines if "step" in l]
     if run.returncode != 0 or len(steps) < args.steps:
         return {"error": last_error_line(run.stderr + run.stdout), "info": info}, wall
+    for l in lines:
+        if "state_dtypes" in l:
+            info = dict(info, state_dtypes=l["state_dtypes"], fp32_optimizer_states=l["fp32_optimizer_states"])
     return {"losses": [l["loss"] for l in steps], "times": [l["step_time_s"] for l in steps],
             "grad_norms": [l.get("grad_norm") for l in steps], "info": info}, wall
 
@@ -328,6 +370,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--accum", default="1,4", help="gradient accumulation values, one row each")
     parser.add_argument("--rows", default=",".join(ROWS), help="placements: " + ", ".join(ROWS))
+    parser.add_argument("--formats", default="fp32",
+                        help="strata optimizer state formats, one row each per placement: fp32, bf16, int8 "
+                             "(DeepSpeed beside bf16 with \"fp32_optimizer_states\": false)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
@@ -376,12 +421,18 @@ def main():
         if r not in ROWS:
             parser.error(f"--rows: unknown row {r!r} (choose from {', '.join(ROWS)})")
     accums = [int(a) for a in args.accum.split(",") if a]
+    formats = [f for f in args.formats.split(",") if f]
+    for f in formats:
+        if f not in ("fp32", "bf16", "int8"):
+            parser.error(f"--formats: unknown format {f!r} (choose from fp32, bf16, int8)")
+    if formats != ["fp32"] and formats[0] != "fp32":
+        formats = ["fp32"] + [f for f in formats if f != "fp32"]
     work = args.keep or tempfile.mkdtemp(prefix="vs-deepspeed-")
     os.makedirs(work, exist_ok=True)
     made_swap = args.nvme_path is None
     nvme_root = args.nvme_path or tempfile.mkdtemp(prefix="vs-deepspeed-swap-", dir=os.getcwd())
     try:
-        return bench(args, rows, accums, work, nvme_root)
+        return bench(args, rows, accums, formats, work, nvme_root)
     finally:
         if made_swap:
             shutil.rmtree(nvme_root, ignore_errors=True)
@@ -389,7 +440,7 @@ def main():
             shutil.rmtree(work, ignore_errors=True)
 
 
-def bench(args, rows, accums, work, nvme_root):
+def bench(args, rows, accums, formats, work, nvme_root):
     model_dir = os.path.join(work, "model")
     made = subprocess.run([args.python, os.path.abspath(__file__), "--worker", "make-model", "--out", model_dir,
                            "--vocab", str(args.vocab), "--hidden", str(args.hidden),
@@ -431,47 +482,22 @@ def bench(args, rows, accums, work, nvme_root):
     port = 29500 + os.getpid() % 1000
     for accum in accums:
         for row in rows:
-            entry = {"row": row, "accum": accum}
-            # One swap directory and, unless --ds-param-cpu changes DeepSpeed's side, one
-            # config file that both engines read.
-            swap = os.path.join(nvme_root, f"{row}-g{accum}")
-            os.makedirs(swap, exist_ok=True)
-            configs = {side: ds_config(args, row, accum, side, swap) for side in ("strata", "deepspeed")}
-            same = configs["strata"] == configs["deepspeed"]
-            paths = {}
-            for side in ("strata", "deepspeed"):
-                paths[side] = os.path.join(work, f"ds-{row}-g{accum}" + ("" if same else f"-{side}") + ".json")
-                with open(paths[side], "w") as f:
-                    json.dump(configs[side], f, indent=2)
-            configs = {side: (paths[side], configs[side]) for side in configs}
-            entry["same_config_file"] = same
-            entry["deepspeed_offload_param"] = configs["deepspeed"][1]["zero_optimization"]["offload_param"]["device"]
-            entry["schedule"] = strata_schedule(args, configs["strata"][0], model_dir, data)
-            strata, strata_wall = run_strata(args, configs["strata"][0], model_dir, data,
-                                             os.path.join(work, f"strata-{row}-{accum}.jsonl"))
-            port += 1
-            deepspeed, ds_wall = run_deepspeed(args, configs["deepspeed"][0], model_dir, data,
-                                               os.path.join(work, f"ds-{row}-{accum}.jsonl"), port)
-            entry.update({"strata": strata, "deepspeed": deepspeed, "strata_wall_s": strata_wall,
-                          "deepspeed_wall_s": ds_wall})
-            if "losses" in strata:
-                entry["strata_step_s"] = median_after(strata["times"], args.warmup)
-            if "losses" in deepspeed:
-                entry["deepspeed_step_s"] = median_after(deepspeed["times"], args.warmup)
-            if "losses" in strata and "losses" in deepspeed:
-                entry["ratio"] = entry["strata_step_s"] / entry["deepspeed_step_s"]
-                entry["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in
-                                                 zip(strata["losses"], deepspeed["losses"]))
-                norms = [(a, b) for a, b in zip(strata["grad_norms"], deepspeed["grad_norms"])
-                         if a is not None and b is not None]
-                if norms:
-                    entry["max_rel_grad_norm_diff"] = max(abs(a - b) / abs(b) for a, b in norms)
-            results.append(entry)
-            print_row(entry, args, header=len(results) == 1)
-            sys.stdout.flush()
+            fp32_entry = None
+            for fmt in formats:
+                port += 2
+                entry = run_row(args, row, accum, fmt, work, nvme_root, model_dir, data, port, fp32_entry)
+                if fmt == "fp32":
+                    fp32_entry = entry
+                results.append(entry)
+                print_row(entry, args, header=len(results) == 1, formats=formats)
+                sys.stdout.flush()
 
-    if any(not r["same_config_file"] for r in results):
+    if any(r.get("ds_param_cpu") for r in results):
         print("* DeepSpeed ran this row from its own config file, with offload_param cpu (--ds-param-cpu)")
+    if formats != ["fp32"]:
+        print("state: strata's Adam m and v (its config file adds \"strata\": {\"optimizer_state_dtype\": ...}); "
+              "vs fp32 N / max: relative difference of strata's loss from its fp32 row at the last step / over "
+              "all steps; NVMe MiB/step: strata's nvme_read_bytes / nvme_written_bytes per step (median)")
     info = next((r["deepspeed"].get("info") for r in results if r["deepspeed"].get("info")), {})
     print(f"DeepSpeed {info.get('deepspeed', '?')} on {info.get('accelerator', '?')}, optimizer "
           f"{info.get('optimizer', '?')}, torch threads {info.get('threads', '?')}; strata {args.strata}; "
@@ -485,21 +511,114 @@ def bench(args, rows, accums, work, nvme_root):
     return 1 if failed else 0
 
 
-def print_row(entry, args, header):
+def run_row(args, row, accum, fmt, work, nvme_root, model_dir, data, port, fp32_entry):
+    """One row: strata with optimizer state format fmt, DeepSpeed beside it."""
+    entry = {"row": row, "accum": accum, "format": fmt, "notes": []}
+    tag = f"{row}-g{accum}" + ("" if fmt == "fp32" else f"-{fmt}")
+    # One swap directory and, unless --ds-param-cpu or the state format changes a side, one
+    # config file that both engines read.
+    swap = os.path.join(nvme_root, tag)
+    os.makedirs(swap, exist_ok=True)
+
+    def write_configs(ds_key):
+        configs = {side: ds_config(args, row, accum, side, swap, fmt, ds_key) for side in ("strata", "deepspeed")}
+        same = configs["strata"] == configs["deepspeed"]
+        paths = {}
+        for side in ("strata", "deepspeed"):
+            paths[side] = os.path.join(work, f"ds-{tag}" + ("" if same else f"-{side}-{ds_key}") + ".json")
+            with open(paths[side], "w") as f:
+                json.dump(configs[side], f, indent=2)
+        return {side: (paths[side], configs[side]) for side in configs}, same
+
+    configs, same = write_configs("offload_optimizer")
+    entry["same_config_file"] = same
+    entry["ds_param_cpu"] = configs["deepspeed"][1]["zero_optimization"]["offload_param"]["device"] != \
+        ROWS[row][0]
+    entry["deepspeed_offload_param"] = configs["deepspeed"][1]["zero_optimization"]["offload_param"]["device"]
+    entry["schedule"] = strata_schedule(args, configs["strata"][0], model_dir, data)
+    strata, strata_wall = run_strata(args, configs["strata"][0], model_dir, data,
+                                     os.path.join(work, f"strata-{tag}.jsonl"))
+    if fmt == "int8" and fp32_entry is not None and "error" not in fp32_entry["deepspeed"]:
+        # DeepSpeed has no int8 optimizer state: its side of the row is its fp32 run.
+        deepspeed, ds_wall = fp32_entry["deepspeed"], fp32_entry["deepspeed_wall_s"]
+        entry["notes"].append("DeepSpeed has no int8 optimizer state: its column is its fp32 run of this placement")
+    else:
+        deepspeed, ds_wall = run_deepspeed(args, configs["deepspeed"][0], model_dir, data,
+                                           os.path.join(work, f"ds-{tag}.jsonl"), port)
+        if fmt == "int8":
+            entry["notes"].append("DeepSpeed has no int8 optimizer state: its column ran its fp32 config")
+        if fmt == "bf16" and "error" in deepspeed:
+            # DeepSpeed 0.19.8's offload_optimizer block forbids keys it does not know; it
+            # reads fp32_optimizer_states from the optimizer's params. Run that instead.
+            entry["notes"].append("DeepSpeed refused \"fp32_optimizer_states\": false in "
+                                  f"zero_optimization.offload_optimizer: {deepspeed['error']}")
+            entry["deepspeed_refused"] = deepspeed["error"]
+            configs, _ = write_configs("optimizer")
+            deepspeed, ds_wall = run_deepspeed(args, configs["deepspeed"][0], model_dir, data,
+                                               os.path.join(work, f"ds-{tag}-optimizer.jsonl"), port + 1)
+            entry["notes"].append("DeepSpeed's column: \"fp32_optimizer_states\": false in optimizer.params "
+                                  "instead (where DeepSpeed 0.19.8 reads it)")
+        if fmt == "bf16" and "info" in deepspeed and deepspeed["info"].get("state_dtypes"):
+            info = deepspeed["info"]
+            same_losses = ""
+            if fp32_entry is not None and "losses" in fp32_entry["deepspeed"] and "losses" in deepspeed:
+                diff = max(abs(a - b) / abs(b) for a, b in zip(deepspeed["losses"], fp32_entry["deepspeed"]["losses"]))
+                entry["deepspeed_max_rel_loss_vs_fp32"] = diff
+                same_losses = f"; its losses vs its fp32 row: max rel diff {diff:.1e}"
+            entry["notes"].append(f"DeepSpeedCPUAdam took fp32_optimizer_states={info.get('fp32_optimizer_states')} "
+                                  f"and kept Adam's moments in {'/'.join(info['state_dtypes'])} (it keeps them in "
+                                  f"the dtype of the fp32 master partition){same_losses}")
+    entry.update({"strata": strata, "deepspeed": deepspeed, "strata_wall_s": strata_wall,
+                  "deepspeed_wall_s": ds_wall})
+    if "losses" in strata:
+        entry["strata_step_s"] = median_after(strata["times"], args.warmup)
+        entry["nvme_read_per_step"] = median_after(strata["nvme_read_bytes"], args.warmup)
+        entry["nvme_written_per_step"] = median_after(strata["nvme_written_bytes"], args.warmup)
+        if fp32_entry is not None and "losses" in fp32_entry["strata"]:
+            base = fp32_entry["strata"]["losses"]
+            diffs = [abs(a - b) / abs(b) for a, b in zip(strata["losses"], base)]
+            entry["rel_loss_vs_fp32_last"] = diffs[-1]
+            entry["max_rel_loss_vs_fp32"] = max(diffs)
+    if "losses" in deepspeed:
+        entry["deepspeed_step_s"] = median_after(deepspeed["times"], args.warmup)
+    if "losses" in strata and "losses" in deepspeed:
+        entry["ratio"] = entry["strata_step_s"] / entry["deepspeed_step_s"]
+        entry["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in
+                                         zip(strata["losses"], deepspeed["losses"]))
+        norms = [(a, b) for a, b in zip(strata["grad_norms"], deepspeed["grad_norms"])
+                 if a is not None and b is not None]
+        if norms:
+            entry["max_rel_grad_norm_diff"] = max(abs(a - b) / abs(b) for a, b in norms)
+    return entry
+
+
+def print_row(entry, args, header, formats=("fp32",)):
+    compact = list(formats) != ["fp32"]
     if header:
-        print(f"{'placement':<22} {'G':>2} {'schedule':<11} {'strata s':>9} {'DS s':>8} {'ratio':>6} "
-              f"{'strata loss 1 -> N':>19} {'DS loss 1 -> N':>17} {'max rel diff':>12}")
+        print(f"{'placement':<22} {'G':>2} {'schedule':<11} " + (f"{'state':<5} " if compact else "") +
+              f"{'strata s':>9} {'DS s':>8} {'ratio':>6} "
+              f"{'strata loss 1 -> N':>19} {'DS loss 1 -> N':>17} {'max rel diff':>12}" +
+              (f" {'vs fp32 N':>9} {'max':>8} {'NVMe MiB/step r/w':>17}" if compact else ""))
     s, d = entry["strata"], entry["deepspeed"]
-    title = ROW_TITLES[entry["row"]] + ("" if entry["same_config_file"] else " *")
+    title = ROW_TITLES[entry["row"]] + (" *" if entry.get("ds_param_cpu") else "")
     fmt_loss = lambda side: f"{side['losses'][0]:.4f} -> {side['losses'][-1]:.4f}" if "losses" in side else "-"
-    line = (f"{title:<22} {entry['accum']:>2} {entry['schedule']:<11} "
-            f"{entry.get('strata_step_s', float('nan')):>9.3f} {entry.get('deepspeed_step_s', float('nan')):>8.3f} "
-            f"{entry.get('ratio', float('nan')):>6.2f} {fmt_loss(s):>19} {fmt_loss(d):>17} "
-            f"{entry.get('max_rel_loss_diff', float('nan')):>12.1e}")
+    nan = float("nan")
+    line = (f"{title:<22} {entry['accum']:>2} {entry['schedule']:<11} " +
+            (f"{entry['format']:<5} " if compact else "") +
+            f"{entry.get('strata_step_s', nan):>9.3f} {entry.get('deepspeed_step_s', nan):>8.3f} "
+            f"{entry.get('ratio', nan):>6.2f} {fmt_loss(s):>19} {fmt_loss(d):>17} "
+            f"{entry.get('max_rel_loss_diff', nan):>12.1e}")
+    if compact:
+        mib = lambda key: f"{entry[key] / 2**20:.1f}" if key in entry else "-"
+        e = lambda key, width: f"{entry[key]:>{width}.1e}" if key in entry else f"{'-':>{width}}"
+        line += (f" {e('rel_loss_vs_fp32_last', 9)} {e('max_rel_loss_vs_fp32', 8)}"
+                 f" {mib('nvme_read_per_step') + ' / ' + mib('nvme_written_per_step'):>17}")
     print(line)
     for name, side in (("strata", s), ("DeepSpeed", d)):
         if "error" in side:
             print(f"    {name} could not run this row: {side['error']}")
+    for note in entry.get("notes", []):
+        print(f"    {note}")
 
 
 if __name__ == "__main__":
