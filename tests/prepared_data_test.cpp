@@ -94,6 +94,10 @@ TEST(PreparedData, RandomPiecesFollowTheByteRule) {
                                           "123",        "4567",   "café", "🙂", "<|eot_id|>",
                                           "<|im_end|>", "x",      "!",    " "};
   for (const char* kind : {"llama3", "qwen2", "gpt2"}) {
+    // Built without ICU, the NFC-normalizing Qwen2 kind is refused.
+    Result<Tokenizer> here = Tokenizer::load(std::string(STRATA_SOURCE_DIR) +
+                                             "/tests/fixtures/tokenizers/" + kind + "/tokenizer.json");
+    if (!here && here.status().message().find("without ICU") != std::string::npos) continue;
     Tokenizer tokenizer = load(kind);
     for (int round = 0; round < 100; ++round) {
       std::vector<MarkedText> pieces;

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -24,6 +25,17 @@ nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
+// Built without ICU, strata refuses a tokenizer that normalizes with NFC (the
+// Qwen2 kind's); those cases are left out then.
+bool loads_here(const std::string& kind) {
+  Result<Tokenizer> tokenizer = Tokenizer::load(kFixtures + "/" + kind + "/tokenizer.json");
+  if (!tokenizer && tokenizer.status().message().find("without ICU") != std::string::npos) {
+    std::printf("%s: left out, this build has no ICU\n", kind.c_str());
+    return false;
+  }
+  return true;
+}
+
 Tokenizer load(const std::string& kind) {
   Result<Tokenizer> tokenizer = Tokenizer::load(kFixtures + "/" + kind + "/tokenizer.json");
   EXPECT_TRUE(tokenizer.is_ok()) << tokenizer.status().message();
@@ -34,6 +46,7 @@ TEST(Tokenizer, IdsEqualThoseOfHuggingFaceTokenizersOnTrickyInputs) {
   const nlohmann::json expected = read_json(kFixtures + "/expected_ids.json");
   int compared = 0;
   for (const char* kind : kKinds) {
+    if (!loads_here(kind)) continue;
     Tokenizer tokenizer = load(kind);
     ASSERT_TRUE(expected.contains(kind));
     for (const nlohmann::json& entry : expected[kind]) {
@@ -46,7 +59,7 @@ TEST(Tokenizer, IdsEqualThoseOfHuggingFaceTokenizersOnTrickyInputs) {
       ++compared;
     }
   }
-  EXPECT_GE(compared, 3 * 40);
+  EXPECT_GE(compared, (loads_here("qwen2") ? 3 : 2) * 40);
 }
 
 TEST(Tokenizer, LlamaKindAddsItsBeginOfTextToken) {
@@ -54,6 +67,7 @@ TEST(Tokenizer, LlamaKindAddsItsBeginOfTextToken) {
   ASSERT_EQ(llama.prefix_tokens().size(), 1u);
   EXPECT_EQ(llama.prefix_tokens()[0], *llama.token_id("<|begin_of_text|>"));
   EXPECT_TRUE(llama.suffix_tokens().empty());
+  if (!loads_here("qwen2")) return;
   Tokenizer qwen = load("qwen2");
   EXPECT_TRUE(qwen.prefix_tokens().empty());
   EXPECT_EQ(qwen.vocab_size(), 652);
@@ -70,6 +84,7 @@ TEST(Tokenizer, SpansTileTheTextAndTheCacheChangesNothing) {
       "the",  " model",     "'s",         "  ", "\n", "\r\n",    "123456", "café", "日本語",
       "🙂", "<|eot_id|>", "<|im_end|>", "\t", "x",  "A\u030a", "!!",     "'LL"};
   for (const char* kind : kKinds) {
+    if (!loads_here(kind)) continue;
     Tokenizer warm = load(kind);
     for (int round = 0; round < 50; ++round) {
       std::string text;

@@ -4,8 +4,10 @@
 // Oniguruma would otherwise define UChar, which ICU declares too.
 #define ONIG_ESCAPE_UCHAR_COLLISION
 #include <oniguruma.h>
+#ifdef STRATA_HAVE_ICU
 #include <unicode/bytestream.h>
 #include <unicode/normalizer2.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -227,6 +229,12 @@ Status parse_normalizer(const Parser& p, const json& normalizer, const std::stri
   if (normalizer.is_null()) return Status::ok();
   const std::string type = normalizer.value("type", "");
   if (type == "NFC") {
+#ifndef STRATA_HAVE_ICU
+    return Status::error(fmt::format(
+        "{}.type \"NFC\": this strata was built without ICU, which normalizes; install "
+        "libicu-dev and rebuild",
+        key));
+#endif
     t.nfc = true;
     return Status::ok();
   }
@@ -514,6 +522,7 @@ std::string Tokenizer::normalize(std::string_view text) const {
   if (!tables_->nfc) return std::string(text);
   if (std::all_of(text.begin(), text.end(), [](char c) { return (c & 0x80) == 0; }))
     return std::string(text);  // ASCII is already in NFC
+#ifdef STRATA_HAVE_ICU
   UErrorCode status = U_ZERO_ERROR;
   const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
   std::string out;
@@ -524,6 +533,9 @@ std::string Tokenizer::normalize(std::string_view text) const {
   }
   // ICU fails only on invalid UTF-8, which callers rule out first; keep the text then.
   return U_SUCCESS(status) ? out : std::string(text);
+#else
+  return std::string(text);  // unreachable: an NFC tokenizer is refused without ICU
+#endif
 }
 
 void Tokenizer::set_progress(std::function<void(uint64_t)> progress, uint64_t every) {
