@@ -564,10 +564,13 @@ class TrainCommand : public Subcommand {
     run.backend = *backend;
     const bool gpu = run.backend.kind == kernels::BackendKind::cuda;
     // Launched on GPUs, each process talks to the others through NCCL (connect_processes).
-    const PlanInput planned = engine_plan_input(*run.model, run.config, gpu, gpu && run.launch);
+    PlanInput planned = engine_plan_input(*run.model, run.config, gpu, gpu && run.launch);
     Result<ScheduleChoice> choice = choose_schedule(planned);
     if (!choice) return usage_error(choice.status());
     run.schedule_reason = choice->reason;
+    // The choice made: step_input need not weigh the schedules again.
+    planned.schedule = choice->schedule;
+    planned.activation_home = choice->activation_home;
     Result<TrainingPlan> plan = build_training_plan(step_input(planned));
     if (!plan) return usage_error(plan.status());
     run.plan = std::move(*plan);
