@@ -12,7 +12,8 @@ alternating the two, and prints per run:
     whole run's bytes for equality);
   - the parameter bytes fetched per step (the plan's fetches): with the
     layer-major schedule they do not grow with the accumulation;
-  - the activation bytes the plan keeps for the backward;
+  - the activation bytes the plan keeps in memory for the backward (with
+    --activation-home nvme the spilled ones travel in the NVMe bytes);
   - the median step time after the warm-up (the median over --rounds runs of
     each, alternating), and the ratio layer / micro_batch (target <= 0.6 at
     accumulation 8 with parameters and optimizer on NVMe).
@@ -40,7 +41,7 @@ def common_flags(args, accum, schedule):
         "--micro-batch", str(args.micro_batch), "--grad-accum", str(accum),
         "--zero-stage", "3", "--offload-param", args.offload, "--offload-optimizer", args.offload,
         "--nvme-path", args.path, "--schedule", schedule,
-    ]
+    ] + (["--activation-home", args.activation_home] if args.activation_home else [])
 
 
 def planned(args, accum, schedule):
@@ -48,9 +49,9 @@ def planned(args, accum, schedule):
     out = subprocess.run([args.strata, "plan", "--ops", "--json"] + common_flags(args, accum, schedule),
                          check=True, capture_output=True, text=True).stdout
     plan = json.loads(out)
-    kept = sum(b["bytes"] for b in plan["buffers"]
-               if b["role"] in ("activation_checkpoints", "activation_gradient",
-                                "gpu_activation_checkpoints", "gpu_activation_gradient"))
+    roles = ("activation_checkpoints", "activation_gradient", "gpu_activation_checkpoints",
+             "gpu_activation_gradient", "activation_spill")
+    kept = sum(b["bytes"] for b in plan["buffers"] if b["role"] in roles and b["tier"] != "nvme")
     return {
         "nvme_read": plan["nvme_bytes_per_step"]["read"],
         "nvme_written": plan["nvme_bytes_per_step"]["written"],
@@ -95,6 +96,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of each schedule, alternating; the median of their medians")
+    parser.add_argument("--activation-home", choices=["auto", "device", "host", "nvme"],
+                        help="where layer-major keeps its checkpoints (default: the plan's choice); "
+                             "'activations' counts those in memory, NVMe traffic the spills")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.makedirs(args.path, exist_ok=True)
@@ -135,6 +139,7 @@ def main():
 
     print(f"schedule bench: {args.model}, {args.micro_batch} x {args.seq_len} tokens per micro-batch, "
           f"ZeRO-3, parameters and optimizer on {args.offload}, {args.backend} backend, "
+          f"activations {args.activation_home or 'auto'}, "
           f"median of {args.rounds} rounds of {args.steps - args.warmup} steps")
     header = (f"{'accum':>5}  {'schedule':<11} {'NVMe read MiB':>13} {'(plan)':>9} {'written':>9} "
               f"{'(plan)':>9} {'fetched':>9} {'activations':>11}")

@@ -122,6 +122,29 @@ out=$("$strata" plan --model small --backend cpu --schedule layer --grad-accum 1
       --seq-len 128 --device-mem-limit 100M --host-mem-limit 60M 2>&1)
 grep -q "smallest change that fits: --schedule micro_batch" <<<"$out"
 check "layer-major activations over the budget suggest --schedule micro_batch" $?
+# Neither device nor host memory holds 16 micro-batches' checkpoints: auto spills them to NVMe,
+# two levels of slots stay on the device, and the op list moves each one out and back.
+out=$("$strata" plan --model small --backend cpu --grad-accum 16 --micro-batch 8 --seq-len 256 \
+      --device-mem-limit 200M --host-mem-limit 150M --stage 3 --offload-param nvme \
+      --offload-optimizer nvme --nvme-path . --json 2>&1)
+python3 -c 'import json,sys; j=json.loads(sys.argv[1]); s=j["schedule"]; assert (s["chosen"], s["activation_home"]) == ("layer", "nvme"), s; assert j["fits"]' "$out"
+check "auto spills layer-major activations to NVMe when memory holds neither" $?
+out=$("$strata" plan --model small --backend cpu --grad-accum 16 --micro-batch 8 --seq-len 256 \
+      --device-mem-limit 200M --host-mem-limit 150M --stage 3 --offload-param nvme \
+      --offload-optimizer nvme --nvme-path . 2>&1)
+grep -q "^schedule: layer: .* more activations on NVMe" <<<"$out" &&
+  grep -q "^  layer .* 96.00 MiB  yes" <<<"$out"
+check "the schedule table shows the activations on NVMe" $?
+out=$("$strata" plan --model tiny --ops --stage 3 --offload-param nvme --offload-optimizer nvme \
+      --nvme-path . --grad-accum 3 --micro-batch 1 --schedule layer --activation-home nvme 2>&1)
+grep -q "^schedule layer: activations of 3 micro-batches in device slots of 2 levels" <<<"$out" &&
+  [ "$(grep -c " spill(" <<<"$out")" = "$(grep -c " restore(" <<<"$out")" ] &&
+  grep -q "spill(embedding) mb 2 .*activations" <<<"$out" &&
+  grep -q "activation checkpoints spilled" <<<"$out"
+check "--activation-home nvme: spills and restores on the activations lane" $?
+err=$("$strata" plan --model tiny --activation-home disk 2>&1 >/dev/null)
+grep -q -- "--activation-home: expected auto, device, host or nvme, got 'disk'" <<<"$err"
+check "bad --activation-home named" $?
 err=$("$strata" plan --model tiny --schedule sideways 2>&1 >/dev/null)
 grep -q -- "--schedule: expected auto, micro_batch or layer, got 'sideways'" <<<"$err"; check "bad --schedule named" $?
 

@@ -131,6 +131,7 @@ std::vector<KeyCase> key_cases() {
       {"strata.gradient_reduce_dtype", "fp32", "bf16", "fp8"},
       {"strata.optimizer_state_dtype", "fp32", "int8", "fp8"},
       {"strata.gradient_home", "auto", "nvme", "disk"},
+      {"strata.activation_home", "auto", "nvme", "disk"},
       {"strata.seq_len", nullptr, 512, 0},
       {"strata.world_size", 1, 2, 0},
       {"strata.precision", "fp32", "bf16", "fp64"},
@@ -389,6 +390,8 @@ TEST(Config, BadFlagValuesNameTheFlag) {
                    "--optimizer-state-dtype"});
   cases.push_back({with_overrides([](ConfigOverrides& o) { o.gradient_home = "disk"; }),
                    "--gradient-home"});
+  cases.push_back({with_overrides([](ConfigOverrides& o) { o.activation_home = "disk"; }),
+                   "--activation-home"});
   for (const Case& c : cases) {
     Result<TrainConfig> config = parse(json::object(), c.overrides);
     ASSERT_FALSE(config.is_ok()) << c.flag;

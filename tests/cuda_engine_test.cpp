@@ -404,5 +404,35 @@ TEST_F(CudaEngine, OverlapSettingsAndAccumulationChangeTimingNotResults) {
   expect_identical(train(tight), reference, "tightest buffers " + tight.label());
 }
 
+// The layer-major order on a GPU, with its checkpoints on the device, in
+// pinned host memory and on NVMe: the same bits as the micro-batch order
+// (a unit's micro-batches reach it in order; spilled checkpoints come back
+// bit for bit), and the NVMe bytes the plan counts.
+TEST_F(CudaEngine, LayerMajorAndSpilledActivationsAreBitwiseTheMicroBatchOrder) {
+  for (int world : {1, 2}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      for (EngineRun run : offloaded_placements(world, precision)) {
+        run.layers = 4;
+        run.grad_accum = 3;
+        run.steps = 2;
+        run.schedule = "micro_batch";
+        const EngineOutcome micro = train(run);
+        run.schedule = "layer";
+        for (const char* home : {"device", "host", "nvme"}) {
+          run.activation_home = home;
+          const EngineOutcome layer = train(run);
+          EXPECT_EQ(layer.plan.activations_spilled(), std::string(home) != "device");
+          expect_identical(layer, micro, run.label());
+          EXPECT_EQ(layer.nvme_read, uint64_t(layer.plan.traffic_per_step.nvme_read) * 2 * world)
+              << run.label();
+          EXPECT_EQ(layer.nvme_written,
+                    uint64_t(layer.plan.traffic_per_step.nvme_written) * 2 * world)
+              << run.label();
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata

@@ -7,10 +7,14 @@
 // activation copies the plan lists.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <limits>
+#include <memory>
 #include <utility>
 
 #include "engine_test_support.h"
+#include "io/fault_injection.h"
 
 namespace strata {
 namespace {
@@ -243,6 +247,185 @@ TEST_F(EngineSchedule, AutoPicksLayerWhereParametersMoveAndRefusesWhatCannotRun)
   EXPECT_NE(refused.status().message().find("--schedule micro_batch"), std::string::npos)
       << refused.status().message();
   EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
+}
+
+// Checkpoints spilled to their home (NVMe on either backend, host memory on
+// a GPU's) come back bit for bit: the runs equal the micro-batch order's at
+// every placement, and with the state in memory the only NVMe traffic is
+// theirs, as much as the plan says.
+TEST_F(EngineSchedule, SpilledActivationsAreBitwiseAndMoveWhatThePlanSays) {
+  for (int world : {1, 2}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      if (world == 2 && std::string(precision) == "bf16") continue;
+      for (EngineRun run : testing::every_placement(world, precision)) {
+        run.layers = 4;
+        run.grad_accum = 3;
+        run.steps = 2;
+        run.activation_home = "nvme";
+        expect_schedules_agree(run);
+      }
+    }
+    // The GPU's data paths, emulated (in fp32: its checkpoints are fp32):
+    // to NVMe through the staging copy, and to pinned host memory.
+    for (const char* home : {"nvme", "host"}) {
+      if (world == 2 && std::string(home) == "host") continue;  // the same path as NVMe's, less I/O
+      for (EngineRun run : testing::every_placement(world, "fp32")) {
+        run.layers = 4;
+        run.emulate_gpu = true;
+        run.grad_accum = 3;
+        run.steps = 2;
+        run.activation_home = home;
+        expect_schedules_agree(run);
+      }
+    }
+  }
+  for (bool gpu : {false, true}) {
+    EngineRun run;
+    run.layers = 5;
+    run.emulate_gpu = gpu;
+    run.micro_batch = 1;
+    run.grad_accum = 4;
+    run.steps = 2;
+    run.schedule = "layer";
+    run.activation_home = "nvme";
+    const EngineOutcome outcome = train(run);
+    const TrainingPlan& plan = outcome.plan;
+    ASSERT_TRUE(plan.activations_spilled()) << run.label();
+    // Levels 0-3 of 6 (embedding, 5 layers) go out, each micro-batch's once,
+    // and come back once: nothing else touches NVMe.
+    EXPECT_EQ(plan.spilled_levels(), 4);
+    const int64_t bytes = 4 * 4 * plan.checkpoint_transfer_bytes();
+    EXPECT_EQ(plan.traffic_per_step.nvme_written, bytes);
+    EXPECT_EQ(plan.traffic_per_step.nvme_read, bytes);
+    EXPECT_EQ(outcome.nvme_written, uint64_t(bytes) * 2) << run.label();
+    EXPECT_EQ(outcome.nvme_read, uint64_t(bytes) * 2) << run.label();
+  }
+}
+
+// The spilled plan's shape: two levels of device slots whatever the depth,
+// each spill before the forward that overwrites its slot, each restore after
+// the last read of its slot and before the backward that needs it.
+TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
+  for (bool gpu : {false, true}) {
+    TrainingPlanInput in;
+    in.model = testing::small_gqa_model();
+    in.model.num_hidden_layers = 6;
+    in.stage = 3;
+    in.offload_param = OffloadDevice::nvme;
+    in.offload_optimizer = OffloadDevice::nvme;
+    in.gpu = gpu;
+    in.micro_batch = 2;
+    in.seq_len = 16;
+    in.grad_accum = 5;
+    in.schedule = Schedule::layer;
+    in.activation_home = tiers::Tier::device;
+    Result<TrainingPlan> kept = build_training_plan(in);
+    ASSERT_TRUE(kept.is_ok()) << kept.status().message();
+    in.activation_home = tiers::Tier::nvme;
+    Result<TrainingPlan> built = build_training_plan(in);
+    ASSERT_TRUE(built.is_ok()) << built.status().message();
+    const TrainingPlan& plan = *built;
+    const int G = 5, head = int(plan.units.size()) - 1;
+    ASSERT_EQ(plan.spilled_levels(), head - 2);
+    const BufferRole slots_role =
+        gpu ? BufferRole::gpu_activation_checkpoints : BufferRole::activation_checkpoints;
+    const PlanBuffer* slots = plan.buffer(slots_role);
+    const PlanBuffer* spilled = plan.buffer(BufferRole::activation_spill);
+    ASSERT_NE(slots, nullptr);
+    ASSERT_NE(spilled, nullptr);
+    EXPECT_EQ(slots->copies, 2 * G);
+    EXPECT_EQ(spilled->tier, tiers::Tier::nvme);
+    EXPECT_EQ(spilled->copies, (head - 2) * G);
+    EXPECT_EQ(plan.buffer(BufferRole::activation_staging) != nullptr, gpu);
+    EXPECT_LT(plan.peak(tiers::Tier::device), kept->peak(tiers::Tier::device));
+    EXPECT_EQ(kept->buffer(slots_role)->bytes - slots->bytes,
+              int64_t(head - 2) * G * plan.checkpoint_bytes());
+
+    // Index the operations.
+    auto find = [&](OpKind kind, int unit, int micro) {
+      for (size_t i = 0; i < plan.ops.size(); ++i)
+        if (plan.ops[i].kind == kind && plan.ops[i].unit == unit && plan.ops[i].micro == micro)
+          return int(i);
+      return -1;
+    };
+    auto depends = [&](int op, int on) {
+      const std::vector<int>& deps = plan.ops[size_t(op)].deps;
+      return std::find(deps.begin(), deps.end(), on) != deps.end();
+    };
+    int spills = 0, restores = 0;
+    for (const PlanOp& op : plan.ops) {
+      spills += op.kind == OpKind::spill;
+      restores += op.kind == OpKind::restore;
+      if (op.kind == OpKind::spill || op.kind == OpKind::restore) {
+        EXPECT_EQ(op.lane, Lane::activations);
+        EXPECT_EQ(op.slot, plan.checkpoint_place(op.unit, op.micro).copy);
+      }
+    }
+    EXPECT_EQ(spills, (head - 2) * G);
+    EXPECT_EQ(restores, (head - 2) * G);
+    for (int k = 0; k < head - 2; ++k) {
+      for (int m = 0; m < G; ++m) {
+        const int spill = find(OpKind::spill, k, m), restore = find(OpKind::restore, k, m);
+        ASSERT_GE(spill, 0);
+        ASSERT_GE(restore, 0);
+        EXPECT_TRUE(depends(spill, find(OpKind::forward, k, m)));
+        EXPECT_TRUE(depends(find(OpKind::forward, k + 2, m), spill)) << k << " " << m;
+        // The slot's later level (k + 2) was last read by the backward of unit k + 3, or the head.
+        const int last_reader =
+            k + 3 == head ? find(OpKind::forward, head, m) : find(OpKind::backward, k + 3, m);
+        EXPECT_TRUE(depends(restore, last_reader)) << k << " " << m;
+        EXPECT_TRUE(depends(restore, spill));
+        EXPECT_TRUE(depends(find(OpKind::backward, k + 1, m), restore)) << k << " " << m;
+        // A whole unit of micro-batches ahead: before the backward of unit k + 2 begins.
+        EXPECT_LT(restore, find(OpKind::backward, k + 2, G - 1));
+      }
+    }
+    // What the home costs: the checkpoints through NVMe and, on a GPU, over PCIe.
+    const int64_t moved = int64_t(head - 2) * G * plan.checkpoint_transfer_bytes();
+    EXPECT_EQ(plan.traffic_per_step.nvme_written - kept->traffic_per_step.nvme_written, moved);
+    EXPECT_EQ(plan.traffic_per_step.nvme_read - kept->traffic_per_step.nvme_read, moved);
+    if (gpu) {
+      EXPECT_EQ(plan.traffic_per_step.d2h - kept->traffic_per_step.d2h,
+                int64_t(head - 2) * G * plan.checkpoint_bytes());
+      EXPECT_EQ(plan.traffic_per_step.h2d - kept->traffic_per_step.h2d,
+                int64_t(head - 2) * G * plan.checkpoint_bytes());
+    }
+  }
+}
+
+// A failed spill or restore fails its step in one line naming the operation,
+// the unit and the micro-batch.
+TEST_F(EngineSchedule, AFailedSpillOrRestoreFailsTheStepInOneLine) {
+  for (io::RingOp op : {io::RingOp::kWrite, io::RingOp::kRead}) {
+    EngineRun run;
+    run.layers = 4;
+    run.grad_accum = 3;
+    run.steps = 3;
+    run.schedule = "layer";
+    run.activation_home = "nvme";
+    // With the state in memory every NVMe call of the steps is a checkpoint's.
+    auto counter = std::make_shared<io::FaultInjector>();
+    run.fault_injector = counter;
+    train(run);
+    auto injector = std::make_shared<io::FaultInjector>();
+    io::Fault fault;
+    fault.op = op;
+    fault.nth_call = counter->calls(op) / 2;
+    fault.error_number = ENOSPC;
+    fault.times = 1000000;
+    injector->add(fault);
+    run.fault_injector = injector;
+    Result<EngineOutcome> outcome = testing::train_engine(run, dir_.path(), tokens_, seed_);
+    ASSERT_FALSE(outcome.is_ok());
+    const std::string& message = outcome.status().message();
+    EXPECT_NE(message.find(op == io::RingOp::kWrite ? "spilling the activation checkpoint of "
+                                                    : "restoring the activation checkpoint of "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("micro-batch"), std::string::npos) << message;
+    EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
 }
 
 }  // namespace

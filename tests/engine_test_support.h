@@ -75,6 +75,7 @@ struct EngineRun {
   double eps = 1e-8;  // Adam's
   int steps = 3;
   bool tied = false;
+  int layers = 2;  // decoder layers of small_gqa_model
   uint64_t device_budget = 64ull << 20;
   uint64_t host_budget = 64ull << 20;
   std::string scheduler;      // "" or a DeepSpeed scheduler type
@@ -92,6 +93,7 @@ struct EngineRun {
   std::string schedule = "auto";         // strata.schedule
   std::string state_dtype = "fp32";      // strata.optimizer_state_dtype
   std::string gradient_home = "auto";    // strata.gradient_home
+  std::string activation_home = "auto";  // strata.activation_home
   std::string label() const {
     return std::string(backend == kernels::BackendKind::cuda ? "cuda "
                        : emulate_gpu                         ? "emulated gpu "
@@ -101,7 +103,8 @@ struct EngineRun {
            (overlap_comm ? "" : " no-overlap") + (reduce_scatter ? "" : " all-reduce") +
            (schedule == "auto" ? "" : " schedule " + schedule) +
            (state_dtype == "fp32" ? "" : " state " + state_dtype) +
-           (gradient_home == "auto" ? "" : " gradients " + gradient_home);
+           (gradient_home == "auto" ? "" : " gradients " + gradient_home) +
+           (activation_home == "auto" ? "" : " activations " + activation_home);
   }
 };
 
@@ -149,6 +152,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   if (run.shuffle) j["strata"]["shuffle"] = true;
   if (run.state_dtype != "fp32") j["strata"]["optimizer_state_dtype"] = run.state_dtype;
   if (run.gradient_home != "auto") j["strata"]["gradient_home"] = run.gradient_home;
+  if (run.activation_home != "auto") j["strata"]["activation_home"] = run.activation_home;
   if (run.shuffle_seed) j["strata"]["shuffle_seed"] = *run.shuffle_seed;
   j["strata"]["schedule"] = run.schedule;
   ConfigOverrides overrides;
@@ -163,6 +167,7 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   if (!config) return config.status();
   EngineOptions options;
   options.model = small_gqa_model(run.tied);
+  options.model.num_hidden_layers = run.layers;
   options.config = *config;
   options.total_steps = run.steps;
   options.device_budget = run.device_budget;

@@ -32,6 +32,9 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
   app.add_option("--host-mem-limit", o.host_mem_limit, "Pinned host memory budget for the node, e.g. 512G");
   app.add_option("--schedule", o.schedule,
                  "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule)");
+  app.add_option("--activation-home", o.activation_home,
+                 "Where the layer-major order keeps activation checkpoints: auto | device | host | "
+                 "nvme (strata.activation_home)");
 }
 
 void print_config_warnings(const TrainConfig& config) {

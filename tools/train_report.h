@@ -67,7 +67,7 @@ std::string op_display_name(const TrainingPlan& plan, const PlanOp& op);
 
 // Busy seconds per lane (summed over the ranks) and per operation kind.
 struct LaneTotals {
-  double lane_seconds[kLaneCount] = {0, 0, 0, 0};
+  double lane_seconds[kLaneCount] = {};
   std::vector<double> kind_seconds = std::vector<double>(kOpKindCount, 0.0);  // by OpKind
   void add(const TrainingPlan& plan, const std::vector<OpTiming>& timings);
 };

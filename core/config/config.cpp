@@ -245,6 +245,9 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   std::string schedule;
   if (in.optional_choice("schedule", schedule, {"auto", "micro_batch", "layer"}))
     out.schedule = *parse_schedule(schedule);
+  std::string activation_home;
+  if (in.optional_choice("activation_home", activation_home, {"auto", "device", "host", "nvme"}))
+    out.activation_home = *parse_activation_home(activation_home);
   // A seed is any 64-bit unsigned integer, as --seed is; JsonReader's integers stop at 2^63.
   in.accept("shuffle_seed");
   if (block.is_object() && block.contains("shuffle_seed") && !block["shuffle_seed"].is_null()) {
@@ -384,6 +387,23 @@ const char* schedule_name(Schedule schedule) {
 std::optional<Schedule> parse_schedule(const std::string& name) {
   for (Schedule s : {Schedule::auto_choice, Schedule::micro_batch, Schedule::layer})
     if (name == schedule_name(s)) return s;
+  return std::nullopt;
+}
+
+const char* activation_home_name(ActivationHome home) {
+  switch (home) {
+    case ActivationHome::automatic: return "auto";
+    case ActivationHome::device: return "device";
+    case ActivationHome::host: return "host";
+    case ActivationHome::nvme: return "nvme";
+  }
+  return "?";
+}
+
+std::optional<ActivationHome> parse_activation_home(const std::string& name) {
+  for (ActivationHome h : {ActivationHome::automatic, ActivationHome::device, ActivationHome::host,
+                           ActivationHome::nvme})
+    if (name == activation_home_name(h)) return h;
   return std::nullopt;
 }
 
@@ -565,6 +585,13 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
           "--schedule: expected auto, micro_batch or layer, got '{}'", *overrides.schedule));
     config.strata.schedule = *schedule;
   }
+  if (overrides.activation_home) {
+    std::optional<ActivationHome> home = parse_activation_home(*overrides.activation_home);
+    if (!home)
+      return Status::error(fmt::format("--activation-home: expected auto, device, host or nvme, got '{}'",
+                                       *overrides.activation_home));
+    config.strata.activation_home = *home;
+  }
   if (overrides.shuffle_seed) config.strata.shuffle_seed = *overrides.shuffle_seed;
   // A seed that orders nothing is worth a line, unless --no-shuffle turned a file's shuffle off.
   if (config.strata.shuffle_seed && !config.strata.shuffle && overrides.shuffle != false) {
@@ -645,6 +672,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"shuffle", c.strata.shuffle},
       {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},
       {"schedule", schedule_name(c.strata.schedule)},
+      {"activation_home", activation_home_name(c.strata.activation_home)},
   };
   json out = json::object();
   out["train_batch_size"] = c.train_batch_size;

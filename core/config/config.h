@@ -34,6 +34,10 @@ enum class OptimizerStateDtype { fp32, bf16, int8 };
 // automatic (host fp32 when it fits the host budget, else NVMe fp32 with the
 // optimizer on NVMe), host (fp32), host_bf16, nvme (fp32).
 enum class GradientHome { automatic, host, host_bf16, nvme };
+// Where the layer-major schedule keeps each micro-batch's activation
+// checkpoints until its backward (core/plan/training_plan.h): automatic (the
+// first of device, host, nvme whose plan fits the budgets), or one of them.
+enum class ActivationHome { automatic, device, host, nvme };
 
 const char* precision_name(Precision precision);
 const char* offload_device_name(OffloadDevice device);
@@ -41,6 +45,8 @@ const char* schedule_name(Schedule schedule);  // "auto", "micro_batch", "layer"
 std::optional<Schedule> parse_schedule(const std::string& name);
 const char* optimizer_state_dtype_name(OptimizerStateDtype dtype);  // "fp32", "bf16", "int8"
 const char* gradient_home_name(GradientHome home);  // "auto", "host", "host_bf16", "nvme"
+const char* activation_home_name(ActivationHome home);  // "auto", "device", "host", "nvme"
+std::optional<ActivationHome> parse_activation_home(const std::string& name);
 // Bytes of one parameter in the compute precision (4, 2, 2).
 int compute_bytes(Precision precision);
 
@@ -138,6 +144,8 @@ struct StrataConfig {
   // The step's order with gradient accumulation; auto: the one whose plan
   // moves fewer bytes over the slowest link (strata plan says which and why).
   Schedule schedule = Schedule::auto_choice;
+  // Where the layer-major order keeps its activation checkpoints; auto: the plan's choice.
+  ActivationHome activation_home = ActivationHome::automatic;
 };
 
 struct TrainConfig {
@@ -186,6 +194,7 @@ struct ConfigOverrides {
   std::optional<bool> shuffle;
   std::optional<uint64_t> shuffle_seed;
   std::optional<std::string> schedule;  // auto | micro_batch | layer
+  std::optional<std::string> activation_home;  // auto | device | host | nvme
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
 };

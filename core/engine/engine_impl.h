@@ -110,6 +110,12 @@ struct Engine::Impl {
     // int8 state: per unit, (int8_block_count of its segments) block scales of m and of v.
     std::vector<float*> m_scales, v_scales;
     float* grad_staging = nullptr;  // (largest gradient shard) an NVMe-homed gradient, read back
+    // Spilled activation checkpoints (TrainingPlan::activations_spilled):
+    // [spilled level x G + micro] in host memory, or the NVMe extent holding
+    // them (copy k at k x the plan buffer's copy bytes); a GPU's staging copy.
+    std::vector<std::byte*> spilled_checkpoints;
+    std::optional<tiers::NvmeExtent> checkpoint_extent;
+    std::byte* checkpoint_staging = nullptr;
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
@@ -225,6 +231,12 @@ struct Engine::Impl {
   // brings master, m and v chunk by chunk (update's pointers to them are unused).
   Status update_streamed(Rank& rank, const UnitUpdate& update, int unit, ShardKind master_kind);
   Status sync(Rank& rank, const PlanOp& op);
+  // An activation checkpoint to its home, and back to its device slot.
+  Status spill(Rank& rank, const PlanOp& op);
+  Status restore(Rank& rank, const PlanOp& op);
+  uint64_t checkpoint_copy_bytes() const {
+    return uint64_t(plan.buffer(BufferRole::activation_spill)->copy_bytes());
+  }
 
   UnitBatch batch_of(Rank& rank, StepRun& run, int micro) const {
     const int64_t N = plan.tokens_per_micro;

@@ -102,6 +102,14 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);
   rank.grad_staging = b.as<float>(R::gradient_staging);
+  rank.spilled_checkpoints = b.all_as<std::byte>(R::activation_spill);
+  rank.checkpoint_staging = b.at(R::activation_staging);
+  if (const PlanBuffer* spill = plan.buffer(R::activation_spill);
+      spill != nullptr && spill->tier == tiers::Tier::nvme) {
+    Result<tiers::NvmeExtent> extent = s.nvme_tier()->allocate(uint64_t(spill->bytes), spill->name);
+    if (!extent) return extent.status().with_context(fmt::format("rank {}", r));
+    rank.checkpoint_extent = *extent;
+  }
   rank.tokens = b.as<int32_t>(R::tokens_and_targets);
   rank.targets = rank.tokens + plan.tokens_per_micro * in.grad_accum;
   if (b.at(R::nccl_staging) != nullptr) {

@@ -48,6 +48,7 @@ class CudaGpuRank final : public GpuRank {
                       float loss_scale, const GradTarget& target) override;
   Status backward(int unit, int micro, const std::byte* params, bool recompute,
                   const GradTarget& target) override;
+  std::byte* checkpoint(int level, int micro) override;
   Status gradients_ready(int grad_slot) override;
   Status synchronize() override;
   Status download(void* host, const void* device, int64_t bytes) override;
@@ -103,11 +104,12 @@ struct CudaGpuRank::Impl {
   int tied_copies = 1;
   size_t sent_index(int grad_slot) const { return size_t(grad_slot + tied_copies); }
 
-  // [activation copies] (units - 1, N, C) compute type: each unit's output, the next's input
+  // [checkpoint copies] (checkpoint levels, N, C) compute type: each unit's output, the next's input
   std::vector<std::byte*> checkpoint_copies;
   std::vector<std::byte*> activation_grads;  // [activation copies] (N, C) compute type
   std::byte* checkpoint(int unit, int micro) const {
-    return checkpoint_copies[size_t(plan.activation_copy(micro))] + unit * N * C * type_bytes;
+    const TrainingPlan::CheckpointPlace place = plan.checkpoint_place(unit, micro);
+    return checkpoint_copies[size_t(place.copy)] + place.level * N * C * type_bytes;
   }
   std::byte* activation_grad(int micro) const {
     return activation_grads[size_t(plan.activation_copy(micro))];
@@ -364,7 +366,6 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   g.type_bytes = int64_t(cuda::dtype_size(g.type));
   g.N = plan.tokens_per_micro;
   g.C = in.model.hidden_size;
-  const int units = int(plan.units.size());
   int64_t largest_padded = 0;
   for (const UnitPlacement& p : plan.units)
     largest_padded = std::max(largest_padded, p.padded_numel);
@@ -607,6 +608,8 @@ Status CudaGpuRank::adamw(float* master, float* m, float* v, const float* grad, 
 std::byte* CudaGpuRank::new_parameter_buffer() const {
   return impl_->new_params;
 }
+
+std::byte* CudaGpuRank::checkpoint(int level, int micro) { return impl_->checkpoint(level, micro); }
 
 Status CudaGpuRank::download(void* host, const void* device, int64_t bytes) {
   return impl_->copy(host, device, bytes, cudaMemcpyDeviceToHost, "from the GPU");

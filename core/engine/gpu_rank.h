@@ -18,8 +18,9 @@
 //    reduced gradients and new parameters between host and device with the
 //    transfer calls below.
 // Streams are ordered by events; nothing synchronises the device inside a
-// step. Activation checkpoints, the activation gradient and the tokens stay
-// on the device. Every device buffer comes from the rank's DeviceTier (one
+// step. Activation checkpoints stay on the device unless the plan spills them
+// (the engine moves them with download and upload); the activation gradient
+// and the tokens stay there. Every device buffer comes from the rank's DeviceTier (one
 // cudaMalloc), so the device budget holds and nothing is allocated in a step.
 //
 // Host memory handed in must stay valid until the call that reads it
@@ -101,6 +102,11 @@ class GpuRank {
   // activations are those of its forward (the last layer before the head).
   virtual Status backward(int unit, int micro, const std::byte* params, bool recompute,
                           const GradTarget& target) = 0;
+
+  // Level `level` (unit `level`'s output) of micro-batch `micro`, in device
+  // memory (TrainingPlan::checkpoint_place), for the engine to spill and
+  // restore with download and upload.
+  virtual std::byte* checkpoint(int level, int micro) = 0;
 
   // Waits until the gradient last sent for host slot `grad_slot` is in host memory.
   virtual Status gradients_ready(int grad_slot) = 0;

@@ -34,6 +34,7 @@ class GpuRankCompute final : public RankCompute {
     gpu_->forget_uploads(params);
     return Status::ok();
   }
+  std::byte* checkpoint(int level, int micro) override { return gpu_->checkpoint(level, micro); }
   Status gradients_ready(int slot) override { return gpu_->gradients_ready(slot); }
   Status synchronize() override { return gpu_->synchronize(); }
 

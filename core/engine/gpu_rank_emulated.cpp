@@ -20,14 +20,14 @@ class EmulatedGpuRank final : public GpuRank {
         N_(plan.tokens_per_micro),
         ws_(plan.input.model, plan.input.micro_batch, plan.input.seq_len) {
     const int64_t C = plan.input.model.hidden_size;
-    const int units = int(plan.units.size());
     int64_t largest_padded = 0, largest_optimizer = 0;
     for (const UnitPlacement& p : plan.units) {
       largest_padded = std::max(largest_padded, p.padded_numel);
       largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
     }
     const int copies = plan.activation_copies();
-    checkpoints_.resize(size_t(copies) * size_t(units - 1) * size_t(N_ * C));
+    checkpoints_.resize(size_t(plan.checkpoint_copies()) * size_t(plan.checkpoint_levels()) *
+                        size_t(N_ * C));
     activation_grad_.resize(size_t(copies) * size_t(N_ * C));
     tokens_.resize(size_t(N_ * plan.input.grad_accum));
     targets_.resize(tokens_.size());
@@ -51,8 +51,8 @@ class EmulatedGpuRank final : public GpuRank {
     }
     UnitParams p;
     p.flat = widen(unit, params, 0);
-    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
-    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, checkpoint(unit, micro), ws_);
+    const float* input = unit == 0 ? nullptr : checkpoint_at(unit - 1, micro);
+    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, checkpoint_at(unit, micro), ws_);
     return Status::ok();
   }
 
@@ -82,7 +82,7 @@ class EmulatedGpuRank final : public GpuRank {
     }
     const double loss =
         head_forward_backward(plan_.layout, p, batch(micro, loss_scale),
-                              checkpoint(head - 1, micro), activation_grad(micro), g, ws_);
+                              checkpoint_at(head - 1, micro), activation_grad(micro), g, ws_);
     if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return loss;
   }
@@ -106,7 +106,7 @@ class EmulatedGpuRank final : public GpuRank {
       g.flat = grads_.data();
       std::fill_n(g.flat, numel, 0.0f);
     }
-    const float* input = unit == 0 ? nullptr : checkpoint(unit - 1, micro);
+    const float* input = unit == 0 ? nullptr : checkpoint_at(unit - 1, micro);
     float* dy = activation_grad(micro);
     unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy, g,
                   ws_, recompute);
@@ -114,6 +114,9 @@ class EmulatedGpuRank final : public GpuRank {
     return Status::ok();
   }
 
+  std::byte* checkpoint(int level, int micro) override {
+    return reinterpret_cast<std::byte*>(checkpoint_at(level, micro));
+  }
   Status gradients_ready(int) override { return Status::ok(); }
   // Nothing is uploaded: the computations read host memory.
   void forget_uploads(const std::byte*) override {}
@@ -176,11 +179,12 @@ class EmulatedGpuRank final : public GpuRank {
     if (target.send) std::memcpy(target.grads, grad_sum_.data(), size_t(numel) * 4);
   }
 
-  // Copy activation_copy(micro) of each buffer that a micro-batch keeps to its backward.
-  float* checkpoint(int unit, int micro) {
+  // The slot of each level a micro-batch keeps to its backward
+  // (TrainingPlan::checkpoint_place), and copy activation_copy(micro) of the rest.
+  float* checkpoint_at(int unit, int micro) {
     const int64_t C = plan_.input.model.hidden_size;
-    const int64_t per_copy = int64_t(plan_.units.size() - 1) * N_ * C;
-    return checkpoints_.data() + plan_.activation_copy(micro) * per_copy + int64_t(unit) * N_ * C;
+    const TrainingPlan::CheckpointPlace place = plan_.checkpoint_place(unit, micro);
+    return checkpoints_.data() + (place.copy * plan_.checkpoint_levels() + place.level) * N_ * C;
   }
   float* activation_grad(int micro) {
     return activation_grad_.data() +
@@ -222,6 +226,11 @@ class EmulatedGpuRank final : public GpuRank {
 Result<std::unique_ptr<GpuRank>> GpuRank::create_emulated(const TrainingPlan& plan) {
   if (!plan.input.gpu)
     return Status::error("an emulated GPU rank needs a plan for the CUDA backend (input.gpu)");
+  // Its checkpoints are fp32 where the plan's (and a GPU's) are in compute
+  // precision: a spill of plan.checkpoint_bytes() would carry half of one.
+  if (plan.activations_spilled() && plan.compute_bytes != 4)
+    return Status::error(
+        "an emulated GPU rank keeps fp32 activation checkpoints: it spills them only in fp32");
   return std::unique_ptr<GpuRank>(new EmulatedGpuRank(plan));
 }
 

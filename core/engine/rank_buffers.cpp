@@ -6,7 +6,7 @@ Result<RankBuffers> RankBuffers::allocate(const TrainingPlan& plan, BufferOwner 
                                           const Allocate& allocate) {
   RankBuffers buffers;
   for (const PlanBuffer& b : plan.buffers) {
-    if (b.owner != owner) continue;
+    if (b.owner != owner || b.tier == tiers::Tier::nvme) continue;
     std::vector<std::byte*>& copies = buffers.copies_[b.role];
     for (int k = 0; k < b.copies; ++k) {
       Result<std::byte*> block = allocate(b.tier, uint64_t(b.copy_bytes()), b.name);

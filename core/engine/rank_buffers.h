@@ -6,7 +6,8 @@
 //
 // Each copy of a buffer is one allocation of PlanBuffer::copy_bytes() (a
 // whole number of pages), so what a rank takes from a tier is exactly what
-// the plan charged to it. The memory belongs to the tier that allocated it;
+// the plan charged to it. Buffers on NVMe are not memory: their owner takes
+// an extent of the NVMe tier for them itself (core/engine/engine_setup.cpp). The memory belongs to the tier that allocated it;
 // RankBuffers only holds pointers. A value type; not thread-safe to mutate.
 #pragma once
 
@@ -27,7 +28,8 @@ class RankBuffers {
   using Allocate =
       std::function<Result<std::byte*>(tiers::Tier tier, uint64_t bytes, const std::string& what)>;
 
-  // Every copy of every buffer of `owner` in `plan`, in the plan's order.
+  // Every copy of every buffer of `owner` in `plan` in memory (device or
+  // host), in the plan's order.
   static Result<RankBuffers> allocate(const TrainingPlan& plan, BufferOwner owner,
                                       const Allocate& allocate);
 

@@ -128,6 +128,12 @@ class RankCompute {
   virtual Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch& batch,
                           bool recompute, const GradTarget& target) = 0;
 
+  // Where level `level` (unit `level`'s output) of micro-batch `micro` sits:
+  // memory of the device tier, TrainingPlan::checkpoint_place's slot. The
+  // engine spills and restores it (TrainingPlan::activations_spilled) with
+  // the transfers below, which run after the work enqueued so far.
+  virtual std::byte* checkpoint(int level, int micro) = 0;
+
   // Unit `unit`'s compute-precision parameters have arrived in gather slot
   // `slot` (`params`, host memory); a computation reads them next.
   virtual Status take_gathered(int unit, int slot, const std::byte* params) = 0;

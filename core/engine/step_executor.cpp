@@ -174,6 +174,10 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
               size_t(plan.units[size_t(op.unit)].param_numel * plan.compute_bytes)));
     case OpKind::sync:
       return sync(rank, op);
+    case OpKind::spill:
+      return spill(rank, op);
+    case OpKind::restore:
+      return restore(rank, op);
   }
   return Status::ok();
 }

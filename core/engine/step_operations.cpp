@@ -388,4 +388,48 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
   return rank.compute->upload(params, rank.sync_staging, p.padded_numel * cb);
 }
 
+// Spilled activation checkpoints (TrainingPlan::activations_spilled): level
+// op.unit of micro-batch op.micro between its device slot and its home. On
+// the CPU backend the slot is host memory and NVMe reads and writes it in
+// place; a GPU's goes through the staging copy (NVMe) or its host copy.
+Status Engine::Impl::spill(Rank& rank, const PlanOp& op) {
+  const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
+  const std::byte* slot = rank.compute->checkpoint(op.unit, op.micro);
+  Status status = Status::ok();
+  if (!rank.checkpoint_extent) {
+    status = rank.compute->download(rank.spilled_checkpoints[copy], slot, plan.checkpoint_bytes());
+  } else {
+    Result<const std::byte*> source =
+        rank.compute->readable_on_host(slot, rank.checkpoint_staging, plan.checkpoint_bytes());
+    status = source ? rank.store->nvme_tier()
+                          ->write(*rank.checkpoint_extent, copy * checkpoint_copy_bytes(), *source,
+                                  uint64_t(plan.checkpoint_transfer_bytes()))
+                          .wait()
+                    : source.status();
+  }
+  if (status) return status;
+  return status.with_context(fmt::format("spilling the activation checkpoint of {} (micro-batch {})",
+                                         plan.layout.units[size_t(op.unit)].unit.name, op.micro));
+}
+
+Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
+  const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
+  std::byte* slot = rank.compute->checkpoint(op.unit, op.micro);
+  Status status = Status::ok();
+  if (!rank.checkpoint_extent) {
+    status = rank.compute->upload(slot, rank.spilled_checkpoints[copy], plan.checkpoint_bytes());
+  } else {
+    std::byte* landing = plan.input.gpu ? rank.checkpoint_staging : slot;
+    status = rank.store->nvme_tier()
+                 ->read(*rank.checkpoint_extent, copy * checkpoint_copy_bytes(), landing,
+                        uint64_t(plan.checkpoint_transfer_bytes()))
+                 .wait();
+    if (status && plan.input.gpu)
+      status = rank.compute->upload(slot, landing, plan.checkpoint_bytes());
+  }
+  if (status) return status;
+  return status.with_context(fmt::format("restoring the activation checkpoint of {} (micro-batch {})",
+                                         plan.layout.units[size_t(op.unit)].unit.name, op.micro));
+}
+
 }  // namespace strata

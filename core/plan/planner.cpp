@@ -96,6 +96,12 @@ PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<Model
   // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
   input.optimizer_during_backward = c.gradient_clipping == 0.0 && c.precision == Precision::fp32;
   input.schedule = c.strata.schedule;
+  switch (c.strata.activation_home) {
+    case ActivationHome::automatic: break;
+    case ActivationHome::device: input.activation_home = Tier::device; break;
+    case ActivationHome::host: input.activation_home = Tier::host; break;
+    case ActivationHome::nvme: input.activation_home = Tier::nvme; break;
+  }
   return input;
 }
 
@@ -152,6 +158,7 @@ PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config,
   PlanInput in = plan_input_from_config(config, model);
   in.gpu = gpu;
   in.nccl_staging = nccl_staging;
+  in.nvme_path_known = !config.effective_nvme_paths().empty();
   if (config.strata.device_mem_limit) in.device_budget = int64_t(*config.strata.device_mem_limit);
   if (config.strata.host_mem_limit) in.host_budget = int64_t(*config.strata.host_mem_limit);
   return in;
@@ -305,6 +312,7 @@ BufferKind buffer_kind(BufferRole role) {
     case BufferRole::gpu_activation_gradient:
     case BufferRole::gpu_tokens_and_targets:
     case BufferRole::gpu_token_losses:
+    case BufferRole::activation_spill:
       return BufferKind::activation;
     case BufferRole::unit_working_set:
     case BufferRole::gpu_unit_working_set:
@@ -409,16 +417,24 @@ Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
 }
 
 // One schedule's option: its plan with the first activation home that fits
-// (device, then on the CPU backend host), or the device's when none does.
+// (device, host, then NVMe where a path is known), or the device's when none
+// does. Only the layer-major order keeps more than one micro-batch's; the
+// micro-batch order's stay in the device tier (on the CPU backend, host
+// memory when that is the home asked for).
 Result<std::pair<ScheduleOption, MemoryPlan>> schedule_option(const PlanInput& in,
                                                               Schedule schedule) {
+  const bool keeps = schedule == Schedule::layer && in.grad_accum > 1;
+  const bool nvme_known = in.nvme_path_known || in.offload_param == OffloadDevice::nvme ||
+                          in.offload_optimizer == OffloadDevice::nvme;
   std::vector<Tier> homes;
-  if (in.activation_home)
+  if (!keeps)
+    homes = {in.activation_home == Tier::host && !in.gpu ? Tier::host : Tier::device};
+  else if (in.activation_home)
     homes = {*in.activation_home};
-  else if (schedule == Schedule::layer && !in.gpu && in.grad_accum > 1)
-    homes = {Tier::device, Tier::host};
+  else if (nvme_known)
+    homes = {Tier::device, Tier::host, Tier::nvme};
   else
-    homes = {Tier::device};
+    homes = {Tier::device, Tier::host};
   std::optional<std::pair<ScheduleOption, MemoryPlan>> first;
   for (Tier home : homes) {
     PlanInput fixed = in;
@@ -453,6 +469,11 @@ std::string slowest_bytes(const Traffic& t) {
   return "nothing";
 }
 
+// "on NVMe", "in host memory".
+std::string kept_where(Tier home) {
+  return home == Tier::nvme ? "on NVMe" : fmt::format("in {} memory", tier_name(home));
+}
+
 // The choice among the options (micro-batch first), and why.
 Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
   std::vector<Schedule> schedules = {Schedule::micro_batch, Schedule::layer};
@@ -478,6 +499,9 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
   } else if (in.schedule != Schedule::auto_choice) {
     pick = in.schedule == Schedule::layer && plans.size() > 1 ? 1 : 0;
     choice.reason = fmt::format("{} (given)", schedule_name(in.schedule));
+    if (pick == 1 && in.grad_accum > 1)
+      choice.reason += fmt::format(", activation checkpoints {}",
+                                   kept_where(choice.options[1].activation_home));
     if (!in.model && in.schedule == Schedule::layer) {
       // Without the model's shapes there are no activations to keep: the traffic alone.
       PlanInput fixed = in;
@@ -506,9 +530,9 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
       pick = 1;
       choice.reason = fmt::format(
           "layer: it moves {} per step where the micro-batch order moves {}, for {} more "
-          "activations in {} memory",
+          "activations {}",
           slowest_bytes(layer.traffic), slowest_bytes(micro.traffic), format_bytes(double(kept)),
-          tier_name(layer.activation_home));
+          kept_where(layer.activation_home));
     } else {
       choice.reason =
           micro.slowest_seconds == 0
@@ -806,15 +830,16 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   const ScheduleChoice& choice = plan.schedule;
   out << fmt::format("\nschedule: {}\n", choice.reason);
   if (in.model && choice.options.size() > 1) {
-    out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}  {}\n", "per step",
-                       "collectives", "PCIe h2d", "PCIe d2h", "NVMe read", "NVMe write",
-                       "act. device", "act. host", "fits");
+    out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n",
+                       "per step", "collectives", "PCIe h2d", "PCIe d2h", "NVMe read",
+                       "NVMe write", "act. device", "act. host", "act. NVMe", "fits");
     for (const ScheduleOption& o : choice.options) {
       out << fmt::format(
-          "  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}  {}\n", schedule_name(o.schedule),
-          cell(o.traffic.collective_bytes), cell(o.traffic.h2d_bytes), cell(o.traffic.d2h_bytes),
-          cell(o.traffic.nvme_read_bytes), cell(o.traffic.nvme_write_bytes),
-          cell(o.activations.device), cell(o.activations.host), o.fits ? "yes" : "no");
+          "  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n",
+          schedule_name(o.schedule), cell(o.traffic.collective_bytes), cell(o.traffic.h2d_bytes),
+          cell(o.traffic.d2h_bytes), cell(o.traffic.nvme_read_bytes),
+          cell(o.traffic.nvme_write_bytes), cell(o.activations.device), cell(o.activations.host),
+          cell(o.activations.nvme), o.fits ? "yes" : "no");
     }
   }
   return out.str();

@@ -74,8 +74,8 @@ struct PlanInput {
   bool nvme_path_known = false;  // an NVMe directory was given (for suggestions)
   // The step's order (strata.schedule); auto: choose_schedule's pick.
   Schedule schedule = Schedule::auto_choice;
-  // Where layer-major activation checkpoints live; unset: the first of
-  // device, host (CPU backend) that fits the budgets.
+  // Where layer-major activation checkpoints live (strata.activation_home);
+  // unset: the first of device, host, NVMe (with a path known) that fits the budgets.
   std::optional<tiers::Tier> activation_home;
 
   // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
@@ -142,7 +142,7 @@ struct ScheduleOption {
 // The schedule a plan input runs: the given one, or for auto the one whose
 // plan moves fewer bytes over its slowest link among those that fit (the
 // micro-batch order on a tie, and with one micro-batch, where both are the
-// same); with the activation home the first of device, host that fits.
+// same); with the activation home the first of device, host, NVMe that fits.
 struct ScheduleChoice {
   Schedule schedule = Schedule::micro_batch;
   Tier activation_home = Tier::device;

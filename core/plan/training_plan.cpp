@@ -214,7 +214,15 @@ class PlanBuilder {
     // for the embedding's reduce (layer-major keeps one per micro-batch).
     if (tied_ && cu.unit == head_ && cu.micro > 0 && !plan_.layer_major())
       op.deps.push_back(last_reduce_[0]);
+    // Spilled checkpoints (TrainingPlan::activations_spilled): the forward of
+    // unit u writes level u over level u - 2, which must be out first; a
+    // backward reads level u - 1, which must be back.
+    if (cu.kind == OpKind::forward && cu.unit < head_ && plan_.spills(cu.unit - 2))
+      op.deps.push_back(spill_op_[level_index(cu.unit - 2, cu.micro)]);
+    if (cu.kind == OpKind::backward && plan_.spills(cu.unit - 1))
+      op.deps.push_back(restore_op_[level_index(cu.unit - 1, cu.micro)]);
     compute_op_[c] = add(std::move(op));
+    emit_spill_or_restore(c);
     if (stage3_) {
       // The uses that end here give their slots back.
       int release_index = -1;
@@ -229,6 +237,40 @@ class PlanBuilder {
       }
     }
     if (fills_grad) emit_reduce(c, uses_rotating_grad);
+  }
+
+  size_t level_index(int level, int micro) const {
+    return size_t(level) * size_t(in_.grad_accum) + size_t(micro);
+  }
+
+  // After compute operation c: the spill of the level a forward produced,
+  // or the restore of the level whose slot a backward (or the head) has
+  // just read for the last time: level k + 2 shares level k's slot, and its
+  // last reader is the backward of unit k + 3, or the head for the last level.
+  void emit_spill_or_restore(size_t c) {
+    if (plan_.spilled_levels() == 0) return;
+    const ComputeUse& cu = compute_[c];
+    const int64_t bytes = plan_.checkpoint_transfer_bytes();
+    if (spill_op_.empty()) {
+      spill_op_.assign(level_index(plan_.spilled_levels(), 0), -1);
+      restore_op_.assign(spill_op_.size(), -1);
+    }
+    if (cu.kind == OpKind::forward && cu.unit < head_ && plan_.spills(cu.unit)) {
+      PlanOp spill = make_op(OpKind::spill, Lane::activations, cu.unit, cu.micro,
+                             plan_.checkpoint_place(cu.unit, cu.micro).copy);
+      spill.deps.push_back(compute_op_[c]);
+      spill.bytes = bytes;
+      spill_op_[level_index(cu.unit, cu.micro)] = add(std::move(spill));
+      return;
+    }
+    const int freed = cu.kind == OpKind::backward ? cu.unit - 3 : cu.unit == head_ ? head_ - 3 : -1;
+    if (!plan_.spills(freed)) return;
+    PlanOp restore = make_op(OpKind::restore, Lane::activations, freed, cu.micro,
+                             plan_.checkpoint_place(freed, cu.micro).copy);
+    restore.deps.push_back(compute_op_[c]);
+    restore.deps.push_back(spill_op_[level_index(freed, cu.micro)]);
+    restore.bytes = bytes;
+    restore_op_[level_index(freed, cu.micro)] = add(std::move(restore));
   }
 
   void emit_reduce(size_t c, bool uses_rotating_grad) {
@@ -293,6 +335,15 @@ class PlanBuilder {
         case OpKind::fetch:
           t.nvme_read += op.bytes;
           break;
+        case OpKind::spill:
+        case OpKind::restore: {
+          // Through NVMe, and on a GPU over PCIe (the exact checkpoint).
+          int64_t& nvme = op.kind == OpKind::spill ? t.nvme_written : t.nvme_read;
+          if (in_.activation_home == Tier::nvme) nvme += op.bytes;
+          int64_t& pcie = op.kind == OpKind::spill ? t.d2h : t.h2d;
+          if (gpu) pcie += plan_.tokens_per_micro * in_.model.hidden_size * cb;
+          break;
+        }
         case OpKind::writeback:
           t.nvme_written += op.bytes;
           break;
@@ -360,6 +411,7 @@ class PlanBuilder {
   std::vector<std::vector<size_t>> compute_uses_;                      // per compute op: its uses
   std::vector<int> gather_op_, fetch_op_, release_op_, previous_use_;  // per use
   std::vector<int> compute_op_;                                        // per compute op
+  std::vector<int> spill_op_, restore_op_;  // per spilled level and micro-batch (level_index)
   size_t next_gather_ = 0, next_fetch_ = 0;
   int decide_index_ = -1;
   int grad_use_ = 0;
@@ -392,6 +444,10 @@ const char* op_kind_name(OpKind kind) {
       return "writeback";
     case OpKind::sync:
       return "sync";
+    case OpKind::spill:
+      return "spill";
+    case OpKind::restore:
+      return "restore";
   }
   return "?";
 }
@@ -406,6 +462,8 @@ const char* lane_name(Lane lane) {
       return "compute";
     case Lane::optimizer:
       return "optimizer";
+    case Lane::activations:
+      return "activations";
   }
   return "?";
 }
@@ -458,6 +516,10 @@ const char* buffer_role_name(BufferRole role) {
       return "activation_checkpoints";
     case BufferRole::activation_gradient:
       return "activation_gradient";
+    case BufferRole::activation_spill:
+      return "activation_spill";
+    case BufferRole::activation_staging:
+      return "activation_staging";
     case BufferRole::unit_working_set:
       return "unit_working_set";
     case BufferRole::new_parameters:
@@ -563,6 +625,16 @@ int64_t TrainingPlan::state_numel(int u, BufferRole role) const {
     default:
       return 0;
   }
+}
+
+int64_t TrainingPlan::checkpoint_bytes() const {
+  return tokens_per_micro * input.model.hidden_size * (input.gpu ? compute_bytes : 4);
+}
+
+int64_t TrainingPlan::checkpoint_transfer_bytes() const {
+  return input.activation_home == Tier::nvme
+             ? round_up(checkpoint_bytes(), int64_t(input.nvme_alignment))
+             : checkpoint_bytes();
 }
 
 const PlanBuffer* TrainingPlan::buffer(BufferRole role) const {
@@ -758,8 +830,12 @@ class BufferListing {
     if (in.nccl_staging)
       add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
           largest_padded);
-    add(R::gpu_activation_checkpoints, O::gpu, copies_name("activation checkpoints (unit inputs)"),
-        Tier::device, compute, copies, (units - 1) * N * C);
+    if (plan.activations_spilled())
+      add(R::gpu_activation_checkpoints, O::gpu, slots_name(), Tier::device, compute,
+          plan.checkpoint_copies(), slot_elements(cb));
+    else
+      add(R::gpu_activation_checkpoints, O::gpu, copies_name("activation checkpoints (unit inputs)"),
+          Tier::device, compute, copies, (units - 1) * N * C);
     add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
         compute, copies, N * C);
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
@@ -767,6 +843,7 @@ class BufferListing {
     add(R::gpu_token_losses, O::gpu, "per-token losses", Tier::device, f32, 1, N);
     add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
         kGpuMatmulWorkspaceBytes);
+    add_spill_buffers(compute, cb);
     add(R::gpu_unit_working_set, O::gpu, "GPU unit working set", Tier::device, byte, 1,
         cuda_unit_workspace_bytes(in.model, in.micro_batch, in.seq_len, int(cb)));
   }
@@ -794,11 +871,18 @@ class BufferListing {
     if (scatter_output)
       add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::device, f32, 1,
           largest_shard);
-    add(R::activation_checkpoints, O::rank,
-        copies_name("activation checkpoints (unit inputs, fp32)"), in.activation_home, f32, copies,
-        (units - 1) * N * C);
-    add(R::activation_gradient, O::rank, copies_name("activation gradient"), in.activation_home,
-        f32, copies, N * C);
+    // Host memory is the device tier here: a host home only moves the budget they count against.
+    const Tier kept = in.activation_home == Tier::host ? Tier::host : Tier::device;
+    if (plan.activations_spilled())
+      add(R::activation_checkpoints, O::rank, slots_name(), Tier::device, f32,
+          plan.checkpoint_copies(), slot_elements(4));
+    else
+      add(R::activation_checkpoints, O::rank,
+          copies_name("activation checkpoints (unit inputs, fp32)"), kept, f32, copies,
+          (units - 1) * N * C);
+    add(R::activation_gradient, O::rank, copies_name("activation gradient"), kept, f32, copies,
+        N * C);
+    add_spill_buffers(f32, 4);
     add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);
     add(R::unit_working_set, O::rank, "unit working set", Tier::device, byte, 1,
@@ -879,6 +963,28 @@ class BufferListing {
   const int64_t embedding_padded;
   const int copies;  // of what a micro-batch keeps to its backward
   const bool scatter_output;
+
+  // Spilled checkpoints: the levels below the last two, one copy per
+  // micro-batch each, in their home (host memory or NVMe; the engine rank
+  // moves them), and on a GPU with NVMe one host staging copy between the two.
+  void add_spill_buffers(BufferElement element, int64_t element_bytes) {
+    const int levels = plan.spilled_levels();
+    if (levels == 0) return;
+    const int G = int(in.grad_accum);
+    add(R::activation_spill, O::rank,
+        fmt::format("activation checkpoints spilled ({} levels x {} micro-batches)", levels, G),
+        in.activation_home, element, levels * G, slot_elements(element_bytes));
+    if (in.gpu && in.activation_home == Tier::nvme)
+      add(R::activation_staging, O::rank, "activation checkpoint on its way to or from NVMe",
+          Tier::host, element, 1, slot_elements(element_bytes));
+  }
+  // One spilled checkpoint's elements, as long as a transfer (the I/O alignment on NVMe).
+  int64_t slot_elements(int64_t element_bytes) const {
+    return plan.checkpoint_transfer_bytes() / element_bytes;
+  }
+  std::string slots_name() const {
+    return fmt::format("activation checkpoint slots (2 levels x {} micro-batches)", in.grad_accum);
+  }
 
   // "activation gradient (8 micro-batches)" in the layer-major schedule.
   std::string copies_name(const char* what) const {
@@ -1008,12 +1114,6 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     return Status::error("zero_optimization.offload_optimizer.buffer_count must be at least 2");
   if (in.schedule == Schedule::auto_choice)
     return Status::error("the training plan needs a schedule (micro_batch or layer), not auto");
-  if (in.activation_home == Tier::nvme || (in.gpu && in.activation_home != Tier::device))
-    return Status::error(fmt::format(
-        "activation checkpoints homed in {} are not built for the {} backend; they live in device "
-        "memory{}",
-        tiers::tier_name(in.activation_home), in.gpu ? "CUDA" : "CPU",
-        in.gpu ? "" : " or pinned host memory"));
   if (in.gpu && in.offload_optimizer == OffloadDevice::none &&
       in.optimizer_state != OptimizerStateDtype::fp32)
     return Status::error(fmt::format(
@@ -1125,9 +1225,16 @@ std::string format_training_plan(const TrainingPlan& plan) {
       offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer),
       precision_name(in.precision), in.overlap_comm ? "" : ", collectives on the compute lane");
   out += fmt::format("schedule {}", schedule_name(in.schedule));
-  if (plan.activation_copies() > 1)
+  if (plan.activations_spilled())
+    out += fmt::format(
+        ": activations of {} micro-batches in device slots of 2 levels, {} levels spilled to {} "
+        "and restored a unit ahead of their backward",
+        plan.activation_copies(), plan.spilled_levels(), tiers::tier_name(in.activation_home));
+  else if (plan.activation_copies() > 1)
     out += fmt::format(": activations of {} micro-batches kept in {} memory",
-                       plan.activation_copies(), tiers::tier_name(in.activation_home));
+                       plan.activation_copies(),
+                       tiers::tier_name(in.gpu || in.activation_home != Tier::host ? Tier::device
+                                                                                   : Tier::host));
   out += "\n";
   out += "units:";
   for (size_t u = 0; u < plan.layout.units.size(); ++u)

@@ -49,12 +49,15 @@
 // operation that last used a buffer is what bounds the memory.
 //
 // Lanes: io (starts fetches), comm (every collective, in one order that every
-// rank shares), compute, optimizer. Each lane runs its operations in plan
-// order; an operation starts when its dependencies are done.
+// rank shares), compute, optimizer, activations (spills and restores of
+// checkpoints kept out of the device: activations_spilled). Each lane runs
+// its operations in plan order; an operation starts when its dependencies
+// are done.
 //
 // Pure functions; thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -110,9 +113,15 @@ struct TrainingPlanInput {
   // backward, and every micro-batch's unit inputs are kept to the backward.
   // Resolved: never auto (core/plan/planner.h chooses).
   Schedule schedule = Schedule::micro_batch;
-  // Where the layer-major schedule keeps its activation checkpoints: device,
-  // or pinned host memory (the CPU backend; there the device tier is host
-  // memory too, so only the budget they count against changes).
+  // Where the layer-major schedule keeps the activation checkpoints of its
+  // micro-batches until their backward (TrainingPlan::activations_spilled):
+  //  device  all of them in device memory;
+  //  host    on the CPU backend all of them in host memory (the device tier is
+  //          host memory too, so only the budget they count against changes);
+  //          on the CUDA backend in pinned host memory, spilled and restored;
+  //  nvme    spilled to NVMe through the tiers and restored (either backend).
+  // The micro-batch order keeps one micro-batch's, in the device tier (the
+  // CPU backend: in host memory when this says host).
   tiers::Tier activation_home = tiers::Tier::device;
   int fetch_slots = 5;        // offload_param.buffer_count
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count
@@ -132,11 +141,13 @@ enum class OpKind {
   decide,
   optimizer,
   writeback,
-  sync
+  sync,
+  spill,    // an activation checkpoint leaves the device for its home (host or NVMe)
+  restore,  // and comes back to its device slot ahead of its backward
 };
-inline constexpr int kOpKindCount = 11;
-enum class Lane { io, comm, compute, optimizer };
-inline constexpr int kLaneCount = 4;
+inline constexpr int kOpKindCount = 13;
+enum class Lane { io, comm, compute, optimizer, activations };
+inline constexpr int kLaneCount = 5;
 const char* op_kind_name(OpKind kind);
 const char* lane_name(Lane lane);
 
@@ -197,7 +208,7 @@ enum class BufferRole {
   reduce_scatter_output,   // (largest shard) fp32
   sync_staging,            // (largest padded) compute precision: the GPU's stage 1-2 all-gather
   tokens_and_targets,      // (2, G, B*T) int32: tokens, then targets
-  activation_checkpoints,  // [activation copies] (units - 1, B*T, C) fp32, the CPU units' inputs
+  activation_checkpoints,  // [checkpoint_copies] (checkpoint_levels, B*T, C) fp32, the CPU units' inputs
   activation_gradient,     // [activation copies] (B*T, C) fp32
   unit_working_set,        // bytes the CPU UnitWorkspace allocates itself, charged here
   new_parameters,          // (largest optimizer range) compute precision, staged
@@ -210,7 +221,7 @@ enum class BufferRole {
   gpu_reduced_gradient,        // (largest padded) fp32
   gpu_gradient_sum,            // (largest padded) fp32: gpu_grads_summed_on_device
   gpu_new_parameters,          // (largest optimizer range) compute precision
-  gpu_activation_checkpoints,  // [activation copies] (units - 1, B*T, C) compute precision
+  gpu_activation_checkpoints,  // [checkpoint_copies] (checkpoint_levels, B*T, C) compute precision
   gpu_activation_gradient,     // [activation copies] (B*T, C) compute precision
   gpu_tokens_and_targets,      // (2, G, B*T) int32
   gpu_token_losses,            // (B*T) fp32
@@ -221,6 +232,9 @@ enum class BufferRole {
   optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
   gradient_staging,       // (largest gradient shard) fp32: an NVMe-homed gradient, read to add to
+  // Spilled activation checkpoints (TrainingPlan::activations_spilled), the engine rank's.
+  activation_spill,    // [spilled_levels x G] (B*T, C) as the checkpoints: in host memory or on NVMe
+  activation_staging,  // (B*T, C) compute precision: the GPU's checkpoint on its way to or from NVMe
 };
 const char* buffer_role_name(BufferRole role);
 // The store's shard kind of a state role; nullopt for any other role.
@@ -294,6 +308,46 @@ struct TrainingPlan {
   // micro-batch m uses copy activation_copy(m).
   int activation_copies() const { return layer_major() ? int(input.grad_accum) : 1; }
   int activation_copy(int micro) const { return layer_major() ? micro : 0; }
+  // Layer-major checkpoints kept out of the device: with activation_home NVMe
+  // (either backend) or host (the CUDA backend) and more than one
+  // micro-batch. Then the device holds two levels of slots, one per
+  // micro-batch each: level k (unit k's output, unit k+1's input) of
+  // micro-batch m sits in slot (k mod 2) x G + m. The forward of unit k+2
+  // would overwrite it, so a `spill` writes it out first (levels below
+  // units - 3; the last two levels stay), and a `restore` brings it back
+  // once the slot's later level has been read by its backward (or the head),
+  // a whole unit of micro-batches ahead of the backward that reads it.
+  bool activations_spilled() const {
+    return layer_major() && input.grad_accum > 1 &&
+           (input.activation_home == tiers::Tier::nvme ||
+            (input.gpu && input.activation_home == tiers::Tier::host));
+  }
+  int spilled_levels() const {
+    return activations_spilled() ? std::max(0, int(units.size()) - 3) : 0;
+  }
+  bool spills(int level) const { return level >= 0 && level < spilled_levels(); }
+  // The checkpoints buffer: copies of levels of (B*T, C) each.
+  int checkpoint_copies() const {
+    return activations_spilled() ? 2 * int(input.grad_accum) : activation_copies();
+  }
+  int64_t checkpoint_levels() const {
+    return activations_spilled() ? 1 : int64_t(units.size()) - 1;
+  }
+  // Level `level` of micro-batch `micro`: its copy, and its place in levels.
+  struct CheckpointPlace {
+    int copy = 0;
+    int64_t level = 0;
+  };
+  CheckpointPlace checkpoint_place(int level, int micro) const {
+    if (activations_spilled()) return {(level % 2) * int(input.grad_accum) + micro, 0};
+    return {activation_copy(micro), level};
+  }
+  // Bytes of one checkpoint, (B*T, C) in the checkpoints' element type (fp32
+  // on the CPU backend, the compute precision on the GPU's), and of one spill
+  // or restore: rounded up to the I/O alignment on NVMe, where each slot and
+  // each spilled copy is that long.
+  int64_t checkpoint_bytes() const;
+  int64_t checkpoint_transfer_bytes() const;
   // Backward of the last layer before the head can reuse its forward's
   // activations only when nothing ran in between but the head of the same micro-batch.
   bool recomputes(int unit) const {
