@@ -43,9 +43,10 @@ def common_flags(args, accum, schedule):
     ]
 
 
-def planned(args, accum, schedule):
-    """The engine's plan of one step: NVMe bytes, fetches, PCIe and the activations kept."""
-    out = subprocess.run([args.strata, "plan", "--ops", "--json"] + common_flags(args, accum, schedule),
+def plan_traffic(strata, flags):
+    """The engine's plan of one step (`strata plan --ops --json FLAGS`, FLAGS as `strata train`
+    takes them): NVMe bytes, parameter fetches, PCIe and the activations kept."""
+    out = subprocess.run([strata, "plan", "--ops", "--json"] + flags,
                          check=True, capture_output=True, text=True).stdout
     plan = json.loads(out)
     kept = sum(b["bytes"] for b in plan["buffers"]
@@ -59,6 +60,10 @@ def planned(args, accum, schedule):
         "pcie_d2h": plan["link_bytes_per_step"]["pcie_d2h"],
         "activations": kept,
     }
+
+
+def planned(args, accum, schedule):
+    return plan_traffic(args.strata, common_flags(args, accum, schedule))
 
 
 def train(args, accum, schedule, workdir):
