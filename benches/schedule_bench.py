@@ -44,9 +44,10 @@ def common_flags(args, accum, schedule):
     ] + (["--activation-home", args.activation_home] if args.activation_home else [])
 
 
-def planned(args, accum, schedule):
-    """The engine's plan of one step: NVMe bytes, fetches, PCIe and the activations kept."""
-    out = subprocess.run([args.strata, "plan", "--ops", "--json"] + common_flags(args, accum, schedule),
+def plan_traffic(strata, flags):
+    """The engine's plan of one step (`strata plan --ops --json FLAGS`, FLAGS as `strata train`
+    takes them): NVMe bytes, parameter fetches, PCIe and the activations kept."""
+    out = subprocess.run([strata, "plan", "--ops", "--json"] + flags,
                          check=True, capture_output=True, text=True).stdout
     plan = json.loads(out)
     roles = ("activation_checkpoints", "activation_gradient", "gpu_activation_checkpoints",
@@ -60,6 +61,10 @@ def planned(args, accum, schedule):
         "pcie_d2h": plan["link_bytes_per_step"]["pcie_d2h"],
         "activations": kept,
     }
+
+
+def planned(args, accum, schedule):
+    return plan_traffic(args.strata, common_flags(args, accum, schedule))
 
 
 def train(args, accum, schedule, workdir):

@@ -29,6 +29,16 @@ Then:
         [--model small] [--seq-len 128] [--micro-batches 1,2,4,8,16] [--steps 12]
 
 Needs fio. Prints a table and a JSON object (--json FILE writes it too).
+
+With --formats fp32,bf16,int8 it instead runs the NVMe configuration (ZeRO-3,
+parameters and optimizer state on NVMe) once per optimizer state format
+(--optimizer-state-dtype) at each of --micro-batches, the formats alternating
+over --rounds, and prints per format: the median step time after the warm-up
+(the median over the rounds), its ratio against fp32 at the same tokens per
+step, and the NVMe bytes read and written per step, measured (--metrics, the
+mean of the steps after the warm-up) and the plan's (`strata plan --ops
+--json`, as schedule_bench.py reads it). No fio; exits 1 when a measured mean
+is more than 5% off the plan's.
 """
 import argparse
 import json
@@ -40,6 +50,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from schedule_bench import plan_traffic  # noqa: E402  (the plan's bytes, read one way for both benches)
 
 
 def child_cpu_seconds():
@@ -71,22 +84,30 @@ def run_fio(args, block, queue_depth):
     return job["read"]["bw_bytes"] + job["write"]["bw_bytes"], cpu_seconds / moved if moved else 0.0
 
 
-def run_train(args, micro_batch, offload, workdir, trace=None, seq_len=None, cpu=None):
-    """One `strata train` run; returns the per-step metrics after the warm-up.
-    With `cpu` (a dict), records the run's CPU seconds and wall seconds in it."""
-    seq_len = seq_len or args.seq_len
-    metrics = os.path.join(workdir, f"m-{offload}-{micro_batch}-{seq_len}.jsonl")
-    command = [
-        args.strata, "train", "--model", args.model, "--backend", args.backend, "--data", args.data,
-        "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
+def config_flags(args, micro_batch, offload, seq_len, state_dtype=None):
+    """The model and configuration flags of a run, as `strata train` and `strata plan` take them."""
+    flags = [
+        "--model", args.model, "--backend", args.backend,
+        "--seq-len", str(seq_len), "--micro-batch", str(micro_batch),
         # The CUDA backend keeps the state on the GPU at stage 0 only (one rank).
         "--zero-stage", "0" if args.backend == "cuda" and offload == "none" else "3",
         "--offload-param", offload, "--offload-optimizer", offload,
         "--aio-block-size", args.block_size, "--aio-queue-depth", str(args.queue_depth),
-        "--metrics", metrics,
     ]
     if offload == "nvme":
-        command += ["--nvme-path", args.path]
+        flags += ["--nvme-path", args.path]
+    if state_dtype:
+        flags += ["--optimizer-state-dtype", state_dtype]
+    return flags
+
+
+def run_train(args, micro_batch, offload, workdir, trace=None, seq_len=None, cpu=None, state_dtype=None):
+    """One `strata train` run; returns the per-step metrics after the warm-up.
+    With `cpu` (a dict), records the run's CPU seconds and wall seconds in it."""
+    seq_len = seq_len or args.seq_len
+    metrics = os.path.join(workdir, f"m-{offload}-{micro_batch}-{seq_len}-{state_dtype or 'fp32'}.jsonl")
+    command = [args.strata, "train", "--data", args.data, "--steps", str(args.steps), "--metrics", metrics]
+    command += config_flags(args, micro_batch, offload, seq_len, state_dtype)
     if trace:
         command += ["--trace", trace]
     cpu_before, wall_before = child_cpu_seconds(), time.monotonic()
@@ -152,6 +173,66 @@ def parse_size(text):
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
+def compare_formats(args, workdir):
+    """--formats: the NVMe run once per optimizer state format at each micro-batch size."""
+    formats = args.formats.split(",")
+    base = "fp32" if "fp32" in formats else formats[0]
+    rows, mismatches = [], []
+    for micro_batch in [int(m) for m in args.micro_batches.split(",")]:
+        plans = {f: plan_traffic(args.strata, config_flags(args, micro_batch, "nvme", args.seq_len, f))
+                 for f in formats}
+        # Rounds alternate the order so drift on a shared machine falls on every format.
+        runs = {f: [] for f in formats}
+        for r in range(args.rounds):
+            for f in (formats if r % 2 == 0 else formats[::-1]):
+                lines = run_train(args, micro_batch, "nvme", workdir, state_dtype=f)
+                runs[f].append({
+                    "step_s": median_step(lines),
+                    "nvme_read": statistics.mean(l["nvme_read_bytes"] for l in lines),
+                    "nvme_written": statistics.mean(l["nvme_written_bytes"] for l in lines),
+                })
+        group = []
+        for f in formats:
+            row = {"format": f, "micro_batch": micro_batch, "tokens_per_step": micro_batch * args.seq_len,
+                   "step_s": statistics.median(x["step_s"] for x in runs[f]),
+                   "step_s_rounds": [x["step_s"] for x in runs[f]],
+                   "nvme_read_measured": statistics.mean(x["nvme_read"] for x in runs[f]),
+                   "nvme_written_measured": statistics.mean(x["nvme_written"] for x in runs[f]),
+                   "nvme_read_plan": plans[f]["nvme_read"], "nvme_written_plan": plans[f]["nvme_written"]}
+            for kind in ("nvme_read", "nvme_written"):
+                measured, plan = row[kind + "_measured"], row[kind + "_plan"]
+                # Within 5%: what a neighbouring step's overlap can shift into the window.
+                if abs(measured - plan) > 0.05 * max(plan, 1):
+                    mismatches.append(f"{f} x{micro_batch}: {kind} measured {measured:.0f} per step "
+                                      f"against the plan's {plan}")
+            group.append(row)
+        for row in group:
+            row["ratio_to_" + base] = row["step_s"] / next(r["step_s"] for r in group if r["format"] == base)
+        rows += group
+
+    mib = lambda n: f"{n / 2**20:.2f}"
+    print(f"formats: {args.model}, seq-len {args.seq_len}, ZeRO-3 with parameters and optimizer state on "
+          f"NVMe ({args.path}), {args.backend} backend, {os.cpu_count()} cores; median step time of "
+          f"{args.steps - args.warmup} steps after {args.warmup}, median of {args.rounds} rounds; NVMe "
+          f"bytes: mean per step after the warm-up, and the plan's")
+    print(f"{'tokens/step':>11}  {'state':<5} {'step s':>7} {'/' + base:>6} {'read MiB':>9} {'(plan)':>8} "
+          f"{'written MiB':>11} {'(plan)':>8}")
+    for row in rows:
+        print(f"{row['tokens_per_step']:>11}  {row['format']:<5} {row['step_s']:>7.3f} "
+              f"{row['ratio_to_' + base]:>6.2f} {mib(row['nvme_read_measured']):>9} "
+              f"{mib(row['nvme_read_plan']):>8} {mib(row['nvme_written_measured']):>11} "
+              f"{mib(row['nvme_written_plan']):>8}")
+    for m in mismatches:
+        print("MISMATCH " + m)
+    print("measured NVMe bytes per step (mean) within 5% of the plan's: " + ("yes" if not mismatches else "NO"))
+    result = {"args": vars(args), "formats": rows, "mismatches": mismatches}
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+    print(json.dumps(result))
+    return 1 if mismatches else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strata", default="build/tools/strata")
@@ -172,6 +253,11 @@ def main():
     parser.add_argument("--fio-size", default="1G")
     parser.add_argument("--fio-seconds", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--formats",
+                        help="optimizer state formats, e.g. fp32,bf16,int8: compare them on the NVMe "
+                             "run at each of --micro-batches instead of the offload analysis")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --formats: runs of each format, alternating; the median of their medians")
     args = parser.parse_args()
     os.makedirs(args.path, exist_ok=True)
 
@@ -180,6 +266,8 @@ def main():
             subprocess.run([args.strata, "demo-data", "--out", workdir, "--tokens", "1000000"], check=True,
                            stdout=subprocess.DEVNULL)
             args.data = os.path.join(workdir, "train.bin")
+        if args.formats:
+            return compare_formats(args, workdir)
         bandwidth, fio_cpu_per_byte = run_fio(args, parse_size(args.block_size), args.queue_depth)
         cores = os.cpu_count() or 1
         print(f"fio rw=readwrite bs={args.block_size} iodepth={args.queue_depth} on {args.path}: "

@@ -24,6 +24,17 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
   app.add_option("--world-size", o.world_size, "Number of ranks (default 1)");
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (sets bf16.enabled / fp16.enabled)");
   app.add_option("--lr", o.lr, "Learning rate (optimizer.params.lr and the warmup peak)");
+  // The learning-rate schedule: DeepSpeed's schedulers by a plain name, and their params.
+  app.add_option("--lr-schedule", o.lr_schedule,
+                 "constant | warmup | linear | cosine (scheduler.type: none, WarmupLR, "
+                 "WarmupDecayLR, WarmupCosineLR), over --steps");
+  app.add_option("--warmup-steps", o.warmup_steps,
+                 "Steps of the warm-up, >= 1 (scheduler.params.warmup_num_steps)");
+  app.add_option("--warmup-type", o.warmup_type,
+                 "Shape of the warm-up: log | linear (scheduler.params.warmup_type)");
+  app.add_option("--min-lr-ratio", o.min_lr_ratio,
+                 "Where the decay ends, a fraction of the peak lr in [0, 1] (cosine: "
+                 "scheduler.params.cos_min_ratio; linear: warmup_min_lr = ratio x warmup_max_lr)");
   app.add_option("--seq-len", o.seq_len, "Tokens per sequence");
   app.add_option("--aio-block-size", o.aio_block_size, "aio.block_size, a size such as 1M");
   app.add_option("--aio-queue-depth", o.aio_queue_depth, "aio.queue_depth");

@@ -397,6 +397,19 @@ class TrainCommand : public Subcommand {
          "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
         {"--lr", kBatchGroup,
          "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
+        {"--lr-schedule", kBatchGroup,
+         "constant | warmup | linear | cosine: DeepSpeed's WarmupLR, WarmupDecayLR or "
+         "WarmupCosineLR, peaking at --lr, decaying over --steps (scheduler.type; default "
+         "constant)"},
+        {"--warmup-steps", kBatchGroup,
+         "Warm-up steps, >= 1; it lasts max(2, N) (scheduler.params.warmup_num_steps; default "
+         "1000)"},
+        {"--warmup-type", kBatchGroup,
+         "log | linear rise of the warm-up (scheduler.params.warmup_type; default log)"},
+        {"--min-lr-ratio", kBatchGroup,
+         "Where linear or cosine decay ends, as a fraction of --lr in [0, 1]; linear also warms "
+         "up from it (cos_min_ratio, or warmup_min_lr / warmup_max_lr; default 1e-4 cosine, 0 "
+         "linear)"},
         {"--zero-stage", kZeroGroup, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
         {"--offload-param", kZeroGroup,
          "Home of the parameters: none | cpu | nvme, stage 3 only "
@@ -551,12 +564,36 @@ class TrainCommand : public Subcommand {
     fmt::print("{}\n", effective.dump(2));
   }
 
+  // A decaying schedule chosen on the command line runs over --steps: there
+  // must be steps, and more of them than the warm-up takes.
+  std::optional<Failure> check_lr_schedule_steps(const TrainingRun& run) const {
+    const ConfigOverrides& o = flags_.overrides;
+    const SchedulerConfig& s = run.config.scheduler;
+    if (!(o.lr_schedule || o.warmup_steps || o.min_lr_ratio) ||
+        (s.type != "WarmupDecayLR" && s.type != "WarmupCosineLR"))
+      return std::nullopt;
+    const char* name = s.type == "WarmupDecayLR" ? "linear" : "cosine";
+    if (s.total_num_steps > 0) return std::nullopt;  // the file says over how many steps
+    if (steps_ == 0)
+      return Failure{2, fmt::format("--lr-schedule {} decays over --steps, and --steps 0 runs no "
+                                    "step; give --steps N, or leave the schedule out to convert",
+                                    name)};
+    if (s.warmup_num_steps >= steps_)
+      return Failure{2, fmt::format("--lr-schedule {}: the warm-up of {} steps{} leaves no step of "
+                                    "--steps {} to decay over; give --warmup-steps below {}",
+                                    name, s.warmup_num_steps,
+                                    o.warmup_steps ? "" : " (DeepSpeed's default)", steps_,
+                                    steps_)};
+    return std::nullopt;
+  }
+
   // The plan of one step for the model, the config and the backend.
   std::optional<Failure> plan_training(TrainingRun& run) {
     if (!run.model)
       return Failure{
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
     if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
+    if (std::optional<Failure> f = check_lr_schedule_steps(run)) return f;
 
     // The backend decides where the plan puts the compute buffers.
     Result<BackendChoice> backend = choose_backend(backend_);

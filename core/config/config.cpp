@@ -69,6 +69,66 @@ void read_scheduler(JsonReader in, SchedulerConfig& out) {
   params.accept("last_batch_iteration");  // DeepSpeed's resume index: strata's checkpoints keep the step
 }
 
+// --lr-schedule, --warmup-steps, --warmup-type and --min-lr-ratio: the
+// "scheduler" keys they name, over the file's. A schedule the flag brings in
+// where the file has none (or another type) peaks at the optimizer's lr.
+Status apply_lr_schedule_overrides(const ConfigOverrides& o, TrainConfig& config) {
+  SchedulerConfig& s = config.scheduler;
+  if (o.lr_schedule) {
+    const std::string& name = *o.lr_schedule;
+    std::string type;
+    if (name == "warmup") {
+      type = "WarmupLR";
+    } else if (name == "linear") {
+      type = "WarmupDecayLR";
+    } else if (name == "cosine") {
+      type = "WarmupCosineLR";
+    } else if (name != "constant") {
+      return Status::error(fmt::format(
+          "--lr-schedule: expected constant, warmup, linear or cosine, got '{}'", name));
+    }
+    if (type != s.type && !type.empty()) s.warmup_max_lr = config.optimizer.lr;
+    s.type = type;
+  }
+  // The values first, then what each flag needs of the schedule (the flag above's or the file's).
+  // LrSchedule refuses 0 (DeepSpeed warms up over max(2, N) steps whatever N is below 2).
+  if (o.warmup_steps && *o.warmup_steps < 1) {
+    return Status::error(fmt::format(
+        "--warmup-steps: expected a number of steps >= 1 (the warm-up lasts max(2, N) steps, as "
+        "in DeepSpeed), got {}",
+        *o.warmup_steps));
+  }
+  if (o.warmup_type && *o.warmup_type != "log" && *o.warmup_type != "linear") {
+    return Status::error(
+        fmt::format("--warmup-type: expected log or linear, got '{}'", *o.warmup_type));
+  }
+  if (o.min_lr_ratio && !(*o.min_lr_ratio >= 0.0 && *o.min_lr_ratio <= 1.0)) {
+    return Status::error(fmt::format(
+        "--min-lr-ratio: expected a fraction of the peak lr in [0, 1], got {}", *o.min_lr_ratio));
+  }
+  if ((o.warmup_steps || o.warmup_type) && s.type.empty()) {
+    return Status::error(fmt::format(
+        "{}: the learning rate is constant, with no warm-up; add --lr-schedule warmup, linear or "
+        "cosine",
+        o.warmup_steps ? "--warmup-steps" : "--warmup-type"));
+  }
+  if (o.warmup_steps) s.warmup_num_steps = *o.warmup_steps;
+  if (o.warmup_type) s.warmup_type = *o.warmup_type;
+  if (o.min_lr_ratio) {
+    const double r = *o.min_lr_ratio;
+    if (s.type == "WarmupCosineLR") {
+      s.cos_min_ratio = r;
+    } else if (s.type == "WarmupDecayLR") {
+      s.warmup_min_lr = r * s.warmup_max_lr;  // WarmupDecayLR warms up from it and decays to it
+    } else {
+      return Status::error(fmt::format(
+          "--min-lr-ratio: {} does not decay; use --lr-schedule linear or cosine",
+          s.type.empty() ? "a constant learning rate" : "WarmupLR (--lr-schedule warmup)"));
+    }
+  }
+  return Status::ok();
+}
+
 void read_optimizer(JsonReader in, OptimizerConfig& out) {
   std::string type;
   if (in.optional_string("type", type)) {
@@ -609,6 +669,8 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     if (*overrides.seq_len < 1) return Status::error(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
     config.strata.seq_len = *overrides.seq_len;
   }
+  Status schedule = apply_lr_schedule_overrides(overrides, config);
+  if (!schedule.is_ok()) return schedule;
 
   config.precision = config.fp16.enabled ? Precision::fp16
                      : config.bf16_enabled ? Precision::bf16

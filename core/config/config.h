@@ -197,6 +197,12 @@ struct ConfigOverrides {
   std::optional<std::string> activation_home;  // auto | device | host | nvme
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
+  // The learning-rate schedule ("scheduler"): --lr-schedule constant | warmup | linear |
+  // cosine names WarmupLR, WarmupDecayLR, WarmupCosineLR; the others set their params.
+  std::optional<std::string> lr_schedule;
+  std::optional<int64_t> warmup_steps;     // warmup_num_steps
+  std::optional<std::string> warmup_type;  // log | linear
+  std::optional<double> min_lr_ratio;      // cos_min_ratio; warmup_min_lr / warmup_max_lr (linear)
 };
 
 // Reads `config_path` (empty: no file, all defaults) and applies `overrides`.
