@@ -13,6 +13,26 @@ trap 'rm -rf "$dir"' EXIT
 check "demo-data writes train.bin and val.bin" $?
 [ "$(stat -c %s "$dir/data/train.bin")" -eq 400000 ]; check "train.bin holds uint16 tokens" $?
 
+# The summary's NVMe bytes are the run's: the plan's per step times the steps,
+# the last step's updates (which finish after it returns) included.
+one=(--model tiny --backend cpu --seq-len 32 --micro-batch 2 --grad-accum 2 --zero-stage 3
+     --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap1")
+"$strata" plan "${one[@]}" --ops --json >"$dir/plan1.json" 2>/dev/null &&
+  "$strata" train "${one[@]}" --data "$dir/data/train.bin" --steps 3 >"$dir/out1" 2>&1 &&
+  python3 - "$dir/plan1.json" "$dir/out1" <<'PY'
+import json, re, sys
+def fmt(n):
+    units, value, unit = ["B", "KiB", "MiB", "GiB", "TiB"], float(n), 0
+    while abs(value) >= 1024 and unit < 4:
+        value, unit = value / 1024, unit + 1
+    return f"{value:.0f} B" if unit == 0 else f"{value:.2f} {units[unit]}"
+plan = json.load(open(sys.argv[1]))["nvme_bytes_per_step"]
+want = f"nvme: read {fmt(3 * plan['read'])}, written {fmt(3 * plan['written'])} "
+line = [l for l in open(sys.argv[2]) if l.startswith("nvme: read")]
+assert line and line[0].startswith(want), (line, want)
+PY
+check "the summary's NVMe bytes are the plan's times the steps" $?
+
 # Two ranks, ZeRO-3, parameters and optimizer state on NVMe.
 common=(--model tiny --backend cpu --seq-len 32 --micro-batch 2 --world-size 2 --zero-stage 3
         --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --lr 3e-3)

@@ -932,6 +932,11 @@ class TrainCommand : public Subcommand {
   std::optional<Failure> finish_run(TrainingRun& run) {
     Engine& engine = *run.engine;
     if (Status s = engine.finish(); !s) return run_error(s);
+    // The last step's updates ran on after it returned: their bytes count too
+    // (taken before the checkpoint reads the state back).
+    const auto [read, written] = engine.take_nvme_bytes();
+    run.summary.nvme_read += read;
+    run.summary.nvme_written += written;
     if (std::optional<Failure> f = save_checkpoint(run, engine.steps_done())) return f;
     run.summary.seconds = seconds_since(run.start);
     std::signal(SIGINT, SIG_DFL);

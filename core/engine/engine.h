@@ -42,6 +42,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -138,6 +139,10 @@ class Engine {
   Result<StepResult> step();
   // Waits until the last step's updates are in every home.
   Status finish();
+  // NVMe bytes {read, written} by the I/O engines since the previous step()
+  // returned (or this call): after finish(), what the last step's updates
+  // moved after it returned, which no StepResult counts.
+  std::pair<uint64_t, uint64_t> take_nvme_bytes();
 
   // Unit u's full fp32 parameters (the master where there is one): (padded_numel).
   // Calls finish() first.

@@ -184,6 +184,16 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
 
 // --- results -------------------------------------------------------------------------
 
+std::pair<uint64_t, uint64_t> Engine::take_nvme_bytes() {
+  Impl& im = *impl_;
+  const io::IoCounters counters = im.nvme_counters();
+  const std::pair<uint64_t, uint64_t> taken{counters.bytes_read - im.last_read,
+                                            counters.bytes_written - im.last_written};
+  im.last_read = counters.bytes_read;
+  im.last_written = counters.bytes_written;
+  return taken;
+}
+
 Status Engine::finish() {
   Impl& im = *impl_;
   std::shared_ptr<StepRun> run = im.last_run;
