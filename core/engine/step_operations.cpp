@@ -1,6 +1,42 @@
 #include "core/engine/engine_impl.h"
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 namespace strata {
+
+namespace {
+
+// The sum over one rank, as the collectives of a group of threads compute it
+// (comm/reduction.h: every element is 0.0f + x, which turns -0 into +0), folded
+// into the accumulation's own pass: accumulator = 0.0f + x on the first
+// micro-batch, accumulator + (0.0f + x) after, the same bits as reducing in
+// place and then accumulating.
+void accumulate_one_rank_sum(float* accumulator, const float* unreduced, int64_t numel,
+                             bool first) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, int64_t{1} << 16),
+                    [&](const tbb::blocked_range<int64_t>& range) {
+                      float* acc = accumulator;
+                      const float* x = unreduced;
+                      if (first) {
+                        for (int64_t i = range.begin(); i < range.end(); ++i) acc[i] = 0.0f + x[i];
+                      } else {
+                        for (int64_t i = range.begin(); i < range.end(); ++i)
+                          acc[i] += 0.0f + x[i];
+                      }
+                    });
+}
+
+// The same sum in place, where the accumulation is not a pass over host memory.
+void one_rank_sum_in_place(float* values, int64_t numel) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, int64_t{1} << 16),
+                    [&](const tbb::blocked_range<int64_t>& range) {
+                      float* x = values;
+                      for (int64_t i = range.begin(); i < range.end(); ++i) x[i] = 0.0f + x[i];
+                    });
+}
+
+}  // namespace
 
 // --- operations, one function per kind -------------------------------------------
 
@@ -145,6 +181,21 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
   const Status arrived = rank.compute->gradients_ready(grad_slot(op));
   float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)]
                                : rank.tied_grads[size_t(plan.activation_copy(op.micro))];
+  const bool summed_on_device = plan.gpu_grads_summed_on_device();
+  const bool first = op.micro == 0 || summed_on_device;
+  if (world() == 1 && !process_mode() && !plan.input.reduce_in_bf16) {
+    // One rank of a thread group: its all-reduce would be a pass of 0.0f + x
+    // and a copy back. The same sum is taken in the accumulation's pass instead.
+    if (!arrived) return arrived;
+    const int64_t count = plan.input.stage >= 2 ? p.shard_numel : p.padded_numel;
+    const bool host_memory = !plan.input.gpu || plan.homes.grad != tiers::Tier::device;
+    if (host_memory && !plan.homes.grad_bf16 && plan.homes.grad != tiers::Tier::nvme) {
+      accumulate_one_rank_sum(grad_home(rank, u), buffer, count, first);
+      return Status::ok();
+    }
+    one_rank_sum_in_place(buffer, p.padded_numel);
+    return accumulate_gradient(rank, u, buffer, count, op.micro, first);
+  }
   const int stage = plan.input.stage;
   const bool scatter = stage >= 2 && plan.input.reduce_scatter && world() > 1;
   // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
@@ -176,8 +227,7 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!status) return status;
   }
   // Summed on the GPU, the one sum that comes down is the first.
-  return accumulate_gradient(rank, u, reduced, count, op.micro,
-                             op.micro == 0 || plan.gpu_grads_summed_on_device());
+  return accumulate_gradient(rank, u, reduced, count, op.micro, first);
 }
 
 Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count,
