@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "io/swap_directory.h"
@@ -69,7 +70,65 @@ Result<std::unique_ptr<StreamedPass>> StreamedPass::create(TieredStore& store,
 }
 
 StreamedPass::~StreamedPass() {
+  drop_prefetch();  // no read may land in a buffer once it is freed
   for (const HostBlock& block : buffers_) store_.host_tier().free(block);
+}
+
+void StreamedPass::drop_prefetch() {
+  for (Prefetched& p : prefetched_)
+    for (PrefetchedRead& read : p.reads) (void)read.handle.wait();
+  prefetched_.clear();
+}
+
+Status StreamedPass::prefetch(std::span<const StreamItem> items) {
+  drop_prefetch();
+  NvmeTier* nvme = store_.nvme_tier();
+  const uint64_t alignment = nvme ? nvme->alignment() : 4096;
+  const size_t count = std::min(items.size(), buffers_.size());
+  for (size_t j = 0; j < count; ++j) {
+    Prefetched p;
+    p.item = items[j];
+    const size_t n = p.item.pieces.size();
+    p.pointers.assign(n, nullptr);
+    p.homes.assign(n, ShardHome{});
+    p.io_lengths.assign(n, 0);
+    for (size_t k = 0; k < n; ++k) {
+      const StreamPiece& piece = p.item.pieces[k];
+      Result<ShardHome> home = store_.home(piece.shard);
+      if (!home) {
+        prefetched_.push_back(std::move(p));
+        drop_prefetch();
+        return home.status();
+      }
+      const bool fits = piece.read && piece.offset + piece.length <= home->bytes &&
+                        (home->tier == Tier::host ||
+                         (home->tier == Tier::nvme && piece.offset % alignment == 0 &&
+                          p.used + round_up(piece.length, alignment) <= options_.buffer_bytes));
+      if (!fits) {
+        // Not something run() would read the same way: prefetch nothing more.
+        p.item.pieces.resize(k);
+        break;
+      }
+      p.homes[k] = *home;
+      if (home->tier == Tier::host) {
+        p.pointers[k] = home->data + piece.offset;
+        continue;
+      }
+      const bool ends_shard = piece.offset + piece.length == home->bytes;
+      p.io_lengths[k] = ends_shard ? round_up(piece.length, alignment) : piece.length;
+      p.pointers[k] = buffers_[j].data + p.used;
+      p.used += round_up(piece.length, alignment);
+      p.reads.push_back({k, nvme->read(home->extent, piece.offset, p.pointers[k], p.io_lengths[k])});
+      p.bytes_read += p.io_lengths[k];
+    }
+    const size_t kept = p.item.pieces.size();
+    p.pointers.resize(kept);
+    p.homes.resize(kept);
+    p.io_lengths.resize(kept);
+    prefetched_.push_back(std::move(p));
+    if (kept < n) break;
+  }
+  return Status::ok();
 }
 
 Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor& visit) {
@@ -79,6 +138,20 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
   const uint64_t alignment = nvme ? nvme->alignment() : 4096;
   const size_t buffer_count = buffers_.size();
   std::vector<Slot> slots(buffer_count);
+  // Prefetched items are taken when this run begins with them, else dropped.
+  bool adopt = !prefetched_.empty() && prefetched_.size() <= items.size();
+  for (size_t j = 0; adopt && j < prefetched_.size(); ++j) {
+    const std::vector<StreamPiece>& mine = prefetched_[j].item.pieces;
+    const std::vector<StreamPiece>& theirs = items[j].pieces;
+    if (mine.size() > theirs.size()) adopt = false;
+    for (size_t k = 0; adopt && k < mine.size(); ++k)
+      adopt = mine[k].shard == theirs[k].shard && mine[k].offset == theirs[k].offset &&
+              mine[k].length == theirs[k].length && theirs[k].read;
+  }
+  if (!adopt) drop_prefetch();
+  std::vector<Prefetched> adopted = std::move(prefetched_);
+  prefetched_.clear();
+
   Status failure;
   auto fail = [&](Status status) {
     if (failure && !status) failure = std::move(status);
@@ -115,7 +188,22 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
     slot.io_lengths.assign(item.pieces.size(), 0);
     std::byte* buffer = buffers_[j % buffer_count].data;
     uint64_t used = 0;
-    for (size_t p = 0; p < item.pieces.size(); ++p) {
+    size_t first_piece = 0;
+    if (j < adopted.size()) {
+      // Its first pieces were prefetched into this buffer (j < buffer_count).
+      Prefetched& p = adopted[j];
+      first_piece = p.item.pieces.size();
+      for (size_t k = 0; k < first_piece; ++k) {
+        slot.pointers[k] = p.pointers[k];
+        slot.homes[k] = p.homes[k];
+        slot.io_lengths[k] = p.io_lengths[k];
+      }
+      for (PrefetchedRead& read : p.reads) slot.reads.push_back({std::move(read.handle), read.piece});
+      p.reads.clear();
+      used = p.used;
+      stats_.bytes_read += p.bytes_read;
+    }
+    for (size_t p = first_piece; p < item.pieces.size(); ++p) {
       const StreamPiece& piece = item.pieces[p];
       Result<ShardHome> home = store_.home(piece.shard);
       if (!home) return home.status().with_context(piece_text(j, piece));

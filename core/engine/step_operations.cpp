@@ -381,6 +381,7 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   Status updated = Status::ok();
   if (plan.homes.optimizer == tiers::Tier::nvme) {
     updated = update_streamed(rank, update, u, master_key.kind);
+    if (updated) prefetch_next_update(rank, op, master_key.kind);
   } else {
     update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
     update.m = home_data(rank, {u, ShardKind::m});
@@ -414,6 +415,24 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
   streamed.m_scale = update.m_scale;
   streamed.v_scale = update.v_scale;
   return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1});
+}
+
+void Engine::Impl::prefetch_next_update(Rank& rank, const PlanOp& op, ShardKind master_kind) {
+  // The next update of this step on this lane: its master, m and v are
+  // written by nothing but that update, so they can be read while it waits
+  // for its gradients. A prefetch that goes unused (a failed step) is dropped.
+  for (size_t i = size_t(&op - plan.ops.data()) + 1; i < plan.ops.size(); ++i) {
+    const PlanOp& next = plan.ops[i];
+    if (next.kind != OpKind::optimizer) continue;
+    const UnitPlacement& p = plan.units[size_t(next.unit)];
+    StreamedOptimizerUnit unit;
+    unit.unit = next.unit;
+    unit.numel = p.optimizer_numel;
+    unit.master_kind = master_kind;
+    // Only a speed-up: a failure to start the reads surfaces in that update.
+    (void)rank.streamed->prefetch({&unit, 1});
+    return;
+  }
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {

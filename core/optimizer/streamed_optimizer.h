@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "core/optimizer/optimizer.h"
 #include "core/plan/planner.h"
@@ -90,6 +91,13 @@ class StreamedOptimizer {
   Status step(const Optimizer& optimizer, const StepPlan& plan,
               std::span<const StreamedOptimizerUnit> units);
 
+  // Starts reading what the next step() over `next` reads first (its first
+  // chunks' master, m and v, as many as there are buffers), while the caller
+  // waits for that step's gradients. Only for state nothing writes before that
+  // step(): it takes the bytes as read (StreamedPass::prefetch). The gradient,
+  // when in the store, is read by the step itself.
+  Status prefetch(std::span<const StreamedOptimizerUnit> next);
+
   const tiers::StreamedPassStats& last_step() const { return pass_->last_run(); }
   // The pass and its buffers, for other chunked walks over the same shards
   // (checkpoints read NVMe homes through it between steps).
@@ -98,6 +106,18 @@ class StreamedOptimizer {
  private:
   StreamedOptimizer(StreamedOptimizerOptions options, std::unique_ptr<tiers::StreamedPass> pass)
       : options_(options), pass_(std::move(pass)) {}
+  // Where one chunk sits: unit index in the step's list, first element, count.
+  struct Chunk {
+    size_t unit = 0;
+    int64_t begin = 0;
+    int64_t numel = 0;
+  };
+  // The pass's items for `units`, chunk by chunk (at most max_items): master,
+  // m, v, and the gradient when `grads` and it is in the store.
+  void chunk_items(std::span<const StreamedOptimizerUnit> units, bool grads,
+                   std::vector<Chunk>* chunks, std::vector<tiers::StreamItem>* items,
+                   size_t max_items) const;
+
   StreamedOptimizerOptions options_;
   std::unique_ptr<tiers::StreamedPass> pass_;
 };
