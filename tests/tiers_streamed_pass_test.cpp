@@ -101,9 +101,10 @@ TEST(StreamedPassTest, VisitsEveryItemInOrderThroughFixedBuffers) {
   }
 }
 
-// A prefetch of the pieces a run begins with is taken by that run (the bytes
-// it visits and writes back are the same as without it); a run that begins
-// otherwise drops it and reads as usual; either way every run sees its bytes.
+// A prefetch of the pieces a run begins with, on its own or started by the
+// run before, is taken by that run (the bytes it visits and writes back are
+// the same as without it); a run that begins otherwise drops it and reads as
+// usual; either way every run sees its bytes.
 TEST(StreamedPassTest, APrefetchIsTakenByTheRunItFitsAndDroppedByAnother) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
@@ -146,7 +147,7 @@ TEST(StreamedPassTest, APrefetchIsTakenByTheRunItFitsAndDroppedByAnother) {
     for (StreamItem& item : items) item.pieces.resize(2);
     return items;
   };
-  auto run_unit = [&](int unit) {
+  auto run_unit = [&](int unit, std::vector<StreamItem> then = {}) {
     const std::vector<StreamItem>& items = per_unit[size_t(unit)];
     Status ran = (*pass)->run(items, [&](size_t index, std::span<std::byte* const> pieces) {
       const StreamItem& item = items[index];
@@ -160,7 +161,7 @@ TEST(StreamedPassTest, APrefetchIsTakenByTheRunItFitsAndDroppedByAnother) {
       add_one(pieces[0], item.pieces[0].length);
       add_one(pieces[1], item.pieces[1].length);
       return Status::ok();
-    });
+    }, then);
     EXPECT_TRUE(ran.is_ok()) << ran.message();
     EXPECT_EQ((*pass)->last_run().items, items.size());
     for (ShardKind kind : {ShardKind::master, ShardKind::m}) {
@@ -177,7 +178,11 @@ TEST(StreamedPassTest, APrefetchIsTakenByTheRunItFitsAndDroppedByAnother) {
   ASSERT_TRUE((*pass)->prefetch(prefix(4)).is_ok());
   run_unit(4);
   ASSERT_TRUE((*pass)->prefetch(prefix(0)).is_ok());
-  run_unit(0);  // a second pass over unit 0 reads what the first wrote
+  run_unit(0, prefix(2));  // a second pass over unit 0 reads what the first wrote
+  run_unit(2, prefix(3));  // prefetched while unit 0's write-backs drained
+  run_unit(3, prefix(0));
+  run_unit(4);             // drops unit 0's
+  run_unit(0);
   ASSERT_TRUE((*pass)->prefetch(prefix(1)).is_ok());
   pass->reset();  // an unused prefetch is waited for before the buffers go
   for (auto& [key, bytes] : contents) {

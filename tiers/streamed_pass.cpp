@@ -82,6 +82,11 @@ void StreamedPass::drop_prefetch() {
 
 Status StreamedPass::prefetch(std::span<const StreamItem> items) {
   drop_prefetch();
+  return prefetch_into(items, slot_base_);
+}
+
+Status StreamedPass::prefetch_into(std::span<const StreamItem> items, size_t base) {
+  slot_base_ = base;
   NvmeTier* nvme = store_.nvme_tier();
   const uint64_t alignment = nvme ? nvme->alignment() : 4096;
   const size_t count = std::min(items.size(), buffers_.size());
@@ -116,7 +121,7 @@ Status StreamedPass::prefetch(std::span<const StreamItem> items) {
       }
       const bool ends_shard = piece.offset + piece.length == home->bytes;
       p.io_lengths[k] = ends_shard ? round_up(piece.length, alignment) : piece.length;
-      p.pointers[k] = buffers_[j].data + p.used;
+      p.pointers[k] = buffers_[(base + j) % buffers_.size()].data + p.used;
       p.used += round_up(piece.length, alignment);
       p.reads.push_back({k, nvme->read(home->extent, piece.offset, p.pointers[k], p.io_lengths[k])});
       p.bytes_read += p.io_lengths[k];
@@ -131,13 +136,16 @@ Status StreamedPass::prefetch(std::span<const StreamItem> items) {
   return Status::ok();
 }
 
-Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor& visit) {
+Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor& visit,
+                         std::span<const StreamItem> prefetch_after) {
   stats_ = StreamedPassStats{};
   const Clock::time_point run_start = Clock::now();
   NvmeTier* nvme = store_.nvme_tier();
   const uint64_t alignment = nvme ? nvme->alignment() : 4096;
   const size_t buffer_count = buffers_.size();
   std::vector<Slot> slots(buffer_count);
+  // Item j uses buffer (base + j) mod buffer_count, where a prefetch put it.
+  const size_t base = slot_base_;
   // Prefetched items are taken when this run begins with them, else dropped.
   bool adopt = !prefetched_.empty() && prefetched_.size() <= items.size();
   for (size_t j = 0; adopt && j < prefetched_.size(); ++j) {
@@ -174,7 +182,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
 
   // Locates item j's pieces and starts its reads into its buffer.
   auto start_item = [&](size_t j) -> Status {
-    Slot& slot = slots[j % buffer_count];
+    Slot& slot = slots[(base + j) % buffer_count];
     if (!slot.writes.empty()) {
       const Clock::time_point start = Clock::now();
       wait_all(slot.writes, slot.item, "write-back");
@@ -186,7 +194,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
     slot.pointers.assign(item.pieces.size(), nullptr);
     slot.homes.assign(item.pieces.size(), ShardHome{});
     slot.io_lengths.assign(item.pieces.size(), 0);
-    std::byte* buffer = buffers_[j % buffer_count].data;
+    std::byte* buffer = buffers_[(base + j) % buffer_count].data;
     uint64_t used = 0;
     size_t first_piece = 0;
     if (j < adopted.size()) {
@@ -246,7 +254,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
   size_t next = 0;  // the next item whose reads are not started
   auto read_ahead = [&](size_t current) {
     while (failure && next < items.size() && next < current + buffer_count &&
-           all_done(slots[next % buffer_count].writes)) {
+           all_done(slots[(base + next) % buffer_count].writes)) {
       fail(start_item(next));
       ++next;
     }
@@ -259,7 +267,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
       if (!failure) break;
     }
     read_ahead(i);
-    Slot& slot = slots[i % buffer_count];
+    Slot& slot = slots[(base + i) % buffer_count];
     const Clock::time_point read_start = Clock::now();
     wait_all(slot.reads, i, "read");
     stats_.read_wait_seconds += seconds_since(read_start);
@@ -285,7 +293,25 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
     read_ahead(i + 1);
   }
 
-  // Drain: nothing may still use a buffer when run() returns.
+  // The next run's first pieces are read in the buffers after this run's
+  // last one, each once its write-back is done, while the rest drain.
+  slot_base_ = (base + items.size()) % buffer_count;
+  if (failure && !prefetch_after.empty()) {
+    const size_t count = std::min(prefetch_after.size(), buffer_count);
+    for (size_t j = 0; j < count; ++j) {
+      Slot& slot = slots[(slot_base_ + j) % buffer_count];
+      if (!slot.reads.empty()) wait_all(slot.reads, slot.item, "read");
+      if (!slot.writes.empty()) {
+        const Clock::time_point start = Clock::now();
+        wait_all(slot.writes, slot.item, "write-back");
+        stats_.write_wait_seconds += seconds_since(start);
+      }
+    }
+    // Only a head start: a piece it cannot locate is the next run's error.
+    if (failure) (void)prefetch_into(prefetch_after, slot_base_);
+  }
+
+  // Drain: nothing of this run may still use a buffer when run() returns.
   for (Slot& slot : slots) {
     if (!slot.reads.empty()) wait_all(slot.reads, slot.item, "read");
     if (!slot.writes.empty()) {

@@ -76,11 +76,15 @@ class StreamedPass {
   StreamedPass(const StreamedPass&) = delete;
   StreamedPass& operator=(const StreamedPass&) = delete;
 
-  Status run(std::span<const StreamItem> items, const StreamVisitor& visit);
+  // `prefetch_after`: once the last item is visited and its write-back
+  // started, prefetch(prefetch_after) into the buffers this run is done
+  // with, each once its write-back has completed, while the rest drain.
+  Status run(std::span<const StreamItem> items, const StreamVisitor& visit,
+             std::span<const StreamItem> prefetch_after = {});
 
   // Starts the reads of the first pieces of items the next run() is expected
   // to begin with (at most buffer_count items), into the buffers, which are
-  // idle between runs. When that run's item j begins with prefetched item j's
+  // idle between runs (or see run()'s prefetch_after). When that run's item j begins with prefetched item j's
   // pieces (same shards, offsets and lengths, in order), it takes those bytes
   // as read; otherwise the prefetched reads are waited for and dropped. The
   // caller says the prefetched bytes stay valid: nothing writes those ranges
@@ -99,6 +103,9 @@ class StreamedPass {
   StreamedPass(TieredStore& store, StreamedPassOptions options);
   // Waits for the prefetched reads and forgets them.
   void drop_prefetch();
+  // prefetch() with item j in buffer (base + j) mod buffer_count; the buffers
+  // must be idle.
+  Status prefetch_into(std::span<const StreamItem> items, size_t base);
 
   struct PrefetchedRead {
     size_t piece = 0;
@@ -116,6 +123,7 @@ class StreamedPass {
     uint64_t bytes_read = 0;
   };
   std::vector<Prefetched> prefetched_;
+  size_t slot_base_ = 0;  // the buffer of the next run's (and prefetch's) item 0
 
   TieredStore& store_;
   StreamedPassOptions options_;

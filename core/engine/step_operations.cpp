@@ -380,8 +380,7 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   }
   Status updated = Status::ok();
   if (plan.homes.optimizer == tiers::Tier::nvme) {
-    updated = update_streamed(rank, update, u, master_key.kind);
-    if (updated) prefetch_next_update(rank, op, master_key.kind);
+    updated = update_streamed(rank, update, op, master_key.kind);
   } else {
     update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
     update.m = home_data(rank, {u, ShardKind::m});
@@ -395,8 +394,9 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   return Status::ok();
 }
 
-Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int unit,
+Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const PlanOp& op,
                                      ShardKind master_kind) {
+  const int unit = op.unit;
   // Chunks stream through the pass's buffers (the one chunk loop).
   StreamedOptimizerUnit streamed;
   streamed.unit = unit;
@@ -414,25 +414,20 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
   streamed.master_kind = master_kind;
   streamed.m_scale = update.m_scale;
   streamed.v_scale = update.v_scale;
-  return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1});
-}
-
-void Engine::Impl::prefetch_next_update(Rank& rank, const PlanOp& op, ShardKind master_kind) {
   // The next update of this step on this lane: its master, m and v are
-  // written by nothing but that update, so they can be read while it waits
-  // for its gradients. A prefetch that goes unused (a failed step) is dropped.
+  // written by nothing but that update, so they are read while this one's
+  // write-backs finish and it waits for its gradients. One that goes unused
+  // (a failed step) is dropped.
+  StreamedOptimizerUnit next;
   for (size_t i = size_t(&op - plan.ops.data()) + 1; i < plan.ops.size(); ++i) {
-    const PlanOp& next = plan.ops[i];
-    if (next.kind != OpKind::optimizer) continue;
-    const UnitPlacement& p = plan.units[size_t(next.unit)];
-    StreamedOptimizerUnit unit;
-    unit.unit = next.unit;
-    unit.numel = p.optimizer_numel;
-    unit.master_kind = master_kind;
-    // Only a speed-up: a failure to start the reads surfaces in that update.
-    (void)rank.streamed->prefetch({&unit, 1});
-    return;
+    if (plan.ops[i].kind != OpKind::optimizer) continue;
+    next.unit = plan.ops[i].unit;
+    next.numel = plan.units[size_t(next.unit)].optimizer_numel;
+    next.master_kind = master_kind;
+    break;
   }
+  return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1},
+                             {&next, next.numel > 0 ? size_t{1} : size_t{0}});
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {

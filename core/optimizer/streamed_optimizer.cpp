@@ -99,14 +99,9 @@ void StreamedOptimizer::chunk_items(std::span<const StreamedOptimizerUnit> units
   }
 }
 
-Status StreamedOptimizer::prefetch(std::span<const StreamedOptimizerUnit> next) {
-  std::vector<StreamItem> items;
-  chunk_items(next, false, nullptr, &items, options_.buffer_count);
-  return pass_->prefetch(items).with_context("streamed optimizer prefetch");
-}
-
 Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
-                               std::span<const StreamedOptimizerUnit> units) {
+                               std::span<const StreamedOptimizerUnit> units,
+                               std::span<const StreamedOptimizerUnit> next) {
   if (!plan.apply) return Status::ok();
   const kernels::cpu::AdamWStateType state_type = options_.state_type;
   const bool int8 = state_type == kernels::cpu::AdamWStateType::int8;
@@ -180,7 +175,9 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     return status.with_context(
         fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
   };
-  return pass_->run(items, update_chunk).with_context("streamed optimizer step");
+  std::vector<StreamItem> next_items;
+  chunk_items(next, false, nullptr, &next_items, options_.buffer_count);
+  return pass_->run(items, update_chunk, next_items).with_context("streamed optimizer step");
 }
 
 }  // namespace strata

@@ -88,15 +88,15 @@ class StreamedOptimizer {
   static uint64_t host_buffer_bytes(const StreamedOptimizerOptions& options);
 
   // One optimizer step (nothing when !plan.apply).
+  // `next`: the units of the step() expected after this one; once this one's
+  // last chunk is updated, their first chunks' master, m and v start being
+  // read (as many as there are buffers) while this one's write-backs finish,
+  // and that step() takes them as read (StreamedPass::prefetch). Only for
+  // state nothing else writes before then; the gradient, when in the store,
+  // is read by that step() itself.
   Status step(const Optimizer& optimizer, const StepPlan& plan,
-              std::span<const StreamedOptimizerUnit> units);
-
-  // Starts reading what the next step() over `next` reads first (its first
-  // chunks' master, m and v, as many as there are buffers), while the caller
-  // waits for that step's gradients. Only for state nothing writes before that
-  // step(): it takes the bytes as read (StreamedPass::prefetch). The gradient,
-  // when in the store, is read by the step itself.
-  Status prefetch(std::span<const StreamedOptimizerUnit> next);
+              std::span<const StreamedOptimizerUnit> units,
+              std::span<const StreamedOptimizerUnit> next = {});
 
   const tiers::StreamedPassStats& last_step() const { return pass_->last_run(); }
   // The pass and its buffers, for other chunked walks over the same shards
