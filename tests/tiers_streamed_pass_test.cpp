@@ -101,6 +101,97 @@ TEST(StreamedPassTest, VisitsEveryItemInOrderThroughFixedBuffers) {
   }
 }
 
+// A prefetch of the pieces a run begins with, on its own or started by the
+// run before, is taken by that run (the bytes it visits and writes back are
+// the same as without it); a run that begins otherwise drops it and reads as
+// usual; either way every run sees its bytes.
+TEST(StreamedPassTest, APrefetchIsTakenByTheRunItFitsAndDroppedByAnother) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  const uint64_t seed = fresh_seed("APrefetchIsTakenByTheRunItFitsAndDroppedByAnother");
+  std::mt19937_64 random(seed);
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{0, 16 << 20, 128 << 20}, notices);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+  std::map<ShardKey, std::vector<std::byte>> contents;
+  std::vector<std::vector<StreamItem>> per_unit;  // the items of each unit's run
+  uint64_t largest = 0;
+  const int units = 5;
+  for (int unit = 0; unit < units; ++unit) {
+    const uint64_t chunk = (1 + random() % 8) * kAlign;
+    const uint64_t size = chunk * (1 + random() % 6) + random() % (3 * kAlign);
+    for (ShardKind kind : {ShardKind::master, ShardKind::m, ShardKind::grad}) {
+      ASSERT_TRUE(store.add_shard({unit, kind}, size, Tier::nvme).is_ok());
+      contents[{unit, kind}] = random_bytes(size, random);
+      ASSERT_TRUE(store.write_shard({unit, kind}, contents[{unit, kind}]).is_ok());
+    }
+    std::vector<StreamItem> items;
+    for (uint64_t offset = 0; offset < size; offset += chunk) {
+      const uint64_t length = std::min(chunk, size - offset);
+      StreamItem item;
+      item.pieces.push_back({{unit, ShardKind::master}, offset, length});
+      item.pieces.push_back({{unit, ShardKind::m}, offset, length});
+      item.pieces.push_back({{unit, ShardKind::grad}, offset, length, true, false});
+      largest = std::max(largest, StreamedPass::buffer_bytes_for(item, kAlign));
+      items.push_back(std::move(item));
+    }
+    per_unit.push_back(std::move(items));
+  }
+  const unsigned buffer_count = 3;
+  auto pass = StreamedPass::create(store, {buffer_count, largest});
+  ASSERT_TRUE(pass.is_ok()) << pass.status().message();
+  // The prefetch of unit u: its first items' master and m (not the gradient).
+  auto prefix = [&](int unit) {
+    std::vector<StreamItem> items = per_unit[size_t(unit)];
+    for (StreamItem& item : items) item.pieces.resize(2);
+    return items;
+  };
+  auto run_unit = [&](int unit, std::vector<StreamItem> then = {}) {
+    const std::vector<StreamItem>& items = per_unit[size_t(unit)];
+    Status ran = (*pass)->run(items, [&](size_t index, std::span<std::byte* const> pieces) {
+      const StreamItem& item = items[index];
+      for (size_t p = 0; p < pieces.size(); ++p) {
+        const StreamPiece& piece = item.pieces[p];
+        EXPECT_EQ(std::memcmp(pieces[p], contents[piece.shard].data() + piece.offset,
+                              piece.length),
+                  0)
+            << "unit " << unit << " item " << index << " piece " << p << " was not read in";
+      }
+      add_one(pieces[0], item.pieces[0].length);
+      add_one(pieces[1], item.pieces[1].length);
+      return Status::ok();
+    }, then);
+    EXPECT_TRUE(ran.is_ok()) << ran.message();
+    EXPECT_EQ((*pass)->last_run().items, items.size());
+    for (ShardKind kind : {ShardKind::master, ShardKind::m}) {
+      std::vector<std::byte>& bytes = contents[{unit, kind}];
+      add_one(bytes.data(), bytes.size());
+    }
+  };
+  run_unit(0);
+  ASSERT_TRUE((*pass)->prefetch(prefix(1)).is_ok());
+  run_unit(1);  // takes the prefetch
+  ASSERT_TRUE((*pass)->prefetch(prefix(3)).is_ok());
+  run_unit(2);  // drops it
+  run_unit(3);
+  ASSERT_TRUE((*pass)->prefetch(prefix(4)).is_ok());
+  run_unit(4);
+  ASSERT_TRUE((*pass)->prefetch(prefix(0)).is_ok());
+  run_unit(0, prefix(2));  // a second pass over unit 0 reads what the first wrote
+  run_unit(2, prefix(3));  // prefetched while unit 0's write-backs drained
+  run_unit(3, prefix(0));
+  run_unit(4);             // drops unit 0's
+  run_unit(0);
+  ASSERT_TRUE((*pass)->prefetch(prefix(1)).is_ok());
+  pass->reset();  // an unused prefetch is waited for before the buffers go
+  for (auto& [key, bytes] : contents) {
+    std::vector<std::byte> back(bytes.size());
+    ASSERT_TRUE(store.read_shard(key, back).is_ok());
+    EXPECT_EQ(back, bytes) << shard_name(key);
+  }
+}
+
 TEST(StreamedPassTest, BuffersAreChargedToTheHostBudget) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);

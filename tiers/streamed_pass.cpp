@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "io/swap_directory.h"
@@ -69,16 +70,96 @@ Result<std::unique_ptr<StreamedPass>> StreamedPass::create(TieredStore& store,
 }
 
 StreamedPass::~StreamedPass() {
+  drop_prefetch();  // no read may land in a buffer once it is freed
   for (const HostBlock& block : buffers_) store_.host_tier().free(block);
 }
 
-Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor& visit) {
+void StreamedPass::drop_prefetch() {
+  for (Prefetched& p : prefetched_)
+    for (PrefetchedRead& read : p.reads) (void)read.handle.wait();
+  prefetched_.clear();
+}
+
+Status StreamedPass::prefetch(std::span<const StreamItem> items) {
+  drop_prefetch();
+  return prefetch_into(items, slot_base_);
+}
+
+Status StreamedPass::prefetch_into(std::span<const StreamItem> items, size_t base) {
+  slot_base_ = base;
+  NvmeTier* nvme = store_.nvme_tier();
+  const uint64_t alignment = nvme ? nvme->alignment() : 4096;
+  const size_t count = std::min(items.size(), buffers_.size());
+  for (size_t j = 0; j < count; ++j) {
+    Prefetched p;
+    p.item = items[j];
+    const size_t n = p.item.pieces.size();
+    p.pointers.assign(n, nullptr);
+    p.homes.assign(n, ShardHome{});
+    p.io_lengths.assign(n, 0);
+    for (size_t k = 0; k < n; ++k) {
+      const StreamPiece& piece = p.item.pieces[k];
+      Result<ShardHome> home = store_.home(piece.shard);
+      if (!home) {
+        prefetched_.push_back(std::move(p));
+        drop_prefetch();
+        return home.status();
+      }
+      const bool fits = piece.read && piece.offset + piece.length <= home->bytes &&
+                        (home->tier == Tier::host ||
+                         (home->tier == Tier::nvme && piece.offset % alignment == 0 &&
+                          p.used + round_up(piece.length, alignment) <= options_.buffer_bytes));
+      if (!fits) {
+        // Not something run() would read the same way: prefetch nothing more.
+        p.item.pieces.resize(k);
+        break;
+      }
+      p.homes[k] = *home;
+      if (home->tier == Tier::host) {
+        p.pointers[k] = home->data + piece.offset;
+        continue;
+      }
+      const bool ends_shard = piece.offset + piece.length == home->bytes;
+      p.io_lengths[k] = ends_shard ? round_up(piece.length, alignment) : piece.length;
+      p.pointers[k] = buffers_[(base + j) % buffers_.size()].data + p.used;
+      p.used += round_up(piece.length, alignment);
+      p.reads.push_back({k, nvme->read(home->extent, piece.offset, p.pointers[k], p.io_lengths[k])});
+      p.bytes_read += p.io_lengths[k];
+    }
+    const size_t kept = p.item.pieces.size();
+    p.pointers.resize(kept);
+    p.homes.resize(kept);
+    p.io_lengths.resize(kept);
+    prefetched_.push_back(std::move(p));
+    if (kept < n) break;
+  }
+  return Status::ok();
+}
+
+Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor& visit,
+                         std::span<const StreamItem> prefetch_after) {
   stats_ = StreamedPassStats{};
   const Clock::time_point run_start = Clock::now();
   NvmeTier* nvme = store_.nvme_tier();
   const uint64_t alignment = nvme ? nvme->alignment() : 4096;
   const size_t buffer_count = buffers_.size();
   std::vector<Slot> slots(buffer_count);
+  // Item j uses buffer (base + j) mod buffer_count, where a prefetch put it.
+  const size_t base = slot_base_;
+  // Prefetched items are taken when this run begins with them, else dropped.
+  bool adopt = !prefetched_.empty() && prefetched_.size() <= items.size();
+  for (size_t j = 0; adopt && j < prefetched_.size(); ++j) {
+    const std::vector<StreamPiece>& mine = prefetched_[j].item.pieces;
+    const std::vector<StreamPiece>& theirs = items[j].pieces;
+    if (mine.size() > theirs.size()) adopt = false;
+    for (size_t k = 0; adopt && k < mine.size(); ++k)
+      adopt = mine[k].shard == theirs[k].shard && mine[k].offset == theirs[k].offset &&
+              mine[k].length == theirs[k].length && theirs[k].read;
+  }
+  if (!adopt) drop_prefetch();
+  std::vector<Prefetched> adopted = std::move(prefetched_);
+  prefetched_.clear();
+
   Status failure;
   auto fail = [&](Status status) {
     if (failure && !status) failure = std::move(status);
@@ -101,7 +182,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
 
   // Locates item j's pieces and starts its reads into its buffer.
   auto start_item = [&](size_t j) -> Status {
-    Slot& slot = slots[j % buffer_count];
+    Slot& slot = slots[(base + j) % buffer_count];
     if (!slot.writes.empty()) {
       const Clock::time_point start = Clock::now();
       wait_all(slot.writes, slot.item, "write-back");
@@ -113,9 +194,24 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
     slot.pointers.assign(item.pieces.size(), nullptr);
     slot.homes.assign(item.pieces.size(), ShardHome{});
     slot.io_lengths.assign(item.pieces.size(), 0);
-    std::byte* buffer = buffers_[j % buffer_count].data;
+    std::byte* buffer = buffers_[(base + j) % buffer_count].data;
     uint64_t used = 0;
-    for (size_t p = 0; p < item.pieces.size(); ++p) {
+    size_t first_piece = 0;
+    if (j < adopted.size()) {
+      // Its first pieces were prefetched into this buffer (j < buffer_count).
+      Prefetched& p = adopted[j];
+      first_piece = p.item.pieces.size();
+      for (size_t k = 0; k < first_piece; ++k) {
+        slot.pointers[k] = p.pointers[k];
+        slot.homes[k] = p.homes[k];
+        slot.io_lengths[k] = p.io_lengths[k];
+      }
+      for (PrefetchedRead& read : p.reads) slot.reads.push_back({std::move(read.handle), read.piece});
+      p.reads.clear();
+      used = p.used;
+      stats_.bytes_read += p.bytes_read;
+    }
+    for (size_t p = first_piece; p < item.pieces.size(); ++p) {
       const StreamPiece& piece = item.pieces[p];
       Result<ShardHome> home = store_.home(piece.shard);
       if (!home) return home.status().with_context(piece_text(j, piece));
@@ -158,7 +254,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
   size_t next = 0;  // the next item whose reads are not started
   auto read_ahead = [&](size_t current) {
     while (failure && next < items.size() && next < current + buffer_count &&
-           all_done(slots[next % buffer_count].writes)) {
+           all_done(slots[(base + next) % buffer_count].writes)) {
       fail(start_item(next));
       ++next;
     }
@@ -171,7 +267,7 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
       if (!failure) break;
     }
     read_ahead(i);
-    Slot& slot = slots[i % buffer_count];
+    Slot& slot = slots[(base + i) % buffer_count];
     const Clock::time_point read_start = Clock::now();
     wait_all(slot.reads, i, "read");
     stats_.read_wait_seconds += seconds_since(read_start);
@@ -197,7 +293,25 @@ Status StreamedPass::run(std::span<const StreamItem> items, const StreamVisitor&
     read_ahead(i + 1);
   }
 
-  // Drain: nothing may still use a buffer when run() returns.
+  // The next run's first pieces are read in the buffers after this run's
+  // last one, each once its write-back is done, while the rest drain.
+  slot_base_ = (base + items.size()) % buffer_count;
+  if (failure && !prefetch_after.empty()) {
+    const size_t count = std::min(prefetch_after.size(), buffer_count);
+    for (size_t j = 0; j < count; ++j) {
+      Slot& slot = slots[(slot_base_ + j) % buffer_count];
+      if (!slot.reads.empty()) wait_all(slot.reads, slot.item, "read");
+      if (!slot.writes.empty()) {
+        const Clock::time_point start = Clock::now();
+        wait_all(slot.writes, slot.item, "write-back");
+        stats_.write_wait_seconds += seconds_since(start);
+      }
+    }
+    // Only a head start: a piece it cannot locate is the next run's error.
+    if (failure) (void)prefetch_into(prefetch_after, slot_base_);
+  }
+
+  // Drain: nothing of this run may still use a buffer when run() returns.
   for (Slot& slot : slots) {
     if (!slot.reads.empty()) wait_all(slot.reads, slot.item, "read");
     if (!slot.writes.empty()) {

@@ -76,7 +76,23 @@ class StreamedPass {
   StreamedPass(const StreamedPass&) = delete;
   StreamedPass& operator=(const StreamedPass&) = delete;
 
-  Status run(std::span<const StreamItem> items, const StreamVisitor& visit);
+  // `prefetch_after`: once the last item is visited and its write-back
+  // started, prefetch(prefetch_after) into the buffers this run is done
+  // with, each once its write-back has completed, while the rest drain.
+  Status run(std::span<const StreamItem> items, const StreamVisitor& visit,
+             std::span<const StreamItem> prefetch_after = {});
+
+  // Starts the reads of the first pieces of items the next run() is expected
+  // to begin with (at most buffer_count items), into the buffers, which are
+  // idle between runs (or see run()'s prefetch_after). When that run's item j begins with prefetched item j's
+  // pieces (same shards, offsets and lengths, in order), it takes those bytes
+  // as read; otherwise the prefetched reads are waited for and dropped. The
+  // caller says the prefetched bytes stay valid: nothing writes those ranges
+  // between this call and that run (the run's own write-backs come after its
+  // reads). Pieces must be read pieces of NVMe or host homes; host pieces are
+  // visited in place as in run(). Errors are those of locating a piece; a
+  // failed read surfaces in the run that takes it.
+  Status prefetch(std::span<const StreamItem> items);
 
   // Bytes of buffer one item needs (what buffer_bytes must cover).
   static uint64_t buffer_bytes_for(const StreamItem& item, uint64_t alignment);
@@ -85,6 +101,30 @@ class StreamedPass {
 
  private:
   StreamedPass(TieredStore& store, StreamedPassOptions options);
+  // Waits for the prefetched reads and forgets them.
+  void drop_prefetch();
+  // prefetch() with item j in buffer (base + j) mod buffer_count; the buffers
+  // must be idle.
+  Status prefetch_into(std::span<const StreamItem> items, size_t base);
+
+  struct PrefetchedRead {
+    size_t piece = 0;
+    io::IoHandle handle;
+  };
+  // Item j of the last prefetch(): its pieces, where each lies in buffer j,
+  // and the reads in flight.
+  struct Prefetched {
+    StreamItem item;
+    std::vector<std::byte*> pointers;
+    std::vector<ShardHome> homes;
+    std::vector<uint64_t> io_lengths;
+    std::vector<PrefetchedRead> reads;
+    uint64_t used = 0;  // bytes of buffer j taken
+    uint64_t bytes_read = 0;
+  };
+  std::vector<Prefetched> prefetched_;
+  size_t slot_base_ = 0;  // the buffer of the next run's (and prefetch's) item 0
+
   TieredStore& store_;
   StreamedPassOptions options_;
   std::vector<HostBlock> buffers_;

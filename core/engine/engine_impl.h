@@ -229,7 +229,9 @@ struct Engine::Impl {
   Status optimize(Rank& rank, StepRun& run, const PlanOp& op);
   // AdamW of `update` over state homed on NVMe: the streamed optimizer's pass
   // brings master, m and v chunk by chunk (update's pointers to them are unused).
-  Status update_streamed(Rank& rank, const UnitUpdate& update, int unit, ShardKind master_kind);
+  // Then starts reading the state of this step's next update on the lane.
+  Status update_streamed(Rank& rank, const UnitUpdate& update, const PlanOp& op,
+                         ShardKind master_kind);
   Status sync(Rank& rank, const PlanOp& op);
   // An activation checkpoint to its home, and back to its device slot.
   Status spill(Rank& rank, const PlanOp& op);

@@ -1,6 +1,56 @@
 #include "core/engine/engine_impl.h"
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 namespace strata {
+
+namespace {
+
+// Elements [begin, end) of accumulate_one_rank_sum, eight at a time: the
+// same IEEE additions per element, so the same bits as one at a time.
+// `accumulator` may be `unreduced` when `first`.
+void accumulate_one_rank_sum_range(float* accumulator, const float* unreduced, int64_t begin,
+                                   int64_t end, bool first) {
+  using Lanes = float __attribute__((vector_size(32)));
+  const Lanes zero = {};
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    Lanes x, acc;
+    std::memcpy(&x, unreduced + i, sizeof x);
+    if (first) {
+      acc = zero + x;
+    } else {
+      std::memcpy(&acc, accumulator + i, sizeof acc);
+      acc += zero + x;
+    }
+    std::memcpy(accumulator + i, &acc, sizeof acc);
+  }
+  for (; i < end; ++i)
+    accumulator[i] = first ? 0.0f + unreduced[i] : accumulator[i] + (0.0f + unreduced[i]);
+}
+
+// The sum over one rank, as the collectives of a group of threads compute it
+// (comm/reduction.h: every element is 0.0f + x, which turns -0 into +0), folded
+// into the accumulation's own pass: accumulator = 0.0f + x on the first
+// micro-batch, accumulator + (0.0f + x) after, the same bits as reducing in
+// place and then accumulating. Ranges of up to 2^18 elements (1 MiB): a pass
+// this short is not worth waking many threads that the compute lane is using.
+void accumulate_one_rank_sum(float* accumulator, const float* unreduced, int64_t numel,
+                             bool first) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, int64_t{1} << 18),
+                    [&](const tbb::blocked_range<int64_t>& range) {
+                      accumulate_one_rank_sum_range(accumulator, unreduced, range.begin(),
+                                                    range.end(), first);
+                    });
+}
+
+// The same sum in place, where the accumulation is not a pass over host memory.
+void one_rank_sum_in_place(float* values, int64_t numel) {
+  accumulate_one_rank_sum(values, values, numel, true);
+}
+
+}  // namespace
 
 // --- operations, one function per kind -------------------------------------------
 
@@ -145,6 +195,21 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
   const Status arrived = rank.compute->gradients_ready(grad_slot(op));
   float* buffer = op.slot >= 0 ? rank.grad_slots[size_t(op.slot)]
                                : rank.tied_grads[size_t(plan.activation_copy(op.micro))];
+  const bool summed_on_device = plan.gpu_grads_summed_on_device();
+  const bool first = op.micro == 0 || summed_on_device;
+  if (world() == 1 && !process_mode() && !plan.input.reduce_in_bf16) {
+    // One rank of a thread group: its all-reduce would be a pass of 0.0f + x
+    // and a copy back. The same sum is taken in the accumulation's pass instead.
+    if (!arrived) return arrived;
+    const int64_t count = plan.input.stage >= 2 ? p.shard_numel : p.padded_numel;
+    const bool host_memory = !plan.input.gpu || plan.homes.grad != tiers::Tier::device;
+    if (host_memory && !plan.homes.grad_bf16 && plan.homes.grad != tiers::Tier::nvme) {
+      accumulate_one_rank_sum(grad_home(rank, u), buffer, count, first);
+      return Status::ok();
+    }
+    one_rank_sum_in_place(buffer, p.padded_numel);
+    return accumulate_gradient(rank, u, buffer, count, op.micro, first);
+  }
   const int stage = plan.input.stage;
   const bool scatter = stage >= 2 && plan.input.reduce_scatter && world() > 1;
   // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
@@ -176,8 +241,7 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!status) return status;
   }
   // Summed on the GPU, the one sum that comes down is the first.
-  return accumulate_gradient(rank, u, reduced, count, op.micro,
-                             op.micro == 0 || plan.gpu_grads_summed_on_device());
+  return accumulate_gradient(rank, u, reduced, count, op.micro, first);
 }
 
 Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count,
@@ -330,7 +394,7 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   }
   Status updated = Status::ok();
   if (plan.homes.optimizer == tiers::Tier::nvme) {
-    updated = update_streamed(rank, update, u, master_key.kind);
+    updated = update_streamed(rank, update, op, master_key.kind);
   } else {
     update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
     update.m = home_data(rank, {u, ShardKind::m});
@@ -344,8 +408,9 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   return Status::ok();
 }
 
-Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int unit,
+Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const PlanOp& op,
                                      ShardKind master_kind) {
+  const int unit = op.unit;
   // Chunks stream through the pass's buffers (the one chunk loop).
   StreamedOptimizerUnit streamed;
   streamed.unit = unit;
@@ -363,7 +428,20 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, int u
   streamed.master_kind = master_kind;
   streamed.m_scale = update.m_scale;
   streamed.v_scale = update.v_scale;
-  return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1});
+  // The next update of this step on this lane: its master, m and v are
+  // written by nothing but that update, so they are read while this one's
+  // write-backs finish and it waits for its gradients. One that goes unused
+  // (a failed step) is dropped.
+  StreamedOptimizerUnit next;
+  for (size_t i = size_t(&op - plan.ops.data()) + 1; i < plan.ops.size(); ++i) {
+    if (plan.ops[i].kind != OpKind::optimizer) continue;
+    next.unit = plan.ops[i].unit;
+    next.numel = plan.units[size_t(next.unit)].optimizer_numel;
+    next.master_kind = master_kind;
+    break;
+  }
+  return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1},
+                             {&next, next.numel > 0 ? size_t{1} : size_t{0}});
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {

@@ -13,13 +13,6 @@ using tiers::ShardKind;
 using tiers::StreamItem;
 using tiers::StreamPiece;
 
-// Where one chunk sits: unit index in the step's list, first element, count.
-struct Chunk {
-  size_t unit = 0;
-  int64_t begin = 0;
-  int64_t numel = 0;
-};
-
 const void* offset_elements(const void* base, int64_t elements, kernels::cpu::ElementType type) {
   return static_cast<const std::byte*>(base) + elements * int64_t(kernels::cpu::element_size(type));
 }
@@ -77,40 +70,51 @@ Status StreamedOptimizer::add_unit_state(tiers::TieredStore& store, int unit, in
   return Status::ok();
 }
 
-Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
-                               std::span<const StreamedOptimizerUnit> units) {
-  if (!plan.apply) return Status::ok();
-  const kernels::cpu::AdamWStateType state_type = options_.state_type;
-  const uint64_t mb = uint64_t(moment_bytes(state_type));
-  const bool int8 = state_type == kernels::cpu::AdamWStateType::int8;
-  std::vector<Chunk> chunks;
-  std::vector<StreamItem> items;
+void StreamedOptimizer::chunk_items(std::span<const StreamedOptimizerUnit> units, bool grads,
+                                    std::vector<Chunk>* chunks,
+                                    std::vector<tiers::StreamItem>* items,
+                                    size_t max_items) const {
+  const uint64_t mb = uint64_t(moment_bytes(options_.state_type));
   for (size_t u = 0; u < units.size(); ++u) {
     const StreamedOptimizerUnit& unit = units[u];
-    if (unit.numel > 0 && unit.grad == nullptr && !options_.grads_in_store)
-      return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
-    if (unit.numel > 0 && int8 && (unit.m_scale == nullptr || unit.v_scale == nullptr))
-      return Status::error(
-          fmt::format("streamed optimizer: unit {} has int8 state but no scales", unit.unit));
     for (int64_t begin = 0; begin < unit.numel; begin += options_.chunk_elements) {
       const int64_t numel = std::min(options_.chunk_elements, unit.numel - begin);
-      chunks.push_back({u, begin, numel});
+      if (chunks != nullptr) chunks->push_back({u, begin, numel});
       StreamItem item;
       item.pieces.push_back(
           StreamPiece{{unit.unit, unit.master_kind}, uint64_t(begin) * 4, uint64_t(numel) * 4});
       for (ShardKind kind : {ShardKind::m, ShardKind::v})
         item.pieces.push_back(
             StreamPiece{{unit.unit, kind}, uint64_t(begin) * mb, uint64_t(numel) * mb});
-      if (options_.grads_in_store) {
+      if (grads && options_.grads_in_store) {
         StreamPiece grad{{unit.unit, ShardKind::grad},
                          uint64_t(unit.grad_offset + begin) * 4,
                          uint64_t(numel) * 4};
         grad.write = false;
         item.pieces.push_back(grad);
       }
-      items.push_back(std::move(item));
+      items->push_back(std::move(item));
+      if (items->size() >= max_items) return;
     }
   }
+}
+
+Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
+                               std::span<const StreamedOptimizerUnit> units,
+                               std::span<const StreamedOptimizerUnit> next) {
+  if (!plan.apply) return Status::ok();
+  const kernels::cpu::AdamWStateType state_type = options_.state_type;
+  const bool int8 = state_type == kernels::cpu::AdamWStateType::int8;
+  for (const StreamedOptimizerUnit& unit : units) {
+    if (unit.numel > 0 && unit.grad == nullptr && !options_.grads_in_store)
+      return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
+    if (unit.numel > 0 && int8 && (unit.m_scale == nullptr || unit.v_scale == nullptr))
+      return Status::error(
+          fmt::format("streamed optimizer: unit {} has int8 state but no scales", unit.unit));
+  }
+  std::vector<Chunk> chunks;
+  std::vector<StreamItem> items;
+  chunk_items(units, true, &chunks, &items, SIZE_MAX);
 
   std::vector<ShardSegment> segments;
   auto update_chunk = [&](size_t index, std::span<std::byte* const> pieces) -> Status {
@@ -171,7 +175,9 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     return status.with_context(
         fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
   };
-  return pass_->run(items, update_chunk).with_context("streamed optimizer step");
+  std::vector<StreamItem> next_items;
+  chunk_items(next, false, nullptr, &next_items, options_.buffer_count);
+  return pass_->run(items, update_chunk, next_items).with_context("streamed optimizer step");
 }
 
 }  // namespace strata

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "core/optimizer/optimizer.h"
 #include "core/plan/planner.h"
@@ -87,8 +88,15 @@ class StreamedOptimizer {
   static uint64_t host_buffer_bytes(const StreamedOptimizerOptions& options);
 
   // One optimizer step (nothing when !plan.apply).
+  // `next`: the units of the step() expected after this one; once this one's
+  // last chunk is updated, their first chunks' master, m and v start being
+  // read (as many as there are buffers) while this one's write-backs finish,
+  // and that step() takes them as read (StreamedPass::prefetch). Only for
+  // state nothing else writes before then; the gradient, when in the store,
+  // is read by that step() itself.
   Status step(const Optimizer& optimizer, const StepPlan& plan,
-              std::span<const StreamedOptimizerUnit> units);
+              std::span<const StreamedOptimizerUnit> units,
+              std::span<const StreamedOptimizerUnit> next = {});
 
   const tiers::StreamedPassStats& last_step() const { return pass_->last_run(); }
   // The pass and its buffers, for other chunked walks over the same shards
@@ -98,6 +106,18 @@ class StreamedOptimizer {
  private:
   StreamedOptimizer(StreamedOptimizerOptions options, std::unique_ptr<tiers::StreamedPass> pass)
       : options_(options), pass_(std::move(pass)) {}
+  // Where one chunk sits: unit index in the step's list, first element, count.
+  struct Chunk {
+    size_t unit = 0;
+    int64_t begin = 0;
+    int64_t numel = 0;
+  };
+  // The pass's items for `units`, chunk by chunk (at most max_items): master,
+  // m, v, and the gradient when `grads` and it is in the store.
+  void chunk_items(std::span<const StreamedOptimizerUnit> units, bool grads,
+                   std::vector<Chunk>* chunks, std::vector<tiers::StreamItem>* items,
+                   size_t max_items) const;
+
   StreamedOptimizerOptions options_;
   std::unique_ptr<tiers::StreamedPass> pass_;
 };
