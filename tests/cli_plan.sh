@@ -132,7 +132,7 @@ check "auto spills layer-major activations to NVMe when memory holds neither" $?
 out=$("$strata" plan --model small --backend cpu --grad-accum 16 --micro-batch 8 --seq-len 256 \
       --device-mem-limit 200M --host-mem-limit 150M --stage 3 --offload-param nvme \
       --offload-optimizer nvme --nvme-path . 2>&1)
-grep -q "^schedule: layer: .* more activations on NVMe" <<<"$out" &&
+grep -q "^schedule: layer: .* more activations (96.00 MiB of them on NVMe)" <<<"$out" &&
   grep -q "^  layer .* 96.00 MiB  yes" <<<"$out"
 check "the schedule table shows the activations on NVMe" $?
 out=$("$strata" plan --model tiny --ops --stage 3 --offload-param nvme --offload-optimizer nvme \
@@ -142,6 +142,12 @@ grep -q "^schedule layer: activations of 3 micro-batches in device slots of 2 le
   grep -q "spill(embedding) mb 2 .*activations" <<<"$out" &&
   grep -q "activation checkpoints spilled" <<<"$out"
 check "--activation-home nvme: spills and restores on the activations lane" $?
+# Given a home that does not fit, the smallest change is another home.
+out=$("$strata" plan --model small --backend cpu --grad-accum 16 --micro-batch 8 --seq-len 256 \
+      --device-mem-limit 200M --host-mem-limit 150M --stage 3 --offload-param nvme \
+      --offload-optimizer nvme --nvme-path . --schedule layer --activation-home device 2>&1)
+grep -q "smallest change that fits: --activation-home nvme" <<<"$out"
+check "layer-major activations that do not fit their home suggest another home" $?
 err=$("$strata" plan --model tiny --activation-home disk 2>&1 >/dev/null)
 grep -q -- "--activation-home: expected auto, device, host or nvme, got 'disk'" <<<"$err"
 check "bad --activation-home named" $?

@@ -278,6 +278,8 @@ std::string format_run_summary(const RunSummary& s) {
   out += "where the time went (busy time per lane, mean over ranks, % of the run):";
   for (int lane = 0; lane < kLaneCount; ++lane) {
     const double busy = s.lanes.lane_seconds[lane] / std::max(1, s.world);
+    // The activations lane works only where checkpoints are spilled.
+    if (static_cast<Lane>(lane) == Lane::activations && busy == 0) continue;
     out += fmt::format("  {} {} ({:.0f}%)", lane_name(static_cast<Lane>(lane)),
                        format_seconds(busy), s.seconds > 0 ? 100.0 * busy / s.seconds : 0.0);
   }

@@ -10,8 +10,8 @@
 // step() runs one optimizer step over G micro-batches on each of the W ranks.
 //
 // Ranks are threads of this process talking through LocalComm (comm/); each
-// rank runs its plan on four lanes (io, comm, compute, optimizer), threads
-// that follow the plan's order and its dependencies. The optimizer of step s
+// rank runs its plan on five lanes (io, comm, compute, optimizer,
+// activations), threads that follow the plan's order and its dependencies. The optimizer of step s
 // runs unit by unit while step s+1's forward goes on: step() returns once the
 // loss and gradient norm of its step are known and its updates are under
 // way; finish() waits for them. The CPU backend computes in fp32 whatever

@@ -106,6 +106,13 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.checkpoint_staging = b.at(R::activation_staging);
   if (const PlanBuffer* spill = plan.buffer(R::activation_spill);
       spill != nullptr && spill->tier == tiers::Tier::nvme) {
+    // Each copy starts on the plan's alignment; the tier's must divide it.
+    const uint64_t alignment = s.nvme_tier()->alignment();
+    if (uint64_t(spill->copy_bytes()) % alignment != 0)
+      return Status::error(fmt::format(
+          "rank {}: activation checkpoints of {} bytes do not start on the NVMe alignment of {} "
+          "bytes the swap directory asks for; use --activation-home host or device",
+          r, spill->copy_bytes(), alignment));
     Result<tiers::NvmeExtent> extent = s.nvme_tier()->allocate(uint64_t(spill->bytes), spill->name);
     if (!extent) return extent.status().with_context(fmt::format("rank {}", r));
     rank.checkpoint_extent = *extent;

@@ -49,6 +49,8 @@ class CudaGpuRank final : public GpuRank {
   Status backward(int unit, int micro, const std::byte* params, bool recompute,
                   const GradTarget& target) override;
   std::byte* checkpoint(int level, int micro) override;
+  Status checkpoint_out(void* host, const void* device, int64_t bytes) override;
+  Status checkpoint_in(void* device, const void* host, int64_t bytes) override;
   Status gradients_ready(int grad_slot) override;
   Status synchronize() override;
   Status download(void* host, const void* device, int64_t bytes) override;
@@ -124,6 +126,11 @@ struct CudaGpuRank::Impl {
   // waits for its own work through `side_done`.
   std::mutex side;
   cudaEvent_t side_done = nullptr;
+  // Spilled activation checkpoints move on a stream of their own (one at a
+  // time: the activations lane runs them in turn), after the work enqueued
+  // so far on the compute stream, which runs on meanwhile.
+  cudaStream_t checkpoints = nullptr;
+  cudaEvent_t checkpoint_after = nullptr, checkpoint_copied = nullptr;
   // Gradients' home on the GPU: the gradient norm's result and scratch.
   cuda::GradNormResult* norm = nullptr;       // (1)
   cuda::GradNormResult* host_norm = nullptr;  // (1) pinned
@@ -137,6 +144,27 @@ struct CudaGpuRank::Impl {
 
   Status select() {
     return cuda::check_cuda(cudaSetDevice(gpu), fmt::format("selecting GPU {}", gpu));
+  }
+  // A checkpoint between its device slot and pinned host memory; done when it returns.
+  Status copy_checkpoint(void* to, const void* from, int64_t bytes, cudaMemcpyKind kind) {
+    if (Status s = select(); !s) return s;
+    const char* what = kind == cudaMemcpyDeviceToHost ? "spilling an activation checkpoint"
+                                                      : "restoring an activation checkpoint";
+    if (Status s = cuda::check_cuda(cudaEventRecord(checkpoint_after, compute), what); !s) return s;
+    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(checkpoints, checkpoint_after, 0), what); !s)
+      return s;
+    if (Status s = cuda::check_cuda(cudaMemcpyAsync(to, from, size_t(bytes), kind, checkpoints),
+                                    fmt::format("{} ({} bytes)", what, bytes));
+        !s)
+      return s;
+    if (Status s = cuda::check_cuda(cudaEventRecord(checkpoint_copied, checkpoints), what); !s)
+      return s;
+    // A restored checkpoint is read by work enqueued after this returns.
+    if (kind == cudaMemcpyHostToDevice) {
+      if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, checkpoint_copied, 0), what); !s)
+        return s;
+    }
+    return cuda::check_cuda(cudaEventSynchronize(checkpoint_copied), what);
   }
   // Uploads `bytes` of host parameters into the next slot; returns the slot.
   Result<int> upload(const std::byte* params, int64_t bytes);
@@ -192,6 +220,7 @@ CudaGpuRank::Impl::~Impl() {
   if (compute) cudaStreamSynchronize(compute);
   if (to_device) cudaStreamSynchronize(to_device);
   if (to_host) cudaStreamSynchronize(to_host);
+  if (checkpoints) cudaStreamSynchronize(checkpoints);
   units.reset();
   matmuls.reset();
   for (cudaEvent_t e : slot_free)
@@ -205,8 +234,10 @@ CudaGpuRank::Impl::~Impl() {
   if (computed) cudaEventDestroy(computed);
   if (sum_sent) cudaEventDestroy(sum_sent);
   if (side_done) cudaEventDestroy(side_done);
+  if (checkpoint_after) cudaEventDestroy(checkpoint_after);
+  if (checkpoint_copied) cudaEventDestroy(checkpoint_copied);
   if (host_norm) cudaFreeHost(host_norm);
-  for (cudaStream_t s : {compute, to_device, to_host})
+  for (cudaStream_t s : {compute, to_device, to_host, checkpoints})
     if (s) cudaStreamDestroy(s);
 }
 
@@ -370,7 +401,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   for (const UnitPlacement& p : plan.units)
     largest_padded = std::max(largest_padded, p.padded_numel);
 
-  for (cudaStream_t* s : {&g.compute, &g.to_device, &g.to_host})
+  for (cudaStream_t* s : {&g.compute, &g.to_device, &g.to_host, &g.checkpoints})
     if (Status st = cuda::check_cuda(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking),
                                      "creating a stream");
         !st)
@@ -397,6 +428,8 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   g.params_in_place = plan.gpu_params_in_place();
   g.grads_in_place = plan.gpu_grads_in_place();
   if (Status s = event(g.side_done); !s) return s;
+  if (Status s = event(g.checkpoint_after); !s) return s;
+  if (Status s = event(g.checkpoint_copied); !s) return s;
   Result<RankBuffers> taken = RankBuffers::allocate(
       plan, BufferOwner::gpu,
       [&](tiers::Tier, uint64_t bytes, const std::string& what) -> Result<std::byte*> {
@@ -611,6 +644,14 @@ std::byte* CudaGpuRank::new_parameter_buffer() const {
 
 std::byte* CudaGpuRank::checkpoint(int level, int micro) { return impl_->checkpoint(level, micro); }
 
+Status CudaGpuRank::checkpoint_out(void* host, const void* device, int64_t bytes) {
+  return impl_->copy_checkpoint(host, device, bytes, cudaMemcpyDeviceToHost);
+}
+
+Status CudaGpuRank::checkpoint_in(void* device, const void* host, int64_t bytes) {
+  return impl_->copy_checkpoint(device, host, bytes, cudaMemcpyHostToDevice);
+}
+
 Status CudaGpuRank::download(void* host, const void* device, int64_t bytes) {
   return impl_->copy(host, device, bytes, cudaMemcpyDeviceToHost, "from the GPU");
 }
@@ -684,7 +725,7 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
 Status CudaGpuRank::synchronize() {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
-  for (cudaStream_t stream : {g.compute, g.to_device, g.to_host})
+  for (cudaStream_t stream : {g.compute, g.to_device, g.to_host, g.checkpoints})
     if (Status s = cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the GPU"); !s)
       return s;
   return Status::ok();

@@ -19,8 +19,8 @@
 //    transfer calls below.
 // Streams are ordered by events; nothing synchronises the device inside a
 // step. Activation checkpoints stay on the device unless the plan spills them
-// (the engine moves them with download and upload); the activation gradient
-// and the tokens stay there. Every device buffer comes from the rank's DeviceTier (one
+// (the engine moves them with checkpoint_out and checkpoint_in, on a copy
+// stream of their own); the activation gradient and the tokens stay there. Every device buffer comes from the rank's DeviceTier (one
 // cudaMalloc), so the device budget holds and nothing is allocated in a step.
 //
 // Host memory handed in must stay valid until the call that reads it
@@ -104,9 +104,14 @@ class GpuRank {
                           const GradTarget& target) = 0;
 
   // Level `level` (unit `level`'s output) of micro-batch `micro`, in device
-  // memory (TrainingPlan::checkpoint_place), for the engine to spill and
-  // restore with download and upload.
+  // memory (TrainingPlan::checkpoint_place), for the engine to spill and restore.
   virtual std::byte* checkpoint(int level, int micro) = 0;
+  // A checkpoint to and from pinned host memory on a stream of its own,
+  // after the work enqueued so far on the compute stream, which runs on
+  // meanwhile (checkpoint_in: before the work enqueued after it returns);
+  // done when they return. One at a time.
+  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) = 0;
+  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) = 0;
 
   // Waits until the gradient last sent for host slot `grad_slot` is in host memory.
   virtual Status gradients_ready(int grad_slot) = 0;

@@ -35,6 +35,12 @@ class GpuRankCompute final : public RankCompute {
     return Status::ok();
   }
   std::byte* checkpoint(int level, int micro) override { return gpu_->checkpoint(level, micro); }
+  Status checkpoint_out(void* host, const void* device, int64_t bytes) override {
+    return gpu_->checkpoint_out(host, device, bytes);
+  }
+  Status checkpoint_in(void* device, const void* host, int64_t bytes) override {
+    return gpu_->checkpoint_in(device, host, bytes);
+  }
   Status gradients_ready(int slot) override { return gpu_->gradients_ready(slot); }
   Status synchronize() override { return gpu_->synchronize(); }
 

@@ -130,9 +130,13 @@ class RankCompute {
 
   // Where level `level` (unit `level`'s output) of micro-batch `micro` sits:
   // memory of the device tier, TrainingPlan::checkpoint_place's slot. The
-  // engine spills and restores it (TrainingPlan::activations_spilled) with
-  // the transfers below, which run after the work enqueued so far.
+  // engine spills and restores it (TrainingPlan::activations_spilled):
+  // checkpoint_out copies it to host memory after the work enqueued so far,
+  // checkpoint_in copies it back before the work enqueued after it returns;
+  // on a GPU on a copy stream of their own, while the computation runs on.
   virtual std::byte* checkpoint(int level, int micro) = 0;
+  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) = 0;
+  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) = 0;
 
   // Unit `unit`'s compute-precision parameters have arrived in gather slot
   // `slot` (`params`, host memory); a computation reads them next.

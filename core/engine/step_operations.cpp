@@ -469,21 +469,27 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
 // Spilled activation checkpoints (TrainingPlan::activations_spilled): level
 // op.unit of micro-batch op.micro between its device slot and its home. On
 // the CPU backend the slot is host memory and NVMe reads and writes it in
-// place; a GPU's goes through the staging copy (NVMe) or its host copy.
+// place; a GPU's goes through its host copy, or the staging copy to NVMe.
+// The NVMe offsets are multiples of the transfer, which is a multiple of the
+// tier's alignment (checked when the rank opened).
 Status Engine::Impl::spill(Rank& rank, const PlanOp& op) {
   const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
   const std::byte* slot = rank.compute->checkpoint(op.unit, op.micro);
   Status status = Status::ok();
   if (!rank.checkpoint_extent) {
-    status = rank.compute->download(rank.spilled_checkpoints[copy], slot, plan.checkpoint_bytes());
+    status =
+        rank.compute->checkpoint_out(rank.spilled_checkpoints[copy], slot, plan.checkpoint_bytes());
   } else {
-    Result<const std::byte*> source =
-        rank.compute->readable_on_host(slot, rank.checkpoint_staging, plan.checkpoint_bytes());
-    status = source ? rank.store->nvme_tier()
-                          ->write(*rank.checkpoint_extent, copy * checkpoint_copy_bytes(), *source,
-                                  uint64_t(plan.checkpoint_transfer_bytes()))
-                          .wait()
-                    : source.status();
+    const std::byte* source = slot;
+    if (plan.input.gpu) {
+      status = rank.compute->checkpoint_out(rank.checkpoint_staging, slot, plan.checkpoint_bytes());
+      source = rank.checkpoint_staging;
+    }
+    if (status)
+      status = rank.store->nvme_tier()
+                   ->write(*rank.checkpoint_extent, copy * checkpoint_copy_bytes(), source,
+                           uint64_t(plan.checkpoint_transfer_bytes()))
+                   .wait();
   }
   if (status) return status;
   return status.with_context(fmt::format("spilling the activation checkpoint of {} (micro-batch {})",
@@ -495,7 +501,8 @@ Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
   std::byte* slot = rank.compute->checkpoint(op.unit, op.micro);
   Status status = Status::ok();
   if (!rank.checkpoint_extent) {
-    status = rank.compute->upload(slot, rank.spilled_checkpoints[copy], plan.checkpoint_bytes());
+    status =
+        rank.compute->checkpoint_in(slot, rank.spilled_checkpoints[copy], plan.checkpoint_bytes());
   } else {
     std::byte* landing = plan.input.gpu ? rank.checkpoint_staging : slot;
     status = rank.store->nvme_tier()
@@ -503,7 +510,7 @@ Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
                         uint64_t(plan.checkpoint_transfer_bytes()))
                  .wait();
     if (status && plan.input.gpu)
-      status = rank.compute->upload(slot, landing, plan.checkpoint_bytes());
+      status = rank.compute->checkpoint_in(slot, landing, plan.checkpoint_bytes());
   }
   if (status) return status;
   return status.with_context(fmt::format("restoring the activation checkpoint of {} (micro-batch {})",

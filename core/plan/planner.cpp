@@ -530,9 +530,13 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
       pick = 1;
       choice.reason = fmt::format(
           "layer: it moves {} per step where the micro-batch order moves {}, for {} more "
-          "activations {}",
+          "activations{}",
           slowest_bytes(layer.traffic), slowest_bytes(micro.traffic), format_bytes(double(kept)),
-          kept_where(layer.activation_home));
+          layer.activation_home == Tier::device
+              ? " in device memory"
+              : fmt::format(" ({} of them {})",
+                            format_bytes(double(layer.activations.at(layer.activation_home))),
+                            kept_where(layer.activation_home)));
     } else {
       choice.reason =
           micro.slowest_seconds == 0
@@ -577,7 +581,16 @@ Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
   };
   std::vector<Candidate> candidates;
   const std::string nvme_hint = input.nvme_path_known ? "" : " --nvme-path DIR";
-  // The layer-major order's activations, asked for, may be what does not fit.
+  // The layer-major order's activations, asked for, may be what does not fit:
+  // in another home (when one was given), or not kept at all.
+  if (plan.schedule.schedule == Schedule::layer && input.grad_accum > 1 && input.activation_home) {
+    for (Tier home : {Tier::host, Tier::nvme}) {
+      if (home == *input.activation_home) continue;
+      candidates.push_back({fmt::format("--activation-home {}{}", tier_name(home),
+                                        home == Tier::nvme ? nvme_hint : ""),
+                            [home](PlanInput& p) { p.activation_home = home; }});
+    }
+  }
   if (plan.schedule.schedule == Schedule::layer && input.grad_accum > 1)
     candidates.push_back({"--schedule micro_batch (the layer-major activations do not fit)",
                           [](PlanInput& p) { p.schedule = Schedule::micro_batch; }});

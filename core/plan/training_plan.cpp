@@ -1225,11 +1225,14 @@ std::string format_training_plan(const TrainingPlan& plan) {
       offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer),
       precision_name(in.precision), in.overlap_comm ? "" : ", collectives on the compute lane");
   out += fmt::format("schedule {}", schedule_name(in.schedule));
-  if (plan.activations_spilled())
+  if (plan.spilled_levels() > 0)
     out += fmt::format(
         ": activations of {} micro-batches in device slots of 2 levels, {} levels spilled to {} "
         "and restored a unit ahead of their backward",
         plan.activation_copies(), plan.spilled_levels(), tiers::tier_name(in.activation_home));
+  else if (plan.activations_spilled())
+    out += fmt::format(": activations of {} micro-batches in device slots of 2 levels (all of them)",
+                       plan.activation_copies());
   else if (plan.activation_copies() > 1)
     out += fmt::format(": activations of {} micro-batches kept in {} memory",
                        plan.activation_copies(),

@@ -32,7 +32,9 @@
 // the head for 0..G-1, then backward of the last layer for 0..G-1, ... down to
 // the embedding; every micro-batch's unit inputs, activation gradient (and a
 // tied embedding's gradient) are kept to its backward, one copy per
-// micro-batch (activation_copies). Either way a unit meets its micro-batches
+// micro-batch (activation_copies), the unit inputs in their home
+// (activation_home; spilled out of the device and restored: activations_spilled).
+// Either way a unit meets its micro-batches
 // in order, and each micro-batch's gradient is reduced after its backward and
 // added to the accumulator in that order: the same sums in the same order,
 // so the two orders give the same bits. After the last micro-batch the
