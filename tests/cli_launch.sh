@@ -72,7 +72,7 @@ others=$(ls "$work/fail" | grep -c '^term\.')
 err=$(guard "$strata" launch -n 2 -- sh -c '[ "$RANK" = 1 ] && kill -KILL $$; exec sleep 60' 2>&1 >/dev/null)
 status=$?
 [ $status -eq 137 ]; check "a rank killed by SIGKILL makes launch exit 137 ($status)" $?
-echo "$err" | grep -q "rank 1 (pid [0-9]*) was killed by signal 9"; check "the killed rank is named" $?
+grep -q "rank 1 (pid [0-9]*) was killed by signal 9" <<<"$err"; check "the killed rank is named" $?
 
 # A rank that ignores SIGTERM is killed after the grace period.
 err=$(guard "$strata" launch -n 2 --grace-period 0.2 -- sh -c '
@@ -123,7 +123,7 @@ expect_bad_input() {  # expect_bad_input NAME PATTERN ARGS...
   local err status
   err=$(guard "$strata" launch "$@" 2>&1 >/dev/null)
   status=$?
-  [ $status -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && echo "$err" | grep -q -- "$pattern"
+  [ $status -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && grep -q -- "$pattern" <<<"$err"
   check "$name (status $status: $err)" $?
 }
 expect_bad_input "a missing command" "command 'no-such-command-here' not found" -n 2 -- no-such-command-here

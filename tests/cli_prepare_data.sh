@@ -82,7 +82,7 @@ bos=$(python3 -c "import json,sys; print([t['id'] for t in json.load(open(sys.ar
 eos=$(python3 -c "import json,sys; print([t['id'] for t in json.load(open(sys.argv[1]))['added_tokens'] if t['content']=='<|eot_id|>'][0])" "$dir/model/tokenizer.json")
 read -r width count ids < <(read_shard "$dir/split/val.bin")
 eos_count=$(echo "$ids" | tr ' ' '\n' | grep -cx "$eos")
-[ "$eos_count" = 10 ] && ! echo " $ids " | grep -q " $bos " && [ "${ids##* }" = "$eos" ]
+[ "$eos_count" = 10 ] && ! grep -q " $bos " <<<" $ids " && [ "${ids##* }" = "$eos" ]
 check "--append-eos ends each document with eos_token; --no-special-tokens drops the BOS" $?
 
 # uint32 when the vocabulary needs it: an added token with id 70000.
@@ -97,7 +97,7 @@ PY
 printf 'a <|big|> b' >"$dir/big.txt"
 "$strata" prepare-data --model-dir "$dir/big" --input "$dir/big.txt" --out "$dir/big/out" >"$dir/out" 2>&1
 read -r width count ids < <(read_shard "$dir/big/out/train.bin")
-[ "$width" = 4 ] && echo " $ids " | grep -q " 70000 " && grep -q "uint32, vocabulary 70001" "$dir/out"
+[ "$width" = 4 ] && grep -q " 70000 " <<<" $ids " && grep -q "uint32, vocabulary 70001" "$dir/out"
 check "a vocabulary past 65536 gives uint32 tokens" $?
 
 # strata train picks train.mask up next to train.bin, says so, and counts only its targets.

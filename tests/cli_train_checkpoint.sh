@@ -117,10 +117,10 @@ cp -r "$dir/ck/step-3" "$dir/bad"
 printf '\xff' | dd of="$dir/bad/m.bin" bs=1 seek=100 conv=notrunc status=none
 err=$("$strata" train "${common[@]}" --steps $steps --resume "$dir/bad" 2>&1 >/dev/null)
 status=$?
-[ $status -ne 0 ] && echo "$err" | grep -q "m.bin: CRC32C"; check "a flipped byte is detected" $?
+[ $status -ne 0 ] && grep -q "m.bin: CRC32C" <<<"$err"; check "a flipped byte is detected" $?
 [ "$(echo "$err" | wc -l)" -eq 1 ]; check "the refusal is one line" $?
 err=$("$strata" train "${common[@]}" --steps $steps --resume "$dir/nothing-here" 2>&1 >/dev/null)
-echo "$err" | grep -q "no such directory"; check "a missing --resume directory is named" $?
+grep -q "no such directory" <<<"$err"; check "a missing --resume directory is named" $?
 
 # strata export: a Hugging Face directory that --init reads back.
 "$strata" export "$dir/ck" --out "$dir/hf" >"$dir/out" 2>"$dir/err"

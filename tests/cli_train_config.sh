@@ -51,11 +51,11 @@ out=$("$strata" train --model tiny --print-config 2>/dev/null)
 help=$("$strata" train --help)
 for group in "Model and data:" "Batch, precision and optimizer:" "ZeRO and offload:" "NVMe I/O:" \
              "Memory budgets:" "Output:"; do
-  echo "$help" | grep -q "^$group"; check "help group $group" $?
+  grep -q "^$group" <<<"$help"; check "help group $group" $?
 done
-echo "$help" | grep -q -- "--zero-stage.*zero_optimization.stage; default 0" &&
-  echo "$help" | grep -q -- "--micro-batch.*train_micro_batch_size_per_gpu; default 1" &&
-  echo "$help" | grep -q -- "--aio-queue-depth.*aio.queue_depth; default 8"
+grep -q -- "--zero-stage.*zero_optimization.stage; default 0" <<<"$help" &&
+  grep -q -- "--micro-batch.*train_micro_batch_size_per_gpu; default 1" <<<"$help" &&
+  grep -q -- "--aio-queue-depth.*aio.queue_depth; default 8" <<<"$help"
 check "help shows defaults and DeepSpeed keys" $?
 
 finish_checks

@@ -160,11 +160,11 @@ check "shuffled, each step counts the mask's targets of the sequences the order 
 err=$("$strata" train "${base[@]}" --steps $steps --micro-batch 2 --grad-accum 2 --shuffle \
   --shuffle-seed $other_seed --resume "$dir/ck" 2>&1 >/dev/null)
 status=$?
-[ $status -ne 0 ] && echo "$err" | grep -q "shuffled with seed $seed but this run reads them shuffled with seed $other_seed; pass --shuffle --shuffle-seed $seed"
+[ $status -ne 0 ] && grep -q "shuffled with seed $seed but this run reads them shuffled with seed $other_seed; pass --shuffle --shuffle-seed $seed" <<<"$err"
 check "another seed is refused, naming the checkpoint's" $?
 [ "$(echo "$err" | wc -l)" -eq 1 ]; check "the refusal is one line" $?
 err=$("$strata" train "${base[@]}" --steps $steps --micro-batch 2 --grad-accum 2 --resume "$dir/ck" 2>&1 >/dev/null)
-echo "$err" | grep -q "in sequential order; pass --shuffle --shuffle-seed $seed"
+grep -q "in sequential order; pass --shuffle --shuffle-seed $seed" <<<"$err"
 check "resuming without --shuffle is refused" $?
 
 finish_checks

@@ -434,6 +434,35 @@ TEST_F(EngineSchedule, AFailedSpillOrRestoreFailsTheStepInOneLine) {
 namespace strata {
 namespace {
 
+// With the updates during backward the step's decision comes from `decide`
+// on the optimizer lane: the step returns (and reports its learning rate)
+// once the exchange is done, so the exchange waits for the decision.
+TEST(StepDecision, TheExchangeWaitsForTheDecisionMadeAtTheStart) {
+  for (Schedule schedule : {Schedule::micro_batch, Schedule::layer}) {
+    for (bool during_backward : {false, true}) {
+      TrainingPlanInput in;
+      in.model = testing::small_gqa_model();
+      in.stage = 3;
+      in.grad_accum = 2;
+      in.schedule = schedule;
+      in.optimizer_during_backward = during_backward;
+      Result<TrainingPlan> plan = build_training_plan(in);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      int decide = -1, exchange = -1;
+      for (size_t i = 0; i < plan->ops.size(); ++i) {
+        if (plan->ops[i].kind == OpKind::decide) decide = int(i);
+        if (plan->ops[i].kind == OpKind::exchange) exchange = int(i);
+      }
+      ASSERT_GE(exchange, 0);
+      EXPECT_EQ(decide >= 0, during_backward);
+      if (decide < 0) continue;
+      const std::vector<int>& deps = plan->ops[size_t(exchange)].deps;
+      EXPECT_NE(std::find(deps.begin(), deps.end(), decide), deps.end())
+          << schedule_name(schedule);
+    }
+  }
+}
+
 // PCIe on the CUDA backend, from the plan: layer-major uploads each unit once
 // per use whatever the accumulation, and with one rank sends each gradient
 // down once per step (summed on the device), where the micro-batch order

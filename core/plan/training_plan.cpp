@@ -301,6 +301,10 @@ class PlanBuilder {
   void emit_exchange_and_updates() {
     PlanOp exchange = make_op(OpKind::exchange, comm_lane_);
     for (int u = 0; u < units_; ++u) exchange.deps.push_back(last_reduce_[size_t(u)]);
+    // With the updates during backward the step's decision (its learning
+    // rate, whether it applies) came from `decide`: the step is over, and
+    // its result read, once the exchange is, so the decision must be in by then.
+    if (early_) exchange.deps.push_back(decide_index_);
     const int exchange_index = add(std::move(exchange));
     if (!early_) {
       for (int u = 0; u < units_; ++u) {
