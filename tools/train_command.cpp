@@ -420,6 +420,17 @@ class TrainCommand : public Subcommand {
         {"--nvme-path", kZeroGroup,
          "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
          "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
+        {"--optimizer-state-dtype", kZeroGroup,
+         "Adam m and v: fp32 (exact) | bf16 | int8 (strata.optimizer_state_dtype; default fp32)"},
+        {"--gradient-home", kZeroGroup,
+         "Gradient accumulator with the optimizer offloaded: auto | host | host_bf16 | nvme "
+         "(strata.gradient_home; default auto: host fp32 if it fits, else NVMe fp32)"},
+        {"--schedule", kZeroGroup,
+         "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule; "
+         "default auto: the one moving fewer bytes over the slowest link)"},
+        {"--activation-home", kZeroGroup,
+         "Where the layer-major order keeps activation checkpoints: auto | device | host | nvme "
+         "(strata.activation_home; default auto: the first that fits)"},
         {"--aio-block-size", kIoGroup,
          "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
         {"--aio-queue-depth", kIoGroup,
