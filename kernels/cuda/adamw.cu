@@ -117,14 +117,14 @@ __device__ __forceinline__ uint32_t block_max_bits(uint32_t x, uint32_t* shared)
 // last block may be short.
 template <typename G, typename C>
 __global__ void __launch_bounds__(kInt8Block)
-    adamw_int8_kernel(float* master,            // (numel)
-                      int8_t* exp_avg,          // (numel) codes of m
-                      uint8_t* exp_avg_sq,      // (numel) codes of sqrt(v)
-                      float* exp_avg_scale,     // (blocks) max |m|
-                      float* exp_avg_sq_scale,  // (blocks) max sqrt(v)
-                      const G* grad,            // (numel)
-                      C* copy,                  // (numel), unused for NoCopy
-                      AdamWConstants c, int64_t numel) {
+    adamw_blockwise_kernel(float* master,            // (numel)
+                           int8_t* exp_avg,          // (numel) codes of m
+                           uint8_t* exp_avg_sq,      // (numel) codes of sqrt(v)
+                           float* exp_avg_scale,     // (blocks) max |m|
+                           float* exp_avg_sq_scale,  // (blocks) max sqrt(v)
+                           const G* grad,            // (numel)
+                           C* copy,                  // (numel), unused for NoCopy
+                           AdamWConstants c, int64_t numel) {
   __shared__ uint32_t m_shared[kInt8Block / 32], root_shared[kInt8Block / 32];
   const int64_t block = blockIdx.x;
   const int64_t i = block * kInt8Block + threadIdx.x;
@@ -220,15 +220,15 @@ Status adamw_int8_launch(float* master, int8_t* exp_avg, uint8_t* exp_avg_sq, fl
     using G = decltype(grad_tag);
     const G* grad = static_cast<const G*>(grad_data);
     if (copy == nullptr) {
-      adamw_int8_kernel<G, NoCopy>
+      adamw_blockwise_kernel<G, NoCopy>
           <<<blocks, kInt8Block, 0, stream>>>(master, exp_avg, exp_avg_sq, exp_avg_scale,
                                               exp_avg_sq_scale, grad, nullptr, constants, numel);
     } else if (copy_type == DType::bf16) {
-      adamw_int8_kernel<G, bf16><<<blocks, kInt8Block, 0, stream>>>(
+      adamw_blockwise_kernel<G, bf16><<<blocks, kInt8Block, 0, stream>>>(
           master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, grad,
           static_cast<bf16*>(copy), constants, numel);
     } else {
-      adamw_int8_kernel<G, f16><<<blocks, kInt8Block, 0, stream>>>(
+      adamw_blockwise_kernel<G, f16><<<blocks, kInt8Block, 0, stream>>>(
           master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, grad,
           static_cast<f16*>(copy), constants, numel);
     }
