@@ -436,5 +436,101 @@ TEST(StateFormatBlocks, Int8ScalesFollowWindowsCutAtSegments) {
   }
 }
 
+// compact_runs, the cuts the GPU optimizer makes itself: runs that cover the
+// shard in order, one parameter group each, an int8 run inside one window or
+// starting on one, their blocks counted as int8_block_count counts them; and
+// the CPU kernel run on them is Optimizer::update_shard bitwise.
+TEST(StateFormatBlocks, CompactRunsAreTheOptimizersCuts) {
+  std::mt19937_64 random(tiers::testing::fresh_seed("compact_runs"));
+  const int64_t n = 3000;
+  const std::vector<ShardSegment> segments = {{0, 100, ParamGroup::no_decay},
+                                              {100, 700, ParamGroup::decay},
+                                              {700, 710, ParamGroup::no_decay},
+                                              {710, 2049, ParamGroup::decay},
+                                              {2049, 3000, ParamGroup::no_decay}};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> grad(static_cast<size_t>(n)), master(static_cast<size_t>(n));
+  for (auto& g : grad) g = normal(random);
+  for (auto& p : master) p = normal(random);
+  OptimizerOptions options;
+  options.adamw.weight_decay = 0.1;
+  Result<Optimizer> optimizer = Optimizer::create(options);
+  ASSERT_TRUE(optimizer.is_ok());
+  Result<StepPlan> plan = optimizer->begin_step(kernels::cpu::GradNormPartial{});
+  ASSERT_TRUE(plan.is_ok());
+  for (const auto state :
+       {kernels::cpu::AdamWStateType::bf16, kernels::cpu::AdamWStateType::int8}) {
+    const bool int8 = state == kernels::cpu::AdamWStateType::int8;
+    Result<std::vector<CompactRun>> runs = compact_runs(segments, n, state);
+    ASSERT_TRUE(runs.is_ok()) << runs.status().message();
+    int64_t at = 0, block = 0;
+    size_t segment = 0;
+    for (const CompactRun& r : *runs) {
+      EXPECT_EQ(r.begin, at);
+      EXPECT_LT(r.begin, r.end);
+      while (segments[segment].end <= r.begin) ++segment;
+      EXPECT_LE(r.end, segments[segment].end);
+      EXPECT_EQ(r.group, segments[segment].group);
+      if (int8) {
+        EXPECT_EQ(r.block, block);
+        // Inside one window, or from the start of one.
+        EXPECT_TRUE(r.begin % 256 == 0 || r.end <= (r.begin / 256 + 1) * 256) << r.begin;
+        block += (r.end - r.begin + 255) / 256;
+      } else {
+        EXPECT_EQ(r.block, 0);
+        EXPECT_EQ(r.end, segments[segment].end);  // bf16: a whole group
+      }
+      at = r.end;
+    }
+    EXPECT_EQ(at, n);
+    if (int8) {
+      EXPECT_EQ(block, int8_block_count(segments, n));
+    }
+
+    const int64_t mb = int8 ? 1 : 2;
+    const int64_t blocks = int8 ? int8_block_count(segments, n) : 0;
+    std::vector<float> p1 = master, p2 = master;
+    std::vector<uint8_t> m1(static_cast<size_t>(n * mb)), v1(static_cast<size_t>(n * mb));
+    std::vector<uint8_t> m2 = m1, v2 = v1;
+    std::vector<float> ms1(static_cast<size_t>(blocks)), vs1(static_cast<size_t>(blocks));
+    std::vector<float> ms2 = ms1, vs2 = vs1;
+    for (int step = 0; step < 2; ++step) {
+      CompactOptimizerShard shard;
+      shard.arrays.numel = n;
+      shard.arrays.state_type = state;
+      shard.arrays.master = p1.data();
+      shard.arrays.exp_avg = m1.data();
+      shard.arrays.exp_avg_sq = v1.data();
+      shard.arrays.exp_avg_scale = int8 ? ms1.data() : nullptr;
+      shard.arrays.exp_avg_sq_scale = int8 ? vs1.data() : nullptr;
+      shard.arrays.grad = grad.data();
+      shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+      shard.segments = segments;
+      ASSERT_TRUE(optimizer->update_shard(*plan, shard).is_ok());
+      for (const CompactRun& r : *runs) {
+        kernels::cpu::AdamWStateShard part;
+        part.numel = r.end - r.begin;
+        part.state_type = state;
+        part.master = p2.data() + r.begin;
+        part.exp_avg = m2.data() + r.begin * mb;
+        part.exp_avg_sq = v2.data() + r.begin * mb;
+        part.exp_avg_scale = int8 ? ms2.data() + r.block : nullptr;
+        part.exp_avg_sq_scale = int8 ? vs2.data() + r.block : nullptr;
+        part.grad = grad.data() + r.begin;
+        part.grad_type = kernels::cpu::ElementType::f32;
+        ASSERT_TRUE(kernels::cpu::adamw_step(part, optimizer->hyperparams(*plan, r.group)).is_ok());
+      }
+    }
+    EXPECT_EQ(p1, p2);
+    EXPECT_EQ(m1, m2);
+    EXPECT_EQ(v1, v2);
+    EXPECT_EQ(ms1, ms2);
+    EXPECT_EQ(vs1, vs2);
+  }
+  // Segments that leave a gap are refused.
+  const std::vector<ShardSegment> gap = {{0, 10, ParamGroup::decay}, {11, 20, ParamGroup::decay}};
+  EXPECT_FALSE(compact_runs(gap, 20, kernels::cpu::AdamWStateType::int8).is_ok());
+}
+
 }  // namespace
 }  // namespace strata
