@@ -4,7 +4,8 @@
 // alike), the loss falls, the NVMe bytes moved equal the plan's, int8 blocks
 // are the 256-element windows of a rank's range cut at parameter groups (the
 // scales after one step from zero checked against that rule element by
-// element), checkpoints resume bitwise in each format, the CUDA backend's
+// element; compact_runs, the GPU optimizer's cuts, are the CPU optimizer's),
+// checkpoints resume bitwise in each format, the CUDA backend's
 // data paths (emulated) with compact state in the GPU optimizer's memory are
 // the CPU backend's run bitwise and resume bitwise, and a resume into another
 // format or int8 at another world size is refused in one line.
