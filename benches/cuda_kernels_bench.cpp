@@ -325,6 +325,33 @@ int run(int64_t N, int64_t T, int reps) {
   report.bytes("adamw (fp32 grad, bf16 copy)", pn,
                time_ms("adamw_step", reps, [&] { return cuda::adamw_step(shard, hyper, nullptr); }),
                P * (3 * 8.0 + 4 + e));
+  // Compact moments in the same buffers: bf16 (2 bytes each), int8 (1 byte
+  // each, plus two fp32 scales per 256 elements read and written).
+  const int64_t blocks =
+      strata::kernels::cpu::adamw_state_scale_count(strata::kernels::cpu::AdamWStateType::int8, P);
+  Buffer scales(static_cast<std::size_t>(2 * blocks * 4));
+  for (const auto state :
+       {strata::kernels::cpu::AdamWStateType::bf16, strata::kernels::cpu::AdamWStateType::int8}) {
+    const bool int8 = state == strata::kernels::cpu::AdamWStateType::int8;
+    cuda::AdamWDeviceStateShard compact;
+    compact.numel = P;
+    compact.state_type = state;
+    compact.master = master.f32();
+    compact.exp_avg = m.get();
+    compact.exp_avg_sq = v.get();
+    compact.exp_avg_scale = int8 ? scales.f32() : nullptr;
+    compact.exp_avg_sq_scale = int8 ? scales.f32() + blocks : nullptr;
+    compact.grad = grad.get();
+    compact.grad_type = DType::f32;
+    compact.copy = copy.get();
+    compact.copy_type = bf16;
+    const double moment = int8 ? 1.0 : 2.0;
+    report.bytes(
+        int8 ? "adamw, int8 moments (fp32 grad, bf16 copy)"
+             : "adamw, bf16 moments (fp32 grad, bf16 copy)",
+        pn, time_ms("adamw_step", reps, [&] { return cuda::adamw_step(compact, hyper, nullptr); }),
+        P * (2 * 4.0 + 4 * moment + 4 + e) + (int8 ? 16.0 * blocks : 0.0));
+  }
   report.bytes("grad norm (fp32)", pn,
                time_ms("grad_norm_squared", reps,
                        [&] {

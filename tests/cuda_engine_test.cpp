@@ -14,7 +14,9 @@
 // optimizer is on it, and both stay close to the CPU backend at that world
 // size; tied embeddings; bf16 placements agree and stay close to the CPU
 // backend; a run with its state on the GPU resumed from a checkpoint gives
-// the straight run bitwise; the device peak stays within the plan and the budget.
+// the straight run bitwise; the device peak stays within the plan and the
+// budget; compact optimizer state (bf16, int8) in GPU memory stays close to
+// the CPU backend with that format and resumes bitwise.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -159,20 +161,27 @@ TEST(CudaEnginePlan, EachKindOfStateLivesWhereThePlacementSays) {
   }
 }
 
+// Compact m and v (bf16, int8) stay on the device with the rest, int8's
+// block scales too.
 TEST(CudaEnginePlan, ResidentStateIsAllOnTheDevice) {
   for (const char* precision : {"fp32", "bf16"}) {
-    for (int stage = 0; stage <= 3; ++stage) {
-      EngineRun run = resident_run(precision);
-      run.stage = stage;
-      Result<TrainingPlan> plan = gpu_plan(run);
-      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-      for (const PlanBuffer& b : plan->buffers) {
-        if (b.name == "tokens and targets") {
-          EXPECT_EQ(b.tier, tiers::Tier::host);
-        } else {
-          EXPECT_EQ(b.tier, tiers::Tier::device) << b.name << ", " << run.label();
+    for (const char* state : {"fp32", "bf16", "int8"}) {
+      for (int stage = 0; stage <= 3; ++stage) {
+        EngineRun run = resident_run(precision);
+        run.stage = stage;
+        run.state_dtype = state;
+        Result<TrainingPlan> plan = gpu_plan(run);
+        ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+        EXPECT_EQ(plan->buffer(BufferRole::int8_scales) != nullptr, std::string(state) == "int8")
+            << run.label();
+        for (const PlanBuffer& b : plan->buffers) {
+          if (b.name == "tokens and targets") {
+            EXPECT_EQ(b.tier, tiers::Tier::host);
+          } else {
+            EXPECT_EQ(b.tier, tiers::Tier::device) << b.name << ", " << run.label();
+          }
+          EXPECT_EQ(b.name.find("gathered"), std::string::npos) << b.name;
         }
-        EXPECT_EQ(b.name.find("gathered"), std::string::npos) << b.name;
       }
     }
   }
@@ -323,6 +332,38 @@ TEST_F(CudaEngine, ResidentStateResumesBitwise) {
   EngineRun run = resident_run("bf16");
   run.steps = 4;
   expect_resumes_bitwise(run, 2);
+}
+
+// Compact optimizer state (bf16, int8) in GPU memory, updated by the CUDA
+// kernel, against the CPU backend with the same format: close, not bitwise
+// (the gradients differ in fp32 summation order, and a moment near a rounding
+// boundary of its format may land on the neighbouring code); the run resumes
+// from a checkpoint bitwise (codes and int8 scales read from and written to
+// the device), within its plan's device peak.
+TEST_F(CudaEngine, ResidentCompactStateMatchesTheCpuBackendAndResumesBitwise) {
+  for (const char* state : {"bf16", "int8"}) {
+    EngineRun gpu = resident_run("fp32");
+    gpu.state_dtype = state;
+    gpu.lr = 1e-3;
+    gpu.eps = 1e-6;
+    gpu.steps = 3;
+    EngineRun cpu = gpu;
+    cpu.backend = kernels::BackendKind::cpu;
+    const EngineOutcome on_gpu = train(gpu);
+    ASSERT_EQ(on_gpu.steps.size(), 3u);
+    EXPECT_NE(on_gpu.steps[0].loss, on_gpu.steps[2].loss) << state;  // it trained
+    expect_close(on_gpu, train(cpu), 1e-4, 1e-3, std::string("resident GPU against CPU, ") + state);
+    EXPECT_LE(on_gpu.rank_usage[0].peak, on_gpu.plan.peak(tiers::Tier::device) + (1 << 20));
+
+    EngineRun resumed = resident_run("bf16");
+    resumed.state_dtype = state;
+    resumed.steps = 4;
+    expect_resumes_bitwise(resumed, 2);
+    // Two ranks, each with its range's blocks and scales.
+    resumed.world = 2;
+    resumed.stage = 2;
+    expect_resumes_bitwise(resumed, 2);
+  }
 }
 
 // Placements whose optimizer runs on the CPU and those whose optimizer runs

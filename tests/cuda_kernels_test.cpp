@@ -4,7 +4,8 @@
 //  - bf16 and fp16 against a float64 reference, at most twice the error of
 //    PyTorch's low-precision version as emulated in tests/cuda_test_support.h
 //    (each reference below says where PyTorch rounds);
-//  - AdamW bitwise equal to the CPU kernel; the gradient norm equal to the CPU
+//  - AdamW bitwise equal to the CPU kernel, with fp32, bf16 and int8 moments
+//    (int8: codes and scales); the gradient norm equal to the CPU
 //    one to float64 rounding; argument errors naming the kernel and the shape.
 // Skipped when no GPU can be used; argument checks run everywhere.
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include <random>
 #include <vector>
 
+#include "core/optimizer/optimizer.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -644,6 +646,189 @@ TEST_F(CudaKernels, AdamWIsBitwiseTheCpuStep) {
   }
 }
 
+// Compact moments (bf16, int8): the GPU step on a shard cut into runs as the
+// CPU optimizer cuts it (core/optimizer/optimizer.h compact_runs: parameter
+// groups of odd lengths, int8 runs starting inside a 256-element window),
+// three steps from a random state (int8: random codes and scales, a block of
+// zero state and gradient, a block of tiny gradients), against the CPU
+// kernel on the same runs. The CUDA kernel performs the CPU kernel's
+// operations (kernels/cuda/adamw.h), so master, copy, moments and scales must
+// be bitwise equal; a mismatch reports how far apart they are (bf16 moments
+// in ulps, int8 codes in codes, scales and master relative).
+TEST_F(CudaKernels, AdamWCompactMomentsAreBitwiseTheCpuStep) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t n = 5 * 256 + 1000 + 37;
+  const std::vector<ShardSegment> segments = {{0, 300, ParamGroup::no_decay},
+                                              {300, 301, ParamGroup::decay},
+                                              {301, 1500, ParamGroup::decay},
+                                              {1500, 1537, ParamGroup::no_decay},
+                                              {1537, n, ParamGroup::decay}};
+  std::uniform_int_distribution<int> m_code(-127, 127), root_code(0, 255);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (const cpu::AdamWStateType state : {cpu::AdamWStateType::bf16, cpu::AdamWStateType::int8}) {
+    for (const DType grad_type : {DType::f32, DType::bf16}) {
+      for (const DType copy_type : {DType::f32, DType::bf16, DType::f16}) {  // f32: no copy
+        const bool int8 = state == cpu::AdamWStateType::int8;
+        SCOPED_TRACE(std::string(cpu::adamw_state_type_name(state)) + " moments, " +
+                     type_label(grad_type) + " grad, " + type_label(copy_type) + " copy");
+        Result<std::vector<CompactRun>> runs = compact_runs(segments, n, state);
+        ASSERT_TRUE(runs.is_ok()) << runs.status().message();
+        const int64_t blocks = int8 ? int8_block_count(segments, n) : 0;
+        const int64_t mb = int8 ? 1 : 2;
+        // A random state in the stored format.
+        std::vector<float> master = random_floats(n, rng_);
+        std::vector<uint8_t> m(static_cast<size_t>(n * mb)), v(static_cast<size_t>(n * mb));
+        std::vector<float> m_scale(static_cast<size_t>(blocks)),
+            v_scale(static_cast<size_t>(blocks));
+        if (int8) {
+          for (int64_t i = 0; i < n; ++i) {
+            m[size_t(i)] = static_cast<uint8_t>(static_cast<int8_t>(m_code(rng_)));
+            v[size_t(i)] = static_cast<uint8_t>(root_code(rng_));
+          }
+          for (int64_t b = 0; b < blocks; ++b) {
+            m_scale[size_t(b)] = 0.01f * unit(rng_);
+            v_scale[size_t(b)] = 0.01f * unit(rng_);
+          }
+        } else {
+          auto* const m16 = reinterpret_cast<uint16_t*>(m.data());
+          auto* const v16 = reinterpret_cast<uint16_t*>(v.data());
+          for (int64_t i = 0; i < n; ++i) {
+            m16[i] = cpu::float_to_bf16(0.01f * (2.0f * unit(rng_) - 1.0f));
+            const float root = 0.01f * unit(rng_);
+            v16[i] = cpu::float_to_bf16(root * root);
+          }
+        }
+        std::vector<float> grad = rounded(random_floats(n, rng_, 0.1f), grad_type);
+        // Elements [256, 512): zero state and gradient (an int8 block with scale 0);
+        // [1024, 1280): tiny gradients.
+        for (int64_t i = 256; i < 512; ++i) {
+          grad[size_t(i)] = 0.0f;
+          std::fill_n(m.begin() + i * mb, mb, 0);
+          std::fill_n(v.begin() + i * mb, mb, 0);
+        }
+        if (int8) {
+          for (const CompactRun& r : *runs) {
+            for (int64_t b = r.block; b < r.block + (r.end - r.begin + 255) / 256; ++b) {
+              if (r.begin >= 256 && r.end <= 512) m_scale[size_t(b)] = v_scale[size_t(b)] = 0.0f;
+            }
+          }
+        }
+        for (int64_t i = 1024; i < 1280; ++i) grad[size_t(i)] *= 1e-20f;
+
+        auto d_master = upload(master, DType::f32), d_grad = upload(grad, grad_type);
+        auto d_m = upload_raw(m), d_v = upload_raw(v);
+        auto d_m_scale = upload_raw(int8 ? m_scale : std::vector<float>(1));
+        auto d_v_scale = upload_raw(int8 ? v_scale : std::vector<float>(1));
+        DeviceBuffer d_copy(size_t(n) * 2);
+        std::vector<uint16_t> grad_bits(static_cast<size_t>(n)), copy_bits(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) grad_bits[size_t(i)] = cpu::float_to_bf16(grad[size_t(i)]);
+
+        for (int64_t step = 1; step <= 3; ++step) {
+          for (const CompactRun& r : *runs) {
+            cpu::AdamWHyperparams hyper;
+            hyper.lr = 1e-3;
+            hyper.weight_decay = r.group == ParamGroup::decay ? 0.1 : 0.0;
+            hyper.step = step;
+            hyper.grad_scale = 0.5;
+            const int64_t count = r.end - r.begin;
+
+            cuda::AdamWDeviceStateShard shard;
+            shard.numel = count;
+            shard.state_type = state;
+            shard.master = d_master->f32() + r.begin;
+            shard.exp_avg = static_cast<uint8_t*>(d_m->get()) + r.begin * mb;
+            shard.exp_avg_sq = static_cast<uint8_t*>(d_v->get()) + r.begin * mb;
+            if (int8) {
+              shard.exp_avg_scale = d_m_scale->f32() + r.block;
+              shard.exp_avg_sq_scale = d_v_scale->f32() + r.block;
+            }
+            shard.grad = static_cast<const uint8_t*>(d_grad->get()) +
+                         r.begin * int64_t(cuda::dtype_size(grad_type));
+            shard.grad_type = grad_type;
+            shard.copy = copy_type == DType::f32
+                             ? nullptr
+                             : static_cast<void*>(static_cast<uint16_t*>(d_copy.get()) + r.begin);
+            shard.copy_type = copy_type;
+            expect_ok(cuda::adamw_step(shard, hyper, nullptr));
+
+            cpu::AdamWStateShard host;
+            host.numel = count;
+            host.state_type = state;
+            host.master = master.data() + r.begin;
+            host.exp_avg = m.data() + r.begin * mb;
+            host.exp_avg_sq = v.data() + r.begin * mb;
+            if (int8) {
+              host.exp_avg_scale = m_scale.data() + r.block;
+              host.exp_avg_sq_scale = v_scale.data() + r.block;
+            }
+            host.grad = grad_type == DType::f32 ? static_cast<const void*>(grad.data() + r.begin)
+                                                : grad_bits.data() + r.begin;
+            host.grad_type =
+                grad_type == DType::f32 ? cpu::ElementType::f32 : cpu::ElementType::bf16;
+            host.copy = copy_type == DType::f32 ? nullptr : copy_bits.data() + r.begin;
+            host.copy_type =
+                copy_type == DType::f16 ? cpu::ElementType::f16 : cpu::ElementType::bf16;
+            ASSERT_TRUE(cpu::adamw_step(host, hyper).is_ok());
+          }
+        }
+
+        const std::vector<float> gpu_master = download(d_master->get(), size_t(n), DType::f32);
+        std::vector<uint8_t> gpu_m(m.size()), gpu_v(v.size());
+        ASSERT_EQ(cudaMemcpy(gpu_m.data(), d_m->get(), m.size(), cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(gpu_v.data(), d_v->get(), v.size(), cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        // How far apart, for the failure message.
+        double master_error = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double a = gpu_master[size_t(i)], b = master[size_t(i)];
+          master_error = std::max(master_error, std::fabs(a - b) / std::max(std::fabs(b), 1e-30));
+        }
+        int moment_error = 0;  // bf16: ulps (the bits of same-sign values); int8: codes
+        for (int64_t i = 0; i < n; ++i) {
+          for (int f = 0; f < 2; ++f) {
+            const auto& gpu_state = f == 0 ? gpu_m : gpu_v;
+            const auto& cpu_state = f == 0 ? m : v;
+            int a, b;
+            if (int8 && f == 0) {
+              a = static_cast<int8_t>(gpu_state[size_t(i)]);
+              b = static_cast<int8_t>(cpu_state[size_t(i)]);
+            } else if (int8) {
+              a = gpu_state[size_t(i)];
+              b = cpu_state[size_t(i)];
+            } else {
+              a = reinterpret_cast<const uint16_t*>(gpu_state.data())[i];
+              b = reinterpret_cast<const uint16_t*>(cpu_state.data())[i];
+            }
+            moment_error = std::max(moment_error, std::abs(a - b));
+          }
+        }
+        EXPECT_EQ(gpu_master, master) << "largest relative master difference " << master_error;
+        EXPECT_EQ(gpu_m, m) << "largest moment difference " << moment_error;
+        EXPECT_EQ(gpu_v, v) << "largest moment difference " << moment_error;
+        if (int8) {
+          EXPECT_EQ(download(d_m_scale->get(), size_t(blocks), DType::f32), m_scale);
+          EXPECT_EQ(download(d_v_scale->get(), size_t(blocks), DType::f32), v_scale);
+          // The blocks of zero state and gradient keep scale 0.
+          for (const CompactRun& r : *runs) {
+            if (r.begin >= 256 && r.end <= 512) {
+              for (int64_t b = r.block; b < r.block + (r.end - r.begin + 255) / 256; ++b)
+                EXPECT_EQ(m_scale[size_t(b)], 0.0f) << "block " << b;
+            }
+          }
+        }
+        if (copy_type != DType::f32) {
+          std::vector<uint16_t> gpu_copy(static_cast<size_t>(n));
+          ASSERT_EQ(
+              cudaMemcpy(gpu_copy.data(), d_copy.get(), size_t(n) * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+          EXPECT_EQ(gpu_copy, copy_bits);
+        }
+      }
+    }
+  }
+}
+
 // --- matrix products ------------------------------------------------------------------
 
 TEST_F(CudaKernels, MatmulMatchesCpu) {
@@ -786,6 +971,24 @@ TEST(CudaKernelErrors, NameTheKernelTypeAndShape) {
   ASSERT_FALSE(rope.is_ok());
   EXPECT_NE(rope.message().find("rope_forward<fp16> (B=1 T=4 heads=2 D=7"), std::string::npos)
       << rope.message();
+
+  // Compact moments: int8 needs its scales, other formats take none.
+  cuda::AdamWDeviceStateShard compact;
+  compact.numel = 10;
+  compact.state_type = cpu::AdamWStateType::int8;
+  compact.master = reinterpret_cast<float*>(16);
+  compact.exp_avg = compact.exp_avg_sq = compact.master;
+  compact.grad = compact.master;
+  const Status no_scales = cuda::adamw_step(compact, cpu::AdamWHyperparams{}, nullptr);
+  ASSERT_FALSE(no_scales.is_ok());
+  EXPECT_NE(no_scales.message().find("int8 moments need"), std::string::npos)
+      << no_scales.message();
+  compact.state_type = cpu::AdamWStateType::bf16;
+  compact.exp_avg_scale = compact.exp_avg_sq_scale = compact.master;
+  const Status extra = cuda::adamw_step(compact, cpu::AdamWHyperparams{}, nullptr);
+  ASSERT_FALSE(extra.is_ok());
+  EXPECT_NE(extra.message().find("bf16 moments were given some"), std::string::npos)
+      << extra.message();
 
   const Status scratch = cuda::rmsnorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr,
                                                 nullptr, 64, 128, DType::f32, nullptr, 0, nullptr);

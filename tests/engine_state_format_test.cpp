@@ -4,13 +4,16 @@
 // alike), the loss falls, the NVMe bytes moved equal the plan's, int8 blocks
 // are the 256-element windows of a rank's range cut at parameter groups (the
 // scales after one step from zero checked against that rule element by
-// element), checkpoints resume bitwise in each format, and a resume into
-// another format, int8 at another world size, and compact state in GPU memory
-// are refused in one line.
+// element; compact_runs, the GPU optimizer's cuts, are the CPU optimizer's),
+// checkpoints resume bitwise in each format, the CUDA backend's
+// data paths (emulated) with compact state in the GPU optimizer's memory are
+// the CPU backend's run bitwise and resume bitwise, and a resume into another
+// format or int8 at another world size is refused in one line.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <random>
 
 #include "core/optimizer/optimizer.h"
@@ -205,7 +208,7 @@ TEST_F(EngineStateFormat, CheckpointsResumeBitwiseInEachFormat) {
 
 // The CUDA backend's data paths (emulated on the CPU) with the optimizer
 // offloaded: compact state and every gradient home give the CPU backend's
-// run bitwise; compact state in the GPU optimizer's memory is refused.
+// run bitwise.
 TEST_F(EngineStateFormat, GpuPathsWithTheOptimizerOffloadedEqualTheCpuBackend) {
   for (auto [state, home] :
        {std::pair{"int8", "auto"}, std::pair{"bf16", "nvme"}, std::pair{"fp32", "host_bf16"}}) {
@@ -218,14 +221,58 @@ TEST_F(EngineStateFormat, GpuPathsWithTheOptimizerOffloadedEqualTheCpuBackend) {
       testing::expect_identical(train(cpu), train(gpu), gpu.label() + " vs the CPU backend");
     }
   }
-  EngineRun refused = placed(1, 0, "none", "none", "bf16", "int8");
-  refused.emulate_gpu = true;
-  std::string error;
-  EXPECT_FALSE(engine(refused, "", &error));
-  EXPECT_NE(error.find("offload the optimizer"), std::string::npos) << error;
 }
 
-TEST(StateFormatPlan, MomentsTakeTheirFormatsBytesAndGpuHomesAreRefused) {
+// The CUDA backend's data paths (emulated on the CPU, whose GPU rank runs the
+// CPU kernels) with compact state in the GPU optimizer's memory, int8 scales
+// there too: the CPU backend's run bitwise, and a checkpoint saved there
+// (codes and scales read back from the device) resumes bitwise on the GPU
+// path and on the CPU backend. Two ranks, so that gradients pass through host
+// memory (one rank with the optimizer on the GPU accumulates them inside the
+// backward, close to the CPU backend but not bitwise: engine_gpu_paths_test).
+TEST_F(EngineStateFormat, GpuResidentCompactStateEqualsTheCpuBackendAndResumesBitwise) {
+  for (const char* state : {"bf16", "int8"}) {
+    for (const int stage : {0, 2}) {
+      EngineRun cpu = placed(2, stage, "none", "none", "bf16", state);
+      cpu.steps = 3;
+      EngineRun gpu = cpu;
+      gpu.emulate_gpu = true;
+      const EngineOutcome on_gpu = train(gpu);
+      const PlanBuffer* scales = on_gpu.plan.buffer(BufferRole::int8_scales);
+      EXPECT_EQ(scales != nullptr, std::string(state) == "int8") << gpu.label();
+      if (scales != nullptr) {
+        EXPECT_EQ(scales->tier, tiers::Tier::device) << gpu.label();
+      }
+      testing::expect_identical(train(cpu), on_gpu, gpu.label() + " vs the CPU backend");
+    }
+    EngineRun run = placed(2, 2, "none", "none", "bf16", state);
+    run.emulate_gpu = true;
+    auto straight = engine(run, "");
+    ASSERT_TRUE(straight);
+    const std::vector<double> all = steps(*straight, 4);
+    Result<HostModel> expected = straight->read_model();
+    ASSERT_TRUE(expected.is_ok());
+    auto first = engine(run, "");
+    ASSERT_TRUE(first);
+    steps(*first, 2);
+    Result<std::string> saved = first->save_checkpoint(dir_.path() + "/gpu-save-" + state, 0);
+    ASSERT_TRUE(saved.is_ok()) << saved.status().message();
+    first.reset();
+    for (EngineRun resumed_run : {run, placed(2, 3, "nvme", "nvme", "bf16", state)}) {
+      auto resumed = engine(resumed_run, *saved);
+      ASSERT_TRUE(resumed);
+      const std::vector<double> rest = steps(*resumed, 2);
+      ASSERT_EQ(rest.size(), 2u);
+      EXPECT_EQ(rest[0], all[2]) << resumed_run.label();
+      EXPECT_EQ(rest[1], all[3]) << resumed_run.label();
+      Result<HostModel> got = resumed->read_model();
+      ASSERT_TRUE(got.is_ok());
+      EXPECT_TRUE(testing::weights_bitwise_equal(*got, *expected)) << resumed_run.label();
+    }
+  }
+}
+
+TEST(StateFormatPlan, MomentsTakeTheirFormatsBytesAndInt8ScalesLieBesideTheOptimizer) {
   TrainingPlanInput in;
   in.model = testing::small_gqa_model();
   in.world_size = 2;
@@ -248,20 +295,46 @@ TEST(StateFormatPlan, MomentsTakeTheirFormatsBytesAndGpuHomesAreRefused) {
     EXPECT_EQ(m->elements, elements);
     EXPECT_EQ(buffer_element_bytes(m->element), bytes);
     EXPECT_EQ(plan->buffer(BufferRole::int8_scales) != nullptr, state == OptimizerStateDtype::int8);
+    if (state == OptimizerStateDtype::int8) {
+      EXPECT_EQ(plan->buffer(BufferRole::int8_scales)->tier, tiers::Tier::host);
+    }
     // Per optimizer element, the streamed step reads and writes master + 2 moments.
     EXPECT_EQ(plan->traffic_per_step.nvme_read - fp32->traffic_per_step.nvme_read,
               elements * (2 * bytes - 8));
   }
-  // The CUDA backend's optimizer in GPU memory has no compact state.
+  // The CUDA backend's optimizer in GPU memory keeps compact m and v there,
+  // and int8's scales beside them, charged to the device: the device peak
+  // grows by exactly the scales over bf16 state's, whose moments take as
+  // many bytes as int8's twice.
   in.gpu = true;
   in.offload_param = OffloadDevice::none;
   in.offload_optimizer = OffloadDevice::none;
   in.stage = 0;
-  Result<TrainingPlan> refused = build_training_plan(in);
-  ASSERT_FALSE(refused.is_ok());
-  EXPECT_NE(refused.status().message().find("strata.optimizer_state_dtype int8"),
-            std::string::npos);
-  EXPECT_NE(refused.status().message().find("--offload-optimizer"), std::string::npos);
+  std::map<OptimizerStateDtype, TrainingPlan> gpu;
+  for (const OptimizerStateDtype state : {OptimizerStateDtype::bf16, OptimizerStateDtype::int8}) {
+    in.optimizer_state = state;
+    Result<TrainingPlan> plan = build_training_plan(in);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    EXPECT_EQ(plan->homes.optimizer, tiers::Tier::device);
+    EXPECT_EQ(plan->buffer(BufferRole::m_state)->tier, tiers::Tier::device);
+    gpu.emplace(state, std::move(*plan));
+  }
+  const TrainingPlan& int8 = gpu.at(OptimizerStateDtype::int8);
+  const PlanBuffer* scales = int8.buffer(BufferRole::int8_scales);
+  ASSERT_NE(scales, nullptr);
+  EXPECT_EQ(scales->tier, tiers::Tier::device);
+  int64_t blocks = 0;
+  for (const UnitPlacement& p : int8.units) blocks += p.int8_blocks;
+  EXPECT_EQ(scales->elements, blocks);
+  EXPECT_GE(scales->copy_bytes(), blocks * 4);
+  const int host = static_cast<int>(tiers::Tier::host);
+  const int device = static_cast<int>(tiers::Tier::device);
+  const TrainingPlan& bf16 = gpu.at(OptimizerStateDtype::bf16);
+  EXPECT_EQ(int8.peak_bytes[host], bf16.peak_bytes[host]);
+  const int64_t moments_saved =
+      bf16.buffer(BufferRole::m_state)->bytes - int8.buffer(BufferRole::m_state)->bytes +
+      bf16.buffer(BufferRole::v_state)->bytes - int8.buffer(BufferRole::v_state)->bytes;
+  EXPECT_EQ(int8.peak_bytes[device], bf16.peak_bytes[device] - moments_saved + scales->bytes);
 }
 
 // The blocks of int8 state, checked against the rule written out by brute
@@ -362,6 +435,102 @@ TEST(StateFormatBlocks, Int8ScalesFollowWindowsCutAtSegments) {
       EXPECT_EQ(std::abs(int(m1[size_t(i)])), 127) << "element " << i;
     }
   }
+}
+
+// compact_runs, the cuts the GPU optimizer makes itself: runs that cover the
+// shard in order, one parameter group each, an int8 run inside one window or
+// starting on one, their blocks counted as int8_block_count counts them; and
+// the CPU kernel run on them is Optimizer::update_shard bitwise.
+TEST(StateFormatBlocks, CompactRunsAreTheOptimizersCuts) {
+  std::mt19937_64 random(tiers::testing::fresh_seed("compact_runs"));
+  const int64_t n = 3000;
+  const std::vector<ShardSegment> segments = {{0, 100, ParamGroup::no_decay},
+                                              {100, 700, ParamGroup::decay},
+                                              {700, 710, ParamGroup::no_decay},
+                                              {710, 2049, ParamGroup::decay},
+                                              {2049, 3000, ParamGroup::no_decay}};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> grad(static_cast<size_t>(n)), master(static_cast<size_t>(n));
+  for (auto& g : grad) g = normal(random);
+  for (auto& p : master) p = normal(random);
+  OptimizerOptions options;
+  options.adamw.weight_decay = 0.1;
+  Result<Optimizer> optimizer = Optimizer::create(options);
+  ASSERT_TRUE(optimizer.is_ok());
+  Result<StepPlan> plan = optimizer->begin_step(kernels::cpu::GradNormPartial{});
+  ASSERT_TRUE(plan.is_ok());
+  for (const auto state :
+       {kernels::cpu::AdamWStateType::bf16, kernels::cpu::AdamWStateType::int8}) {
+    const bool int8 = state == kernels::cpu::AdamWStateType::int8;
+    Result<std::vector<CompactRun>> runs = compact_runs(segments, n, state);
+    ASSERT_TRUE(runs.is_ok()) << runs.status().message();
+    int64_t at = 0, block = 0;
+    size_t segment = 0;
+    for (const CompactRun& r : *runs) {
+      EXPECT_EQ(r.begin, at);
+      EXPECT_LT(r.begin, r.end);
+      while (segments[segment].end <= r.begin) ++segment;
+      EXPECT_LE(r.end, segments[segment].end);
+      EXPECT_EQ(r.group, segments[segment].group);
+      if (int8) {
+        EXPECT_EQ(r.block, block);
+        // Inside one window, or from the start of one.
+        EXPECT_TRUE(r.begin % 256 == 0 || r.end <= (r.begin / 256 + 1) * 256) << r.begin;
+        block += (r.end - r.begin + 255) / 256;
+      } else {
+        EXPECT_EQ(r.block, 0);
+        EXPECT_EQ(r.end, segments[segment].end);  // bf16: a whole group
+      }
+      at = r.end;
+    }
+    EXPECT_EQ(at, n);
+    if (int8) {
+      EXPECT_EQ(block, int8_block_count(segments, n));
+    }
+
+    const int64_t mb = int8 ? 1 : 2;
+    const int64_t blocks = int8 ? int8_block_count(segments, n) : 0;
+    std::vector<float> p1 = master, p2 = master;
+    std::vector<uint8_t> m1(static_cast<size_t>(n * mb)), v1(static_cast<size_t>(n * mb));
+    std::vector<uint8_t> m2 = m1, v2 = v1;
+    std::vector<float> ms1(static_cast<size_t>(blocks)), vs1(static_cast<size_t>(blocks));
+    std::vector<float> ms2 = ms1, vs2 = vs1;
+    for (int step = 0; step < 2; ++step) {
+      CompactOptimizerShard shard;
+      shard.arrays.numel = n;
+      shard.arrays.state_type = state;
+      shard.arrays.master = p1.data();
+      shard.arrays.exp_avg = m1.data();
+      shard.arrays.exp_avg_sq = v1.data();
+      shard.arrays.exp_avg_scale = int8 ? ms1.data() : nullptr;
+      shard.arrays.exp_avg_sq_scale = int8 ? vs1.data() : nullptr;
+      shard.arrays.grad = grad.data();
+      shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+      shard.segments = segments;
+      ASSERT_TRUE(optimizer->update_shard(*plan, shard).is_ok());
+      for (const CompactRun& r : *runs) {
+        kernels::cpu::AdamWStateShard part;
+        part.numel = r.end - r.begin;
+        part.state_type = state;
+        part.master = p2.data() + r.begin;
+        part.exp_avg = m2.data() + r.begin * mb;
+        part.exp_avg_sq = v2.data() + r.begin * mb;
+        part.exp_avg_scale = int8 ? ms2.data() + r.block : nullptr;
+        part.exp_avg_sq_scale = int8 ? vs2.data() + r.block : nullptr;
+        part.grad = grad.data() + r.begin;
+        part.grad_type = kernels::cpu::ElementType::f32;
+        ASSERT_TRUE(kernels::cpu::adamw_step(part, optimizer->hyperparams(*plan, r.group)).is_ok());
+      }
+    }
+    EXPECT_EQ(p1, p2);
+    EXPECT_EQ(m1, m2);
+    EXPECT_EQ(v1, v2);
+    EXPECT_EQ(ms1, ms2);
+    EXPECT_EQ(vs1, vs2);
+  }
+  // Segments that leave a gap are refused.
+  const std::vector<ShardSegment> gap = {{0, 10, ParamGroup::decay}, {11, 20, ParamGroup::decay}};
+  EXPECT_FALSE(compact_runs(gap, 20, kernels::cpu::AdamWStateType::int8).is_ok());
 }
 
 }  // namespace

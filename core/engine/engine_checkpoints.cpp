@@ -1,3 +1,5 @@
+#include <vector>
+
 #include "core/data/sequence_order.h"
 #include "core/engine/engine_impl.h"
 
@@ -72,8 +74,18 @@ Status Engine::Impl::load_int8_moments(Rank& rank, int u, const CheckpointReader
     if (Status s = rank.store->write_shard({u, f == 1 ? ShardKind::m : ShardKind::v}, codes); !s)
       return s;
     float* scales = (f == 1 ? rank.m_scales : rank.v_scales)[size_t(u)];
-    if (Status s = checkpoint.read(f, uint64_t(offset + numel), scales, uint64_t(blocks) * 4); !s)
+    if (!optimizer_on_gpu()) {
+      if (Status s = checkpoint.read(f, uint64_t(offset + numel), scales, uint64_t(blocks) * 4); !s)
+        return s;
+      continue;
+    }
+    // Scales in device memory: through host memory once (outside the budgets).
+    std::vector<float> on_host(static_cast<size_t>(blocks));
+    if (Status s =
+            checkpoint.read(f, uint64_t(offset + numel), on_host.data(), uint64_t(blocks) * 4);
+        !s)
       return s;
+    if (Status s = rank.compute->upload(scales, on_host.data(), blocks * 4); !s) return s;
   }
   return Status::ok();
 }
@@ -195,6 +207,13 @@ Status Engine::Impl::save_rank(Rank& rank, CheckpointWriter& writer,
       const int64_t blocks = int8_block_count(rank.segments[size_t(u)], p.optimizer_numel);
       for (int f = 1; f <= 2; ++f) {
         const float* scales = (f == 1 ? rank.m_scales : rank.v_scales)[size_t(u)];
+        std::vector<float> on_host;
+        if (optimizer_on_gpu()) {
+          // Scales in device memory: through host memory once (outside the budgets).
+          on_host.resize(static_cast<size_t>(blocks));
+          if (Status s = rank.compute->download(on_host.data(), scales, blocks * 4); !s) return s;
+          scales = on_host.data();
+        }
         if (Status s = writer.write(f, file_at(f) + uint64_t(p.optimizer_numel), scales,
                                     uint64_t(blocks) * 4);
             !s)

@@ -169,6 +169,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
 // Compact moments start as the kernel's zero state (codes and scales 0),
 // zeroed block by block with its range-to-thread mapping; a new swap file
 // reads as zeros, so NVMe-homed codes need only their scales zeroed here.
+// On the GPU the store zeroed the codes (device shards start zeroed) and the
+// scales, in device memory, are zeroed by an upload.
 Status Engine::Impl::zero_moments(Rank& rank) {
   if (plan.input.optimizer_state == OptimizerStateDtype::fp32) return Status::ok();
   const bool int8 = plan.input.optimizer_state == OptimizerStateDtype::int8;
@@ -183,6 +185,18 @@ Status Engine::Impl::zero_moments(Rank& rank) {
       rank.v_scales.push_back(v_scales + at);
       at += plan.units[size_t(u)].int8_blocks;
     }
+  }
+  if (optimizer_on_gpu()) {
+    if (!int8) return Status::ok();
+    const PlanBuffer* scales = plan.buffer(BufferRole::int8_scales);
+    const std::vector<std::byte> zeros(size_t(scales->copy_bytes()));
+    for (int f = 0; f < 2; ++f) {
+      if (Status s = rank.compute->upload(rank.buffers.at(BufferRole::int8_scales, f), zeros.data(),
+                                          int64_t(zeros.size()));
+          !s)
+        return s.with_context("zeroing the int8 scales");
+    }
+    return Status::ok();
   }
   for (int u = 0; u < units(); ++u) {
     const UnitPlacement& p = plan.units[size_t(u)];

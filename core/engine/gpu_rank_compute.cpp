@@ -2,6 +2,7 @@
 // device tier is the GPU's; state offloaded to host memory is the CPU's.
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "core/engine/gpu_rank.h"
 #include "core/engine/rank_compute.h"
@@ -84,29 +85,53 @@ class GpuRankCompute final : public RankCompute {
     return out;
   }
 
-  // AdamW over the state's device homes. Parameters in the device tier take
-  // the new values in place; elsewhere they pass through the GPU's
-  // new-parameter buffer (in fp32 the master is the copy) and come down.
+  // AdamW over the state's device homes, one kernel call per run of the
+  // shard (a parameter group; int8: with its own blocks and scales, as the
+  // CPU optimizer cuts them). Parameters in the device tier take the new
+  // values in place; elsewhere they pass through the GPU's new-parameter
+  // buffer (in fp32 the master is the copy) and come down.
   Status update_on_device(const UnitUpdate& update) {
     const int64_t cb = plan_.compute_bytes;
+    const int64_t mb = moment_bytes(update.state_type);
     const bool downloaded =
         update.new_params != nullptr && update.new_params_home != tiers::Tier::device;
     std::byte* copy = downloaded ? gpu_->new_parameter_buffer() : update.new_params;
-    for (const ShardSegment& segment : update.segments) {
-      if (segment.begin == segment.end) continue;
-      const int64_t b = segment.begin;
-      if (Status s = gpu_->adamw(update.master + b, static_cast<float*>(update.m) + b,
-                                 static_cast<float*>(update.v) + b,
-                                 static_cast<const float*>(update.grad) + b,
-                                 copy == nullptr ? nullptr : copy + b * cb, segment.end - b,
-                                 update.optimizer->hyperparams(update.decision, segment.group));
-          !s)
+    Result<std::vector<CompactRun>> runs =
+        compact_runs(update.segments, update.numel, update.state_type);
+    if (!runs) return runs.status();
+    const bool int8 = update.state_type == kernels::cpu::AdamWStateType::int8;
+    for (const CompactRun& r : *runs) {
+      GpuRank::AdamWRun run;
+      run.numel = r.end - r.begin;
+      run.state_type = update.state_type;
+      run.master = update.master + r.begin;
+      run.m = static_cast<std::byte*>(update.m) + r.begin * mb;
+      run.v = static_cast<std::byte*>(update.v) + r.begin * mb;
+      if (int8) {
+        run.m_scale = update.m_scale + r.block;
+        run.v_scale = update.v_scale + r.block;
+      }
+      run.grad = static_cast<const float*>(update.grad) + r.begin;
+      run.copy = copy == nullptr ? nullptr : copy + r.begin * cb;
+      if (Status s = gpu_->adamw(run, update.optimizer->hyperparams(update.decision, r.group)); !s)
         return s;
     }
     if (!downloaded) return Status::ok();
     const std::byte* from =
         copy != nullptr ? copy : reinterpret_cast<const std::byte*>(update.master);
     return gpu_->download(update.new_params, from, update.numel * cb);
+  }
+
+  static int64_t moment_bytes(kernels::cpu::AdamWStateType type) {
+    switch (type) {
+      case kernels::cpu::AdamWStateType::f32:
+        return 4;
+      case kernels::cpu::AdamWStateType::bf16:
+        return 2;
+      case kernels::cpu::AdamWStateType::int8:
+        return 1;
+    }
+    return 4;
   }
 
   const TrainingPlan& plan_;

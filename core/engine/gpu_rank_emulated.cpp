@@ -149,22 +149,24 @@ class EmulatedGpuRank final : public GpuRank {
   Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) override {
     return kernels::cpu::grad_norm_squared(grads, ElementType::f32, numel);
   }
-  Status adamw(float* master, float* m, float* v, const float* grad, std::byte* copy, int64_t numel,
-               const kernels::cpu::AdamWHyperparams& hyper) override {
-    kernels::cpu::AdamWShard shard;
-    shard.numel = numel;
-    shard.master = master;
-    shard.exp_avg = m;
-    shard.exp_avg_sq = v;
-    shard.grad = grad;
+  Status adamw(const AdamWRun& run, const kernels::cpu::AdamWHyperparams& hyper) override {
+    kernels::cpu::AdamWStateShard shard;
+    shard.numel = run.numel;
+    shard.state_type = run.state_type;
+    shard.master = run.master;
+    shard.exp_avg = run.m;
+    shard.exp_avg_sq = run.v;
+    shard.exp_avg_scale = run.m_scale;
+    shard.exp_avg_sq_scale = run.v_scale;
+    shard.grad = run.grad;
     shard.grad_type = ElementType::f32;
-    const bool narrow = copy != nullptr && plan_.compute_type() != ElementType::f32;
+    const bool narrow = run.copy != nullptr && plan_.compute_type() != ElementType::f32;
     if (narrow) {
-      shard.copy = copy;
+      shard.copy = run.copy;
       shard.copy_type = plan_.compute_type();
     }
     if (Status s = kernels::cpu::adamw_step(shard, hyper); !s) return s;
-    if (copy != nullptr && !narrow) std::memcpy(copy, master, size_t(numel) * 4);
+    if (run.copy != nullptr && !narrow) std::memcpy(run.copy, run.master, size_t(run.numel) * 4);
     return Status::ok();
   }
   std::byte* new_parameter_buffer() const override {

@@ -79,7 +79,8 @@ struct UnitUpdate {
   StepPlan decision;
   float* master = nullptr;  // (numel) fp32, in the optimizer's home
   // (numel) each in the optimizer's home, as `state_type` stores them (fp32
-  // floats; bf16 bits; int8 codes, with their block scales in host memory).
+  // floats; bf16 bits; int8 codes, with their block scales beside them: in
+  // device memory for the GPU's optimizer, else in host memory).
   void* m = nullptr;
   void* v = nullptr;
   kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;

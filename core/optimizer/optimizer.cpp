@@ -189,6 +189,23 @@ int64_t int8_block_count(std::span<const ShardSegment> segments, int64_t numel) 
   return blocks;
 }
 
+Result<std::vector<CompactRun>> compact_runs(std::span<const ShardSegment> segments, int64_t numel,
+                                             kernels::cpu::AdamWStateType type) {
+  CompactOptimizerShard shard;
+  shard.arrays.numel = numel;
+  shard.arrays.state_type = type;
+  shard.segments = segments;
+  std::vector<CompactRun> runs;
+  if (Status s = for_each_run(shard,
+                              [&](int64_t begin, int64_t end, ParamGroup group, int64_t block) {
+                                runs.push_back({begin, end, group, block});
+                                return Status::ok();
+                              });
+      !s)
+    return s;
+  return runs;
+}
+
 Status Optimizer::update_shard(const StepPlan& plan, const CompactOptimizerShard& shard) const {
   if (!plan.apply) return Status::ok();
   return for_each_run(shard, [&](int64_t begin, int64_t end, ParamGroup group, int64_t block) {

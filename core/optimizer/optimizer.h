@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "core/optimizer/loss_scaler.h"
 #include "core/optimizer/lr_schedule.h"
@@ -96,6 +97,23 @@ struct CompactOptimizerShard {
 
 // The int8 blocks of a shard of `numel` elements with these segments (empty: one).
 int64_t int8_block_count(std::span<const ShardSegment> segments, int64_t numel);
+
+// One kernel call's part of a compact shard: elements [begin, end) of group
+// `group`, its int8 scales from block `block` of the shard's (0 otherwise).
+struct CompactRun {
+  int64_t begin = 0, end = 0;
+  ParamGroup group = ParamGroup::decay;
+  int64_t block = 0;
+};
+
+// The runs Optimizer::update_shard makes of a CompactOptimizerShard of
+// `numel` elements of `type` with these segments, in order (per segment; an
+// int8 segment starting inside a 256-element window first takes the rest of
+// that window, one block, then the windows from the next multiple of 256),
+// for an optimizer that runs the kernel itself (the CUDA backend's).
+// Fails on segments that do not cover [0, numel) in order.
+Result<std::vector<CompactRun>> compact_runs(std::span<const ShardSegment> segments, int64_t numel,
+                                             kernels::cpu::AdamWStateType type);
 
 // What begin_step() decided for one step.
 struct StepPlan {

@@ -737,7 +737,9 @@ void add_state_buffers(TrainingPlan& plan) {
   if (plan.homes.separate_master)
     add_state(BufferRole::master_state, "fp32 master", plan.homes.optimizer, BufferElement::f32);
   // m and v as strata.optimizer_state_dtype stores them; int8's block scales
-  // stay in host memory beside the CPU optimizer (one fp32 each per block).
+  // (one fp32 each per block) lie beside the optimizer that updates them: in
+  // device memory for the CUDA backend's optimizer on the GPU, in host memory
+  // beside the CPU optimizer otherwise (whatever tier holds the codes).
   const OptimizerStateDtype state = in.optimizer_state;
   const BufferElement moment = state == OptimizerStateDtype::fp32   ? BufferElement::f32
                                : state == OptimizerStateDtype::bf16 ? BufferElement::bf16
@@ -752,10 +754,11 @@ void add_state_buffers(TrainingPlan& plan) {
     for (const UnitPlacement& p : plan.units) blocks += p.int8_blocks;
     if (blocks > 0) {
       const int64_t bytes = 2 * round_up(blocks * 4, page);
+      const Tier tier = in.gpu && plan.homes.optimizer == Tier::device ? Tier::device : Tier::host;
       plan.buffers.push_back({BufferRole::int8_scales, BufferOwner::rank,
-                              "Adam m and v int8 block scales (fp32)", Tier::host,
-                              BufferElement::f32, 2, blocks, bytes});
-      plan.peak_bytes[static_cast<int>(Tier::host)] += bytes;
+                              "Adam m and v int8 block scales (fp32)", tier, BufferElement::f32, 2,
+                              blocks, bytes});
+      plan.peak_bytes[static_cast<int>(tier)] += bytes;
     }
   }
 }
@@ -1118,12 +1121,6 @@ Result<TrainingPlan> build_training_plan(const TrainingPlanInput& in) {
     return Status::error("zero_optimization.offload_optimizer.buffer_count must be at least 2");
   if (in.schedule == Schedule::auto_choice)
     return Status::error("the training plan needs a schedule (micro_batch or layer), not auto");
-  if (in.gpu && in.offload_optimizer == OffloadDevice::none &&
-      in.optimizer_state != OptimizerStateDtype::fp32)
-    return Status::error(fmt::format(
-        "strata.optimizer_state_dtype {}: the CUDA backend's optimizer in GPU memory keeps fp32 m "
-        "and v; offload the optimizer (--offload-optimizer cpu or nvme) or use fp32",
-        optimizer_state_dtype_name(in.optimizer_state)));
 
   TrainingPlan plan;
   plan.input = in;
@@ -1238,10 +1235,9 @@ std::string format_training_plan(const TrainingPlan& plan) {
     out += fmt::format(": activations of {} micro-batches in device slots of 2 levels (all of them)",
                        plan.activation_copies());
   else if (plan.activation_copies() > 1)
-    out += fmt::format(": activations of {} micro-batches kept in {} memory",
-                       plan.activation_copies(),
-                       tiers::tier_name(in.gpu || in.activation_home != Tier::host ? Tier::device
-                                                                                   : Tier::host));
+    out += fmt::format(
+        ": activations of {} micro-batches kept in {} memory", plan.activation_copies(),
+        tiers::tier_name(in.gpu || in.activation_home != Tier::host ? Tier::device : Tier::host));
   out += "\n";
   out += "units:";
   for (size_t u = 0; u < plan.layout.units.size(); ++u)

@@ -199,7 +199,9 @@ enum class BufferRole {
   m_state,
   v_state,
   // int8 m and v: [2] (sum over units of int8_blocks) fp32 block scales, m's
-  // then v's, in host memory beside the CPU optimizer whatever tier holds the codes.
+  // then v's, beside the optimizer that updates them: in device memory for the
+  // CUDA backend's optimizer on the GPU (optimizer home device), else in host
+  // memory beside the CPU optimizer whatever tier holds the codes.
   int8_scales,
   // The engine rank's buffers (CPU backend: in host memory standing in for the device).
   gathered_unit,           // [gather_slots] (largest padded) compute precision

@@ -11,6 +11,9 @@
 namespace strata::kernels::cuda {
 namespace {
 
+static_assert(detail::kInt8Block == cpu::kAdamWInt8Block,
+              "the CUDA int8 moments use the CPU kernel's blocks");
+
 Status check(const AdamWDeviceShard& s, const cpu::AdamWHyperparams& h) {
   if (s.numel < 0) {
     return Status::error("adamw_step (cuda): negative shard length " + std::to_string(s.numel));
@@ -55,6 +58,19 @@ detail::AdamWConstants make_constants(const cpu::AdamWHyperparams& h) {
   return c;
 }
 
+Status check_scales(const AdamWDeviceStateShard& s) {
+  const bool int8 = s.state_type == cpu::AdamWStateType::int8;
+  if (int8 && s.numel > 0 && (s.exp_avg_scale == nullptr || s.exp_avg_sq_scale == nullptr)) {
+    return Status::error("adamw_step (cuda): int8 moments need exp_avg_scale and exp_avg_sq_scale");
+  }
+  if (!int8 && (s.exp_avg_scale != nullptr || s.exp_avg_sq_scale != nullptr)) {
+    return Status::error("adamw_step (cuda): only int8 moments have scales; " +
+                         std::string(cpu::adamw_state_type_name(s.state_type)) +
+                         " moments were given some");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Status adamw_step(const AdamWDeviceShard& shard, const cpu::AdamWHyperparams& hyper,
@@ -64,6 +80,33 @@ Status adamw_step(const AdamWDeviceShard& shard, const cpu::AdamWHyperparams& hy
   return detail::adamw_launch(shard.master, shard.exp_avg, shard.exp_avg_sq, shard.grad,
                               shard.grad_type, shard.copy, shard.copy_type, shard.numel,
                               make_constants(hyper), stream);
+}
+
+Status adamw_step(const AdamWDeviceStateShard& shard, const cpu::AdamWHyperparams& hyper,
+                  cudaStream_t stream) {
+  AdamWDeviceShard arrays;  // the checks every format shares
+  arrays.numel = shard.numel;
+  arrays.master = shard.master;
+  arrays.exp_avg = static_cast<float*>(shard.exp_avg);
+  arrays.exp_avg_sq = static_cast<float*>(shard.exp_avg_sq);
+  arrays.grad = shard.grad;
+  arrays.grad_type = shard.grad_type;
+  arrays.copy = shard.copy;
+  arrays.copy_type = shard.copy_type;
+  if (Status s = check_scales(shard); !s) return s;
+  if (shard.state_type == cpu::AdamWStateType::f32) return adamw_step(arrays, hyper, stream);
+  if (Status s = check(arrays, hyper); !s) return s;
+  if (shard.numel == 0) return Status::ok();
+  if (shard.state_type == cpu::AdamWStateType::bf16) {
+    return detail::adamw_bf16_launch(shard.master, static_cast<uint16_t*>(shard.exp_avg),
+                                     static_cast<uint16_t*>(shard.exp_avg_sq), shard.grad,
+                                     shard.grad_type, shard.copy, shard.copy_type, shard.numel,
+                                     make_constants(hyper), stream);
+  }
+  return detail::adamw_int8_launch(shard.master, static_cast<int8_t*>(shard.exp_avg),
+                                   static_cast<uint8_t*>(shard.exp_avg_sq), shard.exp_avg_scale,
+                                   shard.exp_avg_sq_scale, shard.grad, shard.grad_type, shard.copy,
+                                   shard.copy_type, shard.numel, make_constants(hyper), stream);
 }
 
 }  // namespace strata::kernels::cuda

@@ -13,6 +13,10 @@
 
 namespace strata::kernels::cuda::detail {
 
+// Elements per int8 block of the moments (kernels/cpu/adamw.h kAdamWInt8Block;
+// adamw.cpp checks that they agree).
+inline constexpr int kInt8Block = 256;
+
 struct AdamWConstants {
   float grad_scale;
   float decay;  // 1 - lr * wd (AdamW), 1 (Adam)
@@ -30,5 +34,19 @@ Status adamw_launch(float* master, float* exp_avg, float* exp_avg_sq,  // (numel
                     const void* grad, DType grad_type,                 // (numel)
                     void* copy, DType copy_type,                       // (numel) or null
                     int64_t numel, const AdamWConstants& constants, cudaStream_t stream);
+
+// bf16 moments (bits, rounded to nearest even as kernels/cpu/simd.h's
+// float_to_bf16), checked by adamw_step.
+Status adamw_bf16_launch(float* master, uint16_t* exp_avg, uint16_t* exp_avg_sq,  // (numel) each
+                         const void* grad, DType grad_type,                       // (numel)
+                         void* copy, DType copy_type,                             // (numel) or null
+                         int64_t numel, const AdamWConstants& constants, cudaStream_t stream);
+
+// int8 moments: codes (numel) each, scales (ceil(numel / 256)) each.
+Status adamw_int8_launch(float* master, int8_t* exp_avg, uint8_t* exp_avg_sq, float* exp_avg_scale,
+                         float* exp_avg_sq_scale,            //
+                         const void* grad, DType grad_type,  // (numel)
+                         void* copy, DType copy_type,        // (numel) or null
+                         int64_t numel, const AdamWConstants& constants, cudaStream_t stream);
 
 }  // namespace strata::kernels::cuda::detail
