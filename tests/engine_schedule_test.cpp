@@ -457,8 +457,7 @@ TEST(StepDecision, TheExchangeWaitsForTheDecisionMadeAtTheStart) {
       EXPECT_EQ(decide >= 0, during_backward);
       if (decide < 0) continue;
       const std::vector<int>& deps = plan->ops[size_t(exchange)].deps;
-      EXPECT_NE(std::find(deps.begin(), deps.end(), decide), deps.end())
-          << schedule_name(schedule);
+      EXPECT_NE(std::find(deps.begin(), deps.end(), decide), deps.end()) << schedule_name(schedule);
     }
   }
 }

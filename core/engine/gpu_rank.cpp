@@ -105,7 +105,8 @@ struct CudaGpuRank::Impl {
   int tied_copies = 1;
   size_t sent_index(int grad_slot) const { return size_t(grad_slot + tied_copies); }
 
-  // [checkpoint copies] (checkpoint levels, N, C) compute type: each unit's output, the next's input
+  // [checkpoint copies] (checkpoint levels, N, C) compute type: each unit's output, the next's
+  // input
   std::vector<std::byte*> checkpoint_copies;
   std::vector<std::byte*> activation_grads;  // [activation copies] (N, C) compute type
   std::byte* checkpoint(int unit, int micro) const {
@@ -150,7 +151,8 @@ struct CudaGpuRank::Impl {
     const char* what = kind == cudaMemcpyDeviceToHost ? "spilling an activation checkpoint"
                                                       : "restoring an activation checkpoint";
     if (Status s = cuda::check_cuda(cudaEventRecord(checkpoint_after, compute), what); !s) return s;
-    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(checkpoints, checkpoint_after, 0), what); !s)
+    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(checkpoints, checkpoint_after, 0), what);
+        !s)
       return s;
     if (Status s = cuda::check_cuda(cudaMemcpyAsync(to, from, size_t(bytes), kind, checkpoints),
                                     fmt::format("{} ({} bytes)", what, bytes));
@@ -643,7 +645,9 @@ std::byte* CudaGpuRank::new_parameter_buffer() const {
   return impl_->new_params;
 }
 
-std::byte* CudaGpuRank::checkpoint(int level, int micro) { return impl_->checkpoint(level, micro); }
+std::byte* CudaGpuRank::checkpoint(int level, int micro) {
+  return impl_->checkpoint(level, micro);
+}
 
 Status CudaGpuRank::checkpoint_out(void* host, const void* device, int64_t bytes) {
   return impl_->copy_checkpoint(host, device, bytes, cudaMemcpyDeviceToHost);

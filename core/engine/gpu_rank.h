@@ -20,8 +20,9 @@
 // Streams are ordered by events; nothing synchronises the device inside a
 // step. Activation checkpoints stay on the device unless the plan spills them
 // (the engine moves them with checkpoint_out and checkpoint_in, on a copy
-// stream of their own); the activation gradient and the tokens stay there. Every device buffer comes from the rank's DeviceTier (one
-// cudaMalloc), so the device budget holds and nothing is allocated in a step.
+// stream of their own); the activation gradient and the tokens stay there. Every device buffer
+// comes from the rank's DeviceTier (one cudaMalloc), so the device budget holds and nothing is
+// allocated in a step.
 //
 // Host memory handed in must stay valid until the call that reads it
 // returns (uploads finish before it returns) or, for gradients, until

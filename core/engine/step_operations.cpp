@@ -1,7 +1,7 @@
-#include "core/engine/engine_impl.h"
-
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
+
+#include "core/engine/engine_impl.h"
 
 namespace strata {
 
@@ -492,8 +492,9 @@ Status Engine::Impl::spill(Rank& rank, const PlanOp& op) {
                    .wait();
   }
   if (status) return status;
-  return status.with_context(fmt::format("spilling the activation checkpoint of {} (micro-batch {})",
-                                         plan.layout.units[size_t(op.unit)].unit.name, op.micro));
+  return status.with_context(
+      fmt::format("spilling the activation checkpoint of {} (micro-batch {})",
+                  plan.layout.units[size_t(op.unit)].unit.name, op.micro));
 }
 
 Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
@@ -513,8 +514,9 @@ Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
       status = rank.compute->checkpoint_in(slot, landing, plan.checkpoint_bytes());
   }
   if (status) return status;
-  return status.with_context(fmt::format("restoring the activation checkpoint of {} (micro-batch {})",
-                                         plan.layout.units[size_t(op.unit)].unit.name, op.micro));
+  return status.with_context(
+      fmt::format("restoring the activation checkpoint of {} (micro-batch {})",
+                  plan.layout.units[size_t(op.unit)].unit.name, op.micro));
 }
 
 }  // namespace strata

@@ -97,10 +97,17 @@ PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<Model
   input.optimizer_during_backward = c.gradient_clipping == 0.0 && c.precision == Precision::fp32;
   input.schedule = c.strata.schedule;
   switch (c.strata.activation_home) {
-    case ActivationHome::automatic: break;
-    case ActivationHome::device: input.activation_home = Tier::device; break;
-    case ActivationHome::host: input.activation_home = Tier::host; break;
-    case ActivationHome::nvme: input.activation_home = Tier::nvme; break;
+    case ActivationHome::automatic:
+      break;
+    case ActivationHome::device:
+      input.activation_home = Tier::device;
+      break;
+    case ActivationHome::host:
+      input.activation_home = Tier::host;
+      break;
+    case ActivationHome::nvme:
+      input.activation_home = Tier::nvme;
+      break;
   }
   return input;
 }
@@ -500,8 +507,8 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
     pick = in.schedule == Schedule::layer && plans.size() > 1 ? 1 : 0;
     choice.reason = fmt::format("{} (given)", schedule_name(in.schedule));
     if (pick == 1 && in.grad_accum > 1)
-      choice.reason += fmt::format(", activation checkpoints {}",
-                                   kept_where(choice.options[1].activation_home));
+      choice.reason +=
+          fmt::format(", activation checkpoints {}", kept_where(choice.options[1].activation_home));
     if (!in.model && in.schedule == Schedule::layer) {
       // Without the model's shapes there are no activations to keep: the traffic alone.
       PlanInput fixed = in;
@@ -843,16 +850,16 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   const ScheduleChoice& choice = plan.schedule;
   out << fmt::format("\nschedule: {}\n", choice.reason);
   if (in.model && choice.options.size() > 1) {
-    out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n",
-                       "per step", "collectives", "PCIe h2d", "PCIe d2h", "NVMe read",
-                       "NVMe write", "act. device", "act. host", "act. NVMe", "fits");
+    out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n", "per step",
+                       "collectives", "PCIe h2d", "PCIe d2h", "NVMe read", "NVMe write",
+                       "act. device", "act. host", "act. NVMe", "fits");
     for (const ScheduleOption& o : choice.options) {
-      out << fmt::format(
-          "  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n",
-          schedule_name(o.schedule), cell(o.traffic.collective_bytes), cell(o.traffic.h2d_bytes),
-          cell(o.traffic.d2h_bytes), cell(o.traffic.nvme_read_bytes),
-          cell(o.traffic.nvme_write_bytes), cell(o.activations.device), cell(o.activations.host),
-          cell(o.activations.nvme), o.fits ? "yes" : "no");
+      out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n",
+                         schedule_name(o.schedule), cell(o.traffic.collective_bytes),
+                         cell(o.traffic.h2d_bytes), cell(o.traffic.d2h_bytes),
+                         cell(o.traffic.nvme_read_bytes), cell(o.traffic.nvme_write_bytes),
+                         cell(o.activations.device), cell(o.activations.host),
+                         cell(o.activations.nvme), o.fits ? "yes" : "no");
     }
   }
   return out.str();

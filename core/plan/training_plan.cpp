@@ -841,8 +841,9 @@ class BufferListing {
       add(R::gpu_activation_checkpoints, O::gpu, slots_name(), Tier::device, compute,
           plan.checkpoint_copies(), slot_elements(cb));
     else
-      add(R::gpu_activation_checkpoints, O::gpu, copies_name("activation checkpoints (unit inputs)"),
-          Tier::device, compute, copies, (units - 1) * N * C);
+      add(R::gpu_activation_checkpoints, O::gpu,
+          copies_name("activation checkpoints (unit inputs)"), Tier::device, compute, copies,
+          (units - 1) * N * C);
     add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
         compute, copies, N * C);
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
@@ -1232,8 +1233,9 @@ std::string format_training_plan(const TrainingPlan& plan) {
         "and restored a unit ahead of their backward",
         plan.activation_copies(), plan.spilled_levels(), tiers::tier_name(in.activation_home));
   else if (plan.activations_spilled())
-    out += fmt::format(": activations of {} micro-batches in device slots of 2 levels (all of them)",
-                       plan.activation_copies());
+    out +=
+        fmt::format(": activations of {} micro-batches in device slots of 2 levels (all of them)",
+                    plan.activation_copies());
   else if (plan.activation_copies() > 1)
     out += fmt::format(
         ": activations of {} micro-batches kept in {} memory", plan.activation_copies(),

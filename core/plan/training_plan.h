@@ -212,7 +212,8 @@ enum class BufferRole {
   reduce_scatter_output,   // (largest shard) fp32
   sync_staging,            // (largest padded) compute precision: the GPU's stage 1-2 all-gather
   tokens_and_targets,      // (2, G, B*T) int32: tokens, then targets
-  activation_checkpoints,  // [checkpoint_copies] (checkpoint_levels, B*T, C) fp32, the CPU units' inputs
+  activation_checkpoints,  // [checkpoint_copies] (checkpoint_levels, B*T, C) fp32, the CPU units'
+                           // inputs
   activation_gradient,     // [activation copies] (B*T, C) fp32
   unit_working_set,        // bytes the CPU UnitWorkspace allocates itself, charged here
   new_parameters,          // (largest optimizer range) compute precision, staged
@@ -237,8 +238,9 @@ enum class BufferRole {
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
   gradient_staging,       // (largest gradient shard) fp32: an NVMe-homed gradient, read to add to
   // Spilled activation checkpoints (TrainingPlan::activations_spilled), the engine rank's.
-  activation_spill,    // [spilled_levels x G] (B*T, C) as the checkpoints: in host memory or on NVMe
-  activation_staging,  // (B*T, C) compute precision: the GPU's checkpoint on its way to or from NVMe
+  activation_spill,  // [spilled_levels x G] (B*T, C) as the checkpoints: in host memory or on NVMe
+  activation_staging,  // (B*T, C) compute precision: the GPU's checkpoint on its way to or from
+                       // NVMe
 };
 const char* buffer_role_name(BufferRole role);
 // The store's shard kind of a state role; nullopt for any other role.
