@@ -61,6 +61,35 @@ class EngineStateFormat : public testing::EngineRunsTest {
     }
     return losses;
   }
+  // `run` saved after 2 of 4 steps to DIR/`name` (*saved), resumed into each
+  // of `resumed_runs`: their 2 steps and final weights are the straight run's, bitwise.
+  void expect_resumes_bitwise(const EngineRun& run, const std::string& name,
+                              const std::vector<EngineRun>& resumed_runs, std::string* saved) {
+    auto straight = engine(run, "");
+    ASSERT_TRUE(straight);
+    const std::vector<double> all = steps(*straight, 4);
+    ASSERT_EQ(all.size(), 4u);
+    Result<HostModel> expected = straight->read_model();
+    ASSERT_TRUE(expected.is_ok());
+    auto first = engine(run, "");
+    ASSERT_TRUE(first);
+    steps(*first, 2);
+    Result<std::string> written = first->save_checkpoint(dir_.path() + "/" + name, 0);
+    ASSERT_TRUE(written.is_ok()) << written.status().message();
+    first.reset();
+    *saved = *written;
+    for (const EngineRun& resumed_run : resumed_runs) {
+      auto resumed = engine(resumed_run, *saved);
+      ASSERT_TRUE(resumed);
+      const std::vector<double> rest = steps(*resumed, 2);
+      ASSERT_EQ(rest.size(), 2u);
+      EXPECT_EQ(rest[0], all[2]) << resumed_run.label();
+      EXPECT_EQ(rest[1], all[3]) << resumed_run.label();
+      Result<HostModel> got = resumed->read_model();
+      ASSERT_TRUE(got.is_ok());
+      EXPECT_TRUE(testing::weights_bitwise_equal(*got, *expected)) << resumed_run.label();
+    }
+  }
 };
 
 EngineRun placed(int world, int stage, const char* param, const char* optimizer,
@@ -164,42 +193,27 @@ TEST_F(EngineStateFormat, TwoRanksEverySharedPlacementAlikeBitwise) {
 TEST_F(EngineStateFormat, CheckpointsResumeBitwiseInEachFormat) {
   for (const char* state : {"fp32", "bf16", "int8"}) {
     const EngineRun run = placed(2, 3, "nvme", "nvme", "bf16", state);
-    auto straight = engine(run, "");
-    const std::vector<double> all = steps(*straight, 4);
-    Result<HostModel> expected = straight->read_model();
-    ASSERT_TRUE(expected.is_ok());
-    auto first = engine(run, "");
-    steps(*first, 2);
-    Result<std::string> saved = first->save_checkpoint(dir_.path() + "/save-" + state, 0);
-    ASSERT_TRUE(saved.is_ok()) << saved.status().message();
-    first.reset();
-    for (EngineRun resumed_run : {run, placed(2, 1, "none", "cpu", "bf16", state),
-                                  placed(2, 2, "none", "none", "bf16", state)}) {
-      auto resumed = engine(resumed_run, *saved);
-      ASSERT_TRUE(resumed);
-      const std::vector<double> rest = steps(*resumed, 2);
-      ASSERT_EQ(rest.size(), 2u);
-      EXPECT_EQ(rest[0], all[2]) << resumed_run.label();
-      EXPECT_EQ(rest[1], all[3]) << resumed_run.label();
-      Result<HostModel> got = resumed->read_model();
-      ASSERT_TRUE(got.is_ok());
-      EXPECT_TRUE(testing::weights_bitwise_equal(*got, *expected)) << resumed_run.label();
-    }
+    std::string saved;
+    expect_resumes_bitwise(run, std::string("save-") + state,
+                           {run, placed(2, 1, "none", "cpu", "bf16", state),
+                            placed(2, 2, "none", "none", "bf16", state)},
+                           &saved);
+    if (HasFatalFailure()) return;
     if (std::string(state) == "int8") {
       std::string error;
-      EXPECT_FALSE(engine(placed(1, 3, "nvme", "nvme", "bf16", state), *saved, &error));
+      EXPECT_FALSE(engine(placed(1, 3, "nvme", "nvme", "bf16", state), saved, &error));
       EXPECT_NE(error.find("--world-size 2"), std::string::npos) << error;
       EXPECT_EQ(error.find('\n'), std::string::npos) << error;
     } else {
       // bf16 and fp32 moments are stored in unit order: another world size reads its ranges.
-      auto resumed = engine(placed(1, 0, "none", "none", "bf16", state), *saved);
+      auto resumed = engine(placed(1, 0, "none", "none", "bf16", state), saved);
       ASSERT_TRUE(resumed);
       EXPECT_EQ(steps(*resumed, 1).size(), 1u);
     }
     // Another format is refused, naming both.
     const char* other = std::string(state) == "int8" ? "bf16" : "int8";
     std::string error;
-    EXPECT_FALSE(engine(placed(2, 3, "nvme", "nvme", "bf16", other), *saved, &error));
+    EXPECT_FALSE(engine(placed(2, 3, "nvme", "nvme", "bf16", other), saved, &error));
     EXPECT_NE(error.find(std::string(state) + " but"), std::string::npos) << error;
     EXPECT_NE(error.find(std::string("is ") + other), std::string::npos) << error;
     EXPECT_EQ(error.find('\n'), std::string::npos) << error;
@@ -247,28 +261,9 @@ TEST_F(EngineStateFormat, GpuResidentCompactStateEqualsTheCpuBackendAndResumesBi
     }
     EngineRun run = placed(2, 2, "none", "none", "bf16", state);
     run.emulate_gpu = true;
-    auto straight = engine(run, "");
-    ASSERT_TRUE(straight);
-    const std::vector<double> all = steps(*straight, 4);
-    Result<HostModel> expected = straight->read_model();
-    ASSERT_TRUE(expected.is_ok());
-    auto first = engine(run, "");
-    ASSERT_TRUE(first);
-    steps(*first, 2);
-    Result<std::string> saved = first->save_checkpoint(dir_.path() + "/gpu-save-" + state, 0);
-    ASSERT_TRUE(saved.is_ok()) << saved.status().message();
-    first.reset();
-    for (EngineRun resumed_run : {run, placed(2, 3, "nvme", "nvme", "bf16", state)}) {
-      auto resumed = engine(resumed_run, *saved);
-      ASSERT_TRUE(resumed);
-      const std::vector<double> rest = steps(*resumed, 2);
-      ASSERT_EQ(rest.size(), 2u);
-      EXPECT_EQ(rest[0], all[2]) << resumed_run.label();
-      EXPECT_EQ(rest[1], all[3]) << resumed_run.label();
-      Result<HostModel> got = resumed->read_model();
-      ASSERT_TRUE(got.is_ok());
-      EXPECT_TRUE(testing::weights_bitwise_equal(*got, *expected)) << resumed_run.label();
-    }
+    std::string saved;
+    expect_resumes_bitwise(run, std::string("gpu-save-") + state,
+                           {run, placed(2, 3, "nvme", "nvme", "bf16", state)}, &saved);
   }
 }
 

@@ -140,15 +140,6 @@ class CpuRankCompute final : public RankCompute {
   std::byte* checkpoint(int level, int micro) override {
     return reinterpret_cast<std::byte*>(checkpoint_at(level, micro));
   }
-  // The units ran on the calling thread: a plain copy is in order.
-  Status checkpoint_out(void* host, const void* device, int64_t bytes) override {
-    std::memcpy(host, device, size_t(bytes));
-    return Status::ok();
-  }
-  Status checkpoint_in(void* device, const void* host, int64_t bytes) override {
-    std::memcpy(device, host, size_t(bytes));
-    return Status::ok();
-  }
 
   // The units run on the calling thread: their results are there when they return.
   Status gradients_ready(int) override { return Status::ok(); }

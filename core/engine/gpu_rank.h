@@ -110,9 +110,14 @@ class GpuRank {
   // A checkpoint to and from pinned host memory on a stream of its own,
   // after the work enqueued so far on the compute stream, which runs on
   // meanwhile (checkpoint_in: before the work enqueued after it returns);
-  // done when they return. One at a time.
-  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) = 0;
-  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) = 0;
+  // done when they return. One at a time. By default download and upload,
+  // which are in that order already (the emulated rank: host memory).
+  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) {
+    return download(host, device, bytes);
+  }
+  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) {
+    return upload(device, host, bytes);
+  }
 
   // Waits until the gradient last sent for host slot `grad_slot` is in host memory.
   virtual Status gradients_ready(int grad_slot) = 0;

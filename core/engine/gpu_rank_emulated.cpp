@@ -117,14 +117,6 @@ class EmulatedGpuRank final : public GpuRank {
   std::byte* checkpoint(int level, int micro) override {
     return reinterpret_cast<std::byte*>(checkpoint_at(level, micro));
   }
-  Status checkpoint_out(void* host, const void* device, int64_t bytes) override {
-    std::memcpy(host, device, size_t(bytes));
-    return Status::ok();
-  }
-  Status checkpoint_in(void* device, const void* host, int64_t bytes) override {
-    std::memcpy(device, host, size_t(bytes));
-    return Status::ok();
-  }
   Status gradients_ready(int) override { return Status::ok(); }
   // Nothing is uploaded: the computations read host memory.
   void forget_uploads(const std::byte*) override {}

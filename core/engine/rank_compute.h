@@ -135,9 +135,14 @@ class RankCompute {
   // checkpoint_out copies it to host memory after the work enqueued so far,
   // checkpoint_in copies it back before the work enqueued after it returns;
   // on a GPU on a copy stream of their own, while the computation runs on.
+  // By default the download and upload below, which are in that order already.
   virtual std::byte* checkpoint(int level, int micro) = 0;
-  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) = 0;
-  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) = 0;
+  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) {
+    return download(host, device, bytes);
+  }
+  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) {
+    return upload(device, host, bytes);
+  }
 
   // Unit `unit`'s compute-precision parameters have arrived in gather slot
   // `slot` (`params`, host memory); a computation reads them next.
