@@ -20,7 +20,7 @@
 
 #include "core/model/model.h"
 #include "core/checkpoint/safetensors.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/gemm.h"
 
 namespace {
 

@@ -9,6 +9,7 @@
 
 #include "comm/comm.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/gemm.h"
 #include "tools/subcommand.h"
 
 namespace strata::tools {
@@ -30,6 +31,7 @@ void print_version() {
   } else {
     fmt::print("  CUDA backend: not built (CPU-only)\n");
   }
+  fmt::print("  CPU kernels: {}\n", strata::kernels::cpu::describe_cpu_kernels());
   strata::kernels::GpuQuery gpus = strata::kernels::query_gpus();
   if (gpus.devices.empty()) fmt::print("  GPUs: none ({})\n", gpus.why_none);
   for (const auto& gpu : gpus.devices) {

@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config/config.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/simd.h"
 #include "tiers/topology.h"
 #include "tools/subcommand.h"
 
@@ -48,6 +50,7 @@ class TopoCommand : public Subcommand {
     }
     if (!json_) {
       std::fputs(tiers::format_topology(*report).c_str(), stdout);
+      std::printf("CPU kernels: %s\n", kernels::cpu::describe_cpu_kernels().c_str());
     } else {
       nlohmann::ordered_json json;
       json["numa_nodes"] = nlohmann::json::array();
@@ -60,6 +63,14 @@ class TopoCommand : public Subcommand {
       json["gpu"] = report->gpu.empty() ? nlohmann::json(nullptr) : nlohmann::json(report->gpu);
       json["gpu_node"] =
           report->gpu_node ? nlohmann::json(*report->gpu_node) : nlohmann::json(nullptr);
+      const kernels::cpu::GemmInfo gemm = kernels::cpu::gemm_info();
+      json["cpu_kernels"] = {
+          {"gemm", kernels::cpu::gemm_kernel_name(gemm.kernel)},
+          {"gemm_library", gemm.library},
+          {"gemm_library_core", gemm.library_core},
+          {"gemm_chosen_by", gemm.chosen_by},
+          {"gemm_threads", gemm.threads},
+          {"adamw_simd", kernels::cpu::simd_level_name(kernels::cpu::active_simd_level())}};
       json["io_cpus"] = report->io_cpus;
       json["optimizer_cpus"] = report->optimizer_cpus;
       json["nvme_paths"] = nlohmann::json::array();

@@ -37,7 +37,7 @@
 #include "core/data/token_data.h"
 #include "core/plan/training_plan.h"
 #include "io/base/sizes.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/gemm.h"
 #include "tools/config_flags.h"
 #include "tools/subcommand.h"
 #include "tools/train_report.h"
@@ -364,6 +364,12 @@ class TrainCommand : public Subcommand {
                    "cpu | cuda | auto (default auto: cuda when a GPU is present)")
         ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
         ->group(kDataGroup);
+    cmd.add_option("--gemm", gemm_,
+                   "CPU backend's matrix products: auto (default: the best class the CPU's "
+                   "features allow) | avx512 | avx2 | avx | baseline | reference (the same bits "
+                   "on every x86-64, slower); also STRATA_GEMM")
+        ->check(CLI::IsMember({"auto", "avx512", "avx2", "avx", "baseline", "reference"}))
+        ->group(kDataGroup);
   }
 
   void add_steps_and_shared_flags(CLI::App& cmd) {
@@ -492,6 +498,7 @@ class TrainCommand : public Subcommand {
   // allocates anything, so a usage error costs nothing.
   std::optional<Failure> train() {
     TrainingRun run;
+    if (std::optional<Failure> f = choose_cpu_kernels()) return f;
     if (std::optional<Failure> f = join_launched_processes(run)) return f;
     if (std::optional<Failure> f = load_config_and_model(run)) return f;
     if (print_config_) {
@@ -813,6 +820,15 @@ class TrainCommand : public Subcommand {
     return std::nullopt;
   }
 
+  // --gemm, else STRATA_GEMM, before the first product loads OpenBLAS.
+  std::optional<Failure> choose_cpu_kernels() {
+    Status chosen = gemm_ == "auto"
+                        ? kernels::cpu::select_gemm_kernel_from_environment()
+                        : kernels::cpu::select_gemm_kernel(*kernels::cpu::parse_gemm_kernel(gemm_));
+    if (!chosen.is_ok()) return usage_error(chosen);
+    return std::nullopt;
+  }
+
   // The backend's notice, then what will run: model, batch, budgets.
   void print_run_header(TrainingRun& run) {
     // The notice only now, so that the input errors before stay one line without it.
@@ -830,6 +846,13 @@ class TrainCommand : public Subcommand {
         tiers::tier_name(plan.homes.optimizer), W, W == 1 ? "" : "s",
         std::string(plan.input.gpu ? "GPU" : "CPU") +
             (run.launch ? fmt::format(", one process each ({})", run.launch->source) : ""));
+    // Ranks are threads that each call OpenBLAS: split the cores between them
+    // rather than letting every rank's BLAS use them all.
+    if (run.ranks_on_node > 1) {
+      const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+      kernels::cpu::set_blas_threads(std::max(1, cores / run.ranks_on_node));
+    }
+    if (!plan.input.gpu) fmt::print("cpu kernels: {}\n", kernels::cpu::describe_cpu_kernels());
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
         B, T, plan.input.grad_accum, run.tokens_per_step, precision_name(run.config.precision),
@@ -855,12 +878,6 @@ class TrainCommand : public Subcommand {
 
   // The engine, and the trace of its plan.
   std::optional<Failure> create_engine(TrainingRun& run) {
-    // Ranks are threads that each call OpenBLAS: split the cores between them
-    // rather than letting every rank's BLAS use them all.
-    if (run.ranks_on_node > 1) {
-      const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-      kernels::cpu::set_blas_threads(std::max(1, cores / run.ranks_on_node));
-    }
     Result<std::unique_ptr<Engine>> created = Engine::create(std::move(run.options));
     if (!created) return run_error(created.status());
     run.engine = std::move(*created);
@@ -992,6 +1009,7 @@ class TrainCommand : public Subcommand {
   std::string model_;
   ConfigFlags flags_;
   std::string backend_ = "auto";
+  std::string gemm_ = "auto";
   std::string data_path_;
   std::string data_format_ = "auto";
   std::string loss_mask_path_;

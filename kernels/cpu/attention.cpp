@@ -1,11 +1,12 @@
 #include "kernels/cpu/attention.h"
 
-#include <cblas.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <cmath>
+
+#include "kernels/cpu/gemm.h"
 
 namespace strata::kernels::cpu {
 
@@ -25,8 +26,7 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
         // Rows [r0, r1) attend to keys [0, r1): scores = scale * q k^T, softmax, out = p v.
         const int64_t r1 = std::min(T, r0 + s.row_block), rows_n = r1 - r0;
         float* pb = p + r0 * T;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows_n, r1, D, scale, qh + r0 * ld, ld,
-                    kh, ld, 0.0f, pb, T);
+        sgemm(false, true, rows_n, r1, D, scale, qh + r0 * ld, ld, kh, ld, 0.0f, pb, T);
         tbb::parallel_for(tbb::blocked_range<int64_t>(r0, r1, 16),
                           [&](const tbb::blocked_range<int64_t>& rows) {
                             for (int64_t i = rows.begin(); i < rows.end(); ++i) {
@@ -48,8 +48,7 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
                               std::fill(row + i + 1, row + T, 0.0f);
                             }
                           });
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_n, D, r1, 1.0f, pb, T, vh, ld,
-                    0.0f, oh + r0 * s.H * D, s.H * D);
+        sgemm(false, false, rows_n, D, r1, 1.0f, pb, T, vh, ld, 0.0f, oh + r0 * s.H * D, s.H * D);
       }
     }
   }
@@ -84,10 +83,8 @@ void attention_backward(float* dq, float* dk, float* dv, float* scratch, const f
         const float* dob = doh + r0 * s.H * D;
         float* dpb = dp + r0 * T;
         // dv += p^T do;  dp = do v^T
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, D, rows_n, 1.0f, pb, T, dob,
-                    s.H * D, 1.0f, dvh, ld);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows_n, r1, D, 1.0f, dob, s.H * D, vh,
-                    ld, 0.0f, dpb, T);
+        sgemm(true, false, r1, D, rows_n, 1.0f, pb, T, dob, s.H * D, 1.0f, dvh, ld);
+        sgemm(false, true, rows_n, r1, D, 1.0f, dob, s.H * D, vh, ld, 0.0f, dpb, T);
         // Softmax backward, in place: ds = p * (dp - sum_j p dp) * scale (zero where p is
         // masked, the window's keys included).
         tbb::parallel_for(tbb::blocked_range<int64_t>(r0, r1, 16),
@@ -103,10 +100,8 @@ void attention_backward(float* dq, float* dk, float* dv, float* scratch, const f
                             }
                           });
         // dq = ds k;  dk += ds^T q
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_n, D, r1, 1.0f, dpb, T, kh, ld,
-                    0.0f, dqh + r0 * ld, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, D, rows_n, 1.0f, dpb, T,
-                    qh + r0 * ld, ld, 1.0f, dkh, ld);
+        sgemm(false, false, rows_n, D, r1, 1.0f, dpb, T, kh, ld, 0.0f, dqh + r0 * ld, ld);
+        sgemm(true, false, r1, D, rows_n, 1.0f, dpb, T, qh + r0 * ld, ld, 1.0f, dkh, ld);
       }
     }
   }

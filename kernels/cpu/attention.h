@@ -9,7 +9,7 @@
 //
 // attention_forward overwrites `out` and `probs`. attention_backward overwrites
 // dq, dk and dv (= semantics; dk/dv sum over the query heads of their group).
-// Products go through OpenBLAS; call from one thread at a time.
+// Products go through sgemm (gemm.h); call from one thread at a time.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Matrix products of the CPU backend (fp32, row-major, through OpenBLAS).
+// Matrix products of the CPU backend (fp32, row-major, through sgemm: gemm.h).
 //
 // A linear layer is Hugging Face's bias-free nn.Linear: `weight` is [out, in]
 // and out = inp @ weight^T. matmul_forward overwrites `out` (or adds into it
@@ -6,7 +6,7 @@
 // parameter gradients accumulate over micro-batches and an input read by
 // several products (the residual stream, q/k/v) collects all of them.
 //
-// OpenBLAS parallelises inside each call; call these from one thread at a time
+// sgemm parallelises inside each call; call these from one thread at a time
 // (not from inside TBB tasks), so the two thread pools do not nest.
 #pragma once
 
@@ -25,9 +25,5 @@ void matmul_backward(float* dinp,          // (N, C), +=; null to skip
                      const float* inp,     // (N, C)
                      const float* weight,  // (OC, C)
                      int64_t N, int64_t C, int64_t OC);
-
-// Threads OpenBLAS may use (0: one per core). TBB's pool is set separately with
-// tbb::global_control; the two are never active at the same time.
-void set_blas_threads(int threads);
 
 }  // namespace strata::kernels::cpu

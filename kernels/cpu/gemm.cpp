@@ -1,0 +1,322 @@
+// The fast path's loader and the choice between the paths (gemm.h).
+//
+// OpenBLAS chooses its kernels in a constructor that runs when the library
+// loads, reading OPENBLAS_CORETYPE, and no later call changes them. strata
+// therefore does not link OpenBLAS: it loads it with dlopen on first use,
+// with OPENBLAS_CORETYPE naming the class chosen here from the CPU's
+// features, and puts the environment back as it was right after.
+#include "kernels/cpu/gemm.h"
+
+#include <cblas.h>
+#include <dlfcn.h>
+#include <tbb/task_arena.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "kernels/cpu/simd.h"
+
+#ifndef STRATA_OPENBLAS_LIBRARY
+#define STRATA_OPENBLAS_LIBRARY ""
+#endif
+
+namespace strata::kernels::cpu {
+namespace {
+
+using SgemmFunction = decltype(&cblas_sgemm);
+
+struct OpenBlas {
+  SgemmFunction sgemm = nullptr;
+  void (*set_num_threads)(int) = nullptr;
+  int (*get_num_threads)() = nullptr;
+  char* (*get_corename)() = nullptr;
+  char* (*get_config)() = nullptr;
+  GemmKernel kernel = GemmKernel::baseline;  // what the loaded core is
+  std::string core;                          // OpenBLAS's name for it
+  std::string version;                       // "OpenBLAS 0.3.21"
+  std::string chosen_by;
+};
+
+// The class each OpenBLAS core belongs to; unknown names are baseline.
+GemmKernel kernel_of_core(std::string core) {
+  for (char& c : core) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* name : {"skylakex", "cooperlake", "sapphirerapids"})
+    if (core == name) return GemmKernel::avx512;
+  for (const char* name : {"haswell", "zen", "excavator"})
+    if (core == name) return GemmKernel::avx2;
+  for (const char* name : {"sandybridge", "bulldozer", "piledriver", "steamroller"})
+    if (core == name) return GemmKernel::avx;
+  return GemmKernel::baseline;
+}
+
+const char* core_of_kernel(GemmKernel kernel) {
+  switch (kernel) {
+    case GemmKernel::avx512:
+      return "SKYLAKEX";
+    case GemmKernel::avx2:
+      return "HASWELL";
+    case GemmKernel::avx:
+      return "SANDYBRIDGE";
+    default:
+      return "PRESCOTT";
+  }
+}
+
+struct Choice {
+  std::mutex mutex;
+  bool environment_read = false;
+  bool selected = false;  // by select_gemm_kernel or STRATA_GEMM
+  GemmKernel kernel = GemmKernel::baseline;
+  std::string selected_by;
+  int threads = 0;  // asked for before the load; 0: OpenBLAS's default
+  const OpenBlas* openblas = nullptr;
+};
+
+Choice& choice() {
+  static Choice c;
+  return c;
+}
+
+// Fast reads of the current path by sgemm (written under the mutex).
+std::atomic<bool> use_reference{false};
+std::atomic<const OpenBlas*> loaded{nullptr};
+
+[[noreturn]] void fail(const std::string& message) {
+  std::fprintf(stderr, "strata: %s\n", message.c_str());
+  std::exit(2);
+}
+
+std::string choices() { return "auto, avx512, avx2, avx, baseline or reference"; }
+
+Status select_locked(Choice& c, GemmKernel kernel, std::string by) {
+  if (!cpu_can_run(kernel)) {
+    return Status::error(
+        by + ": this CPU cannot run the " + std::string(gemm_kernel_name(kernel)) +
+        " kernels (its best class is " + std::string(gemm_kernel_name(cpu_gemm_kernel())) +
+        "); choose that one or an older class, or auto");
+  }
+  if (c.openblas != nullptr && kernel != GemmKernel::reference &&
+      c.openblas->kernel != kernel) {
+    return Status::error(
+        by + ": OpenBLAS is already loaded with its " + c.openblas->core + " kernels (" +
+        std::string(gemm_kernel_name(c.openblas->kernel)) +
+        "); the class is chosen once per process, before the first product (set STRATA_GEMM)");
+  }
+  c.selected = true;
+  c.kernel = kernel;
+  c.selected_by = std::move(by);
+  use_reference.store(kernel == GemmKernel::reference);
+  return Status::ok();
+}
+
+Status read_environment_locked(Choice& c) {
+  if (c.environment_read) return Status::ok();
+  c.environment_read = true;
+  const char* value = std::getenv("STRATA_GEMM");
+  if (value == nullptr || *value == '\0' || std::string_view(value) == "auto") return Status::ok();
+  const std::optional<GemmKernel> kernel = parse_gemm_kernel(value);
+  if (!kernel) {
+    return Status::error(std::string("STRATA_GEMM=") + value + " is not one of " +
+                                    choices());
+  }
+  if (c.selected) return Status::ok();  // an explicit selection wins over the environment
+  return select_locked(c, *kernel, std::string("STRATA_GEMM=") + value);
+}
+
+template <typename Function>
+Function symbol(void* library, const char* name) {
+  void* address = dlsym(library, name);
+  if (address == nullptr) fail(std::string("OpenBLAS has no ") + name + "; install libopenblas0");
+  return reinterpret_cast<Function>(address);
+}
+
+// Loads OpenBLAS with the chosen class; exits with one line when it cannot.
+const OpenBlas* load_locked(Choice& c) {
+  if (c.openblas != nullptr) return c.openblas;
+  if (Status s = read_environment_locked(c); !s.is_ok()) fail(s.message());
+  auto* blas = new OpenBlas;  // lives as long as the process, as the library does
+  const char* inherited_core = std::getenv("OPENBLAS_CORETYPE");
+  const char* inherited_timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const std::string saved_core = inherited_core != nullptr ? inherited_core : "";
+  GemmKernel wanted = cpu_gemm_kernel();
+  if (c.selected && c.kernel != GemmKernel::reference) {
+    wanted = c.kernel;
+    blas->chosen_by = c.selected_by;
+  } else if (inherited_core != nullptr && *inherited_core != '\0') {
+    blas->chosen_by = "OPENBLAS_CORETYPE=" + saved_core;
+  } else {
+    blas->chosen_by = "the CPU's features";
+  }
+  const bool steer = blas->chosen_by.rfind("OPENBLAS_CORETYPE", 0) != 0;
+  if (steer) setenv("OPENBLAS_CORETYPE", core_of_kernel(wanted), 1);
+  if (inherited_timeout == nullptr) setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
+  void* library = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
+  std::string first_error = library == nullptr ? dlerror() : "";
+  if (library == nullptr && *STRATA_OPENBLAS_LIBRARY != '\0')
+    library = dlopen(STRATA_OPENBLAS_LIBRARY, RTLD_NOW | RTLD_LOCAL);
+  if (steer) {
+    if (inherited_core != nullptr) setenv("OPENBLAS_CORETYPE", saved_core.c_str(), 1);
+    else unsetenv("OPENBLAS_CORETYPE");
+  }
+  if (inherited_timeout == nullptr) unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  if (library == nullptr) {
+    fail("cannot load OpenBLAS (" + first_error +
+         "): install libopenblas0 (tools/setup-debian does), or put its folder on LD_LIBRARY_PATH");
+  }
+  blas->sgemm = symbol<SgemmFunction>(library, "cblas_sgemm");
+  blas->set_num_threads = symbol<void (*)(int)>(library, "openblas_set_num_threads");
+  blas->get_num_threads = symbol<int (*)()>(library, "openblas_get_num_threads");
+  blas->get_corename = symbol<char* (*)()>(library, "openblas_get_corename");
+  blas->get_config = symbol<char* (*)()>(library, "openblas_get_config");
+  blas->core = blas->get_corename();
+  blas->kernel = kernel_of_core(blas->core);
+  // "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64": the first two words.
+  const std::string config = blas->get_config();
+  const size_t second_space = config.find(' ', config.find(' ') + 1);
+  blas->version = config.substr(0, second_space);
+  if (steer && blas->kernel != wanted) {
+    blas->chosen_by += std::string(", which asked for ") + core_of_kernel(wanted) +
+                       " (this OpenBLAS lacks it)";
+  }
+  if (c.threads > 0) blas->set_num_threads(c.threads);
+  c.openblas = blas;
+  loaded.store(blas);
+  return blas;
+}
+
+const OpenBlas& openblas() {
+  if (const OpenBlas* blas = loaded.load(std::memory_order_acquire)) return *blas;
+  Choice& c = choice();
+  std::lock_guard lock(c.mutex);
+  return *load_locked(c);
+}
+
+// The reference path is chosen (read STRATA_GEMM once first).
+bool reference_selected() {
+  static const bool environment_checked = [] {
+    Choice& c = choice();
+    std::lock_guard lock(c.mutex);
+    if (Status s = read_environment_locked(c); !s.is_ok()) fail(s.message());
+    return true;
+  }();
+  (void)environment_checked;
+  return use_reference.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+std::string_view gemm_kernel_name(GemmKernel kernel) {
+  switch (kernel) {
+    case GemmKernel::baseline:
+      return "baseline";
+    case GemmKernel::avx:
+      return "avx";
+    case GemmKernel::avx2:
+      return "avx2";
+    case GemmKernel::avx512:
+      return "avx512";
+    case GemmKernel::reference:
+      return "reference";
+  }
+  return "unknown";
+}
+
+std::optional<GemmKernel> parse_gemm_kernel(std::string_view name) {
+  for (GemmKernel k : {GemmKernel::baseline, GemmKernel::avx, GemmKernel::avx2,
+                       GemmKernel::avx512, GemmKernel::reference})
+    if (name == gemm_kernel_name(k)) return k;
+  return std::nullopt;
+}
+
+GemmKernel cpu_gemm_kernel() {
+  static const GemmKernel best = [] {
+    __builtin_cpu_init();
+    // __builtin_cpu_supports also checks that the OS saves the registers (XGETBV).
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+      return GemmKernel::avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return GemmKernel::avx2;
+    if (__builtin_cpu_supports("avx")) return GemmKernel::avx;
+    return GemmKernel::baseline;
+  }();
+  return best;
+}
+
+bool cpu_can_run(GemmKernel kernel) {
+  return kernel == GemmKernel::reference ||
+         static_cast<int>(kernel) <= static_cast<int>(cpu_gemm_kernel());
+}
+
+Status select_gemm_kernel(GemmKernel kernel) {
+  Choice& c = choice();
+  std::lock_guard lock(c.mutex);
+  c.environment_read = true;  // an explicit choice replaces STRATA_GEMM
+  return select_locked(c, kernel, "--gemm " + std::string(gemm_kernel_name(kernel)));
+}
+
+Status select_gemm_kernel_from_environment() {
+  Choice& c = choice();
+  std::lock_guard lock(c.mutex);
+  return read_environment_locked(c);
+}
+
+GemmInfo gemm_info() {
+  const OpenBlas& blas = openblas();
+  GemmInfo info;
+  info.library_kernel = blas.kernel;
+  info.library = blas.version;
+  info.library_core = blas.core;
+  info.kernel = use_reference.load() ? GemmKernel::reference : blas.kernel;
+  {
+    Choice& c = choice();
+    std::lock_guard lock(c.mutex);
+    info.chosen_by = info.kernel == GemmKernel::reference ? c.selected_by : blas.chosen_by;
+  }
+  info.threads = info.kernel == GemmKernel::reference ? tbb::this_task_arena::max_concurrency()
+                                                      : blas.get_num_threads();
+  return info;
+}
+
+std::string describe_cpu_kernels() {
+  const GemmInfo info = gemm_info();
+  std::string line = "gemm " + std::string(gemm_kernel_name(info.kernel));
+  if (info.kernel == GemmKernel::reference) {
+    line += " (strata's, the same bits on every x86-64; chosen by " + info.chosen_by + ")";
+  } else {
+    line += " (" + info.library + " " + info.library_core + " kernels, chosen by " +
+            info.chosen_by + ")";
+  }
+  line += ", " + std::to_string(info.threads) + (info.threads == 1 ? " thread" : " threads");
+  line += "; adamw simd " + std::string(simd_level_name(active_simd_level()));
+  return line;
+}
+
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+           int64_t ldc) {
+  if (beta != 0.0f && beta != 1.0f) fail("sgemm: beta must be 0 or 1");
+  if (reference_selected()) {
+    sgemm_reference(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  openblas().sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                   trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(M),
+                   static_cast<blasint>(N), static_cast<blasint>(K), alpha, A,
+                   static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C,
+                   static_cast<blasint>(ldc));
+}
+
+void set_blas_threads(int threads) {
+  if (threads <= 0) threads = static_cast<int>(std::thread::hardware_concurrency());
+  threads = threads > 0 ? threads : 1;
+  Choice& c = choice();
+  std::lock_guard lock(c.mutex);
+  c.threads = threads;
+  if (c.openblas != nullptr) c.openblas->set_num_threads(threads);
+}
+
+}  // namespace strata::kernels::cpu
