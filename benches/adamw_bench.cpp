@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/grad_norm.h"
 
 namespace {
@@ -362,6 +363,7 @@ int main(int argc, char** argv) {
                                                   threads);
   }
   benchmark::AddCustomContext("params", std::to_string(g_params));
+  benchmark::AddCustomContext("cpu_kernels", strata::kernels::cpu::describe_cpu_kernels());
   benchmark::AddCustomContext("threads", std::to_string(tbb::global_control::active_value(
                                              tbb::global_control::max_allowed_parallelism)));
   benchmark::AddCustomContext("simd", std::string(strata::kernels::cpu::simd_level_name(

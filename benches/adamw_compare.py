@@ -65,7 +65,7 @@ def run_strata(bench, params, threads, steps):
         name = entry["run_name"].split("/iterations:")[0]
         seconds = entry["real_time"] * TIME_UNITS[entry.get("time_unit", "ns")]
         rates[name] = params / seconds
-    simd = report["context"].get("simd", "?")
+    simd = report["context"].get("cpu_kernels", report["context"].get("simd", "?"))
     return rates, simd
 
 
@@ -184,7 +184,7 @@ def main():
             ("DeepSpeedCPUAdam + fp32->bf16 copy", "DeepSpeed mixed", 34),
             (f"{torch_label} fp32", "torch", 28)]
 
-    print(f"strata SIMD path: {simd}")
+    print(f"strata CPU kernels: {simd}")
     print(f"{'method':44s} {'G params/s':>11s} {'GB/s':>8s}")
     for label, name, bytes_per_param in rows:
         if name in best:

@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
       })
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
+  benchmark::AddCustomContext("cpu_kernels", strata::kernels::cpu::describe_cpu_kernels());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

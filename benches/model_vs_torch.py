@@ -111,7 +111,9 @@ def main():
                               f"--threads={args.threads}", "--benchmark_format=json",
                               f"--benchmark_repetitions={args.iterations}", "--benchmark_min_time=0.01"],
                              capture_output=True, text=True, check=True)
-    runs = [b for b in json.loads(run.stdout)["benchmarks"] if b.get("run_type") == "iteration"]
+    report = json.loads(run.stdout)
+    runs = [b for b in report["benchmarks"] if b.get("run_type") == "iteration"]
+    cpu_kernels = report["context"].get("cpu_kernels", "?")
     strata_times = sorted(b["real_time"] / 1000.0 for b in runs)  # ms -> s
     strata_min, strata_median = strata_times[0], strata_times[len(strata_times) // 2]
     strata_cpus = sorted(b["process_cpu_s"] for b in runs)
@@ -125,6 +127,7 @@ def main():
 
     print(f"model: {count / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, {args.threads} threads, "
           f"torch {torch.__version__}")
+    print(f"strata CPU kernels: {cpu_kernels}")
     print("wall time per step (min, median) and process CPU time (median; robust on a busy machine):")
     rows = [("strata CPU (unit checkpointing)", strata_min, strata_median, strata_cpu),
             ("PyTorch (no checkpointing)", torch_min, torch_median, torch_cpu),

@@ -32,6 +32,7 @@
 #include "core/optimizer/optimizer.h"
 #include "core/optimizer/streamed_optimizer.h"
 #include "io/aligned_buffer.h"
+#include "kernels/cpu/gemm.h"
 
 namespace {
 
@@ -170,4 +171,10 @@ BENCHMARK(InMemoryStep)->Iterations(2)->UseRealTime()->Unit(benchmark::kSecond);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("cpu_kernels", strata::kernels::cpu::describe_cpu_kernels());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -326,8 +326,9 @@ def run_strata(args, config_path, model_dir, data, metrics):
     lines = [json.loads(l) for l in open(metrics)] if os.path.exists(metrics) else []
     if run.returncode != 0 or len(lines) < args.steps:
         return {"error": last_error_line(run.stderr + run.stdout)}, wall
+    kernels = [l.split(":", 1)[1].strip() for l in run.stdout.splitlines() if l.startswith("cpu kernels:")]
     return {"losses": [l["loss"] for l in lines], "times": [l["step_time_s"] for l in lines],
-            "grad_norms": [l.get("grad_norm") for l in lines],
+            "grad_norms": [l.get("grad_norm") for l in lines], "cpu_kernels": kernels[0] if kernels else None,
             "nvme_read_bytes": [l.get("nvme_read_bytes", 0) for l in lines],
             "nvme_written_bytes": [l.get("nvme_written_bytes", 0) for l in lines]}, wall
 
@@ -502,6 +503,9 @@ def bench(args, rows, accums, formats, work, nvme_root):
     print(f"DeepSpeed {info.get('deepspeed', '?')} on {info.get('accelerator', '?')}, optimizer "
           f"{info.get('optimizer', '?')}, torch threads {info.get('threads', '?')}; strata {args.strata}; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
+    kernels = sorted({r["strata"]["cpu_kernels"] for r in results if r["strata"].get("cpu_kernels")})
+    for line in kernels:
+        print(f"strata CPU kernels: {line}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model_info, "args": {k: v for k, v in vars(args).items()
