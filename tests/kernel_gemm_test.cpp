@@ -247,6 +247,16 @@ TEST(KernelGemm, ChosenClassIsTheBestTheCpusFeaturesAllow) {
   EXPECT_EQ(info.chosen_by, "the CPU's features");
 }
 
+// OpenBLAS's idle threads spin 2^4 cycles, not its default 2^28 (about 0.1 s
+// of a core after every product), unless the environment says otherwise.
+TEST(KernelGemm, IdleBlasThreadsSleepAfterAFewCycles) {
+  const kernels::cpu::GemmInfo info = kernels::cpu::gemm_info();
+  if (const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT"))
+    GTEST_SKIP() << "OPENBLAS_THREAD_TIMEOUT=" << timeout << " is set here; OpenBLAS spins "
+                 << info.idle_spin_cycles << " cycles";
+  EXPECT_EQ(info.idle_spin_cycles, 16u);
+}
+
 // Run once per class by ctest with STRATA_GEMM=<class>.
 TEST(KernelGemmForced, TheForcedClassRunsWithinTheBound) {
   const char* forced = std::getenv("STRATA_GEMM");

@@ -9,14 +9,15 @@
 
 #include <cblas.h>
 #include <dlfcn.h>
+#include <tbb/info.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "kernels/cpu/simd.h"
 
@@ -35,6 +36,7 @@ struct OpenBlas {
   int (*get_num_threads)() = nullptr;
   char* (*get_corename)() = nullptr;
   char* (*get_config)() = nullptr;
+  int (*thread_timeout)() = nullptr;
   GemmKernel kernel = GemmKernel::baseline;  // what the loaded core is
   std::string core;                          // OpenBLAS's name for it
   std::string version;                       // "OpenBLAS 0.3.21"
@@ -172,6 +174,7 @@ const OpenBlas* load_locked(Choice& c) {
   blas->get_num_threads = symbol<int (*)()>(library, "openblas_get_num_threads");
   blas->get_corename = symbol<char* (*)()>(library, "openblas_get_corename");
   blas->get_config = symbol<char* (*)()>(library, "openblas_get_config");
+  blas->thread_timeout = symbol<int (*)()>(library, "openblas_thread_timeout");
   blas->core = blas->get_corename();
   blas->kernel = kernel_of_core(blas->core);
   // "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64": the first two words.
@@ -182,7 +185,8 @@ const OpenBlas* load_locked(Choice& c) {
     blas->chosen_by += std::string(", which asked for ") + core_of_kernel(wanted) +
                        " (this OpenBLAS lacks it)";
   }
-  if (c.threads > 0) blas->set_num_threads(c.threads);
+  // strata sets the threads, not OPENBLAS_NUM_THREADS: one per core this process may use.
+  blas->set_num_threads(c.threads > 0 ? c.threads : tbb::info::default_concurrency());
   c.openblas = blas;
   loaded.store(blas);
   return blas;
@@ -276,6 +280,8 @@ GemmInfo gemm_info() {
     std::lock_guard lock(c.mutex);
     info.chosen_by = info.kernel == GemmKernel::reference ? c.selected_by : blas.chosen_by;
   }
+  const int timeout = blas.thread_timeout();  // 0: OpenBLAS's default
+  info.idle_spin_cycles = uint64_t{1} << (timeout <= 0 ? 28 : std::clamp(timeout, 4, 30));
   info.threads = info.kernel == GemmKernel::reference ? tbb::this_task_arena::max_concurrency()
                                                       : blas.get_num_threads();
   return info;
@@ -311,7 +317,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 }
 
 void set_blas_threads(int threads) {
-  if (threads <= 0) threads = static_cast<int>(std::thread::hardware_concurrency());
+  if (threads <= 0) threads = tbb::info::default_concurrency();
   threads = threads > 0 ? threads : 1;
   Choice& c = choice();
   std::lock_guard lock(c.mutex);

@@ -75,6 +75,10 @@ struct GemmInfo {
   std::string library_core;   // OpenBLAS's name for its kernels: "SkylakeX", "Haswell", ...
   std::string chosen_by;      // "the CPU's features", "STRATA_GEMM=avx2", ...
   int threads = 1;            // threads of the products
+  // Cycles an idle OpenBLAS thread spins before it sleeps: 2^4 as strata
+  // loads it, 2^n with OPENBLAS_THREAD_TIMEOUT=n in the environment (OpenBLAS
+  // keeps n within 4..30; its default is 2^28, about 0.1 s).
+  uint64_t idle_spin_cycles = 0;
 };
 
 // Loads OpenBLAS if needed and says what runs. Exits the process with one
@@ -97,7 +101,8 @@ void sgemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K
                      const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
                      float* C, int64_t ldc);
 
-// Threads the fast path's products may use (0: one per core). TBB's pool is
+// Threads the fast path's products may use (0, and the default: one per core
+// this process may run on; OPENBLAS_NUM_THREADS is not read). TBB's pool is
 // set separately with tbb::global_control; the two are never active at once.
 void set_blas_threads(int threads);
 
