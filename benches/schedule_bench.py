@@ -35,6 +35,12 @@ import sys
 import tempfile
 
 
+
+def cpu_kernels(strata):
+    """The GEMM class, its threads and the AdamW SIMD path strata runs (`strata --version`)."""
+    out = subprocess.run([strata, "--version"], capture_output=True, text=True).stdout
+    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.strip().startswith("CPU kernels:")), "?")
+
 def common_flags(args, accum, schedule):
     return [
         "--model", args.model, "--backend", args.backend, "--seq-len", str(args.seq_len),
@@ -142,6 +148,7 @@ def main():
             row["ratio"] = row["layer"]["step_s"] / row["micro_batch"]["step_s"]
             rows.append(row)
 
+    print(f"strata CPU kernels: {cpu_kernels(args.strata)}")
     print(f"schedule bench: {args.model}, {args.micro_batch} x {args.seq_len} tokens per micro-batch, "
           f"ZeRO-3, parameters and optimizer on {args.offload}, {args.backend} backend, "
           f"activations {args.activation_home or 'auto'}, "

@@ -55,6 +55,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from schedule_bench import plan_traffic  # noqa: E402  (the plan's bytes, read one way for both benches)
 
 
+
+def cpu_kernels(strata):
+    """The GEMM class, its threads and the AdamW SIMD path strata runs (`strata --version`)."""
+    out = subprocess.run([strata, "--version"], capture_output=True, text=True).stdout
+    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.strip().startswith("CPU kernels:")), "?")
+
 def child_cpu_seconds():
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -259,6 +265,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3,
                         help="with --formats: runs of each format, alternating; the median of their medians")
     args = parser.parse_args()
+    print(f"strata CPU kernels: {cpu_kernels(args.strata)}")
     os.makedirs(args.path, exist_ok=True)
 
     with tempfile.TemporaryDirectory() as workdir:
