@@ -49,12 +49,17 @@ void linear_forward(benchmark::State& state, bool reference) {
     product(false, true, N, OC, C, 1.0f, inp.data(), C, weight.data(), C, 0.0f, out.data(), OC);
     benchmark::DoNotOptimize(out.data());
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(double(2 * N * C * OC) * double(state.iterations()),
-                                                 benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(double(2 * N * C * OC) * double(state.iterations()),
+                         benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
 }
 
-void BM_fast(benchmark::State& state) { linear_forward(state, false); }
-void BM_reference(benchmark::State& state) { linear_forward(state, true); }
+void BM_fast(benchmark::State& state) {
+  linear_forward(state, false);
+}
+void BM_reference(benchmark::State& state) {
+  linear_forward(state, true);
+}
 
 // One product, then 50 ms of sleep: the process's CPU time during the sleep.
 void BM_idle_after_product(benchmark::State& state) {
@@ -77,8 +82,12 @@ void BM_idle_after_product(benchmark::State& state) {
 // Shapes of a Llama 3.2 1B layer at 512 tokens: q/o (2048 x 2048), k/v
 // (512 x 2048), gate/up (8192 x 2048), down (2048 x 8192).
 void shapes(benchmark::internal::Benchmark* b) {
-  b->Args({512, 2048, 2048})->Args({512, 2048, 512})->Args({512, 2048, 8192})
-      ->Args({512, 8192, 2048})->Unit(benchmark::kMillisecond)->UseRealTime();
+  b->Args({512, 2048, 2048})
+      ->Args({512, 2048, 512})
+      ->Args({512, 2048, 8192})
+      ->Args({512, 8192, 2048})
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
 }
 
 }  // namespace
@@ -90,8 +99,8 @@ BENCHMARK(BM_idle_after_product)->Iterations(10)->Unit(benchmark::kMillisecond)-
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   benchmark::AddCustomContext("cpu_kernels", strata::kernels::cpu::describe_cpu_kernels());
-  benchmark::AddCustomContext(
-      "blas_idle_spin_cycles", std::to_string(strata::kernels::cpu::gemm_info().idle_spin_cycles));
+  benchmark::AddCustomContext("blas_idle_spin_cycles",
+                              std::to_string(strata::kernels::cpu::gemm_info().idle_spin_cycles));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

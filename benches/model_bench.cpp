@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "core/model/model.h"
 #include "core/checkpoint/safetensors.h"
+#include "core/model/model.h"
 #include "kernels/cpu/gemm.h"
 
 namespace {

@@ -30,8 +30,8 @@ using kernels::cpu::GemmKernel;
 
 unsigned fresh_seed() {
   const char* pinned = std::getenv("STRATA_TEST_SEED");
-  const unsigned seed = pinned != nullptr ? unsigned(std::strtoul(pinned, nullptr, 10))
-                                          : std::random_device{}();
+  const unsigned seed =
+      pinned != nullptr ? unsigned(std::strtoul(pinned, nullptr, 10)) : std::random_device{}();
   std::printf("seed %u (STRATA_TEST_SEED=%u reruns it)\n", seed, seed);
   return seed;
 }
@@ -179,11 +179,13 @@ void expect_fast_path_within_bound() {
   }
 }
 
-TEST(KernelGemm, FastPathIsWithinTheSumsRoundingBound) { expect_fast_path_within_bound(); }
+TEST(KernelGemm, FastPathIsWithinTheSumsRoundingBound) {
+  expect_fast_path_within_bound();
+}
 
 TEST(KernelGemm, NamesRoundTripAndAClassTheCpuLacksIsRefused) {
-  for (GemmKernel k : {GemmKernel::baseline, GemmKernel::avx, GemmKernel::avx2,
-                       GemmKernel::avx512, GemmKernel::reference})
+  for (GemmKernel k : {GemmKernel::baseline, GemmKernel::avx, GemmKernel::avx2, GemmKernel::avx512,
+                       GemmKernel::reference})
     EXPECT_EQ(kernels::cpu::parse_gemm_kernel(kernels::cpu::gemm_kernel_name(k)), k);
   EXPECT_FALSE(kernels::cpu::parse_gemm_kernel("auto").has_value());
   EXPECT_FALSE(kernels::cpu::parse_gemm_kernel("skylakex").has_value());

@@ -26,15 +26,15 @@
 #include "comm/bootstrap.h"
 #include "comm/nccl_comm.h"
 #include "comm/socket_comm.h"
-#include "core/config/backend_choice.h"
 #include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/config/backend_choice.h"
 #include "core/config/config.h"
+#include "core/data/token_data.h"
 #include "core/engine/engine.h"
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "core/plan/planner.h"
-#include "core/checkpoint/safetensors.h"
-#include "core/data/token_data.h"
 #include "core/plan/training_plan.h"
 #include "io/base/sizes.h"
 #include "kernels/cpu/gemm.h"
@@ -597,11 +597,11 @@ class TrainCommand : public Subcommand {
                                     "step; give --steps N, or leave the schedule out to convert",
                                     name)};
     if (s.warmup_num_steps >= steps_)
-      return Failure{2, fmt::format("--lr-schedule {}: the warm-up of {} steps{} leaves no step of "
-                                    "--steps {} to decay over; give --warmup-steps below {}",
-                                    name, s.warmup_num_steps,
-                                    o.warmup_steps ? "" : " (DeepSpeed's default)", steps_,
-                                    steps_)};
+      return Failure{
+          2, fmt::format("--lr-schedule {}: the warm-up of {} steps{} leaves no step of "
+                         "--steps {} to decay over; give --warmup-steps below {}",
+                         name, s.warmup_num_steps, o.warmup_steps ? "" : " (DeepSpeed's default)",
+                         steps_, steps_)};
     return std::nullopt;
   }
 

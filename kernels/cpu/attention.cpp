@@ -27,27 +27,25 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
         const int64_t r1 = std::min(T, r0 + s.row_block), rows_n = r1 - r0;
         float* pb = p + r0 * T;
         sgemm(false, true, rows_n, r1, D, scale, qh + r0 * ld, ld, kh, ld, 0.0f, pb, T);
-        tbb::parallel_for(tbb::blocked_range<int64_t>(r0, r1, 16),
-                          [&](const tbb::blocked_range<int64_t>& rows) {
-                            for (int64_t i = rows.begin(); i < rows.end(); ++i) {
-                              float* row = p + i * T;
-                              // Keys [first, i]: causal, and within the window if any.
-                              const int64_t first =
-                                  s.window > 0 ? std::max<int64_t>(0, i - s.window + 1) : 0;
-                              float max_score = row[first];
-                              for (int64_t j = first + 1; j <= i; ++j)
-                                max_score = std::max(max_score, row[j]);
-                              float sum = 0.0f;
-                              for (int64_t j = first; j <= i; ++j) {
-                                row[j] = std::exp(row[j] - max_score);
-                                sum += row[j];
-                              }
-                              const float inv_sum = 1.0f / sum;
-                              for (int64_t j = first; j <= i; ++j) row[j] *= inv_sum;
-                              std::fill(row, row + first, 0.0f);
-                              std::fill(row + i + 1, row + T, 0.0f);
-                            }
-                          });
+        tbb::parallel_for(
+            tbb::blocked_range<int64_t>(r0, r1, 16), [&](const tbb::blocked_range<int64_t>& rows) {
+              for (int64_t i = rows.begin(); i < rows.end(); ++i) {
+                float* row = p + i * T;
+                // Keys [first, i]: causal, and within the window if any.
+                const int64_t first = s.window > 0 ? std::max<int64_t>(0, i - s.window + 1) : 0;
+                float max_score = row[first];
+                for (int64_t j = first + 1; j <= i; ++j) max_score = std::max(max_score, row[j]);
+                float sum = 0.0f;
+                for (int64_t j = first; j <= i; ++j) {
+                  row[j] = std::exp(row[j] - max_score);
+                  sum += row[j];
+                }
+                const float inv_sum = 1.0f / sum;
+                for (int64_t j = first; j <= i; ++j) row[j] *= inv_sum;
+                std::fill(row, row + first, 0.0f);
+                std::fill(row + i + 1, row + T, 0.0f);
+              }
+            });
         sgemm(false, false, rows_n, D, r1, 1.0f, pb, T, vh, ld, 0.0f, oh + r0 * s.H * D, s.H * D);
       }
     }

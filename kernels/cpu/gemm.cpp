@@ -92,17 +92,18 @@ std::atomic<const OpenBlas*> loaded{nullptr};
   std::exit(2);
 }
 
-std::string choices() { return "auto, avx512, avx2, avx, baseline or reference"; }
+std::string choices() {
+  return "auto, avx512, avx2, avx, baseline or reference";
+}
 
 Status select_locked(Choice& c, GemmKernel kernel, std::string by) {
   if (!cpu_can_run(kernel)) {
-    return Status::error(
-        by + ": this CPU cannot run the " + std::string(gemm_kernel_name(kernel)) +
-        " kernels (its best class is " + std::string(gemm_kernel_name(cpu_gemm_kernel())) +
-        "); choose that one or an older class, or auto");
+    return Status::error(by + ": this CPU cannot run the " + std::string(gemm_kernel_name(kernel)) +
+                         " kernels (its best class is " +
+                         std::string(gemm_kernel_name(cpu_gemm_kernel())) +
+                         "); choose that one or an older class, or auto");
   }
-  if (c.openblas != nullptr && kernel != GemmKernel::reference &&
-      c.openblas->kernel != kernel) {
+  if (c.openblas != nullptr && kernel != GemmKernel::reference && c.openblas->kernel != kernel) {
     return Status::error(
         by + ": OpenBLAS is already loaded with its " + c.openblas->core + " kernels (" +
         std::string(gemm_kernel_name(c.openblas->kernel)) +
@@ -122,8 +123,7 @@ Status read_environment_locked(Choice& c) {
   if (value == nullptr || *value == '\0' || std::string_view(value) == "auto") return Status::ok();
   const std::optional<GemmKernel> kernel = parse_gemm_kernel(value);
   if (!kernel) {
-    return Status::error(std::string("STRATA_GEMM=") + value + " is not one of " +
-                                    choices());
+    return Status::error(std::string("STRATA_GEMM=") + value + " is not one of " + choices());
   }
   if (c.selected) return Status::ok();  // an explicit selection wins over the environment
   return select_locked(c, *kernel, std::string("STRATA_GEMM=") + value);
@@ -161,8 +161,10 @@ const OpenBlas* load_locked(Choice& c) {
   if (library == nullptr && *STRATA_OPENBLAS_LIBRARY != '\0')
     library = dlopen(STRATA_OPENBLAS_LIBRARY, RTLD_NOW | RTLD_LOCAL);
   if (steer) {
-    if (inherited_core != nullptr) setenv("OPENBLAS_CORETYPE", saved_core.c_str(), 1);
-    else unsetenv("OPENBLAS_CORETYPE");
+    if (inherited_core != nullptr)
+      setenv("OPENBLAS_CORETYPE", saved_core.c_str(), 1);
+    else
+      unsetenv("OPENBLAS_CORETYPE");
   }
   if (inherited_timeout == nullptr) unsetenv("OPENBLAS_THREAD_TIMEOUT");
   if (library == nullptr) {
@@ -182,8 +184,8 @@ const OpenBlas* load_locked(Choice& c) {
   const size_t second_space = config.find(' ', config.find(' ') + 1);
   blas->version = config.substr(0, second_space);
   if (steer && blas->kernel != wanted) {
-    blas->chosen_by += std::string(", which asked for ") + core_of_kernel(wanted) +
-                       " (this OpenBLAS lacks it)";
+    blas->chosen_by +=
+        std::string(", which asked for ") + core_of_kernel(wanted) + " (this OpenBLAS lacks it)";
   }
   // strata sets the threads, not OPENBLAS_NUM_THREADS: one per core this process may use.
   blas->set_num_threads(c.threads > 0 ? c.threads : tbb::info::default_concurrency());
@@ -230,8 +232,8 @@ std::string_view gemm_kernel_name(GemmKernel kernel) {
 }
 
 std::optional<GemmKernel> parse_gemm_kernel(std::string_view name) {
-  for (GemmKernel k : {GemmKernel::baseline, GemmKernel::avx, GemmKernel::avx2,
-                       GemmKernel::avx512, GemmKernel::reference})
+  for (GemmKernel k : {GemmKernel::baseline, GemmKernel::avx, GemmKernel::avx2, GemmKernel::avx512,
+                       GemmKernel::reference})
     if (name == gemm_kernel_name(k)) return k;
   return std::nullopt;
 }
@@ -301,19 +303,17 @@ std::string describe_cpu_kernels() {
   return line;
 }
 
-void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
-           int64_t ldc) {
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (beta != 0.0f && beta != 1.0f) fail("sgemm: beta must be 0 or 1");
   if (reference_selected()) {
     sgemm_reference(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
-  openblas().sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-                   trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(M),
-                   static_cast<blasint>(N), static_cast<blasint>(K), alpha, A,
-                   static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C,
-                   static_cast<blasint>(ldc));
+  openblas().sgemm(
+      CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+      static_cast<blasint>(M), static_cast<blasint>(N), static_cast<blasint>(K), alpha, A,
+      static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
 }
 
 void set_blas_threads(int threads) {

@@ -92,14 +92,13 @@ std::string describe_cpu_kernels();
 // C (M, N) = alpha * op(A) (M, K) @ op(B) (K, N) + beta * C, row-major, with
 // op(X) = X^T when trans_X; lda/ldb/ldc are the row strides of A, B and C as
 // stored. beta is 0 (C is overwritten, never read) or 1 (added into).
-void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
-           int64_t ldc);
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 // The reference path itself, whatever is selected (tests, benches).
 void sgemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                     float* C, int64_t ldc);
+                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                     int64_t ldc);
 
 // Threads the fast path's products may use (0, and the default: one per core
 // this process may run on; OPENBLAS_NUM_THREADS is not read). TBB's pool is

@@ -56,9 +56,8 @@ typedef float Floats16 __attribute__((vector_size(64)));
   }
 }
 
-[[gnu::target("avx512f")]] void block_product_avx512(const float* a, const float* b,
-                                                      int64_t rows, int64_t cols, int64_t K,
-                                                      float* out) {
+[[gnu::target("avx512f")]] void block_product_avx512(const float* a, const float* b, int64_t rows,
+                                                     int64_t cols, int64_t K, float* out) {
   block_product(a, b, rows, cols, K, out);
 }
 
@@ -67,18 +66,20 @@ typedef float Floats16 __attribute__((vector_size(64)));
   block_product(a, b, rows, cols, K, out);
 }
 
-void block_product_baseline(const float* a, const float* b, int64_t rows, int64_t cols,
-                            int64_t K, float* out) {
+void block_product_baseline(const float* a, const float* b, int64_t rows, int64_t cols, int64_t K,
+                            float* out) {
   block_product(a, b, rows, cols, K, out);
 }
 
-int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+int64_t round_up(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 }  // namespace
 
 void sgemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                     float* C, int64_t ldc) {
+                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                     int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   auto* product = block_product_baseline;
   switch (active_simd_level()) {
@@ -93,40 +94,40 @@ void sgemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K
   }
   const int64_t row_blocks = (M + kBlockRows - 1) / kBlockRows;
   const int64_t col_blocks = (N + kBlockCols - 1) / kBlockCols;
-  tbb::parallel_for(
-      tbb::blocked_range2d<int64_t>(0, row_blocks, 1, 0, col_blocks, 1),
-      [&](const tbb::blocked_range2d<int64_t>& range) {
-        std::vector<float> a_packed, b_packed, out;
-        for (int64_t rb = range.rows().begin(); rb < range.rows().end(); ++rb) {
-          const int64_t i0 = rb * kBlockRows, rows = std::min(kBlockRows, M - i0);
-          const int64_t rows_p = round_up(rows, kTileRows);
-          // a_packed (rows_p, K) = op(A)[i0 .. i0 + rows), zero rows below.
-          a_packed.assign(size_t(rows_p * K), 0.0f);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t k = 0; k < K; ++k)
-              a_packed[size_t(r * K + k)] = trans_a ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
-          for (int64_t cb = range.cols().begin(); cb < range.cols().end(); ++cb) {
-            const int64_t j0 = cb * kBlockCols, cols = std::min(kBlockCols, N - j0);
-            const int64_t cols_p = round_up(cols, kTileCols);
-            // b_packed (K, cols_p) = op(B)[:, j0 .. j0 + cols), zero columns right.
-            b_packed.assign(size_t(K * cols_p), 0.0f);
-            for (int64_t k = 0; k < K; ++k)
-              for (int64_t c = 0; c < cols; ++c)
-                b_packed[size_t(k * cols_p + c)] =
-                    trans_b ? B[(j0 + c) * ldb + k] : B[k * ldb + j0 + c];
-            out.resize(size_t(rows_p * cols_p));
-            product(a_packed.data(), b_packed.data(), rows_p, cols_p, K, out.data());
-            for (int64_t r = 0; r < rows; ++r) {
-              float* c_row = C + (i0 + r) * ldc + j0;
-              const float* sums = out.data() + r * cols_p;
-              for (int64_t c = 0; c < cols; ++c) {
-                const float scaled = alpha == 1.0f ? sums[c] : alpha * sums[c];
-                c_row[c] = beta == 0.0f ? scaled : c_row[c] + scaled;
-              }
-            }
-          }
-        }
-      });
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, row_blocks, 1, 0, col_blocks, 1),
+                    [&](const tbb::blocked_range2d<int64_t>& range) {
+                      std::vector<float> a_packed, b_packed, out;
+                      for (int64_t rb = range.rows().begin(); rb < range.rows().end(); ++rb) {
+                        const int64_t i0 = rb * kBlockRows, rows = std::min(kBlockRows, M - i0);
+                        const int64_t rows_p = round_up(rows, kTileRows);
+                        // a_packed (rows_p, K) = op(A)[i0 .. i0 + rows), zero rows below.
+                        a_packed.assign(size_t(rows_p * K), 0.0f);
+                        for (int64_t r = 0; r < rows; ++r)
+                          for (int64_t k = 0; k < K; ++k)
+                            a_packed[size_t(r * K + k)] =
+                                trans_a ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
+                        for (int64_t cb = range.cols().begin(); cb < range.cols().end(); ++cb) {
+                          const int64_t j0 = cb * kBlockCols, cols = std::min(kBlockCols, N - j0);
+                          const int64_t cols_p = round_up(cols, kTileCols);
+                          // b_packed (K, cols_p) = op(B)[:, j0 .. j0 + cols), zero columns right.
+                          b_packed.assign(size_t(K * cols_p), 0.0f);
+                          for (int64_t k = 0; k < K; ++k)
+                            for (int64_t c = 0; c < cols; ++c)
+                              b_packed[size_t(k * cols_p + c)] =
+                                  trans_b ? B[(j0 + c) * ldb + k] : B[k * ldb + j0 + c];
+                          out.resize(size_t(rows_p * cols_p));
+                          product(a_packed.data(), b_packed.data(), rows_p, cols_p, K, out.data());
+                          for (int64_t r = 0; r < rows; ++r) {
+                            float* c_row = C + (i0 + r) * ldc + j0;
+                            const float* sums = out.data() + r * cols_p;
+                            for (int64_t c = 0; c < cols; ++c) {
+                              const float scaled = alpha == 1.0f ? sums[c] : alpha * sums[c];
+                              c_row[c] = beta == 0.0f ? scaled : c_row[c] + scaled;
+                            }
+                          }
+                        }
+                      }
+                    });
 }
 
 }  // namespace strata::kernels::cpu
