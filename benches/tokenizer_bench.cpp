@@ -1,4 +1,4 @@
-// The byte-level BPE tokenizer (core/data/tokenizer.h) on a JSONL of documents,
+// The byte-level BPE tokenizer (prep/tokenizer.h) on a JSONL of documents,
 // one thread, in bytes and tokens per second; benches/tokenizer_compare.py runs
 // it next to Hugging Face `tokenizers`.
 //
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "core/data/tokenizer.h"
+#include "prep/tokenizer.h"
 
 namespace {
 

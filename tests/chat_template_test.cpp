@@ -6,7 +6,7 @@
 // one-construct templates with jinja2's rendering of each, written by
 // tests/chat_template_compare.py --write-fixtures (which also compares
 // random conversations through tests/drivers/chat_template_render).
-#include "core/data/chat_template.h"
+#include "prep/chat_template.h"
 
 #include <gtest/gtest.h>
 

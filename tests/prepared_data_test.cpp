@@ -1,8 +1,8 @@
-// What `strata prepare-data` writes (core/data/prepared_data.h): a chat's
+// What `strata prepare-data` writes (prep/prepared_data.h): a chat's
 // pieces tokenized as one text with the mask rule (a token is a target when
 // any of its bytes comes from a target piece), and token files that TokenFile
 // reads back, uint16 or uint32 by vocabulary, with the mask next to them.
-#include "core/data/prepared_data.h"
+#include "prep/prepared_data.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

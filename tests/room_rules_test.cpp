@@ -29,9 +29,11 @@ namespace fs = std::filesystem;
 // Who may include whom. A room is a top-level folder, except io/base (the
 // ground vocabulary, its own library) and the rooms of core/ ("core/*":
 // core/config, core/model, ...), which may include one another. CLI11,
-// liburing and NCCL are libraries that one room owns: nothing below tools
-// knows the command line, io/ is the only code that calls liburing, comm/ the
-// only code that calls NCCL. tests/ and benches/ may include anything.
+// liburing, NCCL, Oniguruma and ICU are libraries that one room owns: nothing
+// below tools knows the command line, io/ is the only code that calls
+// liburing, comm/ the only code that calls NCCL, prep/ (data preparation, which
+// only the tools use) the only code that calls Oniguruma and ICU, so the
+// engine's library links neither. tests/ and benches/ may include anything.
 struct RoomRule {
   std::string room;
   std::vector<std::string> may_include;
@@ -45,15 +47,16 @@ const std::vector<RoomRule>& room_rules() {
       {"kernels", {"kernels", "io/base"}},
       {"comm", {"comm", "io/base", "NCCL"}},
       {"core/*", {"core/*", "tiers", "io", "io/base", "kernels", "comm"}},
-      {"tools", {"tools", "core/*", "tiers", "io", "io/base", "kernels", "comm", "CLI11"}},
+      {"prep", {"prep", "core/*", "io", "io/base", "Oniguruma", "ICU"}},
+      {"tools", {"tools", "prep", "core/*", "tiers", "io", "io/base", "kernels", "comm", "CLI11"}},
   };
   return rules;
 }
 
 // The folders whose sources the include rules cover.
 const std::vector<std::string>& ruled_folders() {
-  static const std::vector<std::string> folders = {"io",   "tiers", "kernels",
-                                                   "comm", "core",  "tools"};
+  static const std::vector<std::string> folders = {"io",   "tiers", "kernels", "comm",
+                                                   "core", "prep",  "tools"};
   return folders;
 }
 
@@ -126,6 +129,8 @@ std::string included_room(const std::string& header, bool quoted, const fs::path
   if (header.rfind("CLI/", 0) == 0) return "CLI11";
   if (header == "liburing.h" || header.rfind("liburing/", 0) == 0) return "liburing";
   if (header == "nccl.h" || header == "nccl_net.h") return "NCCL";
+  if (header == "oniguruma.h") return "Oniguruma";
+  if (header.rfind("unicode/", 0) == 0) return "ICU";
   if (std::string room = room_of(header); !room.empty()) return room;
   if (!quoted) return "";
   // A quoted name that is not a path from the repository root is looked up
@@ -211,7 +216,7 @@ std::vector<std::string> readme_rows_that_disagree(const fs::path& root) {
     for (auto it = std::sregex_iterator(row->begin(), row->end(), backticked);
          it != std::sregex_iterator(); ++it)
       stated.insert((*it)[1]);
-    for (const char* library : {"CLI11", "liburing", "NCCL"})
+    for (const char* library : {"CLI11", "liburing", "NCCL", "Oniguruma", "ICU"})
       if (row->find(library) != std::string::npos) stated.insert(library);
     const std::set<std::string> allowed(rule.may_include.begin(), rule.may_include.end());
     if (stated != allowed)
@@ -447,6 +452,24 @@ TEST_F(SyntheticTree, AForbiddenIncludeIsReportedAndAnAllowedOneIsNot) {
   EXPECT_EQ(report.includes_read.at("core/*"), 5);
 }
 
+TEST_F(SyntheticTree, OnlyDataPreparationCallsOnigurumaAndIcuAndTheEngineNeverIncludesIt) {
+  write("prep/tokenizer.cpp",
+        "#include \"prep/tokenizer.h\"\n#include <oniguruma.h>\n#include <unicode/normalizer2.h>\n"
+        "#include \"core/data/token_data.h\"\n#include \"tools/config_flags.h\"\n");
+  write("core/data/token_data.h", "#include <oniguruma.h>\n#include \"prep/tokenizer.h\"\n");
+  write("tools/prepare_data_command.cpp", "#include \"prep/tokenizer.h\"\n");
+  const IncludeReport report = check_includes(root_);
+  const std::vector<std::string> expected = {
+      "core/data/token_data.h:1: core/data may not include <oniguruma.h> (core/data may include: "
+      "core/*, tiers, io, io/base, kernels, comm)",
+      "core/data/token_data.h:2: core/data may not include \"prep/tokenizer.h\" (core/data may "
+      "include: core/*, tiers, io, io/base, kernels, comm)",
+      "prep/tokenizer.cpp:5: prep may not include \"tools/config_flags.h\" (prep may include: "
+      "prep, core/*, io, io/base, Oniguruma, ICU)",
+  };
+  EXPECT_EQ(report.offences, expected) << one_per_line(report.offences);
+}
+
 TEST_F(SyntheticTree, IoBaseMayNotIncludeTheRestOfIo) {
   write("io/base/sizes.h", "#include \"io/base/status.h\"\n#include \"io/io_engine.h\"\n");
   const IncludeReport report = check_includes(root_);
@@ -462,7 +485,10 @@ TEST_F(SyntheticTree, AReadmeRowThatDisagreesWithTheRulesIsReported) {
     std::string names;
     for (const std::string& name : rule.may_include)
       names += (names.empty() ? "" : ", ") +
-               (name == "CLI11" || name == "liburing" || name == "NCCL" ? name : "`" + name + "`");
+               (name == "CLI11" || name == "liburing" || name == "NCCL" || name == "Oniguruma" ||
+                        name == "ICU"
+                    ? name
+                    : "`" + name + "`");
     readmes[readme_of(rule.room)] += "| `" + rule.room + "` | " + names + " |\n";
   }
   for (const auto& [name, contents] : readmes) write(name, contents);

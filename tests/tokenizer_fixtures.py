@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Test tokenizers for core/data/tokenizer.h, made with Hugging Face `tokenizers`.
+"""Test tokenizers for prep/tokenizer.h, made with Hugging Face `tokenizers`.
 
 Not part of the test suite: it needs the PyPI package `tokenizers`, which the
 suite does not. Two jobs:

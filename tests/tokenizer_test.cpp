@@ -1,9 +1,9 @@
-// The byte-level BPE tokenizer (core/data/tokenizer.h) gives the ids of
+// The byte-level BPE tokenizer (prep/tokenizer.h) gives the ids of
 // Hugging Face `tokenizers`: three small tokenizers of the Llama 3, Qwen2 and
 // GPT-2 kinds and the ids `tokenizers` gave for tricky inputs are fixtures in
 // tests/fixtures/tokenizers (tests/tokenizer_fixtures.py made them). Also: token
 // spans cover the text, the cache changes nothing, unsupported keys are refused.
-#include "core/data/tokenizer.h"
+#include "prep/tokenizer.h"
 
 #include <gtest/gtest.h>
 

@@ -1,13 +1,13 @@
 // `strata prepare-data`: text files, JSONL documents or chat JSONL turned into
-// a token file and its loss mask (core/data/prepared_data.h) with the
-// tokenizer of a Hugging Face model directory (core/data/tokenizer.h), ready
+// a token file and its loss mask (prep/prepared_data.h) with the
+// tokenizer of a Hugging Face model directory (prep/tokenizer.h), ready
 // for `strata train --data`.
 //
 // Formats: `text` takes each input file as one document; `jsonl` one document
 // per line, its text in a field (`text` by default); `chat` one conversation
 // per line, `{"messages": [...]}`, rendered with the directory's chat template,
 // only the assistant's tokens counting as targets (the pieces ChatTemplate
-// marks; see core/data/chat_template.h). Text and JSONL documents
+// marks; see prep/chat_template.h). Text and JSONL documents
 // get the tokenizer's post-processor tokens (a BOS like <|begin_of_text|>, as
 // `tokenizer(text)` adds them) unless --no-special-tokens; chats take theirs
 // from the template, like `apply_chat_template(tokenize=True)`.
@@ -31,10 +31,10 @@
 #include <string>
 #include <vector>
 
-#include "core/data/chat_template.h"
-#include "core/data/prepared_data.h"
 #include "core/data/token_data.h"
-#include "core/data/tokenizer.h"
+#include "prep/chat_template.h"
+#include "prep/prepared_data.h"
+#include "prep/tokenizer.h"
 #include "tools/subcommand.h"
 
 namespace strata::tools {
@@ -243,7 +243,7 @@ class PrepareDataCommand : public Subcommand {
   }
 
   // A conversation: rendered, then tokenized as one text with the assistant's
-  // pieces as targets (core/data/prepared_data.h); its BOS comes from the template.
+  // pieces as targets (prep/prepared_data.h); its BOS comes from the template.
   void add_chat_document(const nlohmann::ordered_json& document, const std::string& where) {
     if (!document.contains("messages") || !document["messages"].is_array())
       throw UsageError{fmt::format("{}: no \"messages\" field holding a list of messages", where)};

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "core/data/chat_template.h"
+#include "prep/chat_template.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {

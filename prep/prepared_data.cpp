@@ -1,4 +1,4 @@
-#include "core/data/prepared_data.h"
+#include "prep/prepared_data.h"
 
 #include <fmt/format.h>
 

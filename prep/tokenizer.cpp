@@ -1,4 +1,4 @@
-#include "core/data/tokenizer.h"
+#include "prep/tokenizer.h"
 
 #include <fmt/format.h>
 // Oniguruma would otherwise define UChar, which ICU declares too.

@@ -1,7 +1,7 @@
 // The chat-template interpreter: a lexer that applies jinja2's whitespace
 // rules, a parser to an AST, and an evaluator over Values built from the JSON
 // conversation. chat_template.h states the subset and the target rule.
-#include "core/data/chat_template.h"
+#include "prep/chat_template.h"
 
 #include <algorithm>
 #include <cctype>
@@ -1208,7 +1208,7 @@ class Parser {
       } else {
         fail(line, "unsupported tag '{% " + tag +
                        " %}': strata renders the part of Jinja2 that chat templates use "
-                       "(core/data/chat_template.h lists it)");
+                       "(prep/chat_template.h lists it)");
       }
     }
   }
@@ -1606,7 +1606,7 @@ class Parser {
         std::string name = expect_name("after '|'");
         if (!known_filters().count(name))
           fail(line, "unsupported filter '" + name +
-                         "' (core/data/chat_template.h lists the filters strata implements)");
+                         "' (prep/chat_template.h lists the filters strata implements)");
         auto filter = std::make_shared<Expr>();
         filter->kind = Expr::filter;
         filter->line = line;
@@ -1626,7 +1626,7 @@ class Parser {
         test->name = expect_name("after 'is'");
         if (!known_tests().count(test->name))
           fail(line, "unsupported test '" + test->name +
-                         "' (core/data/chat_template.h lists the tests strata implements)");
+                         "' (prep/chat_template.h lists the tests strata implements)");
         test->args.push_back(node);
         if (at_op("(")) {
           parse_call_arguments(test);
@@ -2156,7 +2156,7 @@ class Renderer {
       fail(e.line, what + " is " +
                        (callee.kind == Value::undefined ? "undefined" : "not callable") +
                        " (strata's templates may call range, namespace, raise_exception, dict and "
-                       "the string and dict methods core/data/chat_template.h lists)");
+                       "the string and dict methods prep/chat_template.h lists)");
     }
     const std::string& name = callee.s;
     if (!callee.self) {

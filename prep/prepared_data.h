@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "core/data/tokenizer.h"
 #include "io/base/status.h"
+#include "prep/tokenizer.h"
 
 namespace strata {
 
