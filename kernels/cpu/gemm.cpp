@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -74,7 +75,7 @@ struct Choice {
   bool selected = false;  // by select_gemm_kernel or STRATA_GEMM
   GemmKernel kernel = GemmKernel::baseline;
   std::string selected_by;
-  int threads = 0;  // asked for before the load; 0: OpenBLAS's default
+  int threads = 0;  // asked for before the load; 0: one per core the process may use
   const OpenBlas* openblas = nullptr;
 };
 
