@@ -151,8 +151,20 @@ struct RenderError {
   std::string message;
 };
 
+// Errors are one line: text from the template or the conversation (a
+// raise_exception message, a quoted name) may hold line breaks, which are
+// shown as \n and \r.
 [[noreturn]] void fail(int line, const std::string& what) {
-  throw RenderError{"chat template line " + std::to_string(line) + ": " + what};
+  std::string message = "chat template line " + std::to_string(line) + ": ";
+  for (char c : what) {
+    if (c == '\n')
+      message += "\\n";
+    else if (c == '\r')
+      message += "\\r";
+    else
+      message.push_back(c);
+  }
+  throw RenderError{std::move(message)};
 }
 
 struct Value;
