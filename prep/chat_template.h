@@ -115,7 +115,7 @@ class ChatTemplate {
       const nlohmann::ordered_json& messages, const ChatTemplateContext& context,
       const std::optional<nlohmann::ordered_json>& tools = std::nullopt) const;
 
-  struct Program;  // the parsed template (chat_template.cpp)
+  struct Program;  // the parsed template (chat_template_parser.h)
 
  private:
   explicit ChatTemplate(std::shared_ptr<const Program> program) : program_(std::move(program)) {}
