@@ -1,9 +1,9 @@
 // The chat-template interpreter: a lexer that applies jinja2's whitespace
 // rules, a parser to an AST, and an evaluator over Values built from the JSON
 // conversation. chat_template.h states the subset and the target rule.
-// This file is the contract's entry points; the interpreter is in four parts:
+// This file is the contract's entry points; the interpreter is in five parts:
 // chat_template_value (Values and text), chat_template_lexer,
-// chat_template_parser and chat_template_renderer.
+// chat_template_parser, chat_template_renderer and chat_template_builtins.
 #include "prep/chat_template.h"
 
 #include <memory>
