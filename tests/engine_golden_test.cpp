@@ -120,16 +120,6 @@ TEST_F(EngineGoldenTest, FinalWeightsAndLossesMatchTheRecordedHashes) {
   }
 }
 
-// Per-tensor relative difference |a - b| / |b| over the whole tensor.
-double relative_difference(const float* a, const float* b, int64_t n) {
-  double diff = 0.0, norm = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    norm += double(b[i]) * b[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-300);
-}
-
 // A pinned run on the fast path (this CPU's class) against the reference
 // path: the same training within the products' rounding. One fp32 product of
 // K terms differs by at most 2 gamma_K |a|.|b| between two summation orders
@@ -146,25 +136,19 @@ TEST_F(EngineGoldenTest, TheFastPathTrainsAsTheReferencePathWithinRounding) {
   const EngineOutcome fast = train(run);
   ASSERT_EQ(fast.steps.size(), reference.steps.size());
   ASSERT_FALSE(fast.steps.empty());
-  double worst_loss = 0.0, worst_weight = 0.0;
+  double worst_loss = 0.0;
   for (size_t s = 0; s < fast.steps.size(); ++s) {
     worst_loss = std::max(worst_loss, std::fabs(fast.steps[s].loss - reference.steps[s].loss) /
                                           std::fabs(reference.steps[s].loss));
   }
-  for (const NamedTensor& t : checkpoint_tensors(reference.weights.layout)) {
-    const float* r = reference.weights.params[size_t(t.unit)].data() + t.slot->offset;
-    const float* f = fast.weights.params[size_t(t.unit)].data() + t.slot->offset;
-    worst_weight = std::max(worst_weight, relative_difference(f, r, t.slot->numel));
-  }
+  const double worst_weight = weights_relative_error(fast.weights, reference.weights);
   std::printf("fast path against the reference path: losses %.3g, weights %.3g (per tensor)\n",
               worst_loss, worst_weight);
   EXPECT_LT(worst_loss, 1e-5);
   EXPECT_LT(worst_weight, 1e-4);
   // The two paths are different code: if they agreed to the bit everywhere, the
   // comparison above would not be exercising the fast path.
-  bool any_bit_differs = false;
-  for (size_t u = 0; u < fast.weights.params.size(); ++u)
-    any_bit_differs |= fast.weights.params[u] != reference.weights.params[u];
+  const bool any_bit_differs = !weights_bitwise_equal(fast.weights, reference.weights);
   EXPECT_TRUE(any_bit_differs) << "the fast path gave the reference path's bits";
 }
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <set>
@@ -22,18 +23,16 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/simd.h"
 #include "tests/kernel_reference.h"
+#include "tests/tiers_test_support.h"
 
 namespace strata::testing {
 namespace {
 
 using kernels::cpu::GemmKernel;
 
+// A fresh seed, printed (STRATA_TEST_SEED reruns it); mt19937 takes its low 32 bits.
 unsigned fresh_seed() {
-  const char* pinned = std::getenv("STRATA_TEST_SEED");
-  const unsigned seed =
-      pinned != nullptr ? unsigned(std::strtoul(pinned, nullptr, 10)) : std::random_device{}();
-  std::printf("seed %u (STRATA_TEST_SEED=%u reruns it)\n", seed, seed);
-  return seed;
+  return unsigned(tiers::testing::fresh_seed("kernel_gemm"));
 }
 
 // One product's operands as stored: op(A) is (M, K), op(B) is (K, N), with

@@ -516,6 +516,7 @@ class TrainCommand : public Subcommand {
     if (std::optional<Failure> f = choose_memory_budgets(run)) return f;
     if (std::optional<Failure> f = fill_engine_options(run)) return f;
     if (std::optional<Failure> f = connect_processes(run)) return f;
+    split_blas_threads(run);
     print_run_header(run);
     if (std::optional<Failure> f = create_engine(run)) return f;
     if (std::optional<Failure> f = train_steps(run)) return f;
@@ -829,6 +830,14 @@ class TrainCommand : public Subcommand {
     return std::nullopt;
   }
 
+  // Ranks are threads that each call OpenBLAS: split the cores between them
+  // rather than letting every rank's BLAS use them all.
+  void split_blas_threads(const TrainingRun& run) {
+    if (run.ranks_on_node <= 1) return;
+    const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+    kernels::cpu::set_blas_threads(std::max(1, cores / run.ranks_on_node));
+  }
+
   // The backend's notice, then what will run: model, batch, budgets.
   void print_run_header(TrainingRun& run) {
     // The notice only now, so that the input errors before stay one line without it.
@@ -846,12 +855,6 @@ class TrainCommand : public Subcommand {
         tiers::tier_name(plan.homes.optimizer), W, W == 1 ? "" : "s",
         std::string(plan.input.gpu ? "GPU" : "CPU") +
             (run.launch ? fmt::format(", one process each ({})", run.launch->source) : ""));
-    // Ranks are threads that each call OpenBLAS: split the cores between them
-    // rather than letting every rank's BLAS use them all.
-    if (run.ranks_on_node > 1) {
-      const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-      kernels::cpu::set_blas_threads(std::max(1, cores / run.ranks_on_node));
-    }
     if (!plan.input.gpu) fmt::print("cpu kernels: {}\n", kernels::cpu::describe_cpu_kernels());
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
