@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "io/errno_text.h"
+#include "io/base/status.h"
 
 namespace strata::io {
 namespace {

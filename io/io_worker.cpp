@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "io/errno_text.h"
+#include "io/base/status.h"
 #include "io/fault_injection.h"
 
 namespace strata::io {

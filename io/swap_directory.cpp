@@ -12,7 +12,7 @@
 #include <cstring>
 
 #include "io/base/sizes.h"
-#include "io/errno_text.h"
+#include "io/base/status.h"
 
 namespace strata::io {
 namespace {

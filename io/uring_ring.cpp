@@ -6,7 +6,7 @@
 
 #include <cerrno>
 
-#include "io/errno_text.h"
+#include "io/base/status.h"
 #include "io/ring.h"
 
 namespace strata::io {

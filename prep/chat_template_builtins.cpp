@@ -374,6 +374,139 @@ bool eval_test(const std::string& name, const Value& v, const std::vector<Value>
   fail(line, "unsupported test '" + name + "'");
 }
 
+namespace {
+
+// tojson(indent=, sort_keys=, separators=), as jinja2's htmlsafe_json_dumps without the escaping.
+Value tojson_filter(const Value& subject, const std::vector<Value>& args, const Kwargs& kwargs,
+                    int line) {
+  JsonFormat format;
+  const Value* indent = argument(args, kwargs, 0, "indent");
+  if (indent && indent->kind != Value::none) {
+    if (indent->kind == Value::integer)
+      format.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, indent->i)), ' ');
+    else if (indent->kind == Value::string)
+      format.indent = indent->s;
+    else
+      fail(line, "tojson: indent must be an integer or a string");
+  }
+  format.item_separator = format.indent ? "," : ", ";
+  format.key_separator = ": ";
+  for (const auto& [key, value] : kwargs) {
+    if (key == "indent" || key == "ensure_ascii") continue;
+    if (key == "sort_keys") {
+      format.sort_keys = truthy(value);
+    } else if (key == "separators") {
+      if (value.kind != Value::list || value.items->size() != 2 ||
+          (*value.items)[0].kind != Value::string || (*value.items)[1].kind != Value::string)
+        fail(line, "tojson: separators must be two strings");
+      format.item_separator = (*value.items)[0].s;
+      format.key_separator = (*value.items)[1].s;
+    } else {
+      fail(line, "tojson: unsupported argument '" + key + "'");
+    }
+  }
+  for (const auto& [key, value] : kwargs)
+    if (key == "ensure_ascii" && truthy(value))
+      fail(line, "tojson: ensure_ascii=true is not supported");
+  std::string out;
+  json_dump(out, subject, format, 0, line);
+  return Value::make_string(std::move(out));
+}
+
+// int(default=) and float(default=): Python's conversions, jinja2's fallbacks.
+Value number_filter(const std::string& name, const Value& subject, const std::vector<Value>& args,
+                    const Kwargs& kwargs) {
+  const Value* fallback = argument(args, kwargs, 0, "default");
+  Value result;
+  if (subject.is_number()) {
+    result = name == "int" ? Value::make_int(subject.kind == Value::floating
+                                                 ? static_cast<int64_t>(subject.f)
+                                                 : subject.as_int())
+                           : Value::make_float(subject.as_double());
+  } else if (subject.kind == Value::string) {
+    std::u32string trimmed = strip_chars(decode_utf8(subject.s), true, true, nullptr);
+    std::string text = encode_utf8(trimmed);
+    char* end = nullptr;
+    if (name == "int") {  // int(text), else int(float(text)), as jinja2
+      long long v = std::strtoll(text.c_str(), &end, 10);
+      if (!text.empty() && end && *end == '\0') {
+        result = Value::make_int(v);
+      } else {
+        double d = std::strtod(text.c_str(), &end);
+        if (!text.empty() && end && *end == '\0' && std::isfinite(d) && std::fabs(d) < 9e18)
+          result = Value::make_int(static_cast<int64_t>(d));
+      }
+    } else {
+      double v = std::strtod(text.c_str(), &end);
+      if (!text.empty() && end && *end == '\0') result = Value::make_float(v);
+    }
+  }
+  if (result.kind != Value::undefined) return result;
+  if (fallback) return *fallback;
+  return name == "int" ? Value::make_int(0) : Value::make_float(0.0);
+}
+
+// select, reject, selectattr, rejectattr: the items a test (or truth) keeps.
+Value select_filter(const std::string& name, const Value& subject, const std::vector<Value>& args,
+                    int line) {
+  bool by_attribute = name == "selectattr" || name == "rejectattr";
+  bool keep_matching = name == "select" || name == "selectattr";
+  size_t next_arg = 0;
+  std::string attribute;
+  if (by_attribute) {
+    if (args.empty() || args[0].kind != Value::string)
+      fail(line, name + " takes an attribute name");
+    attribute = args[0].s;
+    next_arg = 1;
+  }
+  std::optional<std::string> test;
+  if (next_arg < args.size()) {
+    if (args[next_arg].kind != Value::string)
+      fail(line, name + ": the test is named by a string");
+    test = args[next_arg].s;
+    if (!known_tests().count(*test)) fail(line, name + ": unsupported test '" + *test + "'");
+    ++next_arg;
+  }
+  std::vector<Value> test_args(args.begin() + static_cast<long>(next_arg), args.end());
+  List kept;
+  for (const Value& item : iterate(subject, line)) {
+    Value probe = by_attribute ? attribute_path(item, attribute, line) : item;
+    bool matches = test ? eval_test(*test, probe, test_args, line) : truthy(probe);
+    if (matches == keep_matching) kept.push_back(item);
+  }
+  return Value::make_list(std::move(kept));
+}
+
+// map(attribute=, default=) or map('filter', args...).
+Value map_filter(const Value& subject, const std::vector<Value>& args, const Kwargs& kwargs,
+                 int line) {
+  List mapped;
+  const Value* attribute = nullptr;
+  for (const auto& [key, value] : kwargs)
+    if (key == "attribute") attribute = &value;
+  if (attribute) {
+    const Value* fallback = nullptr;
+    for (const auto& [key, value] : kwargs)
+      if (key == "default") fallback = &value;
+    for (const Value& item : iterate(subject, line)) {
+      Value v = attribute_path(item, python_str(*attribute), line);
+      mapped.push_back(v.kind == Value::undefined && fallback ? *fallback : v);
+    }
+    return Value::make_list(std::move(mapped));
+  }
+  if (args.empty() || args[0].kind != Value::string)
+    fail(line, "map takes attribute= or the name of a filter");
+  std::string filter_name = args[0].s;
+  if (!known_filters().count(filter_name) || filter_name == "map")
+    fail(line, "map: unsupported filter '" + filter_name + "'");
+  const std::vector<Value> rest(args.begin() + 1, args.end());
+  for (const Value& item : iterate(subject, line))
+    mapped.push_back(apply_filter(filter_name, item, rest, {}, line));
+  return Value::make_list(std::move(mapped));
+}
+
+}  // namespace
+
 Value apply_filter(const std::string& name, const Value& subject, const std::vector<Value>& args,
                    const Kwargs& kwargs, int line) {
   // jinja2's soft_str: the filters that take text take str() of anything.
@@ -386,40 +519,11 @@ Value apply_filter(const std::string& name, const Value& subject, const std::vec
         encode_utf8(strip_chars(decode_utf8(need_string("trim")), true, true,
                                 chars && chars->kind == Value::string ? &wide_chars : nullptr)));
   }
-  if (name == "tojson") {
-    JsonFormat format;
-    const Value* indent = argument(args, kwargs, 0, "indent");
-    if (indent && indent->kind != Value::none) {
-      if (indent->kind == Value::integer)
-        format.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, indent->i)), ' ');
-      else if (indent->kind == Value::string)
-        format.indent = indent->s;
-      else
-        fail(line, "tojson: indent must be an integer or a string");
-    }
-    format.item_separator = format.indent ? "," : ", ";
-    format.key_separator = ": ";
-    for (const auto& [key, value] : kwargs) {
-      if (key == "indent" || key == "ensure_ascii") continue;
-      if (key == "sort_keys") {
-        format.sort_keys = truthy(value);
-      } else if (key == "separators") {
-        if (value.kind != Value::list || value.items->size() != 2 ||
-            (*value.items)[0].kind != Value::string || (*value.items)[1].kind != Value::string)
-          fail(line, "tojson: separators must be two strings");
-        format.item_separator = (*value.items)[0].s;
-        format.key_separator = (*value.items)[1].s;
-      } else {
-        fail(line, "tojson: unsupported argument '" + key + "'");
-      }
-    }
-    for (const auto& [key, value] : kwargs)
-      if (key == "ensure_ascii" && truthy(value))
-        fail(line, "tojson: ensure_ascii=true is not supported");
-    std::string out;
-    json_dump(out, subject, format, 0, line);
-    return Value::make_string(std::move(out));
-  }
+  if (name == "tojson") return tojson_filter(subject, args, kwargs, line);
+  if (name == "int" || name == "float") return number_filter(name, subject, args, kwargs);
+  if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr")
+    return select_filter(name, subject, args, line);
+  if (name == "map") return map_filter(subject, args, kwargs, line);
   if (name == "length" || name == "count") {
     switch (subject.kind) {
       case Value::undefined:
@@ -493,89 +597,6 @@ Value apply_filter(const std::string& name, const Value& subject, const std::vec
     if (subject.kind == Value::floating) return Value::make_float(std::fabs(subject.f));
     if (subject.is_number()) return Value::make_int(std::llabs(subject.as_int()));
     fail(line, std::string("bad operand type for abs(): '") + type_name(subject) + "'");
-  }
-  if (name == "int" || name == "float") {
-    const Value* fallback = argument(args, kwargs, 0, "default");
-    Value result;
-    if (subject.is_number()) {
-      result = name == "int" ? Value::make_int(subject.kind == Value::floating
-                                                   ? static_cast<int64_t>(subject.f)
-                                                   : subject.as_int())
-                             : Value::make_float(subject.as_double());
-    } else if (subject.kind == Value::string) {
-      std::u32string trimmed = strip_chars(decode_utf8(subject.s), true, true, nullptr);
-      std::string text = encode_utf8(trimmed);
-      char* end = nullptr;
-      if (name == "int") {  // int(text), else int(float(text)), as jinja2
-        long long v = std::strtoll(text.c_str(), &end, 10);
-        if (!text.empty() && end && *end == '\0') {
-          result = Value::make_int(v);
-        } else {
-          double d = std::strtod(text.c_str(), &end);
-          if (!text.empty() && end && *end == '\0' && std::isfinite(d) && std::fabs(d) < 9e18)
-            result = Value::make_int(static_cast<int64_t>(d));
-        }
-      } else {
-        double v = std::strtod(text.c_str(), &end);
-        if (!text.empty() && end && *end == '\0') result = Value::make_float(v);
-      }
-    }
-    if (result.kind != Value::undefined) return result;
-    if (fallback) return *fallback;
-    return name == "int" ? Value::make_int(0) : Value::make_float(0.0);
-  }
-  if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
-    bool by_attribute = name == "selectattr" || name == "rejectattr";
-    bool keep_matching = name == "select" || name == "selectattr";
-    size_t next_arg = 0;
-    std::string attribute;
-    if (by_attribute) {
-      if (args.empty() || args[0].kind != Value::string)
-        fail(line, name + " takes an attribute name");
-      attribute = args[0].s;
-      next_arg = 1;
-    }
-    std::optional<std::string> test;
-    if (next_arg < args.size()) {
-      if (args[next_arg].kind != Value::string)
-        fail(line, name + ": the test is named by a string");
-      test = args[next_arg].s;
-      if (!known_tests().count(*test)) fail(line, name + ": unsupported test '" + *test + "'");
-      ++next_arg;
-    }
-    std::vector<Value> test_args(args.begin() + static_cast<long>(next_arg), args.end());
-    List kept;
-    for (const Value& item : iterate(subject, line)) {
-      Value probe = by_attribute ? attribute_path(item, attribute, line) : item;
-      bool matches = test ? eval_test(*test, probe, test_args, line) : truthy(probe);
-      if (matches == keep_matching) kept.push_back(item);
-    }
-    return Value::make_list(std::move(kept));
-  }
-  if (name == "map") {
-    List mapped;
-    const Value* attribute = nullptr;
-    for (const auto& [key, value] : kwargs)
-      if (key == "attribute") attribute = &value;
-    if (attribute) {
-      const Value* fallback = nullptr;
-      for (const auto& [key, value] : kwargs)
-        if (key == "default") fallback = &value;
-      for (const Value& item : iterate(subject, line)) {
-        Value v = attribute_path(item, python_str(*attribute), line);
-        mapped.push_back(v.kind == Value::undefined && fallback ? *fallback : v);
-      }
-      return Value::make_list(std::move(mapped));
-    }
-    if (args.empty() || args[0].kind != Value::string)
-      fail(line, "map takes attribute= or the name of a filter");
-    std::string filter_name = args[0].s;
-    if (!known_filters().count(filter_name) || filter_name == "map")
-      fail(line, "map: unsupported filter '" + filter_name + "'");
-    const std::vector<Value> rest(args.begin() + 1, args.end());
-    for (const Value& item : iterate(subject, line))
-      mapped.push_back(apply_filter(filter_name, item, rest, {}, line));
-    return Value::make_list(std::move(mapped));
   }
   fail(line, "unsupported filter '" + name + "'");
 }

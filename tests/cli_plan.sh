@@ -44,10 +44,17 @@ grep -q "smallest change that fits: --offload-optimizer cpu" <<<"$out"; check "s
 # --params and traffic with bandwidths.
 out=$("$strata" plan --params 30e9 --stage 3 --world-size 4 --precision bf16 --net-bw 50GB/s \
       --device-mem-limit 80G --host-mem-limit 1T --json)
+# A model of that size, in Llama's proportions, planned like any other.
+n=$(echo "$out" | json_get 'd["parameters"]')
+python3 -c "import sys; sys.exit(abs($n - 30e9) > 0.03 * 30e9)"; check "--params 30e9 plans a model of about 30e9 parameters ($n)" $?
 zero=$(echo "$out" | json_get 'd["traffic"]["collective_bytes_zero"]')
-[ "$zero" = "$((3 * 2 * 30000000000))" ]; check "stage 3 collective volume is 3 psi ($zero)" $?
-per=$(echo "$out" | json_get 'round(d["bytes_per_parameter"]["device"], 2)')
+[ "$zero" = "$((3 * 2 * n))" ]; check "stage 3 collective volume is 3 psi ($zero)" $?
+per=$(echo "$out" | json_get 'round(d["per_rank_strata"]["device_bytes"] * d["world_size"] / d["parameters"], 2)')
 [ "$per" = "18.0" ]; check "bf16 states on the device: 18 bytes per parameter on the node ($per)" $?
+act=$(echo "$out" | json_get 'd["activations"]["checkpoint_bytes"]')
+[ "$act" -gt 0 ]; check "--params plans activations too ($act bytes)" $?
+"$strata" plan --params 7B | head -1 | grep -q "^strata plan: llama-shaped (hidden [0-9]*, [0-9]* layers, vocab 32000)"
+check "--params names the model's shape" $?
 bw=$(echo "$out" | json_get 'int(d["traffic"]["net_bandwidth"])')
 [ "$bw" = "50000000000" ]; check "--net-bw 50GB/s is read" $?
 

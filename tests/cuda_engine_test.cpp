@@ -74,9 +74,8 @@ EngineRun resident_run(const std::string& precision) {
 Result<TrainingPlan> gpu_plan(const EngineRun& run) {
   Result<TrainConfig> config = testing::engine_config(run, "/nonexistent-nvme-dir");
   if (!config) return config.status();
-  TrainingPlanInput input = training_plan_input(testing::small_gqa_model(run.tied), *config);
-  input.gpu = true;
-  return build_training_plan(input);
+  return plan_training(
+      plan_input_from_config(*config, testing::small_gqa_model(run.tied), {/*gpu=*/true}));
 }
 
 bool has_buffer(const TrainingPlan& plan, const std::string& prefix, tiers::Tier tier) {
@@ -193,11 +192,10 @@ TEST(CudaEnginePlan, OneProcessPerGpuChargesNcclStagingToTheDevice) {
   run.world = 2;
   Result<TrainConfig> config = testing::engine_config(run, "/nonexistent-nvme-dir");
   ASSERT_TRUE(config.is_ok());
-  TrainingPlanInput input = training_plan_input(testing::small_gqa_model(), *config);
-  input.gpu = true;
-  Result<TrainingPlan> threads = build_training_plan(input);
+  PlanInput input = plan_input_from_config(*config, testing::small_gqa_model(), {/*gpu=*/true});
+  Result<TrainingPlan> threads = plan_training(input);
   input.nccl_staging = true;
-  Result<TrainingPlan> processes = build_training_plan(input);
+  Result<TrainingPlan> processes = plan_training(input);
   ASSERT_TRUE(threads.is_ok() && processes.is_ok());
   int64_t largest_padded = 0;
   for (const UnitPlacement& p : processes->units)
@@ -217,12 +215,11 @@ TEST(CudaEnginePlan, RefusesParameterOffloadBelowStage3AsTheCpuBackendDoes) {
     run.offload_optimizer = "cpu";
     Result<TrainConfig> config = testing::engine_config(run, "/nonexistent-nvme-dir");
     ASSERT_TRUE(config.is_ok());
-    TrainingPlanInput input = training_plan_input(testing::small_gqa_model(), *config);
+    PlanInput input = plan_input_from_config(*config, testing::small_gqa_model(), {/*gpu=*/true});
     input.stage = stage;
-    input.gpu = true;
-    Result<TrainingPlan> plan = build_training_plan(input);
+    Result<TrainingPlan> plan = plan_training(input);
     ASSERT_FALSE(plan.is_ok());
-    EXPECT_NE(plan.status().message().find("needs stage 3"), std::string::npos)
+    EXPECT_NE(plan.status().message().find("needs ZeRO stage 3"), std::string::npos)
         << plan.status().message();
     EXPECT_EQ(plan.status().message().find('\n'), std::string::npos);
   }

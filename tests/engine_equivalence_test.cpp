@@ -128,7 +128,7 @@ TEST_F(EngineEquivalence, OptimizerDuringBackwardChangesTimingNotResults) {
     Result<TrainConfig> config = testing::engine_config(run, dir_.path());
     ASSERT_TRUE(config.is_ok());
     Result<TrainingPlan> plan =
-        build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
+        plan_training(plan_input_from_config(*config, testing::small_gqa_model()));
     ASSERT_TRUE(plan.is_ok());
     ASSERT_TRUE(plan->input.optimizer_during_backward);
     size_t first_update = 0, exchange = 0;

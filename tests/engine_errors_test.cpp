@@ -146,7 +146,7 @@ TEST_F(EngineErrors, DataSourceFailuresAndMissingDirectoriesAreNamed) {
   EngineOptions options;
   options.model = testing::small_gqa_model();
   options.config = *config;
-  options.device_budget = options.host_budget = 64 << 20;
+  options.budgets.device_per_rank = options.budgets.host_per_node = 64 << 20;
   options.pin_host = false;
   options.data = [](int64_t, int64_t, int, int, int64_t, int64_t, int32_t*, int32_t*) {
     return Status::error("tokens.bin: truncated at byte 4096");

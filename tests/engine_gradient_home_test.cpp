@@ -73,7 +73,7 @@ TEST_F(EngineGradientHome, Bf16GradientsTrainAndRoundOncePerMicroBatch) {
 }
 
 TEST(GradientHomePlan, AutoTakesNvmeOnlyWhereHostMemoryWouldNotHoldThePlan) {
-  TrainingPlanInput in;
+  PlanInput in;
   in.model = testing::small_gqa_model();
   in.stage = 3;
   in.offload_param = OffloadDevice::nvme;
@@ -82,6 +82,7 @@ TEST(GradientHomePlan, AutoTakesNvmeOnlyWhereHostMemoryWouldNotHoldThePlan) {
   in.grad_accum = 2;
   in.optimizer_chunk_elements = 4096;  // small stream buffers, as a large model's are to its state
   in.optimizer_buffers = 2;
+  in.schedule = Schedule::micro_batch;
   in.gradient_home = GradientHome::host;
   Result<TrainingPlan> host = build_training_plan(in);
   ASSERT_TRUE(host.is_ok()) << host.status().message();
@@ -91,12 +92,12 @@ TEST(GradientHomePlan, AutoTakesNvmeOnlyWhereHostMemoryWouldNotHoldThePlan) {
   ASSERT_LT(nvme->peak(tiers::Tier::host), host->peak(tiers::Tier::host));
 
   in.gradient_home = GradientHome::automatic;
-  in.host_budget = host->peak(tiers::Tier::host);
+  in.budgets.host_per_node = host->peak(tiers::Tier::host);
   Result<TrainingPlan> fits = build_training_plan(in);
   ASSERT_TRUE(fits.is_ok());
   EXPECT_EQ(fits->homes.grad, tiers::Tier::host);
   EXPECT_NE(fits->gradient_home_reason.find("fits"), std::string::npos);
-  in.host_budget = host->peak(tiers::Tier::host) - 1;
+  in.budgets.host_per_node = host->peak(tiers::Tier::host) - 1;
   Result<TrainingPlan> over = build_training_plan(in);
   ASSERT_TRUE(over.is_ok());
   EXPECT_EQ(over->homes.grad, tiers::Tier::nvme);

@@ -70,7 +70,7 @@ TEST(EngineMemory, TrainsAStateFourTimesTheHostBudgetWithinIt) {
   // Budgets from the plan itself: what it needs, rounded up to a MiB.
   Result<TrainConfig> config = train_config_from_json(ds, "memory test", {});
   ASSERT_TRUE(config.is_ok()) << config.status().message();
-  Result<TrainingPlan> plan = build_training_plan(training_plan_input(model, *config));
+  Result<TrainingPlan> plan = plan_training(plan_input_from_config(*config, model));
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   const int64_t mib = 1 << 20;
   const int64_t device_budget = (plan->peak(tiers::Tier::device) + mib) / mib * mib;

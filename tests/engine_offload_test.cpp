@@ -78,7 +78,7 @@ TEST_F(EngineOffload, StrataPlanIsAViewOfTheEnginesPlan) {
     Result<TrainConfig> config = testing::engine_config(run, dir_.path());
     ASSERT_TRUE(config.is_ok()) << config.status().message();
     Result<TrainingPlan> plan =
-        build_training_plan(training_plan_input(testing::small_gqa_model(), *config));
+        plan_training(plan_input_from_config(*config, testing::small_gqa_model()));
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
     Result<MemoryPlan> planner =
         plan_memory(plan_input_from_config(*config, testing::small_gqa_model()));

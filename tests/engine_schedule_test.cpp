@@ -233,7 +233,7 @@ TEST_F(EngineSchedule, AutoPicksLayerWhereParametersMoveAndRefusesWhatCannotRun)
   const EngineOutcome planned = train(run);
   const PlanBuffer* kept = planned.plan.buffer(BufferRole::activation_checkpoints);
   ASSERT_NE(kept, nullptr);
-  EXPECT_EQ(planned.plan.input.activation_home, tiers::Tier::device);
+  EXPECT_EQ(planned.plan.activation_home(), tiers::Tier::device);
   // A tied embedding accumulating in GPU memory cannot run layer-major: one line, up front.
   run = EngineRun();
   run.tied = true;
@@ -307,7 +307,7 @@ TEST_F(EngineSchedule, SpilledActivationsAreBitwiseAndMoveWhatThePlanSays) {
 // the last read of its slot and before the backward that needs it.
 TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
   for (bool gpu : {false, true}) {
-    TrainingPlanInput in;
+    PlanInput in;
     in.model = testing::small_gqa_model();
     in.model.num_hidden_layers = 6;
     in.stage = 3;
@@ -440,7 +440,7 @@ namespace {
 TEST(StepDecision, TheExchangeWaitsForTheDecisionMadeAtTheStart) {
   for (Schedule schedule : {Schedule::micro_batch, Schedule::layer}) {
     for (bool during_backward : {false, true}) {
-      TrainingPlanInput in;
+      PlanInput in;
       in.model = testing::small_gqa_model();
       in.stage = 3;
       in.grad_accum = 2;
@@ -468,7 +468,7 @@ TEST(StepDecision, TheExchangeWaitsForTheDecisionMadeAtTheStart) {
 // sends one per micro-batch.
 TEST(ScheduleTraffic, LayerMajorCrossesPcieOncePerUseAndSendsEachGradientOnce) {
   auto plan = [](Schedule schedule, int64_t accum) {
-    TrainingPlanInput in;
+    PlanInput in;
     in.model = testing::small_gqa_model();
     in.stage = 3;
     in.offload_param = OffloadDevice::cpu;

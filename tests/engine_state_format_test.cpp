@@ -268,7 +268,7 @@ TEST_F(EngineStateFormat, GpuResidentCompactStateEqualsTheCpuBackendAndResumesBi
 }
 
 TEST(StateFormatPlan, MomentsTakeTheirFormatsBytesAndInt8ScalesLieBesideTheOptimizer) {
-  TrainingPlanInput in;
+  PlanInput in;
   in.model = testing::small_gqa_model();
   in.world_size = 2;
   in.stage = 3;
@@ -276,6 +276,7 @@ TEST(StateFormatPlan, MomentsTakeTheirFormatsBytesAndInt8ScalesLieBesideTheOptim
   in.offload_optimizer = OffloadDevice::nvme;
   in.precision = Precision::bf16;
   in.optimizer_chunk_elements = 4096;
+  in.schedule = Schedule::micro_batch;
   Result<TrainingPlan> fp32 = build_training_plan(in);
   ASSERT_TRUE(fp32.is_ok());
   int64_t elements = 0;

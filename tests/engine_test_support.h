@@ -170,8 +170,8 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   options.model.num_hidden_layers = run.layers;
   options.config = *config;
   options.total_steps = run.steps;
-  options.device_budget = run.device_budget;
-  options.host_budget = run.host_budget;
+  options.budgets.device_per_rank = int64_t(run.device_budget);
+  options.budgets.host_per_node = int64_t(run.host_budget);
   options.nvme_paths = {nvme_dir};
   options.seed = seed;
   options.data = memory_reader(tokens, SequenceOrder::from_config(options.config.strata, seed));

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "io/errno_text.h"
+#include "io/base/status.h"
 #include "io/file_system.h"
 #include "io/safe_write.h"
 #include "io_test_support.h"

@@ -12,14 +12,27 @@
 namespace strata {
 namespace {
 
+// `strata plan --params N`: a plan of model_of_size(N), like any model's.
 PlanInput bare(int64_t parameters, int world, int stage, Precision precision) {
   PlanInput in;
-  in.parameters = parameters;
+  in.model = model_of_size(parameters);
   in.world_size = world;
   in.stage = stage;
   in.precision = precision;
+  in.seq_len = 64;
+  in.schedule = Schedule::micro_batch;
   return in;
 }
+
+// A rank's shard of every unit, each padded to 2048 elements, summed.
+int64_t shard_sum(const ModelConfig& model, int world) {
+  int64_t sum = 0;
+  for (const UnitShape& unit : model_units(model))
+    if (unit.numel > 0) sum += ((unit.numel + world - 1) / world + 2047) / 2048 * 2048;
+  return sum;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 TEST(Planner, ShardsArePaddedTo4KiBInEveryDtype) {
   EXPECT_EQ(padded_shard_elements(2048, 1), 2048);
@@ -28,36 +41,56 @@ TEST(Planner, ShardsArePaddedTo4KiBInEveryDtype) {
   EXPECT_EQ(padded_shard_elements(1, 8), 2048);
 }
 
+TEST(Planner, AModelOfASizeHasAboutThatManyParametersInLlamasProportions) {
+  for (int64_t n : {int64_t{125000000}, int64_t{1000000000}, int64_t{7000000000},
+                    int64_t{70000000000}, int64_t{175000000000}}) {
+    const ModelConfig m = model_of_size(n);
+    EXPECT_NEAR(double(m.parameter_count()), double(n), 0.03 * double(n)) << m.name;
+    EXPECT_EQ(m.vocab_size, 32000) << m.name;
+    const double per_layer = double(m.hidden_size) / double(m.num_hidden_layers);
+    EXPECT_GT(per_layer, 32) << m.name;
+    EXPECT_LT(per_layer, 512) << m.name;
+    EXPECT_EQ(m.hidden_size % m.num_attention_heads, 0) << m.name;
+  }
+  // Too small for a 32000-token vocabulary: a byte vocabulary.
+  EXPECT_EQ(model_of_size(2000000).vocab_size, 256);
+}
+
 TEST(Planner, StageZeroOneRankBf16IsEighteenBytesPerPaddedParameter) {
-  MemoryPlan plan = *plan_memory(bare(1000000000, 1, 0, Precision::bf16));
-  const int64_t padded = 488282LL * 2048;  // 1e9 / 2048 = 488281.25 -> 488282 blocks
+  const PlanInput in = bare(1000000000, 1, 0, Precision::bf16);
+  MemoryPlan plan = *plan_memory(in);
+  const int64_t padded = shard_sum(in.model, 1);
   EXPECT_EQ(plan.shard_elements, padded);
+  EXPECT_EQ(plan.parameters, in.model.parameter_count());
   EXPECT_EQ(plan.model_states.device, 18 * padded);
   EXPECT_EQ(plan.model_states.host, 0);
   EXPECT_EQ(plan.model_states.nvme, 0);
-  EXPECT_EQ(plan.model_states_zero.device, 16000000000LL);  // (2 + 2 + 12) * 1e9
+  EXPECT_EQ(plan.model_states_zero.device, 16 * plan.parameters);  // 2 + 2 + 12 bytes each
 }
 
 TEST(Planner, StageThreeDividesEverythingByTheRanks) {
-  MemoryPlan plan = *plan_memory(bare(1000000000, 4, 3, Precision::bf16));
-  const int64_t shard = 122071LL * 2048;  // 2.5e8 / 2048 = 122070.3 -> 122071 blocks
+  const PlanInput in = bare(1000000000, 4, 3, Precision::bf16);
+  MemoryPlan plan = *plan_memory(in);
+  const int64_t shard = shard_sum(in.model, 4);
+  const int64_t n = plan.parameters;
   EXPECT_EQ(plan.shard_elements, shard);
   EXPECT_EQ(plan.model_states.device, 18 * shard);
-  EXPECT_EQ(plan.model_states_zero.device, 4000000000LL);  // 16e9 / 4
+  EXPECT_EQ(plan.model_states_zero.device, 2 * ceil_div(2 * n, 4) + ceil_div(12 * n, 4));
 }
 
 TEST(Planner, FpThirtyTwoWithTheOptimizerOnTheHostKeepsASeparateMaster) {
   PlanInput in = bare(1000000000, 2, 2, Precision::fp32);
   in.offload_optimizer = OffloadDevice::cpu;
   MemoryPlan plan = *plan_memory(in);
-  const int64_t shard = 244141LL * 2048;  // 5e8 / 2048 = 244140.6 -> 244141 blocks
+  const int64_t shard = shard_sum(in.model, 2);
+  const int64_t n = plan.parameters;
   // Stage 2: parameters whole (both shards) on the device in fp32.
   EXPECT_EQ(plan.model_states.device, 4 * 2 * shard);
   // Gradient shard (fp32), master, m and v on the host: 16 bytes per shard element.
   EXPECT_EQ(plan.model_states.host, 16 * shard);
   // ZeRO: 2N params on the device; grads 2N/2 and optimizer 12N/2 on the host.
-  EXPECT_EQ(plan.model_states_zero.device, 2000000000LL);
-  EXPECT_EQ(plan.model_states_zero.host, 7000000000LL);
+  EXPECT_EQ(plan.model_states_zero.device, 2 * n);
+  EXPECT_EQ(plan.model_states_zero.host, ceil_div(2 * n, 2) + ceil_div(12 * n, 2));
 }
 
 TEST(Planner, FpThirtyTwoWithoutOffloadHasNoSeparateMaster) {
@@ -74,16 +107,22 @@ TEST(Planner, EverythingOnNvmeStagesThroughPinnedBuffers) {
   EXPECT_EQ(plan.model_states.nvme, 14 * s);  // params 2 + master 4 + m 4 + v 4
   EXPECT_EQ(plan.model_states.host, 4 * s);   // the fp32 gradient shard
   EXPECT_EQ(plan.model_states.device, 0);
-  // A bare parameter count has no units to size working buffers by: the states alone.
-  EXPECT_EQ(plan.host_staging_bytes, 0);
-  EXPECT_EQ(plan.device_staging_bytes, 0);
+  // Staging: the NVMe parameter copies and the streamed optimizer's buffers in host memory.
+  EXPECT_GT(plan.host_staging_bytes, 0);
   EXPECT_EQ(plan.total_per_rank.nvme, plan.model_states.nvme);
-  // NVMe per step: optimizer state read and written (12 bytes), params read for the
-  // forward and the backward (2 * 2 bytes) and written once after the step (2 bytes).
-  EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * s + 4 * s);
+  // NVMe per step: optimizer state read and written (12 bytes), parameters
+  // read by every fetch and written once after the step (2 bytes).
+  Result<TrainingPlan> built = build_training_plan(in);
+  ASSERT_TRUE(built.is_ok()) << built.status().message();
+  int64_t fetched = 0;
+  for (const PlanOp& op : built->ops)
+    if (op.kind == OpKind::fetch) fetched += op.bytes;
+  // Each unit is fetched for its forward and again for its backward, but the
+  // head (one pass for both) once: 2 bytes x (2 x shard - the head's shard).
+  const int64_t head = built->units.back().shard_numel;
+  EXPECT_EQ(fetched, 2 * (2 * s - head));
+  EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * s + fetched);
   EXPECT_EQ(plan.traffic.nvme_write_bytes, 12 * s + 2 * s);
-  EXPECT_EQ(plan.traffic.h2d_bytes, 4 * s);
-  EXPECT_EQ(plan.traffic.d2h_bytes, 4 * s);
   EXPECT_EQ(plan.traffic.slowest_link, "NVMe");
 }
 
@@ -91,32 +130,60 @@ TEST(Planner, FpThirtyTwoOnNvmeStreamsTheParametersAsTheMaster) {
   PlanInput in = bare(1000000000, 1, 3, Precision::fp32);
   in.offload_optimizer = OffloadDevice::nvme;
   in.offload_param = OffloadDevice::nvme;
-  in.sub_group_size = 500000;  // not a multiple of 1024: the chunk rounds down to 488 * 1024
+  in.optimizer_chunk_elements = streamed_chunk_elements(500000);  // rounds down to 488 * 1024
+  EXPECT_EQ(in.optimizer_chunk_elements, 488 * 1024);
   MemoryPlan plan = *plan_memory(in);
   const int64_t s = plan.shard_elements;
   EXPECT_EQ(plan.model_states.nvme, 12 * s);  // params (the master), m, v
   EXPECT_EQ(plan.model_states.host, 4 * s);
-  EXPECT_EQ(plan.total_per_rank.host, plan.model_states.host);
-  EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * s + 2 * 4 * s);
   EXPECT_EQ(plan.traffic.nvme_write_bytes, 12 * s);  // the optimizer's write is the parameters'
+}
+
+// Traffic has one source: the plan's operations, whichever planner reads it.
+TEST(Planner, TrafficIsTheTrainingPlansOwn) {
+  for (int stage : {0, 1, 2, 3}) {
+    PlanInput in = bare(1000000000, 4, stage, Precision::bf16);
+    in.grad_accum = 2;
+    if (stage == 3) in.offload_param = OffloadDevice::nvme;
+    in.offload_optimizer = stage == 3 ? OffloadDevice::nvme : OffloadDevice::none;
+    MemoryPlan plan = *plan_memory(in);
+    Result<TrainingPlan> built = build_training_plan(in);
+    ASSERT_TRUE(built.is_ok()) << built.status().message();
+    const StepTraffic& t = built->traffic_per_step;
+    EXPECT_EQ(plan.traffic.collective_bytes, t.collective) << stage;
+    EXPECT_EQ(plan.traffic.nvme_read_bytes, t.nvme_read) << stage;
+    EXPECT_EQ(plan.traffic.nvme_write_bytes, t.nvme_written) << stage;
+    EXPECT_EQ(plan.traffic.h2d_bytes, t.h2d) << stage;
+    EXPECT_EQ(plan.traffic.d2h_bytes, t.d2h) << stage;
+  }
 }
 
 TEST(Planner, CollectiveVolumeFollowsTheStage) {
   PlanInput in = bare(1000000000, 4, 3, Precision::bf16);
   in.grad_accum = 2;
   MemoryPlan plan = *plan_memory(in);
-  const int64_t padded = 4 * 122071LL * 2048;
-  // Per micro-batch: reduce-scatter fp32 grads (3/4 of 4 bytes) and all-gather bf16
-  // params for the forward and again for the backward (3/4 of 2 bytes each).
+  const int64_t n = plan.parameters;
+  Result<TrainingPlan> built = build_training_plan(in);
+  ASSERT_TRUE(built.is_ok());
+  // Per micro-batch each unit's fp32 gradient is reduce-scattered (3/4 of
+  // its padded 4 bytes). Its bf16 parameters are all-gathered (3/4 of 2
+  // bytes) once per use, a run of computations that read it: a layer's
+  // forward and backward of each micro-batch (2G), the head's one pass (G),
+  // and the embedding's forward of one micro-batch with the backward of the
+  // one before, which reads no parameters (G + 1).
+  const int64_t G = 2;
+  int64_t padded = 0;
+  for (const UnitPlacement& u : built->units) padded += u.padded_numel;
+  const int64_t head = built->units.back().padded_numel;
+  const int64_t embedding = built->units.front().padded_numel;
+  const int64_t layers = padded - head - embedding;
   const int64_t reduce_scatter = padded * 4 * 3 / 4;
-  const int64_t all_gather = padded * 2 * 3 / 4;
-  EXPECT_EQ(plan.traffic.collective_bytes, 2 * reduce_scatter + 2 * 2 * all_gather);
-  EXPECT_EQ(plan.traffic.collective_bytes_zero, 3 * 2 * 1000000000LL);  // 3 psi, fp16
+  const int64_t all_gather = (2 * G * layers + G * head + (G + 1) * embedding) * 2 * 3 / 4;
+  EXPECT_EQ(plan.traffic.collective_bytes, G * reduce_scatter + all_gather);
+  EXPECT_EQ(plan.traffic.collective_bytes_zero, 3 * 2 * n);  // 3 psi, fp16
   in.stage = 1;
   MemoryPlan stage1 = *plan_memory(in);
-  EXPECT_EQ(stage1.traffic.collective_bytes_zero, 2 * 2 * 1000000000LL);  // 2 psi
-  // Stage 1 without offload: one all-reduce per step, one all-gather after the step.
-  EXPECT_EQ(stage1.traffic.collective_bytes, 2 * padded * 4 * 3 / 4 + all_gather);
+  EXPECT_EQ(stage1.traffic.collective_bytes_zero, 2 * 2 * n);  // 2 psi
   in.world_size = 1;
   EXPECT_EQ(plan_memory(in)->traffic.collective_bytes, 0);
 }
@@ -142,7 +209,7 @@ TEST(Planner, TinyModelUnitsAndActivationsByHand) {
   EXPECT_EQ(plan.activation_working_bytes,
             round_up<int64_t>(UnitWorkspace::bytes_for(tiny, 2, 64), 4096));
   // The whole table is the engine's plan for the same input.
-  Result<TrainingPlan> engine_plan = build_training_plan(step_input(in));
+  Result<TrainingPlan> engine_plan = plan_training(in);
   ASSERT_TRUE(engine_plan.is_ok()) << engine_plan.status().message();
   EXPECT_EQ(plan.total_per_rank.device, engine_plan->peak(Tier::device));
   EXPECT_EQ(plan.total_per_rank.host, engine_plan->peak(Tier::host));
@@ -153,20 +220,20 @@ TEST(Planner, ABudgetThatOverflowsNamesTheTierAndSuggestsTheSmallestChange) {
   PlanInput in;
   in.model = *load_model_config("llama3-8b");
   in.precision = Precision::bf16;
-  in.device_budget = 80LL << 30;
-  in.host_budget = 1LL << 40;
+  in.budgets.device_per_rank = 80LL << 30;
+  in.budgets.host_per_node = 1LL << 40;
   MemoryPlan plan = *plan_with_suggestion(in);
   EXPECT_FALSE(plan.fits);
   EXPECT_FALSE(plan.verdicts[0].fits());  // device: 18 bytes x 8B parameters
   EXPECT_TRUE(plan.verdicts[1].fits());
   EXPECT_EQ(plan.suggestion, "--offload-optimizer cpu");
 
-  in.host_budget = 100LL << 30;  // too little host memory for the optimizer state
+  in.budgets.host_per_node = 100LL << 30;  // too little host memory for the optimizer state
   MemoryPlan tight = *plan_with_suggestion(in);
   EXPECT_EQ(tight.suggestion, "--offload-optimizer nvme --nvme-path DIR");
 
   in.world_size = 8;  // with ranks to shard over, a higher stage is the smallest change
-  in.host_budget = 1LL << 40;
+  in.budgets.host_per_node = 1LL << 40;
   MemoryPlan ranks = *plan_with_suggestion(in);
   EXPECT_EQ(ranks.suggestion, "--stage 1");
 }
@@ -178,7 +245,7 @@ TEST(Planner, ShardSizesAreTheModelLayoutsOwn) {
       in.model = *load_model_config(preset);
       in.world_size = world;
       in.stage = 3;
-      ModelLayout layout = model_layout(*in.model, world);
+      ModelLayout layout = model_layout(in.model, world);
       int64_t shards = 0;
       for (const UnitLayout& unit : layout.units) shards += unit.shard_numel;
       EXPECT_EQ(plan_memory(in)->shard_elements, shards) << preset << " over " << world;
@@ -200,7 +267,7 @@ TEST(Planner, JsonHasThePerRankModelStates) {
   EXPECT_EQ(j["per_rank"]["device_bytes"].get<int64_t>(), plan.model_states.device);
   EXPECT_EQ(j["per_rank"]["host_bytes"].get<int64_t>(), 0);
   nlohmann::ordered_json zero = plan_to_json(plan, true);
-  EXPECT_EQ(zero["per_rank"]["device_bytes"].get<int64_t>(), 16000000000LL);
+  EXPECT_EQ(zero["per_rank"]["device_bytes"].get<int64_t>(), 16 * plan.parameters);
 }
 
 }  // namespace

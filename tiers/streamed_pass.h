@@ -103,6 +103,7 @@ class StreamedPass {
   StreamedPass(TieredStore& store, StreamedPassOptions options);
   // Waits for the prefetched reads and forgets them.
   void drop_prefetch();
+
   // prefetch() with item j in buffer (base + j) mod buffer_count; the buffers
   // must be idle.
   Status prefetch_into(std::span<const StreamItem> items, size_t base);
@@ -123,6 +124,10 @@ class StreamedPass {
     uint64_t bytes_read = 0;
   };
   std::vector<Prefetched> prefetched_;
+  // The prefetched items a run of `items` begins with, else none (dropped).
+  std::vector<Prefetched> adopt_prefetched(std::span<const StreamItem> items);
+  // One run() in flight: its buffers' slots, reads, visits and write-backs.
+  class Run;
   size_t slot_base_ = 0;  // the buffer of the next run's (and prefetch's) item 0
 
   TieredStore& store_;

@@ -66,8 +66,7 @@ class PlanCommand : public Subcommand {
     if (!config.is_ok()) return config.status();
     print_config_warnings(*config);
 
-    std::optional<ModelConfig> model;
-    int64_t parameters = 0;
+    ModelConfig model;
     if (!model_.empty()) {
       Result<ModelConfig> loaded = load_model_config(model_);
       if (!loaded.is_ok()) return loaded.status();
@@ -75,48 +74,52 @@ class PlanCommand : public Subcommand {
     } else {
       Result<int64_t> count = parse_count(params_);
       if (!count.is_ok()) return count.status().with_context("--params");
-      parameters = *count;
+      if (*count < 1)
+        return Status::invalid_argument(
+            fmt::format("--params {}: a model needs at least one parameter", params_));
+      // A plan is made of a model's units: one of that size, in Llama's proportions.
+      model = model_of_size(*count);
     }
     const TrainConfig& c = *config;
-    PlanInput input = plan_input_from_config(c, model);
-    input.parameters = parameters;
+    if (backend_.empty()) backend_ = kernels::built_with_cuda() ? "cuda" : "cpu";
+    if (backend_ == "cuda" && !kernels::built_with_cuda())
+      return Status::error(
+          "--backend cuda: this strata was built without CUDA, so it cannot size the GPU's "
+          "buffers; plan on a CUDA build");
+    PlanInput input = plan_input_from_config(c, model, {backend_ == "cuda"});
 
-    // Budgets: given, else detected on this machine.
-    if (c.strata.device_mem_limit) {
-      input.device_budget = static_cast<int64_t>(*c.strata.device_mem_limit);
-      input.device_budget_source = "given";
-    } else {
+    // Budgets: given (plan_input_from_config), else detected on this machine.
+    PlanBudgets& budgets = input.budgets;
+    if (!budgets.device_per_rank) {
       kernels::GpuQuery gpus = kernels::query_gpus();
       if (!gpus.devices.empty()) {
-        input.device_budget = static_cast<int64_t>(gpus.devices.front().free_bytes);
-        input.device_budget_source = "free on " + gpus.devices.front().name;
+        budgets.device_per_rank = static_cast<int64_t>(gpus.devices.front().free_bytes);
+        budgets.device_source = "free on " + gpus.devices.front().name;
       }
     }
-    if (c.strata.host_mem_limit) {
-      input.host_budget = static_cast<int64_t>(*c.strata.host_mem_limit);
-      input.host_budget_source = "given";
-    } else if (auto available = detect_host_available_bytes()) {
-      input.host_budget = *available;
-      input.host_budget_source = "available on this machine";
+    if (!budgets.host_per_node) {
+      if (auto available = detect_host_available_bytes()) {
+        budgets.host_per_node = *available;
+        budgets.host_source = "available on this machine";
+      }
     }
     // --nvme-path is already in the config's stripe set.
     const std::vector<std::string> nvme_paths = c.effective_nvme_paths();
-    input.nvme_path_known = !nvme_paths.empty();
     if (!nvme_limit_.empty()) {
       Result<uint64_t> size = parse_size(nvme_limit_);
       if (!size.is_ok()) return size.status().with_context("--nvme-limit");
-      input.nvme_budget = static_cast<int64_t>(*size);
-      input.nvme_budget_source = "given";
+      budgets.nvme_per_node = static_cast<int64_t>(*size);
+      budgets.nvme_source = "given";
     } else if (auto free_bytes = detect_free_bytes(nvme_paths)) {
-      input.nvme_budget = *free_bytes;
-      input.nvme_budget_source = "free under the NVMe paths";
+      budgets.nvme_per_node = *free_bytes;
+      budgets.nvme_source = "free under the NVMe paths";
     } else if (!nvme_paths.empty()) {
       fmt::print(stderr, "warning: cannot read the free space under {}; NVMe not checked\n",
                  nvme_paths.front());
     }
-    for (auto [text, target, name] : {std::tuple{&net_bw_, &input.net_bandwidth, "--net-bw"},
-                                      std::tuple{&pcie_bw_, &input.pcie_bandwidth, "--pcie-bw"},
-                                      std::tuple{&nvme_bw_, &input.nvme_bandwidth, "--nvme-bw"}}) {
+    for (auto [text, target, name] : {std::tuple{&net_bw_, &input.links.network, "--net-bw"},
+                                      std::tuple{&pcie_bw_, &input.links.pcie, "--pcie-bw"},
+                                      std::tuple{&nvme_bw_, &input.links.nvme, "--nvme-bw"}}) {
       if (text->empty()) continue;
       Result<double> bandwidth = parse_bandwidth(*text);
       if (!bandwidth.is_ok()) return bandwidth.status().with_context(name);
@@ -124,17 +127,12 @@ class PlanCommand : public Subcommand {
     }
     Status valid = validate_plan_input(input);
     if (!valid.is_ok()) return valid;
-    if (backend_.empty()) backend_ = kernels::built_with_cuda() ? "cuda" : "cpu";
-    if (backend_ == "cuda" && !kernels::built_with_cuda())
-      return Status::error(
-          "--backend cuda: this strata was built without CUDA, so it cannot size the GPU's "
-          "buffers; plan on a CUDA build");
-    input.gpu = backend_ == "cuda";
 
     if (ops_) {
-      if (!input.model)
-        return Status::error("--ops needs --model (a plan is made of the model's units)");
-      Result<TrainingPlan> steps = build_training_plan(step_input(input));
+      if (model_.empty())
+        return Status::invalid_argument(
+            "--ops needs --model: the operations are those of a real model's units");
+      Result<TrainingPlan> steps = plan_training(input);
       if (!steps.is_ok()) return steps.status();
       if (json_) {
         fmt::print("{}\n", training_plan_to_json(*steps).dump(2));

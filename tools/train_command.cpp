@@ -188,39 +188,49 @@ Status export_model(const HostModel& model, const std::string& path, DType dtype
 // The device budget per rank and the host budget for the node: as given, else
 // the plan's peak plus a quarter and 64 MiB (the host tier maps and pins its
 // whole budget up front, so a default of "most of the machine" would lock it).
-struct Budgets {
-  uint64_t device = 0;
-  uint64_t host = 0;
+struct ChosenBudgets {
+  PlanBudgets budgets;
   std::string note;  // what was chosen and why, for the header
 };
 
-// `local_ranks`: the ranks this process holds (the world size, or 1 when launched).
-Budgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan, int local_ranks) {
-  constexpr uint64_t kMiB = uint64_t{1} << 20;
-  const uint64_t W = uint64_t(local_ranks);
+// `ranks_on_node`: the ranks on this machine, threads or processes;
+// `local_ranks`: those this process holds (the world size, or 1 when launched).
+ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan,
+                             int ranks_on_node, int local_ranks) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
   auto with_margin = [&](int64_t peak) {
-    return round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, kMiB);
+    return int64_t(round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, uint64_t(kMiB)));
   };
   const int64_t device_peak = plan.peak(tiers::Tier::device);
   const int64_t host_peak = plan.peak(tiers::Tier::host);
-  Budgets b;
-  b.device = config.strata.device_mem_limit.value_or(with_margin(device_peak));
-  b.host = config.strata.host_mem_limit.value_or(with_margin(host_peak) * W);
-  b.note = config.strata.device_mem_limit
-               ? fmt::format("device {} per rank (given)", format_bytes(double(b.device)))
-               : fmt::format("device {} per rank (plan peak {} + 25% + 64 MiB)",
-                             format_bytes(double(b.device)), format_bytes(double(device_peak)));
-  b.note += config.strata.host_mem_limit
-                ? fmt::format(", host {} for the node (given)", format_bytes(double(b.host)))
-                : fmt::format(", host {} for the node (plan peak {} per rank + 25% + 64 MiB)",
-                              format_bytes(double(b.host)), format_bytes(double(host_peak)));
-  // On the CPU backend the device budget is host memory too.
+  ChosenBudgets chosen;
+  PlanBudgets& b = chosen.budgets;
+  b.ranks_per_node = ranks_on_node;
+  b.device_per_rank =
+      config.strata.device_mem_limit ? int64_t(*config.strata.device_mem_limit) : with_margin(device_peak);
+  b.host_per_node = config.strata.host_mem_limit ? int64_t(*config.strata.host_mem_limit)
+                                                 : with_margin(host_peak) * ranks_on_node;
+  b.device_source = "--device-mem-limit";
+  b.host_source = "--host-mem-limit";
+  chosen.note = config.strata.device_mem_limit
+                    ? fmt::format("device {} per rank (given)", format_bytes(double(*b.device_per_rank)))
+                    : fmt::format("device {} per rank (plan peak {} + 25% + 64 MiB)",
+                                  format_bytes(double(*b.device_per_rank)),
+                                  format_bytes(double(device_peak)));
+  chosen.note +=
+      config.strata.host_mem_limit
+          ? fmt::format(", host {} for the node (given)", format_bytes(double(*b.host_per_node)))
+          : fmt::format(", host {} for the node (plan peak {} per rank + 25% + 64 MiB)",
+                        format_bytes(double(*b.host_per_node)), format_bytes(double(host_peak)));
+  // What this process takes; on the CPU backend the device budget is host memory too.
   const std::optional<int64_t> available = detect_host_available_bytes();
-  const uint64_t wanted = b.host + (plan.input.gpu ? 0 : b.device * W);
-  if (available && wanted > uint64_t(*available))
+  const int64_t per_rank = *b.host_per_rank(plan.input.world_size) +
+                           (plan.input.gpu ? 0 : *b.device_per_rank);
+  const int64_t wanted = per_rank * local_ranks;
+  if (available && wanted > *available)
     fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
                format_bytes(double(wanted)), format_bytes(double(*available)));
-  return b;
+  return chosen;
 }
 
 // What a run builds, step by step, in the order TrainCommand::train builds it;
@@ -244,8 +254,7 @@ struct TrainingRun {
   std::optional<MetricsWriter> metrics;
   int local_ranks = 1;       // the ranks this process holds: the world size, or 1 when launched
   int ranks_on_node = 1;     // the ranks on this machine, threads or processes
-  Budgets budgets;           // its note gains the NVMe line
-  uint64_t host_budget = 0;  // what the ranks of this process share of it
+  ChosenBudgets budgets;     // its note gains the NVMe line
   EngineOptions options;     // filled by the steps before create_engine, then the engine's
   std::unique_ptr<Engine> engine;
   std::optional<TraceWriter> trace;
@@ -505,7 +514,7 @@ class TrainCommand : public Subcommand {
       print_effective_config(run);
       return std::nullopt;
     }
-    if (std::optional<Failure> f = plan_training(run)) return f;
+    if (std::optional<Failure> f = build_plan(run)) return f;
     if (print_plan_) {
       print_training_plan(run);
       return std::nullopt;
@@ -550,14 +559,16 @@ class TrainCommand : public Subcommand {
   // The --config file merged with the flags, and the --model when given.
   std::optional<Failure> load_config_and_model(TrainingRun& run) {
     Result<TrainConfig> loaded = load_train_config(flags_.config_path, run.overrides);
-    if (!loaded && run.overrides.nvme_paths.empty() &&
-        loaded.status().message().find("no NVMe directory") != std::string::npos) {
+    if (!loaded && loaded.status().is(StatusCode::not_found) && run.overrides.nvme_paths.empty()) {
       // NVMe offload without a directory: swap under the current directory.
+      // Anything else not found (the --config file) is not found again, and
+      // the first error is the one reported.
       ConfigOverrides with_default = run.overrides;
       with_default.nvme_paths = {kDefaultNvmePath};
-      loaded = load_train_config(flags_.config_path, with_default);
-      if (loaded)
+      Result<TrainConfig> defaulted = load_train_config(flags_.config_path, with_default);
+      if (defaulted)
         fmt::print(stderr, "strata: no --nvme-path given; swapping to ./{}\n", kDefaultNvmePath);
+      if (defaulted || !defaulted.status().is(StatusCode::not_found)) loaded = std::move(defaulted);
     }
     if (!loaded) return usage_error(loaded.status());
     run.config = *loaded;
@@ -606,8 +617,9 @@ class TrainCommand : public Subcommand {
     return std::nullopt;
   }
 
-  // The plan of one step for the model, the config and the backend.
-  std::optional<Failure> plan_training(TrainingRun& run) {
+  // The plan of one step for the model, the config and the backend: built
+  // here, once, and run by the engine.
+  std::optional<Failure> build_plan(TrainingRun& run) {
     if (!run.model)
       return Failure{
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
@@ -619,15 +631,14 @@ class TrainCommand : public Subcommand {
     if (!backend) return usage_error(backend.status());
     run.backend = *backend;
     const bool gpu = run.backend.kind == kernels::BackendKind::cuda;
+    const int W = run.config.world_size;
+    // Launched processes hold one rank each and share the node's host budget.
+    run.local_ranks = run.launch ? 1 : W;
+    run.ranks_on_node = run.launch ? run.launch->local_world_size.value_or(W) : W;
     // Launched on GPUs, each process talks to the others through NCCL (connect_processes).
-    PlanInput planned = engine_plan_input(*run.model, run.config, gpu, gpu && run.launch);
-    Result<ScheduleChoice> choice = choose_schedule(planned);
-    if (!choice) return usage_error(choice.status());
-    run.schedule_reason = choice->reason;
-    // The choice made: step_input need not weigh the schedules again.
-    planned.schedule = choice->schedule;
-    planned.activation_home = choice->activation_home;
-    Result<TrainingPlan> plan = build_training_plan(step_input(planned));
+    const PlanInput input =
+        plan_input_from_config(run.config, *run.model, {gpu, gpu && run.launch, run.ranks_on_node});
+    Result<TrainingPlan> plan = plan_training(input, &run.schedule_reason);
     if (!plan) return usage_error(plan.status());
     run.plan = std::move(*plan);
     return std::nullopt;
@@ -749,25 +760,18 @@ class TrainCommand : public Subcommand {
   // The device and host budgets, and a refusal when ranks that are threads
   // would need more of their shared GPU than it has.
   std::optional<Failure> choose_memory_budgets(TrainingRun& run) {
-    const int W = run.plan->input.world_size;
-    // Launched processes hold one rank each and share the node's host budget.
-    run.local_ranks = run.launch ? 1 : W;
-    run.ranks_on_node = run.launch ? run.launch->local_world_size.value_or(W) : W;
-    run.budgets = choose_budgets(run.config, *run.plan, run.local_ranks);
-    run.host_budget = run.launch && run.config.strata.host_mem_limit
-                          ? run.budgets.host / uint64_t(std::max(1, run.ranks_on_node))
-                          : run.budgets.host;
-    run.options.device_budget = run.budgets.device;
-    run.options.host_budget = run.host_budget;
+    run.budgets = choose_budgets(run.config, *run.plan, run.ranks_on_node, run.local_ranks);
+    run.options.budgets = run.budgets.budgets;
+    const int64_t device = *run.budgets.budgets.device_per_rank;
     if (run.backend.kind == kernels::BackendKind::cuda && run.local_ranks > 1) {
       // Ranks that are threads of this process share its GPU.
       const kernels::GpuQuery gpus = kernels::query_gpus();
       if (!gpus.devices.empty() &&
-          uint64_t(run.local_ranks) * run.budgets.device > gpus.devices[0].total_bytes)
+          uint64_t(run.local_ranks) * uint64_t(device) > gpus.devices[0].total_bytes)
         return usage_error(Status::error(fmt::format(
             "{} ranks as threads share GPU 0 and need {} x {} of its {}; launch one process per "
             "GPU (`strata launch -n {} -- strata train ...`) or lower --device-mem-limit",
-            run.local_ranks, run.local_ranks, format_bytes(double(run.budgets.device)),
+            run.local_ranks, run.local_ranks, format_bytes(double(device)),
             format_bytes(double(gpus.devices[0].total_bytes)), run.local_ranks)));
     }
     if (run.plan->peak(tiers::Tier::nvme) > 0)
@@ -881,6 +885,7 @@ class TrainCommand : public Subcommand {
 
   // The engine, and the trace of its plan.
   std::optional<Failure> create_engine(TrainingRun& run) {
+    run.options.plan = *run.plan;  // the plan built once, in build_plan
     Result<std::unique_ptr<Engine>> created = Engine::create(std::move(run.options));
     if (!created) return run_error(created.status());
     run.engine = std::move(*created);
@@ -981,8 +986,10 @@ class TrainCommand : public Subcommand {
         const tiers::TierUsage u = engine.rank_usage(r, static_cast<tiers::Tier>(t));
         if (r == 0 || u.peak > summary.usage[t].peak) summary.usage[t] = u;
       }
-    summary.budget[int(tiers::Tier::device)] = run.budgets.device;
-    summary.budget[int(tiers::Tier::host)] = run.host_budget / uint64_t(run.local_ranks);
+    const PlanBudgets& budgets = run.budgets.budgets;
+    summary.budget[int(tiers::Tier::device)] = uint64_t(*budgets.device_per_rank);
+    summary.budget[int(tiers::Tier::host)] =
+        uint64_t(*budgets.host_per_rank(run.plan->input.world_size));
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
     if (stop_requested.load())

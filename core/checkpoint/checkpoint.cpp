@@ -16,7 +16,7 @@
 
 #include "core/model/model.h"
 #include "core/model/model_config.h"
-#include "io/errno_text.h"
+#include "io/base/status.h"
 #include "io/file_system.h"
 #include "io/safe_write.h"
 
@@ -26,7 +26,7 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string errno_now() {
-  return io::errno_text(errno);
+  return errno_text(errno);
 }
 
 // CRC32C with the SSE4.2 instruction where the CPU has it, a table otherwise.
@@ -166,7 +166,7 @@ Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t
       return Status::error(fmt::format(
           "{}: cannot open the checkpoint rank 0 began: {}; every rank needs the same --save "
           "directory, on a file system they share",
-          path, io::errno_text(-fd)));
+          path, errno_text(-fd)));
     writer.fds_[f] = fd;
   }
   return writer;

@@ -84,7 +84,7 @@ Status apply_lr_schedule_overrides(const ConfigOverrides& o, TrainConfig& config
     } else if (name == "cosine") {
       type = "WarmupCosineLR";
     } else if (name != "constant") {
-      return Status::error(fmt::format(
+      return Status::invalid_argument(fmt::format(
           "--lr-schedule: expected constant, warmup, linear or cosine, got '{}'", name));
     }
     if (type != s.type && !type.empty()) s.warmup_max_lr = config.optimizer.lr;
@@ -93,21 +93,21 @@ Status apply_lr_schedule_overrides(const ConfigOverrides& o, TrainConfig& config
   // The values first, then what each flag needs of the schedule (the flag above's or the file's).
   // LrSchedule refuses 0 (DeepSpeed warms up over max(2, N) steps whatever N is below 2).
   if (o.warmup_steps && *o.warmup_steps < 1) {
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "--warmup-steps: expected a number of steps >= 1 (the warm-up lasts max(2, N) steps, as "
         "in DeepSpeed), got {}",
         *o.warmup_steps));
   }
   if (o.warmup_type && *o.warmup_type != "log" && *o.warmup_type != "linear") {
-    return Status::error(
+    return Status::invalid_argument(
         fmt::format("--warmup-type: expected log or linear, got '{}'", *o.warmup_type));
   }
   if (o.min_lr_ratio && !(*o.min_lr_ratio >= 0.0 && *o.min_lr_ratio <= 1.0)) {
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "--min-lr-ratio: expected a fraction of the peak lr in [0, 1], got {}", *o.min_lr_ratio));
   }
   if ((o.warmup_steps || o.warmup_type) && s.type.empty()) {
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "{}: the learning rate is constant, with no warm-up; add --lr-schedule warmup, linear or "
         "cosine",
         o.warmup_steps ? "--warmup-steps" : "--warmup-type"));
@@ -121,7 +121,7 @@ Status apply_lr_schedule_overrides(const ConfigOverrides& o, TrainConfig& config
     } else if (s.type == "WarmupDecayLR") {
       s.warmup_min_lr = r * s.warmup_max_lr;  // WarmupDecayLR warms up from it and decays to it
     } else {
-      return Status::error(fmt::format(
+      return Status::invalid_argument(fmt::format(
           "--min-lr-ratio: {} does not decay; use --lr-schedule linear or cosine",
           s.type.empty() ? "a constant learning rate" : "WarmupLR (--lr-schedule warmup)"));
     }
@@ -329,7 +329,7 @@ Status resolve_batch(TrainConfig& config, BatchValue train, BatchValue micro, Ba
                      const std::string& world_source) {
   const int64_t world = config.world_size;
   auto equation_error = [&](int64_t t, int64_t m, int64_t g) {
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "train_batch_size must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps "
         "* world_size, but {} != {} * {} * {} (train_batch_size from {}, micro batch from {}, "
         "gradient accumulation from {}, world size from {}); give any two and strata derives the third",
@@ -376,7 +376,7 @@ Status resolve_batch(TrainConfig& config, BatchValue train, BatchValue micro, Ba
 Status validate(const TrainConfig& config, const std::string& origin) {
   const ZeroConfig& zero = config.zero;
   if (zero.offload_param.device != OffloadDevice::none && zero.stage < 3) {
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "{}: zero_optimization.offload_param: offloading parameters needs ZeRO stage 3 (stage is {}); "
         "set zero_optimization.stage to 3 (--zero-stage 3) or remove offload_param (DeepSpeed refuses "
         "this too)", origin, zero.stage));
@@ -384,13 +384,14 @@ Status validate(const TrainConfig& config, const std::string& origin) {
   if (config.uses_nvme() && config.effective_nvme_paths().empty()) {
     const char* which = zero.offload_optimizer.device == OffloadDevice::nvme ? "offload_optimizer"
                                                                               : "offload_param";
-    return Status::error(fmt::format(
+    // not_found: the caller may supply a default directory (strata train does).
+    return Status::not_found(fmt::format(
         "{}: zero_optimization.{}.device is nvme but no NVMe directory is given; set "
         "zero_optimization.{}.nvme_path, strata.nvme_paths, or pass --nvme-path DIR", origin, which,
         which));
   }
   if (config.fp16.enabled && config.bf16_enabled) {
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "{}: fp16.enabled and bf16.enabled are both true; enable one (or pass --precision)", origin));
   }
   return Status::ok();
@@ -486,16 +487,21 @@ bool TrainConfig::uses_nvme() const {
          zero.offload_param.device == OffloadDevice::nvme;
 }
 
-Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std::string& origin,
-                                           const ConfigOverrides& overrides) {
-  if (!json.is_object()) {
-    return Status::error(fmt::format("{}: expected a JSON object at the top level, got {}", origin,
-                                     json_excerpt(json)));
-  }
-  TrainConfig config;
-  JsonReader in(json, origin, "");
+namespace {
 
-  BatchValue train{std::nullopt, origin}, micro{std::nullopt, origin}, accum{std::nullopt, origin};
+// The batch shape as the file gives it, and what later steps need to know of it.
+struct FileBatch {
+  BatchValue train, micro, accum;
+  std::string world_source = "the default (1)";
+  bool overlap_comm_given = false;
+};
+
+// The config file's blocks, checked key by key; unknown keys become warnings.
+Status read_config_blocks(const nlohmann::json& json, const std::string& origin,
+                          TrainConfig& config, FileBatch& batch) {
+  batch.train.source = batch.micro.source = batch.accum.source = origin;
+  JsonReader in(json, origin, "");
+  BatchValue &train = batch.train, &micro = batch.micro, &accum = batch.accum;
   int64_t number = 0;
   if (in.optional_int("train_batch_size", number, 1)) train.value = number;
   if (in.optional_int("train_micro_batch_size_per_gpu", number, 1)) micro.value = number;
@@ -513,7 +519,7 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   in.accept("zero_allow_untested_optimizer");
   read_optimizer(in.object("optimizer"), config.optimizer);
   read_scheduler(in.object("scheduler"), config.scheduler);
-  const bool overlap_comm_given = read_zero(in.object("zero_optimization"), config.zero);
+  batch.overlap_comm_given = read_zero(in.object("zero_optimization"), config.zero);
   read_aio(in.object("aio"), config.aio);
   read_activation_checkpointing(in.object("activation_checkpointing"),
                                 config.activation_checkpointing);
@@ -530,7 +536,7 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     const Precision p = *config.strata.precision;
     const bool agrees = (p == Precision::fp16) == config.fp16.enabled && (p == Precision::bf16) == config.bf16_enabled;
     if (!agrees && (config.fp16.enabled || config.bf16_enabled)) {
-      return Status::error(fmt::format(
+      return Status::invalid_argument(fmt::format(
           "{}: strata.precision is {} but fp16.enabled is {} and bf16.enabled is {}; make them agree",
           origin, precision_name(p), config.fp16.enabled, config.bf16_enabled));
     }
@@ -538,15 +544,22 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
     config.bf16_enabled = p == Precision::bf16;
   }
 
-  // --- command-line overrides ---
-  std::string world_source = "the default (1)";
+  return Status::ok();
+}
+
+// The flags that shape the run: world size, batch, stage, offload homes, NVMe
+// directories, precision, learning rate.
+Status apply_shape_overrides(const ConfigOverrides& overrides, const std::string& origin,
+                             TrainConfig& config, FileBatch& batch) {
+  std::string& world_source = batch.world_source;
+  BatchValue &train = batch.train, &micro = batch.micro, &accum = batch.accum;
   if (config.strata.world_size) {
     config.world_size = *config.strata.world_size;
     world_source = origin;
   }
   if (overrides.world_size) {
     if (*overrides.world_size < 1) {
-      return Status::error(fmt::format("--world-size: expected an integer >= 1, got {}", *overrides.world_size));
+      return Status::invalid_argument(fmt::format("--world-size: expected an integer >= 1, got {}", *overrides.world_size));
     }
     config.world_size = *overrides.world_size;
     world_source = "--world-size";
@@ -554,7 +567,7 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   auto override_batch = [](BatchValue& target, const std::optional<int64_t>& flag,
                            const char* name) -> Status {
     if (!flag) return Status::ok();
-    if (*flag < 1) return Status::error(fmt::format("{}: expected an integer >= 1, got {}", name, *flag));
+    if (*flag < 1) return Status::invalid_argument(fmt::format("{}: expected an integer >= 1, got {}", name, *flag));
     target.value = *flag;
     target.source = name;
     return Status::ok();
@@ -566,17 +579,17 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   }
   if (overrides.zero_stage) {
     if (*overrides.zero_stage < 0 || *overrides.zero_stage > 3) {
-      return Status::error(fmt::format("--zero-stage: expected 0, 1, 2 or 3, got {}", *overrides.zero_stage));
+      return Status::invalid_argument(fmt::format("--zero-stage: expected 0, 1, 2 or 3, got {}", *overrides.zero_stage));
     }
     config.zero.stage = *overrides.zero_stage;
-    if (!overlap_comm_given) config.zero.overlap_comm = config.zero.stage == 3;
+    if (!batch.overlap_comm_given) config.zero.overlap_comm = config.zero.stage == 3;
   }
   for (auto [flag, name, target] :
        {std::tuple{&overrides.offload_param, "--offload-param", &config.zero.offload_param},
         std::tuple{&overrides.offload_optimizer, "--offload-optimizer", &config.zero.offload_optimizer}}) {
     if (!*flag) continue;
     if (!parse_offload_device(**flag, target->device)) {
-      return Status::error(fmt::format("{}: expected none, cpu or nvme, got '{}'", name, **flag));
+      return Status::invalid_argument(fmt::format("{}: expected none, cpu or nvme, got '{}'", name, **flag));
     }
   }
   if (!overrides.nvme_paths.empty()) {
@@ -588,34 +601,40 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   if (overrides.precision) {
     const std::string& p = *overrides.precision;
     if (p != "fp32" && p != "bf16" && p != "fp16") {
-      return Status::error(fmt::format("--precision: expected fp32, bf16 or fp16, got '{}'", p));
+      return Status::invalid_argument(fmt::format("--precision: expected fp32, bf16 or fp16, got '{}'", p));
     }
     config.fp16.enabled = p == "fp16";
     config.bf16_enabled = p == "bf16";
   }
   if (overrides.lr) {
-    if (!(*overrides.lr >= 0)) return Status::error(fmt::format("--lr: expected a number >= 0, got {}", *overrides.lr));
+    if (!(*overrides.lr >= 0)) return Status::invalid_argument(fmt::format("--lr: expected a number >= 0, got {}", *overrides.lr));
     config.optimizer.lr = *overrides.lr;
     // A warmup schedule peaks at warmup_max_lr: keep the two in step, as --lr is what the user means.
     config.scheduler.warmup_max_lr = *overrides.lr;
   }
+  return Status::ok();
+}
+
+// The flags for I/O, memory and strata's own settings.
+Status apply_strata_overrides(const ConfigOverrides& overrides, const std::string& origin,
+                              TrainConfig& config) {
   if (overrides.aio_block_size) {
     Result<uint64_t> size = parse_size(*overrides.aio_block_size);
     if (!size.is_ok()) return size.status().with_context("--aio-block-size");
     if (*size == 0 || *size % 4096 != 0) {
-      return Status::error(fmt::format("--aio-block-size: must be a positive multiple of 4 KiB (O_DIRECT), got {}", *size));
+      return Status::invalid_argument(fmt::format("--aio-block-size: must be a positive multiple of 4 KiB (O_DIRECT), got {}", *size));
     }
     config.aio.block_size = static_cast<int64_t>(*size);
   }
   if (overrides.aio_queue_depth) {
     if (*overrides.aio_queue_depth < 1 || *overrides.aio_queue_depth > 4096) {
-      return Status::error(fmt::format("--aio-queue-depth: expected 1..4096, got {}", *overrides.aio_queue_depth));
+      return Status::invalid_argument(fmt::format("--aio-queue-depth: expected 1..4096, got {}", *overrides.aio_queue_depth));
     }
     config.aio.queue_depth = *overrides.aio_queue_depth;
   }
   if (overrides.aio_threads) {
     if (*overrides.aio_threads < 1 || *overrides.aio_threads > 256) {
-      return Status::error(fmt::format("--aio-threads: expected 1..256, got {}", *overrides.aio_threads));
+      return Status::invalid_argument(fmt::format("--aio-threads: expected 1..256, got {}", *overrides.aio_threads));
     }
     config.aio.intra_op_parallelism = *overrides.aio_threads;
   }
@@ -631,24 +650,24 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   if (overrides.optimizer_state_dtype &&
       !parse_optimizer_state_dtype(*overrides.optimizer_state_dtype,
                                    config.strata.optimizer_state_dtype))
-    return Status::error(fmt::format("--optimizer-state-dtype: expected fp32, bf16 or int8, got '{}'",
+    return Status::invalid_argument(fmt::format("--optimizer-state-dtype: expected fp32, bf16 or int8, got '{}'",
                                      *overrides.optimizer_state_dtype));
   if (overrides.gradient_home &&
       !parse_gradient_home(*overrides.gradient_home, config.strata.gradient_home))
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "--gradient-home: expected auto, host, host_bf16 or nvme, got '{}'", *overrides.gradient_home));
   if (overrides.shuffle) config.strata.shuffle = *overrides.shuffle;
   if (overrides.schedule) {
     std::optional<Schedule> schedule = parse_schedule(*overrides.schedule);
     if (!schedule)
-      return Status::error(fmt::format(
+      return Status::invalid_argument(fmt::format(
           "--schedule: expected auto, micro_batch or layer, got '{}'", *overrides.schedule));
     config.strata.schedule = *schedule;
   }
   if (overrides.activation_home) {
     std::optional<ActivationHome> home = parse_activation_home(*overrides.activation_home);
     if (!home)
-      return Status::error(fmt::format("--activation-home: expected auto, device, host or nvme, got '{}'",
+      return Status::invalid_argument(fmt::format("--activation-home: expected auto, device, host or nvme, got '{}'",
                                        *overrides.activation_home));
     config.strata.activation_home = *home;
   }
@@ -666,9 +685,25 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   }
 
   if (overrides.seq_len) {
-    if (*overrides.seq_len < 1) return Status::error(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
+    if (*overrides.seq_len < 1) return Status::invalid_argument(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
     config.strata.seq_len = *overrides.seq_len;
   }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std::string& origin,
+                                           const ConfigOverrides& overrides) {
+  if (!json.is_object()) {
+    return Status::invalid_argument(fmt::format("{}: expected a JSON object at the top level, got {}", origin,
+                                     json_excerpt(json)));
+  }
+  TrainConfig config;
+  FileBatch batch;
+  if (Status s = read_config_blocks(json, origin, config, batch); !s) return s;
+  if (Status s = apply_shape_overrides(overrides, origin, config, batch); !s) return s;
+  if (Status s = apply_strata_overrides(overrides, origin, config); !s) return s;
   Status schedule = apply_lr_schedule_overrides(overrides, config);
   if (!schedule.is_ok()) return schedule;
 
@@ -677,8 +712,8 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
                                            : Precision::fp32;
   if (config.optimizer.type == "AdamW") config.optimizer.adam_w_mode = true;
 
-  Status batch = resolve_batch(config, train, micro, accum, world_source);
-  if (!batch.is_ok()) return batch.with_context(origin);
+  Status resolved = resolve_batch(config, batch.train, batch.micro, batch.accum, batch.world_source);
+  if (!resolved.is_ok()) return resolved.with_context(origin);
   Status valid = validate(config, origin);
   if (!valid.is_ok()) return valid;
   return config;

@@ -98,17 +98,25 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const TrainConfig& config = options.config;
   if (!options.data) return Status::error("engine: no data source");
   const bool gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
-  TrainingPlanInput input = training_plan_input(
-      options.model, config, gpu,
-      gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr);
-  // The host budget this rank may use: the gradient's home follows it (strata.gradient_home auto).
-  input.host_budget =
-      int64_t(options.host_budget / uint64_t(options.process_comm ? 1 : input.world_size));
-  Result<TrainingPlan> plan = build_training_plan(input);
-  if (!plan) return plan.status();
-  impl->plan = std::move(*plan);
+  const bool nccl = gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr;
+  PlanInput input = plan_input_from_config(config, options.model,
+                                           {gpu, nccl, options.budgets.ranks_per_node});
+  input.budgets = options.budgets;
+  input.nvme_path_known = !options.nvme_paths.empty();
+  if (options.plan) {
+    impl->plan = std::move(*options.plan);
+    options.plan.reset();
+  } else {
+    Result<TrainingPlan> plan = plan_training(input);
+    if (!plan) return plan.status();
+    impl->plan = std::move(*plan);
+  }
   const TrainingPlan& p = impl->plan;
-  const int W = input.world_size;
+  const int W = p.input.world_size;
+  if (p.input.gpu != gpu)
+    return Status::invalid_argument(fmt::format(
+        "engine: the plan was built for the {} backend but the engine runs the {} one",
+        p.input.gpu ? "CUDA" : "CPU", gpu ? "CUDA" : "CPU"));
 
   // The budgets, checked before anything is allocated.
   if (options.process_comm && options.process_comm->world_size() != W)
@@ -116,33 +124,28 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
         "this process is one of {} ranks but the configuration says world_size {}; launch as "
         "many processes as --world-size",
         options.process_comm->world_size(), W));
-  // The host budget is shared by the ranks this process holds.
-  const int local = options.process_comm ? 1 : W;
-  const uint64_t host_per_rank = options.host_budget / uint64_t(local);
-  auto refuse = [&](const char* tier, int64_t need, uint64_t budget, const char* flag) -> Status {
+  const PlanBudgets& budgets = options.budgets;
+  auto refuse = [&](const char* tier, int64_t need, int64_t budget, const char* flag) -> Status {
     // The suggestion searches plans built by the same code as this one (core/plan/planner.h).
-    PlanInput planner = plan_input_from_config(config, options.model);
-    planner.gpu = input.gpu;
-    planner.nccl_staging = input.nccl_staging;
-    planner.nvme_path_known = !options.nvme_paths.empty();
-    planner.device_budget = int64_t(options.device_budget);
-    planner.host_budget = int64_t(options.host_budget);
-    planner.device_budget_source = "--device-mem-limit";
-    planner.host_budget_source = "--host-mem-limit";
+    PlanInput planner = input;
+    planner.budgets.device_source = "--device-mem-limit";
+    planner.budgets.host_source = "--host-mem-limit";
     Result<MemoryPlan> suggestion = plan_with_suggestion(planner);
     std::string hint = !suggestion || suggestion->suggestion.empty() ? std::string("raise ") + flag
                                                                       : suggestion->suggestion;
-    return Status::error(fmt::format(
+    return Status::no_space(fmt::format(
         "the plan does not fit: it needs {} of {} per rank but {} allows {}; {} (`strata train "
         "--print-plan` lists every buffer)",
         format_bytes(double(need)), tier, flag, format_bytes(double(budget)), hint));
   };
-  if (p.peak(tiers::Tier::device) > int64_t(options.device_budget))
-    return refuse("device memory", p.peak(tiers::Tier::device), options.device_budget,
+  if (budgets.device_per_rank && p.peak(tiers::Tier::device) > *budgets.device_per_rank)
+    return refuse("device memory", p.peak(tiers::Tier::device), *budgets.device_per_rank,
                   "--device-mem-limit");
-  if (p.peak(tiers::Tier::host) > int64_t(host_per_rank))
-    return refuse("host memory", p.peak(tiers::Tier::host), host_per_rank,
-                  local > 1 ? "--host-mem-limit (shared by the ranks)" : "--host-mem-limit");
+  if (const std::optional<int64_t> host = budgets.host_per_rank(W);
+      host && p.peak(tiers::Tier::host) > *host)
+    return refuse("host memory", p.peak(tiers::Tier::host), *host,
+                  budgets.node_ranks(W) > 1 ? "--host-mem-limit (shared by the ranks)"
+                                            : "--host-mem-limit");
   if (p.peak(tiers::Tier::nvme) > 0 && options.nvme_paths.empty())
     return Status::error(
         "offload to nvme needs a directory: pass --nvme-path DIR (or "

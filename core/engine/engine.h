@@ -70,8 +70,15 @@ struct EngineOptions {
   ModelConfig model;
   TrainConfig config;  // merged file and flags (stage, offload, batch, precision, optimizer, aio)
   int64_t total_steps = 0;     // scheduler.total_num_steps when the config leaves it 0
-  uint64_t device_budget = 0;  // bytes per rank (host memory standing in on the CPU backend)
-  uint64_t host_budget = 0;    // bytes for the node, shared evenly by the ranks
+  // The memory the ranks may take: the device's per rank (host memory
+  // standing in on the CPU backend), the host's for the node, shared evenly
+  // by the ranks on it (PlanBudgets::host_per_rank, the one division); unset:
+  // no limit. The engine refuses a plan that does not fit them.
+  PlanBudgets budgets;
+  // The plan to run, as `strata train` built it (core/plan/planner.h,
+  // plan_training, from plan_input_from_config of `model` and `config`).
+  // Unset: the engine builds it the same way, with `budgets`.
+  std::optional<TrainingPlan> plan;
   std::vector<std::string> nvme_paths;  // swap directories (needed when anything is homed on NVMe)
   uint64_t seed = 1234;
   std::string init_checkpoint;  // safetensors file or Hugging Face directory; empty: random init

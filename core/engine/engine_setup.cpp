@@ -29,17 +29,22 @@ Status Engine::Impl::initialize() {
 }
 
 Status Engine::Impl::open_rank(Rank& rank) {
-  const TrainingPlanInput& in = plan.input;
+  const PlanInput& in = plan.input;
   const int r = rank.rank;
   tiers::TieredStoreOptions store;
   // The pools hold what the plan needs (plus a page per buffer of slack),
   // never more than the budgets: a budget is a limit, and the host pool is
   // resident (first-touched, pinned) from the start.
   const uint64_t slack = (plan.buffers.size() + 16) * 4096;
-  store.device_capacity =
-      std::min<uint64_t>(options.device_budget, uint64_t(plan.peak(tiers::Tier::device)) + slack);
-  store.host_capacity = std::min<uint64_t>(options.host_budget / uint64_t(local_count()),
-                                           uint64_t(plan.peak(tiers::Tier::host)) + slack);
+  const uint64_t device_need = uint64_t(plan.peak(tiers::Tier::device)) + slack;
+  const uint64_t host_need = uint64_t(plan.peak(tiers::Tier::host)) + slack;
+  const std::optional<int64_t> host_budget = options.budgets.host_per_rank(in.world_size);
+  store.device_capacity = options.budgets.device_per_rank
+                              ? std::min<uint64_t>(uint64_t(*options.budgets.device_per_rank),
+                                                   device_need)
+                              : device_need;
+  store.host_capacity =
+      host_budget ? std::min<uint64_t>(uint64_t(*host_budget), host_need) : host_need;
   // The CPU backend: host memory stands in for the device.
   const bool gpu = in.gpu;
   store.use_gpu = gpu && !options.emulate_gpu;

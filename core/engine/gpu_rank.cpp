@@ -389,7 +389,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
     return Status::error(
         "the CUDA backend needs its device tier on a GPU; none is usable here (run with "
         "--backend cpu)");
-  const TrainingPlanInput& in = plan.input;
+  const PlanInput& in = plan.input;
   auto impl = std::make_unique<CudaGpuRank::Impl>(plan);
   CudaGpuRank::Impl& g = *impl;
   g.gpu = gpu_index;

@@ -11,7 +11,7 @@ Result<StepResult> Engine::step() {
   if (im.poisoned)
     return Status::error("engine: an earlier step failed (" + im.poison_reason + "); start again");
   const Clock::time_point start = Clock::now();
-  const TrainingPlanInput& in = im.plan.input;
+  const PlanInput& in = im.plan.input;
   const int W = im.world();
   const int64_t N = im.plan.tokens_per_micro;
 

@@ -22,39 +22,25 @@ struct Sizes {
   int64_t parameters = 0;
   int64_t shard = 0;
   int64_t padded = 0;
-  int64_t largest_unit = 0;        // padded elements
-  int64_t largest_unit_shard = 0;  // padded shard elements
+  int64_t largest_unit = 0;  // padded elements
   int units = 0;
 };
 
 Sizes compute_sizes(const PlanInput& in) {
   Sizes s;
-  const int w = in.world_size;
-  std::vector<int64_t> unit_numels;
-  if (in.model) {
-    for (const UnitShape& unit : model_units(*in.model)) {
-      if (unit.numel > 0) unit_numels.push_back(unit.numel);
-    }
-  } else {
-    unit_numels.push_back(in.parameters);
-  }
-  for (int64_t numel : unit_numels) {
-    int64_t shard = padded_shard_elements(numel, w);
-    s.parameters += numel;
+  for (const UnitShape& unit : model_units(in.model)) {
+    if (unit.numel <= 0) continue;
+    const int64_t shard = padded_shard_elements(unit.numel, in.world_size);
+    s.parameters += unit.numel;
     s.shard += shard;
-    s.padded += shard * w;
-    s.largest_unit = std::max(s.largest_unit, shard * w);
-    s.largest_unit_shard = std::max(s.largest_unit_shard, shard);
+    s.padded += shard * in.world_size;
+    s.largest_unit = std::max(s.largest_unit, shard * in.world_size);
+    ++s.units;
   }
-  s.units = static_cast<int>(unit_numels.size());
   return s;
 }
 
 }  // namespace
-
-int64_t streamed_chunk_elements(int64_t sub_group_size) {
-  return std::max<int64_t>(1024, std::min(kOptimizerChunkElements, sub_group_size) / 1024 * 1024);
-}
 
 int64_t padded_shard_elements(int64_t numel, int world_size) {
   int64_t per_rank = ceil_div(numel, world_size);
@@ -68,143 +54,31 @@ int64_t TierBytes::at(Tier tier) const {
   return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
 }
 
-int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelConfig>& model) {
-  if (config.strata.seq_len) return *config.strata.seq_len;
-  return model ? std::min<int64_t>(2048, model->max_position_embeddings) : 2048;
-}
-
-PlanInput plan_input_from_config(const TrainConfig& c, const std::optional<ModelConfig>& model) {
-  PlanInput input;
-  input.model = model;
-  input.world_size = c.world_size;
-  input.stage = c.zero.stage;
-  input.offload_optimizer = c.zero.offload_optimizer.device;
-  input.offload_param = c.zero.offload_param.device;
-  input.precision = c.precision;
-  input.gradient_reduce_dtype = c.strata.gradient_reduce_dtype;
-  input.optimizer_state_dtype = c.strata.optimizer_state_dtype;
-  input.gradient_home = c.strata.gradient_home;
-  input.micro_batch = c.train_micro_batch_size_per_gpu;
-  input.grad_accum = c.gradient_accumulation_steps;
-  input.seq_len = effective_seq_len(c, model);
-  input.param_buffer_count = c.zero.offload_param.buffer_count;
-  input.param_buffer_elements = c.zero.offload_param.buffer_size;
-  input.optimizer_buffer_count = c.zero.offload_optimizer.buffer_count;
-  input.sub_group_size = c.zero.sub_group_size;
-  input.overlap_comm = c.zero.overlap_comm;
-  input.reduce_scatter = c.zero.reduce_scatter;
-  // Optimizer::needs_grad_norm() is false exactly then (optimizer_options_from_config).
-  input.optimizer_during_backward = c.gradient_clipping == 0.0 && c.precision == Precision::fp32;
-  input.schedule = c.strata.schedule;
-  switch (c.strata.activation_home) {
-    case ActivationHome::automatic:
-      break;
-    case ActivationHome::device:
-      input.activation_home = Tier::device;
-      break;
-    case ActivationHome::host:
-      input.activation_home = Tier::host;
-      break;
-    case ActivationHome::nvme:
-      input.activation_home = Tier::nvme;
-      break;
+Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule_reason) {
+  PlanInput resolved = input;
+  const bool layer_may_keep = input.schedule != Schedule::micro_batch && input.grad_accum > 1;
+  if (input.schedule == Schedule::auto_choice || (layer_may_keep && !input.activation_home)) {
+    Result<ScheduleChoice> choice = choose_schedule(input);
+    if (!choice) return choice.status();
+    resolved.schedule = choice->schedule;
+    resolved.activation_home = choice->activation_home;
+    if (schedule_reason) *schedule_reason = choice->reason;
+  } else if (schedule_reason) {
+    *schedule_reason = fmt::format("{} (given)", schedule_name(input.schedule));
   }
-  return input;
-}
-
-namespace {
-// step_input for a resolved schedule and activation home.
-TrainingPlanInput resolved_step_input(const PlanInput& in, Schedule schedule, Tier activation_home);
-}  // namespace
-
-TrainingPlanInput step_input(const PlanInput& in) {
-  if (in.schedule != Schedule::auto_choice && in.activation_home)
-    return resolved_step_input(in, in.schedule, *in.activation_home);
-  Result<ScheduleChoice> choice = choose_schedule(in);
-  if (!choice)
-    return resolved_step_input(
-        in, in.schedule == Schedule::auto_choice ? Schedule::micro_batch : in.schedule,
-        in.activation_home.value_or(Tier::device));
-  return resolved_step_input(in, choice->schedule, choice->activation_home);
-}
-
-namespace {
-TrainingPlanInput resolved_step_input(const PlanInput& in, Schedule schedule,
-                                      Tier activation_home) {
-  TrainingPlanInput step;
-  step.schedule = schedule;
-  step.activation_home = activation_home;
-  if (in.model) step.model = *in.model;
-  step.world_size = in.world_size;
-  step.stage = in.stage;
-  step.offload_param = in.offload_param;
-  step.offload_optimizer = in.offload_optimizer;
-  step.precision = in.precision;
-  step.micro_batch = in.micro_batch;
-  step.seq_len = in.seq_len;
-  step.grad_accum = in.grad_accum;
-  step.overlap_comm = in.overlap_comm;
-  step.reduce_scatter = in.reduce_scatter;
-  step.reduce_in_bf16 = in.gradient_reduce_dtype == Precision::bf16;
-  step.optimizer_state = in.optimizer_state_dtype;
-  step.gradient_home = in.gradient_home;
-  // The node's host budget, shared by its ranks (auto's choice of the gradient's home).
-  if (in.host_budget) step.host_budget = *in.host_budget / std::max(1, in.world_size);
-  step.optimizer_during_backward = in.optimizer_during_backward;
-  step.gpu = in.gpu;
-  step.nccl_staging = in.nccl_staging;
-  step.fetch_slots = std::max(1, in.param_buffer_count);
-  step.optimizer_buffers = std::max(2, in.optimizer_buffer_count);
-  step.optimizer_chunk_elements = streamed_chunk_elements(in.sub_group_size);
-  return step;
-}
-}  // namespace
-
-PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
-                            bool nccl_staging) {
-  PlanInput in = plan_input_from_config(config, model);
-  in.gpu = gpu;
-  in.nccl_staging = nccl_staging;
-  in.nvme_path_known = !config.effective_nvme_paths().empty();
-  if (config.strata.device_mem_limit) in.device_budget = int64_t(*config.strata.device_mem_limit);
-  if (config.strata.host_mem_limit) in.host_budget = int64_t(*config.strata.host_mem_limit);
-  return in;
-}
-
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
-                                      bool nccl_staging) {
-  return step_input(engine_plan_input(model, config, gpu, nccl_staging));
-}
-
-Status validate_plan_input(const PlanInput& in) {
-  if (in.world_size < 1) return Status::error("--world-size must be at least 1");
-  if (in.stage < 0 || in.stage > 3) {
-    return Status::error(fmt::format("--stage must be 0, 1, 2 or 3, got {}", in.stage));
-  }
-  if (in.offload_param != OffloadDevice::none && in.stage < 3) {
-    return Status::error(
-        fmt::format("--offload-param {} needs ZeRO stage 3 (stage is {}); pass --stage 3 or drop "
-                    "--offload-param",
-                    offload_device_name(in.offload_param), in.stage));
-  }
-  if (!in.model && in.parameters <= 0) return Status::error("give --model or --params");
-  if (in.micro_batch < 1 || in.seq_len < 1 || in.grad_accum < 1) {
-    return Status::error(
-        "micro batch, sequence length and gradient accumulation must be at least 1");
-  }
-  return Status::ok();
+  return build_training_plan(resolved);
 }
 
 namespace {
 
 // The links' times at the given bandwidths, and the slowest.
 void time_links(const PlanInput& in, Traffic& t) {
-  t.collective_seconds = t.collective_bytes / in.net_bandwidth;
-  t.h2d_seconds = t.h2d_bytes / in.pcie_bandwidth;
-  t.d2h_seconds = t.d2h_bytes / in.pcie_bandwidth;
+  t.collective_seconds = t.collective_bytes / in.links.network;
+  t.h2d_seconds = t.h2d_bytes / in.links.pcie;
+  t.d2h_seconds = t.d2h_bytes / in.links.pcie;
   // Every rank on the node shares the NVMe drives.
-  t.nvme_seconds = (t.nvme_read_bytes + t.nvme_write_bytes) * static_cast<double>(in.world_size) /
-                   in.nvme_bandwidth;
+  t.nvme_seconds = double(t.nvme_read_bytes + t.nvme_write_bytes) *
+                   double(in.budgets.node_ranks(in.world_size)) / in.links.nvme;
   double slowest = 0;
   t.slowest_link.clear();
   for (auto [seconds, name] : {std::pair{t.collective_seconds, "network"},
@@ -232,76 +106,6 @@ Traffic plan_traffic(const PlanInput& in, const TrainingPlan& plan, const Sizes&
   t.nvme_read_bytes = s.nvme_read;
   t.nvme_write_bytes = s.nvme_written;
   if (in.world_size > 1) t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * sizes.parameters;
-  time_links(in, t);
-  return t;
-}
-
-// Without a model (--params N): the same data paths in closed form, the model as one unit.
-Traffic step_traffic(const PlanInput& in, const Sizes& sizes, Schedule schedule,
-                     const StateHomes& homes) {
-  Traffic t;
-  const int w = in.world_size;
-  const int64_t n = sizes.parameters;
-  const int64_t cb = compute_bytes(in.precision);
-  const bool optimizer_offloaded = in.offload_optimizer != OffloadDevice::none;
-  const int64_t param_elements = in.stage == 3 ? sizes.shard : sizes.padded;
-  const int64_t grad_elements = in.stage >= 2 ? sizes.shard : sizes.padded;
-  const int64_t optimizer_elements = in.stage >= 1 ? sizes.shard : sizes.padded;
-  const int64_t g = in.grad_accum;
-  // Layer-major: a unit's parameters are fetched once for the forward and once for the backward.
-  const int64_t fetches = schedule == Schedule::layer ? 1 : g;
-  if (w > 1) {
-    const int64_t reduce_bytes = compute_bytes(in.gradient_reduce_dtype);
-    // Gradients are reduced per micro-batch when they are sharded or leave the
-    // device; once per step when every rank keeps them whole on the device.
-    const int64_t reductions = (in.stage >= 2 || optimizer_offloaded) ? g : 1;
-    const int64_t ring_factor_num = w - 1;  // a ring collective sends (W-1)/W of the buffer
-    const int64_t all_reduce = 2 * sizes.padded * reduce_bytes * ring_factor_num / w;
-    const int64_t reduce_scatter = sizes.padded * reduce_bytes * ring_factor_num / w;
-    const int64_t all_gather = sizes.padded * cb * ring_factor_num / w;
-    switch (in.stage) {
-      case 0:
-        t.collective_bytes = reductions * all_reduce;
-        break;
-      case 1:
-        t.collective_bytes = reductions * all_reduce + all_gather;
-        break;
-      case 2:
-        t.collective_bytes = reductions * reduce_scatter + all_gather;
-        break;
-      case 3:
-        t.collective_bytes = reductions * reduce_scatter + 2 * fetches * all_gather;
-        break;
-    }
-    t.collective_bytes_zero = (in.stage == 3 ? 3 : 2) * 2 * n;
-  }
-  if (homes.param != Tier::device) {
-    // Each shard goes to the device for the forward and again for the backward.
-    t.h2d_bytes += 2 * fetches * param_elements * cb;
-  } else if (optimizer_offloaded) {
-    t.h2d_bytes += optimizer_elements * cb;  // the new compute copy after the CPU step
-  }
-  if (optimizer_offloaded) t.d2h_bytes += g * grad_elements * 4;
-  if (in.offload_optimizer == OffloadDevice::nvme) {
-    // The streamed step reads and writes master (or the fp32 parameters that are
-    // the master), m and v as strata.optimizer_state_dtype stores them.
-    const int64_t moment = in.optimizer_state_dtype == OptimizerStateDtype::fp32   ? 4
-                           : in.optimizer_state_dtype == OptimizerStateDtype::bf16 ? 2
-                                                                                   : 1;
-    t.nvme_read_bytes += (4 + 2 * moment) * optimizer_elements;
-    t.nvme_write_bytes += (4 + 2 * moment) * optimizer_elements;
-  }
-  if (homes.grad == Tier::nvme) {
-    // Written after every micro-batch's reduce, read back from the second on,
-    // and read by the streamed optimizer.
-    t.nvme_write_bytes += g * grad_elements * 4;
-    t.nvme_read_bytes += (g - 1) * grad_elements * 4 + optimizer_elements * 4;
-  }
-  if (in.offload_param == OffloadDevice::nvme) {
-    t.nvme_read_bytes += 2 * fetches * param_elements * cb;
-    // The updated compute copy, unless the optimizer's write of the master was it.
-    if (homes.separate_master) t.nvme_write_bytes += param_elements * cb;
-  }
   time_links(in, t);
   return t;
 }
@@ -342,46 +146,15 @@ Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
   plan.units = sizes.units;
 
   const int w = in.world_size;
-  StateHomes homes = state_homes(step_input(in));
+  const int node_ranks = in.budgets.node_ranks(w);
 
   // strata's bytes: the training plan's buffers, as the ranks allocate them.
-  if (in.model) {
-    Result<TrainingPlan> built = build_training_plan(step_input(in));
-    if (!built) return built.status();
-    plan.buffers = std::move(built->buffers);
-    homes = built->homes;
-    plan.gradient_home_reason = built->gradient_home_reason;
-    plan.traffic = plan_traffic(in, *built, sizes);
-  } else {
-    TrainingPlanInput step = step_input(in);
-    if (Status s = check_gradient_home(step); !s) return s;
-    plan.buffers = state_buffers_for(step, {in.parameters});
-    // The gradient's home by the rule build_training_plan applies (the state lines' host bytes).
-    if (step.gradient_home == GradientHome::automatic &&
-        step.offload_optimizer == OffloadDevice::nvme && in.host_budget) {
-      int64_t host = 0;
-      for (const PlanBuffer& b : plan.buffers)
-        if (b.tier == Tier::host) host += b.bytes;
-      if (host * w > *in.host_budget) {
-        step.gradient_home = GradientHome::nvme;
-        plan.buffers = state_buffers_for(step, {in.parameters});
-        plan.gradient_home_reason = fmt::format(
-            "gradients on NVMe, fp32 (auto: in host memory the states need {} of host per rank, "
-            "over the budget)",
-            format_bytes(double(host)));
-      }
-    }
-    homes = state_homes(step);
-    if (plan.gradient_home_reason.empty())
-      plan.gradient_home_reason =
-          homes.grad == Tier::device
-              ? "gradients on the device, fp32 (with the optimizer)"
-              : fmt::format("gradients {}, {} (strata.gradient_home {})",
-                            homes.grad == Tier::nvme ? "on NVMe" : "in host memory",
-                            homes.grad_bf16 ? "bf16" : "fp32",
-                            gradient_home_name(in.gradient_home));
-    plan.traffic = step_traffic(in, sizes, in.schedule, homes);
-  }
+  Result<TrainingPlan> built = build_training_plan(in);
+  if (!built) return built.status();
+  plan.buffers = std::move(built->buffers);
+  const StateHomes homes = built->homes;
+  plan.gradient_home_reason = built->gradient_home_reason;
+  plan.traffic = plan_traffic(in, *built, sizes);
   plan.homes = homes;
   for (const PlanBuffer& b : plan.buffers) {
     plan.total_per_rank.at(b.tier) += b.bytes;
@@ -412,11 +185,14 @@ Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
       {"optimizer states (fp32 master, m, v)", homes.optimizer, shard_if(in.stage >= 1, 12 * n)});
   for (const StateLine& line : plan.states_zero) plan.model_states_zero.at(line.tier) += line.bytes;
 
-  // Budgets: the device per rank; host and NVMe for the node (every rank on one node).
+  // Budgets: the device per rank; host and NVMe for the ranks on the node.
+  const PlanBudgets& budgets = in.budgets;
   plan.verdicts = {
-      {Tier::device, plan.total_per_rank.device, in.device_budget, in.device_budget_source},
-      {Tier::host, plan.total_per_rank.host * w, in.host_budget, in.host_budget_source},
-      {Tier::nvme, plan.total_per_rank.nvme * w, in.nvme_budget, in.nvme_budget_source},
+      {Tier::device, plan.total_per_rank.device, budgets.device_per_rank, budgets.device_source},
+      {Tier::host, plan.total_per_rank.host * node_ranks, budgets.host_per_node,
+       budgets.host_source},
+      {Tier::nvme, plan.total_per_rank.nvme * node_ranks, budgets.nvme_per_node,
+       budgets.nvme_source},
   };
   plan.fits = std::all_of(plan.verdicts.begin(), plan.verdicts.end(),
                           [](const TierVerdict& v) { return v.fits(); });
@@ -483,8 +259,7 @@ std::string kept_where(Tier home) {
 
 // The choice among the options (micro-batch first), and why.
 Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
-  std::vector<Schedule> schedules = {Schedule::micro_batch, Schedule::layer};
-  if (!in.model) schedules = {Schedule::micro_batch};
+  const std::vector<Schedule> schedules = {Schedule::micro_batch, Schedule::layer};
   ScheduleChoice choice;
   std::vector<MemoryPlan> plans;
   std::string unavailable;  // why the layer-major order cannot run here
@@ -509,16 +284,6 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
     if (pick == 1 && in.grad_accum > 1)
       choice.reason +=
           fmt::format(", activation checkpoints {}", kept_where(choice.options[1].activation_home));
-    if (!in.model && in.schedule == Schedule::layer) {
-      // Without the model's shapes there are no activations to keep: the traffic alone.
-      PlanInput fixed = in;
-      fixed.activation_home = Tier::device;
-      Result<MemoryPlan> planned = plan_memory_fixed(fixed);
-      if (!planned) return planned.status();
-      plans[0] = std::move(*planned);
-      choice.options[0].schedule = Schedule::layer;
-      choice.options[0].traffic = plans[0].traffic;
-    }
   } else if (plans.size() < 2 || in.grad_accum == 1) {
     choice.reason = "micro_batch: one micro-batch per step, where both orders are the same";
   } else {
@@ -622,7 +387,7 @@ Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
   if (input.offload_optimizer != OffloadDevice::nvme) {
     candidates.push_back({"--offload-optimizer nvme" + nvme_hint, [](PlanInput& p) {
                             p.offload_optimizer = OffloadDevice::nvme;
-                            p.nvme_budget.reset();
+                            p.budgets.nvme_per_node.reset();
                           }});
     candidates.push_back(
         {"--stage 3 --offload-optimizer nvme --offload-param cpu" + nvme_hint, [](PlanInput& p) {
@@ -657,7 +422,7 @@ Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
     PlanInput changed = input;
     candidate.apply(changed);
     // An NVMe directory that was not given has no known free space: judge the rest.
-    if (!input.nvme_path_known) changed.nvme_budget.reset();
+    if (!input.nvme_path_known) changed.budgets.nvme_per_node.reset();
     if (!validate_plan_input(changed).is_ok()) continue;
     Result<MemoryPlan> alternative = plan_memory(changed);
     if (alternative && alternative->fits) {
@@ -729,23 +494,20 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
   std::string model =
-      in.model ? fmt::format("{} ({} parameters, {} units)", in.model->name,
-                             format_count(static_cast<double>(plan.parameters)), plan.units)
-               : fmt::format("{} parameters", format_count(static_cast<double>(plan.parameters)));
+      fmt::format("{} ({} parameters, {} units)", in.model.name,
+                  format_count(static_cast<double>(plan.parameters)), plan.units);
   out << fmt::format("strata plan: {}\n", model);
   out << fmt::format("  world size {}, ZeRO stage {}, {}; offload optimizer {}, params {}\n",
                      in.world_size, in.stage, precision_name(in.precision),
                      offload_device_name(in.offload_optimizer),
                      offload_device_name(in.offload_param));
   out << fmt::format("  Adam m and v in {}; {}\n",
-                     optimizer_state_dtype_name(in.optimizer_state_dtype),
+                     optimizer_state_dtype_name(in.optimizer_state),
                      plan.gradient_home_reason);
-  if (in.model) {
-    out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}; {}\n",
-                       in.micro_batch, in.seq_len, in.grad_accum,
-                       in.gpu ? "CUDA backend (the device is a GPU)"
-                              : "CPU backend (host memory stands in for the device)");
-  }
+  out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}; {}\n",
+                     in.micro_batch, in.seq_len, in.grad_accum,
+                     in.gpu ? "CUDA backend (the device is a GPU)"
+                            : "CPU backend (host memory stands in for the device)");
   out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
                      zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
                      zero_accounting ? 26 : 40, "host", "nvme");
@@ -766,16 +528,12 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
     out << fmt::format("  model states per parameter (node, bytes): {} = {}\n", parts,
                        per_parameter(states.total() * in.world_size, plan.parameters));
   }
-  if (in.model) {
-    // The rest of the training plan's buffers, as a rank allocates them.
-    for (const PlanBuffer& b : plan.buffers) {
-      if (buffer_kind(b.role) == BufferKind::state) continue;
-      TierBytes bytes;
-      bytes.at(b.tier) = b.bytes;
-      row(out, b.name, bytes);
-    }
-  } else {
-    out << "  (activations and working buffers need --model: the shapes decide them)\n";
+  // The rest of the training plan's buffers, as a rank allocates them.
+  for (const PlanBuffer& b : plan.buffers) {
+    if (buffer_kind(b.role) == BufferKind::state) continue;
+    TierBytes bytes;
+    bytes.at(b.tier) = b.bytes;
+    row(out, b.name, bytes);
   }
   row(out, "total per rank (strata)", plan.total_per_rank);
   const TierBytes node{plan.total_per_rank.device * in.world_size,
@@ -815,7 +573,7 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   out << "\ntraffic per step and rank\n";
   if (in.world_size > 1) {
     out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
-                       format_bytes(double(t.collective_bytes)), format_bytes(in.net_bandwidth),
+                       format_bytes(double(t.collective_bytes)), format_bytes(in.links.network),
                        format_seconds(t.collective_seconds),
                        format_bytes(double(t.collective_bytes_zero)));
   } else {
@@ -831,8 +589,8 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
                          per_parameter(bytes * in.world_size, plan.parameters));
     }
   };
-  link("PCIe host->dev", t.h2d_bytes, in.pcie_bandwidth, t.h2d_seconds);
-  link("PCIe dev->host", t.d2h_bytes, in.pcie_bandwidth, t.d2h_seconds);
+  link("PCIe host->dev", t.h2d_bytes, in.links.pcie, t.h2d_seconds);
+  link("PCIe dev->host", t.d2h_bytes, in.links.pcie, t.d2h_seconds);
   if (t.nvme_read_bytes + t.nvme_write_bytes == 0) {
     out << "  NVMe             none\n";
   } else {
@@ -840,7 +598,7 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
         "  NVMe read/write  {:>12} / {} at {}/s shared by the node: {} ({} / {} B per "
         "parameter, node)\n",
         format_bytes(double(t.nvme_read_bytes)), format_bytes(double(t.nvme_write_bytes)),
-        format_bytes(in.nvme_bandwidth), format_seconds(t.nvme_seconds),
+        format_bytes(in.links.nvme), format_seconds(t.nvme_seconds),
         per_parameter(t.nvme_read_bytes * in.world_size, plan.parameters),
         per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters));
   }
@@ -849,7 +607,7 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   // The schedules side by side: what each moves per step and keeps for the backward.
   const ScheduleChoice& choice = plan.schedule;
   out << fmt::format("\nschedule: {}\n", choice.reason);
-  if (in.model && choice.options.size() > 1) {
+  if (choice.options.size() > 1) {
     out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n", "per step",
                        "collectives", "PCIe h2d", "PCIe d2h", "NVMe read", "NVMe write",
                        "act. device", "act. host", "act. NVMe", "fits");
@@ -878,7 +636,7 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
     return out;
   };
   json j;
-  j["model"] = in.model ? json(in.model->name) : json(nullptr);
+  j["model"] = in.model.name;
   j["parameters"] = plan.parameters;
   j["units"] = plan.units;
   j["world_size"] = in.world_size;
@@ -889,7 +647,7 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
   j["micro_batch"] = in.micro_batch;
   j["seq_len"] = in.seq_len;
   j["grad_accum"] = in.grad_accum;
-  j["optimizer_state_dtype"] = optimizer_state_dtype_name(in.optimizer_state_dtype);
+  j["optimizer_state_dtype"] = optimizer_state_dtype_name(in.optimizer_state);
   j["gradient_home"] = tier_name(plan.homes.grad);
   j["gradient_bf16"] = plan.homes.grad_bf16;
   j["gradient_home_reason"] = plan.gradient_home_reason;
@@ -963,9 +721,9 @@ nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting
                   {"nvme_read_bytes", t.nvme_read_bytes},
                   {"nvme_write_bytes", t.nvme_write_bytes},
                   {"nvme_seconds", t.nvme_seconds},
-                  {"net_bandwidth", in.net_bandwidth},
-                  {"pcie_bandwidth", in.pcie_bandwidth},
-                  {"nvme_bandwidth", in.nvme_bandwidth},
+                  {"net_bandwidth", in.links.network},
+                  {"pcie_bandwidth", in.links.pcie},
+                  {"nvme_bandwidth", in.links.nvme},
                   {"slowest_link", t.slowest_link.empty() ? json(nullptr) : json(t.slowest_link)}};
   return j;
 }

@@ -2,17 +2,17 @@
 // refusal of a configuration that cannot fit: a view of the training plan
 // (core/plan/training_plan.h), not a second accounting.
 //
-// With a model, plan_memory builds the TrainingPlan the engine would run
-// (step_input: the one conversion from a config, which the engine's
-// training_plan_input also goes through) and reports its buffers: the model
-// states, the activations and the staging buffers, per rank and tier, exactly
-// as a rank allocates them. With a bare parameter count (`--params N`) it
-// reports the model-state lines alone, by the same rules (state_buffers_for,
-// the model as one unit); activations need the model's shapes. Beside
+// plan_memory builds the TrainingPlan the engine would run for a plan input
+// (core/plan/plan_input.h, the one input every plan is built from) and
+// reports its buffers: the model states, the activations and the staging
+// buffers, per rank and tier, exactly as a rank allocates them. A bare
+// parameter count (`--params N`) is planned as model_of_size(N). Beside
 // strata's bytes it prints the ZeRO paper's accounting (2 + 2 + 12 bytes per
 // parameter), which published tables use; whether the whole fits the budgets
 // and, if not, the smallest change that does (every candidate is a plan built
-// by the same code); and the bytes each link moves per step with their times.
+// by the same code); and the bytes each link moves per step with their times,
+// summed from the plan's operations (TrainingPlan::traffic_per_step, the one
+// source of those figures).
 // Pure functions; thread-safe.
 #pragma once
 
@@ -24,71 +24,15 @@
 
 #include "core/config/config.h"
 #include "core/model/model_config.h"
+#include "core/plan/plan_input.h"
 #include "core/plan/training_plan.h"
 #include "tiers/tier.h"
 
 namespace strata {
 
-// The streamed optimizer (state on NVMe) works through a unit's shard in chunks
-// of at most this many elements (4 MiB per fp32 state, 12 MiB per chunk of
-// master, m and v), so its pinned buffers stay small whatever the unit size
-// and a unit's chunks pipeline (read the next while updating this one and
-// writing the last); sub_group_size can lower it further.
-inline constexpr int64_t kOptimizerChunkElements = int64_t{1} << 20;
-
-// The streamed optimizer's chunk for a sub_group_size: at most
-// kOptimizerChunkElements, a whole multiple of 1024 elements (its SIMD and
-// O_DIRECT granule), at least 1024.
-int64_t streamed_chunk_elements(int64_t sub_group_size);
-
 // Elements of each rank's shard of a unit with `numel` parameters over
 // `world_size` ranks (padded to kShardAlignElements, as model_layout pads).
 int64_t padded_shard_elements(int64_t numel, int world_size);
-
-struct PlanInput {
-  std::optional<ModelConfig> model;  // when absent, `parameters` alone (no activations or units)
-  int64_t parameters = 0;            // used when model is absent
-  int world_size = 1;
-  int stage = 0;
-  OffloadDevice offload_optimizer = OffloadDevice::none;
-  OffloadDevice offload_param = OffloadDevice::none;
-  Precision precision = Precision::bf16;
-  Precision gradient_reduce_dtype = Precision::fp32;
-  OptimizerStateDtype optimizer_state_dtype = OptimizerStateDtype::fp32;  // m and v
-  GradientHome gradient_home = GradientHome::automatic;                   // strata.gradient_home
-  int64_t micro_batch = 1;
-  int64_t seq_len = 2048;
-  int64_t grad_accum = 1;
-  int param_buffer_count = 5;  // offload_param.buffer_count: NVMe parameter staging buffers
-  int64_t param_buffer_elements =
-      100000000;                   // offload_param.buffer_size: elements per staging buffer
-  int optimizer_buffer_count = 4;  // offload_optimizer.buffer_count: streamed optimizer buffers
-  int64_t sub_group_size = 1000000000;  // zero_optimization.sub_group_size: caps a streamed chunk
-  bool overlap_comm = true;             // zero_optimization.overlap_comm
-  bool reduce_scatter = true;           // zero_optimization.reduce_scatter
-  bool optimizer_during_backward = false;  // no clipping and fp32: updates start during backward
-  // The CUDA backend's buffers (the device is a GPU), else the CPU backend's
-  // (host memory standing in for the device).
-  bool gpu = false;
-  bool nccl_staging = false;     // one process per GPU through NCCL
-  bool nvme_path_known = false;  // an NVMe directory was given (for suggestions)
-  // The step's order (strata.schedule); auto: choose_schedule's pick.
-  Schedule schedule = Schedule::auto_choice;
-  // Where layer-major activation checkpoints live (strata.activation_home);
-  // unset: the first of device, host, NVMe (with a path known) that fits the budgets.
-  std::optional<tiers::Tier> activation_home;
-
-  // Budgets: device per rank; host and NVMe for the node (all ranks on one node).
-  std::optional<int64_t> device_budget;
-  std::optional<int64_t> host_budget;
-  std::optional<int64_t> nvme_budget;
-  std::string device_budget_source, host_budget_source, nvme_budget_source;
-
-  // Link bandwidths in bytes per second, for the traffic times.
-  double net_bandwidth = 25e9;
-  double pcie_bandwidth = 25e9;
-  double nvme_bandwidth = 6e9;
-};
 
 // The one Tier of the house (tiers/tier.h).
 using tiers::Tier;
@@ -182,33 +126,11 @@ struct MemoryPlan {
   Traffic traffic;
 };
 
-// Tokens per sequence: strata.seq_len, else min(2048, the model's maximum)
-// (2048 without a model).
-int64_t effective_seq_len(const TrainConfig& config, const std::optional<ModelConfig>& model);
-
-// The plan input a merged config describes (stage, offload homes, precision,
-// batch shape, buffer counts, sub_group_size); budgets and bandwidths are left
-// to the caller.
-PlanInput plan_input_from_config(const TrainConfig& config,
-                                 const std::optional<ModelConfig>& model);
-
-// The training-plan input a plan input describes (needs input.model); the
-// engine's plans are built from the same conversion.
-// An unresolved schedule (auto, or no activation home) is resolved by
-// choose_schedule; an input it cannot plan falls back to the micro-batch order.
-TrainingPlanInput step_input(const PlanInput& input);
-// step_input of plan_input_from_config: what the engine runs for this config
-// on the given backend; auto judges fit against strata.device_mem_limit and
-// strata.host_mem_limit where the config gives them.
-TrainingPlanInput training_plan_input(const ModelConfig& model, const TrainConfig& config,
-                                      bool gpu = false, bool nccl_staging = false);
-// The plan input training_plan_input converts (choose_schedule of it says why
-// the schedule is what it is).
-PlanInput engine_plan_input(const ModelConfig& model, const TrainConfig& config, bool gpu,
-                            bool nccl_staging);
-
-// Checks the input (stage range, offload_param below stage 3, ...).
-Status validate_plan_input(const PlanInput& input);
+// The plan a run executes: the schedule and the activation home resolved by
+// choose_schedule where the input leaves them to it (auto, unset), then
+// build_training_plan. `strata train` builds it and the engine takes it;
+// `schedule_reason`, when given, receives choose_schedule's one line.
+Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule_reason = nullptr);
 
 // The plan without suggestion search.
 Result<MemoryPlan> plan_memory(const PlanInput& input);

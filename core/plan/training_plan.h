@@ -70,67 +70,12 @@
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "core/optimizer/optimizer.h"
+#include "core/plan/plan_input.h"
 #include "io/base/status.h"
 #include "kernels/cpu/simd.h"
 #include "tiers/tier.h"
 
 namespace strata {
-
-struct TrainingPlanInput {
-  ModelConfig model;
-  int world_size = 1;
-  int stage = 0;
-  OffloadDevice offload_param = OffloadDevice::none;
-  OffloadDevice offload_optimizer = OffloadDevice::none;
-  Precision precision = Precision::fp32;
-  int64_t micro_batch = 1;
-  int64_t seq_len = 64;
-  int64_t grad_accum = 1;
-  bool overlap_comm = true;    // false: collectives run on the compute lane, between computations
-  bool reduce_scatter = true;  // false (stages 2-3): all-reduce, keep the owned part
-  bool reduce_in_bf16 =
-      false;  // strata.gradient_reduce_dtype bf16: half the traffic, bf16 rounding
-  // strata.optimizer_state_dtype: how m and v are stored (kernels/cpu/adamw.h).
-  OptimizerStateDtype optimizer_state = OptimizerStateDtype::fp32;
-  // strata.gradient_home; automatic takes host fp32 unless the plan then
-  // needs more host memory than host_budget (per rank, 0: unknown) and the
-  // optimizer is on NVMe, where it takes NVMe fp32.
-  GradientHome gradient_home = GradientHome::automatic;
-  int64_t host_budget = 0;
-  // No clipping and no loss scaling: the update needs no global result, so
-  // `decide` runs at the start and each unit's optimizer as soon as its
-  // gradient is final, during backward.
-  bool optimizer_during_backward = false;
-  // Compute on a GPU (the CUDA backend, core/engine/gpu_rank.h): the state's
-  // device homes are GPU memory; the collectives and the CPU optimizer work
-  // on pinned host buffers, and the device holds the compute working set.
-  bool gpu = false;
-  // One process per GPU talking through NCCL (comm/nccl_comm.h): the
-  // collectives' host buffers are staged through two device buffers of the
-  // largest collective, taken from the device budget.
-  bool nccl_staging = false;
-  // The order of the computations (config.h): micro_batch, each micro-batch
-  // through every unit; layer, each unit through every micro-batch, so a
-  // unit's parameters are fetched once for the forward and once for the
-  // backward, and every micro-batch's unit inputs are kept to the backward.
-  // Resolved: never auto (core/plan/planner.h chooses).
-  Schedule schedule = Schedule::micro_batch;
-  // Where the layer-major schedule keeps the activation checkpoints of its
-  // micro-batches until their backward (TrainingPlan::activations_spilled):
-  //  device  all of them in device memory;
-  //  host    on the CPU backend all of them in host memory (the device tier is
-  //          host memory too, so only the budget they count against changes);
-  //          on the CUDA backend in pinned host memory, spilled and restored;
-  //  nvme    spilled to NVMe through the tiers and restored (either backend).
-  // The micro-batch order keeps one micro-batch's, in the device tier (the
-  // CPU backend: in host memory when this says host).
-  tiers::Tier activation_home = tiers::Tier::device;
-  int fetch_slots = 5;        // offload_param.buffer_count
-  int optimizer_buffers = 4;  // offload_optimizer.buffer_count
-  int64_t optimizer_chunk_elements = int64_t{1}
-                                     << 24;  // streamed optimizer chunk (multiple of 1024)
-  uint64_t nvme_alignment = 4096;
-};
 
 enum class OpKind {
   fetch,
@@ -285,7 +230,7 @@ struct StepTraffic {
 };
 
 struct TrainingPlan {
-  TrainingPlanInput input;
+  PlanInput input;  // schedule and activation home resolved
   ModelLayout layout;
   StateHomes homes;
   std::vector<UnitPlacement> units;
@@ -307,6 +252,7 @@ struct TrainingPlan {
   StepTraffic traffic_per_step;                       // per rank
 
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
+  tiers::Tier activation_home() const { return input.activation_home.value_or(tiers::Tier::device); }
   bool layer_major() const { return input.schedule == Schedule::layer; }
   // What a micro-batch keeps from its forward to its backward (the units'
   // inputs, the activation gradient, a tied embedding's gradient) has one
@@ -325,8 +271,8 @@ struct TrainingPlan {
   // a whole unit of micro-batches ahead of the backward that reads it.
   bool activations_spilled() const {
     return layer_major() && input.grad_accum > 1 &&
-           (input.activation_home == tiers::Tier::nvme ||
-            (input.gpu && input.activation_home == tiers::Tier::host));
+           (activation_home() == tiers::Tier::nvme ||
+            (input.gpu && activation_home() == tiers::Tier::host));
   }
   int spilled_levels() const {
     return activations_spilled() ? std::max(0, int(units.size()) - 3) : 0;
@@ -407,23 +353,17 @@ struct TrainingPlan {
   }
 };
 
-Result<TrainingPlan> build_training_plan(const TrainingPlanInput& input);
-// Refuses a strata.gradient_home that cannot work with the optimizer's home
-// (build_training_plan checks it first).
-Status check_gradient_home(const TrainingPlanInput& input);
+// The plan of an input whose schedule is resolved (micro_batch or layer) and,
+// for the layer-major order, whose activation home is set; the planner's
+// plan_training resolves them. Checks validate_plan_input first.
+Result<TrainingPlan> build_training_plan(const PlanInput& input);
 
 // Where each kind of state lives: parameters and optimizer state where
 // offloaded, gradients where the optimizer reads them; in fp32 the parameters
 // are the master unless the optimizer keeps its state in another tier.
-StateHomes state_homes(const TrainingPlanInput& input);
+StateHomes state_homes(const PlanInput& input);
 // The tier of an offload setting (none: the device).
 tiers::Tier home_of(OffloadDevice device);
-
-// The model-state lines alone, for units of the given parameter counts
-// (`strata plan --params N`: one unit of N), by the rules build_training_plan
-// uses; `input.model` is not read.
-std::vector<PlanBuffer> state_buffers_for(const TrainingPlanInput& input,
-                                          const std::vector<int64_t>& unit_numels);
 
 // "gather(layers.3) mb 1", "optimizer(embedding)", "exchange".
 std::string op_label(const TrainingPlan& plan, const PlanOp& op);

@@ -83,8 +83,8 @@ int main(int argc, char** argv) {
   options.model = *model;
   options.config = *config;
   options.total_steps = steps;
-  options.device_budget = *device;
-  options.host_budget = *host;
+  options.budgets.device_per_rank = int64_t(*device);
+  options.budgets.host_per_node = int64_t(*host);
   if (!nvme.empty())
     options.nvme_paths = {nvme};
   else
