@@ -144,8 +144,11 @@ TEST(CudaEnginePlan, EachKindOfStateLivesWhereThePlacementSays) {
 
         // Activations are kept in the compute precision: bf16 halves them against fp32.
         if (std::string(precision) == "bf16") {
+          // The same order and home (fp32's own choice may differ).
           EngineRun fp32 = run;
           fp32.precision = "fp32";
+          fp32.schedule = schedule_name(plan->input.schedule);
+          fp32.activation_home = tiers::tier_name(plan->activation_home());
           Result<TrainingPlan> wide = gpu_plan(fp32);
           ASSERT_TRUE(wide.is_ok());
           auto checkpoint_bytes = [](const TrainingPlan& p) {

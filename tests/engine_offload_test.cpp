@@ -80,7 +80,7 @@ TEST_F(EngineOffload, StrataPlanIsAViewOfTheEnginesPlan) {
     Result<TrainingPlan> plan =
         plan_training(plan_input_from_config(*config, testing::small_gqa_model()));
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    Result<MemoryPlan> planner =
+    Result<PlanReport> planner =
         plan_memory(plan_input_from_config(*config, testing::small_gqa_model()));
     ASSERT_TRUE(planner.is_ok()) << planner.status().message();
     ASSERT_EQ(planner->buffers.size(), plan->buffers.size()) << run.label();

@@ -58,7 +58,7 @@ TEST(Planner, AModelOfASizeHasAboutThatManyParametersInLlamasProportions) {
 
 TEST(Planner, StageZeroOneRankBf16IsEighteenBytesPerPaddedParameter) {
   const PlanInput in = bare(1000000000, 1, 0, Precision::bf16);
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t padded = shard_sum(in.model, 1);
   EXPECT_EQ(plan.shard_elements, padded);
   EXPECT_EQ(plan.parameters, in.model.parameter_count());
@@ -70,7 +70,7 @@ TEST(Planner, StageZeroOneRankBf16IsEighteenBytesPerPaddedParameter) {
 
 TEST(Planner, StageThreeDividesEverythingByTheRanks) {
   const PlanInput in = bare(1000000000, 4, 3, Precision::bf16);
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t shard = shard_sum(in.model, 4);
   const int64_t n = plan.parameters;
   EXPECT_EQ(plan.shard_elements, shard);
@@ -81,7 +81,7 @@ TEST(Planner, StageThreeDividesEverythingByTheRanks) {
 TEST(Planner, FpThirtyTwoWithTheOptimizerOnTheHostKeepsASeparateMaster) {
   PlanInput in = bare(1000000000, 2, 2, Precision::fp32);
   in.offload_optimizer = OffloadDevice::cpu;
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t shard = shard_sum(in.model, 2);
   const int64_t n = plan.parameters;
   // Stage 2: parameters whole (both shards) on the device in fp32.
@@ -94,7 +94,7 @@ TEST(Planner, FpThirtyTwoWithTheOptimizerOnTheHostKeepsASeparateMaster) {
 }
 
 TEST(Planner, FpThirtyTwoWithoutOffloadHasNoSeparateMaster) {
-  MemoryPlan plan = *plan_memory(bare(1000000000, 1, 0, Precision::fp32));
+  PlanReport plan = *plan_memory(bare(1000000000, 1, 0, Precision::fp32));
   EXPECT_EQ(plan.model_states.device, 16 * plan.shard_elements);
 }
 
@@ -102,7 +102,7 @@ TEST(Planner, EverythingOnNvmeStagesThroughPinnedBuffers) {
   PlanInput in = bare(1000000000, 1, 3, Precision::bf16);
   in.offload_optimizer = OffloadDevice::nvme;
   in.offload_param = OffloadDevice::nvme;
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t s = plan.shard_elements;
   EXPECT_EQ(plan.model_states.nvme, 14 * s);  // params 2 + master 4 + m 4 + v 4
   EXPECT_EQ(plan.model_states.host, 4 * s);   // the fp32 gradient shard
@@ -132,7 +132,7 @@ TEST(Planner, FpThirtyTwoOnNvmeStreamsTheParametersAsTheMaster) {
   in.offload_param = OffloadDevice::nvme;
   in.optimizer_chunk_elements = streamed_chunk_elements(500000);  // rounds down to 488 * 1024
   EXPECT_EQ(in.optimizer_chunk_elements, 488 * 1024);
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t s = plan.shard_elements;
   EXPECT_EQ(plan.model_states.nvme, 12 * s);  // params (the master), m, v
   EXPECT_EQ(plan.model_states.host, 4 * s);
@@ -146,7 +146,7 @@ TEST(Planner, TrafficIsTheTrainingPlansOwn) {
     in.grad_accum = 2;
     if (stage == 3) in.offload_param = OffloadDevice::nvme;
     in.offload_optimizer = stage == 3 ? OffloadDevice::nvme : OffloadDevice::none;
-    MemoryPlan plan = *plan_memory(in);
+    PlanReport plan = *plan_memory(in);
     Result<TrainingPlan> built = build_training_plan(in);
     ASSERT_TRUE(built.is_ok()) << built.status().message();
     const StepTraffic& t = built->traffic_per_step;
@@ -161,7 +161,7 @@ TEST(Planner, TrafficIsTheTrainingPlansOwn) {
 TEST(Planner, CollectiveVolumeFollowsTheStage) {
   PlanInput in = bare(1000000000, 4, 3, Precision::bf16);
   in.grad_accum = 2;
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t n = plan.parameters;
   Result<TrainingPlan> built = build_training_plan(in);
   ASSERT_TRUE(built.is_ok());
@@ -182,7 +182,7 @@ TEST(Planner, CollectiveVolumeFollowsTheStage) {
   EXPECT_EQ(plan.traffic.collective_bytes, G * reduce_scatter + all_gather);
   EXPECT_EQ(plan.traffic.collective_bytes_zero, 3 * 2 * n);  // 3 psi, fp16
   in.stage = 1;
-  MemoryPlan stage1 = *plan_memory(in);
+  PlanReport stage1 = *plan_memory(in);
   EXPECT_EQ(stage1.traffic.collective_bytes_zero, 2 * 2 * n);  // 2 psi
   in.world_size = 1;
   EXPECT_EQ(plan_memory(in)->traffic.collective_bytes, 0);
@@ -195,7 +195,7 @@ TEST(Planner, TinyModelUnitsAndActivationsByHand) {
   in.precision = Precision::bf16;
   in.micro_batch = 2;
   in.seq_len = 64;
-  MemoryPlan plan = *plan_memory(in);
+  PlanReport plan = *plan_memory(in);
   const int64_t layer = 96 * 96 + 2 * 96 * 32 + 96 * 96 + 3 * 96 * 160 + 2 * 96;  // 70848
   EXPECT_EQ(plan.parameters, 256 * 96 + 2 * layer + 96 + 256 * 96);
   EXPECT_EQ(plan.units, 4);
@@ -222,19 +222,19 @@ TEST(Planner, ABudgetThatOverflowsNamesTheTierAndSuggestsTheSmallestChange) {
   in.precision = Precision::bf16;
   in.budgets.device_per_rank = 80LL << 30;
   in.budgets.host_per_node = 1LL << 40;
-  MemoryPlan plan = *plan_with_suggestion(in);
+  PlanReport plan = *plan_with_suggestion(in);
   EXPECT_FALSE(plan.fits);
   EXPECT_FALSE(plan.verdicts[0].fits());  // device: 18 bytes x 8B parameters
   EXPECT_TRUE(plan.verdicts[1].fits());
   EXPECT_EQ(plan.suggestion, "--offload-optimizer cpu");
 
   in.budgets.host_per_node = 100LL << 30;  // too little host memory for the optimizer state
-  MemoryPlan tight = *plan_with_suggestion(in);
+  PlanReport tight = *plan_with_suggestion(in);
   EXPECT_EQ(tight.suggestion, "--offload-optimizer nvme --nvme-path DIR");
 
   in.world_size = 8;  // with ranks to shard over, a higher stage is the smallest change
   in.budgets.host_per_node = 1LL << 40;
-  MemoryPlan ranks = *plan_with_suggestion(in);
+  PlanReport ranks = *plan_with_suggestion(in);
   EXPECT_EQ(ranks.suggestion, "--stage 1");
 }
 
@@ -262,7 +262,7 @@ TEST(Planner, OffloadingParametersBelowStageThreeIsRefused) {
 }
 
 TEST(Planner, JsonHasThePerRankModelStates) {
-  MemoryPlan plan = *plan_memory(bare(1000000000, 1, 0, Precision::bf16));
+  PlanReport plan = *plan_memory(bare(1000000000, 1, 0, Precision::bf16));
   nlohmann::ordered_json j = plan_to_json(plan, false);
   EXPECT_EQ(j["per_rank"]["device_bytes"].get<int64_t>(), plan.model_states.device);
   EXPECT_EQ(j["per_rank"]["host_bytes"].get<int64_t>(), 0);

@@ -141,9 +141,9 @@ class PlanCommand : public Subcommand {
       }
       return 0;
     }
-    Result<MemoryPlan> planned = plan_with_suggestion(input);
+    Result<PlanReport> planned = plan_with_suggestion(input);
     if (!planned.is_ok()) return planned.status();
-    const MemoryPlan& plan = *planned;
+    const PlanReport& plan = *planned;
     const bool zero = accounting_ == "zero";
     if (json_) {
       fmt::print("{}\n", plan_to_json(plan, zero).dump(2));

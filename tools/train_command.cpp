@@ -1,7 +1,9 @@
 // `strata train`: trains a model on a token file with the engine (core/engine/engine.h),
 // and shows what it does: progress on the terminal, --metrics per step,
 // --trace of every plan operation, a summary at the end, --export of the
-// final weights.
+// final weights. This file is the run as its steps; the flags are
+// tools/train_flags.h, the pieces a run builds tools/train_run.h, what it
+// shows tools/train_report.h.
 //
 // Exit status: 0 after the last step, 1 when training fails or the plan does
 // not fit the budgets, 2 for a usage error (bad flag, missing file, bad config),
@@ -40,13 +42,14 @@
 #include "kernels/cpu/gemm.h"
 #include "tools/config_flags.h"
 #include "tools/subcommand.h"
+#include "tools/train_flags.h"
 #include "tools/train_report.h"
+#include "tools/train_run.h"
 
 namespace strata::tools {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 
 // Where state homed on NVMe goes when no directory is configured.
 constexpr const char* kDefaultNvmePath = "strata-swap";
@@ -63,241 +66,6 @@ const char* stop_name() {
   return stop_signal.load() == SIGTERM ? "SIGTERM" : "Ctrl-C";
 }
 
-// Two kinds of failure: the user's input (2) and the run itself (1).
-struct Failure {
-  int exit_code;
-  std::string message;
-};
-Failure usage_error(const Status& status) {
-  return {2, status.message()};
-}
-Failure run_error(const Status& status) {
-  return {1, status.message()};
-}
-
-// The token file, its optional loss mask (one byte per token, 0: do not count
-// that token as a target), and the order its sequences are read in.
-struct TrainData {
-  TokenFile file;
-  std::vector<uint8_t> mask;           // (file.size()) or empty
-  std::string mask_path, mask_source;  // where the mask came from, for the run header
-  int64_t vocab = 0;
-  SequenceOrder order;  // strata.shuffle; what the engine's checkpoints record
-};
-
-// `what` names the mask in errors: "--loss-mask", or the file a mask was found next to.
-Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens,
-                                            const std::string& what = "--loss-mask") {
-  std::error_code error;
-  const uintmax_t size = fs::file_size(path, error);
-  if (error) return Status::error(fmt::format("{} {}: {}", what, path, error.message()));
-  if (int64_t(size) != tokens)
-    return Status::error(
-        fmt::format("{} {}: {} bytes, but the data file has {} tokens; the mask needs one "
-                    "byte per token",
-                    what, path, size, tokens));
-  std::vector<uint8_t> mask(static_cast<size_t>(size));
-  std::ifstream in(path, std::ios::binary);
-  if (!in.read(reinterpret_cast<char*>(mask.data()), std::streamsize(size)))
-    return Status::error(fmt::format("{} {}: read failed", what, path));
-  return mask;
-}
-
-BatchReader batch_reader(std::shared_ptr<const TrainData> data) {
-  return [data](int64_t offset, int64_t micro, int rank, int world, int64_t B, int64_t T,
-                int32_t* inputs, int32_t* targets) -> Status {
-    Status s = read_micro_batch(data->file, data->order, offset, micro, rank, world, B, T,
-                                data->vocab, inputs, targets);
-    if (!s || data->mask.empty()) return s;
-    // Target t of sequence j is token j*T + t + 1; its mask byte decides whether it counts.
-    const int64_t sequences = data->file.sequence_count(T);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t j = sequence_index(data->order, offset, micro, rank, world, B, b, sequences);
-      const uint8_t* mask = data->mask.data() + j * T + 1;
-      for (int64_t t = 0; t < T; ++t)
-        if (mask[t] == 0) targets[b * T + t] = -1;
-    }
-    return Status::ok();
-  };
-}
-
-struct EvalResult {
-  double loss = 0;
-  int64_t tokens = 0;
-};
-
-// The validation loss: the first `batches` micro-batches of (B, T) of the eval
-// file in sequential order, forward only, on the weights as they are after the
-// last update, over the targets its mask keeps (all when `mask` is empty). The
-// engine has no forward-only entry yet, so this runs the CPU model on a
-// one-rank copy of the weights (Engine::read_model).
-Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, const std::vector<uint8_t>& mask,
-                            int64_t batches, int64_t B, int64_t T) {
-  Result<HostModel> model = engine.read_model();
-  if (!model) return model.status();
-  const ModelConfig& config = model->layout.config;
-  UnitWorkspace workspace(config, B, T);
-  std::vector<int32_t> inputs(size_t(B * T)), targets(size_t(B * T));
-  double sum = 0;
-  int64_t counted = 0;
-  for (int64_t k = 0; k < batches; ++k) {
-    if (Status s = read_micro_batch(file, 0, k, 0, 1, B, T, config.vocab_size, inputs.data(),
-                                    targets.data());
-        !s)
-      return s.with_context("--eval-data");
-    const int64_t sequences = file.sequence_count(T);
-    for (int64_t b = 0; b < B && !mask.empty(); ++b) {
-      const uint8_t* kept = mask.data() + sequence_index(0, k, 0, 1, B, b, sequences) * T + 1;
-      for (int64_t t = 0; t < T; ++t)
-        if (kept[t] == 0) targets[size_t(b * T + t)] = -1;
-    }
-    counted += std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; });
-    UnitBatch batch;
-    batch.tokens = inputs.data();
-    batch.targets = targets.data();
-    batch.B = B;
-    batch.T = T;
-    Result<double> loss = model_forward(*model, batch, workspace);
-    if (!loss) return loss.status();
-    sum += *loss;
-  }
-  if (counted == 0)
-    return Status::error(
-        fmt::format("--eval-data {}: its mask keeps no target in the first {} micro-batches; raise "
-                    "--eval-batches or check the mask",
-                    file.path(), batches));
-  return EvalResult{sum / double(counted), counted};
-}
-
-// --export: a .safetensors file, or else a Hugging Face directory (config.json +
-// model.safetensors).
-Status export_model(const HostModel& model, const std::string& path, DType dtype) {
-  if (fs::path(path).extension() != ".safetensors") return save_host_model(model, path, dtype);
-  std::vector<NamedTensor> named = checkpoint_tensors(model.layout);
-  std::vector<TensorSpec> specs;
-  for (const NamedTensor& t : named) specs.push_back({t.slot->name, t.slot->shape});
-  Result<SafetensorsWriter> writer = SafetensorsWriter::create(path, specs, dtype);
-  if (!writer) return writer.status();
-  for (const NamedTensor& t : named) {
-    const float* data = model.params[size_t(t.unit)].data() + t.slot->offset;
-    if (Status s = writer->write(t.slot->name, data); !s) return s;
-  }
-  return writer->finish();
-}
-
-// The device budget per rank and the host budget for the node: as given, else
-// the plan's peak plus a quarter and 64 MiB (the host tier maps and pins its
-// whole budget up front, so a default of "most of the machine" would lock it).
-struct ChosenBudgets {
-  PlanBudgets budgets;
-  std::string note;  // what was chosen and why, for the header
-};
-
-// `ranks_on_node`: the ranks on this machine, threads or processes;
-// `local_ranks`: those this process holds (the world size, or 1 when launched).
-ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan,
-                             int ranks_on_node, int local_ranks) {
-  constexpr int64_t kMiB = int64_t{1} << 20;
-  auto with_margin = [&](int64_t peak) {
-    return int64_t(round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, uint64_t(kMiB)));
-  };
-  const int64_t device_peak = plan.peak(tiers::Tier::device);
-  const int64_t host_peak = plan.peak(tiers::Tier::host);
-  ChosenBudgets chosen;
-  PlanBudgets& b = chosen.budgets;
-  b.ranks_per_node = ranks_on_node;
-  b.device_per_rank =
-      config.strata.device_mem_limit ? int64_t(*config.strata.device_mem_limit) : with_margin(device_peak);
-  b.host_per_node = config.strata.host_mem_limit ? int64_t(*config.strata.host_mem_limit)
-                                                 : with_margin(host_peak) * ranks_on_node;
-  b.device_source = "--device-mem-limit";
-  b.host_source = "--host-mem-limit";
-  chosen.note = config.strata.device_mem_limit
-                    ? fmt::format("device {} per rank (given)", format_bytes(double(*b.device_per_rank)))
-                    : fmt::format("device {} per rank (plan peak {} + 25% + 64 MiB)",
-                                  format_bytes(double(*b.device_per_rank)),
-                                  format_bytes(double(device_peak)));
-  chosen.note +=
-      config.strata.host_mem_limit
-          ? fmt::format(", host {} for the node (given)", format_bytes(double(*b.host_per_node)))
-          : fmt::format(", host {} for the node (plan peak {} per rank + 25% + 64 MiB)",
-                        format_bytes(double(*b.host_per_node)), format_bytes(double(host_peak)));
-  // What this process takes; on the CPU backend the device budget is host memory too.
-  const std::optional<int64_t> available = detect_host_available_bytes();
-  const int64_t per_rank = *b.host_per_rank(plan.input.world_size) +
-                           (plan.input.gpu ? 0 : *b.device_per_rank);
-  const int64_t wanted = per_rank * local_ranks;
-  if (available && wanted > *available)
-    fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
-               format_bytes(double(wanted)), format_bytes(double(*available)));
-  return chosen;
-}
-
-// What a run builds, step by step, in the order TrainCommand::train builds it;
-// members are destroyed in reverse, so the trace and the engine go first.
-struct TrainingRun {
-  // Set when this process is one of several launched ones (strata launch,
-  // torchrun, SLURM, Open MPI): it trains one rank, and the world size is the launcher's.
-  std::optional<comm::LaunchEnvironment> launch;
-  bool rank0 = true;          // writes the metrics, the trace and the export
-  ConfigOverrides overrides;  // the flags, with the launcher's world size
-  TrainConfig config;         // the --config file merged with the flags
-  std::optional<ModelConfig> model;
-  BackendChoice backend;
-  std::optional<TrainingPlan> plan;
-  std::string schedule_reason;  // why the plan's schedule (choose_schedule)
-  std::shared_ptr<TrainData> data;
-  std::optional<TokenFile> eval_file;
-  std::vector<uint8_t> eval_mask;  // the mask next to the eval file, or empty
-  std::vector<std::string> nvme_paths;
-  DType export_dtype = DType::f32;
-  std::optional<MetricsWriter> metrics;
-  int local_ranks = 1;       // the ranks this process holds: the world size, or 1 when launched
-  int ranks_on_node = 1;     // the ranks on this machine, threads or processes
-  ChosenBudgets budgets;     // its note gains the NVMe line
-  EngineOptions options;     // filled by the steps before create_engine, then the engine's
-  std::unique_ptr<Engine> engine;
-  std::optional<TraceWriter> trace;
-  int64_t tokens_per_step = 0;
-  RunSummary summary;
-  Clock::time_point start;  // of the first step
-  int64_t saved_at = -1;    // the step of the last checkpoint written
-};
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// Adds a finished step to the summary; returns its report for the progress
-// line and the metrics.
-StepReport account_step(RunSummary& summary, int64_t s, const StepResult& step,
-                        int64_t tokens_per_step, bool fp16) {
-  StepReport report;
-  report.result = step;
-  report.tokens_processed = tokens_per_step;
-  report.fp16 = fp16;
-  summary.steps = s;
-  summary.tokens += tokens_per_step;
-  summary.stall_seconds += step.stall_seconds;
-  summary.nvme_read += step.nvme_read_bytes;
-  summary.nvme_written += step.nvme_written_bytes;
-  if (s == 1) {
-    summary.first_loss = step.loss;
-    summary.first_step_seconds = step.seconds;
-  }
-  summary.last_loss = step.loss;
-  return report;
-}
-
-// The sections of `strata train --help`, in the order they are listed.
-constexpr const char* kDataGroup = "Model and data";
-constexpr const char* kBatchGroup = "Batch, precision and optimizer";
-constexpr const char* kZeroGroup = "ZeRO and offload";
-constexpr const char* kIoGroup = "NVMe I/O";
-constexpr const char* kMemoryGroup = "Memory budgets";
-constexpr const char* kOutputGroup = "Output";
-constexpr const char* kCheckpointGroup = "Checkpoints";
-
 class TrainCommand : public Subcommand {
  public:
   CLI::App* add_to(CLI::App& app) override {
@@ -307,9 +75,7 @@ class TrainCommand : public Subcommand {
         "result.\n"
         "Sizes: 512M, 16G (powers of 1024), 16GB (powers of 1000). Ctrl-C stops after the current "
         "step.");
-    add_model_and_data_options(*cmd);
-    add_steps_and_shared_flags(*cmd);
-    add_output_and_checkpoint_options(*cmd);
+    add_train_flags(*cmd, f_);
     return cmd;
   }
 
@@ -326,182 +92,6 @@ class TrainCommand : public Subcommand {
   }
 
  private:
-  void add_model_and_data_options(CLI::App& cmd) {
-    cmd.add_option("--model", model_,
-                   "Preset (tiny, small, llama3.2-1b, ...), config.json or Hugging Face directory")
-        ->group(kDataGroup);
-    cmd.add_option("--data", data_path_,
-                   "Token file to train on: nanoGPT .bin (uint16), llm.c shard, or uint32 (see "
-                   "--data-format); "
-                   "`strata demo-data` writes one")
-        ->group(kDataGroup);
-    cmd.add_option("--data-format", data_format_, "auto | nanogpt | llmc | uint32 (default auto)")
-        ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
-        ->group(kDataGroup);
-    cmd.add_option(
-           "--loss-mask", loss_mask_path_,
-           "One byte per token of --data; 0: that token is not a target (prompts in fine-tuning). "
-           "Default: the .mask file next to --data when there is one (train.bin -> train.mask); "
-           "none: no mask")
-        ->group(kDataGroup);
-    cmd.add_option("--eval-data", eval_path_,
-                   "Token file for a validation loss (same format as --data)")
-        ->group(kDataGroup);
-    cmd.add_option("--eval-every", eval_every_,
-                   "Validation every N steps, and after the last (default: only after the last)")
-        ->group(kDataGroup);
-    cmd.add_option("--eval-batches", eval_batches_,
-                   "Micro-batches of the eval file per validation (default 8)")
-        ->group(kDataGroup);
-    cmd.add_option("--init", init_path_,
-                   "Start from these weights: .safetensors file or Hugging Face directory "
-                   "(default: random from --seed)")
-        ->group(kDataGroup);
-    cmd.add_option("--seed", seed_, "Seed of the random initialisation (default 1234)")
-        ->group(kDataGroup);
-    // --no-shuffle counts -1: it undoes a config file's strata.shuffle.
-    cmd.add_flag_function(
-           "--shuffle,!--no-shuffle",
-           [this](int64_t count) { flags_.overrides.shuffle = count > 0; },
-           "Read the sequences in a new seeded order every pass over the data (strata.shuffle; "
-           "default: the file's order)")
-        ->group(kDataGroup);
-    cmd.add_option("--shuffle-seed", flags_.overrides.shuffle_seed,
-                   "Seed of the --shuffle order (strata.shuffle_seed; default: --seed)")
-        ->group(kDataGroup);
-    cmd.add_option("--backend", backend_,
-                   "cpu | cuda | auto (default auto: cuda when a GPU is present)")
-        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
-        ->group(kDataGroup);
-    cmd.add_option("--gemm", gemm_,
-                   "CPU backend's matrix products: auto (default: the best class the CPU's "
-                   "features allow) | avx512 | avx2 | avx | baseline | reference (the same bits "
-                   "on every x86-64, slower); also STRATA_GEMM")
-        ->check(CLI::IsMember({"auto", "avx512", "avx2", "avx", "baseline", "reference"}))
-        ->group(kDataGroup);
-  }
-
-  void add_steps_and_shared_flags(CLI::App& cmd) {
-    cmd.add_option("--steps", steps_,
-                   "Optimizer steps to run (default 100; scheduler.params.total_num_steps "
-                   "when the config leaves it 0); 0 with --init and --export converts")
-        ->group(kBatchGroup);
-
-    flags_.add_to(cmd, /*with_plan_names=*/false);
-    // The shared flags, grouped, each with its default and the DeepSpeed key it overrides.
-    struct Placement {
-      const char* name;
-      const char* group;
-      const char* description;
-    };
-    const Placement placements[] = {
-        {"--config", kDataGroup,
-         "DeepSpeed JSON config; a \"strata\" block holds strata's own keys (default: none)"},
-        {"--micro-batch", kBatchGroup,
-         "Sequences per micro-batch per rank (train_micro_batch_size_per_gpu; default 1)"},
-        {"--grad-accum", kBatchGroup,
-         "Micro-batches per step (gradient_accumulation_steps; default: derived, else 1)"},
-        {"--global-batch", kBatchGroup,
-         "Sequences per step over all ranks (train_batch_size; default: derived)"},
-        {"--world-size", kBatchGroup,
-         "Ranks, as threads of this process (sharing one GPU on the CUDA backend; "
-         "strata.world_size; default 1)"},
-        {"--seq-len", kBatchGroup,
-         "Tokens per sequence (strata.seq_len; default min(2048, model maximum))"},
-        {"--precision", kBatchGroup,
-         "fp32 | bf16 | fp16 (bf16.enabled / fp16.enabled; default fp32)"},
-        {"--lr", kBatchGroup,
-         "Learning rate (optimizer.params.lr and scheduler.params.warmup_max_lr; default 1e-3)"},
-        {"--lr-schedule", kBatchGroup,
-         "constant | warmup | linear | cosine: DeepSpeed's WarmupLR, WarmupDecayLR or "
-         "WarmupCosineLR, peaking at --lr, decaying over --steps (scheduler.type; default "
-         "constant)"},
-        {"--warmup-steps", kBatchGroup,
-         "Warm-up steps, >= 1; it lasts max(2, N) (scheduler.params.warmup_num_steps; default "
-         "1000)"},
-        {"--warmup-type", kBatchGroup,
-         "log | linear rise of the warm-up (scheduler.params.warmup_type; default log)"},
-        {"--min-lr-ratio", kBatchGroup,
-         "Where linear or cosine decay ends, as a fraction of --lr in [0, 1]; linear also warms "
-         "up from it (cos_min_ratio, or warmup_min_lr / warmup_max_lr; default 1e-4 cosine, 0 "
-         "linear)"},
-        {"--zero-stage", kZeroGroup, "ZeRO stage 0-3 (zero_optimization.stage; default 0)"},
-        {"--offload-param", kZeroGroup,
-         "Home of the parameters: none | cpu | nvme, stage 3 only "
-         "(zero_optimization.offload_param.device; default none)"},
-        {"--offload-optimizer", kZeroGroup,
-         "Home of fp32 master, Adam m and v: none | cpu | nvme "
-         "(zero_optimization.offload_optimizer.device; default none)"},
-        {"--nvme-path", kZeroGroup,
-         "Swap directory, created if missing; repeat to stripe (strata.nvme_paths, "
-         "offload_*.nvme_path; default ./strata-swap when something is on NVMe)"},
-        {"--optimizer-state-dtype", kZeroGroup,
-         "Adam m and v: fp32 (exact) | bf16 | int8 (strata.optimizer_state_dtype; default fp32)"},
-        {"--gradient-home", kZeroGroup,
-         "Gradient accumulator with the optimizer offloaded: auto | host | host_bf16 | nvme "
-         "(strata.gradient_home; default auto: host fp32 if it fits, else NVMe fp32)"},
-        {"--schedule", kZeroGroup,
-         "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule; "
-         "default auto: the one moving fewer bytes over the slowest link)"},
-        {"--activation-home", kZeroGroup,
-         "Where the layer-major order keeps activation checkpoints: auto | device | host | nvme "
-         "(strata.activation_home; default auto: the first that fits)"},
-        {"--aio-block-size", kIoGroup,
-         "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
-        {"--aio-queue-depth", kIoGroup,
-         "Requests in flight per I/O thread (aio.queue_depth; default 8)"},
-        {"--aio-threads", kIoGroup, "I/O threads per path (aio.intra_op_parallelism; default 1)"},
-        {"--device-mem-limit", kMemoryGroup,
-         "Device memory per rank, e.g. 24G; host memory stands in on the CPU backend "
-         "(strata.device_mem_limit; default: the plan's peak + 25% + 64M)"},
-        {"--host-mem-limit", kMemoryGroup,
-         "Pinned host memory for the node, e.g. 64G (strata.host_mem_limit; default: the plan's "
-         "peak + 25% + 64M per rank)"},
-    };
-    for (const Placement& p : placements) {
-      CLI::Option* option = cmd.get_option_no_throw(p.name);
-      if (option == nullptr) continue;
-      option->group(p.group);
-      option->description(p.description);
-    }
-  }
-
-  void add_output_and_checkpoint_options(CLI::App& cmd) {
-    cmd.add_option("--metrics", metrics_path_, "Write one JSON object per step to this .jsonl file")
-        ->group(kOutputGroup);
-    cmd.add_option("--trace", trace_path_,
-                   "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
-                   "ui.perfetto.dev)")
-        ->group(kOutputGroup);
-    cmd.add_option(
-           "--export", export_path_,
-           "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "
-           "(config.json + model.safetensors)")
-        ->group(kOutputGroup);
-    cmd.add_option("--export-dtype", export_dtype_, "fp32 | bf16 | fp16 (default fp32)")
-        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-        ->group(kOutputGroup);
-    cmd.add_option("--save", save_dir_,
-                   "Write checkpoints into this directory (step-N, atomically; also at the end and "
-                   "on Ctrl-C / SIGTERM)")
-        ->group(kCheckpointGroup);
-    cmd.add_option("--save-every", save_every_, "Save every N steps (default 0: only at the end)")
-        ->group(kCheckpointGroup);
-    cmd.add_option("--keep", keep_, "Keep the newest N checkpoints (default 0: all)")
-        ->group(kCheckpointGroup);
-    cmd.add_option(
-           "--resume", resume_,
-           "Resume from a checkpoint directory, or the newest one under a --save directory; "
-           "--steps is then the step to reach. World size, stage and offload may differ")
-        ->group(kCheckpointGroup);
-    cmd.add_flag("--print-config", print_config_,
-                 "Print the merged effective configuration as JSON and exit")
-        ->group(kOutputGroup);
-    cmd.add_flag("--print-plan", print_plan_,
-                 "Print the training plan (operations, lanes, buffers per tier) and exit")
-        ->group(kOutputGroup);
-  }
-
   // The run as its steps; the first failure ends it. Every input but the
   // --trace file (which needs the engine's plan) is checked before the engine
   // allocates anything, so a usage error costs nothing.
@@ -510,12 +100,12 @@ class TrainCommand : public Subcommand {
     if (std::optional<Failure> f = choose_cpu_kernels()) return f;
     if (std::optional<Failure> f = join_launched_processes(run)) return f;
     if (std::optional<Failure> f = load_config_and_model(run)) return f;
-    if (print_config_) {
+    if (f_.print_config) {
       print_effective_config(run);
       return std::nullopt;
     }
     if (std::optional<Failure> f = build_plan(run)) return f;
-    if (print_plan_) {
+    if (f_.print_plan) {
       print_training_plan(run);
       return std::nullopt;
     }
@@ -536,7 +126,7 @@ class TrainCommand : public Subcommand {
   // One of several launched processes: the world size is the launcher's, and
   // only rank 0 prints.
   std::optional<Failure> join_launched_processes(TrainingRun& run) {
-    run.overrides = flags_.overrides;
+    run.overrides = f_.config.overrides;
     if (Result<comm::LaunchEnvironment> env = comm::launch_environment();
         env && env->world_size > 1) {
       run.launch = *env;
@@ -558,14 +148,14 @@ class TrainCommand : public Subcommand {
 
   // The --config file merged with the flags, and the --model when given.
   std::optional<Failure> load_config_and_model(TrainingRun& run) {
-    Result<TrainConfig> loaded = load_train_config(flags_.config_path, run.overrides);
+    Result<TrainConfig> loaded = load_train_config(f_.config.config_path, run.overrides);
     if (!loaded && loaded.status().is(StatusCode::not_found) && run.overrides.nvme_paths.empty()) {
       // NVMe offload without a directory: swap under the current directory.
       // Anything else not found (the --config file) is not found again, and
       // the first error is the one reported.
       ConfigOverrides with_default = run.overrides;
       with_default.nvme_paths = {kDefaultNvmePath};
-      Result<TrainConfig> defaulted = load_train_config(flags_.config_path, with_default);
+      Result<TrainConfig> defaulted = load_train_config(f_.config.config_path, with_default);
       if (defaulted)
         fmt::print(stderr, "strata: no --nvme-path given; swapping to ./{}\n", kDefaultNvmePath);
       if (defaulted || !defaulted.status().is(StatusCode::not_found)) loaded = std::move(defaulted);
@@ -575,10 +165,10 @@ class TrainCommand : public Subcommand {
     // The shuffle's seed defaults to the run's; written into the config, it
     // shows in --print-config and in the checkpoints' train.json.
     if (run.config.strata.shuffle && !run.config.strata.shuffle_seed)
-      run.config.strata.shuffle_seed = seed_;
+      run.config.strata.shuffle_seed = f_.seed;
     print_config_warnings(run.config);
-    if (!model_.empty()) {
-      Result<ModelConfig> loaded_model = load_model_config(model_);
+    if (!f_.model.empty()) {
+      Result<ModelConfig> loaded_model = load_model_config(f_.model);
       if (!loaded_model) return usage_error(loaded_model.status());
       run.model = *loaded_model;
     }
@@ -597,23 +187,23 @@ class TrainCommand : public Subcommand {
   // A decaying schedule chosen on the command line runs over --steps: there
   // must be steps, and more of them than the warm-up takes.
   std::optional<Failure> check_lr_schedule_steps(const TrainingRun& run) const {
-    const ConfigOverrides& o = flags_.overrides;
+    const ConfigOverrides& o = f_.config.overrides;
     const SchedulerConfig& s = run.config.scheduler;
     if (!(o.lr_schedule || o.warmup_steps || o.min_lr_ratio) ||
         (s.type != "WarmupDecayLR" && s.type != "WarmupCosineLR"))
       return std::nullopt;
     const char* name = s.type == "WarmupDecayLR" ? "linear" : "cosine";
     if (s.total_num_steps > 0) return std::nullopt;  // the file says over how many steps
-    if (steps_ == 0)
+    if (f_.steps == 0)
       return Failure{2, fmt::format("--lr-schedule {} decays over --steps, and --steps 0 runs no "
                                     "step; give --steps N, or leave the schedule out to convert",
                                     name)};
-    if (s.warmup_num_steps >= steps_)
+    if (s.warmup_num_steps >= f_.steps)
       return Failure{
           2, fmt::format("--lr-schedule {}: the warm-up of {} steps{} leaves no step of "
                          "--steps {} to decay over; give --warmup-steps below {}",
                          name, s.warmup_num_steps, o.warmup_steps ? "" : " (DeepSpeed's default)",
-                         steps_, steps_)};
+                         f_.steps, f_.steps)};
     return std::nullopt;
   }
 
@@ -623,11 +213,11 @@ class TrainCommand : public Subcommand {
     if (!run.model)
       return Failure{
           2, "--model PRESET|config.json|DIR is required (presets: tiny, small, llama3.2-1b, ...)"};
-    if (steps_ < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", steps_)};
+    if (f_.steps < 0) return Failure{2, fmt::format("--steps must be 0 or more, got {}", f_.steps)};
     if (std::optional<Failure> f = check_lr_schedule_steps(run)) return f;
 
     // The backend decides where the plan puts the compute buffers.
-    Result<BackendChoice> backend = choose_backend(backend_);
+    Result<BackendChoice> backend = choose_backend(f_.backend);
     if (!backend) return usage_error(backend.status());
     run.backend = *backend;
     const bool gpu = run.backend.kind == kernels::BackendKind::cuda;
@@ -653,30 +243,30 @@ class TrainCommand : public Subcommand {
   // The token file, its loss mask and the eval file, before anything is allocated.
   std::optional<Failure> open_data(TrainingRun& run) {
     const int64_t T = run.plan->input.seq_len;
-    if (data_path_.empty())
+    if (f_.data_path.empty())
       return Failure{2,
                      "--data FILE is required: a token file (nanoGPT .bin, llm.c shard or uint32); "
                      "`strata demo-data --out DIR` writes one"};
-    Result<TokenFormat> format = parse_token_format(data_format_);
+    Result<TokenFormat> format = parse_token_format(f_.data_format);
     if (!format) return usage_error(format.status().with_context("--data-format"));
     run.data = std::make_shared<TrainData>();
-    Result<TokenFile> file = TokenFile::open(data_path_, *format);
+    Result<TokenFile> file = TokenFile::open(f_.data_path, *format);
     if (!file) return usage_error(file.status().with_context("--data"));
     run.data->file = std::move(*file);
     run.data->vocab = run.model->vocab_size;
-    run.data->order = SequenceOrder::from_config(run.config.strata, seed_);
+    run.data->order = SequenceOrder::from_config(run.config.strata, f_.seed);
     if (run.data->order.is_shuffled()) run.data->file.expect_random_access();
     if (run.data->file.sequence_count(T) < 1)
       return Failure{
           2, fmt::format("--data {}: {} tokens, fewer than one sequence of --seq-len {} plus one",
-                         data_path_, run.data->file.size(), T)};
+                         f_.data_path, run.data->file.size(), T)};
     // Without --loss-mask, the mask prepare-data writes next to the token file
     // (train.bin -> train.mask) is used when it is there; --loss-mask none turns that off.
-    std::string mask_path = loss_mask_path_;
+    std::string mask_path = f_.loss_mask_path;
     if (mask_path.empty()) {
       std::error_code error;
-      if (fs::is_regular_file(loss_mask_path(data_path_), error)) {
-        mask_path = loss_mask_path(data_path_);
+      if (fs::is_regular_file(loss_mask_path(f_.data_path), error)) {
+        mask_path = loss_mask_path(f_.data_path);
         run.data->mask_source = "found next to --data";
       }
     } else if (mask_path == "none") {
@@ -694,27 +284,27 @@ class TrainCommand : public Subcommand {
   }
 
   std::optional<Failure> open_eval_data(TrainingRun& run, TokenFormat format) {
-    if (eval_path_.empty()) {
-      if (eval_every_ > 0) return Failure{2, "--eval-every needs --eval-data FILE"};
+    if (f_.eval_path.empty()) {
+      if (f_.eval_every > 0) return Failure{2, "--eval-every needs --eval-data FILE"};
       return std::nullopt;
     }
     const int64_t T = run.plan->input.seq_len;
-    Result<TokenFile> file = TokenFile::open(eval_path_, format);
+    Result<TokenFile> file = TokenFile::open(f_.eval_path, format);
     if (!file) return usage_error(file.status().with_context("--eval-data"));
     if (file->sequence_count(T) < 1)
       return Failure{2,
                      fmt::format("--eval-data {}: fewer than one sequence of --seq-len {} plus one",
-                                 eval_path_, T)};
+                                 f_.eval_path, T)};
     run.eval_file.emplace(std::move(*file));
     // The mask next to the eval file (val.bin -> val.mask), unless --loss-mask none.
     std::error_code error;
-    if (loss_mask_path_ != "none" && fs::is_regular_file(loss_mask_path(eval_path_), error)) {
+    if (f_.loss_mask_path != "none" && fs::is_regular_file(loss_mask_path(f_.eval_path), error)) {
       Result<std::vector<uint8_t>> mask =
-          read_loss_mask(loss_mask_path(eval_path_), run.eval_file->size(), "--eval-data's mask");
+          read_loss_mask(loss_mask_path(f_.eval_path), run.eval_file->size(), "--eval-data's mask");
       if (!mask) return usage_error(mask.status());
       run.eval_mask = std::move(*mask);
     }
-    if (eval_batches_ < 1) return Failure{2, "--eval-batches must be at least 1"};
+    if (f_.eval_batches < 1) return Failure{2, "--eval-batches must be at least 1"};
     return std::nullopt;
   }
 
@@ -740,17 +330,17 @@ class TrainCommand : public Subcommand {
 
   // Output files, checked or opened before training so a bad path costs nothing.
   std::optional<Failure> check_outputs(TrainingRun& run) {
-    if (!export_path_.empty()) {
-      const fs::path parent = fs::absolute(export_path_).parent_path();
+    if (!f_.export_path.empty()) {
+      const fs::path parent = fs::absolute(f_.export_path).parent_path();
       if (!fs::is_directory(parent))
-        return Failure{2, fmt::format("--export {}: the directory {} does not exist", export_path_,
+        return Failure{2, fmt::format("--export {}: the directory {} does not exist", f_.export_path,
                                       parent.string())};
     }
-    Result<DType> export_dtype = parse_dtype(export_dtype_);
+    Result<DType> export_dtype = parse_dtype(f_.export_dtype);
     if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
     run.export_dtype = *export_dtype;
-    if (!metrics_path_.empty() && run.rank0) {
-      Result<MetricsWriter> opened = MetricsWriter::open(metrics_path_);
+    if (!f_.metrics_path.empty() && run.rank0) {
+      Result<MetricsWriter> opened = MetricsWriter::open(f_.metrics_path);
       if (!opened) return usage_error(opened.status());
       run.metrics.emplace(std::move(*opened));
     }
@@ -786,20 +376,20 @@ class TrainCommand : public Subcommand {
     EngineOptions& options = run.options;
     options.model = *run.model;
     options.config = run.config;
-    options.total_steps = std::max<int64_t>(1, steps_);
+    options.total_steps = std::max<int64_t>(1, f_.steps);
     options.nvme_paths = run.nvme_paths;
-    options.seed = seed_;
-    options.init_checkpoint = init_path_;
-    if (!resume_.empty()) {
-      if (!init_path_.empty())
+    options.seed = f_.seed;
+    options.init_checkpoint = f_.init_path;
+    if (!f_.resume.empty()) {
+      if (!f_.init_path.empty())
         return usage_error(
             Status::error("give --init or --resume, not both (a checkpoint holds the weights)"));
-      Result<std::string> found = find_latest_checkpoint(resume_);
+      Result<std::string> found = find_latest_checkpoint(f_.resume);
       if (!found) return usage_error(found.status().with_context("--resume"));
       if (found->empty())
         return usage_error(Status::error(fmt::format(
             "--resume {}: no checkpoint in this directory (no step-N with a manifest.json)",
-            resume_)));
+            f_.resume)));
       options.resume_from = *found;
     }
     options.data = batch_reader(run.data);
@@ -827,9 +417,9 @@ class TrainCommand : public Subcommand {
 
   // --gemm, else STRATA_GEMM, before the first product loads OpenBLAS.
   std::optional<Failure> choose_cpu_kernels() {
-    Status chosen = gemm_ == "auto"
+    Status chosen = f_.gemm == "auto"
                         ? kernels::cpu::select_gemm_kernel_from_environment()
-                        : kernels::cpu::select_gemm_kernel(*kernels::cpu::parse_gemm_kernel(gemm_));
+                        : kernels::cpu::select_gemm_kernel(*kernels::cpu::parse_gemm_kernel(f_.gemm));
     if (!chosen.is_ok()) return usage_error(chosen);
     return std::nullopt;
   }
@@ -863,9 +453,9 @@ class TrainCommand : public Subcommand {
     fmt::print(
         "batch: {} x {} sequences of {} tokens x {} micro-batches = {} tokens per step; {} {}\n", W,
         B, T, plan.input.grad_accum, run.tokens_per_step, precision_name(run.config.precision),
-        !resume_.empty()     ? "resuming " + run.options.resume_from
-        : init_path_.empty() ? fmt::format("random init (seed {})", seed_)
-                             : "from " + init_path_);
+        !f_.resume.empty()     ? "resuming " + run.options.resume_from
+        : f_.init_path.empty() ? fmt::format("random init (seed {})", f_.seed)
+                             : "from " + f_.init_path);
     if (run.data->order.is_shuffled())
       fmt::print("data: {} sequences, {}, a new order every pass\n",
                  run.data->file.sequence_count(T), run.data->order.describe());
@@ -877,7 +467,7 @@ class TrainCommand : public Subcommand {
                  100.0 * double(kept) / double(run.data->mask.size()));
     }
     if (!run.eval_mask.empty())
-      fmt::print("eval loss mask: {} (found next to --eval-data)\n", loss_mask_path(eval_path_));
+      fmt::print("eval loss mask: {} (found next to --eval-data)\n", loss_mask_path(f_.eval_path));
     if (plan.input.grad_accum > 1) fmt::print("schedule: {}\n", run.schedule_reason);
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
@@ -889,8 +479,8 @@ class TrainCommand : public Subcommand {
     Result<std::unique_ptr<Engine>> created = Engine::create(std::move(run.options));
     if (!created) return run_error(created.status());
     run.engine = std::move(*created);
-    if (!trace_path_.empty() && run.rank0) {
-      Result<TraceWriter> opened = TraceWriter::open(trace_path_, run.engine->plan());
+    if (!f_.trace_path.empty() && run.rank0) {
+      Result<TraceWriter> opened = TraceWriter::open(f_.trace_path, run.engine->plan());
       if (!opened) return usage_error(opened.status());
       run.trace.emplace(std::move(*opened));
     }
@@ -904,16 +494,16 @@ class TrainCommand : public Subcommand {
     stop_requested.store(false);
     std::signal(SIGINT, request_stop);
     std::signal(SIGTERM, request_stop);
-    if (engine.steps_done() >= steps_)
+    if (engine.steps_done() >= f_.steps)
       fmt::print("the checkpoint is at step {}, which reaches --steps {}; nothing to train\n",
-                 engine.steps_done(), steps_);
-    progress_.emplace(steps_, run.config.steps_per_print);
+                 engine.steps_done(), f_.steps);
+    progress_.emplace(f_.steps, run.config.steps_per_print);
     run.summary.world = run.plan->input.world_size;
     const bool fp16 = run.config.precision == Precision::fp16;
     run.start = Clock::now();
     (void)engine.take_timings();  // initialisation is not part of the trace
 
-    for (int64_t s = engine.steps_done() + 1; s <= steps_; ++s) {
+    for (int64_t s = engine.steps_done() + 1; s <= f_.steps; ++s) {
       Result<StepResult> step = engine.step();
       if (!step) {
         (void)drain_timings(run);
@@ -924,12 +514,12 @@ class TrainCommand : public Subcommand {
       // Every process stops after the same step (a signal may reach them at different times).
       Result<bool> stop = engine.any_rank(stop_requested.load());
       if (!stop) return run_error(stop.status());
-      const bool last = s == steps_ || *stop;
+      const bool last = s == f_.steps || *stop;
       progress_->step(report, seconds_since(run.start));
-      if (run.eval_file && (last || (eval_every_ > 0 && s % eval_every_ == 0))) {
+      if (run.eval_file && (last || (f_.eval_every > 0 && s % f_.eval_every == 0))) {
         const int64_t T = run.plan->input.seq_len, B = run.plan->input.micro_batch;
         Result<EvalResult> eval =
-            evaluate(engine, *run.eval_file, run.eval_mask, eval_batches_, B, T);
+            evaluate(engine, *run.eval_file, run.eval_mask, f_.eval_batches, B, T);
         if (!eval) return run_error(eval.status());
         progress_->eval(s, eval->loss, eval->tokens);
         report.eval_loss = eval->loss;
@@ -937,7 +527,7 @@ class TrainCommand : public Subcommand {
       if (run.metrics)
         if (Status w = run.metrics->write(report); !w) return run_error(w);
       if (std::optional<Failure> f = drain_timings(run)) return f;
-      if (save_every_ > 0 && s % save_every_ == 0)
+      if (f_.save_every > 0 && s % f_.save_every == 0)
         if (std::optional<Failure> f = save_checkpoint(run, s)) return f;
       if (last) break;
     }
@@ -955,8 +545,8 @@ class TrainCommand : public Subcommand {
 
   // With --save, a checkpoint of `step` unless one was written at it already.
   std::optional<Failure> save_checkpoint(TrainingRun& run, int64_t step) {
-    if (save_dir_.empty() || run.saved_at == step) return std::nullopt;
-    Result<std::string> saved = run.engine->save_checkpoint(save_dir_, keep_);
+    if (f_.save_dir.empty() || run.saved_at == step) return std::nullopt;
+    Result<std::string> saved = run.engine->save_checkpoint(f_.save_dir, f_.keep);
     if (!saved) return run_error(saved.status());
     run.saved_at = step;
     if (progress_) progress_->line(fmt::format("saved checkpoint {}", *saved));
@@ -995,50 +585,28 @@ class TrainCommand : public Subcommand {
     if (stop_requested.load())
       fmt::print(
           "stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
-          save_dir_.empty() ? "" : "; the checkpoint above resumes it with --resume " + save_dir_);
+          f_.save_dir.empty() ? "" : "; the checkpoint above resumes it with --resume " + f_.save_dir);
     fmt::print("{}", format_run_summary(summary));
     return std::nullopt;
   }
 
   // --export (rank 0 writes what every rank reads), then where the outputs are.
   std::optional<Failure> export_weights(TrainingRun& run) {
-    if (!export_path_.empty()) {
+    if (!f_.export_path.empty()) {
       Result<HostModel> weights = run.engine->read_model();  // every rank takes part
       if (!weights) return run_error(weights.status());
       if (!run.rank0) return std::nullopt;
-      if (Status s = export_model(*weights, export_path_, run.export_dtype); !s)
-        return run_error(s.with_context("--export " + export_path_));
-      fmt::print("exported the weights ({}) to {}\n", dtype_name(run.export_dtype), export_path_);
+      if (Status s = export_model(*weights, f_.export_path, run.export_dtype); !s)
+        return run_error(s.with_context("--export " + f_.export_path));
+      fmt::print("exported the weights ({}) to {}\n", dtype_name(run.export_dtype), f_.export_path);
     }
-    if (!metrics_path_.empty()) fmt::print("metrics: {}\n", metrics_path_);
-    if (!trace_path_.empty())
-      fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", trace_path_);
+    if (!f_.metrics_path.empty()) fmt::print("metrics: {}\n", f_.metrics_path);
+    if (!f_.trace_path.empty())
+      fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", f_.trace_path);
     return std::nullopt;
   }
 
-  std::string model_;
-  ConfigFlags flags_;
-  std::string backend_ = "auto";
-  std::string gemm_ = "auto";
-  std::string data_path_;
-  std::string data_format_ = "auto";
-  std::string loss_mask_path_;
-  std::string eval_path_;
-  int64_t eval_every_ = 0;
-  int64_t eval_batches_ = 8;
-  std::string init_path_;
-  uint64_t seed_ = 1234;
-  int64_t steps_ = 100;
-  std::string metrics_path_;
-  std::string trace_path_;
-  std::string export_path_;
-  std::string export_dtype_ = "fp32";
-  std::string save_dir_;
-  int64_t save_every_ = 0;
-  int keep_ = 0;
-  std::string resume_;
-  bool print_config_ = false;
-  bool print_plan_ = false;
+  TrainFlags f_;
   std::optional<ProgressPrinter> progress_;
 };
 

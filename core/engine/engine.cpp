@@ -130,7 +130,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
     PlanInput planner = input;
     planner.budgets.device_source = "--device-mem-limit";
     planner.budgets.host_source = "--host-mem-limit";
-    Result<MemoryPlan> suggestion = plan_with_suggestion(planner);
+    Result<PlanReport> suggestion = plan_with_suggestion(planner);
     std::string hint = !suggestion || suggestion->suggestion.empty() ? std::string("raise ") + flag
                                                                       : suggestion->suggestion;
     return Status::no_space(fmt::format(

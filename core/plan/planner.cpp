@@ -135,8 +135,8 @@ BufferKind buffer_kind(BufferRole role) {
 }
 
 // plan_memory for an input whose schedule and activation home are resolved.
-Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
-  MemoryPlan plan;
+Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
+  PlanReport plan;
   plan.input = in;
   const Sizes sizes = compute_sizes(in);
   plan.parameters = sizes.parameters;
@@ -204,7 +204,7 @@ Result<MemoryPlan> plan_memory_fixed(const PlanInput& in) {
 // does. Only the layer-major order keeps more than one micro-batch's; the
 // micro-batch order's stay in the device tier (on the CPU backend, host
 // memory when that is the home asked for).
-Result<std::pair<ScheduleOption, MemoryPlan>> schedule_option(const PlanInput& in,
+Result<std::pair<ScheduleOption, PlanReport>> schedule_option(const PlanInput& in,
                                                               Schedule schedule) {
   const bool keeps = schedule == Schedule::layer && in.grad_accum > 1;
   const bool nvme_known = in.nvme_path_known || in.offload_param == OffloadDevice::nvme ||
@@ -218,12 +218,12 @@ Result<std::pair<ScheduleOption, MemoryPlan>> schedule_option(const PlanInput& i
     homes = {Tier::device, Tier::host, Tier::nvme};
   else
     homes = {Tier::device, Tier::host};
-  std::optional<std::pair<ScheduleOption, MemoryPlan>> first;
+  std::optional<std::pair<ScheduleOption, PlanReport>> first;
   for (Tier home : homes) {
     PlanInput fixed = in;
     fixed.schedule = schedule;
     fixed.activation_home = home;
-    Result<MemoryPlan> planned = plan_memory_fixed(fixed);
+    Result<PlanReport> planned = plan_memory_fixed(fixed);
     if (!planned) return planned.status();
     ScheduleOption option;
     option.schedule = schedule;
@@ -233,7 +233,7 @@ Result<std::pair<ScheduleOption, MemoryPlan>> schedule_option(const PlanInput& i
     option.slowest_seconds = slowest_seconds(planned->traffic);
     for (const PlanBuffer& b : planned->buffers)
       if (buffer_kind(b.role) == BufferKind::activation) option.activations.at(b.tier) += b.bytes;
-    std::pair<ScheduleOption, MemoryPlan> result{option, std::move(*planned)};
+    std::pair<ScheduleOption, PlanReport> result{option, std::move(*planned)};
     if (option.fits) return result;
     if (!first) first = std::move(result);
   }
@@ -258,10 +258,10 @@ std::string kept_where(Tier home) {
 }
 
 // The choice among the options (micro-batch first), and why.
-Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
+Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
   const std::vector<Schedule> schedules = {Schedule::micro_batch, Schedule::layer};
   ScheduleChoice choice;
-  std::vector<MemoryPlan> plans;
+  std::vector<PlanReport> plans;
   std::string unavailable;  // why the layer-major order cannot run here
   for (Schedule s : schedules) {
     auto option = schedule_option(in, s);
@@ -322,7 +322,7 @@ Result<std::pair<ScheduleChoice, MemoryPlan>> resolve(const PlanInput& in) {
   }
   choice.schedule = choice.options[pick].schedule;
   choice.activation_home = choice.options[pick].activation_home;
-  MemoryPlan plan = std::move(plans[pick]);
+  PlanReport plan = std::move(plans[pick]);
   return std::pair{std::move(choice), std::move(plan)};
 }
 
@@ -334,18 +334,18 @@ Result<ScheduleChoice> choose_schedule(const PlanInput& input) {
   return std::move(resolved->first);
 }
 
-Result<MemoryPlan> plan_memory(const PlanInput& input) {
+Result<PlanReport> plan_memory(const PlanInput& input) {
   auto resolved = resolve(input);
   if (!resolved) return resolved.status();
-  MemoryPlan plan = std::move(resolved->second);
+  PlanReport plan = std::move(resolved->second);
   plan.schedule = std::move(resolved->first);
   return plan;
 }
 
-Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
-  Result<MemoryPlan> planned = plan_memory(input);
+Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
+  Result<PlanReport> planned = plan_memory(input);
   if (!planned || planned->fits) return planned;
-  MemoryPlan& plan = *planned;
+  PlanReport& plan = *planned;
 
   struct Candidate {
     std::string description;
@@ -424,7 +424,7 @@ Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
     // An NVMe directory that was not given has no known free space: judge the rest.
     if (!input.nvme_path_known) changed.budgets.nvme_per_node.reset();
     if (!validate_plan_input(changed).is_ok()) continue;
-    Result<MemoryPlan> alternative = plan_memory(changed);
+    Result<PlanReport> alternative = plan_memory(changed);
     if (alternative && alternative->fits) {
       plan.suggestion = candidate.description;
       return planned;
@@ -436,9 +436,9 @@ Result<MemoryPlan> plan_with_suggestion(const PlanInput& input) {
   leanest.offload_optimizer = OffloadDevice::nvme;
   leanest.offload_param = OffloadDevice::nvme;
   leanest.micro_batch = 1;
-  Result<MemoryPlan> lean_plan = plan_memory(leanest);
+  Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
-  const MemoryPlan& lean = *lean_plan;
+  const PlanReport& lean = *lean_plan;
   plan.suggestion = fmt::format(
       "none: even ZeRO stage 3 with everything on NVMe and micro batch 1 needs {} device per rank, "
       "{} host and {} NVMe on the node; add memory or disk, or spread the ranks over more nodes",
@@ -490,7 +490,7 @@ void row(std::ostringstream& out, const std::string& label, const TierBytes& byt
 
 }  // namespace
 
-std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
+std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
   std::string model =
@@ -623,7 +623,7 @@ std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting) {
   return out.str();
 }
 
-nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting) {
+nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting) {
   using json = nlohmann::ordered_json;
   const PlanInput& in = plan.input;
   auto tiers = [](const TierBytes& b) {

@@ -95,7 +95,9 @@ struct ScheduleChoice {
 };
 Result<ScheduleChoice> choose_schedule(const PlanInput& input);
 
-struct MemoryPlan {
+// What `strata plan` reports of a plan: its bytes per tier and kind, the
+// verdict against the budgets, the smallest change that fits, the traffic.
+struct PlanReport {
   PlanInput input;  // with the schedule and activation home resolved
   ScheduleChoice schedule;
   int64_t parameters = 0;       // unpadded
@@ -133,16 +135,16 @@ struct MemoryPlan {
 Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule_reason = nullptr);
 
 // The plan without suggestion search.
-Result<MemoryPlan> plan_memory(const PlanInput& input);
+Result<PlanReport> plan_memory(const PlanInput& input);
 
 // The plan, and when it does not fit, the smallest change that does.
-Result<MemoryPlan> plan_with_suggestion(const PlanInput& input);
+Result<PlanReport> plan_with_suggestion(const PlanInput& input);
 
 // Reading the node: MemAvailable, free bytes under the NVMe directories.
 std::optional<int64_t> detect_host_available_bytes();
 std::optional<int64_t> detect_free_bytes(const std::vector<std::string>& directories);
 
-std::string format_plan_table(const MemoryPlan& plan, bool zero_accounting);
-nlohmann::ordered_json plan_to_json(const MemoryPlan& plan, bool zero_accounting);
+std::string format_plan_table(const PlanReport& plan, bool zero_accounting);
+nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting);
 
 }  // namespace strata
