@@ -39,6 +39,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/engine/rank_compute.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
 #include "kernels/cpu/adamw.h"
@@ -73,29 +74,9 @@ class GpuRank {
   virtual Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
                          const int32_t* targets) = 0;
 
-  // Where a computation's fp32 gradient goes.
-  struct GradTarget {
-    // Gradients in place: the unit's device home (+=). Otherwise the host
-    // slot (padded_numel, =), there once gradients_ready(slot) returns.
-    float* grads = nullptr;
-    // Gradients in place, the head of a tied model: unit 0's device home,
-    // where the lm_head's gradient adds (+=).
-    float* tied = nullptr;
-    // Not in place: the host slot's index; -1 is the tied embedding, whose
-    // gradient adds to the lm_head's the head left on the device.
-    int slot = 0;
-    // In place: zero the home(s) first (the micro-batch's first gradient).
-    bool zero_first = false;
-    // Not in place, layer-major with one rank: the fresh gradient adds to the
-    // device's sum over the micro-batches (sum_first: becomes it), which goes
-    // to `grads` only when `send`.
-    bool sum_on_device = false;
-    bool sum_first = false;
-    bool send = true;
-  };
-
   // The head's forward and backward: returns the sum of the token losses.
-  // tied_params: unit 0 (the embedding) in a tied model, else null.
+  // tied_params: unit 0 (the embedding) in a tied model, else null. `target`
+  // (here and in backward): where the gradient goes (core/engine/rank_compute.h).
   virtual Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
                               float loss_scale, const GradTarget& target) = 0;
 

@@ -22,11 +22,11 @@ class GpuRankCompute final : public RankCompute {
   }
   Result<double> head(int micro, const ComputeParams& params, const ComputeParams& tied,
                       const UnitBatch& batch, const GradTarget& target) override {
-    return gpu_->head(micro, params.data, tied.data, batch.loss_scale, gpu_target(target));
+    return gpu_->head(micro, params.data, tied.data, batch.loss_scale, target);
   }
   Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch&,
                   bool recompute, const GradTarget& target) override {
-    return gpu_->backward(unit, micro, params.data, recompute, gpu_target(target));
+    return gpu_->backward(unit, micro, params.data, recompute, target);
   }
 
   // A gathered unit is uploaded by the first computation that reads it, in
@@ -73,18 +73,6 @@ class GpuRankCompute final : public RankCompute {
   }
 
  private:
-  static GpuRank::GradTarget gpu_target(const GradTarget& target) {
-    GpuRank::GradTarget out;
-    out.grads = target.grads;
-    out.tied = target.tied;
-    out.slot = target.slot;
-    out.zero_first = target.zero_first;
-    out.sum_on_device = target.sum_on_device;
-    out.sum_first = target.sum_first;
-    out.send = target.send;
-    return out;
-  }
-
   // AdamW over the state's device homes, one kernel call per run of the
   // shard (a parameter group; int8: with its own blocks and scales, as the
   // CPU optimizer cuts them). Parameters in the device tier take the new

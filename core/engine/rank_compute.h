@@ -48,12 +48,14 @@ struct ComputeParams {
   int gathered_slot = -1;
 };
 
-// Where a computation's fp32 gradient goes; the operation fills it in from
-// the plan (TrainingPlan::gpu_grads_in_place). Gradients add (+=) into it.
+// Where a computation's fp32 gradient goes, for both computes (and GpuRank,
+// core/engine/gpu_rank.h); the operation fills it in from the plan
+// (TrainingPlan::gpu_grads_in_place). Gradients add (+=) into it.
 struct GradTarget {
   // (padded_numel) fp32: the unit's gradient home in the device tier (in
   // place); else a host slot, or for slot -1 the tied embedding's host
-  // buffer, where the head left the lm_head's gradient.
+  // buffer, where the head left the lm_head's gradient. A GPU's host slot is
+  // there once gradients_ready(slot) returns.
   float* grads = nullptr;
   // The head of a tied model: (embedding padded_numel) fp32, where the
   // lm_head's gradient to the embedding adds: unit 0's device home (in
