@@ -140,7 +140,7 @@ double step_bytes(AdamWStateType type, bool mixed) {
 
 void BM_AdamWStep(benchmark::State& state, AdamWStateType type, bool mixed) {
   Arrays& a = arrays();
-  strata::kernels::cpu::AdamWStateShard shard;
+  strata::kernels::cpu::AdamWShard shard;
   shard.numel = g_params;
   shard.state_type = type;
   shard.master = a.master.get();

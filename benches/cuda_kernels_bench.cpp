@@ -312,15 +312,15 @@ int run(int64_t N, int64_t T, int reps) {
   const int64_t P = V * C;
   const std::string pn = fmt::format("numel={}", P);
   Buffer master(P * 4), m(P * 4), v(P * 4), grad(P * 4), copy(P * e), result(64);
-  cuda::AdamWDeviceShard shard;
+  strata::kernels::cpu::AdamWShard shard;
   shard.numel = P;
   shard.master = master.f32();
   shard.exp_avg = m.f32();
   shard.exp_avg_sq = v.f32();
   shard.grad = grad.get();
-  shard.grad_type = DType::f32;
+  shard.grad_type = strata::kernels::cpu::ElementType::f32;
   shard.copy = copy.get();
-  shard.copy_type = bf16;
+  shard.copy_type = strata::kernels::cpu::ElementType::bf16;
   strata::kernels::cpu::AdamWHyperparams hyper;
   report.bytes("adamw (fp32 grad, bf16 copy)", pn,
                time_ms("adamw_step", reps, [&] { return cuda::adamw_step(shard, hyper, nullptr); }),
@@ -333,7 +333,7 @@ int run(int64_t N, int64_t T, int reps) {
   for (const auto state :
        {strata::kernels::cpu::AdamWStateType::bf16, strata::kernels::cpu::AdamWStateType::int8}) {
     const bool int8 = state == strata::kernels::cpu::AdamWStateType::int8;
-    cuda::AdamWDeviceStateShard compact;
+    strata::kernels::cpu::AdamWShard compact;
     compact.numel = P;
     compact.state_type = state;
     compact.master = master.f32();
@@ -342,9 +342,9 @@ int run(int64_t N, int64_t T, int reps) {
     compact.exp_avg_scale = int8 ? scales.f32() : nullptr;
     compact.exp_avg_sq_scale = int8 ? scales.f32() + blocks : nullptr;
     compact.grad = grad.get();
-    compact.grad_type = DType::f32;
+    compact.grad_type = strata::kernels::cpu::ElementType::f32;
     compact.copy = copy.get();
-    compact.copy_type = bf16;
+    compact.copy_type = strata::kernels::cpu::ElementType::bf16;
     const double moment = int8 ? 1.0 : 2.0;
     report.bytes(
         int8 ? "adamw, int8 moments (fp32 grad, bf16 copy)"

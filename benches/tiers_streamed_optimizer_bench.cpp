@@ -100,9 +100,16 @@ void StreamedStep(benchmark::State& state) {
   const std::vector<uint16_t> grad = make_gradient(shape.chunk);
   std::vector<uint16_t> copy(shape.chunk);
   std::vector<strata::StreamedOptimizerUnit> units;
-  for (int unit = 0; unit < shape.units(); ++unit)
-    units.push_back(
-        {unit, shape.chunk, {}, grad.data(), ElementType::bf16, copy.data(), ElementType::bf16});
+  for (int unit = 0; unit < shape.units(); ++unit) {
+    strata::StreamedOptimizerUnit streamed;
+    streamed.unit = unit;
+    streamed.shard.numel = shape.chunk;
+    streamed.shard.grad = grad.data();
+    streamed.shard.grad_type = ElementType::bf16;
+    streamed.shard.copy = copy.data();
+    streamed.shard.copy_type = ElementType::bf16;
+    units.push_back(streamed);
+  }
   strata::Optimizer optimizer = make_optimizer();
 
   // Untimed: writes every block of the state once.
@@ -144,15 +151,15 @@ void InMemoryStep(benchmark::State& state) {
     const strata::StepPlan plan = *optimizer.begin_step(std::nullopt);
     for (int unit = 0; unit < shape.units(); ++unit) {
       const uint64_t begin = uint64_t(unit) * uint64_t(shape.chunk);
-      strata::OptimizerShard shard;
-      shard.arrays = {shape.chunk,
-                      reinterpret_cast<float*>(master.data()) + begin,
-                      reinterpret_cast<float*>(m.data()) + begin,
-                      reinterpret_cast<float*>(v.data()) + begin,
-                      grad.data(),
-                      ElementType::bf16,
-                      copy.data(),
-                      ElementType::bf16};
+      strata::kernels::cpu::AdamWShard shard;
+      shard.numel = shape.chunk;
+      shard.master = reinterpret_cast<float*>(master.data()) + begin;
+      shard.exp_avg = reinterpret_cast<float*>(m.data()) + begin;
+      shard.exp_avg_sq = reinterpret_cast<float*>(v.data()) + begin;
+      shard.grad = grad.data();
+      shard.grad_type = ElementType::bf16;
+      shard.copy = copy.data();
+      shard.copy_type = ElementType::bf16;
       if (strata::Status status = optimizer.update_shard(plan, shard); !status) return status;
     }
     return strata::Status::ok();

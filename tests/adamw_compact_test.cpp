@@ -127,8 +127,8 @@ void new_gradients(State& s, ElementType grad_type, std::mt19937_64& rng) {
   }
 }
 
-AdamWStateShard shard_of(State& s, ElementType grad_type, bool with_copy, ElementType copy_type) {
-  AdamWStateShard shard;
+AdamWShard shard_of(State& s, ElementType grad_type, bool with_copy, ElementType copy_type) {
+  AdamWShard shard;
   shard.numel = s.size();
   shard.state_type = s.type;
   shard.master = s.master.data();
@@ -387,13 +387,17 @@ TEST(AdamWCompact, FirstStepFromZeroStateEqualsFp32Moments) {
   for (AdamWStateType type : kCompactTypes) {
     SCOPED_TRACE(adamw_state_type_name(type));
     State s = random_state(type, n, ElementType::f32, rng);
-    AdamWStateShard shard = shard_of(s, ElementType::f32, true, ElementType::bf16);
+    AdamWShard shard = shard_of(s, ElementType::f32, true, ElementType::bf16);
     first_touch_zero(shard);
     std::vector<float> master = s.master, m(n, 0.0f), v(n, 0.0f);
     std::vector<uint16_t> copy(n);
-    AdamWShard fp32{n,           master.data(),    m.data(),
-                    v.data(),    s.grad32.data(),  ElementType::f32,
-                    copy.data(), ElementType::bf16};
+    AdamWShard fp32;
+    fp32.numel = n;
+    fp32.master = master.data();
+    fp32.exp_avg = m.data();
+    fp32.exp_avg_sq = v.data();
+    fp32.grad = s.grad32.data();
+    fp32.copy = copy.data();
     AdamWHyperparams h = random_hyper(rng);
     h.step = 1;
     ASSERT_TRUE(adamw_step(fp32, h));
@@ -409,7 +413,7 @@ TEST(AdamWCompact, Int8SecondMomentIsNeverReadBackAsZero) {
   std::mt19937_64 rng(fresh_seed() + 3);
   State s = random_state(AdamWStateType::int8, 4096, ElementType::f32, rng);
   for (auto& g : s.grad32) g = wide(rng, -9.0f, 0.0f);
-  AdamWStateShard shard = shard_of(s, ElementType::f32, false, ElementType::bf16);
+  AdamWShard shard = shard_of(s, ElementType::f32, false, ElementType::bf16);
   first_touch_zero(shard);
   AdamWHyperparams h = random_hyper(rng);
   h.step = 1;
@@ -432,7 +436,7 @@ TEST(AdamWCompact, Int8BlockOfNegligibleMomentsReadsBackAsZero) {
   std::mt19937_64 rng(fresh_seed() + 4);
   State s = random_state(AdamWStateType::int8, 1000, ElementType::f32, rng);
   for (int64_t i = 256; i < 512; ++i) s.grad32[i] = wide(rng, -34.0f, -32.0f);
-  AdamWStateShard shard = shard_of(s, ElementType::f32, false, ElementType::bf16);
+  AdamWShard shard = shard_of(s, ElementType::f32, false, ElementType::bf16);
   first_touch_zero(shard);
   AdamWHyperparams h = random_hyper(rng);
   h.step = 1;
@@ -511,7 +515,7 @@ void check_unaligned_shards_match_scalar(SimdLevel level) {
         for (int k = 0; k < 2; ++k) {
           ASSERT_TRUE(force_simd_level(levels[k]));
           State& s = results[k];
-          AdamWStateShard shard = shard_of(s, ElementType::bf16, true, ElementType::bf16);
+          AdamWShard shard = shard_of(s, ElementType::bf16, true, ElementType::bf16);
           shard.numel = n;
           shard.master += offset;
           shard.grad = s.grad16.data() + offset;
@@ -599,7 +603,7 @@ TEST(AdamWCompact, ResultDoesNotDependOnThreadCount) {
   }
 }
 
-// fp32 moments through AdamWStateShard are the AdamWShard kernel.
+// fp32 moments, by default or named, are the fp32 kernel.
 TEST(AdamWCompact, Fp32StateShardEqualsAdamWShard) {
   std::mt19937_64 rng(fresh_seed() + 8);
   const int64_t n = 40003;
@@ -614,10 +618,15 @@ TEST(AdamWCompact, Fp32StateShardEqualsAdamWShard) {
   std::vector<float> master2 = master, m2 = m, v2 = v;
   std::vector<uint16_t> copy(n), copy2(n);
   const AdamWHyperparams h = random_hyper(rng);
-  ASSERT_TRUE(adamw_step(AdamWShard{n, master.data(), m.data(), v.data(), grad.data(),
-                                    ElementType::f32, copy.data(), ElementType::bf16},
-                         h));
-  AdamWStateShard shard;
+  AdamWShard defaults;  // state_type f32 by default
+  defaults.numel = n;
+  defaults.master = master.data();
+  defaults.exp_avg = m.data();
+  defaults.exp_avg_sq = v.data();
+  defaults.grad = grad.data();
+  defaults.copy = copy.data();
+  ASSERT_TRUE(adamw_step(defaults, h));
+  AdamWShard shard;
   shard.numel = n;
   shard.state_type = AdamWStateType::f32;
   shard.master = master2.data();
@@ -637,7 +646,7 @@ TEST(AdamWCompact, RejectsMissingOrUnexpectedScalesWithoutTouchingState) {
   State s = random_state(AdamWStateType::int8, 1000, ElementType::f32, rng);
   const State before = s;
   AdamWHyperparams h;
-  AdamWStateShard shard = shard_of(s, ElementType::f32, false, ElementType::bf16);
+  AdamWShard shard = shard_of(s, ElementType::f32, false, ElementType::bf16);
   shard.exp_avg_sq_scale = nullptr;
   Status status = adamw_step(shard, h);
   EXPECT_FALSE(status);

@@ -250,8 +250,8 @@ void check_unaligned_shards_match_scalar(SimdLevel level) {
         AdamWShard shard = shard_of(results[k], ElementType::bf16, true, ElementType::bf16);
         shard.numel = n;
         shard.master += offset;
-        shard.exp_avg += offset;
-        shard.exp_avg_sq += offset;
+        shard.exp_avg = results[k].exp_avg.data() + offset;
+        shard.exp_avg_sq = results[k].exp_avg_sq.data() + offset;
         shard.grad = results[k].grad16.data() + offset;
         shard.copy = results[k].copy.data() + offset;
         ASSERT_TRUE(adamw_step(shard, h));

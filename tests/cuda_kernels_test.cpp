@@ -602,15 +602,17 @@ TEST_F(CudaKernels, AdamWIsBitwiseTheCpuStep) {
         auto d_master = upload(master, DType::f32), d_m = upload(m, DType::f32);
         auto d_v = upload(v, DType::f32), d_grad = upload(grad, grad_type);
         DeviceBuffer d_copy(n * 2);
-        cuda::AdamWDeviceShard shard;
+        cpu::AdamWShard shard;
         shard.numel = n;
         shard.master = d_master->f32();
         shard.exp_avg = d_m->f32();
         shard.exp_avg_sq = d_v->f32();
         shard.grad = d_grad->get();
-        shard.grad_type = grad_type;
+        shard.grad_type = grad_type == DType::f32    ? cpu::ElementType::f32
+                          : grad_type == DType::bf16 ? cpu::ElementType::bf16
+                                                     : cpu::ElementType::f16;
         shard.copy = copy_type == DType::f32 ? nullptr : d_copy.get();
-        shard.copy_type = copy_type;
+        shard.copy_type = copy_type == DType::f16 ? cpu::ElementType::f16 : cpu::ElementType::bf16;
         expect_ok(cuda::adamw_step(shard, hyper, nullptr));
 
         std::vector<uint16_t> grad_bits(n), copy_bits(n);
@@ -732,7 +734,7 @@ TEST_F(CudaKernels, AdamWCompactMomentsAreBitwiseTheCpuStep) {
             hyper.grad_scale = 0.5;
             const int64_t count = r.end - r.begin;
 
-            cuda::AdamWDeviceStateShard shard;
+            cpu::AdamWShard shard;
             shard.numel = count;
             shard.state_type = state;
             shard.master = d_master->f32() + r.begin;
@@ -744,14 +746,16 @@ TEST_F(CudaKernels, AdamWCompactMomentsAreBitwiseTheCpuStep) {
             }
             shard.grad = static_cast<const uint8_t*>(d_grad->get()) +
                          r.begin * int64_t(cuda::dtype_size(grad_type));
-            shard.grad_type = grad_type;
+            shard.grad_type =
+                grad_type == DType::f32 ? cpu::ElementType::f32 : cpu::ElementType::bf16;
             shard.copy = copy_type == DType::f32
                              ? nullptr
                              : static_cast<void*>(static_cast<uint16_t*>(d_copy.get()) + r.begin);
-            shard.copy_type = copy_type;
+            shard.copy_type =
+                copy_type == DType::f16 ? cpu::ElementType::f16 : cpu::ElementType::bf16;
             expect_ok(cuda::adamw_step(shard, hyper, nullptr));
 
-            cpu::AdamWStateShard host;
+            cpu::AdamWShard host;
             host.numel = count;
             host.state_type = state;
             host.master = master.data() + r.begin;
@@ -973,7 +977,7 @@ TEST(CudaKernelErrors, NameTheKernelTypeAndShape) {
       << rope.message();
 
   // Compact moments: int8 needs its scales, other formats take none.
-  cuda::AdamWDeviceStateShard compact;
+  cpu::AdamWShard compact;
   compact.numel = 10;
   compact.state_type = cpu::AdamWStateType::int8;
   compact.master = reinterpret_cast<float*>(16);

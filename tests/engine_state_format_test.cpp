@@ -391,16 +391,16 @@ TEST(StateFormatBlocks, Int8ScalesFollowWindowsCutAtSegments) {
         if (s.begin < begin) before.push_back({s.begin, std::min(s.end, begin), s.group});
       }
       const int64_t first = int8_block_count(before, begin);
-      CompactOptimizerShard shard;
-      shard.arrays.numel = end - begin;
-      shard.arrays.state_type = kernels::cpu::AdamWStateType::int8;
-      shard.arrays.master = p.data() + begin;
-      shard.arrays.exp_avg = m.data() + begin;
-      shard.arrays.exp_avg_sq = v.data() + begin;
-      shard.arrays.exp_avg_scale = ms.data() + first;
-      shard.arrays.exp_avg_sq_scale = vs.data() + first;
-      shard.arrays.grad = grad.data() + begin;
-      shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+      kernels::cpu::AdamWShard shard;
+      shard.numel = end - begin;
+      shard.state_type = kernels::cpu::AdamWStateType::int8;
+      shard.master = p.data() + begin;
+      shard.exp_avg = m.data() + begin;
+      shard.exp_avg_sq = v.data() + begin;
+      shard.exp_avg_scale = ms.data() + first;
+      shard.exp_avg_sq_scale = vs.data() + first;
+      shard.grad = grad.data() + begin;
+      shard.grad_type = kernels::cpu::ElementType::f32;
       shard.segments = part;
       ASSERT_TRUE(optimizer->update_shard(*plan, shard).is_ok());
     }
@@ -492,20 +492,20 @@ TEST(StateFormatBlocks, CompactRunsAreTheOptimizersCuts) {
     std::vector<float> ms1(static_cast<size_t>(blocks)), vs1(static_cast<size_t>(blocks));
     std::vector<float> ms2 = ms1, vs2 = vs1;
     for (int step = 0; step < 2; ++step) {
-      CompactOptimizerShard shard;
-      shard.arrays.numel = n;
-      shard.arrays.state_type = state;
-      shard.arrays.master = p1.data();
-      shard.arrays.exp_avg = m1.data();
-      shard.arrays.exp_avg_sq = v1.data();
-      shard.arrays.exp_avg_scale = int8 ? ms1.data() : nullptr;
-      shard.arrays.exp_avg_sq_scale = int8 ? vs1.data() : nullptr;
-      shard.arrays.grad = grad.data();
-      shard.arrays.grad_type = kernels::cpu::ElementType::f32;
+      kernels::cpu::AdamWShard shard;
+      shard.numel = n;
+      shard.state_type = state;
+      shard.master = p1.data();
+      shard.exp_avg = m1.data();
+      shard.exp_avg_sq = v1.data();
+      shard.exp_avg_scale = int8 ? ms1.data() : nullptr;
+      shard.exp_avg_sq_scale = int8 ? vs1.data() : nullptr;
+      shard.grad = grad.data();
+      shard.grad_type = kernels::cpu::ElementType::f32;
       shard.segments = segments;
       ASSERT_TRUE(optimizer->update_shard(*plan, shard).is_ok());
       for (const CompactRun& r : *runs) {
-        kernels::cpu::AdamWStateShard part;
+        kernels::cpu::AdamWShard part;
         part.numel = r.end - r.begin;
         part.state_type = state;
         part.master = p2.data() + r.begin;

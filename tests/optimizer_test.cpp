@@ -87,7 +87,9 @@ TEST(Optimizer, SegmentsGetTheirGroupsWeightDecay) {
   EXPECT_TRUE(plan->apply);
   EXPECT_EQ(plan->step, 1);
   EXPECT_EQ(plan->lr, 1e-2);
-  ASSERT_TRUE(optimizer.update_shard(*plan, {driven.shard(), segments}));
+  kernels::cpu::AdamWShard whole = driven.shard();
+  whole.segments = segments;
+  ASSERT_TRUE(optimizer.update_shard(*plan, whole));
 
   kernels::cpu::AdamWHyperparams h;
   h.lr = 1e-2;
@@ -96,8 +98,8 @@ TEST(Optimizer, SegmentsGetTheirGroupsWeightDecay) {
     kernels::cpu::AdamWShard part = direct.shard();
     part.numel = s.end - s.begin;
     part.master += s.begin;
-    part.exp_avg += s.begin;
-    part.exp_avg_sq += s.begin;
+    part.exp_avg = direct.m.data() + s.begin;
+    part.exp_avg_sq = direct.v.data() + s.begin;
     part.grad = direct.grad.data() + s.begin;
     part.copy = direct.copy.data() + s.begin;
     h.weight_decay = s.group == ParamGroup::decay ? 0.1 : 0.0;
@@ -116,9 +118,13 @@ TEST(Optimizer, RejectsSegmentsThatDoNotCoverTheShard) {
   const Buffers before = b;
   const StepPlan plan = *optimizer.begin_step(b.norm());
   const ShardSegment gap[] = {{0, 40, ParamGroup::decay}, {50, 100, ParamGroup::no_decay}};
-  EXPECT_FALSE(optimizer.update_shard(plan, {b.shard(), gap}));
+  kernels::cpu::AdamWShard with_gap = b.shard();
+  with_gap.segments = gap;
+  EXPECT_FALSE(optimizer.update_shard(plan, with_gap));
   const ShardSegment short_cover[] = {{0, 90, ParamGroup::decay}};
-  EXPECT_FALSE(optimizer.update_shard(plan, {b.shard(), short_cover}));
+  kernels::cpu::AdamWShard short_covered = b.shard();
+  short_covered.segments = short_cover;
+  EXPECT_FALSE(optimizer.update_shard(plan, short_covered));
   EXPECT_TRUE(same_bits(b.master, before.master));
 }
 
@@ -185,7 +191,7 @@ TEST(Optimizer, Fp16OverflowSkipsTheStepAndHoldsTheSchedule) {
     if (e.apply) {
       EXPECT_DOUBLE_EQ(plan->lr, e.lr);
     }
-    ASSERT_TRUE(optimizer.update_shard(*plan, {b.shard(), {}}));
+    ASSERT_TRUE(optimizer.update_shard(*plan, b.shard()));
     if (!e.apply) {
       EXPECT_TRUE(same_bits(b.master, before.master));
     }
@@ -242,7 +248,7 @@ TEST(Optimizer, RestoredStateContinuesIdentically) {
   Buffers b(500, rng);
   for (int i = 0; i < 4; ++i) {
     const StepPlan plan = *first.begin_step(b.norm());
-    ASSERT_TRUE(first.update_shard(plan, {b.shard(), {}}));
+    ASSERT_TRUE(first.update_shard(plan, b.shard()));
   }
   Optimizer second = make(o);
   second.restore(first.state());
@@ -252,8 +258,8 @@ TEST(Optimizer, RestoredStateContinuesIdentically) {
     const StepPlan p2 = *second.begin_step(c.norm());
     EXPECT_EQ(p1.lr, p2.lr);
     EXPECT_EQ(p1.step, p2.step);
-    ASSERT_TRUE(first.update_shard(p1, {b.shard(), {}}));
-    ASSERT_TRUE(second.update_shard(p2, {c.shard(), {}}));
+    ASSERT_TRUE(first.update_shard(p1, b.shard()));
+    ASSERT_TRUE(second.update_shard(p2, c.shard()));
   }
   EXPECT_TRUE(same_bits(b.master, c.master));
 }

@@ -90,8 +90,15 @@ class StreamedOptimizerTest : public ::testing::Test {
     for (size_t u = 0; u < units_.size(); ++u) copies.emplace_back(units_[u].numel, 0);
     for (size_t u = 0; u < units_.size(); ++u) {
       const UnitState& unit = units_[u];
-      result.push_back({int(u), unit.numel, unit.segments, unit.grad.data(), ElementType::bf16,
-                        copies[u].data(), ElementType::bf16});
+      StreamedOptimizerUnit streamed;
+      streamed.unit = int(u);
+      streamed.shard.numel = unit.numel;
+      streamed.shard.segments = unit.segments;
+      streamed.shard.grad = unit.grad.data();
+      streamed.shard.grad_type = ElementType::bf16;
+      streamed.shard.copy = copies[u].data();
+      streamed.shard.copy_type = ElementType::bf16;
+      result.push_back(streamed);
     }
     return result;
   }
@@ -99,9 +106,15 @@ class StreamedOptimizerTest : public ::testing::Test {
   // The reference: the same step on the in-memory copy of the state.
   void reference_step(const Optimizer& optimizer, const StepPlan& plan) {
     for (UnitState& unit : units_) {
-      OptimizerShard shard;
-      shard.arrays = {unit.numel,       unit.master.data(), unit.m.data(),    unit.v.data(),
-                      unit.grad.data(), ElementType::bf16,  unit.copy.data(), ElementType::bf16};
+      kernels::cpu::AdamWShard shard;
+      shard.numel = unit.numel;
+      shard.master = unit.master.data();
+      shard.exp_avg = unit.m.data();
+      shard.exp_avg_sq = unit.v.data();
+      shard.grad = unit.grad.data();
+      shard.grad_type = ElementType::bf16;
+      shard.copy = unit.copy.data();
+      shard.copy_type = ElementType::bf16;
       shard.segments = unit.segments;
       ASSERT_TRUE(optimizer.update_shard(plan, shard).is_ok());
     }

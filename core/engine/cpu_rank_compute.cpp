@@ -31,45 +31,7 @@ Result<kernels::cpu::GradNormPartial> grad_norm_on_host(const float* grads, int6
 }
 
 Status update_on_host(const UnitUpdate& update) {
-  const bool narrowed =
-      update.new_params != nullptr && update.new_params_type != kernels::cpu::ElementType::f32;
-  if (update.state_type == kernels::cpu::AdamWStateType::f32) {
-    OptimizerShard shard;
-    shard.arrays.numel = update.numel;
-    shard.arrays.master = update.master;
-    shard.arrays.exp_avg = static_cast<float*>(update.m);
-    shard.arrays.exp_avg_sq = static_cast<float*>(update.v);
-    shard.arrays.grad = update.grad;
-    shard.arrays.grad_type = update.grad_type;
-    if (narrowed) {
-      shard.arrays.copy = update.new_params;
-      shard.arrays.copy_type = update.new_params_type;
-    }
-    shard.segments = update.segments;
-    if (Status s = update.optimizer->update_shard(update.decision, shard); !s) return s;
-  } else {
-    // Compact moments, read and written as stored by the fused kernel.
-    CompactOptimizerShard shard;
-    shard.arrays.numel = update.numel;
-    shard.arrays.state_type = update.state_type;
-    shard.arrays.master = update.master;
-    shard.arrays.exp_avg = update.m;
-    shard.arrays.exp_avg_sq = update.v;
-    shard.arrays.exp_avg_scale = update.m_scale;
-    shard.arrays.exp_avg_sq_scale = update.v_scale;
-    shard.arrays.grad = update.grad;
-    shard.arrays.grad_type = update.grad_type;
-    if (narrowed) {
-      shard.arrays.copy = update.new_params;
-      shard.arrays.copy_type = update.new_params_type;
-    }
-    shard.segments = update.segments;
-    if (Status s = update.optimizer->update_shard(update.decision, shard); !s) return s;
-  }
-  // In fp32 the new parameters are the master's values.
-  if (update.new_params != nullptr && !narrowed)
-    std::memcpy(update.new_params, update.master, size_t(update.numel) * 4);
-  return Status::ok();
+  return update.optimizer->update_shard(update.decision, update.shard);
 }
 
 namespace {

@@ -205,25 +205,25 @@ Status Engine::Impl::zero_moments(Rank& rank) {
   }
   for (int u = 0; u < units(); ++u) {
     const UnitPlacement& p = plan.units[size_t(u)];
-    CompactOptimizerShard shard;
-    shard.arrays.numel = p.optimizer_numel;
-    shard.arrays.state_type = plan.state_type();
+    kernels::cpu::AdamWShard shard;
+    shard.numel = p.optimizer_numel;
+    shard.state_type = plan.state_type();
     shard.segments = rank.segments[size_t(u)];
     if (int8) {
-      shard.arrays.exp_avg_scale = rank.m_scales[size_t(u)];
-      shard.arrays.exp_avg_sq_scale = rank.v_scales[size_t(u)];
+      shard.exp_avg_scale = rank.m_scales[size_t(u)];
+      shard.exp_avg_sq_scale = rank.v_scales[size_t(u)];
     }
     if (plan.homes.optimizer == tiers::Tier::nvme) {
       if (int8) {
         const int64_t blocks = int8_block_count(shard.segments, p.optimizer_numel);
-        std::fill_n(shard.arrays.exp_avg_scale, blocks, 0.0f);
-        std::fill_n(shard.arrays.exp_avg_sq_scale, blocks, 0.0f);
+        std::fill_n(shard.exp_avg_scale, blocks, 0.0f);
+        std::fill_n(shard.exp_avg_sq_scale, blocks, 0.0f);
       }
       continue;
     }
-    shard.arrays.exp_avg = home_data(rank, {u, ShardKind::m});
-    shard.arrays.exp_avg_sq = home_data(rank, {u, ShardKind::v});
-    if (Status s = Optimizer::zero_state(shard); !s) return s;
+    shard.exp_avg = home_data(rank, {u, ShardKind::m});
+    shard.exp_avg_sq = home_data(rank, {u, ShardKind::v});
+    if (Status s = kernels::cpu::first_touch_zero(shard); !s) return s;
   }
   return Status::ok();
 }

@@ -57,7 +57,8 @@ class CudaGpuRank final : public GpuRank {
   Status upload(void* device, const void* host, int64_t bytes) override;
   Status accumulate(float* device, const float* host, int64_t numel, bool first) override;
   Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) override;
-  Status adamw(const AdamWRun& run, const kernels::cpu::AdamWHyperparams& hyper) override;
+  Status adamw(const kernels::cpu::AdamWShard& shard,
+               const kernels::cpu::AdamWHyperparams& hyper) override;
   std::byte* new_parameter_buffer() const override;
   void forget_uploads(const std::byte* host) override;
 
@@ -616,27 +617,20 @@ Result<kernels::cpu::GradNormPartial> CudaGpuRank::grad_norm(const float* grads,
   return partial;
 }
 
-Status CudaGpuRank::adamw(const AdamWRun& run, const kernels::cpu::AdamWHyperparams& hyper) {
+Status CudaGpuRank::adamw(const kernels::cpu::AdamWShard& shard,
+                          const kernels::cpu::AdamWHyperparams& hyper) {
   Impl& g = *impl_;
   std::lock_guard lock(g.side);
   if (Status s = g.select(); !s) return s;
-  cuda::AdamWDeviceStateShard shard;
-  shard.numel = run.numel;
-  shard.state_type = run.state_type;
-  shard.master = run.master;
-  shard.exp_avg = run.m;
-  shard.exp_avg_sq = run.v;
-  shard.exp_avg_scale = run.m_scale;
-  shard.exp_avg_sq_scale = run.v_scale;
-  shard.grad = run.grad;
-  shard.grad_type = cuda::DType::f32;
-  const bool narrow_copy = run.copy != nullptr && g.type != cuda::DType::f32;
-  shard.copy = narrow_copy ? run.copy : nullptr;
-  shard.copy_type = narrow_copy ? g.type : cuda::DType::bf16;
-  if (Status s = cuda::adamw_step(shard, hyper, g.compute); !s) return s;
-  if (run.copy == nullptr || narrow_copy) return Status::ok();
-  // fp32 parameters apart from their master: the copy is the master itself.
-  return cuda::check_cuda(cudaMemcpyAsync(run.copy, run.master, size_t(run.numel) * 4,
+  // The kernel writes bf16 and fp16 copies in its pass; fp32 parameters apart
+  // from their master are the master itself.
+  const bool copies_master =
+      shard.copy != nullptr && shard.copy_type == kernels::cpu::ElementType::f32;
+  kernels::cpu::AdamWShard kernel_shard = shard;
+  if (copies_master) kernel_shard.copy = nullptr;
+  if (Status s = cuda::adamw_step(kernel_shard, hyper, g.compute); !s) return s;
+  if (!copies_master) return Status::ok();
+  return cuda::check_cuda(cudaMemcpyAsync(shard.copy, shard.master, size_t(shard.numel) * 4,
                                           cudaMemcpyDeviceToDevice, g.compute),
                           "copying fp32 parameters from their master");
 }

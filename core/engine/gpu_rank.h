@@ -39,9 +39,10 @@
 #include <memory>
 #include <vector>
 
+#include "core/engine/rank_compute.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
-#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/adamw_shard.h"
 #include "kernels/cpu/grad_norm.h"
 #include "tiers/device_tier.h"
 
@@ -73,29 +74,9 @@ class GpuRank {
   virtual Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
                          const int32_t* targets) = 0;
 
-  // Where a computation's fp32 gradient goes.
-  struct GradTarget {
-    // Gradients in place: the unit's device home (+=). Otherwise the host
-    // slot (padded_numel, =), there once gradients_ready(slot) returns.
-    float* grads = nullptr;
-    // Gradients in place, the head of a tied model: unit 0's device home,
-    // where the lm_head's gradient adds (+=).
-    float* tied = nullptr;
-    // Not in place: the host slot's index; -1 is the tied embedding, whose
-    // gradient adds to the lm_head's the head left on the device.
-    int slot = 0;
-    // In place: zero the home(s) first (the micro-batch's first gradient).
-    bool zero_first = false;
-    // Not in place, layer-major with one rank: the fresh gradient adds to the
-    // device's sum over the micro-batches (sum_first: becomes it), which goes
-    // to `grads` only when `send`.
-    bool sum_on_device = false;
-    bool sum_first = false;
-    bool send = true;
-  };
-
   // The head's forward and backward: returns the sum of the token losses.
-  // tied_params: unit 0 (the embedding) in a tied model, else null.
+  // tied_params: unit 0 (the embedding) in a tied model, else null. `target`
+  // (here and in backward): where the gradient goes (core/engine/rank_compute.h).
   virtual Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
                               float loss_scale, const GradTarget& target) = 0;
 
@@ -138,24 +119,12 @@ class GpuRank {
   // The squared norm and non-finite flag of `numel` fp32 device gradients,
   // after the work enqueued so far (waits for it).
   virtual Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) = 0;
-  // One run of device-resident optimizer state (one parameter group; int8:
-  // whole blocks of its own, core/optimizer/optimizer.h compact_runs).
-  struct AdamWRun {
-    int64_t numel = 0;
-    kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
-    float* master = nullptr;  // (numel) fp32
-    void* m = nullptr;        // (numel) each, as state_type stores them
-    void* v = nullptr;
-    float* m_scale = nullptr;  // int8: the run's block scales, device memory; else null
-    float* v_scale = nullptr;
-    const float* grad = nullptr;  // (numel) fp32
-    // Where the compute-precision parameters go (device), or null when the
-    // fp32 master is the parameters. In fp32 the master is copied there.
-    std::byte* copy = nullptr;
-  };
-  // AdamW on device-resident state after the work enqueued so far (not
-  // waiting for it), with the CPU kernel's arithmetic and moment formats.
-  virtual Status adamw(const AdamWRun& run, const kernels::cpu::AdamWHyperparams& hyper) = 0;
+  // AdamW on device-resident state (every pointer of `shard` device memory)
+  // after the work enqueued so far (not waiting for it), with the CPU
+  // kernel's arithmetic, moment formats and runs; an fp32 copy is the new
+  // master, copied there.
+  virtual Status adamw(const kernels::cpu::AdamWShard& shard,
+                       const kernels::cpu::AdamWHyperparams& hyper) = 0;
   // The device buffer AdamW writes new parameters into when their home is
   // not on the GPU (optimizer on the GPU, parameters in host memory or on
   // NVMe, compute precision below fp32); null otherwise.

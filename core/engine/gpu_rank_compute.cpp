@@ -2,7 +2,6 @@
 // device tier is the GPU's; state offloaded to host memory is the CPU's.
 #include <memory>
 #include <utility>
-#include <vector>
 
 #include "core/engine/gpu_rank.h"
 #include "core/engine/rank_compute.h"
@@ -22,11 +21,11 @@ class GpuRankCompute final : public RankCompute {
   }
   Result<double> head(int micro, const ComputeParams& params, const ComputeParams& tied,
                       const UnitBatch& batch, const GradTarget& target) override {
-    return gpu_->head(micro, params.data, tied.data, batch.loss_scale, gpu_target(target));
+    return gpu_->head(micro, params.data, tied.data, batch.loss_scale, target);
   }
   Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch&,
                   bool recompute, const GradTarget& target) override {
-    return gpu_->backward(unit, micro, params.data, recompute, gpu_target(target));
+    return gpu_->backward(unit, micro, params.data, recompute, target);
   }
 
   // A gathered unit is uploaded by the first computation that reads it, in
@@ -73,65 +72,19 @@ class GpuRankCompute final : public RankCompute {
   }
 
  private:
-  static GpuRank::GradTarget gpu_target(const GradTarget& target) {
-    GpuRank::GradTarget out;
-    out.grads = target.grads;
-    out.tied = target.tied;
-    out.slot = target.slot;
-    out.zero_first = target.zero_first;
-    out.sum_on_device = target.sum_on_device;
-    out.sum_first = target.sum_first;
-    out.send = target.send;
-    return out;
-  }
-
-  // AdamW over the state's device homes, one kernel call per run of the
-  // shard (a parameter group; int8: with its own blocks and scales, as the
-  // CPU optimizer cuts them). Parameters in the device tier take the new
-  // values in place; elsewhere they pass through the GPU's new-parameter
-  // buffer (in fp32 the master is the copy) and come down.
+  // AdamW over the state's device homes: the GPU runs the shard in the CPU
+  // optimizer's runs (a parameter group; int8: with its own blocks and
+  // scales). Parameters in the device tier take the new values in place;
+  // elsewhere they pass through the GPU's new-parameter buffer (in fp32 the
+  // master is the copy) and come down.
   Status update_on_device(const UnitUpdate& update) {
-    const int64_t cb = plan_.compute_bytes;
-    const int64_t mb = moment_bytes(update.state_type);
-    const bool downloaded =
-        update.new_params != nullptr && update.new_params_home != tiers::Tier::device;
-    std::byte* copy = downloaded ? gpu_->new_parameter_buffer() : update.new_params;
-    Result<std::vector<CompactRun>> runs =
-        compact_runs(update.segments, update.numel, update.state_type);
-    if (!runs) return runs.status();
-    const bool int8 = update.state_type == kernels::cpu::AdamWStateType::int8;
-    for (const CompactRun& r : *runs) {
-      GpuRank::AdamWRun run;
-      run.numel = r.end - r.begin;
-      run.state_type = update.state_type;
-      run.master = update.master + r.begin;
-      run.m = static_cast<std::byte*>(update.m) + r.begin * mb;
-      run.v = static_cast<std::byte*>(update.v) + r.begin * mb;
-      if (int8) {
-        run.m_scale = update.m_scale + r.block;
-        run.v_scale = update.v_scale + r.block;
-      }
-      run.grad = static_cast<const float*>(update.grad) + r.begin;
-      run.copy = copy == nullptr ? nullptr : copy + r.begin * cb;
-      if (Status s = gpu_->adamw(run, update.optimizer->hyperparams(update.decision, r.group)); !s)
-        return s;
-    }
+    const bool downloaded = update.shard.copy != nullptr && update.copy_home != tiers::Tier::device;
+    kernels::cpu::AdamWShard shard = update.shard;
+    if (downloaded) shard.copy = gpu_->new_parameter_buffer();
+    if (Status s = gpu_->adamw(shard, update.optimizer->hyperparams(update.decision)); !s) return s;
     if (!downloaded) return Status::ok();
-    const std::byte* from =
-        copy != nullptr ? copy : reinterpret_cast<const std::byte*>(update.master);
-    return gpu_->download(update.new_params, from, update.numel * cb);
-  }
-
-  static int64_t moment_bytes(kernels::cpu::AdamWStateType type) {
-    switch (type) {
-      case kernels::cpu::AdamWStateType::f32:
-        return 4;
-      case kernels::cpu::AdamWStateType::bf16:
-        return 2;
-      case kernels::cpu::AdamWStateType::int8:
-        return 1;
-    }
-    return 4;
+    const void* from = shard.copy != nullptr ? shard.copy : static_cast<const void*>(shard.master);
+    return gpu_->download(update.shard.copy, from, shard.numel * plan_.compute_bytes);
   }
 
   const TrainingPlan& plan_;

@@ -6,6 +6,7 @@
 
 #include "core/engine/gpu_rank.h"
 #include "core/model/model.h"
+#include "kernels/cpu/adamw.h"
 #include "kernels/cpu/simd.h"
 
 namespace strata {
@@ -141,24 +142,14 @@ class EmulatedGpuRank final : public GpuRank {
   Result<kernels::cpu::GradNormPartial> grad_norm(const float* grads, int64_t numel) override {
     return kernels::cpu::grad_norm_squared(grads, ElementType::f32, numel);
   }
-  Status adamw(const AdamWRun& run, const kernels::cpu::AdamWHyperparams& hyper) override {
-    kernels::cpu::AdamWStateShard shard;
-    shard.numel = run.numel;
-    shard.state_type = run.state_type;
-    shard.master = run.master;
-    shard.exp_avg = run.m;
-    shard.exp_avg_sq = run.v;
-    shard.exp_avg_scale = run.m_scale;
-    shard.exp_avg_sq_scale = run.v_scale;
-    shard.grad = run.grad;
-    shard.grad_type = ElementType::f32;
-    const bool narrow = run.copy != nullptr && plan_.compute_type() != ElementType::f32;
-    if (narrow) {
-      shard.copy = run.copy;
-      shard.copy_type = plan_.compute_type();
-    }
-    if (Status s = kernels::cpu::adamw_step(shard, hyper); !s) return s;
-    if (run.copy != nullptr && !narrow) std::memcpy(run.copy, run.master, size_t(run.numel) * 4);
+  Status adamw(const kernels::cpu::AdamWShard& shard,
+               const kernels::cpu::AdamWHyperparams& hyper) override {
+    // As the GPU: the kernel writes bf16 and fp16 copies, an fp32 copy is the master.
+    const bool copies_master = shard.copy != nullptr && shard.copy_type == ElementType::f32;
+    kernels::cpu::AdamWShard kernel_shard = shard;
+    if (copies_master) kernel_shard.copy = nullptr;
+    if (Status s = kernels::cpu::adamw_step(kernel_shard, hyper); !s) return s;
+    if (copies_master) std::memcpy(shard.copy, shard.master, size_t(shard.numel) * 4);
     return Status::ok();
   }
   std::byte* new_parameter_buffer() const override {

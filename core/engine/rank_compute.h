@@ -25,14 +25,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <span>
 
 #include "core/model/model.h"
 #include "core/optimizer/optimizer.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
+#include "kernels/cpu/adamw_shard.h"
 #include "kernels/cpu/grad_norm.h"
-#include "kernels/cpu/simd.h"
 #include "tiers/tier.h"
 
 namespace strata {
@@ -48,12 +47,14 @@ struct ComputeParams {
   int gathered_slot = -1;
 };
 
-// Where a computation's fp32 gradient goes; the operation fills it in from
-// the plan (TrainingPlan::gpu_grads_in_place). Gradients add (+=) into it.
+// Where a computation's fp32 gradient goes, for both computes (and GpuRank,
+// core/engine/gpu_rank.h); the operation fills it in from the plan
+// (TrainingPlan::gpu_grads_in_place). Gradients add (+=) into it.
 struct GradTarget {
   // (padded_numel) fp32: the unit's gradient home in the device tier (in
   // place); else a host slot, or for slot -1 the tied embedding's host
-  // buffer, where the head left the lm_head's gradient.
+  // buffer, where the head left the lm_head's gradient. A GPU's host slot is
+  // there once gradients_ready(slot) returns.
   float* grads = nullptr;
   // The head of a tied model: (embedding padded_numel) fp32, where the
   // lm_head's gradient to the embedding adds: unit 0's device home (in
@@ -73,32 +74,24 @@ struct GradTarget {
   bool send = true;
 };
 
-// AdamW over one unit's optimizer range of this rank (`numel` elements).
+// AdamW over one unit's optimizer range of this rank: the range's shard
+// update (kernels/cpu/adamw_shard.h) with the driver's decision and where
+// its copy goes.
 struct UnitUpdate {
-  const Optimizer* optimizer = nullptr;  // the rank's driver: hyperparameters per group
+  const Optimizer* optimizer = nullptr;  // the rank's driver: hyperparameters
   StepPlan decision;
-  float* master = nullptr;  // (numel) fp32, in the optimizer's home
-  // (numel) each in the optimizer's home, as `state_type` stores them (fp32
-  // floats; bf16 bits; int8 codes, with their block scales beside them: in
-  // device memory for the GPU's optimizer, else in host memory).
-  void* m = nullptr;
-  void* v = nullptr;
-  kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
-  float* m_scale = nullptr;  // int8: (int8_block_count(segments, numel)) each; else null
-  float* v_scale = nullptr;
-  // (numel) of grad_type (fp32; bf16 for strata.gradient_home host_bf16), in
-  // the gradient's home (the optimizer's tier, or host memory).
-  const void* grad = nullptr;
-  kernels::cpu::ElementType grad_type = kernels::cpu::ElementType::f32;
-  int64_t numel = 0;
-  std::span<const ShardSegment> segments;  // parameter groups over [0, numel)
-  // (numel) where the new compute-precision parameters go (in fp32 the
-  // master is copied there), in tier `new_params_home`; null when the
-  // master is the parameters.
-  std::byte* new_params = nullptr;
-  tiers::Tier new_params_home = tiers::Tier::host;
-  // The compute precision: new_params' element type.
-  kernels::cpu::ElementType new_params_type = kernels::cpu::ElementType::f32;
+  // Every array in its home. master, exp_avg, exp_avg_sq: the optimizer's,
+  // the moments as shard.state_type stores them (null on NVMe: the streamed
+  // optimizer brings them); int8 scales beside the optimizer that updates
+  // them (device memory for the GPU's optimizer, else host memory); grad
+  // (fp32; bf16 for strata.gradient_home host_bf16) in the gradient's home
+  // (the optimizer's tier or host memory; null on NVMe, read with the
+  // chunks); copy: where the new compute-precision parameters go, of the
+  // compute precision (in fp32 the master is copied there), in tier
+  // `copy_home`; null when the master is the parameters. Segments: the
+  // parameter groups over [0, numel).
+  kernels::cpu::AdamWShard shard;
+  tiers::Tier copy_home = tiers::Tier::host;
 };
 
 class RankCompute {
@@ -175,7 +168,7 @@ class RankCompute {
   virtual Result<kernels::cpu::GradNormPartial> grad_norm(tiers::Tier home, const float* grads,
                                                           int64_t numel) = 0;
   // AdamW on optimizer state (and gradients) homed in `home`. The new
-  // parameters reach update.new_params: by the return when it is host
+  // parameters reach update.shard.copy: by the return when it is host
   // memory, else before any work enqueued after it.
   virtual Status update(tiers::Tier home, const UnitUpdate& update) = 0;
 };

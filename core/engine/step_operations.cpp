@@ -374,37 +374,38 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
   UnitUpdate update;
   update.optimizer = &*rank.optimizer;
   update.decision = decision;
-  update.numel = p.optimizer_numel;
-  update.segments = rank.segments[size_t(u)];
+  kernels::cpu::AdamWShard& shard = update.shard;
+  shard.numel = p.optimizer_numel;
+  shard.segments = rank.segments[size_t(u)];
   const int64_t grad_offset = p.grad_numel == p.padded_numel ? offset : 0;
-  update.grad_type = plan.homes.grad_bf16 ? ElementType::bf16 : ElementType::f32;
+  shard.grad_type = plan.homes.grad_bf16 ? ElementType::bf16 : ElementType::f32;
   // On NVMe the streamed optimizer reads the gradient with its chunks.
   if (plan.homes.grad != tiers::Tier::nvme)
-    update.grad = home_data(rank, {u, ShardKind::grad}) +
-                  grad_offset * int64_t(kernels::cpu::element_size(update.grad_type));
-  update.new_params_type = compute_type();
-  update.state_type = plan.state_type();
-  update.m_scale = rank.m_scales.empty() ? nullptr : rank.m_scales[size_t(u)];
-  update.v_scale = rank.v_scales.empty() ? nullptr : rank.v_scales[size_t(u)];
+    shard.grad = home_data(rank, {u, ShardKind::grad}) +
+                 grad_offset * int64_t(kernels::cpu::element_size(shard.grad_type));
+  shard.copy_type = compute_type();
+  shard.state_type = plan.state_type();
+  shard.exp_avg_scale = rank.m_scales.empty() ? nullptr : rank.m_scales[size_t(u)];
+  shard.exp_avg_sq_scale = rank.v_scales.empty() ? nullptr : rank.v_scales[size_t(u)];
   if (plan.homes.separate_master) {
     // The new compute-precision parameters go to their home, or to the staging
     // buffer on their way to NVMe or (from the CPU) to the GPU.
-    update.new_params = plan.new_params_staged() ? rank.param_out : param_home;
-    update.new_params_home = plan.new_params_staged() ? tiers::Tier::host : plan.homes.param;
+    shard.copy = plan.new_params_staged() ? rank.param_out : param_home;
+    update.copy_home = plan.new_params_staged() ? tiers::Tier::host : plan.homes.param;
   }
   Status updated = Status::ok();
   if (plan.homes.optimizer == tiers::Tier::nvme) {
     updated = update_streamed(rank, update, op, master_key.kind);
   } else {
-    update.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
-    update.m = home_data(rank, {u, ShardKind::m});
-    update.v = home_data(rank, {u, ShardKind::v});
+    shard.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
+    shard.exp_avg = home_data(rank, {u, ShardKind::m});
+    shard.exp_avg_sq = home_data(rank, {u, ShardKind::v});
     updated = rank.compute->update(plan.homes.optimizer, update);
   }
   if (!updated) return updated;
   // Staged on their way to their home in the device tier.
   if (plan.new_params_staged() && plan.homes.param == tiers::Tier::device)
-    return rank.compute->upload(param_home, rank.param_out, update.numel * cb);
+    return rank.compute->upload(param_home, rank.param_out, shard.numel * cb);
   return Status::ok();
 }
 
@@ -414,20 +415,11 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const
   // Chunks stream through the pass's buffers (the one chunk loop).
   StreamedOptimizerUnit streamed;
   streamed.unit = unit;
-  streamed.numel = update.numel;
-  streamed.segments = update.segments;
-  streamed.grad = update.grad;
-  streamed.grad_type = update.grad_type;
+  streamed.shard = update.shard;
   const UnitPlacement& p = plan.units[size_t(unit)];
   streamed.grad_offset =
       p.grad_numel == p.padded_numel ? plan.optimizer_offset(unit, rank.rank) : 0;
-  if (update.new_params != nullptr) {
-    streamed.copy = update.new_params;
-    streamed.copy_type = update.new_params_type;
-  }
   streamed.master_kind = master_kind;
-  streamed.m_scale = update.m_scale;
-  streamed.v_scale = update.v_scale;
   // The next update of this step on this lane: its master, m and v are
   // written by nothing but that update, so they are read while this one's
   // write-backs finish and it waits for its gradients. One that goes unused
@@ -436,12 +428,12 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const
   for (size_t i = size_t(&op - plan.ops.data()) + 1; i < plan.ops.size(); ++i) {
     if (plan.ops[i].kind != OpKind::optimizer) continue;
     next.unit = plan.ops[i].unit;
-    next.numel = plan.units[size_t(next.unit)].optimizer_numel;
+    next.shard.numel = plan.units[size_t(next.unit)].optimizer_numel;
     next.master_kind = master_kind;
     break;
   }
   return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1},
-                             {&next, next.numel > 0 ? size_t{1} : size_t{0}});
+                             {&next, next.shard.numel > 0 ? size_t{1} : size_t{0}});
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {

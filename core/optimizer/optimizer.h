@@ -1,7 +1,8 @@
 // The optimizer driver: AdamW over sharded fp32 state, with parameter groups,
 // the step counter, the learning-rate schedule, fp16 loss scaling and
 // clipping by global gradient norm. The per-element work is the CPU kernel
-// in kernels/cpu/adamw.h; this class decides what each step does.
+// in kernels/cpu/adamw.h, on shards described as kernels/cpu/adamw_shard.h's
+// AdamWShard; this class decides what each step does.
 //
 // One training step, as the engine drives it (core/plan/training_plan.h orders it):
 //   1. backward with the loss multiplied by loss_scale();
@@ -33,6 +34,7 @@
 #include "core/optimizer/lr_schedule.h"
 #include "io/base/status.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/adamw_shard.h"
 #include "kernels/cpu/grad_norm.h"
 
 namespace strata {
@@ -63,57 +65,17 @@ struct OptimizerOptions {
   bool skip_nonfinite_steps = true;
 };
 
-enum class ParamGroup { decay, no_decay };
+// A shard's parameter groups and the kernels' runs are the kernels' own
+// (kernels/cpu/adamw_shard.h); core names them here.
+using kernels::cpu::compact_runs;
+using kernels::cpu::CompactRun;
+using kernels::cpu::int8_block_count;
+using kernels::cpu::ParamGroup;
+using kernels::cpu::ShardSegment;
 
 // The Hugging Face Trainer's grouping: weight decay on 2-D tensors only.
 // `shape`: the tensor's shape, e.g. {out, in} for a projection, {hidden} for a norm.
 ParamGroup param_group_for_shape(std::span<const int64_t> shape);
-
-// Elements [begin, end) of a shard belong to one parameter group.
-struct ShardSegment {
-  int64_t begin = 0;
-  int64_t end = 0;
-  ParamGroup group = ParamGroup::decay;
-};
-
-struct OptimizerShard {
-  kernels::cpu::AdamWShard arrays;  // (arrays.numel) each: master, m, v, grad, copy
-  // Ordered, non-overlapping and covering [0, arrays.numel) exactly; empty: the
-  // whole shard is in group `decay`.
-  std::span<const ShardSegment> segments;
-};
-
-// A shard whose m and v are stored in a compact format (kernels/cpu/adamw.h,
-// AdamWStateShard), read and written in that form by the fused kernel.
-// int8 blocks: the 256-element windows of the shard counted from its element
-// 0, cut where a segment ends (a block has one parameter group), in order;
-// exp_avg_scale and exp_avg_sq_scale hold int8_block_count(segments, numel)
-// scales each. A shard cut at multiples of 256 (a streamed chunk) has the
-// same blocks as the whole, so its scales are a contiguous run of the whole's.
-struct CompactOptimizerShard {
-  kernels::cpu::AdamWStateShard arrays;
-  std::span<const ShardSegment> segments;  // as OptimizerShard::segments
-};
-
-// The int8 blocks of a shard of `numel` elements with these segments (empty: one).
-int64_t int8_block_count(std::span<const ShardSegment> segments, int64_t numel);
-
-// One kernel call's part of a compact shard: elements [begin, end) of group
-// `group`, its int8 scales from block `block` of the shard's (0 otherwise).
-struct CompactRun {
-  int64_t begin = 0, end = 0;
-  ParamGroup group = ParamGroup::decay;
-  int64_t block = 0;
-};
-
-// The runs Optimizer::update_shard makes of a CompactOptimizerShard of
-// `numel` elements of `type` with these segments, in order (per segment; an
-// int8 segment starting inside a 256-element window first takes the rest of
-// that window, one block, then the windows from the next multiple of 256),
-// for an optimizer that runs the kernel itself (the CUDA backend's).
-// Fails on segments that do not cover [0, numel) in order.
-Result<std::vector<CompactRun>> compact_runs(std::span<const ShardSegment> segments, int64_t numel,
-                                             kernels::cpu::AdamWStateType type);
 
 // What begin_step() decided for one step.
 struct StepPlan {
@@ -157,17 +119,18 @@ class Optimizer {
   // (the run cannot go on); the state is then unchanged.
   Result<StepPlan> begin_step(const std::optional<kernels::cpu::GradNormPartial>& grads);
 
-  // Step 4: one shard's AdamW update for `plan` (nothing when !plan.apply).
-  Status update_shard(const StepPlan& plan, const OptimizerShard& shard) const;
-  // The same over compact moments (fp32 moments: exactly the above).
-  Status update_shard(const StepPlan& plan, const CompactOptimizerShard& shard) const;
-  // Zeroes the moments and scales of `shard` (the state before step 1), each
-  // block with the kernel's range-to-thread mapping (first_touch_zero).
-  static Status zero_state(const CompactOptimizerShard& shard);
+  // Step 4: one shard's AdamW update for `plan` (nothing when !plan.apply),
+  // by the CPU kernel, each parameter group of shard.segments with its own
+  // weight decay. An fp32 copy is the new master, copied there after the
+  // kernel. Fails (touching nothing) on what the kernel refuses.
+  Status update_shard(const StepPlan& plan, const kernels::cpu::AdamWShard& shard) const;
 
-  // The AdamW hyperparameters update_shard gives the kernel for one parameter
-  // group of `plan` (also what a GPU update of device-resident state uses).
-  kernels::cpu::AdamWHyperparams hyperparams(const StepPlan& plan, ParamGroup group) const;
+  // The AdamW hyperparameters of `plan` for parameter group `group`. For a
+  // whole shard (the kernels take each group's weight decay from these by
+  // group_hyperparams) the group is `decay`, as update_shard passes them and
+  // a GPU update of device-resident state does.
+  kernels::cpu::AdamWHyperparams hyperparams(const StepPlan& plan,
+                                             ParamGroup group = ParamGroup::decay) const;
 
   const OptimizerState& state() const { return state_; }
   void restore(const OptimizerState& state);

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace strata {
@@ -13,8 +12,9 @@ using tiers::ShardKind;
 using tiers::StreamItem;
 using tiers::StreamPiece;
 
-const void* offset_elements(const void* base, int64_t elements, kernels::cpu::ElementType type) {
-  return static_cast<const std::byte*>(base) + elements * int64_t(kernels::cpu::element_size(type));
+void* offset_elements(const void* base, int64_t elements, kernels::cpu::ElementType type) {
+  return const_cast<std::byte*>(static_cast<const std::byte*>(base)) +
+         elements * int64_t(kernels::cpu::element_size(type));
 }
 
 int64_t moment_bytes(kernels::cpu::AdamWStateType type) {
@@ -77,8 +77,9 @@ void StreamedOptimizer::chunk_items(std::span<const StreamedOptimizerUnit> units
   const uint64_t mb = uint64_t(moment_bytes(options_.state_type));
   for (size_t u = 0; u < units.size(); ++u) {
     const StreamedOptimizerUnit& unit = units[u];
-    for (int64_t begin = 0; begin < unit.numel; begin += options_.chunk_elements) {
-      const int64_t numel = std::min(options_.chunk_elements, unit.numel - begin);
+    const int64_t unit_numel = unit.shard.numel;
+    for (int64_t begin = 0; begin < unit_numel; begin += options_.chunk_elements) {
+      const int64_t numel = std::min(options_.chunk_elements, unit_numel - begin);
       if (chunks != nullptr) chunks->push_back({u, begin, numel});
       StreamItem item;
       item.pieces.push_back(
@@ -106,9 +107,16 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
   const kernels::cpu::AdamWStateType state_type = options_.state_type;
   const bool int8 = state_type == kernels::cpu::AdamWStateType::int8;
   for (const StreamedOptimizerUnit& unit : units) {
-    if (unit.numel > 0 && unit.grad == nullptr && !options_.grads_in_store)
+    const kernels::cpu::AdamWShard& shard = unit.shard;
+    if (shard.state_type != state_type)
+      return Status::error(
+          fmt::format("streamed optimizer: unit {} has {} state in a pass over {} state", unit.unit,
+                      kernels::cpu::adamw_state_type_name(shard.state_type),
+                      kernels::cpu::adamw_state_type_name(state_type)));
+    if (shard.numel > 0 && shard.grad == nullptr && !options_.grads_in_store)
       return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
-    if (unit.numel > 0 && int8 && (unit.m_scale == nullptr || unit.v_scale == nullptr))
+    if (shard.numel > 0 && int8 &&
+        (shard.exp_avg_scale == nullptr || shard.exp_avg_sq_scale == nullptr))
       return Status::error(
           fmt::format("streamed optimizer: unit {} has int8 state but no scales", unit.unit));
   }
@@ -120,60 +128,38 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
   auto update_chunk = [&](size_t index, std::span<std::byte* const> pieces) -> Status {
     const Chunk& chunk = chunks[index];
     const StreamedOptimizerUnit& unit = units[chunk.unit];
+    const kernels::cpu::AdamWShard& whole = unit.shard;
     const int64_t end = chunk.begin + chunk.numel;
     segments.clear();
-    for (const ShardSegment& segment : unit.segments) {
+    for (const ShardSegment& segment : whole.segments) {
       const int64_t begin = std::max(segment.begin, chunk.begin);
       const int64_t stop = std::min(segment.end, end);
       if (begin < stop)
         segments.push_back({begin - chunk.begin, stop - chunk.begin, segment.group});
     }
-    // The kernel writes a bf16/fp16 copy in its pass; an fp32 copy is the new master itself.
-    void* copy = unit.copy
-                     ? const_cast<void*>(offset_elements(unit.copy, chunk.begin, unit.copy_type))
-                     : nullptr;
-    const bool narrow_copy = copy != nullptr && unit.copy_type != kernels::cpu::ElementType::f32;
-    const void* grad = options_.grads_in_store
-                           ? static_cast<const void*>(pieces[3])
-                           : offset_elements(unit.grad, chunk.begin, unit.grad_type);
-    const kernels::cpu::ElementType grad_type =
-        options_.grads_in_store ? kernels::cpu::ElementType::f32 : unit.grad_type;
-    Status status = Status::ok();
-    if (state_type == kernels::cpu::AdamWStateType::f32) {
-      OptimizerShard shard;
-      shard.arrays.numel = chunk.numel;
-      shard.arrays.master = reinterpret_cast<float*>(pieces[0]);
-      shard.arrays.exp_avg = reinterpret_cast<float*>(pieces[1]);
-      shard.arrays.exp_avg_sq = reinterpret_cast<float*>(pieces[2]);
-      shard.arrays.grad = grad;
-      shard.arrays.grad_type = grad_type;
-      shard.arrays.copy = narrow_copy ? copy : nullptr;
-      shard.arrays.copy_type = unit.copy_type;
-      shard.segments = segments;
-      status = optimizer.update_shard(plan, shard);
-    } else {
-      CompactOptimizerShard shard;
-      shard.arrays.numel = chunk.numel;
-      shard.arrays.state_type = state_type;
-      shard.arrays.master = reinterpret_cast<float*>(pieces[0]);
-      shard.arrays.exp_avg = pieces[1];
-      shard.arrays.exp_avg_sq = pieces[2];
-      if (int8) {
-        const int64_t first = blocks_before(unit.segments, chunk.begin);
-        shard.arrays.exp_avg_scale = unit.m_scale + first;
-        shard.arrays.exp_avg_sq_scale = unit.v_scale + first;
-      }
-      shard.arrays.grad = grad;
-      shard.arrays.grad_type = grad_type;
-      shard.arrays.copy = narrow_copy ? copy : nullptr;
-      shard.arrays.copy_type = unit.copy_type;
-      shard.segments = segments;
-      status = optimizer.update_shard(plan, shard);
+    // The chunk as a shard of its own: its state in the pass's buffers, its
+    // part of the gradient (or the store's, a fourth piece), copy and scales.
+    kernels::cpu::AdamWShard part = whole;
+    part.numel = chunk.numel;
+    part.master = reinterpret_cast<float*>(pieces[0]);
+    part.exp_avg = pieces[1];
+    part.exp_avg_sq = pieces[2];
+    if (int8) {
+      const int64_t first = blocks_before(whole.segments, chunk.begin);
+      part.exp_avg_scale = whole.exp_avg_scale + first;
+      part.exp_avg_sq_scale = whole.exp_avg_sq_scale + first;
     }
-    if (status && copy != nullptr && !narrow_copy)
-      std::memcpy(copy, pieces[0], size_t(chunk.numel) * 4);
-    return status.with_context(
-        fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
+    if (options_.grads_in_store) {
+      part.grad = pieces[3];
+      part.grad_type = kernels::cpu::ElementType::f32;
+    } else {
+      part.grad = offset_elements(whole.grad, chunk.begin, whole.grad_type);
+    }
+    if (whole.copy != nullptr)
+      part.copy = offset_elements(whole.copy, chunk.begin, whole.copy_type);
+    part.segments = segments;
+    return optimizer.update_shard(plan, part)
+        .with_context(fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
   };
   std::vector<StreamItem> next_items;
   chunk_items(next, false, nullptr, &next_items, options_.buffer_count);

@@ -17,8 +17,8 @@
 // Compact m and v (state_type bf16 or int8, kernels/cpu/adamw.h): the m and v
 // shards hold numel elements as stored (bf16, or int8 codes) and a chunk's
 // pieces are that many bytes; int8 block scales are host arrays the caller
-// owns (StreamedOptimizerUnit), since chunks start at multiples of 4096
-// elements, a chunk's blocks are a contiguous run of the unit's.
+// owns (StreamedOptimizerUnit::shard); since chunks start at multiples of
+// 4096 elements, a chunk's blocks are a contiguous run of the unit's.
 //
 // Host memory: buffer_count buffers of chunk_elements * (4 + 2 x the moment's
 // bytes, + 4 when the gradients come from the store) bytes (12 for fp32
@@ -37,7 +37,7 @@
 #include "core/optimizer/optimizer.h"
 #include "core/plan/planner.h"
 #include "io/base/status.h"
-#include "kernels/cpu/simd.h"
+#include "kernels/cpu/adamw_shard.h"
 #include "tiers/streamed_pass.h"
 #include "tiers/tiered_store.h"
 
@@ -52,26 +52,23 @@ struct StreamedOptimizerOptions {
   bool grads_in_store = false;
 };
 
-// One unit's shard as the step sees it.
+// One unit's update as the step sees it: which unit, its shard update and
+// where the stored pieces are. The shard's master, exp_avg and exp_avg_sq are
+// not used (the step brings them chunk by chunk from the store's shards
+// (unit, master_kind), (unit, m), (unit, v)); the rest is host memory the
+// caller owns: grad (unused with grads_in_store), the copy (bf16/fp16
+// rounded by the kernel, f32 copied; written as each chunk is updated), the
+// int8 block scales. Its state_type must be the options' (step() refuses
+// another).
 struct StreamedOptimizerUnit {
   int unit = 0;
-  int64_t numel = 0;
-  std::span<const ShardSegment> segments;  // as OptimizerShard::segments; empty: all `decay`
-  const void* grad = nullptr;              // (numel) of grad_type, host memory
-  kernels::cpu::ElementType grad_type = kernels::cpu::ElementType::f32;
-  // (numel) of copy_type, host memory: the new parameters, written as each chunk
-  // is updated (bf16/fp16 rounded by the kernel, f32 copied); nullptr: no copy.
-  void* copy = nullptr;
-  kernels::cpu::ElementType copy_type = kernels::cpu::ElementType::bf16;
+  kernels::cpu::AdamWShard shard;
   // The shard holding the fp32 master: `master`, or `param` where the fp32
   // parameters are the master.
   tiers::ShardKind master_kind = tiers::ShardKind::master;
-  // int8 state: (int8_block_count(segments, numel)) each, host memory, the
-  // block scales of m and v (CompactOptimizerShard); nullptr otherwise.
-  float* m_scale = nullptr;
-  float* v_scale = nullptr;
-  // grads_in_store: instead of `grad`, fp32 elements [grad_offset, grad_offset
-  // + numel) of shard (unit, grad), read (not written back) with each chunk.
+  // grads_in_store: instead of shard.grad, fp32 elements [grad_offset,
+  // grad_offset + numel) of shard (unit, grad), read (not written back) with
+  // each chunk.
   int64_t grad_offset = 0;
 };
 

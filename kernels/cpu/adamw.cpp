@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "kernels/cpu/simd_convert.h"
 
@@ -53,18 +54,6 @@ StepConstants make_constants(const AdamWHyperparams& h) {
   c.eps = static_cast<float>(h.eps);
   return c;
 }
-
-// The arrays of one call, whatever the moments' format. Each has the shard's
-// length; the scales (int8 only) have one entry per kAdamWInt8Block elements.
-struct Arrays {
-  float* master;
-  void* exp_avg;
-  void* exp_avg_sq;
-  float* exp_avg_scale;
-  float* exp_avg_sq_scale;
-  const void* grad;
-  void* copy;
-};
 
 // The loops ask for the lines of the fp32 arrays (master, fp32 moments) and of
 // the gradient this many elements ahead (4 KiB of fp32). Measured on AMD Zen 5
@@ -108,7 +97,7 @@ inline float adamw_element(const StepConstants& c, float grad, float p, float& m
 
 // Moments stored as S (f32 or bf16): element i.
 template <ElementType S, ElementType G, CopyKind C>
-inline void update_element(const Arrays& s, const StepConstants& c, int64_t i) {
+inline void update_element(const AdamWShard& s, const StepConstants& c, int64_t i) {
   float m = load_as_float<S>(s.exp_avg, i);
   float v = load_as_float<S>(s.exp_avg_sq, i);
   const float p = adamw_element(c, load_as_float<G>(s.grad, i), s.master[i], m, v);
@@ -124,7 +113,7 @@ inline void update_element(const Arrays& s, const StepConstants& c, int64_t i) {
 }
 
 template <ElementType S, ElementType G, CopyKind C>
-void update_scalar(const Arrays& s, const StepConstants& c, int64_t begin, int64_t end) {
+void update_scalar(const AdamWShard& s, const StepConstants& c, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) update_element<S, G, C>(s, c, i);
 }
 
@@ -172,7 +161,8 @@ inline uint32_t magnitude_bits(float x) {
 // Elements [begin, end) of one block (begin is its first element, end at most
 // kAdamWInt8Block later).
 template <ElementType G, CopyKind C>
-void update_int8_block_scalar(const Arrays& s, const StepConstants& c, int64_t begin, int64_t end) {
+void update_int8_block_scalar(const AdamWShard& s, const StepConstants& c, int64_t begin,
+                              int64_t end) {
   const int64_t block = begin / kAdamWInt8Block;
   auto* const m_codes = static_cast<int8_t*>(s.exp_avg);
   auto* const root_codes = static_cast<uint8_t*>(s.exp_avg_sq);
@@ -205,7 +195,7 @@ void update_int8_block_scalar(const Arrays& s, const StepConstants& c, int64_t b
 }
 
 template <ElementType G, CopyKind C>
-void update_int8_scalar(const Arrays& s, const StepConstants& c, int64_t begin, int64_t end) {
+void update_int8_scalar(const AdamWShard& s, const StepConstants& c, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; i += kAdamWInt8Block) {
     update_int8_block_scalar<G, C>(s, c, i, std::min(i + kAdamWInt8Block, end));
   }
@@ -270,8 +260,8 @@ STRATA_TARGET_AVX2 inline void store8_state(void* data, int64_t i, __m256 value)
 
 // Updates elements [i, i + 8) of master, m and v; returns the new master.
 template <ElementType S, ElementType G>
-STRATA_TARGET_AVX2 inline __m256 update8(const Avx2Constants& k, bool decoupled, const Arrays& s,
-                                         int64_t i) {
+STRATA_TARGET_AVX2 inline __m256 update8(const Avx2Constants& k, bool decoupled,
+                                         const AdamWShard& s, int64_t i) {
   __m256 m = load8_as_float<S>(s.exp_avg, i);
   __m256 v = load8_as_float<S>(s.exp_avg_sq, i);
   __m256 root;
@@ -287,7 +277,7 @@ STRATA_TARGET_AVX2 inline __m256 update8(const Avx2Constants& k, bool decoupled,
 // elements i..i+7 in low and i+8..i+15 in high. bf16 moments are rounded 16 at
 // a time, with one check for NaN, and stored 32 bytes at a time.
 template <ElementType S, ElementType G>
-STRATA_TARGET_AVX2 inline void update16(const Avx2Constants& k, bool decoupled, const Arrays& s,
+STRATA_TARGET_AVX2 inline void update16(const Avx2Constants& k, bool decoupled, const AdamWShard& s,
                                         int64_t i, __m256& low, __m256& high) {
   if constexpr (S == ElementType::f32) {
     low = update8<S, G>(k, decoupled, s, i);
@@ -310,7 +300,7 @@ STRATA_TARGET_AVX2 inline void update16(const Avx2Constants& k, bool decoupled, 
 }
 
 template <ElementType S, ElementType G>
-inline void prefetch16_ahead(const Arrays& s, int64_t i) {
+inline void prefetch16_ahead(const AdamWShard& s, int64_t i) {
   prefetch_ahead<ElementType::f32>(s.master, i);
   if constexpr (S == ElementType::f32) {
     prefetch_ahead<S>(s.exp_avg, i);
@@ -320,10 +310,10 @@ inline void prefetch16_ahead(const Arrays& s, int64_t i) {
 }
 
 template <ElementType S, ElementType G, CopyKind C>
-STRATA_TARGET_AVX2 void update_avx2(const Arrays& s, const StepConstants& c, int64_t begin,
+STRATA_TARGET_AVX2 void update_avx2(const AdamWShard& s, const StepConstants& c, int64_t begin,
                                     int64_t end) {
   const Avx2Constants k = avx2_constants(c);
-  const Arrays a = s;  // a local copy, so the compiler need not reload it after every store
+  const AdamWShard a = s;  // a local copy, so the compiler need not reload it after every store
   const bool decoupled = c.decoupled;
   int64_t i = begin;
   if constexpr (C != CopyKind::none) {
@@ -374,7 +364,7 @@ struct Avx2BlockScales {
 // new m and sqrt(v) into m_out and root_out (16 each).
 template <ElementType G, CopyKind C, bool Stream>
 STRATA_TARGET_AVX2 inline void update_int8_16_avx2(const Avx2Constants& k, bool decoupled,
-                                                   const Arrays& s, int64_t i,
+                                                   const AdamWShard& s, int64_t i,
                                                    Avx2BlockScales& scales, float* m_out,
                                                    float* root_out) {
   const auto* const m_codes = static_cast<const int8_t*>(s.exp_avg);
@@ -412,9 +402,9 @@ STRATA_TARGET_AVX2 inline void update_int8_16_avx2(const Avx2Constants& k, bool 
 
 // Encoding pass over elements [i, i + 16) of a block, from its new m and
 // sqrt(v) (16 each) and its code factors.
-STRATA_TARGET_AVX2 inline void encode_int8_16_avx2(const Arrays& s, int64_t i, const float* m_in,
-                                                   const float* root_in, __m256 m_factor,
-                                                   __m256 root_factor) {
+STRATA_TARGET_AVX2 inline void encode_int8_16_avx2(const AdamWShard& s, int64_t i,
+                                                   const float* m_in, const float* root_in,
+                                                   __m256 m_factor, __m256 root_factor) {
   const __m256 zero = _mm256_setzero_ps();
   const __m256i one = _mm256_set1_epi32(1);
   for (int64_t j = 0; j < 16; j += 8) {
@@ -435,7 +425,7 @@ STRATA_TARGET_AVX2 inline void encode_int8_16_avx2(const Arrays& s, int64_t i, c
 // stores (copy + begin is 32-byte aligned).
 template <ElementType G, CopyKind C, bool Stream>
 STRATA_TARGET_AVX2 void update_int8_blocks_avx2(const Avx2Constants& k, bool decoupled,
-                                                const Arrays& s, int64_t begin, int64_t end) {
+                                                const AdamWShard& s, int64_t begin, int64_t end) {
   Int8Blocks buffers;
   __m256 m_factor = _mm256_setzero_ps(), root_factor = _mm256_setzero_ps();  // of block k - 1
   int half = 0;
@@ -473,10 +463,10 @@ STRATA_TARGET_AVX2 void update_int8_blocks_avx2(const Avx2Constants& k, bool dec
 }
 
 template <ElementType G, CopyKind C>
-STRATA_TARGET_AVX2 void update_int8_avx2(const Arrays& s, const StepConstants& c, int64_t begin,
+STRATA_TARGET_AVX2 void update_int8_avx2(const AdamWShard& s, const StepConstants& c, int64_t begin,
                                          int64_t end) {
   const Avx2Constants k = avx2_constants(c);
-  const Arrays a = s;
+  const AdamWShard a = s;
   const int64_t whole_end = begin + (end - begin) / kAdamWInt8Block * kAdamWInt8Block;
   const bool stream =
       C != CopyKind::none &&
@@ -528,10 +518,10 @@ STRATA_TARGET_AVX512 inline __m512 adamw16(const Avx512Constants& k, bool decoup
 }
 
 template <ElementType S, ElementType G, CopyKind C>
-STRATA_TARGET_AVX512 void update_avx512(const Arrays& s, const StepConstants& c, int64_t begin,
+STRATA_TARGET_AVX512 void update_avx512(const AdamWShard& s, const StepConstants& c, int64_t begin,
                                         int64_t end) {
   const Avx512Constants k = avx512_constants(c);
-  const Arrays a = s;  // a local copy, so the compiler need not reload it after every store
+  const AdamWShard a = s;  // a local copy, so the compiler need not reload it after every store
   const bool decoupled = c.decoupled;
   int64_t i = begin;
   // The copy is written with non-temporal stores (it goes to the GPU, not back
@@ -573,7 +563,7 @@ struct Avx512BlockScales {
 // new m and sqrt(v) into m_out and root_out (16 each).
 template <ElementType G, CopyKind C, bool Stream>
 STRATA_TARGET_AVX512 inline void update_int8_16_avx512(const Avx512Constants& k, bool decoupled,
-                                                       const Arrays& s, int64_t i,
+                                                       const AdamWShard& s, int64_t i,
                                                        Avx512BlockScales& scales, float* m_out,
                                                        float* root_out) {
   const auto* const m_codes = static_cast<const int8_t*>(s.exp_avg);
@@ -600,7 +590,7 @@ STRATA_TARGET_AVX512 inline void update_int8_16_avx512(const Avx512Constants& k,
 
 // Encoding pass over elements [i, i + 16) of a block, from its new m and
 // sqrt(v) (16 each) and its code factors.
-STRATA_TARGET_AVX512 inline void encode_int8_16_avx512(const Arrays& s, int64_t i,
+STRATA_TARGET_AVX512 inline void encode_int8_16_avx512(const AdamWShard& s, int64_t i,
                                                        const float* m_in, const float* root_in,
                                                        __m512 m_factor, __m512 root_factor) {
   const __m512 root = _mm512_load_ps(root_in);
@@ -619,7 +609,8 @@ STRATA_TARGET_AVX512 inline void encode_int8_16_avx512(const Arrays& s, int64_t 
 // stores (copy + begin is 32-byte aligned).
 template <ElementType G, CopyKind C, bool Stream>
 STRATA_TARGET_AVX512 void update_int8_blocks_avx512(const Avx512Constants& k, bool decoupled,
-                                                    const Arrays& s, int64_t begin, int64_t end) {
+                                                    const AdamWShard& s, int64_t begin,
+                                                    int64_t end) {
   Int8Blocks buffers;
   __m512 m_factor = _mm512_setzero_ps(), root_factor = _mm512_setzero_ps();  // of block k - 1
   int half = 0;
@@ -657,10 +648,10 @@ STRATA_TARGET_AVX512 void update_int8_blocks_avx512(const Avx512Constants& k, bo
 }
 
 template <ElementType G, CopyKind C>
-STRATA_TARGET_AVX512 void update_int8_avx512(const Arrays& s, const StepConstants& c, int64_t begin,
-                                             int64_t end) {
+STRATA_TARGET_AVX512 void update_int8_avx512(const AdamWShard& s, const StepConstants& c,
+                                             int64_t begin, int64_t end) {
   const Avx512Constants k = avx512_constants(c);
-  const Arrays a = s;
+  const AdamWShard a = s;
   const int64_t whole_end = begin + (end - begin) / kAdamWInt8Block * kAdamWInt8Block;
   const bool stream =
       C != CopyKind::none &&
@@ -677,7 +668,7 @@ STRATA_TARGET_AVX512 void update_int8_avx512(const Arrays& s, const StepConstant
 // ---------------------------------------------------------------------------------------
 // Dispatch.
 
-using RangeFunction = void (*)(const Arrays&, const StepConstants&, int64_t, int64_t);
+using RangeFunction = void (*)(const AdamWShard&, const StepConstants&, int64_t, int64_t);
 
 template <AdamWStateType S, ElementType G, CopyKind C>
 RangeFunction pick_for_level(SimdLevel level) {
@@ -760,7 +751,7 @@ Status check_hyperparams(const AdamWHyperparams& h) {
   return Status::ok();
 }
 
-Status check(const AdamWStateShard& s, const AdamWHyperparams& h) {
+Status check(const AdamWShard& s, const AdamWHyperparams& h) {
   if (s.numel < 0)
     return Status::error("adamw_step: negative shard length " + std::to_string(s.numel));
   if (s.numel > 0 && (s.master == nullptr || s.exp_avg == nullptr || s.exp_avg_sq == nullptr ||
@@ -783,20 +774,6 @@ Status check(const AdamWStateShard& s, const AdamWHyperparams& h) {
   return check_hyperparams(h);
 }
 
-AdamWStateShard as_state_shard(const AdamWShard& s) {
-  AdamWStateShard out;
-  out.numel = s.numel;
-  out.state_type = AdamWStateType::f32;
-  out.master = s.master;
-  out.exp_avg = s.exp_avg;
-  out.exp_avg_sq = s.exp_avg_sq;
-  out.grad = s.grad;
-  out.grad_type = s.grad_type;
-  out.copy = s.copy;
-  out.copy_type = s.copy_type;
-  return out;
-}
-
 std::size_t state_element_size(AdamWStateType type) {
   switch (type) {
     case AdamWStateType::f32:
@@ -807,6 +784,36 @@ std::size_t state_element_size(AdamWStateType type) {
       return 1;
   }
   return 0;
+}
+
+// One kernel pass over one run (a shard of one group), checked by adamw_step.
+void update_run(const AdamWShard& run, const AdamWHyperparams& hyper) {
+  const StepConstants constants = make_constants(hyper);
+  const RangeFunction update =
+      pick(run.state_type, run.grad_type, run.copy != nullptr, run.copy_type, active_simd_level());
+  for_each_static_range(
+      run.numel, [&](int64_t begin, int64_t end) { update(run, constants, begin, end); },
+      range_alignment(run.state_type));
+}
+
+void zero_run(const AdamWShard& run) {
+  const std::size_t size = state_element_size(run.state_type);
+  const bool int8 = run.state_type == AdamWStateType::int8;
+  for_each_static_range(
+      run.numel,
+      [&](int64_t begin, int64_t end) {
+        const std::size_t offset = static_cast<std::size_t>(begin) * size;
+        const std::size_t bytes = static_cast<std::size_t>(end - begin) * size;
+        std::memset(static_cast<char*>(run.exp_avg) + offset, 0, bytes);
+        std::memset(static_cast<char*>(run.exp_avg_sq) + offset, 0, bytes);
+        if (int8) {
+          const int64_t first = begin / kAdamWInt8Block;
+          const int64_t count = (end - begin + kAdamWInt8Block - 1) / kAdamWInt8Block;
+          std::memset(run.exp_avg_scale + first, 0, static_cast<std::size_t>(count) * 4);
+          std::memset(run.exp_avg_sq_scale + first, 0, static_cast<std::size_t>(count) * 4);
+        }
+      },
+      range_alignment(run.state_type));
 }
 
 }  // namespace
@@ -834,21 +841,14 @@ int64_t adamw_state_bytes(AdamWStateType type, int64_t numel) {
          2 * adamw_state_scale_count(type, numel) * static_cast<int64_t>(sizeof(float));
 }
 
-Status adamw_step(const AdamWStateShard& shard, const AdamWHyperparams& hyper) {
-  if (Status status = check(shard, hyper); !status) return status;
-  const StepConstants constants = make_constants(hyper);
-  const RangeFunction update = pick(shard.state_type, shard.grad_type, shard.copy != nullptr,
-                                    shard.copy_type, active_simd_level());
-  const Arrays arrays{shard.master,           shard.exp_avg, shard.exp_avg_sq, shard.exp_avg_scale,
-                      shard.exp_avg_sq_scale, shard.grad,    shard.copy};
-  for_each_static_range(
-      shard.numel, [&](int64_t begin, int64_t end) { update(arrays, constants, begin, end); },
-      range_alignment(shard.state_type));
-  return Status::ok();
-}
-
 Status adamw_step(const AdamWShard& shard, const AdamWHyperparams& hyper) {
-  return adamw_step(as_state_shard(shard), hyper);
+  if (Status status = check(shard, hyper); !status) return status;
+  Result<std::vector<CompactRun>> runs =
+      compact_runs(shard.segments, shard.numel, shard.state_type);
+  if (!runs) return runs.status();
+  for (const CompactRun& run : *runs)
+    update_run(run_of(shard, run), group_hyperparams(hyper, run.group));
+  return Status::ok();
 }
 
 void first_touch_zero(float* data, int64_t n) {
@@ -857,24 +857,12 @@ void first_touch_zero(float* data, int64_t n) {
   });
 }
 
-void first_touch_zero(const AdamWStateShard& shard) {
-  const std::size_t size = state_element_size(shard.state_type);
-  const bool int8 = shard.state_type == AdamWStateType::int8;
-  for_each_static_range(
-      shard.numel,
-      [&](int64_t begin, int64_t end) {
-        const std::size_t offset = static_cast<std::size_t>(begin) * size;
-        const std::size_t bytes = static_cast<std::size_t>(end - begin) * size;
-        std::memset(static_cast<char*>(shard.exp_avg) + offset, 0, bytes);
-        std::memset(static_cast<char*>(shard.exp_avg_sq) + offset, 0, bytes);
-        if (int8) {
-          const int64_t first = begin / kAdamWInt8Block;
-          const int64_t count = (end - begin + kAdamWInt8Block - 1) / kAdamWInt8Block;
-          std::memset(shard.exp_avg_scale + first, 0, static_cast<std::size_t>(count) * 4);
-          std::memset(shard.exp_avg_sq_scale + first, 0, static_cast<std::size_t>(count) * 4);
-        }
-      },
-      range_alignment(shard.state_type));
+Status first_touch_zero(const AdamWShard& shard) {
+  Result<std::vector<CompactRun>> runs =
+      compact_runs(shard.segments, shard.numel, shard.state_type);
+  if (!runs) return runs.status();
+  for (const CompactRun& run : *runs) zero_run(run_of(shard, run));
+  return Status::ok();
 }
 
 }  // namespace strata::kernels::cpu

@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
+#include "kernels/cpu/adamw.h"
 #include "kernels/cuda/adamw_constants.h"
 
 namespace strata::kernels::cuda {
@@ -14,7 +16,20 @@ namespace {
 static_assert(detail::kInt8Block == cpu::kAdamWInt8Block,
               "the CUDA int8 moments use the CPU kernel's blocks");
 
-Status check(const AdamWDeviceShard& s, const cpu::AdamWHyperparams& h) {
+// The element types of the CPU kernel's description, as the launchers take them.
+DType dtype_of(cpu::ElementType type) {
+  switch (type) {
+    case cpu::ElementType::f32:
+      return DType::f32;
+    case cpu::ElementType::bf16:
+      return DType::bf16;
+    case cpu::ElementType::f16:
+      return DType::f16;
+  }
+  return DType::f32;
+}
+
+Status check(const cpu::AdamWShard& s, const cpu::AdamWHyperparams& h) {
   if (s.numel < 0) {
     return Status::error("adamw_step (cuda): negative shard length " + std::to_string(s.numel));
   }
@@ -23,7 +38,7 @@ Status check(const AdamWDeviceShard& s, const cpu::AdamWHyperparams& h) {
     return Status::error(
         "adamw_step (cuda): master, exp_avg, exp_avg_sq and grad must all be given");
   }
-  if (s.copy != nullptr && s.copy_type == DType::f32) {
+  if (s.copy != nullptr && s.copy_type == cpu::ElementType::f32) {
     return Status::error(
         "adamw_step (cuda): the compute copy must be bf16 or fp16 (fp32 mode has no copy)");
   }
@@ -58,7 +73,7 @@ detail::AdamWConstants make_constants(const cpu::AdamWHyperparams& h) {
   return c;
 }
 
-Status check_scales(const AdamWDeviceStateShard& s) {
+Status check_scales(const cpu::AdamWShard& s) {
   const bool int8 = s.state_type == cpu::AdamWStateType::int8;
   if (int8 && s.numel > 0 && (s.exp_avg_scale == nullptr || s.exp_avg_sq_scale == nullptr)) {
     return Status::error("adamw_step (cuda): int8 moments need exp_avg_scale and exp_avg_sq_scale");
@@ -71,42 +86,43 @@ Status check_scales(const AdamWDeviceStateShard& s) {
   return Status::ok();
 }
 
-}  // namespace
-
-Status adamw_step(const AdamWDeviceShard& shard, const cpu::AdamWHyperparams& hyper,
+// One run (a shard of one group), checked by adamw_step.
+Status launch_run(const cpu::AdamWShard& run, const detail::AdamWConstants& constants,
                   cudaStream_t stream) {
-  if (Status s = check(shard, hyper); !s) return s;
-  if (shard.numel == 0) return Status::ok();
-  return detail::adamw_launch(shard.master, shard.exp_avg, shard.exp_avg_sq, shard.grad,
-                              shard.grad_type, shard.copy, shard.copy_type, shard.numel,
-                              make_constants(hyper), stream);
+  const DType grad_type = dtype_of(run.grad_type), copy_type = dtype_of(run.copy_type);
+  switch (run.state_type) {
+    case cpu::AdamWStateType::f32:
+      return detail::adamw_launch(run.master, static_cast<float*>(run.exp_avg),
+                                  static_cast<float*>(run.exp_avg_sq), run.grad, grad_type,
+                                  run.copy, copy_type, run.numel, constants, stream);
+    case cpu::AdamWStateType::bf16:
+      return detail::adamw_bf16_launch(run.master, static_cast<uint16_t*>(run.exp_avg),
+                                       static_cast<uint16_t*>(run.exp_avg_sq), run.grad, grad_type,
+                                       run.copy, copy_type, run.numel, constants, stream);
+    case cpu::AdamWStateType::int8:
+      break;
+  }
+  return detail::adamw_int8_launch(run.master, static_cast<int8_t*>(run.exp_avg),
+                                   static_cast<uint8_t*>(run.exp_avg_sq), run.exp_avg_scale,
+                                   run.exp_avg_sq_scale, run.grad, grad_type, run.copy, copy_type,
+                                   run.numel, constants, stream);
 }
 
-Status adamw_step(const AdamWDeviceStateShard& shard, const cpu::AdamWHyperparams& hyper,
+}  // namespace
+
+Status adamw_step(const cpu::AdamWShard& shard, const cpu::AdamWHyperparams& hyper,
                   cudaStream_t stream) {
-  AdamWDeviceShard arrays;  // the checks every format shares
-  arrays.numel = shard.numel;
-  arrays.master = shard.master;
-  arrays.exp_avg = static_cast<float*>(shard.exp_avg);
-  arrays.exp_avg_sq = static_cast<float*>(shard.exp_avg_sq);
-  arrays.grad = shard.grad;
-  arrays.grad_type = shard.grad_type;
-  arrays.copy = shard.copy;
-  arrays.copy_type = shard.copy_type;
   if (Status s = check_scales(shard); !s) return s;
-  if (shard.state_type == cpu::AdamWStateType::f32) return adamw_step(arrays, hyper, stream);
-  if (Status s = check(arrays, hyper); !s) return s;
-  if (shard.numel == 0) return Status::ok();
-  if (shard.state_type == cpu::AdamWStateType::bf16) {
-    return detail::adamw_bf16_launch(shard.master, static_cast<uint16_t*>(shard.exp_avg),
-                                     static_cast<uint16_t*>(shard.exp_avg_sq), shard.grad,
-                                     shard.grad_type, shard.copy, shard.copy_type, shard.numel,
-                                     make_constants(hyper), stream);
+  if (Status s = check(shard, hyper); !s) return s;
+  Result<std::vector<cpu::CompactRun>> runs =
+      cpu::compact_runs(shard.segments, shard.numel, shard.state_type);
+  if (!runs) return runs.status();
+  for (const cpu::CompactRun& run : *runs) {
+    const detail::AdamWConstants constants =
+        make_constants(cpu::group_hyperparams(hyper, run.group));
+    if (Status s = launch_run(cpu::run_of(shard, run), constants, stream); !s) return s;
   }
-  return detail::adamw_int8_launch(shard.master, static_cast<int8_t*>(shard.exp_avg),
-                                   static_cast<uint8_t*>(shard.exp_avg_sq), shard.exp_avg_scale,
-                                   shard.exp_avg_sq_scale, shard.grad, shard.grad_type, shard.copy,
-                                   shard.copy_type, shard.numel, make_constants(hyper), stream);
+  return Status::ok();
 }
 
 }  // namespace strata::kernels::cuda

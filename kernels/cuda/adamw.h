@@ -1,4 +1,4 @@
-// AdamW on the GPU, for runs that keep the optimizer state on the device.
+// AdamW on the GPU, for training that keeps the optimizer state on the device.
 //
 // The same step as kernels/cpu/adamw.h, element for element: the constants are
 // rounded once from float64 on the host exactly as the CPU kernel rounds them,
@@ -6,11 +6,15 @@
 // (explicit round-to-nearest multiplies, adds, fused multiply-adds, square
 // root and division; nvcc may not contract them), so a GPU step is bitwise
 // equal to the CPU step on the same inputs. Gradient fp32, bf16 or fp16; the
-// compute-precision copy (bf16 or fp16) is written in the same pass.
+// compute-precision copy (bf16 or fp16) is written in the same pass. It takes
+// the CPU kernel's description of a shard update (cpu::AdamWShard,
+// kernels/cpu/adamw_shard.h) with every pointer in device memory, and runs
+// it in the CPU kernel's pieces: one launch per run of cpu::compact_runs,
+// each with its group's hyperparameters.
 //
-// Compact moments (AdamWDeviceStateShard): bf16 or blockwise int8 m and v,
+// Compact moments (state_type bf16 or int8): bf16 or blockwise int8 m and v,
 // stored exactly as kernels/cpu/adamw.h states (the same codes, scales,
-// rounding and block layout: blocks of 256 counted from the shard's first
+// rounding and block layout: blocks of 256 counted from each run's first
 // element, their scales in device memory), read and written in that form in
 // the same pass. The operations are the CPU kernel's too (int8: the block's
 // maxima as an integer max over magnitude bits, which no order changes), so
@@ -36,51 +40,17 @@
 #include <cstdint>
 
 #include "io/base/status.h"
-#include "kernels/cpu/adamw.h"
-#include "kernels/cuda/ops.h"
+#include "kernels/cpu/adamw_shard.h"
 
 namespace strata::kernels::cuda {
 
-struct AdamWDeviceShard {
-  int64_t numel = 0;
-  float* master = nullptr;      // (numel) fp32 master weights, updated in place
-  float* exp_avg = nullptr;     // (numel) first moment m, updated in place
-  float* exp_avg_sq = nullptr;  // (numel) second moment v, updated in place
-  const void* grad = nullptr;   // (numel) of grad_type
-  DType grad_type = DType::f32;
-  void* copy = nullptr;           // (numel) of copy_type, written; nullptr: no copy (fp32 mode)
-  DType copy_type = DType::bf16;  // bf16 or f16
-};
-
-// Fails (enqueueing nothing) on a missing array, a negative length, an fp32
-// copy, a step below 1 or hyperparameters outside torch's accepted ranges.
-Status adamw_step(const AdamWDeviceShard& shard, const cpu::AdamWHyperparams& hyper,
-                  cudaStream_t stream);
-
-// cpu::AdamWStateShard on the device: one shard whose moments are of
-// `state_type`. Arrays of `numel` elements unless stated; none overlap.
-struct AdamWDeviceStateShard {
-  int64_t numel = 0;
-  cpu::AdamWStateType state_type = cpu::AdamWStateType::bf16;
-  float* master = nullptr;  // (numel) fp32 master weights, updated in place
-  // (numel) m and v, updated in place: f32: float; bf16: uint16_t bits;
-  // int8: int8_t codes for m, uint8_t codes of sqrt(v) for v.
-  void* exp_avg = nullptr;
-  void* exp_avg_sq = nullptr;
-  // int8 only (nullptr otherwise), (cpu::adamw_state_scale_count(int8, numel))
-  // each, updated in place: max |m| and max sqrt(v) of each block.
-  float* exp_avg_scale = nullptr;
-  float* exp_avg_sq_scale = nullptr;
-  const void* grad = nullptr;  // (numel) of grad_type
-  DType grad_type = DType::f32;
-  void* copy = nullptr;           // (numel) of copy_type, written; nullptr: no copy
-  DType copy_type = DType::bf16;  // bf16 or f16
-};
-
-// Fails (enqueueing nothing) as adamw_step above does, and on missing or
-// unexpected scales (the CPU kernel's checks). fp32 moments: exactly
-// adamw_step on an AdamWDeviceShard of the same arrays.
-Status adamw_step(const AdamWDeviceStateShard& shard, const cpu::AdamWHyperparams& hyper,
+// One step on `shard` (every pointer device memory; grad_type and copy_type
+// as the CPU kernel takes them), enqueued on `stream`. Fails (enqueueing
+// nothing) on what the CPU kernel refuses: a missing array, a negative
+// length, missing or unexpected scales, an fp32 copy, segments that do not
+// cover the shard, a step below 1 or hyperparameters outside torch's
+// accepted ranges.
+Status adamw_step(const cpu::AdamWShard& shard, const cpu::AdamWHyperparams& hyper,
                   cudaStream_t stream);
 
 }  // namespace strata::kernels::cuda

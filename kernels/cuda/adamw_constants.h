@@ -29,7 +29,8 @@ struct AdamWConstants {
   bool decoupled;
 };
 
-// The arrays of kernels/cuda/adamw.h's AdamWDeviceShard, checked by adamw_step.
+// fp32 moments: the arrays of one run of a cpu::AdamWShard (kernels/cuda/adamw.h),
+// checked by adamw_step.
 Status adamw_launch(float* master, float* exp_avg, float* exp_avg_sq,  // (numel) each
                     const void* grad, DType grad_type,                 // (numel)
                     void* copy, DType copy_type,                       // (numel) or null

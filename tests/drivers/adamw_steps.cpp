@@ -121,16 +121,16 @@ int run(const std::string& dir) {
     if (!norm) throw std::runtime_error(norm.status().message());
     auto plan = optimizer.begin_step(*norm);
     if (!plan) throw std::runtime_error(plan.status().message());
-    strata::OptimizerShard shard;
-    shard.arrays.numel = numel;
-    shard.arrays.master = master.data();
-    shard.arrays.exp_avg = exp_avg.data();
-    shard.arrays.exp_avg_sq = exp_avg_sq.data();
-    shard.arrays.grad = grad.data();
-    shard.arrays.grad_type = grad_type;
+    strata::kernels::cpu::AdamWShard shard;
+    shard.numel = numel;
+    shard.master = master.data();
+    shard.exp_avg = exp_avg.data();
+    shard.exp_avg_sq = exp_avg_sq.data();
+    shard.grad = grad.data();
+    shard.grad_type = grad_type;
     if (copy_name != "none") {
-      shard.arrays.copy = copy.data();
-      shard.arrays.copy_type = element_type(copy_name);
+      shard.copy = copy.data();
+      shard.copy_type = element_type(copy_name);
     }
     shard.segments = segments;
     if (strata::Status status = optimizer.update_shard(*plan, shard); !status) {
