@@ -56,7 +56,7 @@ def plan_traffic(strata, flags):
     out = subprocess.run([strata, "plan", "--ops", "--json"] + flags,
                          check=True, capture_output=True, text=True).stdout
     plan = json.loads(out)
-    roles = ("activation_checkpoints", "activation_gradient", "gpu_activation_checkpoints",
+    roles = ("saved_inputs", "activation_gradient", "gpu_saved_inputs",
              "gpu_activation_gradient", "activation_spill")
     kept = sum(b["bytes"] for b in plan["buffers"] if b["role"] in roles and b["tier"] != "nvme")
     return {

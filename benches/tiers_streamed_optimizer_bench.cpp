@@ -148,7 +148,7 @@ void InMemoryStep(benchmark::State& state) {
   std::vector<uint16_t> copy(shape.chunk);
   strata::Optimizer optimizer = make_optimizer();
   auto step = [&]() -> strata::Status {
-    const strata::StepPlan plan = *optimizer.begin_step(std::nullopt);
+    const strata::StepDecision plan = *optimizer.begin_step(std::nullopt);
     for (int unit = 0; unit < shape.units(); ++unit) {
       const uint64_t begin = uint64_t(unit) * uint64_t(shape.chunk);
       strata::kernels::cpu::AdamWShard shard;

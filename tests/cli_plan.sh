@@ -51,7 +51,7 @@ zero=$(echo "$out" | json_get 'd["traffic"]["collective_bytes_zero"]')
 [ "$zero" = "$((3 * 2 * n))" ]; check "stage 3 collective volume is 3 psi ($zero)" $?
 per=$(echo "$out" | json_get 'round(d["per_rank_strata"]["device_bytes"] * d["world_size"] / d["parameters"], 2)')
 [ "$per" = "18.0" ]; check "bf16 states on the device: 18 bytes per parameter on the node ($per)" $?
-act=$(echo "$out" | json_get 'd["activations"]["checkpoint_bytes"]')
+act=$(echo "$out" | json_get 'd["activations"]["saved_bytes"]')
 [ "$act" -gt 0 ]; check "--params plans activations too ($act bytes)" $?
 "$strata" plan --params 7B | head -1 | grep -q "^strata plan: llama-shaped (hidden [0-9]*, [0-9]* layers, vocab 32000)"
 check "--params names the model's shape" $?
@@ -147,7 +147,7 @@ out=$("$strata" plan --model tiny --ops --stage 3 --offload-param nvme --offload
 grep -q "^schedule layer: activations of 3 micro-batches in device slots of 2 levels" <<<"$out" &&
   [ "$(grep -c " spill(" <<<"$out")" = "$(grep -c " restore(" <<<"$out")" ] &&
   grep -q "spill(embedding) mb 2 .*activations" <<<"$out" &&
-  grep -q "activation checkpoints spilled" <<<"$out"
+  grep -q "saved inputs spilled" <<<"$out"
 check "--activation-home nvme: spills and restores on the activations lane" $?
 # Given a home that does not fit, the smallest change is another home.
 out=$("$strata" plan --model small --backend cpu --grad-accum 16 --micro-batch 8 --seq-len 256 \

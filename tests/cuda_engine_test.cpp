@@ -114,7 +114,7 @@ TEST(CudaEnginePlan, EachKindOfStateLivesWhereThePlacementSays) {
           if (b.tier == tiers::Tier::device) device_sum += b.bytes;
         }
         EXPECT_EQ(device_sum, plan->peak(tiers::Tier::device)) << label;
-        EXPECT_TRUE(has_buffer(*plan, "activation checkpoints", tiers::Tier::device)) << label;
+        EXPECT_TRUE(has_buffer(*plan, "saved unit inputs", tiers::Tier::device)) << label;
 
         // Whole units in their device home are computed from in place; a
         // sharded or offloaded home is gathered in host memory and uploaded.
@@ -151,12 +151,12 @@ TEST(CudaEnginePlan, EachKindOfStateLivesWhereThePlacementSays) {
           fp32.activation_home = tiers::tier_name(plan->activation_home());
           Result<TrainingPlan> wide = gpu_plan(fp32);
           ASSERT_TRUE(wide.is_ok());
-          auto checkpoint_bytes = [](const TrainingPlan& p) {
+          auto saved_bytes = [](const TrainingPlan& p) {
             for (const PlanBuffer& b : p.buffers)
-              if (b.name.rfind("activation checkpoints", 0) == 0) return b.bytes;
+              if (b.name.rfind("saved unit inputs", 0) == 0) return b.bytes;
             return int64_t{0};
           };
-          EXPECT_EQ(2 * checkpoint_bytes(*plan), checkpoint_bytes(*wide)) << label;
+          EXPECT_EQ(2 * saved_bytes(*plan), saved_bytes(*wide)) << label;
         }
       }
     }

@@ -172,7 +172,7 @@ TEST_F(EngineSchedule, NvmeBytesEqualThePlanAndParameterReadsDoNotGrowWithAccumu
         if (accum == 1) layer_reads_at_one = fetched;
         EXPECT_EQ(fetched, layer_reads_at_one) << "layer-major fetches at accumulation " << accum;
         // What grows instead: the activation copies the plan keeps.
-        const PlanBuffer* kept = outcome.plan.buffer(BufferRole::activation_checkpoints);
+        const PlanBuffer* kept = outcome.plan.buffer(BufferRole::saved_inputs);
         ASSERT_NE(kept, nullptr);
         EXPECT_EQ(kept->copies, accum);
       } else if (accum > 1) {
@@ -231,7 +231,7 @@ TEST_F(EngineSchedule, AutoPicksLayerWhereParametersMoveAndRefusesWhatCannotRun)
   run.grad_accum = 8;
   run.schedule = "layer";
   const EngineOutcome planned = train(run);
-  const PlanBuffer* kept = planned.plan.buffer(BufferRole::activation_checkpoints);
+  const PlanBuffer* kept = planned.plan.buffer(BufferRole::saved_inputs);
   ASSERT_NE(kept, nullptr);
   EXPECT_EQ(planned.plan.activation_home(), tiers::Tier::device);
   // A tied embedding accumulating in GPU memory cannot run layer-major: one line, up front.
@@ -294,7 +294,7 @@ TEST_F(EngineSchedule, SpilledActivationsAreBitwiseAndMoveWhatThePlanSays) {
     // Levels 0-3 of 6 (embedding, 5 layers) go out, each micro-batch's once,
     // and come back once: nothing else touches NVMe.
     EXPECT_EQ(plan.spilled_levels(), 4);
-    const int64_t bytes = 4 * 4 * plan.checkpoint_transfer_bytes();
+    const int64_t bytes = 4 * 4 * plan.saved_input_transfer_bytes();
     EXPECT_EQ(plan.traffic_per_step.nvme_written, bytes);
     EXPECT_EQ(plan.traffic_per_step.nvme_read, bytes);
     EXPECT_EQ(outcome.nvme_written, uint64_t(bytes) * 2) << run.label();
@@ -328,7 +328,7 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
     const int G = 5, head = int(plan.units.size()) - 1;
     ASSERT_EQ(plan.spilled_levels(), head - 2);
     const BufferRole slots_role =
-        gpu ? BufferRole::gpu_activation_checkpoints : BufferRole::activation_checkpoints;
+        gpu ? BufferRole::gpu_saved_inputs : BufferRole::saved_inputs;
     const PlanBuffer* slots = plan.buffer(slots_role);
     const PlanBuffer* spilled = plan.buffer(BufferRole::activation_spill);
     ASSERT_NE(slots, nullptr);
@@ -339,7 +339,7 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
     EXPECT_EQ(plan.buffer(BufferRole::activation_staging) != nullptr, gpu);
     EXPECT_LT(plan.peak(tiers::Tier::device), kept->peak(tiers::Tier::device));
     EXPECT_EQ(kept->buffer(slots_role)->bytes - slots->bytes,
-              int64_t(head - 2) * G * plan.checkpoint_bytes());
+              int64_t(head - 2) * G * plan.saved_input_bytes());
 
     // Index the operations.
     auto find = [&](OpKind kind, int unit, int micro) {
@@ -358,7 +358,7 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
       restores += op.kind == OpKind::restore;
       if (op.kind == OpKind::spill || op.kind == OpKind::restore) {
         EXPECT_EQ(op.lane, Lane::activations);
-        EXPECT_EQ(op.slot, plan.checkpoint_place(op.unit, op.micro).copy);
+        EXPECT_EQ(op.slot, plan.saved_input_place(op.unit, op.micro).copy);
       }
     }
     EXPECT_EQ(spills, (head - 2) * G);
@@ -381,14 +381,14 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
       }
     }
     // What the home costs: the checkpoints through NVMe and, on a GPU, over PCIe.
-    const int64_t moved = int64_t(head - 2) * G * plan.checkpoint_transfer_bytes();
+    const int64_t moved = int64_t(head - 2) * G * plan.saved_input_transfer_bytes();
     EXPECT_EQ(plan.traffic_per_step.nvme_written - kept->traffic_per_step.nvme_written, moved);
     EXPECT_EQ(plan.traffic_per_step.nvme_read - kept->traffic_per_step.nvme_read, moved);
     if (gpu) {
       EXPECT_EQ(plan.traffic_per_step.d2h - kept->traffic_per_step.d2h,
-                int64_t(head - 2) * G * plan.checkpoint_bytes());
+                int64_t(head - 2) * G * plan.saved_input_bytes());
       EXPECT_EQ(plan.traffic_per_step.h2d - kept->traffic_per_step.h2d,
-                int64_t(head - 2) * G * plan.checkpoint_bytes());
+                int64_t(head - 2) * G * plan.saved_input_bytes());
     }
   }
 }
@@ -418,8 +418,8 @@ TEST_F(EngineSchedule, AFailedSpillOrRestoreFailsTheStepInOneLine) {
     Result<EngineOutcome> outcome = testing::train_engine(run, dir_.path(), tokens_, seed_);
     ASSERT_FALSE(outcome.is_ok());
     const std::string& message = outcome.status().message();
-    EXPECT_NE(message.find(op == io::RingOp::kWrite ? "spilling the activation checkpoint of "
-                                                    : "restoring the activation checkpoint of "),
+    EXPECT_NE(message.find(op == io::RingOp::kWrite ? "spilling the saved input of "
+                                                    : "restoring the saved input of "),
               std::string::npos)
         << message;
     EXPECT_NE(message.find("micro-batch"), std::string::npos) << message;

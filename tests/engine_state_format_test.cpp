@@ -371,7 +371,7 @@ TEST(StateFormatBlocks, Int8ScalesFollowWindowsCutAtSegments) {
   options.adamw.weight_decay = 0.1;
   Result<Optimizer> optimizer = Optimizer::create(options);
   ASSERT_TRUE(optimizer.is_ok());
-  Result<StepPlan> plan = optimizer->begin_step(kernels::cpu::GradNormPartial{});
+  Result<StepDecision> plan = optimizer->begin_step(kernels::cpu::GradNormPartial{});
   ASSERT_TRUE(plan.is_ok());
 
   auto run = [&](int64_t chunk, std::vector<float>& p, std::vector<int8_t>& m,
@@ -453,7 +453,7 @@ TEST(StateFormatBlocks, CompactRunsAreTheOptimizersCuts) {
   options.adamw.weight_decay = 0.1;
   Result<Optimizer> optimizer = Optimizer::create(options);
   ASSERT_TRUE(optimizer.is_ok());
-  Result<StepPlan> plan = optimizer->begin_step(kernels::cpu::GradNormPartial{});
+  Result<StepDecision> plan = optimizer->begin_step(kernels::cpu::GradNormPartial{});
   ASSERT_TRUE(plan.is_ok());
   for (const auto state :
        {kernels::cpu::AdamWStateType::bf16, kernels::cpu::AdamWStateType::int8}) {

@@ -82,7 +82,7 @@ TEST(Optimizer, SegmentsGetTheirGroupsWeightDecay) {
   Buffers direct = driven;
   const ShardSegment segments[] = {
       {0, 200, ParamGroup::decay}, {200, 264, ParamGroup::no_decay}, {264, 300, ParamGroup::decay}};
-  const Result<StepPlan> plan = optimizer.begin_step(std::nullopt);
+  const Result<StepDecision> plan = optimizer.begin_step(std::nullopt);
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   EXPECT_TRUE(plan->apply);
   EXPECT_EQ(plan->step, 1);
@@ -116,7 +116,7 @@ TEST(Optimizer, RejectsSegmentsThatDoNotCoverTheShard) {
   Optimizer optimizer = make(OptimizerOptions{});
   Buffers b(100, rng);
   const Buffers before = b;
-  const StepPlan plan = *optimizer.begin_step(b.norm());
+  const StepDecision plan = *optimizer.begin_step(b.norm());
   const ShardSegment gap[] = {{0, 40, ParamGroup::decay}, {50, 100, ParamGroup::no_decay}};
   kernels::cpu::AdamWShard with_gap = b.shard();
   with_gap.segments = gap;
@@ -137,14 +137,14 @@ TEST(Optimizer, ClipsByGlobalNormOfUnscaledGradients) {
   EXPECT_EQ(optimizer.loss_scale(), 65536.0);
   GradNormPartial grads;
   grads.sum_squares = std::pow(10.0 * 65536.0, 2);  // unscaled norm 10
-  const StepPlan plan = *optimizer.begin_step(grads);
+  const StepDecision plan = *optimizer.begin_step(grads);
   EXPECT_TRUE(plan.apply);
   EXPECT_DOUBLE_EQ(plan.grad_norm, 10.0);
   EXPECT_DOUBLE_EQ(plan.clip_coef, 1.0 / (10.0 + 1e-6));
   EXPECT_DOUBLE_EQ(plan.grad_scale, plan.clip_coef / 65536.0);
   // Below the threshold the coefficient is 1.
   grads.sum_squares = std::pow(0.5 * 65536.0, 2);
-  const StepPlan small = *optimizer.begin_step(grads);
+  const StepDecision small = *optimizer.begin_step(grads);
   EXPECT_EQ(small.clip_coef, 1.0);
   EXPECT_EQ(small.step, 2);
 }
@@ -183,7 +183,7 @@ TEST(Optimizer, Fp16OverflowSkipsTheStepAndHoldsTheSchedule) {
   for (const Expect& e : script) {
     const Buffers before = b;
     EXPECT_EQ(optimizer.loss_scale(), e.scale);
-    const Result<StepPlan> plan = optimizer.begin_step(e.overflow ? overflow : clean);
+    const Result<StepDecision> plan = optimizer.begin_step(e.overflow ? overflow : clean);
     ASSERT_TRUE(plan.is_ok());
     EXPECT_EQ(plan->apply, e.apply);
     EXPECT_EQ(plan->overflow, e.overflow);
@@ -217,7 +217,7 @@ TEST(Optimizer, NeedsTheNormWhenClippingOrScaling) {
   OptimizerOptions o;
   o.gradient_clipping = 1.0;
   Optimizer optimizer = make(o);
-  const Result<StepPlan> plan = optimizer.begin_step(std::nullopt);
+  const Result<StepDecision> plan = optimizer.begin_step(std::nullopt);
   ASSERT_FALSE(plan.is_ok());
   EXPECT_EQ(optimizer.state().applied_steps, 0);
 }
@@ -231,7 +231,7 @@ TEST(Optimizer, OverflowAtMinimumScaleStopsWithAnError) {
   GradNormPartial overflow;
   overflow.sum_squares = INFINITY;
   overflow.nonfinite = true;
-  const Result<StepPlan> plan = optimizer.begin_step(overflow);
+  const Result<StepDecision> plan = optimizer.begin_step(overflow);
   ASSERT_FALSE(plan.is_ok());
   EXPECT_NE(plan.status().message().find("min_loss_scale"), std::string::npos);
   EXPECT_EQ(optimizer.state().skipped_steps, 0);
@@ -247,15 +247,15 @@ TEST(Optimizer, RestoredStateContinuesIdentically) {
   Optimizer first = make(o);
   Buffers b(500, rng);
   for (int i = 0; i < 4; ++i) {
-    const StepPlan plan = *first.begin_step(b.norm());
+    const StepDecision plan = *first.begin_step(b.norm());
     ASSERT_TRUE(first.update_shard(plan, b.shard()));
   }
   Optimizer second = make(o);
   second.restore(first.state());
   Buffers c = b;
   for (int i = 0; i < 3; ++i) {
-    const StepPlan p1 = *first.begin_step(b.norm());
-    const StepPlan p2 = *second.begin_step(c.norm());
+    const StepDecision p1 = *first.begin_step(b.norm());
+    const StepDecision p2 = *second.begin_step(c.norm());
     EXPECT_EQ(p1.lr, p2.lr);
     EXPECT_EQ(p1.step, p2.step);
     ASSERT_TRUE(first.update_shard(p1, b.shard()));

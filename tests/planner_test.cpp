@@ -204,7 +204,7 @@ TEST(Planner, TinyModelUnitsAndActivationsByHand) {
   // The CPU backend's activations (fp32): the inputs of the three units after the
   // embedding, the activation gradient, the tokens and targets, each on whole pages.
   const int64_t tokens = 2 * 64;
-  EXPECT_EQ(plan.activation_checkpoint_bytes,
+  EXPECT_EQ(plan.saved_activation_bytes,
             3 * tokens * 96 * 4 + tokens * 96 * 4 + round_up<int64_t>(2 * tokens * 4, 4096));
   EXPECT_EQ(plan.activation_working_bytes,
             round_up<int64_t>(UnitWorkspace::bytes_for(tiny, 2, 64), 4096));

@@ -104,7 +104,7 @@ class StreamedOptimizerTest : public ::testing::Test {
   }
 
   // The reference: the same step on the in-memory copy of the state.
-  void reference_step(const Optimizer& optimizer, const StepPlan& plan) {
+  void reference_step(const Optimizer& optimizer, const StepDecision& plan) {
     for (UnitState& unit : units_) {
       kernels::cpu::AdamWShard shard;
       shard.numel = unit.numel;
@@ -150,11 +150,11 @@ OptimizerOptions options_with_clipping() {
   return options;
 }
 
-StepPlan begin(Optimizer& optimizer, const std::vector<UnitState>& units) {
+StepDecision begin(Optimizer& optimizer, const std::vector<UnitState>& units) {
   kernels::cpu::GradNormPartial total;
   for (const UnitState& unit : units)
     total.add(*kernels::cpu::grad_norm_squared(unit.grad.data(), ElementType::bf16, unit.numel));
-  Result<StepPlan> plan = optimizer.begin_step(total);
+  Result<StepDecision> plan = optimizer.begin_step(total);
   EXPECT_TRUE(plan.is_ok()) << plan.status().message();
   return *plan;
 }
@@ -176,7 +176,7 @@ TEST_F(StreamedOptimizerTest, MatchesTheInMemoryStepBitwise) {
   ASSERT_TRUE(created.is_ok()) << created.status().message();
   Optimizer optimizer = *created;
   for (int step = 0; step < 3; ++step) {
-    const StepPlan plan = begin(optimizer, units_);
+    const StepDecision plan = begin(optimizer, units_);
     ASSERT_TRUE(plan.apply);
     std::vector<std::vector<uint16_t>> copies;
     std::vector<StreamedOptimizerUnit> units = streamed_units(copies);
@@ -196,7 +196,7 @@ TEST_F(StreamedOptimizerTest, AnIoFaultIsAnErrorNamingTheUnit) {
   ASSERT_TRUE(streamed.is_ok()) << streamed.status().message();
   Result<Optimizer> created = Optimizer::create(options_with_clipping());
   ASSERT_TRUE(created.is_ok());
-  const StepPlan plan = begin(*created, units_);
+  const StepDecision plan = begin(*created, units_);
   injector_->add({.op = io::RingOp::kWrite,
                   .nth_call = injector_->calls(io::RingOp::kWrite) + 4,
                   .kind = io::FaultKind::kError,

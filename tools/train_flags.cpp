@@ -130,7 +130,7 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule; "
        "default auto: the one moving fewer bytes over the slowest link)"},
       {"--activation-home", kZeroGroup,
-       "Where the layer-major order keeps activation checkpoints: auto | device | host | nvme "
+       "Where the layer-major order keeps saved inputs: auto | device | host | nvme "
        "(strata.activation_home; default auto: the first that fits)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},

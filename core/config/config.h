@@ -144,7 +144,7 @@ struct StrataConfig {
   // The step's order with gradient accumulation; auto: the one whose plan
   // moves fewer bytes over the slowest link (strata plan says which and why).
   Schedule schedule = Schedule::auto_choice;
-  // Where the layer-major order keeps its activation checkpoints; auto: the plan's choice.
+  // Where the layer-major order keeps its saved inputs; auto: the plan's choice.
   ActivationHome activation_home = ActivationHome::automatic;
 };
 

@@ -46,15 +46,15 @@ class CpuRankCompute final : public RankCompute {
         gathered_fp32_(buffers.all_as<float>(BufferRole::gathered_unit_fp32)),
         widened_(buffers.all_as<float>(BufferRole::widened_params)),
         activation_grads_(buffers.all_as<float>(BufferRole::activation_gradient)),
-        checkpoints_(buffers.all_as<float>(BufferRole::activation_checkpoints)),
+        saved_inputs_(buffers.all_as<float>(BufferRole::saved_inputs)),
         activation_elements_(plan.tokens_per_micro * plan.input.model.hidden_size) {}
 
   Status forward(int unit, int micro, const ComputeParams& params,
                  const UnitBatch& batch) override {
     UnitParams p;
     p.flat = fp32(unit, params, 0);
-    const float* input = unit == 0 ? nullptr : checkpoint_at(unit - 1, micro);
-    unit_forward(plan_.layout, unit, p, batch, input, checkpoint_at(unit, micro), workspace_);
+    const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
+    unit_forward(plan_.layout, unit, p, batch, input, saved_input_at(unit, micro), workspace_);
     return Status::ok();
   }
 
@@ -73,7 +73,7 @@ class CpuRankCompute final : public RankCompute {
       zero(g.flat, head);
       if (g.tied_embedding != nullptr) zero(g.tied_embedding, 0);
     }
-    return head_forward_backward(plan_.layout, p, batch, checkpoint_at(head - 1, micro),
+    return head_forward_backward(plan_.layout, p, batch, saved_input_at(head - 1, micro),
                                  activation_grad(micro), g, workspace_);
   }
 
@@ -84,7 +84,7 @@ class CpuRankCompute final : public RankCompute {
     UnitGrads g;
     g.flat = target.grads;
     if (target.zero_first) zero(g.flat, unit);
-    const float* input = unit == 0 ? nullptr : checkpoint_at(unit - 1, micro);
+    const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
     float* dy = activation_grad(micro);
     unit_backward(plan_.layout, unit, p, batch, input, dy, unit == 0 ? nullptr : dy, g, workspace_,
                   recompute);
@@ -99,8 +99,8 @@ class CpuRankCompute final : public RankCompute {
                                  plan_.units[size_t(unit)].padded_numel);
     return Status::ok();
   }
-  std::byte* checkpoint(int level, int micro) override {
-    return reinterpret_cast<std::byte*>(checkpoint_at(level, micro));
+  std::byte* saved_input(int level, int micro) override {
+    return reinterpret_cast<std::byte*>(saved_input_at(level, micro));
   }
 
   // The units run on the calling thread: their results are there when they return.
@@ -144,9 +144,9 @@ class CpuRankCompute final : public RankCompute {
     return out;
   }
   // Unit `unit`'s output (the next unit's input) of micro-batch `micro`.
-  float* checkpoint_at(int unit, int micro) const {
-    const TrainingPlan::CheckpointPlace place = plan_.checkpoint_place(unit, micro);
-    return checkpoints_[size_t(place.copy)] + place.level * activation_elements_;
+  float* saved_input_at(int unit, int micro) const {
+    const TrainingPlan::SavedInputPlace place = plan_.saved_input_place(unit, micro);
+    return saved_inputs_[size_t(place.copy)] + place.level * activation_elements_;
   }
   float* activation_grad(int micro) const {
     return activation_grads_[size_t(plan_.activation_copy(micro))];
@@ -161,8 +161,8 @@ class CpuRankCompute final : public RankCompute {
   std::vector<float*> gathered_fp32_;     // [gather slot] (largest padded), below fp32 at stage 3
   std::vector<float*> widened_;           // [2] (largest padded), below fp32 at stages 0-2
   std::vector<float*> activation_grads_;  // [activation copies] (B*T, C)
-  // [checkpoint copies] (checkpoint levels, B*T, C): each unit's output, the next's input
-  std::vector<float*> checkpoints_;
+  // [saved-input copies] (saved-input levels, B*T, C): each unit's output, the next's input
+  std::vector<float*> saved_inputs_;
   int64_t activation_elements_ = 0;  // B*T*C
 };
 

@@ -79,7 +79,7 @@ struct StepRun {
   int64_t index = 0;  // 0 for the first step
   std::shared_ptr<StepProgress> progress;
   std::mutex mutex;                 // guards the vectors below
-  std::vector<StepPlan> decisions;  // per rank, set by the exchange
+  std::vector<StepDecision> decisions;  // per rank, set by the exchange
   std::vector<double> loss_sum;     // per rank, global loss sum after the exchange
   std::vector<double> grad_norm;
   double total_tokens = 0;
@@ -110,12 +110,12 @@ struct Engine::Impl {
     // int8 state: per unit, (int8_block_count of its segments) block scales of m and of v.
     std::vector<float*> m_scales, v_scales;
     float* grad_staging = nullptr;  // (largest gradient shard) an NVMe-homed gradient, read back
-    // Spilled activation checkpoints (TrainingPlan::activations_spilled):
+    // Spilled saved inputs (TrainingPlan::activations_spilled):
     // [spilled level x G + micro] in host memory, or the NVMe extent holding
     // them (copy k at k x the plan buffer's copy bytes); a GPU's staging copy.
-    std::vector<std::byte*> spilled_checkpoints;
-    std::optional<tiers::NvmeExtent> checkpoint_extent;
-    std::byte* checkpoint_staging = nullptr;
+    std::vector<std::byte*> spilled_inputs;
+    std::optional<tiers::NvmeExtent> spill_extent;
+    std::byte* spill_staging = nullptr;
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
@@ -233,10 +233,10 @@ struct Engine::Impl {
   Status update_streamed(Rank& rank, const UnitUpdate& update, const PlanOp& op,
                          ShardKind master_kind);
   Status sync(Rank& rank, const PlanOp& op);
-  // An activation checkpoint to its home, and back to its device slot.
+  // A saved input to its home, and back to its device slot.
   Status spill(Rank& rank, const PlanOp& op);
   Status restore(Rank& rank, const PlanOp& op);
-  uint64_t checkpoint_copy_bytes() const {
+  uint64_t saved_input_copy_bytes() const {
     return uint64_t(plan.buffer(BufferRole::activation_spill)->copy_bytes());
   }
 

@@ -107,20 +107,20 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);
   rank.grad_staging = b.as<float>(R::gradient_staging);
-  rank.spilled_checkpoints = b.all_as<std::byte>(R::activation_spill);
-  rank.checkpoint_staging = b.at(R::activation_staging);
+  rank.spilled_inputs = b.all_as<std::byte>(R::activation_spill);
+  rank.spill_staging = b.at(R::activation_staging);
   if (const PlanBuffer* spill = plan.buffer(R::activation_spill);
       spill != nullptr && spill->tier == tiers::Tier::nvme) {
     // Each copy starts on the plan's alignment; the tier's must divide it.
     const uint64_t alignment = s.nvme_tier()->alignment();
     if (uint64_t(spill->copy_bytes()) % alignment != 0)
       return Status::error(fmt::format(
-          "rank {}: activation checkpoints of {} bytes do not start on the NVMe alignment of {} "
+          "rank {}: saved inputs of {} bytes do not start on the NVMe alignment of {} "
           "bytes the swap directory asks for; use --activation-home host or device",
           r, spill->copy_bytes(), alignment));
     Result<tiers::NvmeExtent> extent = s.nvme_tier()->allocate(uint64_t(spill->bytes), spill->name);
     if (!extent) return extent.status().with_context(fmt::format("rank {}", r));
-    rank.checkpoint_extent = *extent;
+    rank.spill_extent = *extent;
   }
   rank.tokens = b.as<int32_t>(R::tokens_and_targets);
   rank.targets = rank.tokens + plan.tokens_per_micro * in.grad_accum;

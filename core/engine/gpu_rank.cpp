@@ -48,9 +48,9 @@ class CudaGpuRank final : public GpuRank {
                       float loss_scale, const GradTarget& target) override;
   Status backward(int unit, int micro, const std::byte* params, bool recompute,
                   const GradTarget& target) override;
-  std::byte* checkpoint(int level, int micro) override;
-  Status checkpoint_out(void* host, const void* device, int64_t bytes) override;
-  Status checkpoint_in(void* device, const void* host, int64_t bytes) override;
+  std::byte* saved_input(int level, int micro) override;
+  Status saved_input_to_host(void* host, const void* device, int64_t bytes) override;
+  Status saved_input_to_device(void* device, const void* host, int64_t bytes) override;
   Status gradients_ready(int grad_slot) override;
   Status synchronize() override;
   Status download(void* host, const void* device, int64_t bytes) override;
@@ -106,13 +106,13 @@ struct CudaGpuRank::Impl {
   int tied_copies = 1;
   size_t sent_index(int grad_slot) const { return size_t(grad_slot + tied_copies); }
 
-  // [checkpoint copies] (checkpoint levels, N, C) compute type: each unit's output, the next's
+  // [saved-input copies] (saved-input levels, N, C) compute type: each unit's output, the next's
   // input
-  std::vector<std::byte*> checkpoint_copies;
+  std::vector<std::byte*> saved_input_copies;
   std::vector<std::byte*> activation_grads;  // [activation copies] (N, C) compute type
-  std::byte* checkpoint(int unit, int micro) const {
-    const TrainingPlan::CheckpointPlace place = plan.checkpoint_place(unit, micro);
-    return checkpoint_copies[size_t(place.copy)] + place.level * N * C * type_bytes;
+  std::byte* saved_input(int unit, int micro) const {
+    const TrainingPlan::SavedInputPlace place = plan.saved_input_place(unit, micro);
+    return saved_input_copies[size_t(place.copy)] + place.level * N * C * type_bytes;
   }
   std::byte* activation_grad(int micro) const {
     return activation_grads[size_t(plan.activation_copy(micro))];
@@ -127,11 +127,11 @@ struct CudaGpuRank::Impl {
   // waits for its own work through `side_done`.
   std::mutex side;
   cudaEvent_t side_done = nullptr;
-  // Spilled activation checkpoints move on a stream of their own (one at a
+  // Spilled saved inputs move on a stream of their own (one at a
   // time: the activations lane runs them in turn), after the work enqueued
   // so far on the compute stream, which runs on meanwhile.
-  cudaStream_t checkpoints = nullptr;
-  cudaEvent_t checkpoint_after = nullptr, checkpoint_copied = nullptr;
+  cudaStream_t spill_stream = nullptr;
+  cudaEvent_t saved_input_ready = nullptr, saved_input_copied = nullptr;
   // Gradients' home on the GPU: the gradient norm's result and scratch.
   cuda::GradNormResult* norm = nullptr;       // (1)
   cuda::GradNormResult* host_norm = nullptr;  // (1) pinned
@@ -146,27 +146,27 @@ struct CudaGpuRank::Impl {
   Status select() {
     return cuda::check_cuda(cudaSetDevice(gpu), fmt::format("selecting GPU {}", gpu));
   }
-  // A checkpoint between its device slot and pinned host memory; done when it returns.
-  Status copy_checkpoint(void* to, const void* from, int64_t bytes, cudaMemcpyKind kind) {
+  // A saved input between its device slot and pinned host memory; done when it returns.
+  Status copy_saved_input(void* to, const void* from, int64_t bytes, cudaMemcpyKind kind) {
     if (Status s = select(); !s) return s;
-    const char* what = kind == cudaMemcpyDeviceToHost ? "spilling an activation checkpoint"
-                                                      : "restoring an activation checkpoint";
-    if (Status s = cuda::check_cuda(cudaEventRecord(checkpoint_after, compute), what); !s) return s;
-    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(checkpoints, checkpoint_after, 0), what);
+    const char* what = kind == cudaMemcpyDeviceToHost ? "spilling a saved input"
+                                                      : "restoring a saved input";
+    if (Status s = cuda::check_cuda(cudaEventRecord(saved_input_ready, compute), what); !s) return s;
+    if (Status s = cuda::check_cuda(cudaStreamWaitEvent(spill_stream, saved_input_ready, 0), what);
         !s)
       return s;
-    if (Status s = cuda::check_cuda(cudaMemcpyAsync(to, from, size_t(bytes), kind, checkpoints),
+    if (Status s = cuda::check_cuda(cudaMemcpyAsync(to, from, size_t(bytes), kind, spill_stream),
                                     fmt::format("{} ({} bytes)", what, bytes));
         !s)
       return s;
-    if (Status s = cuda::check_cuda(cudaEventRecord(checkpoint_copied, checkpoints), what); !s)
+    if (Status s = cuda::check_cuda(cudaEventRecord(saved_input_copied, spill_stream), what); !s)
       return s;
-    // A restored checkpoint is read by work enqueued after this returns.
+    // A restored input is read by work enqueued after this returns.
     if (kind == cudaMemcpyHostToDevice) {
-      if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, checkpoint_copied, 0), what); !s)
+      if (Status s = cuda::check_cuda(cudaStreamWaitEvent(compute, saved_input_copied, 0), what); !s)
         return s;
     }
-    return cuda::check_cuda(cudaEventSynchronize(checkpoint_copied), what);
+    return cuda::check_cuda(cudaEventSynchronize(saved_input_copied), what);
   }
   // Uploads `bytes` of host parameters into the next slot; returns the slot.
   Result<int> upload(const std::byte* params, int64_t bytes);
@@ -222,7 +222,7 @@ CudaGpuRank::Impl::~Impl() {
   if (compute) cudaStreamSynchronize(compute);
   if (to_device) cudaStreamSynchronize(to_device);
   if (to_host) cudaStreamSynchronize(to_host);
-  if (checkpoints) cudaStreamSynchronize(checkpoints);
+  if (spill_stream) cudaStreamSynchronize(spill_stream);
   units.reset();
   matmuls.reset();
   for (cudaEvent_t e : slot_free)
@@ -236,10 +236,10 @@ CudaGpuRank::Impl::~Impl() {
   if (computed) cudaEventDestroy(computed);
   if (sum_sent) cudaEventDestroy(sum_sent);
   if (side_done) cudaEventDestroy(side_done);
-  if (checkpoint_after) cudaEventDestroy(checkpoint_after);
-  if (checkpoint_copied) cudaEventDestroy(checkpoint_copied);
+  if (saved_input_ready) cudaEventDestroy(saved_input_ready);
+  if (saved_input_copied) cudaEventDestroy(saved_input_copied);
   if (host_norm) cudaFreeHost(host_norm);
-  for (cudaStream_t s : {compute, to_device, to_host, checkpoints})
+  for (cudaStream_t s : {compute, to_device, to_host, spill_stream})
     if (s) cudaStreamDestroy(s);
 }
 
@@ -403,7 +403,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   for (const UnitPlacement& p : plan.units)
     largest_padded = std::max(largest_padded, p.padded_numel);
 
-  for (cudaStream_t* s : {&g.compute, &g.to_device, &g.to_host, &g.checkpoints})
+  for (cudaStream_t* s : {&g.compute, &g.to_device, &g.to_host, &g.spill_stream})
     if (Status st = cuda::check_cuda(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking),
                                      "creating a stream");
         !st)
@@ -430,8 +430,8 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   g.params_in_place = plan.gpu_params_in_place();
   g.grads_in_place = plan.gpu_grads_in_place();
   if (Status s = event(g.side_done); !s) return s;
-  if (Status s = event(g.checkpoint_after); !s) return s;
-  if (Status s = event(g.checkpoint_copied); !s) return s;
+  if (Status s = event(g.saved_input_ready); !s) return s;
+  if (Status s = event(g.saved_input_copied); !s) return s;
   Result<RankBuffers> taken = RankBuffers::allocate(
       plan, BufferOwner::gpu,
       [&](tiers::Tier, uint64_t bytes, const std::string& what) -> Result<std::byte*> {
@@ -461,7 +461,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   g.reduced = b.as<float>(R::gpu_reduced_gradient);
   g.grad_sum = b.as<float>(R::gpu_gradient_sum);
   g.new_params = b.at(R::gpu_new_parameters);
-  g.checkpoint_copies = b.all_as<std::byte>(R::gpu_activation_checkpoints);
+  g.saved_input_copies = b.all_as<std::byte>(R::gpu_saved_inputs);
   g.activation_grads = b.all_as<std::byte>(R::gpu_activation_gradient);
   g.tokens = b.as<int32_t>(R::gpu_tokens_and_targets);
   g.targets = g.tokens + g.N * in.grad_accum;
@@ -492,9 +492,9 @@ Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const 
   int slot = -1;
   Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
   if (!device_params) return device_params.status();
-  const void* input = unit == 0 ? nullptr : g.checkpoint(unit - 1, micro);
+  const void* input = unit == 0 ? nullptr : g.saved_input(unit - 1, micro);
   Status status = g.units->forward(unit, *device_params, g.batch(micro, 1.0f), input,
-                                   g.checkpoint(unit, micro), g.compute);
+                                   g.saved_input(unit, micro), g.compute);
   if (slot < 0) return status;
   Status released = g.computed_with(slot);
   return status ? released : status;
@@ -579,7 +579,7 @@ Result<double> CudaGpuRank::Impl::run_head(int micro, const void* params, const 
                                            float loss_scale, float* grads, float* tied_grads) {
   const int head = int(plan.units.size()) - 1;
   Status status = units->head_forward_backward(params, tied_params, batch(micro, loss_scale),
-                                               checkpoint(head - 1, micro), activation_grad(micro),
+                                               saved_input(head - 1, micro), activation_grad(micro),
                                                grads, tied_grads, losses, compute);
   // To pageable memory, the copy returns once it (and the work before it) is done.
   if (status)
@@ -639,16 +639,16 @@ std::byte* CudaGpuRank::new_parameter_buffer() const {
   return impl_->new_params;
 }
 
-std::byte* CudaGpuRank::checkpoint(int level, int micro) {
-  return impl_->checkpoint(level, micro);
+std::byte* CudaGpuRank::saved_input(int level, int micro) {
+  return impl_->saved_input(level, micro);
 }
 
-Status CudaGpuRank::checkpoint_out(void* host, const void* device, int64_t bytes) {
-  return impl_->copy_checkpoint(host, device, bytes, cudaMemcpyDeviceToHost);
+Status CudaGpuRank::saved_input_to_host(void* host, const void* device, int64_t bytes) {
+  return impl_->copy_saved_input(host, device, bytes, cudaMemcpyDeviceToHost);
 }
 
-Status CudaGpuRank::checkpoint_in(void* device, const void* host, int64_t bytes) {
-  return impl_->copy_checkpoint(device, host, bytes, cudaMemcpyHostToDevice);
+Status CudaGpuRank::saved_input_to_device(void* device, const void* host, int64_t bytes) {
+  return impl_->copy_saved_input(device, host, bytes, cudaMemcpyHostToDevice);
 }
 
 Status CudaGpuRank::download(void* host, const void* device, int64_t bytes) {
@@ -709,7 +709,7 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
       status = taken.status();
     }
   }
-  const void* input = unit == 0 ? nullptr : g.checkpoint(unit - 1, micro);
+  const void* input = unit == 0 ? nullptr : g.saved_input(unit - 1, micro);
   void* dy = g.activation_grad(micro);
   void* dinput = unit == 0 ? nullptr : dy;
   if (status)
@@ -724,7 +724,7 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
 Status CudaGpuRank::synchronize() {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
-  for (cudaStream_t stream : {g.compute, g.to_device, g.to_host, g.checkpoints})
+  for (cudaStream_t stream : {g.compute, g.to_device, g.to_host, g.spill_stream})
     if (Status s = cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the GPU"); !s)
       return s;
   return Status::ok();

@@ -18,8 +18,8 @@
 //    reduced gradients and new parameters between host and device with the
 //    transfer calls below.
 // Streams are ordered by events; nothing synchronises the device inside a
-// step. Activation checkpoints stay on the device unless the plan spills them
-// (the engine moves them with checkpoint_out and checkpoint_in, on a copy
+// step. Saved inputs stay on the device unless the plan spills them
+// (the engine moves them with saved_input_to_host and saved_input_to_device, on a copy
 // stream of their own); the activation gradient and the tokens stay there. Every device buffer
 // comes from the rank's DeviceTier (one cudaMalloc), so the device budget holds and nothing is
 // allocated in a step.
@@ -86,17 +86,17 @@ class GpuRank {
                           const GradTarget& target) = 0;
 
   // Level `level` (unit `level`'s output) of micro-batch `micro`, in device
-  // memory (TrainingPlan::checkpoint_place), for the engine to spill and restore.
-  virtual std::byte* checkpoint(int level, int micro) = 0;
-  // A checkpoint to and from pinned host memory on a stream of its own,
+  // memory (TrainingPlan::saved_input_place), for the engine to spill and restore.
+  virtual std::byte* saved_input(int level, int micro) = 0;
+  // A saved input to and from pinned host memory on a stream of its own,
   // after the work enqueued so far on the compute stream, which runs on
-  // meanwhile (checkpoint_in: before the work enqueued after it returns);
+  // meanwhile (saved_input_to_device: before the work enqueued after it returns);
   // done when they return. One at a time. By default download and upload,
   // which are in that order already (the emulated rank: host memory).
-  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) {
+  virtual Status saved_input_to_host(void* host, const void* device, int64_t bytes) {
     return download(host, device, bytes);
   }
-  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) {
+  virtual Status saved_input_to_device(void* device, const void* host, int64_t bytes) {
     return upload(device, host, bytes);
   }
 

@@ -34,12 +34,12 @@ class GpuRankCompute final : public RankCompute {
     gpu_->forget_uploads(params);
     return Status::ok();
   }
-  std::byte* checkpoint(int level, int micro) override { return gpu_->checkpoint(level, micro); }
-  Status checkpoint_out(void* host, const void* device, int64_t bytes) override {
-    return gpu_->checkpoint_out(host, device, bytes);
+  std::byte* saved_input(int level, int micro) override { return gpu_->saved_input(level, micro); }
+  Status saved_input_to_host(void* host, const void* device, int64_t bytes) override {
+    return gpu_->saved_input_to_host(host, device, bytes);
   }
-  Status checkpoint_in(void* device, const void* host, int64_t bytes) override {
-    return gpu_->checkpoint_in(device, host, bytes);
+  Status saved_input_to_device(void* device, const void* host, int64_t bytes) override {
+    return gpu_->saved_input_to_device(device, host, bytes);
   }
   Status gradients_ready(int slot) override { return gpu_->gradients_ready(slot); }
   Status synchronize() override { return gpu_->synchronize(); }

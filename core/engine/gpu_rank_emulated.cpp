@@ -27,7 +27,7 @@ class EmulatedGpuRank final : public GpuRank {
       largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
     }
     const int copies = plan.activation_copies();
-    checkpoints_.resize(size_t(plan.checkpoint_copies()) * size_t(plan.checkpoint_levels()) *
+    saved_inputs_.resize(size_t(plan.saved_input_copies()) * size_t(plan.saved_input_levels()) *
                         size_t(N_ * C));
     activation_grad_.resize(size_t(copies) * size_t(N_ * C));
     tokens_.resize(size_t(N_ * plan.input.grad_accum));
@@ -52,8 +52,8 @@ class EmulatedGpuRank final : public GpuRank {
     }
     UnitParams p;
     p.flat = widen(unit, params, 0);
-    const float* input = unit == 0 ? nullptr : checkpoint_at(unit - 1, micro);
-    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, checkpoint_at(unit, micro), ws_);
+    const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
+    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, saved_input_at(unit, micro), ws_);
     return Status::ok();
   }
 
@@ -83,7 +83,7 @@ class EmulatedGpuRank final : public GpuRank {
     }
     const double loss =
         head_forward_backward(plan_.layout, p, batch(micro, loss_scale),
-                              checkpoint_at(head - 1, micro), activation_grad(micro), g, ws_);
+                              saved_input_at(head - 1, micro), activation_grad(micro), g, ws_);
     if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return loss;
   }
@@ -107,7 +107,7 @@ class EmulatedGpuRank final : public GpuRank {
       g.flat = grads_.data();
       std::fill_n(g.flat, numel, 0.0f);
     }
-    const float* input = unit == 0 ? nullptr : checkpoint_at(unit - 1, micro);
+    const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
     float* dy = activation_grad(micro);
     unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy, g,
                   ws_, recompute);
@@ -115,8 +115,8 @@ class EmulatedGpuRank final : public GpuRank {
     return Status::ok();
   }
 
-  std::byte* checkpoint(int level, int micro) override {
-    return reinterpret_cast<std::byte*>(checkpoint_at(level, micro));
+  std::byte* saved_input(int level, int micro) override {
+    return reinterpret_cast<std::byte*>(saved_input_at(level, micro));
   }
   Status gradients_ready(int) override { return Status::ok(); }
   // Nothing is uploaded: the computations read host memory.
@@ -173,11 +173,11 @@ class EmulatedGpuRank final : public GpuRank {
   }
 
   // The slot of each level a micro-batch keeps to its backward
-  // (TrainingPlan::checkpoint_place), and copy activation_copy(micro) of the rest.
-  float* checkpoint_at(int unit, int micro) {
+  // (TrainingPlan::saved_input_place), and copy activation_copy(micro) of the rest.
+  float* saved_input_at(int unit, int micro) {
     const int64_t C = plan_.input.model.hidden_size;
-    const TrainingPlan::CheckpointPlace place = plan_.checkpoint_place(unit, micro);
-    return checkpoints_.data() + (place.copy * plan_.checkpoint_levels() + place.level) * N_ * C;
+    const TrainingPlan::SavedInputPlace place = plan_.saved_input_place(unit, micro);
+    return saved_inputs_.data() + (place.copy * plan_.saved_input_levels() + place.level) * N_ * C;
   }
   float* activation_grad(int micro) {
     return activation_grad_.data() +
@@ -206,7 +206,7 @@ class EmulatedGpuRank final : public GpuRank {
   const TrainingPlan& plan_;
   int64_t N_;
   UnitWorkspace ws_;
-  std::vector<float> checkpoints_, activation_grad_;
+  std::vector<float> saved_inputs_, activation_grad_;
   std::vector<int32_t> tokens_, targets_;
   std::vector<float> widened_[2];
   std::vector<float> grads_, tied_grads_;
@@ -219,11 +219,11 @@ class EmulatedGpuRank final : public GpuRank {
 Result<std::unique_ptr<GpuRank>> GpuRank::create_emulated(const TrainingPlan& plan) {
   if (!plan.input.gpu)
     return Status::error("an emulated GPU rank needs a plan for the CUDA backend (input.gpu)");
-  // Its checkpoints are fp32 where the plan's (and a GPU's) are in compute
-  // precision: a spill of plan.checkpoint_bytes() would carry half of one.
+  // Its saved inputs are fp32 where the plan's (and a GPU's) are in compute
+  // precision: a spill of plan.saved_input_bytes() would carry half of one.
   if (plan.activations_spilled() && plan.compute_bytes != 4)
     return Status::error(
-        "an emulated GPU rank keeps fp32 activation checkpoints: it spills them only in fp32");
+        "an emulated GPU rank keeps fp32 saved inputs: it spills them only in fp32");
   return std::unique_ptr<GpuRank>(new EmulatedGpuRank(plan));
 }
 

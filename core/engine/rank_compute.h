@@ -2,7 +2,7 @@
 // (core/engine/step_operations.cpp) call it without asking which backend
 // runs. Two implementations:
 //  - RankCompute::cpu, the CPU backend: the units of core/model/model.h in
-//    fp32 over the rank's UnitWorkspace, activation checkpoints and
+//    fp32 over the rank's UnitWorkspace, saved inputs and
 //    activation gradient (the plan's buffers of owner `rank`, found by role);
 //    parameters below fp32 are widened first. Its device tier is host memory
 //    standing in for a GPU's.
@@ -79,7 +79,7 @@ struct GradTarget {
 // its copy goes.
 struct UnitUpdate {
   const Optimizer* optimizer = nullptr;  // the rank's driver: hyperparameters
-  StepPlan decision;
+  StepDecision decision;
   // Every array in its home. master, exp_avg, exp_avg_sq: the optimizer's,
   // the moments as shard.state_type stores them (null on NVMe: the streamed
   // optimizer brings them); int8 scales beside the optimizer that updates
@@ -123,17 +123,17 @@ class RankCompute {
                           bool recompute, const GradTarget& target) = 0;
 
   // Where level `level` (unit `level`'s output) of micro-batch `micro` sits:
-  // memory of the device tier, TrainingPlan::checkpoint_place's slot. The
+  // memory of the device tier, TrainingPlan::saved_input_place's slot. The
   // engine spills and restores it (TrainingPlan::activations_spilled):
-  // checkpoint_out copies it to host memory after the work enqueued so far,
-  // checkpoint_in copies it back before the work enqueued after it returns;
+  // saved_input_to_host copies it to host memory after the work enqueued so far,
+  // saved_input_to_device copies it back before the work enqueued after it returns;
   // on a GPU on a copy stream of their own, while the computation runs on.
   // By default the download and upload below, which are in that order already.
-  virtual std::byte* checkpoint(int level, int micro) = 0;
-  virtual Status checkpoint_out(void* host, const void* device, int64_t bytes) {
+  virtual std::byte* saved_input(int level, int micro) = 0;
+  virtual Status saved_input_to_host(void* host, const void* device, int64_t bytes) {
     return download(host, device, bytes);
   }
-  virtual Status checkpoint_in(void* device, const void* host, int64_t bytes) {
+  virtual Status saved_input_to_device(void* device, const void* host, int64_t bytes) {
     return upload(device, host, bytes);
   }
 

@@ -76,7 +76,7 @@ Result<StepResult> Engine::step() {
 
   StepResult result;
   const size_t first = size_t(im.ranks[0]->rank);  // every rank has the same results
-  const StepPlan& decision = run->decisions[first];
+  const StepDecision& decision = run->decisions[first];
   result.step = im.steps_done;
   result.loss = run->loss_sum[first] / run->total_tokens;
   result.grad_norm = run->grad_norm[first];
@@ -157,7 +157,7 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
     case OpKind::exchange:
       return exchange(rank, run);
     case OpKind::decide: {
-      Result<StepPlan> decision = rank.optimizer->begin_step(std::nullopt);
+      Result<StepDecision> decision = rank.optimizer->begin_step(std::nullopt);
       if (!decision) return decision.status();
       std::lock_guard lock(run.mutex);
       run.decisions[size_t(rank.rank)] = *decision;

@@ -338,7 +338,7 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
     run.grad_norm[size_t(rank.rank)] = std::sqrt(global.sum_squares);
     return Status::ok();
   }
-  Result<StepPlan> decision = rank.optimizer->begin_step(global);
+  Result<StepDecision> decision = rank.optimizer->begin_step(global);
   if (!decision) return decision.status();
   std::lock_guard lock(run.mutex);
   run.decisions[size_t(rank.rank)] = *decision;
@@ -348,7 +348,7 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
 }
 
 Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
-  StepPlan decision;
+  StepDecision decision;
   {
     std::lock_guard lock(run.mutex);
     decision = run.decisions[size_t(rank.rank)];
@@ -458,7 +458,7 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
   return rank.compute->upload(params, rank.sync_staging, p.padded_numel * cb);
 }
 
-// Spilled activation checkpoints (TrainingPlan::activations_spilled): level
+// Spilled saved inputs (TrainingPlan::activations_spilled): level
 // op.unit of micro-batch op.micro between its device slot and its home. On
 // the CPU backend the slot is host memory and NVMe reads and writes it in
 // place; a GPU's goes through its host copy, or the staging copy to NVMe.
@@ -466,48 +466,48 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
 // tier's alignment (checked when the rank opened).
 Status Engine::Impl::spill(Rank& rank, const PlanOp& op) {
   const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
-  const std::byte* slot = rank.compute->checkpoint(op.unit, op.micro);
+  const std::byte* slot = rank.compute->saved_input(op.unit, op.micro);
   Status status = Status::ok();
-  if (!rank.checkpoint_extent) {
+  if (!rank.spill_extent) {
     status =
-        rank.compute->checkpoint_out(rank.spilled_checkpoints[copy], slot, plan.checkpoint_bytes());
+        rank.compute->saved_input_to_host(rank.spilled_inputs[copy], slot, plan.saved_input_bytes());
   } else {
     const std::byte* source = slot;
     if (plan.input.gpu) {
-      status = rank.compute->checkpoint_out(rank.checkpoint_staging, slot, plan.checkpoint_bytes());
-      source = rank.checkpoint_staging;
+      status = rank.compute->saved_input_to_host(rank.spill_staging, slot, plan.saved_input_bytes());
+      source = rank.spill_staging;
     }
     if (status)
       status = rank.store->nvme_tier()
-                   ->write(*rank.checkpoint_extent, copy * checkpoint_copy_bytes(), source,
-                           uint64_t(plan.checkpoint_transfer_bytes()))
+                   ->write(*rank.spill_extent, copy * saved_input_copy_bytes(), source,
+                           uint64_t(plan.saved_input_transfer_bytes()))
                    .wait();
   }
   if (status) return status;
   return status.with_context(
-      fmt::format("spilling the activation checkpoint of {} (micro-batch {})",
+      fmt::format("spilling the saved input of {} (micro-batch {})",
                   plan.layout.units[size_t(op.unit)].unit.name, op.micro));
 }
 
 Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
   const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
-  std::byte* slot = rank.compute->checkpoint(op.unit, op.micro);
+  std::byte* slot = rank.compute->saved_input(op.unit, op.micro);
   Status status = Status::ok();
-  if (!rank.checkpoint_extent) {
+  if (!rank.spill_extent) {
     status =
-        rank.compute->checkpoint_in(slot, rank.spilled_checkpoints[copy], plan.checkpoint_bytes());
+        rank.compute->saved_input_to_device(slot, rank.spilled_inputs[copy], plan.saved_input_bytes());
   } else {
-    std::byte* landing = plan.input.gpu ? rank.checkpoint_staging : slot;
+    std::byte* landing = plan.input.gpu ? rank.spill_staging : slot;
     status = rank.store->nvme_tier()
-                 ->read(*rank.checkpoint_extent, copy * checkpoint_copy_bytes(), landing,
-                        uint64_t(plan.checkpoint_transfer_bytes()))
+                 ->read(*rank.spill_extent, copy * saved_input_copy_bytes(), landing,
+                        uint64_t(plan.saved_input_transfer_bytes()))
                  .wait();
     if (status && plan.input.gpu)
-      status = rank.compute->checkpoint_in(slot, landing, plan.checkpoint_bytes());
+      status = rank.compute->saved_input_to_device(slot, landing, plan.saved_input_bytes());
   }
   if (status) return status;
   return status.with_context(
-      fmt::format("restoring the activation checkpoint of {} (micro-batch {})",
+      fmt::format("restoring the saved input of {} (micro-batch {})",
                   plan.layout.units[size_t(op.unit)].unit.name, op.micro));
 }
 

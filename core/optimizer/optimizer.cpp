@@ -55,64 +55,64 @@ bool Optimizer::needs_grad_norm() const {
          options_.skip_nonfinite_steps;
 }
 
-Result<StepPlan> Optimizer::begin_step(const std::optional<kernels::cpu::GradNormPartial>& grads) {
+Result<StepDecision> Optimizer::begin_step(const std::optional<kernels::cpu::GradNormPartial>& grads) {
   if (needs_grad_norm() && !grads) {
     return Status::error(
         "Optimizer::begin_step: the gradient norm is needed (clipping, fp16 loss scaling or "
         "skip_nonfinite_steps) but none was given");
   }
-  StepPlan plan;
-  plan.loss_scale = loss_scaler_.scale();
-  plan.grad_norm = std::numeric_limits<double>::quiet_NaN();
+  StepDecision decision;
+  decision.loss_scale = loss_scaler_.scale();
+  decision.grad_norm = std::numeric_limits<double>::quiet_NaN();
   if (grads) {
-    plan.overflow = grads->nonfinite;
-    plan.grad_norm = std::sqrt(grads->sum_squares) / plan.loss_scale;
+    decision.overflow = grads->nonfinite;
+    decision.grad_norm = std::sqrt(grads->sum_squares) / decision.loss_scale;
   }
   // The scaler goes first: if it refuses (overflow at its minimum), nothing has changed.
-  if (Status status = loss_scaler_.update(plan.overflow); !status) return status;
+  if (Status status = loss_scaler_.update(decision.overflow); !status) return status;
   state_.loss_scaler = loss_scaler_.state();
 
   const bool skip =
-      plan.overflow && (options_.loss_scaler.enabled || options_.skip_nonfinite_steps);
+      decision.overflow && (options_.loss_scaler.enabled || options_.skip_nonfinite_steps);
   if (skip) {
     ++state_.skipped_steps;
-    plan.apply = false;
-    return plan;
+    decision.apply = false;
+    return decision;
   }
-  plan.apply = true;
-  plan.step = ++state_.applied_steps;
-  plan.lr = schedule_.lr_at(state_.scheduler_iteration);
+  decision.apply = true;
+  decision.step = ++state_.applied_steps;
+  decision.lr = schedule_.lr_at(state_.scheduler_iteration);
   ++state_.scheduler_iteration;  // DeepSpeed steps the scheduler after each applied step
   if (options_.gradient_clipping > 0.0) {
-    plan.clip_coef = std::min(1.0, options_.gradient_clipping / (plan.grad_norm + 1e-6));
+    decision.clip_coef = std::min(1.0, options_.gradient_clipping / (decision.grad_norm + 1e-6));
   }
-  plan.grad_scale = plan.clip_coef / plan.loss_scale;
-  return plan;
+  decision.grad_scale = decision.clip_coef / decision.loss_scale;
+  return decision;
 }
 
-kernels::cpu::AdamWHyperparams Optimizer::hyperparams(const StepPlan& plan,
+kernels::cpu::AdamWHyperparams Optimizer::hyperparams(const StepDecision& decision,
                                                       ParamGroup group) const {
   kernels::cpu::AdamWHyperparams hyper;
-  hyper.lr = plan.lr;
+  hyper.lr = decision.lr;
   hyper.beta1 = options_.adamw.beta1;
   hyper.beta2 = options_.adamw.beta2;
   hyper.eps = options_.adamw.eps;
-  hyper.step = plan.step;
+  hyper.step = decision.step;
   hyper.decoupled_weight_decay = options_.adamw.adam_w_mode;
   hyper.bias_correction = options_.adamw.bias_correction;
-  hyper.grad_scale = plan.grad_scale;
+  hyper.grad_scale = decision.grad_scale;
   hyper.weight_decay = options_.adamw.weight_decay;
   return kernels::cpu::group_hyperparams(hyper, group);
 }
 
-Status Optimizer::update_shard(const StepPlan& plan, const kernels::cpu::AdamWShard& shard) const {
-  if (!plan.apply) return Status::ok();
+Status Optimizer::update_shard(const StepDecision& decision, const kernels::cpu::AdamWShard& shard) const {
+  if (!decision.apply) return Status::ok();
   // The kernel writes bf16 and fp16 copies in its pass; an fp32 copy is the new master itself.
   const bool copies_master =
       shard.copy != nullptr && shard.copy_type == kernels::cpu::ElementType::f32;
   kernels::cpu::AdamWShard kernel_shard = shard;
   if (copies_master) kernel_shard.copy = nullptr;
-  if (Status s = kernels::cpu::adamw_step(kernel_shard, hyperparams(plan)); !s) return s;
+  if (Status s = kernels::cpu::adamw_step(kernel_shard, hyperparams(decision)); !s) return s;
   if (copies_master) std::memcpy(shard.copy, shard.master, size_t(shard.numel) * 4);
   return Status::ok();
 }

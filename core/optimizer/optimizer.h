@@ -78,7 +78,7 @@ using kernels::cpu::ShardSegment;
 ParamGroup param_group_for_shape(std::span<const int64_t> shape);
 
 // What begin_step() decided for one step.
-struct StepPlan {
+struct StepDecision {
   bool apply = false;     // false: the step is skipped and shards stay as they are
   bool overflow = false;  // the gradients held inf/NaN
   int64_t step = 0;       // Adam's t of this update (1 for the first applied step); 0 if skipped
@@ -117,19 +117,19 @@ class Optimizer {
   // gradients' squares; may be absent only when !needs_grad_norm(). Fails when
   // it is missing, or when an fp16 overflow happens at the minimum loss scale
   // (the run cannot go on); the state is then unchanged.
-  Result<StepPlan> begin_step(const std::optional<kernels::cpu::GradNormPartial>& grads);
+  Result<StepDecision> begin_step(const std::optional<kernels::cpu::GradNormPartial>& grads);
 
-  // Step 4: one shard's AdamW update for `plan` (nothing when !plan.apply),
+  // Step 4: one shard's AdamW update for `plan` (nothing when !decision.apply),
   // by the CPU kernel, each parameter group of shard.segments with its own
   // weight decay. An fp32 copy is the new master, copied there after the
   // kernel. Fails (touching nothing) on what the kernel refuses.
-  Status update_shard(const StepPlan& plan, const kernels::cpu::AdamWShard& shard) const;
+  Status update_shard(const StepDecision& decision, const kernels::cpu::AdamWShard& shard) const;
 
   // The AdamW hyperparameters of `plan` for parameter group `group`. For a
   // whole shard (the kernels take each group's weight decay from these by
   // group_hyperparams) the group is `decay`, as update_shard passes them and
   // a GPU update of device-resident state does.
-  kernels::cpu::AdamWHyperparams hyperparams(const StepPlan& plan,
+  kernels::cpu::AdamWHyperparams hyperparams(const StepDecision& decision,
                                              ParamGroup group = ParamGroup::decay) const;
 
   const OptimizerState& state() const { return state_; }

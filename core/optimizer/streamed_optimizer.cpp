@@ -100,10 +100,10 @@ void StreamedOptimizer::chunk_items(std::span<const StreamedOptimizerUnit> units
   }
 }
 
-Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
+Status StreamedOptimizer::step(const Optimizer& optimizer, const StepDecision& decision,
                                std::span<const StreamedOptimizerUnit> units,
                                std::span<const StreamedOptimizerUnit> next) {
-  if (!plan.apply) return Status::ok();
+  if (!decision.apply) return Status::ok();
   const kernels::cpu::AdamWStateType state_type = options_.state_type;
   const bool int8 = state_type == kernels::cpu::AdamWStateType::int8;
   for (const StreamedOptimizerUnit& unit : units) {
@@ -158,7 +158,7 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepPlan& plan,
     if (whole.copy != nullptr)
       part.copy = offset_elements(whole.copy, chunk.begin, whole.copy_type);
     part.segments = segments;
-    return optimizer.update_shard(plan, part)
+    return optimizer.update_shard(decision, part)
         .with_context(fmt::format("unit {} elements [{}, {})", unit.unit, chunk.begin, end));
   };
   std::vector<StreamItem> next_items;

@@ -84,14 +84,14 @@ class StreamedOptimizer {
   // Host bytes create() takes from the host tier.
   static uint64_t host_buffer_bytes(const StreamedOptimizerOptions& options);
 
-  // One optimizer step (nothing when !plan.apply).
+  // One optimizer step (nothing when !decision.apply).
   // `next`: the units of the step() expected after this one; once this one's
   // last chunk is updated, their first chunks' master, m and v start being
   // read (as many as there are buffers) while this one's write-backs finish,
   // and that step() takes them as read (StreamedPass::prefetch). Only for
   // state nothing else writes before then; the gradient, when in the store,
   // is read by that step() itself.
-  Status step(const Optimizer& optimizer, const StepPlan& plan,
+  Status step(const Optimizer& optimizer, const StepDecision& decision,
               std::span<const StreamedOptimizerUnit> units,
               std::span<const StreamedOptimizerUnit> next = {});
 

@@ -155,11 +155,11 @@ class BufferListing {
       add(R::nccl_staging, O::rank, "NCCL staging (2 x largest unit, fp32)", Tier::device, f32, 2,
           largest_padded);
     if (plan.activations_spilled())
-      add(R::gpu_activation_checkpoints, O::gpu, slots_name(), Tier::device, compute,
-          plan.checkpoint_copies(), slot_elements(cb));
+      add(R::gpu_saved_inputs, O::gpu, slots_name(), Tier::device, compute,
+          plan.saved_input_copies(), slot_elements(cb));
     else
-      add(R::gpu_activation_checkpoints, O::gpu,
-          copies_name("activation checkpoints (unit inputs)"), Tier::device, compute, copies,
+      add(R::gpu_saved_inputs, O::gpu,
+          copies_name("saved unit inputs"), Tier::device, compute, copies,
           (units - 1) * N * C);
     add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
         compute, copies, N * C);
@@ -199,11 +199,11 @@ class BufferListing {
     // Host memory is the device tier here: a host home only moves the budget they count against.
     const Tier kept = plan.activation_home() == Tier::host ? Tier::host : Tier::device;
     if (plan.activations_spilled())
-      add(R::activation_checkpoints, O::rank, slots_name(), Tier::device, f32,
-          plan.checkpoint_copies(), slot_elements(4));
+      add(R::saved_inputs, O::rank, slots_name(), Tier::device, f32,
+          plan.saved_input_copies(), slot_elements(4));
     else
-      add(R::activation_checkpoints, O::rank,
-          copies_name("activation checkpoints (unit inputs, fp32)"), kept, f32, copies,
+      add(R::saved_inputs, O::rank,
+          copies_name("saved unit inputs (fp32)"), kept, f32, copies,
           (units - 1) * N * C);
     add(R::activation_gradient, O::rank, copies_name("activation gradient"), kept, f32, copies,
         N * C);
@@ -289,7 +289,7 @@ class BufferListing {
   const int copies;  // of what a micro-batch keeps to its backward
   const bool scatter_output;
 
-  // Spilled checkpoints: the levels below the last two, one copy per
+  // Spilled inputs: the levels below the last two, one copy per
   // micro-batch each, in their home (host memory or NVMe; the engine rank
   // moves them), and on a GPU with NVMe one host staging copy between the two.
   void add_spill_buffers(BufferElement element, int64_t element_bytes) {
@@ -297,18 +297,18 @@ class BufferListing {
     if (levels == 0) return;
     const int G = int(in.grad_accum);
     add(R::activation_spill, O::rank,
-        fmt::format("activation checkpoints spilled ({} levels x {} micro-batches)", levels, G),
+        fmt::format("saved inputs spilled ({} levels x {} micro-batches)", levels, G),
         plan.activation_home(), element, levels * G, slot_elements(element_bytes));
     if (in.gpu && plan.activation_home() == Tier::nvme)
-      add(R::activation_staging, O::rank, "activation checkpoint on its way to or from NVMe",
+      add(R::activation_staging, O::rank, "saved input on its way to or from NVMe",
           Tier::host, element, 1, slot_elements(element_bytes));
   }
-  // One spilled checkpoint's elements, as long as a transfer (the I/O alignment on NVMe).
+  // One spilled input's elements, as long as a transfer (the I/O alignment on NVMe).
   int64_t slot_elements(int64_t element_bytes) const {
-    return plan.checkpoint_transfer_bytes() / element_bytes;
+    return plan.saved_input_transfer_bytes() / element_bytes;
   }
   std::string slots_name() const {
-    return fmt::format("activation checkpoint slots (2 levels x {} micro-batches)", in.grad_accum);
+    return fmt::format("saved-input slots (2 levels x {} micro-batches)", in.grad_accum);
   }
 
   // "activation gradient (8 micro-batches)" in the layer-major schedule.

@@ -100,7 +100,7 @@ struct PlanInput {
   // backward, and every micro-batch's unit inputs are kept to the backward.
   // auto_choice: the planner's choose_schedule picks; a built plan's is resolved.
   Schedule schedule = Schedule::auto_choice;
-  // Where the layer-major schedule keeps the activation checkpoints of its
+  // Where the layer-major schedule keeps the saved inputs of its
   // micro-batches until their backward (TrainingPlan::activations_spilled):
   //  device  all of them in device memory;
   //  host    on the CPU backend all of them in host memory (the device tier is

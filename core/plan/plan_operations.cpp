@@ -210,7 +210,7 @@ class PlanBuilder {
     // for the embedding's reduce (layer-major keeps one per micro-batch).
     if (tied_ && cu.unit == head_ && cu.micro > 0 && !plan_.layer_major())
       op.deps.push_back(last_reduce_[0]);
-    // Spilled checkpoints (TrainingPlan::activations_spilled): the forward of
+    // Spilled inputs (TrainingPlan::activations_spilled): the forward of
     // unit u writes level u over level u - 2, which must be out first; a
     // backward reads level u - 1, which must be back.
     if (cu.kind == OpKind::forward && cu.unit < head_ && plan_.spills(cu.unit - 2))
@@ -246,14 +246,14 @@ class PlanBuilder {
   void emit_spill_or_restore(size_t c) {
     if (plan_.spilled_levels() == 0) return;
     const ComputeUse& cu = compute_[c];
-    const int64_t bytes = plan_.checkpoint_transfer_bytes();
+    const int64_t bytes = plan_.saved_input_transfer_bytes();
     if (spill_op_.empty()) {
       spill_op_.assign(level_index(plan_.spilled_levels(), 0), -1);
       restore_op_.assign(spill_op_.size(), -1);
     }
     if (cu.kind == OpKind::forward && cu.unit < head_ && plan_.spills(cu.unit)) {
       PlanOp spill = make_op(OpKind::spill, Lane::activations, cu.unit, cu.micro,
-                             plan_.checkpoint_place(cu.unit, cu.micro).copy);
+                             plan_.saved_input_place(cu.unit, cu.micro).copy);
       spill.deps.push_back(compute_op_[c]);
       spill.bytes = bytes;
       spill_op_[level_index(cu.unit, cu.micro)] = add(std::move(spill));
@@ -262,7 +262,7 @@ class PlanBuilder {
     const int freed = cu.kind == OpKind::backward ? cu.unit - 3 : cu.unit == head_ ? head_ - 3 : -1;
     if (!plan_.spills(freed)) return;
     PlanOp restore = make_op(OpKind::restore, Lane::activations, freed, cu.micro,
-                             plan_.checkpoint_place(freed, cu.micro).copy);
+                             plan_.saved_input_place(freed, cu.micro).copy);
     restore.deps.push_back(compute_op_[c]);
     restore.deps.push_back(spill_op_[level_index(freed, cu.micro)]);
     restore.bytes = bytes;
@@ -337,7 +337,7 @@ class PlanBuilder {
           break;
         case OpKind::spill:
         case OpKind::restore: {
-          // Through NVMe, and on a GPU over PCIe (the exact checkpoint).
+          // Through NVMe, and on a GPU over PCIe (the exact saved input).
           int64_t& nvme = op.kind == OpKind::spill ? t.nvme_written : t.nvme_read;
           if (plan_.activation_home() == Tier::nvme) nvme += op.bytes;
           int64_t& pcie = op.kind == OpKind::spill ? t.d2h : t.h2d;

@@ -116,10 +116,10 @@ enum class BufferKind { state, activation, working_set, staging };
 BufferKind buffer_kind(BufferRole role) {
   if (state_shard_kind(role) || role == BufferRole::int8_scales) return BufferKind::state;
   switch (role) {
-    case BufferRole::activation_checkpoints:
+    case BufferRole::saved_inputs:
     case BufferRole::activation_gradient:
     case BufferRole::tokens_and_targets:
-    case BufferRole::gpu_activation_checkpoints:
+    case BufferRole::gpu_saved_inputs:
     case BufferRole::gpu_activation_gradient:
     case BufferRole::gpu_tokens_and_targets:
     case BufferRole::gpu_token_losses:
@@ -164,7 +164,7 @@ Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
         plan.model_states.at(b.tier) += b.bytes;
         break;
       case BufferKind::activation:
-        plan.activation_checkpoint_bytes += b.bytes;
+        plan.saved_activation_bytes += b.bytes;
         break;
       case BufferKind::working_set:
         plan.activation_working_bytes += b.bytes;
@@ -283,7 +283,7 @@ Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
     choice.reason = fmt::format("{} (given)", schedule_name(in.schedule));
     if (pick == 1 && in.grad_accum > 1)
       choice.reason +=
-          fmt::format(", activation checkpoints {}", kept_where(choice.options[1].activation_home));
+          fmt::format(", saved inputs {}", kept_where(choice.options[1].activation_home));
   } else if (plans.size() < 2 || in.grad_accum == 1) {
     choice.reason = "micro_batch: one micro-batch per step, where both orders are the same";
   } else {
@@ -665,7 +665,7 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
                        {"tier", tier_name(b.tier)},
                        {"bytes", b.bytes}});
   j["buffers"] = buffers;
-  j["activations"] = {{"checkpoint_bytes", plan.activation_checkpoint_bytes},
+  j["activations"] = {{"saved_bytes", plan.saved_activation_bytes},
                       {"working_bytes", plan.activation_working_bytes}};
   j["staging"] = {{"device_bytes", plan.device_staging_bytes},
                   {"host_bytes", plan.host_staging_bytes}};

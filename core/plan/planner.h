@@ -79,7 +79,7 @@ struct ScheduleOption {
   Tier activation_home = Tier::device;
   bool fits = true;
   Traffic traffic;
-  TierBytes activations;       // activation checkpoints, gradients, tokens: per rank and tier
+  TierBytes activations;       // saved inputs, gradients, tokens: per rank and tier
   double slowest_seconds = 0;  // the step's time on its slowest link
 };
 
@@ -116,7 +116,7 @@ struct PlanReport {
   // Every buffer of the training plan (with a model; else the state lines).
   std::vector<PlanBuffer> buffers;
   // The buffers besides the states, summed by what they hold.
-  int64_t activation_checkpoint_bytes = 0;  // unit inputs kept to the backward, tokens, losses
+  int64_t saved_activation_bytes = 0;  // unit inputs kept to the backward, tokens, losses
   int64_t activation_working_bytes = 0;     // one unit's recompute + backward working set
   int64_t device_staging_bytes = 0;         // gathered units, unit gradients, ... on the device
   int64_t host_staging_bytes = 0;           // pinned copies, streamed optimizer, new parameters

@@ -114,8 +114,8 @@ const char* buffer_role_name(BufferRole role) {
       return "sync_staging";
     case BufferRole::tokens_and_targets:
       return "tokens_and_targets";
-    case BufferRole::activation_checkpoints:
-      return "activation_checkpoints";
+    case BufferRole::saved_inputs:
+      return "saved_inputs";
     case BufferRole::activation_gradient:
       return "activation_gradient";
     case BufferRole::activation_spill:
@@ -142,8 +142,8 @@ const char* buffer_role_name(BufferRole role) {
       return "gpu_gradient_sum";
     case BufferRole::gpu_new_parameters:
       return "gpu_new_parameters";
-    case BufferRole::gpu_activation_checkpoints:
-      return "gpu_activation_checkpoints";
+    case BufferRole::gpu_saved_inputs:
+      return "gpu_saved_inputs";
     case BufferRole::gpu_activation_gradient:
       return "gpu_activation_gradient";
     case BufferRole::gpu_tokens_and_targets:
@@ -229,14 +229,14 @@ int64_t TrainingPlan::state_numel(int u, BufferRole role) const {
   }
 }
 
-int64_t TrainingPlan::checkpoint_bytes() const {
+int64_t TrainingPlan::saved_input_bytes() const {
   return tokens_per_micro * input.model.hidden_size * (input.gpu ? compute_bytes : 4);
 }
 
-int64_t TrainingPlan::checkpoint_transfer_bytes() const {
+int64_t TrainingPlan::saved_input_transfer_bytes() const {
   return activation_home() == Tier::nvme
-             ? round_up(checkpoint_bytes(), int64_t(input.nvme_alignment))
-             : checkpoint_bytes();
+             ? round_up(saved_input_bytes(), int64_t(input.nvme_alignment))
+             : saved_input_bytes();
 }
 
 const PlanBuffer* TrainingPlan::buffer(BufferRole role) const {

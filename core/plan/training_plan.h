@@ -52,7 +52,7 @@
 //
 // Lanes: io (starts fetches), comm (every collective, in one order that every
 // rank shares), compute, optimizer, activations (spills and restores of
-// checkpoints kept out of the device: activations_spilled). Each lane runs
+// saved inputs kept out of the device: activations_spilled). Each lane runs
 // its operations in plan order; an operation starts when its dependencies
 // are done.
 //
@@ -89,7 +89,7 @@ enum class OpKind {
   optimizer,
   writeback,
   sync,
-  spill,    // an activation checkpoint leaves the device for its home (host or NVMe)
+  spill,    // a saved input leaves the device for its home (host or NVMe)
   restore,  // and comes back to its device slot ahead of its backward
 };
 inline constexpr int kOpKindCount = 13;
@@ -157,7 +157,7 @@ enum class BufferRole {
   reduce_scatter_output,   // (largest shard) fp32
   sync_staging,            // (largest padded) compute precision: the GPU's stage 1-2 all-gather
   tokens_and_targets,      // (2, G, B*T) int32: tokens, then targets
-  activation_checkpoints,  // [checkpoint_copies] (checkpoint_levels, B*T, C) fp32, the CPU units'
+  saved_inputs,  // [saved_input_copies] (saved_input_levels, B*T, C) fp32, the CPU units'
                            // inputs
   activation_gradient,     // [activation copies] (B*T, C) fp32
   unit_working_set,        // bytes the CPU UnitWorkspace allocates itself, charged here
@@ -171,7 +171,7 @@ enum class BufferRole {
   gpu_reduced_gradient,        // (largest padded) fp32
   gpu_gradient_sum,            // (largest padded) fp32: gpu_grads_summed_on_device
   gpu_new_parameters,          // (largest optimizer range) compute precision
-  gpu_activation_checkpoints,  // [checkpoint_copies] (checkpoint_levels, B*T, C) compute precision
+  gpu_saved_inputs,  // [saved_input_copies] (saved_input_levels, B*T, C) compute precision
   gpu_activation_gradient,     // [activation copies] (B*T, C) compute precision
   gpu_tokens_and_targets,      // (2, G, B*T) int32
   gpu_token_losses,            // (B*T) fp32
@@ -182,9 +182,9 @@ enum class BufferRole {
   optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
   gradient_staging,       // (largest gradient shard) fp32: an NVMe-homed gradient, read to add to
-  // Spilled activation checkpoints (TrainingPlan::activations_spilled), the engine rank's.
-  activation_spill,  // [spilled_levels x G] (B*T, C) as the checkpoints: in host memory or on NVMe
-  activation_staging,  // (B*T, C) compute precision: the GPU's checkpoint on its way to or from
+  // Spilled saved inputs (TrainingPlan::activations_spilled), the engine rank's.
+  activation_spill,  // [spilled_levels x G] (B*T, C) as the saved inputs: in host memory or on NVMe
+  activation_staging,  // (B*T, C) compute precision: the GPU's saved input on its way to or from
                        // NVMe
 };
 const char* buffer_role_name(BufferRole role);
@@ -260,7 +260,7 @@ struct TrainingPlan {
   // micro-batch m uses copy activation_copy(m).
   int activation_copies() const { return layer_major() ? int(input.grad_accum) : 1; }
   int activation_copy(int micro) const { return layer_major() ? micro : 0; }
-  // Layer-major checkpoints kept out of the device: with activation_home NVMe
+  // Layer-major saved inputs kept out of the device: with activation_home NVMe
   // (either backend) or host (the CUDA backend) and more than one
   // micro-batch. Then the device holds two levels of slots, one per
   // micro-batch each: level k (unit k's output, unit k+1's input) of
@@ -278,28 +278,28 @@ struct TrainingPlan {
     return activations_spilled() ? std::max(0, int(units.size()) - 3) : 0;
   }
   bool spills(int level) const { return level >= 0 && level < spilled_levels(); }
-  // The checkpoints buffer: copies of levels of (B*T, C) each.
-  int checkpoint_copies() const {
+  // The saved-inputs buffer: copies of levels of (B*T, C) each.
+  int saved_input_copies() const {
     return activations_spilled() ? 2 * int(input.grad_accum) : activation_copies();
   }
-  int64_t checkpoint_levels() const {
+  int64_t saved_input_levels() const {
     return activations_spilled() ? 1 : int64_t(units.size()) - 1;
   }
   // Level `level` of micro-batch `micro`: its copy, and its place in levels.
-  struct CheckpointPlace {
+  struct SavedInputPlace {
     int copy = 0;
     int64_t level = 0;
   };
-  CheckpointPlace checkpoint_place(int level, int micro) const {
+  SavedInputPlace saved_input_place(int level, int micro) const {
     if (activations_spilled()) return {(level % 2) * int(input.grad_accum) + micro, 0};
     return {activation_copy(micro), level};
   }
-  // Bytes of one checkpoint, (B*T, C) in the checkpoints' element type (fp32
+  // Bytes of one saved input, (B*T, C) in their element type (fp32
   // on the CPU backend, the compute precision on the GPU's), and of one spill
   // or restore: rounded up to the I/O alignment on NVMe, where each slot and
   // each spilled copy is that long.
-  int64_t checkpoint_bytes() const;
-  int64_t checkpoint_transfer_bytes() const;
+  int64_t saved_input_bytes() const;
+  int64_t saved_input_transfer_bytes() const;
   // Backward of the last layer before the head can reuse its forward's
   // activations only when nothing ran in between but the head of the same micro-batch.
   bool recomputes(int unit) const {

@@ -7,7 +7,7 @@
 // concatenated) and DIR/grads_<k>.bin (step k's gradients in the gradient
 // type, k = 0..steps-1). Writes DIR/out_master.bin, out_exp_avg.bin,
 // out_exp_avg_sq.bin, out_copy.bin (when there is a copy) and out_log.json
-// (one StepPlan per step). Exits 1 with a message on any error.
+// (one StepDecision per step). Exits 1 with a message on any error.
 #include <cstdio>
 #include <cstring>
 #include <fstream>
