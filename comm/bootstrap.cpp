@@ -25,7 +25,6 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
-#include <cstring>
 #include <limits>
 #include <thread>
 
@@ -201,10 +200,6 @@ class Socket {
  private:
   int fd_ = -1;
 };
-
-std::string errno_text(int error) {
-  return std::strerror(error);
-}
 
 void make_nonblocking(int fd) {
   const int flags = ::fcntl(fd, F_GETFL, 0);
@@ -473,10 +468,12 @@ class TcpRendezvous final : public Rendezvous {
 // IPv6, else IPv4.
 Result<Socket> listen_on(int port, int backlog) {
   int error = 0;
+  const char* step = "socket";
   for (int family : {AF_INET6, AF_INET}) {
     Socket socket(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!socket.valid()) {
       error = errno;
+      step = "socket";
       continue;
     }
     const int one = 1, zero = 0;
@@ -498,13 +495,14 @@ Result<Socket> listen_on(int port, int backlog) {
     }
     if (bound != 0 || ::listen(socket.fd(), backlog) != 0) {
       error = errno;
+      step = bound != 0 ? "bind" : "listen";
       if (error == EADDRINUSE || error == EACCES) break;  // the other family would say the same
       continue;
     }
     make_nonblocking(socket.fd());
     return socket;
   }
-  return Status::error(errno_text(error));
+  return Status::from_errno(error, step);
 }
 
 Status TcpRendezvous::listen_and_accept() {
@@ -535,8 +533,7 @@ Status TcpRendezvous::listen_and_accept() {
           "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise the rendezvous timeout",
           where_, timeout_.count() / 1000.0, shown > 1 ? "s" : "", missing, world_size_));
     }
-    if (wait == Wait::error)
-      return Status::error(fmt::format("{}: poll: {}", where_, errno_text(errno)));
+    if (wait == Wait::error) return Status::from_errno(errno, where_ + ": poll");
     Socket peer(::accept4(listener->fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (!peer.valid()) continue;  // the client gave up, or a transient error: keep waiting
     const int one = 1;
@@ -789,7 +786,7 @@ Result<int> find_free_port() {
   sockaddr_storage address{};
   socklen_t length = sizeof(address);
   if (::getsockname(socket->fd(), reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    return Status::error("cannot find a free TCP port: getsockname: " + errno_text(errno));
+    return Status::from_errno(errno, "cannot find a free TCP port: getsockname");
   }
   if (address.ss_family == AF_INET6)
     return ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port);

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -48,10 +50,50 @@ class RealFileSystem final : public FileSystem {
     std::filesystem::remove_all(path, error);
     return error ? -error.value() : 0;
   }
+  int64_t read_at(int fd, void* data, size_t size, uint64_t offset) override {
+    const ssize_t got = ::pread(fd, data, size, off_t(offset));
+    return got >= 0 ? int64_t(got) : -int64_t{errno};
+  }
+  int64_t read_next(int fd, void* data, size_t size) override {
+    const ssize_t got = ::read(fd, data, size);
+    return got >= 0 ? int64_t(got) : -int64_t{errno};
+  }
+  int64_t file_size(int fd) override {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 ? int64_t(st.st_size) : -int64_t{errno};
+  }
+  int map(int fd, size_t size, const void** address) override {
+    void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapped == MAP_FAILED) return -errno;
+    *address = mapped;
+    return 0;
+  }
+  void unmap(const void* address, size_t size) override {
+    ::munmap(const_cast<void*>(address), size);
+  }
 };
 
-// What the user can do about a failed call, or "" when nothing.
-const char* what_to_do(int error_number) {
+// What the user can do about a failed read, or "" when nothing.
+const char* what_to_do_reading(int error_number) {
+  switch (error_number) {
+    case ENOENT:
+      return "check the path";
+    case ENOTDIR:
+      return "a part of the path is not a directory; check the path";
+    case EACCES:
+    case EPERM:
+      return "make the file readable for this user";
+    case EISDIR:
+      return "a directory has that name; give the file";
+    case EIO:
+      return "the device reported an error; check it and the kernel log";
+    default:
+      return "";
+  }
+}
+
+// What the user can do about a failed write, or "" when nothing.
+const char* what_to_do_writing(int error_number) {
   switch (error_number) {
     case ENOSPC:
       return "free space on that file system or write elsewhere";
@@ -95,6 +137,12 @@ const char* file_op_name(FileOp op) {
       return "sync directory";
     case FileOp::kRemove:
       return "remove";
+    case FileOp::kRead:
+      return "read";
+    case FileOp::kStat:
+      return "stat";
+    case FileOp::kMap:
+      return "map";
   }
   return "?";
 }
@@ -104,10 +152,11 @@ FileSystem& FileSystem::real() {
   return *file_system;
 }
 
-Status file_error(const std::string& path, const std::string& step, int error_number) {
-  const std::string advice = what_to_do(error_number);
-  return Status::error(fmt::format("{}: {}: {}{}{}", path, step, errno_text(error_number),
-                                   advice.empty() ? "" : "; ", advice));
+Status file_error(const std::string& path, const std::string& step, int error_number,
+                  FileAccess access) {
+  return Status::from_errno(error_number, fmt::format("{}: {}", path, step),
+                            access == FileAccess::kRead ? what_to_do_reading(error_number)
+                                                        : what_to_do_writing(error_number));
 }
 
 Status write_fully(FileSystem& file_system, int fd, const void* data, size_t size, uint64_t offset,
@@ -128,6 +177,60 @@ Status write_fully(FileSystem& file_system, int fd, const void* data, size_t siz
   return Status::ok();
 }
 
+Status read_fully(FileSystem& file_system, int fd, void* data, size_t size, uint64_t offset,
+                  const std::string& path) {
+  auto* bytes = static_cast<char*>(data);
+  const uint64_t start = offset;
+  const size_t wanted = size;
+  while (size > 0) {
+    const int64_t got = file_system.read_at(fd, bytes, size, offset);
+    if (got == -EINTR) continue;
+    if (got < 0)
+      return file_error(path, fmt::format("reading {} bytes at offset {}", size, offset), int(-got),
+                        FileAccess::kRead);
+    if (got == 0)
+      return Status::corruption(
+          fmt::format("{}: ends at byte {}, short of the {} bytes read at offset {}; the file is "
+                      "truncated",
+                      path, offset, wanted, start));
+    bytes += got;
+    size -= size_t(got);
+    offset += uint64_t(got);
+  }
+  return Status::ok();
+}
+
+Result<int> open_for_reading(FileSystem& file_system, const std::string& path) {
+  const int fd = file_system.open(path, O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return file_error(path, "opening", -fd, FileAccess::kRead);
+  return fd;
+}
+
+Result<std::string> read_whole_file(FileSystem& file_system, const std::string& path) {
+  Result<int> fd = open_for_reading(file_system, path);
+  if (!fd) return fd.status();
+  constexpr size_t kBlock = 64 << 10;
+  std::string contents;
+  size_t used = 0;
+  Status status = Status::ok();
+  for (;;) {
+    contents.resize(used + kBlock);
+    const int64_t got = file_system.read_next(*fd, contents.data() + used, kBlock);
+    if (got == -EINTR) continue;
+    if (got < 0) {
+      status =
+          file_error(path, fmt::format("reading at offset {}", used), int(-got), FileAccess::kRead);
+      break;
+    }
+    if (got == 0) break;
+    used += size_t(got);
+  }
+  file_system.close(*fd);  // read-only: nothing a failed close could lose
+  if (!status) return status;
+  contents.resize(used);
+  return contents;
+}
+
 // --- fault injection -------------------------------------------------------------------
 
 void FaultInjectingFileSystem::add(const FileFault& fault) {
@@ -145,12 +248,12 @@ uint64_t FaultInjectingFileSystem::faults_injected() const {
   return injected_;
 }
 
-std::optional<FileFault> FaultInjectingFileSystem::on_call(FileOp op, size_t write_size) {
+std::optional<FileFault> FaultInjectingFileSystem::on_call(FileOp op, size_t transfer_size) {
   std::lock_guard lock(mutex_);
   const uint64_t call = ++calls_[int(op)];
   for (FileFault& fault : faults_) {
     if (fault.op != op || fault.times == 0 || call < fault.nth_call) continue;
-    if (fault.kind == FileFaultKind::kShortWrite && write_size < 2) continue;
+    if (fault.kind != FileFaultKind::kError && transfer_size < 2) continue;
     --fault.times;
     ++injected_;
     return fault;
@@ -207,6 +310,34 @@ int FaultInjectingFileSystem::remove_file(const std::string& path) {
 int FaultInjectingFileSystem::remove_tree(const std::string& path) {
   if (auto fault = on_call(FileOp::kRemove)) return -fault->error_number;
   return inner_.remove_tree(path);
+}
+
+int64_t FaultInjectingFileSystem::read_at(int fd, void* data, size_t size, uint64_t offset) {
+  std::optional<FileFault> fault = on_call(FileOp::kRead, size);
+  if (!fault) return inner_.read_at(fd, data, size, offset);
+  if (fault->kind == FileFaultKind::kShortRead) return inner_.read_at(fd, data, size / 2, offset);
+  return -int64_t{fault->error_number};
+}
+
+int64_t FaultInjectingFileSystem::read_next(int fd, void* data, size_t size) {
+  std::optional<FileFault> fault = on_call(FileOp::kRead, size);
+  if (!fault) return inner_.read_next(fd, data, size);
+  if (fault->kind == FileFaultKind::kShortRead) return inner_.read_next(fd, data, size / 2);
+  return -int64_t{fault->error_number};
+}
+
+int64_t FaultInjectingFileSystem::file_size(int fd) {
+  if (auto fault = on_call(FileOp::kStat)) return -int64_t{fault->error_number};
+  return inner_.file_size(fd);
+}
+
+int FaultInjectingFileSystem::map(int fd, size_t size, const void** address) {
+  if (auto fault = on_call(FileOp::kMap)) return -fault->error_number;
+  return inner_.map(fd, size, address);
+}
+
+void FaultInjectingFileSystem::unmap(const void* address, size_t size) {
+  inner_.unmap(address, size);
 }
 
 }  // namespace strata::io

@@ -381,7 +381,7 @@ Status IoEngine::remove_file(FileId file) {
   for (PathFile& path_file : record->path_files) {
     close(path_file.fd);
     if (unlink(path_file.path.c_str()) != 0 && result)
-      result = Status::error(fmt::format("unlink {}: {}", path_file.path, std::strerror(errno)));
+      result = Status::from_errno(errno, "unlink " + path_file.path);
   }
   return result;
 }

@@ -11,13 +11,9 @@
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 
 namespace strata {
 namespace {
@@ -209,14 +205,19 @@ namespace {
 
 struct Parser {
   std::string origin;
+  // A tokenizer.json that does not hold what its format says.
   Status error(const std::string& key, const std::string& what) const {
-    return Status::error(fmt::format("{}: {}: {}", origin, key, what));
+    return Status::corruption(fmt::format("{}: {}: {}", origin, key, what));
+  }
+  // A well-formed tokenizer.json asking for what strata does not read.
+  Status refused(const std::string& key, const std::string& what) const {
+    return Status::invalid_argument(fmt::format("{}: {}: {}", origin, key, what));
   }
   Status unsupported(const std::string& key, const json& value,
                      const std::string& supported) const {
-    return error(key, fmt::format("{} is not supported (strata reads {}); this tokenizer cannot be "
-                                  "used with strata",
-                                  value.dump(), supported));
+    return refused(key, fmt::format("{} is not supported (strata reads {}); this tokenizer cannot "
+                                    "be used with strata",
+                                    value.dump(), supported));
   }
 };
 
@@ -277,9 +278,9 @@ Status parse_pre_tokenizer(const Parser& p, const json& step, const std::string&
   }
   if (type == "Split") {
     if (byte_level)
-      return p.error(key,
-                     "a Split after ByteLevel is not supported (strata reads Split steps "
-                     "before ByteLevel)");
+      return p.refused(key,
+                       "a Split after ByteLevel is not supported (strata reads Split steps "
+                       "before ByteLevel)");
     const json pattern = step.value("pattern", json());
     if (!pattern.is_object() || !pattern.contains("Regex") || !pattern["Regex"].is_string())
       return p.unsupported(key + ".pattern", pattern, "a {\"Regex\": ...} pattern");
@@ -433,15 +434,10 @@ Status parse_model(const Parser& p, const json& model, TokenizerTables& t) {
 
 }  // namespace
 
-Result<Tokenizer> Tokenizer::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    return Status::error(
-        fmt::format("{}: cannot open the tokenizer: {}", path, std::strerror(errno)));
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(fmt::format("{}: read failed", path));
-  return parse(text.str(), path);
+Result<Tokenizer> Tokenizer::load(const std::string& path, io::FileSystem& file_system) {
+  Result<std::string> text = io::read_whole_file(file_system, path);
+  if (!text) return text.status();
+  return parse(*text, path);
 }
 
 Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& origin) {
@@ -450,9 +446,9 @@ Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& ori
   try {
     root = json::parse(text);
   } catch (const json::parse_error& e) {
-    return Status::error(fmt::format("{}: not valid JSON: {}", origin, e.what()));
+    return Status::corruption(fmt::format("{}: not valid JSON: {}", origin, e.what()));
   }
-  if (!root.is_object()) return Status::error(fmt::format("{}: not a JSON object", origin));
+  if (!root.is_object()) return Status::corruption(fmt::format("{}: not a JSON object", origin));
   auto tables = std::make_shared<TokenizerTables>();
   TokenizerTables& t = *tables;
   try {
@@ -467,9 +463,9 @@ Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& ori
     if (!pre.is_null())
       if (Status s = parse_pre_tokenizer(p, pre, "pre_tokenizer", t, byte_level); !s) return s;
     if (!byte_level)
-      return p.error("pre_tokenizer",
-                     "has no ByteLevel step; strata reads byte-level BPE "
-                     "tokenizers only (Llama 3, Qwen2, GPT-2 kinds)");
+      return p.refused("pre_tokenizer",
+                       "has no ByteLevel step; strata reads byte-level BPE "
+                       "tokenizers only (Llama 3, Qwen2, GPT-2 kinds)");
     if (Status s =
             parse_post_processor(p, root.value("post_processor", json()), "post_processor", t);
         !s)
@@ -493,7 +489,7 @@ Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& ori
       t.vocab_size = std::max<int64_t>(t.vocab_size, int64_t(token.id) + 1);
     }
   } catch (const json::exception& e) {
-    return Status::error(fmt::format("{}: unexpected structure: {}", origin, e.what()));
+    return Status::corruption(fmt::format("{}: unexpected structure: {}", origin, e.what()));
   }
   t.token_bytes.resize(size_t(t.vocab_size), 0);
   Tokenizer tokenizer;

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "io/base/status.h"
+#include "io/file_system.h"
 
 namespace strata {
 
@@ -49,8 +50,11 @@ struct TokenizerTables;  // tokenizer.cpp: what a tokenizer.json holds, shared b
 
 class Tokenizer {
  public:
-  // `path` names a tokenizer.json.
-  static Result<Tokenizer> load(const std::string& path);
+  // `path` names a tokenizer.json, read through `file_system`. Errors name the
+  // file and the key: a missing file is not_found, a malformed one
+  // corruption, one asking for what strata does not read invalid_argument.
+  static Result<Tokenizer> load(const std::string& path,
+                                io::FileSystem& file_system = io::FileSystem::real());
   // `json` is the text of a tokenizer.json; `origin` names it in errors.
   static Result<Tokenizer> parse(std::string_view json, const std::string& origin);
 

@@ -487,6 +487,7 @@ TEST_F(ConfigFile, MalformedJsonGivesLineAndColumn) {
   ASSERT_FALSE(config.is_ok());
   EXPECT_NE(config.status().message().find(path + ":3:"), std::string::npos) << config.status().message();
   EXPECT_NE(config.status().message().find("malformed JSON"), std::string::npos);
+  EXPECT_TRUE(config.status().is(StatusCode::invalid_argument)) << config.status().message();
 }
 
 TEST_F(ConfigFile, MissingFileSaysWhatToCheck) {
@@ -494,6 +495,8 @@ TEST_F(ConfigFile, MissingFileSaysWhatToCheck) {
   ASSERT_FALSE(config.is_ok());
   EXPECT_NE(config.status().message().find("absent.json"), std::string::npos);
   EXPECT_NE(config.status().message().find("No such file"), std::string::npos);
+  EXPECT_NE(config.status().message().find("check the path"), std::string::npos);
+  EXPECT_TRUE(config.status().is(StatusCode::not_found)) << config.status().message();
 }
 
 TEST_F(ConfigFile, ARealDeepSpeedZeroInfinityConfigReadsAsIs) {

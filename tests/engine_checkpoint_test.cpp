@@ -1,14 +1,18 @@
 // Checkpoints lose nothing: a run saved after k steps and resumed ends with
 // the straight run's weights (bitwise at the same world size, whatever the
 // offload settings; within fp32 tolerance at another world size), and a
-// truncated, corrupted, incomplete or foreign checkpoint is refused by name.
+// truncated, corrupted, incomplete or foreign checkpoint is refused by name
+// and by code; every read goes through the io::FileSystem it is given.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "core/checkpoint/checkpoint.h"
 #include "engine_test_support.h"
+#include "io/file_system.h"
 
 namespace strata {
 namespace {
@@ -138,7 +142,7 @@ TEST_F(EngineCheckpoint, DamagedOrForeignCheckpointsAreRefused) {
     fs::remove_all(saved);
     fs::copy(pristine, saved, fs::copy_options::recursive);
   };
-  auto refused = [&](const std::string& expect) {
+  auto refused = [&](const std::string& expect, StatusCode code = StatusCode::corruption) {
     Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
     options->resume_from = saved;
     Result<std::unique_ptr<Engine>> made = Engine::create(*options);
@@ -146,6 +150,7 @@ TEST_F(EngineCheckpoint, DamagedOrForeignCheckpointsAreRefused) {
     if (made) return;
     EXPECT_NE(made.status().message().find(expect), std::string::npos) << made.status().message();
     EXPECT_EQ(made.status().message().find('\n'), std::string::npos) << made.status().message();
+    EXPECT_TRUE(made.status().is(code)) << made.status().message();
   };
   for (const char* name :
        {"master.bin", "m.bin", "v.bin", "state.json", "model.json", "train.json"}) {
@@ -166,11 +171,11 @@ TEST_F(EngineCheckpoint, DamagedOrForeignCheckpointsAreRefused) {
     refused(std::string(name) + ": ");
     restore();
     fs::remove(path);
-    refused(std::string(name) + ": missing");
+    refused(std::string(name) + ": missing", StatusCode::not_found);
     restore();
   }
   fs::remove(saved + "/manifest.json");
-  refused("manifest.json: missing");
+  refused("manifest.json: missing", StatusCode::not_found);
   restore();
   // The manifest itself: a changed byte breaks its JSON or changes a size or CRC it lists.
   {
@@ -236,6 +241,115 @@ TEST_F(EngineCheckpoint, KeepsTheNewestAndIgnoresUnfinishedOnes) {
   Result<std::string> latest = find_latest_checkpoint(dir_.path() + "/kept");
   ASSERT_TRUE(latest.is_ok());
   EXPECT_EQ(*latest, last);
+}
+
+// --- CheckpointReader through an io::FileSystem, with faults ---------------------------
+
+// A checkpoint of random state files written by CheckpointWriter alone (no engine).
+class CheckpointReads : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(dir_.path().empty());
+    random_.seed(tiers::testing::fresh_seed("checkpoint_reads"));
+    const uint64_t bytes = 4 * (1 + random_() % 200000);
+    Result<CheckpointWriter> writer = CheckpointWriter::begin(dir_.path() + "/ck", 7, bytes);
+    ASSERT_TRUE(writer.is_ok()) << writer.status().message();
+    for (int f = 0; f < 3; ++f) {
+      state_[f].resize(bytes);
+      for (char& byte : state_[f]) byte = char(random_());
+      ASSERT_TRUE(writer->write(f, 0, state_[f].data(), bytes).is_ok());
+    }
+    for (const char* name : {"model.json", "train.json", "state.json"})
+      ASSERT_TRUE(writer->write_json(name, {{"value", random_()}}).is_ok());
+    Result<std::string> finished = writer->finish(0);
+    ASSERT_TRUE(finished.is_ok()) << finished.status().message();
+    checkpoint_ = *finished;
+  }
+
+  io::testing::TemporaryDirectory dir_;
+  std::mt19937_64 random_;
+  std::string state_[3];
+  std::string checkpoint_;
+  io::FaultInjectingFileSystem faults_;
+};
+
+void expect_one_line(const Status& status, StatusCode code, const std::string& fragment) {
+  ASSERT_FALSE(status.is_ok()) << fragment;
+  EXPECT_TRUE(status.is(code)) << status_code_name(status.code()) << ": " << status.message();
+  EXPECT_EQ(status.message().find('\n'), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find(fragment), std::string::npos)
+      << "no '" << fragment << "' in: " << status.message();
+}
+
+TEST_F(CheckpointReads, ShortReadsGiveEveryRangeBitwise) {
+  faults_.add({.op = io::FileOp::kRead, .kind = io::FileFaultKind::kShortRead, .times = 10000});
+  Result<CheckpointReader> reader = CheckpointReader::open(checkpoint_, faults_);
+  ASSERT_TRUE(reader.is_ok()) << reader.status().message();
+  for (int trial = 0; trial < 20; ++trial) {
+    const int file = int(random_() % 3);
+    const uint64_t offset = random_() % state_[file].size();
+    const uint64_t size = 1 + random_() % (state_[file].size() - offset);
+    std::string back(size, '\0');
+    ASSERT_TRUE(reader->read(file, offset, back.data(), size).is_ok());
+    EXPECT_EQ(0, std::memcmp(back.data(), state_[file].data() + offset, size));
+  }
+  EXPECT_GT(faults_.faults_injected(), 20u);
+}
+
+TEST_F(CheckpointReads, AFailedReadOfAStateFileIsAnIoErrorNamingIt) {
+  Result<CheckpointReader> reader = CheckpointReader::open(checkpoint_, faults_);
+  ASSERT_TRUE(reader.is_ok()) << reader.status().message();
+  const int file = int(random_() % 3);
+  faults_.add({.op = io::FileOp::kRead,
+               .nth_call = faults_.calls(io::FileOp::kRead) + 1,
+               .error_number = EIO});
+  std::string back(state_[file].size(), '\0');
+  const Status status = reader->read(file, 0, back.data(), back.size());
+  expect_one_line(status, StatusCode::io_error, checkpoint_ + "/" + kCheckpointStateFiles[file]);
+  EXPECT_NE(status.message().find(errno_text(EIO)), std::string::npos) << status.message();
+}
+
+TEST_F(CheckpointReads, AFailedReadWhileCheckingIsAnIoErrorNamingTheFile) {
+  // Every read of a clean open, counted; then any one of them fails.
+  ASSERT_TRUE(CheckpointReader::open(checkpoint_, faults_).is_ok());
+  io::FaultInjectingFileSystem faults;
+  const uint64_t failing = 1 + random_() % faults_.calls(io::FileOp::kRead);
+  faults.add({.op = io::FileOp::kRead, .nth_call = failing, .error_number = EIO});
+  const Status status = CheckpointReader::open(checkpoint_, faults).status();
+  expect_one_line(status, StatusCode::io_error, checkpoint_ + "/");
+  EXPECT_EQ(faults.calls(io::FileOp::kOpen), faults.calls(io::FileOp::kClose))
+      << "a descriptor was left open";
+}
+
+TEST_F(CheckpointReads, MissingTruncatedOrChangedFilesHaveTheirCodes) {
+  expect_one_line(CheckpointReader::open(dir_.path() + "/absent", faults_).status(),
+                  StatusCode::not_found, "absent/manifest.json: missing");
+  const std::string state_file = checkpoint_ + "/" + kCheckpointStateFiles[random_() % 3];
+  const std::string kept = state_file + ".kept";
+  fs::copy_file(state_file, kept);
+  fs::remove(state_file);
+  expect_one_line(CheckpointReader::open(checkpoint_, faults_).status(), StatusCode::not_found,
+                  state_file + ": missing");
+  fs::copy_file(kept, state_file);
+  fs::resize_file(state_file, fs::file_size(state_file) - 1 - random_() % 4);
+  expect_one_line(CheckpointReader::open(checkpoint_, faults_).status(), StatusCode::corruption,
+                  "truncated");
+  fs::remove(state_file);
+  fs::copy_file(kept, state_file);
+  {
+    std::fstream f(state_file, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = std::streamoff(random_() % fs::file_size(state_file));
+    char c = 0;
+    f.seekg(at);
+    f.read(&c, 1);
+    c = char(c ^ (1 << (random_() % 8)));
+    f.seekp(at);
+    f.write(&c, 1);
+  }
+  expect_one_line(CheckpointReader::open(checkpoint_, faults_).status(), StatusCode::corruption,
+                  state_file + ": CRC32C");
+  expect_one_line(find_latest_checkpoint(dir_.path() + "/absent").status(), StatusCode::not_found,
+                  "no such directory");
 }
 
 }  // namespace

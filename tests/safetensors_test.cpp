@@ -5,12 +5,17 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <random>
 
 #include "core/model/model.h"
+#include "io/file_system.h"
+#include "tiers_test_support.h"
 
 namespace strata {
 namespace {
@@ -92,8 +97,10 @@ TEST_F(Safetensors, ErrorsNameTheFileAndTheTensor) {
   EXPECT_NE(shape.message().find("good.safetensors"), std::string::npos);
   EXPECT_NE(shape.message().find("tensor a has shape [2, 3], expected [3, 2]"), std::string::npos)
       << shape.message();
+  EXPECT_TRUE(shape.is(StatusCode::invalid_argument)) << shape.message();
   Status missing = f->read_f32("c", {1}, out.data());
   EXPECT_NE(missing.message().find("no tensor c"), std::string::npos) << missing.message();
+  EXPECT_TRUE(missing.is(StatusCode::not_found)) << missing.message();
 
   // Truncated: cut into the last tensor.
   fs::copy_file(file, path("cut.safetensors"));
@@ -102,6 +109,7 @@ TEST_F(Safetensors, ErrorsNameTheFileAndTheTensor) {
   ASSERT_FALSE(cut.is_ok());
   EXPECT_NE(cut.status().message().find("cut.safetensors: truncated: tensor b"), std::string::npos)
       << cut.status().message();
+  EXPECT_TRUE(cut.status().is(StatusCode::corruption)) << cut.status().message();
 
   // A header length larger than the file, and a header that is not JSON.
   {
@@ -113,6 +121,7 @@ TEST_F(Safetensors, ErrorsNameTheFileAndTheTensor) {
   Result<SafetensorsFile> short_file = SafetensorsFile::open(path("short.safetensors"));
   ASSERT_FALSE(short_file.is_ok());
   EXPECT_NE(short_file.status().message().find("truncated"), std::string::npos);
+  EXPECT_TRUE(short_file.status().is(StatusCode::corruption)) << short_file.status().message();
   {
     std::ofstream out(path("garbage.safetensors"), std::ios::binary);
     const uint64_t n = 8;
@@ -123,11 +132,144 @@ TEST_F(Safetensors, ErrorsNameTheFileAndTheTensor) {
   ASSERT_FALSE(garbage.is_ok());
   EXPECT_NE(garbage.status().message().find("garbage.safetensors"), std::string::npos)
       << garbage.status().message();
+  EXPECT_TRUE(garbage.status().is(StatusCode::corruption)) << garbage.status().message();
   {
     std::ofstream out(path("tiny.safetensors"), std::ios::binary);
     out << "abc";
   }
-  EXPECT_FALSE(SafetensorsFile::open(path("tiny.safetensors")).is_ok());
+  EXPECT_TRUE(SafetensorsFile::open(path("tiny.safetensors")).status().is(StatusCode::corruption));
+}
+
+// --- reads through an io::FileSystem, with faults ----------------------------------------
+
+// A file of 1 to 4 tensors of random shapes, fp32 contents and dtype; what it
+// holds is what reading it as fp32 must give.
+class SafetensorsReads : public Safetensors {
+ protected:
+  void SetUp() override {
+    Safetensors::SetUp();
+    random_.seed(tiers::testing::fresh_seed("safetensors"));
+  }
+
+  struct Written {
+    std::string path;
+    std::vector<TensorSpec> specs;
+    std::vector<std::vector<float>> read_back;  // each tensor as fp32 after its dtype's rounding
+  };
+  Written write_random(const std::string& name) {
+    const DType dtype = std::array{DType::f32, DType::bf16, DType::f16}[random_() % 3];
+    Written written{path(name), {}, {}};
+    std::normal_distribution<float> value(0.0f, 3.0f);
+    std::vector<std::vector<float>> data;
+    const int count = 1 + int(random_() % 4);
+    for (int t = 0; t < count; ++t) {
+      TensorSpec spec{"t" + std::to_string(t), {}};
+      for (int d = 0, dims = 1 + int(random_() % 2); d < dims; ++d)
+        spec.shape.push_back(1 + int64_t(random_() % 700));
+      data.emplace_back(size_t(spec.numel()));
+      for (float& x : data.back()) x = value(random_);
+      std::vector<float> rounded = data.back();
+      for (float& x : rounded)
+        x = dtype == DType::f32    ? x
+            : dtype == DType::bf16 ? bf16_to_float(float_to_bf16(x))
+                                   : f16_to_float(float_to_f16(x));
+      written.read_back.push_back(std::move(rounded));
+      written.specs.push_back(spec);
+    }
+    Result<SafetensorsWriter> writer =
+        SafetensorsWriter::create(written.path, written.specs, dtype);
+    EXPECT_TRUE(writer.is_ok()) << writer.status().message();
+    for (int t = 0; t < count; ++t)
+      EXPECT_TRUE(writer->write(written.specs[size_t(t)].name, data[size_t(t)].data()).is_ok());
+    EXPECT_TRUE(writer->finish().is_ok());
+    return written;
+  }
+
+  std::mt19937_64 random_;
+  io::FaultInjectingFileSystem faults_;
+};
+
+void expect_one_line(const Status& status, StatusCode code, const std::string& fragment) {
+  ASSERT_FALSE(status.is_ok()) << fragment;
+  EXPECT_TRUE(status.is(code)) << status_code_name(status.code()) << ": " << status.message();
+  EXPECT_EQ(status.message().find('\n'), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find(fragment), std::string::npos)
+      << "no '" << fragment << "' in: " << status.message();
+}
+
+TEST_F(SafetensorsReads, ShortReadsGiveEveryTensorBitwise) {
+  const Written written = write_random("random.safetensors");
+  faults_.add({.op = io::FileOp::kRead, .kind = io::FileFaultKind::kShortRead, .times = 1000});
+  Result<SafetensorsFile> file = SafetensorsFile::open(written.path, faults_);
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  for (size_t t = 0; t < written.specs.size(); ++t) {
+    std::vector<float> back(written.read_back[t].size());
+    ASSERT_TRUE(file->read_f32(written.specs[t].name, written.specs[t].shape, back.data()).is_ok());
+    EXPECT_EQ(0, std::memcmp(back.data(), written.read_back[t].data(), back.size() * 4))
+        << written.specs[t].name;
+  }
+  EXPECT_GT(faults_.faults_injected(), 2u);
+}
+
+TEST_F(SafetensorsReads, AFailedReadIsAnIoErrorNamingTheFileAndTheTensor) {
+  const Written written = write_random("random.safetensors");
+  Result<SafetensorsFile> file = SafetensorsFile::open(written.path, faults_);
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  const TensorSpec& spec = written.specs[random_() % written.specs.size()];
+  faults_.add({.op = io::FileOp::kRead,
+               .nth_call = faults_.calls(io::FileOp::kRead) + 1,
+               .error_number = EIO});
+  std::vector<float> back(size_t(spec.numel()));
+  const Status status = file->read_f32(spec.name, spec.shape, back.data());
+  expect_one_line(status, StatusCode::io_error, written.path);
+  EXPECT_NE(status.message().find("tensor " + spec.name), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find(errno_text(EIO)), std::string::npos) << status.message();
+}
+
+TEST_F(SafetensorsReads, AFileCutAfterOpeningIsACorruptionNamingTheFile) {
+  const Written written = write_random("random.safetensors");
+  Result<SafetensorsFile> file = SafetensorsFile::open(written.path, faults_);
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  const TensorSpec& last = written.specs.back();  // the writer lays tensors out in order
+  fs::resize_file(written.path, fs::file_size(written.path) - 1 - random_() % 2);
+  std::vector<float> back(size_t(last.numel()));
+  const Status status = file->read_f32(last.name, last.shape, back.data());
+  expect_one_line(status, StatusCode::corruption, written.path);
+  EXPECT_NE(status.message().find("truncated"), std::string::npos) << status.message();
+  // Opened again, the header no longer fits the file.
+  expect_one_line(SafetensorsFile::open(written.path, faults_).status(), StatusCode::corruption,
+                  "truncated");
+}
+
+TEST_F(SafetensorsReads, AMissingFileIsNotFound) {
+  const std::string absent = path("absent.safetensors");
+  expect_one_line(SafetensorsFile::open(absent, faults_).status(), StatusCode::not_found, absent);
+  expect_one_line(SafetensorsCheckpoint::open(absent, faults_).status(), StatusCode::not_found,
+                  absent);
+  expect_one_line(SafetensorsCheckpoint::open(dir_.string(), faults_).status(),
+                  StatusCode::not_found, "no model.safetensors");
+}
+
+TEST_F(SafetensorsReads, AFailedReadOfAShardNamesTheShard) {
+  std::vector<TensorSpec> specs;
+  std::vector<std::vector<float>> data;
+  for (int i = 0; i < 4; ++i) {
+    specs.push_back({"w" + std::to_string(i), {64, 16 + int64_t(random_() % 32)}});  // a shard each
+    data.emplace_back(size_t(specs.back().numel()), float(random_() % 1000));
+  }
+  ASSERT_TRUE(write_safetensors_checkpoint(path("sharded"), specs, DType::f32, 4096, [&](size_t i) {
+                return data[i].data();
+              }).is_ok());
+  // Every read of a clean open, counted; then one of those after the index's fails.
+  ASSERT_TRUE(SafetensorsCheckpoint::open(path("sharded"), faults_).is_ok());
+  const uint64_t reads = faults_.calls(io::FileOp::kRead);
+  io::FaultInjectingFileSystem faults;
+  const uint64_t failing = 3 + random_() % (reads - 2);  // the index takes two reads (then EOF)
+  faults.add({.op = io::FileOp::kRead, .nth_call = failing, .error_number = EIO});
+  const Status status = SafetensorsCheckpoint::open(path("sharded"), faults).status();
+  expect_one_line(status, StatusCode::io_error, "-of-");
+  EXPECT_NE(status.message().find("shard listed in the index"), std::string::npos)
+      << status.message();
 }
 
 TEST_F(Safetensors, ShardedCheckpointsWriteAnIndexAndReadBack) {

@@ -11,6 +11,9 @@
 #include <numeric>
 #include <random>
 
+#include "io/file_system.h"
+#include "tiers_test_support.h"
+
 namespace strata {
 namespace {
 
@@ -124,8 +127,15 @@ TEST_F(TokenData, CorruptOrMismatchedFilesAreRefusedWithTheReason) {
   ASSERT_FALSE(odd_file.is_ok());
   EXPECT_NE(odd_file.status().message().find("not a whole number of 2-byte tokens"),
             std::string::npos);
-  EXPECT_FALSE(TokenFile::open(write("empty.bin", std::vector<uint16_t>{})).is_ok());
-  EXPECT_FALSE(TokenFile::open((dir_ / "absent.bin").string()).is_ok());
+  EXPECT_TRUE(miscount.status().is(StatusCode::corruption));
+  EXPECT_TRUE(not_llmc.status().is(StatusCode::corruption));
+  EXPECT_TRUE(odd_file.status().is(StatusCode::corruption));
+  EXPECT_TRUE(TokenFile::open(write("empty.bin", std::vector<uint16_t>{}))
+                  .status()
+                  .is(StatusCode::corruption));
+  const Status absent = TokenFile::open((dir_ / "absent.bin").string()).status();
+  EXPECT_TRUE(absent.is(StatusCode::not_found)) << absent.message();
+  EXPECT_NE(absent.message().find("absent.bin"), std::string::npos) << absent.message();
 
   // Tokens beyond the vocabulary name the file and the position.
   Result<TokenFile> file = TokenFile::open(write("v.bin", std::vector<uint16_t>{1, 2, 300, 4, 5}));
@@ -134,12 +144,66 @@ TEST_F(TokenData, CorruptOrMismatchedFilesAreRefusedWithTheReason) {
   Status s = read_micro_batch(*file, 0, 0, 0, 1, 1, 4, 256, inputs.data(), targets.data());
   ASSERT_FALSE(s.is_ok());
   EXPECT_NE(s.message().find("v.bin: token 300 at position 2"), std::string::npos) << s.message();
+  EXPECT_TRUE(s.is(StatusCode::invalid_argument)) << s.message();
   // Too short for one sequence.
   Status short_data =
       read_micro_batch(*file, 0, 0, 0, 1, 1, 8, 1000, inputs.data(), targets.data());
   EXPECT_NE(short_data.message().find("fewer than one sequence"), std::string::npos)
       << short_data.message();
-  EXPECT_FALSE(parse_token_format("int8").is_ok());
+  EXPECT_TRUE(parse_token_format("int8").status().is(StatusCode::invalid_argument));
+}
+
+TEST_F(TokenData, ATruncatedShardOfRandomTokensIsACorruption) {
+  std::mt19937_64 random(tiers::testing::fresh_seed("token_data"));
+  std::vector<uint16_t> tokens(2 + random() % 5000);
+  for (uint16_t& token : tokens) token = uint16_t(random());
+  const std::string path =
+      write("shard.bin", tokens, llmc_header(kLlmcMagicUint16, int32_t(tokens.size())));
+  Result<TokenFile> whole = TokenFile::open(path);
+  ASSERT_TRUE(whole.is_ok()) << whole.status().message();
+  for (size_t i = 0; i < tokens.size(); ++i) ASSERT_EQ(whole->at(int64_t(i)), tokens[i]);
+
+  // Cut anywhere past the magic: into the tokens (the header's count
+  // disagrees) or into the header.
+  const uint64_t size = fs::file_size(path);
+  fs::resize_file(path, 4 + random() % (size - 4));
+  Result<TokenFile> cut = TokenFile::open(path);
+  ASSERT_FALSE(cut.is_ok());
+  EXPECT_TRUE(cut.status().is(StatusCode::corruption)) << cut.status().message();
+  EXPECT_NE(cut.status().message().find("shard.bin"), std::string::npos) << cut.status().message();
+  EXPECT_EQ(cut.status().message().find('\n'), std::string::npos) << cut.status().message();
+}
+
+TEST_F(TokenData, OpensSizesAndMapsThroughTheFileSystem) {
+  std::mt19937_64 random(tiers::testing::fresh_seed("token_data"));
+  std::vector<uint16_t> tokens(2 + random() % 5000);
+  for (uint16_t& token : tokens) token = uint16_t(random());
+  const std::string path = write("train.bin", tokens);
+  io::FaultInjectingFileSystem faults;
+  Result<TokenFile> file = TokenFile::open(path, TokenFormat::automatic, faults);
+  ASSERT_TRUE(file.is_ok()) << file.status().message();
+  EXPECT_EQ(faults.calls(io::FileOp::kOpen), 1u);
+  EXPECT_EQ(faults.calls(io::FileOp::kStat), 1u);
+  EXPECT_EQ(faults.calls(io::FileOp::kMap), 1u);
+  EXPECT_EQ(faults.calls(io::FileOp::kClose), 1u);  // the mapping outlives the descriptor
+
+  struct Case {
+    io::FileOp op;
+    int error_number;
+    StatusCode code;
+  };
+  for (const Case& c : {Case{io::FileOp::kOpen, EACCES, StatusCode::permission_denied},
+                        Case{io::FileOp::kStat, EIO, StatusCode::io_error},
+                        Case{io::FileOp::kMap, ENOMEM, StatusCode::no_space}}) {
+    faults.add({.op = c.op, .nth_call = faults.calls(c.op) + 1, .error_number = c.error_number});
+    const Status status = TokenFile::open(path, TokenFormat::automatic, faults).status();
+    ASSERT_FALSE(status.is_ok()) << io::file_op_name(c.op);
+    EXPECT_TRUE(status.is(c.code)) << status.message();
+    EXPECT_NE(status.message().find("train.bin"), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find(errno_text(c.error_number)), std::string::npos)
+        << status.message();
+  }
+  EXPECT_EQ(faults.calls(io::FileOp::kClose), 3u);  // every descriptor opened was closed
 }
 
 }  // namespace

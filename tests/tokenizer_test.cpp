@@ -13,6 +13,8 @@
 #include <random>
 #include <sstream>
 
+#include "io/file_system.h"
+
 namespace strata {
 namespace {
 
@@ -154,6 +156,32 @@ TEST(Tokenizer, RefusesWhatItDoesNotReadNamingTheKey) {
   Result<Tokenizer> missing = Tokenizer::load(kFixtures + "/absent/tokenizer.json");
   ASSERT_FALSE(missing.is_ok());
   EXPECT_NE(missing.status().message().find("absent/tokenizer.json"), std::string::npos);
+  EXPECT_TRUE(missing.status().is(StatusCode::not_found)) << missing.status().message();
+  // A key strata does not read is refused as an argument; a file that is not JSON is corrupt.
+  EXPECT_TRUE(Tokenizer::parse(fixture_with("llama3", cases[0].edit), "x/tokenizer.json")
+                  .status()
+                  .is(StatusCode::invalid_argument));
+  EXPECT_TRUE(
+      Tokenizer::parse("{\"model\": ", "x/tokenizer.json").status().is(StatusCode::corruption));
+}
+
+TEST(Tokenizer, LoadsThroughTheFileSystemAndReportsAFailedRead) {
+  const std::string path = kFixtures + "/gpt2/tokenizer.json";
+  io::FaultInjectingFileSystem faults;
+  Result<Tokenizer> loaded = Tokenizer::load(path, faults);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().message();
+  EXPECT_EQ(loaded->vocab_size(), load("gpt2").vocab_size());
+  EXPECT_EQ(faults.calls(io::FileOp::kOpen), 1u);
+  EXPECT_EQ(faults.calls(io::FileOp::kClose), 1u);
+
+  faults.add({.op = io::FileOp::kRead,
+              .nth_call = faults.calls(io::FileOp::kRead) + 1,
+              .error_number = EIO});
+  const Status failed = Tokenizer::load(path, faults).status();
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_TRUE(failed.is(StatusCode::io_error)) << failed.message();
+  EXPECT_NE(failed.message().find(path), std::string::npos) << failed.message();
+  EXPECT_EQ(failed.message().find('\n'), std::string::npos) << failed.message();
 }
 
 TEST(Tokenizer, FindsInvalidUtf8) {

@@ -8,8 +8,9 @@
 #include <cstring>
 #include <utility>
 
-#include "io/swap_directory.h"
 #include "io/base/sizes.h"
+#include "io/base/status.h"
+#include "io/swap_directory.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -141,10 +142,11 @@ Result<std::unique_ptr<DeviceTier>> DeviceTier::open(DeviceTierOptions options) 
     void* mapped = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (mapped == MAP_FAILED)
-      return Status::error(fmt::format(
-          "device tier: mmap of {} (host memory standing in for the device) failed: {}; lower "
-          "the device budget",
-          format_bytes(capacity), std::strerror(errno)));
+      return Status::from_errno(
+          errno,
+          fmt::format("device tier: mmap of {} (host memory standing in for the device) failed",
+                      format_bytes(capacity)),
+          "lower the device budget");
     tier->base_ = static_cast<std::byte*>(mapped);
   }
   return tier;

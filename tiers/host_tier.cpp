@@ -7,10 +7,10 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <cstring>
 
-#include "io/swap_directory.h"
 #include "io/base/sizes.h"
+#include "io/base/status.h"
+#include "io/swap_directory.h"
 #include "tiers/topology.h"
 
 #ifdef STRATA_HAS_CUDA
@@ -52,8 +52,9 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
     void* mapped = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (mapped == MAP_FAILED)
-      return Status::error(fmt::format("host tier: mmap of {} failed: {}; lower the host budget",
-                                       format_bytes(capacity), std::strerror(errno)));
+      return Status::from_errno(errno,
+                                fmt::format("host tier: mmap of {} failed", format_bytes(capacity)),
+                                "lower the host budget");
     base = static_cast<std::byte*>(mapped);
   }
   std::unique_ptr<HostTier> tier(new HostTier(base, capacity));
@@ -107,7 +108,7 @@ Result<std::unique_ptr<HostTier>> HostTier::open(HostTierOptions options) {
     notice(
         fmt::format("host tier: mlock of {} failed ({}); the pool is not pinned; raise "
                     "RLIMIT_MEMLOCK (`ulimit -l`)",
-                    format_bytes(capacity), std::strerror(errno)));
+                    format_bytes(capacity), errno_text(errno)));
     return tier;
   }
   tier->pinning_ = HostPinning::mlock;

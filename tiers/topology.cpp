@@ -5,14 +5,16 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 
-#include "io/swap_directory.h"
 #include "io/base/sizes.h"
+#include "io/base/status.h"
+#include "io/swap_directory.h"
 
 #ifdef STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -252,7 +254,7 @@ void first_touch_on_node(void* data, size_t size, unsigned node_index, std::stri
         *notice = fmt::format(
             "host tier: could not bind the pool to numa node {} ({}); its pages "
             "are first-touched where the process runs",
-            node_index, std::strerror(errno));
+            node_index, errno_text(errno));
     }
   }
   std::memset(data, 0, size);

@@ -273,18 +273,15 @@ class LaunchCommand : public Subcommand {
     // fork + exec rather than posix_spawn, for PR_SET_PDEATHSIG: a rank gets
     // SIGTERM if launch itself dies (even by SIGKILL) instead of running on.
     int report[2];  // the child writes exec's errno here; close-on-exec says it ran
-    if (::pipe2(report, O_CLOEXEC) != 0) {
-      return Status::error(
-          fmt::format("cannot start rank {}: pipe: {}", rank, std::strerror(errno)));
-    }
+    if (::pipe2(report, O_CLOEXEC) != 0)
+      return Status::from_errno(errno, fmt::format("cannot start rank {}: pipe", rank));
     const pid_t parent = ::getpid();
     const pid_t pid = ::fork();
     if (pid < 0) {
       const int error = errno;
       ::close(report[0]);
       ::close(report[1]);
-      return Status::error(
-          fmt::format("cannot start rank {}: fork: {}", rank, std::strerror(error)));
+      return Status::from_errno(error, fmt::format("cannot start rank {}: fork", rank));
     }
     if (pid == 0) {  // the child: async-signal-safe calls only
       ::close(report[0]);
@@ -307,8 +304,8 @@ class LaunchCommand : public Subcommand {
     ::close(report[0]);
     if (got == static_cast<ssize_t>(sizeof(error))) {
       ::waitpid(pid, nullptr, 0);
-      return Status::error(fmt::format("cannot start rank {} ({}): {}; check the command", rank,
-                                       program, std::strerror(error)));
+      return Status::from_errno(error, fmt::format("cannot start rank {} ({})", rank, program),
+                                "check the command");
     }
     return pid;
   }

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -27,11 +28,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/data/token_data.h"
+#include "io/file_system.h"
 #include "prep/chat_template.h"
 #include "prep/prepared_data.h"
 #include "prep/tokenizer.h"
@@ -185,9 +186,10 @@ class PrepareDataCommand : public Subcommand {
   void read_tokenizer_config(const fs::path& dir) {
     const fs::path path = dir / "tokenizer_config.json";
     if (!fs::exists(path)) return;
-    std::ifstream in(path);
+    Result<std::string> text = io::read_whole_file(io::FileSystem::real(), path.string());
+    if (!text) throw UsageError{text.status().message()};
     try {
-      config_ = nlohmann::json::parse(in);
+      config_ = nlohmann::json::parse(*text);
     } catch (const nlohmann::json::exception& e) {
       throw UsageError{fmt::format("{}: not valid JSON: {}", path.string(), e.what())};
     }
@@ -221,10 +223,9 @@ class PrepareDataCommand : public Subcommand {
     }
     const fs::path jinja = dir / "chat_template.jinja";
     if (fs::exists(jinja)) {
-      std::ifstream in(jinja, std::ios::binary);
-      std::stringstream text;
-      text << in.rdbuf();
-      return text.str();
+      Result<std::string> text = io::read_whole_file(io::FileSystem::real(), jinja.string());
+      if (!text) throw UsageError{text.status().message()};
+      return *text;
     }
     throw UsageError{fmt::format(
         "--format chat: {} has no chat template (chat_template in tokenizer_config.json, a "
@@ -276,7 +277,7 @@ class PrepareDataCommand : public Subcommand {
                                    error ? error.message() : "not a directory")};
     if (::access(out_.c_str(), W_OK | X_OK) != 0)
       throw UsageError{fmt::format("--out {}: not writable: {}; give a writable directory", out_,
-                                   std::strerror(errno))};
+                                   errno_text(errno))};
   }
 
   // Document i goes to validation when floor((i+1)F) > floor(iF).
@@ -297,11 +298,9 @@ class PrepareDataCommand : public Subcommand {
   }
 
   void read_text_file(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream buffer;
-    buffer << in.rdbuf();
-    if (!in && !in.eof()) throw UsageError{fmt::format("--input {}: read failed", path)};
-    const std::string text = buffer.str();
+    Result<std::string> read = io::read_whole_file(io::FileSystem::real(), path);
+    if (!read) throw UsageError{"--input " + read.status().message()};
+    const std::string& text = *read;
     if (std::optional<uint64_t> bad = invalid_utf8_offset(text))
       throw UsageError{fmt::format(
           "--input {}: invalid UTF-8 at byte {}; convert the file to UTF-8", path, *bad)};
@@ -311,8 +310,7 @@ class PrepareDataCommand : public Subcommand {
   template <typename OnProgress>
   void read_jsonl_file(const std::string& path, OnProgress&& on_progress) {
     std::ifstream in(path, std::ios::binary);
-    if (!in)
-      throw UsageError{fmt::format("--input {}: cannot open: {}", path, std::strerror(errno))};
+    if (!in) throw UsageError{fmt::format("--input {}: cannot open: {}", path, errno_text(errno))};
     std::string line;
     uint64_t bytes = 0;
     for (int64_t number = 1; std::getline(in, line); ++number) {

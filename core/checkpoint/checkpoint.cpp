@@ -3,15 +3,12 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <nmmintrin.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <utility>
 
 #include "core/model/model.h"
@@ -24,10 +21,6 @@ namespace strata {
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string errno_now() {
-  return errno_text(errno);
-}
 
 // CRC32C with the SSE4.2 instruction where the CPU has it, a table otherwise.
 const std::array<uint32_t, 256>& crc_table() {
@@ -61,35 +54,75 @@ io::FileSystem& file_system() {
   return io::FileSystem::real();
 }
 
-// CRC32C and size of a whole file, read in blocks.
-Result<std::pair<uint64_t, uint32_t>> file_digest(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return Status::error(fmt::format("{}: cannot open: {}", path, errno_now()));
-  std::vector<unsigned char> block(size_t(8) << 20);
-  uint64_t total = 0;
-  uint32_t crc = 0;
-  for (;;) {
-    const ssize_t got = ::read(fd, block.data(), block.size());
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      const std::string why = errno_now();
-      ::close(fd);
-      return Status::error(fmt::format("{}: read: {}", path, why));
-    }
-    if (got == 0) break;
-    crc = crc32c(block.data(), size_t(got), crc);
-    total += uint64_t(got);
-  }
-  ::close(fd);
-  return std::make_pair(total, crc);
+// A file of a checkpoint opened for reading; a missing one makes the checkpoint incomplete.
+Result<int> open_checkpoint_file(io::FileSystem& file_system, const std::string& path) {
+  const int fd = file_system.open(path, O_RDONLY | O_CLOEXEC, 0);
+  if (fd == -ENOENT)
+    return Status::not_found(fmt::format("{}: missing; the checkpoint is incomplete", path));
+  if (fd < 0) return io::file_error(path, "opening", -fd, io::FileAccess::kRead);
+  return fd;
 }
 
-Result<nlohmann::json> read_json(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::error(fmt::format("{}: missing; the checkpoint is incomplete", path));
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint32_t crc = 0;
+};
+
+// The size and CRC32C of an open file, read in blocks.
+Result<FileDigest> file_digest(io::FileSystem& file_system, int fd, const std::string& path) {
+  const int64_t size = file_system.file_size(fd);
+  if (size < 0) return io::file_error(path, "finding its size", int(-size), io::FileAccess::kRead);
+  std::vector<unsigned char> block(size_t(8) << 20);
+  FileDigest digest{uint64_t(size), 0};
+  for (uint64_t offset = 0; offset < digest.bytes; offset += block.size()) {
+    const size_t bytes = size_t(std::min<uint64_t>(block.size(), digest.bytes - offset));
+    if (Status s = io::read_fully(file_system, fd, block.data(), bytes, offset, path); !s) return s;
+    digest.crc = crc32c(block.data(), bytes, digest.crc);
+  }
+  return digest;
+}
+
+Result<FileDigest> file_digest(io::FileSystem& file_system, const std::string& path) {
+  Result<int> fd = open_checkpoint_file(file_system, path);
+  if (!fd) return fd.status();
+  Result<FileDigest> digest = file_digest(file_system, *fd, path);
+  file_system.close(*fd);  // read-only: nothing a failed close could lose
+  return digest;
+}
+
+// A file the manifest lists has the size and CRC32C it records.
+Status check_against_manifest(io::FileSystem& file_system, const std::string& path,
+                              const nlohmann::json& info) {
+  Result<int> fd = open_checkpoint_file(file_system, path);
+  if (!fd) return fd.status();
+  const uint64_t expected = info.value("bytes", uint64_t{0});
+  const std::string expected_crc = info.value("crc32c", std::string());
+  Status checked = Status::ok();
+  if (const int64_t size = file_system.file_size(*fd); size < 0) {
+    checked = io::file_error(path, "finding its size", int(-size), io::FileAccess::kRead);
+  } else if (uint64_t(size) != expected) {
+    checked = Status::corruption(
+        fmt::format("{}: {} bytes, the manifest says {}; the file is truncated or damaged", path,
+                    size, expected));
+  } else if (Result<FileDigest> digest = file_digest(file_system, *fd, path); !digest) {
+    checked = digest.status();
+  } else if (const std::string crc = fmt::format("{:08x}", digest->crc); crc != expected_crc) {
+    checked = Status::corruption(
+        fmt::format("{}: CRC32C {} does not match the manifest's {}; the file is damaged", path,
+                    crc, expected_crc));
+  }
+  file_system.close(*fd);
+  return checked;
+}
+
+Result<nlohmann::json> read_json(io::FileSystem& file_system, const std::string& path) {
+  Result<std::string> text = io::read_whole_file(file_system, path);
+  if (!text && text.status().is(StatusCode::not_found))
+    return Status::not_found(fmt::format("{}: missing; the checkpoint is incomplete", path));
+  if (!text) return text.status();
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
   if (j.is_discarded())
-    return Status::error(fmt::format("{}: not valid JSON; the checkpoint is damaged", path));
+    return Status::corruption(fmt::format("{}: not valid JSON; the checkpoint is damaged", path));
   return j;
 }
 
@@ -131,8 +164,8 @@ Result<CheckpointWriter> CheckpointWriter::begin(const std::string& root, int64_
   std::error_code error;
   fs::create_directories(root, error);
   if (error)
-    return Status::error(
-        fmt::format("--save {}: cannot create the directory: {}", root, error.message()));
+    return Status::from_errno(error.value(),
+                              fmt::format("--save {}: cannot create the directory", root));
   CheckpointWriter writer(root, step);
   // Unfinished checkpoints of runs that were killed while saving.
   for (const auto& entry : fs::directory_iterator(root, error))
@@ -163,10 +196,9 @@ Result<CheckpointWriter> CheckpointWriter::join(const std::string& root, int64_t
     const std::string path = writer.temporary_ + "/" + kCheckpointStateFiles[f];
     const int fd = file_system().open(path, O_RDWR | O_CLOEXEC, 0);
     if (fd < 0)
-      return Status::error(fmt::format(
-          "{}: cannot open the checkpoint rank 0 began: {}; every rank needs the same --save "
-          "directory, on a file system they share",
-          path, errno_text(-fd)));
+      return Status::from_errno(
+          -fd, fmt::format("{}: cannot open the checkpoint rank 0 began", path),
+          "every rank needs the same --save directory, on a file system they share");
     writer.fds_[f] = fd;
   }
   return writer;
@@ -232,9 +264,9 @@ Result<std::string> CheckpointWriter::finish(int keep) {
   std::vector<std::string> names(json_files_);
   for (const char* name : kCheckpointStateFiles) names.push_back(name);
   for (const std::string& name : names) {
-    Result<std::pair<uint64_t, uint32_t>> digest = file_digest(temporary_ + "/" + name);
+    Result<FileDigest> digest = file_digest(file_system(), temporary_ + "/" + name);
     if (!digest) return digest.status();
-    files[name] = {{"bytes", digest->first}, {"crc32c", fmt::format("{:08x}", digest->second)}};
+    files[name] = {{"bytes", digest->bytes}, {"crc32c", fmt::format("{:08x}", digest->crc)}};
   }
   manifest["files"] = files;
   if (Status s = write_json("manifest.json", manifest); !s) return s;
@@ -269,88 +301,55 @@ CheckpointReader& CheckpointReader::operator=(CheckpointReader&& other) noexcept
   std::swap(train, other.train);
   std::swap(state, other.state);
   std::swap(fds, other.fds);
+  std::swap(file_system, other.file_system);
   return *this;
 }
 
 CheckpointReader::~CheckpointReader() {
   for (int fd : fds)
-    if (fd >= 0) ::close(fd);
+    if (fd >= 0) file_system->close(fd);
 }
 
-Result<CheckpointReader> CheckpointReader::open(const std::string& dir) {
+Result<CheckpointReader> CheckpointReader::open(const std::string& dir,
+                                                io::FileSystem& file_system) {
   CheckpointReader reader;
   reader.directory = dir;
-  Result<nlohmann::json> manifest = read_json(dir + "/manifest.json");
+  reader.file_system = &file_system;
+  Result<nlohmann::json> manifest = read_json(file_system, dir + "/manifest.json");
   if (!manifest) return manifest.status();
   if (!manifest->contains("files") || manifest->value("format", 0) != kCheckpointFormat)
-    return Status::error(fmt::format("{}/manifest.json: not a strata checkpoint of format {}", dir,
-                                     kCheckpointFormat));
-  for (const auto& [name, info] : (*manifest)["files"].items()) {
-    const std::string path = dir + "/" + name;
-    std::error_code error;
-    if (!fs::exists(path, error))
-      return Status::error(fmt::format("{}: missing; the checkpoint is incomplete", path));
-    const uint64_t size = fs::file_size(path, error);
-    const uint64_t expected = info.value("bytes", uint64_t{0});
-    if (size != expected)
-      return Status::error(
-          fmt::format("{}: {} bytes, the manifest says {}; the file is truncated or "
-                      "damaged",
-                      path, size, expected));
-    Result<std::pair<uint64_t, uint32_t>> digest = file_digest(path);
-    if (!digest) return digest.status();
-    const std::string crc = fmt::format("{:08x}", digest->second);
-    if (crc != info.value("crc32c", std::string()))
-      return Status::error(
-          fmt::format("{}: CRC32C {} does not match the manifest's {}; the file is "
-                      "damaged",
-                      path, crc, info.value("crc32c", std::string())));
-  }
-  for (const char* name : {"model.json", "train.json", "state.json"}) {
+    return Status::corruption(fmt::format("{}/manifest.json: not a strata checkpoint of format {}",
+                                          dir, kCheckpointFormat));
+  for (const auto& [name, info] : (*manifest)["files"].items())
+    if (Status s = check_against_manifest(file_system, dir + "/" + name, info); !s) return s;
+  std::vector<std::string> required = {"model.json", "train.json", "state.json"};
+  required.insert(required.end(), std::begin(kCheckpointStateFiles),
+                  std::end(kCheckpointStateFiles));
+  for (const std::string& name : required) {
     if (!(*manifest)["files"].contains(name))
-      return Status::error(fmt::format(
+      return Status::corruption(fmt::format(
           "{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
   }
-  for (const char* name : kCheckpointStateFiles) {
-    if (!(*manifest)["files"].contains(name))
-      return Status::error(fmt::format(
-          "{}/manifest.json: does not list {}; the checkpoint is incomplete", dir, name));
-  }
-  Result<nlohmann::json> model = read_json(dir + "/model.json");
+  Result<nlohmann::json> model = read_json(file_system, dir + "/model.json");
   if (!model) return model.status();
-  Result<nlohmann::json> train = read_json(dir + "/train.json");
+  Result<nlohmann::json> train = read_json(file_system, dir + "/train.json");
   if (!train) return train.status();
-  Result<nlohmann::json> state = read_json(dir + "/state.json");
+  Result<nlohmann::json> state = read_json(file_system, dir + "/state.json");
   if (!state) return state.status();
   reader.model = std::move(*model);
   reader.train = std::move(*train);
   reader.state = std::move(*state);
   for (int f = 0; f < 3; ++f) {
-    const std::string path = dir + "/" + kCheckpointStateFiles[f];
-    reader.fds[f] = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (reader.fds[f] < 0)
-      return Status::error(fmt::format("{}: cannot open: {}", path, errno_now()));
+    Result<int> fd = open_checkpoint_file(file_system, dir + "/" + kCheckpointStateFiles[f]);
+    if (!fd) return fd.status();
+    reader.fds[f] = *fd;
   }
   return reader;
 }
 
 Status CheckpointReader::read(int file, uint64_t offset, void* bytes, uint64_t size) const {
-  auto* p = static_cast<char*>(bytes);
-  const std::string path = directory + "/" + kCheckpointStateFiles[file];
-  while (size > 0) {
-    const ssize_t got = ::pread(fds[file], p, size, off_t(offset));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return Status::error(fmt::format("{}: read at {}: {}", path, offset, errno_now()));
-    }
-    if (got == 0)
-      return Status::error(
-          fmt::format("{}: ends before byte {}; the file is truncated", path, offset));
-    p += got;
-    size -= uint64_t(got);
-    offset += uint64_t(got);
-  }
-  return Status::ok();
+  return io::read_fully(*file_system, fds[file], bytes, size, offset,
+                        directory + "/" + kCheckpointStateFiles[file]);
 }
 
 Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
@@ -362,8 +361,9 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   const ModelLayout layout = model_layout(*config, 1);
   const nlohmann::json& units = reader->state["units"];
   if (!units.is_array() || units.size() != layout.units.size())
-    return Status::error(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,
-                                     units.is_array() ? units.size() : 0, layout.units.size()));
+    return Status::corruption(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,
+                                          units.is_array() ? units.size() : 0,
+                                          layout.units.size()));
   const std::vector<NamedTensor> tensors = checkpoint_tensors(layout);
   std::vector<TensorSpec> specs;
   for (const NamedTensor& t : tensors) specs.push_back({t.slot->name, t.slot->shape});
@@ -372,7 +372,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   std::error_code error;
   std::filesystem::create_directories(out_dir, error);
   if (error)
-    return Status::error(fmt::format("--out {}: cannot create: {}", out_dir, error.message()));
+    return Status::from_errno(error.value(), fmt::format("--out {}: cannot create", out_dir));
   Status written = write_safetensors_checkpoint(
       out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
         const NamedTensor& t = tensors[i];
@@ -392,7 +392,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
 Result<std::string> find_latest_checkpoint(const std::string& root) {
   std::error_code error;
   if (!fs::is_directory(root, error))
-    return Status::error(fmt::format("{}: no such directory", root));
+    return Status::not_found(fmt::format("{}: no such directory", root));
   if (fs::exists(fs::path(root) / "manifest.json", error)) return root;
   int64_t best = -1;
   std::string found;

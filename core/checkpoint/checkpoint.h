@@ -34,6 +34,7 @@
 
 #include "core/checkpoint/safetensors.h"
 #include "io/base/status.h"
+#include "io/file_system.h"
 
 namespace strata {
 
@@ -87,19 +88,25 @@ class CheckpointWriter {
 };
 
 // A checkpoint opened for reading: the manifest checked (every file present,
-// sizes equal, CRC32C equal), the JSON files parsed.
+// sizes equal, CRC32C equal), the JSON files parsed. Every read goes through
+// `file_system`, which must outlive the reader. Errors say by their code what
+// kind they are: a missing file or directory is not_found; a truncated,
+// changed or foreign file corruption; a failed read an I/O error.
 struct CheckpointReader {
   std::string directory;
   nlohmann::json model;
   nlohmann::json train;
   nlohmann::json state;
   int fds[3] = {-1, -1, -1};
+  io::FileSystem* file_system = &io::FileSystem::real();
 
-  static Result<CheckpointReader> open(const std::string& directory);
+  static Result<CheckpointReader> open(const std::string& directory,
+                                       io::FileSystem& file_system = io::FileSystem::real());
   CheckpointReader() = default;
   CheckpointReader(CheckpointReader&&) noexcept;
   CheckpointReader& operator=(CheckpointReader&&) noexcept;
   ~CheckpointReader();
+  // `size` bytes at `offset` of state file `file` (0 master, 1 m, 2 v).
   Status read(int file, uint64_t offset, void* bytes, uint64_t size) const;
 };
 

@@ -1,15 +1,11 @@
 #include "core/checkpoint/safetensors.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -24,36 +20,12 @@ namespace {
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the limit the safetensors library sets
 constexpr int64_t kChunkElements = 1 << 18;         // conversion buffer: 1 MiB of fp32
 
-std::string errno_text() {
-  return std::strerror(errno);
-}
-
-Status pread_all(int fd, void* out, uint64_t bytes, uint64_t offset, const std::string& path,
-                 const std::string& what) {
-  auto* p = static_cast<char*>(out);
-  while (bytes > 0) {
-    const ssize_t got = ::pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      return Status::error(
-          fmt::format("{}: reading {} at byte {}: {}", path, what, offset, errno_text()));
-    }
-    if (got == 0) {
-      return Status::error(fmt::format("{}: truncated: {} ends past the end of the file (byte {})",
-                                       path, what, offset));
-    }
-    p += got;
-    bytes -= static_cast<uint64_t>(got);
-    offset += static_cast<uint64_t>(got);
-  }
-  return Status::ok();
-}
-
 Result<DType> float_dtype(const TensorEntry& entry, const std::string& path) {
   Result<DType> dtype = parse_dtype(entry.dtype);
   if (!dtype.is_ok()) {
-    return Status::error(fmt::format("{}: tensor {} has dtype {}; strata reads F32, BF16 and F16",
-                                     path, entry.name, entry.dtype));
+    return Status::invalid_argument(
+        fmt::format("{}: tensor {} has dtype {}; strata reads F32, BF16 and F16", path, entry.name,
+                    entry.dtype));
   }
   return dtype;
 }
@@ -80,7 +52,8 @@ Result<DType> parse_dtype(const std::string& text) {
   if (text == "F32" || text == "fp32" || text == "float32") return DType::f32;
   if (text == "BF16" || text == "bf16" || text == "bfloat16") return DType::bf16;
   if (text == "F16" || text == "fp16" || text == "float16") return DType::f16;
-  return Status::error(fmt::format("unknown dtype '{}'; expected F32, BF16 or F16", text));
+  return Status::invalid_argument(
+      fmt::format("unknown dtype '{}'; expected F32, BF16 or F16", text));
 }
 
 uint16_t float_to_bf16(float value) {
@@ -152,102 +125,112 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 // --- reading -------------------------------------------------------------------
 
 struct SafetensorsFile::Handle {
+  io::FileSystem* file_system = nullptr;
   int fd = -1;
   ~Handle() {
-    if (fd >= 0) ::close(fd);
+    if (fd >= 0) file_system->close(fd);
   }
 };
 
-Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+namespace {
+
+// One tensor's entry of a header, checked against the data section's size.
+Result<TensorEntry> parse_tensor_entry(const std::string& path, const std::string& name,
+                                       const nlohmann::json& value, uint64_t data_bytes) {
+  auto bad = [&](const std::string& why) {
+    return Status::corruption(fmt::format("{}: bad header for tensor {}: {}", path, name, why));
+  };
+  if (!value.is_object()) return bad("not a JSON object");
+  TensorEntry entry;
+  entry.name = name;
+  if (!value.contains("dtype") || !value["dtype"].is_string()) return bad("missing dtype");
+  entry.dtype = value["dtype"].get<std::string>();
+  if (!value.contains("shape") || !value["shape"].is_array()) return bad("missing shape");
+  for (const auto& d : value["shape"]) {
+    if (!d.is_number_integer() || d.get<int64_t>() < 0)
+      return bad("shape holds a non-integer or negative");
+    entry.shape.push_back(d.get<int64_t>());
+  }
+  const auto& offsets = value.contains("data_offsets") ? value["data_offsets"] : nlohmann::json();
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    return bad("data_offsets must be [begin, end]");
+  }
+  entry.begin = offsets[0].get<uint64_t>();
+  entry.end = offsets[1].get<uint64_t>();
+  if (entry.end < entry.begin) return bad("data_offsets end before they begin");
+  Result<DType> dtype = parse_dtype(entry.dtype);
+  if (dtype.is_ok() &&
+      entry.end - entry.begin != static_cast<uint64_t>(entry.numel() * dtype_bytes(*dtype))) {
+    return bad(fmt::format("{} bytes in data_offsets but shape {} of {} needs {}",
+                           entry.end - entry.begin, shape_string(entry.shape), entry.dtype,
+                           entry.numel() * dtype_bytes(*dtype)));
+  }
+  if (entry.end > data_bytes) {
+    return Status::corruption(
+        fmt::format("{}: truncated: tensor {} needs data bytes [{}, {}) but the file holds only {}",
+                    path, name, entry.begin, entry.end, data_bytes));
+  }
+  return entry;
+}
+
+}  // namespace
+
+Result<SafetensorsFile> SafetensorsFile::open(const std::string& path,
+                                              io::FileSystem& file_system) {
   SafetensorsFile file;
   file.path_ = path;
   file.handle_ = std::make_shared<Handle>();
-  file.handle_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (file.handle_->fd < 0) {
-    return Status::error(fmt::format("{}: cannot open safetensors file: {}", path, errno_text()));
-  }
-  struct stat st {};
-  if (::fstat(file.handle_->fd, &st) != 0) {
-    return Status::error(fmt::format("{}: cannot stat: {}", path, errno_text()));
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  file.handle_->file_system = &file_system;
+  Result<int> fd = io::open_for_reading(file_system, path);
+  if (!fd) return fd.status();
+  file.handle_->fd = *fd;
+  const int64_t size = file_system.file_size(*fd);
+  if (size < 0) return io::file_error(path, "finding its size", int(-size), io::FileAccess::kRead);
+  const uint64_t file_size = static_cast<uint64_t>(size);
   if (file_size < 8) {
-    return Status::error(fmt::format(
+    return Status::corruption(fmt::format(
         "{}: truncated or not a safetensors file: {} bytes, less than the 8-byte header length",
         path, file_size));
   }
   unsigned char length_bytes[8];
-  if (Status s = pread_all(file.handle_->fd, length_bytes, 8, 0, path, "the header length"); !s)
-    return s;
+  if (Status s = io::read_fully(file_system, *fd, length_bytes, 8, 0, path); !s) return s;
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];
   if (header_bytes > kMaxHeaderBytes) {
-    return Status::error(fmt::format(
+    return Status::corruption(fmt::format(
         "{}: bad header: declares a {}-byte JSON header (limit {}); not a safetensors file?", path,
         header_bytes, kMaxHeaderBytes));
   }
   if (8 + header_bytes > file_size) {
-    return Status::error(fmt::format(
+    return Status::corruption(fmt::format(
         "{}: truncated: the header declares {} bytes but the file has only {} after the length",
         path, header_bytes, file_size - 8));
   }
   std::string header(header_bytes, '\0');
-  if (Status s = pread_all(file.handle_->fd, header.data(), header_bytes, 8, path, "the header");
-      !s) {
+  if (Status s = io::read_fully(file_system, *fd, header.data(), header_bytes, 8, path); !s)
     return s;
-  }
   file.data_offset_ = 8 + header_bytes;
   const uint64_t data_bytes = file_size - file.data_offset_;
   Result<nlohmann::json> json = parse_json_text(header, path + " (safetensors header)");
-  if (!json.is_ok()) return Status::error(fmt::format("bad header: {}", json.status().message()));
+  if (!json.is_ok())
+    return Status::corruption(fmt::format("bad header: {}", json.status().message()));
   if (!json->is_object())
-    return Status::error(fmt::format("{}: bad header: not a JSON object", path));
+    return Status::corruption(fmt::format("{}: bad header: not a JSON object", path));
   for (const auto& [name, value] : json->items()) {
     if (name == "__metadata__") {
       if (!value.is_object()) {
-        return Status::error(fmt::format("{}: bad header: __metadata__ is not an object", path));
+        return Status::corruption(
+            fmt::format("{}: bad header: __metadata__ is not an object", path));
       }
       for (const auto& [key, text] : value.items()) {
         if (text.is_string()) file.metadata_[key] = text.get<std::string>();
       }
       continue;
     }
-    auto bad = [&](const std::string& why) {
-      return Status::error(fmt::format("{}: bad header for tensor {}: {}", path, name, why));
-    };
-    if (!value.is_object()) return bad("not a JSON object");
-    TensorEntry entry;
-    entry.name = name;
-    if (!value.contains("dtype") || !value["dtype"].is_string()) return bad("missing dtype");
-    entry.dtype = value["dtype"].get<std::string>();
-    if (!value.contains("shape") || !value["shape"].is_array()) return bad("missing shape");
-    for (const auto& d : value["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        return bad("shape holds a non-integer or negative");
-      entry.shape.push_back(d.get<int64_t>());
-    }
-    const auto& offsets = value.contains("data_offsets") ? value["data_offsets"] : nlohmann::json();
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
-      return bad("data_offsets must be [begin, end]");
-    }
-    entry.begin = offsets[0].get<uint64_t>();
-    entry.end = offsets[1].get<uint64_t>();
-    if (entry.end < entry.begin) return bad("data_offsets end before they begin");
-    Result<DType> dtype = parse_dtype(entry.dtype);
-    if (dtype.is_ok() &&
-        entry.end - entry.begin != static_cast<uint64_t>(entry.numel() * dtype_bytes(*dtype))) {
-      return bad(fmt::format("{} bytes in data_offsets but shape {} of {} needs {}",
-                             entry.end - entry.begin, shape_string(entry.shape), entry.dtype,
-                             entry.numel() * dtype_bytes(*dtype)));
-    }
-    if (entry.end > data_bytes) {
-      return Status::error(fmt::format(
-          "{}: truncated: tensor {} needs data bytes [{}, {}) but the file holds only {}", path,
-          name, entry.begin, entry.end, data_bytes));
-    }
-    file.by_name_[name] = file.entries_.size();
-    file.entries_.push_back(std::move(entry));
+    Result<TensorEntry> entry = parse_tensor_entry(path, name, value, data_bytes);
+    if (!entry) return entry.status();
+    file.entries_.push_back(std::move(entry).value());
   }
   std::sort(file.entries_.begin(), file.entries_.end(),
             [](const TensorEntry& a, const TensorEntry& b) { return a.begin < b.begin; });
@@ -263,27 +246,28 @@ const TensorEntry* SafetensorsFile::find(const std::string& name) const {
 Status SafetensorsFile::read_f32(const std::string& name, const std::vector<int64_t>& shape,
                                  float* out) const {
   const TensorEntry* entry = find(name);
-  if (entry == nullptr) return Status::error(fmt::format("{}: no tensor {}", path_, name));
+  if (entry == nullptr) return Status::not_found(fmt::format("{}: no tensor {}", path_, name));
   if (entry->shape != shape) {
-    return Status::error(fmt::format("{}: tensor {} has shape {}, expected {}", path_, name,
-                                     shape_string(entry->shape), shape_string(shape)));
+    return Status::invalid_argument(fmt::format("{}: tensor {} has shape {}, expected {}", path_,
+                                                name, shape_string(entry->shape),
+                                                shape_string(shape)));
   }
   Result<DType> dtype = float_dtype(*entry, path_);
   if (!dtype.is_ok()) return dtype.status();
   const int64_t numel = entry->numel();
   const int64_t element_bytes = dtype_bytes(*dtype);
-  const std::string what = fmt::format("tensor {}", name);
-  if (*dtype == DType::f32) {
-    return pread_all(handle_->fd, out, static_cast<uint64_t>(numel) * 4,
-                     data_offset_ + entry->begin, path_, what);
-  }
+  // The tensor's name first, then the file's line: "tensor x: <path>: reading ...".
+  auto read = [&](void* data, uint64_t bytes, uint64_t offset) {
+    return io::read_fully(*handle_->file_system, handle_->fd, data, bytes, data_offset_ + offset,
+                          path_)
+        .with_context(fmt::format("tensor {}", name));
+  };
+  if (*dtype == DType::f32) return read(out, static_cast<uint64_t>(numel) * 4, entry->begin);
   std::vector<uint16_t> buffer(static_cast<size_t>(std::min(numel, kChunkElements)));
   for (int64_t start = 0; start < numel; start += kChunkElements) {
     const int64_t count = std::min(kChunkElements, numel - start);
-    if (Status s =
-            pread_all(handle_->fd, buffer.data(), static_cast<uint64_t>(count * element_bytes),
-                      data_offset_ + entry->begin + static_cast<uint64_t>(start * element_bytes),
-                      path_, what);
+    if (Status s = read(buffer.data(), static_cast<uint64_t>(count * element_bytes),
+                        entry->begin + static_cast<uint64_t>(start * element_bytes));
         !s) {
       return s;
     }
@@ -296,7 +280,8 @@ Status SafetensorsFile::read_f32(const std::string& name, const std::vector<int6
   return Status::ok();
 }
 
-Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& path) {
+Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& path,
+                                                          io::FileSystem& file_system) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path target(path);
@@ -306,38 +291,41 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
     } else if (fs::exists(target / "model.safetensors", ec)) {
       target /= "model.safetensors";
     } else {
-      return Status::error(fmt::format(
+      return Status::not_found(fmt::format(
           "{}: no model.safetensors or model.safetensors.index.json in this directory", path));
     }
   } else if (!fs::exists(target, ec)) {
-    return Status::error(fmt::format("{}: no such file or directory", path));
+    return Status::not_found(fmt::format("{}: no such file or directory", path));
   }
   SafetensorsCheckpoint checkpoint;
   checkpoint.path_ = target.string();
   if (target.extension() != ".json") {
-    Result<SafetensorsFile> file = SafetensorsFile::open(target.string());
+    Result<SafetensorsFile> file = SafetensorsFile::open(target.string(), file_system);
     if (!file.is_ok()) return file.status();
     for (const TensorEntry& entry : file->tensors()) checkpoint.file_of_[entry.name] = 0;
     checkpoint.files_.push_back(std::move(file).value());
     return checkpoint;
   }
-  Result<nlohmann::json> index = read_json_file(target.string());
-  if (!index.is_ok()) return index.status();
+  Result<std::string> index_text = io::read_whole_file(file_system, target.string());
+  if (!index_text) return index_text.status();
+  Result<nlohmann::json> index = parse_json_text(*index_text, target.string());
+  if (!index.is_ok()) return Status::corruption(index.status().message());
   if (!index->is_object() || !index->contains("weight_map") ||
       !(*index)["weight_map"].is_object()) {
-    return Status::error(fmt::format(
+    return Status::corruption(fmt::format(
         "{}: bad index: expected an object with a \"weight_map\" object", target.string()));
   }
   std::map<std::string, size_t> file_index;
   for (const auto& [name, file_name] : (*index)["weight_map"].items()) {
     if (!file_name.is_string()) {
-      return Status::error(
+      return Status::corruption(
           fmt::format("{}: bad index: weight_map.{} is not a file name", target.string(), name));
     }
     const std::string shard = file_name.get<std::string>();
     auto it = file_index.find(shard);
     if (it == file_index.end()) {
-      Result<SafetensorsFile> file = SafetensorsFile::open((target.parent_path() / shard).string());
+      Result<SafetensorsFile> file =
+          SafetensorsFile::open((target.parent_path() / shard).string(), file_system);
       if (!file.is_ok()) {
         return file.status().with_context(
             fmt::format("{} (shard listed in the index for {})", target.string(), name));
@@ -346,7 +334,7 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open(const std::string& pat
       checkpoint.files_.push_back(std::move(file).value());
     }
     if (checkpoint.files_[it->second].find(name) == nullptr) {
-      return Status::error(
+      return Status::corruption(
           fmt::format("{}: the index places tensor {} in {}, which has no such tensor",
                       target.string(), name, shard));
     }
@@ -373,7 +361,7 @@ Status SafetensorsCheckpoint::read_f32(const std::string& name, const std::vecto
                                        float* out) const {
   auto it = file_of_.find(name);
   if (it == file_of_.end()) {
-    return Status::error(
+    return Status::not_found(
         fmt::format("{}: missing tensor {} (shape {})", path_, name, shape_string(shape)));
   }
   return files_[it->second].read_f32(name, shape, out);

@@ -8,8 +8,12 @@
 //
 // Reading streams: only the header is held in memory, and each tensor is read
 // through a bounded buffer and converted straight into the caller's memory.
-// Every error (truncated file, bad header, missing or mis-shaped tensor) is a
-// Status whose message names the file and the tensor. Writing goes through
+// Every read goes through an io::FileSystem (the kernel's unless one is
+// given), which must outlive the readers opened through it. Every error is a
+// Status whose message names the file and the tensor, and whose code says
+// what kind it is: a missing file or tensor is not_found; a truncated file or
+// a bad header corruption; a tensor of another shape or dtype than asked
+// invalid_argument; a failed read an I/O error. Writing goes through
 // io::AtomicFileWriter (io/safe_write.h): a temporary file beside the real one,
 // flushed and renamed into place only when complete, so an interrupted or
 // failed write never leaves a half-written checkpoint under the real name.
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "io/base/status.h"
+#include "io/file_system.h"
 #include "io/safe_write.h"
 
 namespace strata {
@@ -58,7 +63,8 @@ std::string shape_string(const std::vector<int64_t>& shape);  // "[4, 8]"
 // One .safetensors file.
 class SafetensorsFile {
  public:
-  static Result<SafetensorsFile> open(const std::string& path);
+  static Result<SafetensorsFile> open(const std::string& path,
+                                      io::FileSystem& file_system = io::FileSystem::real());
 
   const std::string& path() const { return path_; }
   const std::vector<TensorEntry>& tensors() const { return entries_; }
@@ -71,7 +77,7 @@ class SafetensorsFile {
  private:
   struct Handle;
   std::string path_;
-  std::shared_ptr<Handle> handle_;  // the open file descriptor
+  std::shared_ptr<Handle> handle_;  // the open file descriptor and its file system
   uint64_t data_offset_ = 0;
   std::vector<TensorEntry> entries_;
   std::map<std::string, size_t> by_name_;
@@ -83,7 +89,8 @@ class SafetensorsCheckpoint {
  public:
   // `path`: a .safetensors file, a model.safetensors.index.json, or a directory
   // holding model.safetensors or model.safetensors.index.json.
-  static Result<SafetensorsCheckpoint> open(const std::string& path);
+  static Result<SafetensorsCheckpoint> open(const std::string& path,
+                                            io::FileSystem& file_system = io::FileSystem::real());
 
   const std::string& path() const { return path_; }
   std::vector<std::string> tensor_names() const;

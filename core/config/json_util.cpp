@@ -2,11 +2,7 @@
 
 #include <fmt/format.h>
 
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <fstream>
-#include <sstream>
 
 namespace strata {
 namespace {
@@ -50,23 +46,15 @@ Result<nlohmann::json> parse_json_text(const std::string& text, const std::strin
         ++column;
       }
     }
-    return Status::error(fmt::format("{}:{}:{}: malformed JSON: {}", origin, line, column,
-                                     parse_error_detail(e.what())));
+    return Status::invalid_argument(fmt::format("{}:{}:{}: malformed JSON: {}", origin, line,
+                                                column, parse_error_detail(e.what())));
   }
 }
 
-Result<nlohmann::json> read_json_file(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return Status::error(
-        fmt::format("cannot read {}: {}; check the path and its permissions", path, std::strerror(errno)));
-  }
-  std::stringstream buffer;
-  buffer << file.rdbuf();
-  if (file.bad()) {
-    return Status::error(fmt::format("cannot read {}: {}", path, std::strerror(errno)));
-  }
-  return parse_json_text(buffer.str(), path);
+Result<nlohmann::json> read_json_file(const std::string& path, io::FileSystem& file_system) {
+  Result<std::string> text = io::read_whole_file(file_system, path);
+  if (!text) return text.status();
+  return parse_json_text(*text, path);
 }
 
 JsonReader::JsonReader(const nlohmann::json& object, std::string origin, std::string path)
@@ -102,7 +90,8 @@ void JsonReader::accept(const std::string& key) { find(key); }
 
 void JsonReader::fail(const std::string& key, const std::string& message) {
   if (!shared_->first_error.is_ok()) return;
-  shared_->first_error = Status::error(fmt::format("{}: {}: {}", origin_, key_path(key), message));
+  shared_->first_error =
+      Status::invalid_argument(fmt::format("{}: {}: {}", origin_, key_path(key), message));
 }
 
 void JsonReader::type_error(const std::string& key, const std::string& expected,

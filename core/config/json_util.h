@@ -16,13 +16,17 @@
 #include <vector>
 
 #include "io/base/status.h"
+#include "io/file_system.h"
 
 namespace strata {
 
-// Reads and parses a JSON file. Malformed JSON gives "file:line:column: ...".
-Result<nlohmann::json> read_json_file(const std::string& path);
+// Reads (through `file_system`) and parses a JSON file. A file that cannot be
+// read gives io::file_error's line and code (not_found for a missing one);
+// malformed JSON gives "file:line:column: ..." (invalid_argument).
+Result<nlohmann::json> read_json_file(const std::string& path,
+                                      io::FileSystem& file_system = io::FileSystem::real());
 
-// Parses JSON text; `origin` names it in errors.
+// Parses JSON text; `origin` names it in errors (malformed: invalid_argument).
 Result<nlohmann::json> parse_json_text(const std::string& text, const std::string& origin);
 
 class JsonReader {
@@ -59,7 +63,8 @@ class JsonReader {
 
   // Marks `key` as read without reading it (keys accepted with no effect).
   void accept(const std::string& key);
-  // Records an error about `key` (the first error is the one reported).
+  // Records an error about `key` (the first error is the one reported; its
+  // code is invalid_argument).
   void fail(const std::string& key, const std::string& message);
 
   // The first error, or ok.

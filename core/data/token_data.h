@@ -10,13 +10,18 @@
 // `automatic` picks llm.c when the file starts with one of its magics and
 // nanoGPT otherwise. A file whose size does not fit its format, an llm.c
 // header whose token count disagrees with the file size, or a token outside
-// the vocabulary is refused with the file name and the reason.
+// the vocabulary is refused with the file name and the reason: a missing file
+// is not_found, a file whose size or header does not fit its format
+// corruption, a file too short to train on or a token outside the vocabulary
+// invalid_argument, a failed read an I/O error.
 //
 // Sequence j is tokens [j*T, j*T + T + 1): inputs are the first T, targets
 // the last T. A loss mask (one byte per token, 0: that token is not a target)
 // lives next to a token file under loss_mask_path's name; `strata train`
 // turns the targets it masks into -1, which the loss does not count. A
-// TokenFile is immutable once open and safe to read from many threads.
+// TokenFile is immutable once open and safe to read from many threads. It is
+// opened, sized and mapped through an io::FileSystem (the kernel's unless one
+// is given), which must outlive it.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +30,7 @@
 
 #include "core/data/sequence_order.h"
 #include "io/base/status.h"
+#include "io/file_system.h"
 
 namespace strata {
 
@@ -41,7 +47,8 @@ inline constexpr int64_t kLlmcHeaderInts = 256;
 class TokenFile {
  public:
   static Result<TokenFile> open(const std::string& path,
-                                TokenFormat format = TokenFormat::automatic);
+                                TokenFormat format = TokenFormat::automatic,
+                                io::FileSystem& file_system = io::FileSystem::real());
 
   const std::string& path() const { return path_; }
   TokenFormat format() const { return format_; }  // never automatic
@@ -61,6 +68,8 @@ class TokenFile {
 
  private:
   struct Mapping;
+  static Result<std::shared_ptr<Mapping>> map_file(const std::string& path,
+                                                   io::FileSystem& file_system);
   std::string path_;
   TokenFormat format_ = TokenFormat::nanogpt_uint16;
   std::shared_ptr<Mapping> mapping_;

@@ -37,14 +37,16 @@ std::string errno_text(int error_number) {
                      name ? name : fmt::format("errno {}", error_number));
 }
 
-Status Status::from_errno(int err, const std::string& what) {
-  std::string message = fmt::format("{}: {}", what, errno_text(err));
+Status Status::from_errno(int err, const std::string& what, const std::string& advice) {
+  std::string message =
+      fmt::format("{}: {}{}{}", what, errno_text(err), advice.empty() ? "" : "; ", advice);
   switch (err) {
     case ENOENT:
     case ENOTDIR:
       return not_found(std::move(message));
     case ENOSPC:
     case EDQUOT:
+    case ENOMEM:
       return no_space(std::move(message));
     case EACCES:
     case EPERM:

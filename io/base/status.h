@@ -66,9 +66,10 @@ class Status {
   static Status unavailable(std::string message) {
     return Status(StatusCode::unavailable, std::move(message));
   }
-  // "what: <strerror(err)>" with the code errno implies (ENOENT: not_found,
-  // ENOSPC/EDQUOT: no_space, EACCES/EPERM/EROFS: permission_denied, else io_error).
-  static Status from_errno(int err, const std::string& what);
+  // "what: <errno_text(err)>", then "; advice" when there is advice, with the
+  // code errno implies (ENOENT/ENOTDIR: not_found, ENOSPC/EDQUOT/ENOMEM:
+  // no_space, EACCES/EPERM/EROFS: permission_denied, else io_error).
+  static Status from_errno(int err, const std::string& what, const std::string& advice = "");
 
   bool is_ok() const { return code_ == StatusCode::ok; }
   explicit operator bool() const { return is_ok(); }
