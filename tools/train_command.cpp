@@ -323,7 +323,7 @@ class TrainCommand : public Subcommand {
                    path, error ? error.message() : std::string("not a directory"))};
       if (access(path.c_str(), W_OK | X_OK) != 0)
         return Failure{2, fmt::format("--nvme-path {}: not writable: {}; give a writable directory",
-                                      path, std::strerror(errno))};
+                                      path, errno_text(errno))};
     }
     return std::nullopt;
   }

@@ -16,14 +16,13 @@ namespace {
 Result<std::FILE*> open_for_writing(const std::string& path, const char* flag) {
   std::FILE* file = std::fopen(path.c_str(), "w");
   if (file == nullptr)
-    return Status::error(
-        fmt::format("{} {}: cannot open for writing: {}", flag, path, std::strerror(errno)));
+    return Status::from_errno(errno, fmt::format("{} {}: cannot open for writing", flag, path));
   return file;
 }
 
 Status write_text(std::FILE* file, const std::string& path, const std::string& text) {
   if (std::fwrite(text.data(), 1, text.size(), file) != text.size() || std::fflush(file) != 0)
-    return Status::error(fmt::format("{}: write failed: {}", path, std::strerror(errno)));
+    return Status::from_errno(errno, fmt::format("{}: write failed", path));
   return Status::ok();
 }
 
@@ -178,7 +177,7 @@ Status TraceWriter::finish() {
   if (file_ == nullptr) return Status::ok();
   Status s = write_text(file_, path_, "\n]}\n");
   if (std::fclose(file_) != 0 && s)
-    s = Status::error(fmt::format("{}: close failed: {}", path_, std::strerror(errno)));
+    s = Status::from_errno(errno, fmt::format("{}: close failed", path_));
   file_ = nullptr;
   return s;
 }

@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 
 #include "core/checkpoint/safetensors.h"
 #include "io/base/sizes.h"
+#include "io/file_system.h"
 
 namespace strata::tools {
 
@@ -24,18 +24,24 @@ Failure run_error(const Status& status) {
 // `what` names the mask in errors: "--loss-mask", or the file a mask was found next to.
 Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens,
                                             const std::string& what) {
-  std::error_code error;
-  const uintmax_t size = fs::file_size(path, error);
-  if (error) return Status::error(fmt::format("{} {}: {}", what, path, error.message()));
-  if (int64_t(size) != tokens)
-    return Status::error(
-        fmt::format("{} {}: {} bytes, but the data file has {} tokens; the mask needs one "
-                    "byte per token",
-                    what, path, size, tokens));
-  std::vector<uint8_t> mask(static_cast<size_t>(size));
-  std::ifstream in(path, std::ios::binary);
-  if (!in.read(reinterpret_cast<char*>(mask.data()), std::streamsize(size)))
-    return Status::error(fmt::format("{} {}: read failed", what, path));
+  io::FileSystem& files = io::FileSystem::real();
+  Result<int> fd = io::open_for_reading(files, path);
+  if (!fd) return fd.status().with_context(what);
+  const int64_t size = files.file_size(*fd);
+  Status read = size < 0 ? io::file_error(path, "reading its size", int(-size))
+                : size != tokens
+                    ? Status::invalid_argument(fmt::format(
+                          "{}: {} bytes, but the data file has {} tokens; the mask needs one "
+                          "byte per token",
+                          path, size, tokens))
+                    : Status::ok();
+  std::vector<uint8_t> mask;
+  if (read) {
+    mask.resize(size_t(size));
+    read = io::read_fully(files, *fd, mask.data(), mask.size(), 0, path);
+  }
+  (void)files.close(*fd);
+  if (!read) return read.with_context(what);
   return mask;
 }
 
