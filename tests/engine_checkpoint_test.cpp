@@ -273,13 +273,7 @@ class CheckpointReads : public ::testing::Test {
   io::FaultInjectingFileSystem faults_;
 };
 
-void expect_one_line(const Status& status, StatusCode code, const std::string& fragment) {
-  ASSERT_FALSE(status.is_ok()) << fragment;
-  EXPECT_TRUE(status.is(code)) << status_code_name(status.code()) << ": " << status.message();
-  EXPECT_EQ(status.message().find('\n'), std::string::npos) << status.message();
-  EXPECT_NE(status.message().find(fragment), std::string::npos)
-      << "no '" << fragment << "' in: " << status.message();
-}
+using strata::io::testing::expect_one_line;
 
 TEST_F(CheckpointReads, ShortReadsGiveEveryRangeBitwise) {
   faults_.add({.op = io::FileOp::kRead, .kind = io::FileFaultKind::kShortRead, .times = 10000});

@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 
+#include "io/base/status.h"
 #include "io/swap_directory.h"
 
 namespace strata::io::testing {
@@ -58,6 +59,15 @@ inline void fill_random(std::byte* data, size_t size, uint64_t seed) {
     std::memcpy(data + i, &word, 8);
   }
   for (; i < size; ++i) data[i] = std::byte(generator());
+}
+
+// A failure of `code` in one line that says `fragment`.
+inline void expect_one_line(const Status& status, StatusCode code, const std::string& fragment) {
+  ASSERT_FALSE(status.is_ok()) << fragment;
+  EXPECT_TRUE(status.is(code)) << status_code_name(status.code()) << ": " << status.message();
+  EXPECT_EQ(status.message().find('\n'), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find(fragment), std::string::npos)
+      << "no '" << fragment << "' in: " << status.message();
 }
 
 }  // namespace strata::io::testing

@@ -25,7 +25,9 @@ class PlanCommand : public Subcommand {
     CLI::App* cmd =
         app.add_subcommand("plan", "Memory and traffic plan for a model, stage and offload");
     cmd->add_option("--model", model_, "Preset, config.json or Hugging Face model directory");
-    cmd->add_option("--params", params_, "A bare parameter count instead of a model: 30e9, 7B");
+    cmd->add_option("--params", params_,
+                    "A parameter count instead of a model (30e9, 7B): plans a Llama-shaped model "
+                    "of about that size, named on the first line");
     flags_.add_to(*cmd, /*with_plan_names=*/true);
     cmd->add_option("--accounting", accounting_,
                     "strata (bytes the engine allocates) or zero (2+2+12 bytes)")

@@ -21,7 +21,8 @@ void add_model_and_data_options(CLI::App& cmd, TrainFlags& flags) {
                  "--data-format); "
                  "`strata demo-data` writes one")
       ->group(kDataGroup);
-  cmd.add_option("--data-format", flags.data_format, "auto | nanogpt | llmc | uint32 (default auto)")
+  cmd.add_option("--data-format", flags.data_format,
+                 "auto | nanogpt | llmc | uint32 (default auto)")
       ->check(CLI::IsMember({"auto", "nanogpt", "llmc", "uint32"}))
       ->group(kDataGroup);
   cmd.add_option(
@@ -153,7 +154,8 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
 }
 
 void add_output_and_checkpoint_options(CLI::App& cmd, TrainFlags& flags) {
-  cmd.add_option("--metrics", flags.metrics_path, "Write one JSON object per step to this .jsonl file")
+  cmd.add_option("--metrics", flags.metrics_path,
+                 "Write one JSON object per step to this .jsonl file")
       ->group(kOutputGroup);
   cmd.add_option("--trace", flags.trace_path,
                  "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
@@ -171,14 +173,14 @@ void add_output_and_checkpoint_options(CLI::App& cmd, TrainFlags& flags) {
                  "Write checkpoints into this directory (step-N, atomically; also at the end and "
                  "on Ctrl-C / SIGTERM)")
       ->group(kCheckpointGroup);
-  cmd.add_option("--save-every", flags.save_every, "Save every N steps (default 0: only at the end)")
+  cmd.add_option("--save-every", flags.save_every,
+                 "Save every N steps (default 0: only at the end)")
       ->group(kCheckpointGroup);
   cmd.add_option("--keep", flags.keep, "Keep the newest N checkpoints (default 0: all)")
       ->group(kCheckpointGroup);
-  cmd.add_option(
-         "--resume", flags.resume,
-         "Resume from a checkpoint directory, or the newest one under a --save directory; "
-         "--steps is then the step to reach. World size, stage and offload may differ")
+  cmd.add_option("--resume", flags.resume,
+                 "Resume from a checkpoint directory, or the newest one under a --save directory; "
+                 "--steps is then the step to reach. World size, stage and offload may differ")
       ->group(kCheckpointGroup);
   cmd.add_flag("--print-config", flags.print_config,
                "Print the merged effective configuration as JSON and exit")

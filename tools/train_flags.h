@@ -13,7 +13,7 @@
 namespace strata::tools {
 
 struct TrainFlags {
-  std::string model;  // --model: preset, config.json or directory
+  std::string model;   // --model: preset, config.json or directory
   ConfigFlags config;  // the flags shared with `strata plan`, and --config
   std::string backend = "auto";
   std::string gemm = "auto";

@@ -20,7 +20,6 @@ Failure run_error(const Status& status) {
   return {1, status.message()};
 }
 
-
 // `what` names the mask in errors: "--loss-mask", or the file a mask was found next to.
 Result<std::vector<uint8_t>> read_loss_mask(const std::string& path, int64_t tokens,
                                             const std::string& what) {
@@ -62,7 +61,6 @@ BatchReader batch_reader(std::shared_ptr<const TrainData> data) {
     return Status::ok();
   };
 }
-
 
 // The validation loss: the first `batches` micro-batches of (B, T) of the eval
 // file in sequential order, forward only, on the weights as they are after the
@@ -123,11 +121,10 @@ Status export_model(const HostModel& model, const std::string& path, DType dtype
   return writer->finish();
 }
 
-
 // `ranks_on_node`: the ranks on this machine, threads or processes;
 // `local_ranks`: those this process holds (the world size, or 1 when launched).
-ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan,
-                             int ranks_on_node, int local_ranks) {
+ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan, int ranks_on_node,
+                             int local_ranks) {
   constexpr int64_t kMiB = int64_t{1} << 20;
   auto with_margin = [&](int64_t peak) {
     return int64_t(round_up(uint64_t(peak) + uint64_t(peak) / 4 + 64 * kMiB, uint64_t(kMiB)));
@@ -137,17 +134,18 @@ ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan
   ChosenBudgets chosen;
   PlanBudgets& b = chosen.budgets;
   b.ranks_per_node = ranks_on_node;
-  b.device_per_rank =
-      config.strata.device_mem_limit ? int64_t(*config.strata.device_mem_limit) : with_margin(device_peak);
+  b.device_per_rank = config.strata.device_mem_limit ? int64_t(*config.strata.device_mem_limit)
+                                                     : with_margin(device_peak);
   b.host_per_node = config.strata.host_mem_limit ? int64_t(*config.strata.host_mem_limit)
                                                  : with_margin(host_peak) * ranks_on_node;
   b.device_source = "--device-mem-limit";
   b.host_source = "--host-mem-limit";
-  chosen.note = config.strata.device_mem_limit
-                    ? fmt::format("device {} per rank (given)", format_bytes(double(*b.device_per_rank)))
-                    : fmt::format("device {} per rank (plan peak {} + 25% + 64 MiB)",
-                                  format_bytes(double(*b.device_per_rank)),
-                                  format_bytes(double(device_peak)));
+  chosen.note =
+      config.strata.device_mem_limit
+          ? fmt::format("device {} per rank (given)", format_bytes(double(*b.device_per_rank)))
+          : fmt::format("device {} per rank (plan peak {} + 25% + 64 MiB)",
+                        format_bytes(double(*b.device_per_rank)),
+                        format_bytes(double(device_peak)));
   chosen.note +=
       config.strata.host_mem_limit
           ? fmt::format(", host {} for the node (given)", format_bytes(double(*b.host_per_node)))
@@ -155,15 +153,14 @@ ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan
                         format_bytes(double(*b.host_per_node)), format_bytes(double(host_peak)));
   // What this process takes; on the CPU backend the device budget is host memory too.
   const std::optional<int64_t> available = detect_host_available_bytes();
-  const int64_t per_rank = *b.host_per_rank(plan.input.world_size) +
-                           (plan.input.gpu ? 0 : *b.device_per_rank);
+  const int64_t per_rank =
+      *b.host_per_rank(plan.input.world_size) + (plan.input.gpu ? 0 : *b.device_per_rank);
   const int64_t wanted = per_rank * local_ranks;
   if (available && wanted > *available)
     fmt::print(stderr, "warning: the budgets ({}) exceed the memory available now ({})\n",
                format_bytes(double(wanted)), format_bytes(double(*available)));
   return chosen;
 }
-
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();

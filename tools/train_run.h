@@ -82,8 +82,8 @@ struct ChosenBudgets {
 
 // `ranks_on_node`: the ranks on this machine, threads or processes;
 // `local_ranks`: those this process holds (the world size, or 1 when launched).
-ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan,
-                             int ranks_on_node, int local_ranks);
+ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan, int ranks_on_node,
+                             int local_ranks);
 
 // What a run builds, step by step, in the order TrainCommand::train builds it;
 // members are destroyed in reverse, so the trace and the engine go first.
@@ -104,10 +104,10 @@ struct TrainingRun {
   std::vector<std::string> nvme_paths;
   DType export_dtype = DType::f32;
   std::optional<MetricsWriter> metrics;
-  int local_ranks = 1;       // the ranks this process holds: the world size, or 1 when launched
-  int ranks_on_node = 1;     // the ranks on this machine, threads or processes
-  ChosenBudgets budgets;     // its note gains the NVMe line
-  EngineOptions options;     // filled by the steps before create_engine, then the engine's
+  int local_ranks = 1;    // the ranks this process holds: the world size, or 1 when launched
+  int ranks_on_node = 1;  // the ranks on this machine, threads or processes
+  ChosenBudgets budgets;  // its note gains the NVMe line
+  EngineOptions options;  // filled by the steps before create_engine, then the engine's
   std::unique_ptr<Engine> engine;
   std::optional<TraceWriter> trace;
   int64_t tokens_per_step = 0;

@@ -96,7 +96,7 @@ Engine::~Engine() {
 Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   auto impl = std::make_unique<Impl>();
   const TrainConfig& config = options.config;
-  if (!options.data) return Status::error("engine: no data source");
+  if (!options.data) return Status::invalid_argument("engine: no data source");
   const bool gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
   const bool nccl = gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr;
   PlanInput input = plan_input_from_config(config, options.model,
@@ -120,7 +120,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
 
   // The budgets, checked before anything is allocated.
   if (options.process_comm && options.process_comm->world_size() != W)
-    return Status::error(fmt::format(
+    return Status::invalid_argument(fmt::format(
         "this process is one of {} ranks but the configuration says world_size {}; launch as "
         "many processes as --world-size",
         options.process_comm->world_size(), W));
@@ -147,7 +147,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
                   budgets.node_ranks(W) > 1 ? "--host-mem-limit (shared by the ranks)"
                                             : "--host-mem-limit");
   if (p.peak(tiers::Tier::nvme) > 0 && options.nvme_paths.empty())
-    return Status::error(
+    return Status::not_found(
         "offload to nvme needs a directory: pass --nvme-path DIR (or "
         "zero_optimization.offload_*.nvme_path)");
 

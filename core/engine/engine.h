@@ -101,7 +101,8 @@ struct EngineOptions {
   // the engine then holds that rank only, talking to the others through this
   // communicator (SocketComm on the CPU, NcclComm on GPUs), whose world size
   // must be the config's. Null: every rank is a thread of this process.
-  // The budgets are then this process's. Collective calls below (save_checkpoint,
+  // budgets.ranks_per_node then says how many processes share the node's host
+  // budget (strata train sets it from the launcher). Collective calls below (save_checkpoint,
   // read_model, read_unit_parameters, any_rank) must be made by every process
   // in the same order.
   std::shared_ptr<comm::Communicator> process_comm;

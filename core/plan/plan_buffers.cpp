@@ -111,15 +111,7 @@ class BufferListing {
           fmt::format("gathered units ({} x largest unit)", plan.gather_slots), Tier::host, compute,
           plan.gather_slots, largest_padded);
     if (!grads_in_place) {
-      add(R::unit_gradient, O::rank,
-          fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::host, f32,
-          plan.grad_slots, largest_padded);
-      if (plan.tied_grad_buffer)
-        add(R::tied_gradient, O::rank, copies_name("tied embedding gradient"), Tier::host, f32,
-            copies, embedding_padded);
-      if (scatter_output)
-        add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::host, f32, 1,
-            largest_shard);
+      add_gradient_buffers(Tier::host, scatter_output);
     }
     if (plan.gpu_grads_summed_on_device())
       add(R::gpu_gradient_sum, O::gpu, "device gradient sum over the micro-batches", Tier::device,
@@ -187,15 +179,7 @@ class BufferListing {
       add(R::widened_params, O::rank, "parameters widened to fp32 (2 units)", Tier::device, f32, 2,
           largest_padded);
     }
-    add(R::unit_gradient, O::rank,
-        fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), Tier::device, f32,
-        plan.grad_slots, largest_padded);
-    if (plan.tied_grad_buffer)
-      add(R::tied_gradient, O::rank, copies_name("tied embedding gradient"), Tier::device, f32,
-          copies, embedding_padded);
-    if (scatter_output)
-      add(R::reduce_scatter_output, O::rank, "reduce-scatter output", Tier::device, f32, 1,
-          largest_shard);
+    add_gradient_buffers(Tier::device, scatter_output);
     // Host memory is the device tier here: a host home only moves the budget they count against.
     const Tier kept = plan.activation_home() == Tier::host ? Tier::host : Tier::device;
     if (plan.activations_spilled())
@@ -303,6 +287,19 @@ class BufferListing {
       add(R::activation_staging, O::rank, "saved input on its way to or from NVMe",
           Tier::host, element, 1, slot_elements(element_bytes));
   }
+  // The engine rank's unit gradients, a tied embedding's and the
+  // reduce-scatter output, in `tier`.
+  void add_gradient_buffers(Tier tier, bool scatter_output) {
+    add(R::unit_gradient, O::rank,
+        fmt::format("unit gradients ({} x largest unit, fp32)", plan.grad_slots), tier, f32,
+        plan.grad_slots, largest_padded);
+    if (plan.tied_grad_buffer)
+      add(R::tied_gradient, O::rank, copies_name("tied embedding gradient"), tier, f32, copies,
+          embedding_padded);
+    if (scatter_output)
+      add(R::reduce_scatter_output, O::rank, "reduce-scatter output", tier, f32, 1, largest_shard);
+  }
+
   // One spilled input's elements, as long as a transfer (the I/O alignment on NVMe).
   int64_t slot_elements(int64_t element_bytes) const {
     return plan.saved_input_transfer_bytes() / element_bytes;

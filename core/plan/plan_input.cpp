@@ -105,7 +105,8 @@ ModelConfig model_of_size(int64_t parameters) {
     for (int64_t hidden = 128; hidden <= 65536; hidden += 128) {
       ModelConfig s = shaped(hidden, vocab);
       const double miss = std::abs(double(s.parameter_count() - parameters)) / double(parameters);
-      const double aspect = std::abs(std::log(double(s.num_hidden_layers) * 128.0 / double(hidden)));
+      const double aspect =
+          std::abs(std::log(double(s.num_hidden_layers) * 128.0 / double(hidden)));
       // Within 3% of the count, the most Llama-like aspect; else the nearest count.
       const double score = miss <= 0.03 ? aspect : 100.0 + miss;
       if (!best || score < best_score) {
@@ -141,9 +142,9 @@ Status validate_plan_input(const PlanInput& in) {
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));
   if (in.optimizer_buffers < 2)
-    return Status::invalid_argument(fmt::format(
-        "zero_optimization.offload_optimizer.buffer_count must be at least 2, got {}",
-        in.optimizer_buffers));
+    return Status::invalid_argument(
+        fmt::format("zero_optimization.offload_optimizer.buffer_count must be at least 2, got {}",
+                    in.optimizer_buffers));
   if (in.optimizer_chunk_elements <= 0 || in.optimizer_chunk_elements % 1024 != 0)
     return Status::invalid_argument(
         fmt::format("optimizer chunk of {} elements: it must be a positive multiple of 1024; check "

@@ -4,7 +4,10 @@
 // TrainConfig; `strata train`, `strata plan` and the engine's own plans go
 // through it, and build_training_plan (core/plan/training_plan.h) and the
 // planner (core/plan/planner.h) read nothing else. One set of names and
-// defaults: a default PlanInput is what a default TrainConfig plans.
+// defaults (the config keys' defaults where they are fixed: fp32, the
+// buffer counts, the chunk; a bare PlanInput overlaps communication and
+// updates after backward, where a config decides both from its stage,
+// clipping and precision).
 //
 // Budgets say what they cover: the device's is one rank's, the host's and
 // NVMe's the node's, and PlanBudgets::host_per_rank is the one place the

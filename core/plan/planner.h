@@ -113,13 +113,13 @@ struct PlanReport {
   TierBytes model_states;              // sum of `states`
   TierBytes model_states_zero;         // sum of `states_zero`
 
-  // Every buffer of the training plan (with a model; else the state lines).
+  // Every buffer of the training plan.
   std::vector<PlanBuffer> buffers;
   // The buffers besides the states, summed by what they hold.
-  int64_t saved_activation_bytes = 0;  // unit inputs kept to the backward, tokens, losses
-  int64_t activation_working_bytes = 0;     // one unit's recompute + backward working set
-  int64_t device_staging_bytes = 0;         // gathered units, unit gradients, ... on the device
-  int64_t host_staging_bytes = 0;           // pinned copies, streamed optimizer, new parameters
+  int64_t saved_activation_bytes = 0;    // unit inputs kept to the backward, tokens, losses
+  int64_t activation_working_bytes = 0;  // one unit's recompute + backward working set
+  int64_t device_staging_bytes = 0;      // gathered units, unit gradients, ... on the device
+  int64_t host_staging_bytes = 0;        // pinned copies, streamed optimizer, new parameters
 
   TierBytes total_per_rank;  // states + activations + staging
   std::vector<TierVerdict> verdicts;
