@@ -604,7 +604,9 @@ TEST(AdamWCompact, ResultDoesNotDependOnThreadCount) {
 }
 
 // fp32 moments, by default or named, are the fp32 kernel.
-TEST(AdamWCompact, Fp32StateShardEqualsAdamWShard) {
+// A shard that names no state type is an fp32 one: the same bits as one that says so.
+TEST(AdamWCompact, AShardWithoutAStateTypeIsFp32) {
+  EXPECT_EQ(AdamWShard{}.state_type, AdamWStateType::f32);
   std::mt19937_64 rng(fresh_seed() + 8);
   const int64_t n = 40003;
   std::normal_distribution<float> normal(0.0f, 1.0f);

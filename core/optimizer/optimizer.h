@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <vector>
 
 #include "core/optimizer/loss_scaler.h"
 #include "core/optimizer/lr_schedule.h"
