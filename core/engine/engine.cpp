@@ -99,15 +99,20 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   if (!options.data) return Status::invalid_argument("engine: no data source");
   const bool gpu = options.backend == kernels::BackendKind::cuda || options.emulate_gpu;
   const bool nccl = gpu && dynamic_cast<comm::NcclComm*>(options.process_comm.get()) != nullptr;
-  PlanInput input = plan_input_from_config(config, options.model,
-                                           {gpu, nccl, options.budgets.ranks_per_node});
-  input.budgets = options.budgets;
-  input.nvme_path_known = !options.nvme_paths.empty();
+  // The input this run's plans are built from: its own, unless strata train
+  // gave one, and the suggestion's when the plan does not fit.
+  auto plan_input = [&] {
+    PlanInput input = plan_input_from_config(config, options.model,
+                                             {gpu, nccl, options.budgets.ranks_per_node});
+    input.budgets = options.budgets;
+    input.nvme_path_known = !options.nvme_paths.empty();
+    return input;
+  };
   if (options.plan) {
     impl->plan = std::move(*options.plan);
     options.plan.reset();
   } else {
-    Result<TrainingPlan> plan = plan_training(input);
+    Result<TrainingPlan> plan = plan_training(plan_input());
     if (!plan) return plan.status();
     impl->plan = std::move(*plan);
   }
@@ -127,7 +132,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const PlanBudgets& budgets = options.budgets;
   auto refuse = [&](const char* tier, int64_t need, int64_t budget, const char* flag) -> Status {
     // The suggestion searches plans built by the same code as this one (core/plan/planner.h).
-    PlanInput planner = input;
+    PlanInput planner = plan_input();
     planner.budgets.device_source = "--device-mem-limit";
     planner.budgets.host_source = "--host-mem-limit";
     Result<PlanReport> suggestion = plan_with_suggestion(planner);

@@ -9,7 +9,7 @@
 // (unit, v), each numel * 4 bytes of fp32, homed on NVMe or host (in fp32
 // mode the master may be the (unit, param) shard itself: master_kind). step() walks
 // the units in the order given, each in chunks of at most chunk_elements
-// elements (the planner's kOptimizerChunkElements, lowered by sub_group_size):
+// elements (kOptimizerChunkElements of core/plan/plan_input.h, lowered by sub_group_size):
 // chunk k+1 is read while chunk k is updated and chunk k-1 written back. The
 // gradient and the compute-precision copy are host arrays the caller owns
 // (the gradient is read only; the copy, when given, is written).
@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "core/optimizer/optimizer.h"
-#include "core/plan/planner.h"
+#include "core/plan/plan_input.h"
 #include "io/base/status.h"
 #include "kernels/cpu/adamw_shard.h"
 #include "tiers/streamed_pass.h"

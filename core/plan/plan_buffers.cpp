@@ -6,7 +6,6 @@
 #include <algorithm>
 
 #include "core/model/cuda_units.h"
-#include "core/plan/planner.h"
 #include "core/plan/training_plan_parts.h"
 #include "io/base/sizes.h"
 

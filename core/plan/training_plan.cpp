@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
-#include "core/plan/planner.h"
 #include "core/plan/training_plan_parts.h"
 #include "io/base/sizes.h"
 
