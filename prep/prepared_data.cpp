@@ -18,18 +18,18 @@ int64_t TokenStream::targets() const {
 
 void append_marked_text(Tokenizer& tokenizer, const std::vector<MarkedText>& pieces,
                         TokenStream& out) {
-  // The normalized text and, for each piece, where it ends in it and whether it is a target.
+  // The whole text and, for each piece, where it ends in it and whether it is a target.
   std::string text;
   std::vector<uint64_t> piece_end;
   std::vector<bool> piece_target;
   for (const MarkedText& piece : pieces) {
     if (piece.text.empty()) continue;
-    text += tokenizer.normalize(piece.text);
+    text += piece.text;
     piece_end.push_back(text.size());
     piece_target.push_back(piece.target);
   }
   std::vector<TokenSpan> spans;
-  tokenizer.encode_normalized(text, spans);
+  tokenizer.encode_spans(text, false, spans);
   // Spans and pieces are both in text order: walk them together.
   size_t piece = 0;
   for (const TokenSpan& span : spans) {

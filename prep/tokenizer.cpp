@@ -1,303 +1,162 @@
 #include "prep/tokenizer.h"
 
 #include <fmt/format.h>
-// Oniguruma would otherwise define UChar, which ICU declares too.
-#define ONIG_ESCAPE_UCHAR_COLLISION
-#include <oniguruma.h>
-#ifdef STRATA_HAVE_ICU
-#include <unicode/bytestream.h>
-#include <unicode/normalizer2.h>
-#endif
 
 #include <algorithm>
 #include <array>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
+#include <unordered_set>
+
+#include "prep/tokenizer_steps.h"
 
 namespace strata {
 namespace {
 
 using nlohmann::json;
-
-// GPT-2's pattern, which ByteLevel uses when use_regex is true.
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+using tokenizer_steps::is_null_or;
+using tokenizer_steps::JsonErrors;
+using tokenizer_text::AlignedText;
+using tokenizer_text::next_code_point;
 
 // Words longer than this are not cached (a long run of one character is rare
 // and would fill the cache with one-off entries).
 constexpr size_t kMaxCachedWordBytes = 128;
 constexpr size_t kMaxCacheEntries = 1 << 18;
-
-// ByteLevel's map from a byte to the character that stands for it in the
-// vocabulary: printable Latin-1 bytes stand for themselves, the other 68 for
-// U+0100 and up, in byte order (GPT-2's bytes_to_unicode).
-std::array<uint32_t, 256> byte_to_code_point() {
-  std::array<uint32_t, 256> map{};
-  std::array<bool, 256> printable{};
-  for (int b = '!'; b <= '~'; ++b) printable[b] = true;
-  for (int b = 0xA1; b <= 0xAC; ++b) printable[b] = true;
-  for (int b = 0xAE; b <= 0xFF; ++b) printable[b] = true;
-  uint32_t next = 256;
-  for (int b = 0; b < 256; ++b) map[b] = printable[b] ? uint32_t(b) : next++;
-  return map;
-}
-
-// Decodes the code point at text[i], advancing i; nothing on invalid UTF-8.
-std::optional<uint32_t> next_code_point(std::string_view text, size_t& i) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
-  const unsigned char lead = byte(i);
-  if (lead < 0x80) {
-    ++i;
-    return lead;
-  }
-  int length = 0;
-  uint32_t cp = 0;
-  if ((lead & 0xE0) == 0xC0) {
-    length = 2;
-    cp = lead & 0x1F;
-  } else if ((lead & 0xF0) == 0xE0) {
-    length = 3;
-    cp = lead & 0x0F;
-  } else if ((lead & 0xF8) == 0xF0) {
-    length = 4;
-    cp = lead & 0x07;
-  } else {
-    return std::nullopt;
-  }
-  if (i + length > text.size()) return std::nullopt;
-  for (int k = 1; k < length; ++k) {
-    if ((byte(i + k) & 0xC0) != 0x80) return std::nullopt;
-    cp = (cp << 6) | (byte(i + k) & 0x3F);
-  }
-  static constexpr uint32_t kMinimum[5] = {0, 0, 0x80, 0x800, 0x10000};
-  if (cp < kMinimum[length] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return std::nullopt;
-  i += length;
-  return cp;
-}
-
-size_t utf8_length_at(std::string_view text, size_t i) {
-  const unsigned char lead = static_cast<unsigned char>(text[i]);
-  const size_t length = lead < 0x80 ? 1 : (lead & 0xE0) == 0xC0 ? 2 : (lead & 0xF0) == 0xE0 ? 3 : 4;
-  return std::min(length, text.size() - i);
-}
-
-// An Oniguruma pattern, compiled once and shared by the copies of a tokenizer
-// (searching is thread-safe; each search brings its own region).
-class Pattern {
- public:
-  static Result<std::shared_ptr<Pattern>> compile(const std::string& source) {
-    static std::once_flag initialised;
-    std::call_once(initialised, [] {
-      OnigEncoding encodings[1] = {ONIG_ENCODING_UTF8};
-      onig_initialize(encodings, 1);
-    });
-    auto pattern = std::make_shared<Pattern>();
-    OnigErrorInfo info;
-    const auto* begin = reinterpret_cast<const OnigUChar*>(source.data());
-    const int r = onig_new(&pattern->regex_, begin, begin + source.size(), ONIG_OPTION_NONE,
-                           ONIG_ENCODING_UTF8, ONIG_SYNTAX_DEFAULT, &info);
-    if (r != ONIG_NORMAL) {
-      OnigUChar message[ONIG_MAX_ERROR_MESSAGE_LEN];
-      onig_error_code_to_str(message, r, &info);
-      pattern->regex_ = nullptr;
-      return Status::error(fmt::format("the pattern /{}/ does not compile: {}", source,
-                                       reinterpret_cast<const char*>(message)));
-    }
-    return pattern;
-  }
-  Pattern() = default;
-  Pattern(const Pattern&) = delete;
-  Pattern& operator=(const Pattern&) = delete;
-  ~Pattern() {
-    if (regex_ != nullptr) onig_free(regex_);
-  }
-
-  // Calls piece(begin, end) for each match of the pattern in `text` and each
-  // gap between matches, in order (Split's Isolated behaviour); empty pieces
-  // are left out.
-  template <typename Piece>
-  void split(std::string_view text, Piece&& piece) const {
-    OnigRegion* region = onig_region_new();
-    const auto* str = reinterpret_cast<const OnigUChar*>(text.data());
-    const OnigUChar* end = str + text.size();
-    size_t position = 0, last = 0;
-    while (position < text.size()) {
-      const int r = onig_search(regex_, str, end, str + position, end, region, ONIG_OPTION_NONE);
-      if (r < 0) break;  // ONIG_MISMATCH (or an error, which these patterns do not raise)
-      const size_t match_begin = size_t(region->beg[0]), match_end = size_t(region->end[0]);
-      if (match_end == match_begin) {  // an empty match splits nothing
-        position = match_begin + utf8_length_at(text, match_begin);
-        continue;
-      }
-      if (match_begin > last) piece(last, match_begin);
-      piece(match_begin, match_end);
-      last = position = match_end;
-    }
-    if (last < text.size()) piece(last, text.size());
-    onig_region_free(region, 1);
-  }
-
- private:
-  OnigRegex regex_ = nullptr;
-};
+constexpr int64_t kNoId = -1;
 
 struct AddedToken {
-  std::string content;
+  std::string content;        // as written; matched as `match_content`
+  std::string match_content;  // the normalized content for normalized tokens
   uint32_t id = 0;
-  bool normalized = false;
+  bool normalized = false, special = false, lstrip = false, rstrip = false, single_word = false;
 };
 
-// Leftmost-longest matching of a set of strings, as the Aho-Corasick automaton
-// of `tokenizers` (MatchKind::LeftmostLongest) does.
+// One stretch of a text: an added token's match (with the whitespace its
+// lstrip or rstrip took), or text between matches.
+struct Segment {
+  const AddedToken* token = nullptr;
+  size_t begin = 0, end = 0;
+};
+
+// Rust regex's \w, which `tokenizers` tests the characters beside a
+// single_word token with.
+bool is_word_character(std::string_view text, size_t at) {
+  static const std::shared_ptr<const tokenizer_text::Regex> word =
+      *tokenizer_text::Regex::compile(R"(\A\w)");
+  const auto matches =
+      word->find_matches(text.substr(at, tokenizer_text::utf8_length_at(text, at)));
+  return !matches.empty() && matches.front().is_match;
+}
+
+// The start of the character before `at`.
+size_t previous_character(std::string_view text, size_t at) {
+  size_t i = at - 1;
+  while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
+
+// `tokenizers`' AddedVocabulary.find_matches over a leftmost-longest set of
+// tokens, with their single_word, lstrip and rstrip rules.
 class AddedMatcher {
  public:
-  void add(const AddedToken& token) {
-    if (token.content.empty()) return;
-    auto& list = by_first_byte_[static_cast<unsigned char>(token.content[0])];
+  void add(const AddedToken* token) {
+    if (token->match_content.empty()) return;
+    auto& list = by_first_byte_[static_cast<unsigned char>(token->match_content[0])];
     list.push_back(token);
-    std::stable_sort(list.begin(), list.end(), [](const AddedToken& a, const AddedToken& b) {
-      return a.content.size() > b.content.size();
+    std::stable_sort(list.begin(), list.end(), [](const AddedToken* a, const AddedToken* b) {
+      return a->match_content.size() > b->match_content.size();
     });
     empty_ = false;
   }
-  // The first match at or after `from`: its offset and token.
-  std::optional<std::pair<size_t, const AddedToken*>> find(std::string_view text,
-                                                           size_t from) const {
-    if (empty_) return std::nullopt;
-    for (size_t i = from; i < text.size(); ++i) {
-      const auto& list = by_first_byte_[static_cast<unsigned char>(text[i])];
-      for (const AddedToken& token : list)
-        if (text.compare(i, token.content.size(), token.content) == 0)
-          return std::make_pair(i, &token);
+
+  std::vector<Segment> split(std::string_view text) const {
+    std::vector<Segment> out;
+    size_t start_offset = 0;
+    for (size_t i = 0; !empty_ && i < text.size();) {
+      const AddedToken* token = longest_at(text, i);
+      if (token == nullptr) {
+        ++i;
+        continue;
+      }
+      size_t start = i, stop = i + token->match_content.size();
+      i = stop;
+      if (token->single_word) {
+        const bool word_before =
+            start > 0 && is_word_character(text, previous_character(text, start));
+        const bool word_after = stop < text.size() && is_word_character(text, stop);
+        if (word_before || word_after) continue;
+      }
+      if (token->lstrip) {
+        size_t new_start = start;
+        while (new_start > 0) {
+          const size_t before = previous_character(text, new_start);
+          size_t k = before;
+          const std::optional<uint32_t> cp = next_code_point(text, k);
+          if (!cp || !tokenizer_text::is_whitespace(*cp)) break;
+          new_start = before;
+        }
+        start = std::max(new_start, start_offset);
+      }
+      if (token->rstrip) {
+        while (stop < text.size()) {
+          size_t k = stop;
+          const std::optional<uint32_t> cp = next_code_point(text, k);
+          if (!cp || !tokenizer_text::is_whitespace(*cp)) break;
+          stop = k;
+        }
+      }
+      if (start_offset < start) out.push_back({nullptr, start_offset, start});
+      out.push_back({token, start, stop});
+      start_offset = stop;
     }
-    return std::nullopt;
+    if (start_offset < text.size()) out.push_back({nullptr, start_offset, text.size()});
+    return out;
   }
 
  private:
-  std::array<std::vector<AddedToken>, 256> by_first_byte_;
+  const AddedToken* longest_at(std::string_view text, size_t i) const {
+    for (const AddedToken* token : by_first_byte_[static_cast<unsigned char>(text[i])])
+      if (text.compare(i, token->match_content.size(), token->match_content) == 0) return token;
+    return nullptr;
+  }
+
+  std::array<std::vector<const AddedToken*>, 256> by_first_byte_;
   bool empty_ = true;
 };
 
 }  // namespace
 
 struct TokenizerTables {
-  std::unordered_map<std::string, uint32_t> vocab;  // raw bytes of a vocabulary entry -> id
+  // A vocabulary entry's key -> id: its bytes for a byte-level vocabulary
+  // ("Ġthe" is " the"), its text otherwise ("▁the").
+  std::unordered_map<std::string, uint32_t> vocab;
   std::unordered_map<std::string, uint32_t> ids_by_content;  // as written in the file
-  std::array<uint32_t, 256> byte_ids{};
-  std::vector<uint32_t> token_bytes;  // (vocab_size) bytes each id stands for; 0 for added tokens
+  std::vector<std::string> content_by_id;                    // (vocab_size) as written
+  std::vector<std::string> decode_form;          // (vocab_size) what decode reads; empty: content
+  std::array<int64_t, 256> single_byte_ids{};    // key of one byte -> id, or kNoId
+  std::array<int64_t, 256> byte_fallback_ids{};  // "<0xAB>" -> id, or kNoId
   struct Merge {
     uint32_t rank;
     uint32_t id;
   };
   std::unordered_map<uint64_t, Merge> merges;  // (left << 32 | right) -> rank and merged id
-  bool ignore_merges = false;
-  bool nfc = false;
-  std::vector<std::shared_ptr<Pattern>> splits;  // applied in order
-  AddedMatcher raw_added;                        // normalized=false, matched on the raw text
-  AddedMatcher normalized_added;                 // normalized=true, matched after the normalizer
-  AddedMatcher all_added;
+  bool ignore_merges = false, byte_fallback = false, fuse_unk = false;
+  std::optional<uint32_t> unk;
+  tokenizer_steps::Normalizer normalizer;
+  tokenizer_steps::PreTokenizer pre_tokenizer;
+  tokenizer_steps::Decoder decoder;
+  std::vector<std::unique_ptr<AddedToken>> added;
+  AddedMatcher raw_added;         // normalized=false, matched on the raw text
+  AddedMatcher normalized_added;  // normalized=true, matched after the normalizer
+  std::unordered_set<uint32_t> special_ids;
   std::vector<uint32_t> prefix, suffix;
   int64_t vocab_size = 0;
 };
 
 namespace {
 
-struct Parser {
-  std::string origin;
-  // A tokenizer.json that does not hold what its format says.
-  Status error(const std::string& key, const std::string& what) const {
-    return Status::corruption(fmt::format("{}: {}: {}", origin, key, what));
-  }
-  // A well-formed tokenizer.json asking for what strata does not read.
-  Status refused(const std::string& key, const std::string& what) const {
-    return Status::invalid_argument(fmt::format("{}: {}: {}", origin, key, what));
-  }
-  Status unsupported(const std::string& key, const json& value,
-                     const std::string& supported) const {
-    return refused(key, fmt::format("{} is not supported (strata reads {}); this tokenizer cannot "
-                                    "be used with strata",
-                                    value.dump(), supported));
-  }
-};
-
-bool is_null_or(const json& object, const char* key, const json& expected) {
-  return !object.contains(key) || object[key].is_null() || object[key] == expected;
-}
-
-Status parse_normalizer(const Parser& p, const json& normalizer, const std::string& key,
-                        TokenizerTables& t) {
-  if (normalizer.is_null()) return Status::ok();
-  const std::string type = normalizer.value("type", "");
-  if (type == "NFC") {
-#ifndef STRATA_HAVE_ICU
-    return Status::error(fmt::format(
-        "{}.type \"NFC\": this strata was built without ICU, which normalizes; install "
-        "libicu-dev and rebuild",
-        key));
-#endif
-    t.nfc = true;
-    return Status::ok();
-  }
-  if (type == "Sequence" && normalizer.contains("normalizers") &&
-      normalizer["normalizers"].is_array()) {
-    for (size_t i = 0; i < normalizer["normalizers"].size(); ++i)
-      if (Status s = parse_normalizer(p, normalizer["normalizers"][i],
-                                      fmt::format("{}.normalizers[{}]", key, i), t);
-          !s)
-        return s;
-    return Status::ok();
-  }
-  return p.unsupported(key + ".type", type, "null or NFC");
-}
-
-Status parse_pre_tokenizer(const Parser& p, const json& step, const std::string& key,
-                           TokenizerTables& t, bool& byte_level) {
-  const std::string type = step.value("type", "");
-  if (type == "Sequence") {
-    if (!step.contains("pretokenizers") || !step["pretokenizers"].is_array())
-      return p.error(key + ".pretokenizers", "missing or not a list");
-    for (size_t i = 0; i < step["pretokenizers"].size(); ++i)
-      if (Status s =
-              parse_pre_tokenizer(p, step["pretokenizers"][i],
-                                  fmt::format("{}.pretokenizers[{}]", key, i), t, byte_level);
-          !s)
-        return s;
-    return Status::ok();
-  }
-  if (type == "ByteLevel") {
-    if (!is_null_or(step, "add_prefix_space", false))
-      return p.unsupported(key + ".add_prefix_space", step["add_prefix_space"], "false");
-    byte_level = true;
-    if (step.value("use_regex", true)) {
-      Result<std::shared_ptr<Pattern>> pattern = Pattern::compile(kGpt2Pattern);
-      if (!pattern) return p.error(key, pattern.status().message());
-      t.splits.push_back(*pattern);
-    }
-    return Status::ok();
-  }
-  if (type == "Split") {
-    if (byte_level)
-      return p.refused(key,
-                       "a Split after ByteLevel is not supported (strata reads Split steps "
-                       "before ByteLevel)");
-    const json pattern = step.value("pattern", json());
-    if (!pattern.is_object() || !pattern.contains("Regex") || !pattern["Regex"].is_string())
-      return p.unsupported(key + ".pattern", pattern, "a {\"Regex\": ...} pattern");
-    if (step.value("behavior", "") != "Isolated")
-      return p.unsupported(key + ".behavior", step.value("behavior", json()), "Isolated");
-    if (!is_null_or(step, "invert", false))
-      return p.unsupported(key + ".invert", step["invert"], "false");
-    Result<std::shared_ptr<Pattern>> compiled =
-        Pattern::compile(pattern["Regex"].get<std::string>());
-    if (!compiled) return p.error(key + ".pattern", compiled.status().message());
-    t.splits.push_back(*compiled);
-    return Status::ok();
-  }
-  return p.unsupported(key + ".type", type, "ByteLevel, Split or a Sequence of them");
-}
-
-Status parse_post_processor(const Parser& p, const json& step, const std::string& key,
+Status parse_post_processor(const JsonErrors& p, const json& step, const std::string& key,
                             TokenizerTables& t) {
   if (step.is_null()) return Status::ok();
   const std::string type = step.value("type", "");
@@ -342,7 +201,7 @@ Status parse_post_processor(const Parser& p, const json& step, const std::string
   return p.unsupported(key + ".type", type, "null, ByteLevel, TemplateProcessing or a Sequence");
 }
 
-// A vocabulary entry's bytes: each character stands for one byte (ByteLevel).
+// A byte-level vocabulary entry's bytes: each character stands for one byte.
 std::optional<std::string> byte_level_bytes(std::string_view token,
                                             const std::unordered_map<uint32_t, uint8_t>& bytes) {
   std::string out;
@@ -357,50 +216,9 @@ std::optional<std::string> byte_level_bytes(std::string_view token,
   return out;
 }
 
-Status parse_model(const Parser& p, const json& model, TokenizerTables& t) {
-  if (!model.is_object()) return p.error("model", "missing or not an object");
-  if (model.value("type", "BPE") != "BPE") return p.unsupported("model.type", model["type"], "BPE");
-  if (!is_null_or(model, "dropout", json()))
-    return p.unsupported("model.dropout", model["dropout"], "null");
-  if (!is_null_or(model, "byte_fallback", false))
-    return p.unsupported("model.byte_fallback", model["byte_fallback"], "false");
-  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-    if (!is_null_or(model, key, ""))
-      return p.unsupported(fmt::format("model.{}", key), model[key], "null");
-  if (model.contains("ignore_merges") && model["ignore_merges"].is_boolean())
-    t.ignore_merges = model["ignore_merges"].get<bool>();
-  if (!model.contains("vocab") || !model["vocab"].is_object())
-    return p.error("model.vocab", "missing or not an object");
-
-  std::unordered_map<uint32_t, uint8_t> code_point_bytes;
-  const std::array<uint32_t, 256> map = byte_to_code_point();
-  for (int b = 0; b < 256; ++b) code_point_bytes[map[b]] = uint8_t(b);
-
-  std::unordered_map<std::string, uint32_t> by_content;
-  for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
-    if (!it.value().is_number_unsigned())
-      return p.error(fmt::format("model.vocab[\"{}\"]", it.key()), "the id is not a whole number");
-    const uint32_t id = it.value().get<uint32_t>();
-    by_content[it.key()] = id;
-    t.ids_by_content[it.key()] = id;
-    t.vocab_size = std::max<int64_t>(t.vocab_size, int64_t(id) + 1);
-    if (std::optional<std::string> bytes = byte_level_bytes(it.key(), code_point_bytes)) {
-      if (t.token_bytes.size() <= id) t.token_bytes.resize(id + 1, 0);
-      t.token_bytes[id] = uint32_t(bytes->size());
-      t.vocab.emplace(std::move(*bytes), id);
-    }
-  }
-  for (int b = 0; b < 256; ++b) {
-    auto found = t.vocab.find(std::string(1, char(b)));
-    if (found == t.vocab.end())
-      return p.error("model.vocab",
-                     fmt::format("has no entry for byte 0x{:02x}: not a byte-level vocabulary", b));
-    t.byte_ids[b] = found->second;
-  }
-
-  if (!model.contains("merges") || !model["merges"].is_array())
-    return p.error("model.merges", "missing or not a list");
-  const json& merges = model["merges"];
+Status parse_merges(const JsonErrors& p, const json& merges,
+                    const std::unordered_map<std::string, uint32_t>& by_content,
+                    TokenizerTables& t) {
   t.merges.reserve(merges.size());
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const json& merge = merges[rank];
@@ -432,6 +250,107 @@ Status parse_model(const Parser& p, const json& model, TokenizerTables& t) {
   return Status::ok();
 }
 
+// The model, once the pre-tokenizer has said whether the vocabulary is byte-level.
+Status parse_model(const JsonErrors& p, const json& model, bool byte_level, TokenizerTables& t) {
+  if (!model.is_object()) return p.error("model", "missing or not an object");
+  if (model.value("type", "BPE") != "BPE") return p.unsupported("model.type", model["type"], "BPE");
+  if (!is_null_or(model, "dropout", json()) && !is_null_or(model, "dropout", 0.0))
+    return p.unsupported("model.dropout", model["dropout"], "null");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (!is_null_or(model, key, ""))
+      return p.unsupported(fmt::format("model.{}", key), model[key], "null");
+  for (const char* key : {"ignore_merges", "byte_fallback", "fuse_unk"})
+    if (model.contains(key) && !model[key].is_null() && !model[key].is_boolean())
+      return p.error(fmt::format("model.{}", key), "not true or false");
+  t.ignore_merges = model.value("ignore_merges", false);
+  t.byte_fallback = model.value("byte_fallback", false);
+  t.fuse_unk = model.value("fuse_unk", false);
+  if (!model.contains("vocab") || !model["vocab"].is_object())
+    return p.error("model.vocab", "missing or not an object");
+
+  std::unordered_map<uint32_t, uint8_t> code_point_bytes;
+  for (int b = 0; b < 256; ++b)
+    code_point_bytes[tokenizer_steps::byte_to_code_point()[b]] = uint8_t(b);
+
+  std::unordered_map<std::string, uint32_t> by_content;
+  for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
+    if (!it.value().is_number_unsigned())
+      return p.error(fmt::format("model.vocab[\"{}\"]", it.key()), "the id is not a whole number");
+    const uint32_t id = it.value().get<uint32_t>();
+    by_content[it.key()] = id;
+    t.ids_by_content[it.key()] = id;
+    t.vocab_size = std::max<int64_t>(t.vocab_size, int64_t(id) + 1);
+    if (t.content_by_id.size() <= id) t.content_by_id.resize(id + 1);
+    t.content_by_id[id] = it.key();
+    if (!byte_level) {
+      t.vocab.emplace(it.key(), id);
+    } else if (std::optional<std::string> bytes = byte_level_bytes(it.key(), code_point_bytes)) {
+      t.vocab.emplace(std::move(*bytes), id);
+    }
+  }
+  t.single_byte_ids.fill(kNoId);
+  t.byte_fallback_ids.fill(kNoId);
+  for (int b = 0; b < 256; ++b) {
+    if (auto found = t.vocab.find(std::string(1, char(b))); found != t.vocab.end())
+      t.single_byte_ids[b] = found->second;
+    if (auto found = by_content.find(fmt::format("<0x{:02X}>", b)); found != by_content.end())
+      t.byte_fallback_ids[b] = found->second;
+  }
+  if (model.contains("unk_token") && !model["unk_token"].is_null()) {
+    if (!model["unk_token"].is_string()) return p.error("model.unk_token", "not a string");
+    const std::string unk = model["unk_token"].get<std::string>();
+    auto found = by_content.find(unk);
+    if (found == by_content.end())
+      return p.error("model.unk_token",
+                     fmt::format("'{}' is not in model.vocab; `tokenizers` would fail on the "
+                                 "first character it does not know",
+                                 unk));
+    t.unk = found->second;
+  }
+  if (!model.contains("merges") || !model["merges"].is_array())
+    return p.error("model.merges", "missing or not a list");
+  return parse_merges(p, model["merges"], by_content, t);
+}
+
+Status parse_added_tokens(const JsonErrors& p, const json& added, TokenizerTables& t) {
+  if (!added.is_array()) return p.error("added_tokens", "not a list");
+  for (size_t i = 0; i < added.size(); ++i) {
+    const json& entry = added[i];
+    const std::string key = fmt::format("added_tokens[{}]", i);
+    if (!entry.contains("content") || !entry["content"].is_string() || !entry.contains("id") ||
+        !entry["id"].is_number_unsigned())
+      return p.error(key, "needs a string content and a whole-number id");
+    for (const char* flag : {"lstrip", "rstrip", "single_word", "normalized", "special"})
+      if (entry.contains(flag) && !entry[flag].is_null() && !entry[flag].is_boolean())
+        return p.error(fmt::format("{}.{}", key, flag), "not true or false");
+    auto token = std::make_unique<AddedToken>();
+    token->content = entry["content"].get<std::string>();
+    token->id = entry["id"].get<uint32_t>();
+    token->special = entry.value("special", false);
+    token->normalized = entry.value("normalized", !token->special);
+    token->lstrip = entry.value("lstrip", false);
+    token->rstrip = entry.value("rstrip", false);
+    token->single_word = entry.value("single_word", false);
+    token->match_content = token->content;
+    t.vocab_size = std::max<int64_t>(t.vocab_size, int64_t(token->id) + 1);
+    if (t.content_by_id.size() <= token->id) t.content_by_id.resize(token->id + 1);
+    if (t.decode_form.size() <= token->id) t.decode_form.resize(token->id + 1);
+    t.content_by_id[token->id] = token->content;
+    if (token->normalized && !t.normalizer.empty()) {
+      // Matched, and decoded, by its normalized form, as `tokenizers` does.
+      AlignedText content;
+      content.text = token->content;
+      token->match_content = t.normalizer.apply(std::move(content)).text;
+      if (token->match_content != token->content) t.decode_form[token->id] = token->match_content;
+    }
+    t.ids_by_content[token->content] = token->id;
+    if (token->special) t.special_ids.insert(token->id);
+    (token->normalized ? t.normalized_added : t.raw_added).add(token.get());
+    t.added.push_back(std::move(token));
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<Tokenizer> Tokenizer::load(const std::string& path, io::FileSystem& file_system) {
@@ -441,7 +360,7 @@ Result<Tokenizer> Tokenizer::load(const std::string& path, io::FileSystem& file_
 }
 
 Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& origin) {
-  const Parser p{origin};
+  const JsonErrors p{origin};
   json root;
   try {
     root = json::parse(text);
@@ -455,43 +374,37 @@ Result<Tokenizer> Tokenizer::parse(std::string_view text, const std::string& ori
     for (const char* key : {"truncation", "padding"})
       if (!is_null_or(root, key, json()))
         return p.unsupported(key, root[key], "null: strata tokenizes whole documents");
-    if (Status s = parse_model(p, root.value("model", json()), t); !s) return s;
-    if (Status s = parse_normalizer(p, root.value("normalizer", json()), "normalizer", t); !s)
+    Result<tokenizer_steps::Normalizer> normalizer =
+        tokenizer_steps::Normalizer::parse(p, root.value("normalizer", json()), "normalizer");
+    if (!normalizer) return normalizer.status();
+    t.normalizer = std::move(*normalizer);
+    Result<tokenizer_steps::PreTokenizer> pre = tokenizer_steps::PreTokenizer::parse(
+        p, root.value("pre_tokenizer", json()), "pre_tokenizer");
+    if (!pre) return pre.status();
+    t.pre_tokenizer = std::move(*pre);
+    Result<tokenizer_steps::Decoder> decoder =
+        tokenizer_steps::Decoder::parse(p, root.value("decoder", json()), "decoder");
+    if (!decoder) return decoder.status();
+    t.decoder = std::move(*decoder);
+    if (Status s = parse_model(p, root.value("model", json()), t.pre_tokenizer.byte_level(), t); !s)
       return s;
-    const json pre = root.value("pre_tokenizer", json());
-    bool byte_level = false;
-    if (!pre.is_null())
-      if (Status s = parse_pre_tokenizer(p, pre, "pre_tokenizer", t, byte_level); !s) return s;
-    if (!byte_level)
-      return p.refused("pre_tokenizer",
-                       "has no ByteLevel step; strata reads byte-level BPE "
-                       "tokenizers only (Llama 3, Qwen2, GPT-2 kinds)");
     if (Status s =
             parse_post_processor(p, root.value("post_processor", json()), "post_processor", t);
         !s)
       return s;
-    const json added = root.value("added_tokens", json::array());
-    if (!added.is_array()) return p.error("added_tokens", "not a list");
-    for (size_t i = 0; i < added.size(); ++i) {
-      const json& entry = added[i];
-      const std::string key = fmt::format("added_tokens[{}]", i);
-      if (!entry.contains("content") || !entry["content"].is_string() || !entry.contains("id") ||
-          !entry["id"].is_number_unsigned())
-        return p.error(key, "needs a string content and a whole-number id");
-      for (const char* flag : {"lstrip", "rstrip", "single_word"})
-        if (!is_null_or(entry, flag, false))
-          return p.unsupported(fmt::format("{}.{}", key, flag), entry[flag], "false");
-      AddedToken token{entry["content"].get<std::string>(), entry["id"].get<uint32_t>(),
-                       entry.value("normalized", !entry.value("special", false))};
-      (token.normalized ? t.normalized_added : t.raw_added).add(token);
-      t.all_added.add(token);
-      t.ids_by_content[token.content] = token.id;
-      t.vocab_size = std::max<int64_t>(t.vocab_size, int64_t(token.id) + 1);
-    }
+    if (Status s = parse_added_tokens(p, root.value("added_tokens", json::array()), t); !s)
+      return s;
   } catch (const json::exception& e) {
     return Status::corruption(fmt::format("{}: unexpected structure: {}", origin, e.what()));
   }
-  t.token_bytes.resize(size_t(t.vocab_size), 0);
+  for (uint32_t id : t.prefix)
+    if (int64_t(id) >= t.vocab_size)
+      return p.error("post_processor", fmt::format("names id {} beyond the vocabulary", id));
+  for (uint32_t id : t.suffix)
+    if (int64_t(id) >= t.vocab_size)
+      return p.error("post_processor", fmt::format("names id {} beyond the vocabulary", id));
+  t.content_by_id.resize(size_t(t.vocab_size));
+  t.decode_form.resize(size_t(t.vocab_size));
   Tokenizer tokenizer;
   tokenizer.tables_ = std::move(tables);
   return tokenizer;
@@ -507,31 +420,26 @@ std::optional<uint32_t> Tokenizer::token_id(std::string_view content) const {
   return found->second;
 }
 
+std::optional<std::string> Tokenizer::token_content(uint32_t id) const {
+  if (int64_t(id) >= tables_->vocab_size) return std::nullopt;
+  const std::string& content = tables_->content_by_id[id];
+  if (content.empty()) return std::nullopt;  // a hole in the ids
+  return content;
+}
+
+std::optional<uint32_t> Tokenizer::unk_id() const {
+  return tables_->unk;
+}
+
+bool Tokenizer::is_special(uint32_t id) const {
+  return tables_->special_ids.count(id) > 0;
+}
+
 const std::vector<uint32_t>& Tokenizer::prefix_tokens() const {
   return tables_->prefix;
 }
 const std::vector<uint32_t>& Tokenizer::suffix_tokens() const {
   return tables_->suffix;
-}
-
-std::string Tokenizer::normalize(std::string_view text) const {
-  if (!tables_->nfc) return std::string(text);
-  if (std::all_of(text.begin(), text.end(), [](char c) { return (c & 0x80) == 0; }))
-    return std::string(text);  // ASCII is already in NFC
-#ifdef STRATA_HAVE_ICU
-  UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
-  std::string out;
-  if (U_SUCCESS(status)) {
-    icu::StringByteSink<std::string> sink(&out, int32_t(text.size()));
-    nfc->normalizeUTF8(0, icu::StringPiece(text.data(), int32_t(text.size())), sink, nullptr,
-                       status);
-  }
-  // ICU fails only on invalid UTF-8, which callers rule out first; keep the text then.
-  return U_SUCCESS(status) ? out : std::string(text);
-#else
-  return std::string(text);  // unreachable: an NFC tokenizer is refused without ICU
-#endif
 }
 
 void Tokenizer::set_progress(std::function<void(uint64_t)> progress, uint64_t every) {
@@ -540,102 +448,161 @@ void Tokenizer::set_progress(std::function<void(uint64_t)> progress, uint64_t ev
 }
 
 std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) {
-  next_progress_ = progress_every_;
   std::vector<TokenSpan> spans;
-  // Added tokens with normalized=false are found in the raw text; the text
-  // between them is normalized and searched for the others.
-  size_t position = 0;
-  while (position <= text.size()) {
-    auto match = tables_->raw_added.find(text, position);
-    const size_t gap_end = match ? match->first : text.size();
-    if (gap_end > position) {
-      // The spans' offsets are not returned: `position` as their base keeps
-      // progress counting in the raw text.
-      const std::string normalized = normalize(text.substr(position, gap_end - position));
-      split_on_added(normalized, position, true, spans);
-    }
-    if (!match) break;
-    spans.push_back(
-        {match->second->id, match->first, match->first + match->second->content.size()});
-    position = match->first + match->second->content.size();
-  }
-  std::vector<uint32_t> ids;
-  ids.reserve(spans.size() + 2);
-  if (add_special_tokens) ids = tables_->prefix;
-  for (const TokenSpan& span : spans) ids.push_back(span.id);
-  if (add_special_tokens) ids.insert(ids.end(), tables_->suffix.begin(), tables_->suffix.end());
+  encode_spans(text, add_special_tokens, spans);
+  std::vector<uint32_t> ids(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) ids[i] = spans[i].id;
   return ids;
 }
 
-void Tokenizer::encode_normalized(std::string_view normalized, std::vector<TokenSpan>& out) {
-  next_progress_ = progress_every_;
-  split_on_added(normalized, 0, false, out);
-}
-
-void Tokenizer::split_on_added(std::string_view text, uint64_t base, bool normalized_pass,
-                               std::vector<TokenSpan>& out) {
-  const AddedMatcher& matcher = normalized_pass ? tables_->normalized_added : tables_->all_added;
-  size_t position = 0;
-  while (position < text.size()) {
-    auto match = matcher.find(text, position);
-    const size_t gap_end = match ? match->first : text.size();
-    if (gap_end > position)
-      encode_added_free(text.substr(position, gap_end - position), base + position, out);
-    if (!match) break;
-    const size_t end = match->first + match->second->content.size();
-    out.push_back({match->second->id, base + match->first, base + end});
-    position = end;
-  }
-}
-
-void Tokenizer::encode_added_free(std::string_view text, uint64_t base,
-                                  std::vector<TokenSpan>& out) {
-  const auto& splits = tables_->splits;
-  // Each Split step divides the pieces of the one before; the last pieces are words.
-  auto run = [&](auto& self, size_t stage, size_t begin, size_t end) -> void {
-    if (stage == splits.size()) {
-      encode_word(text.substr(begin, end - begin), base + begin, out);
-      return;
-    }
-    splits[stage]->split(text.substr(begin, end - begin),
-                         [&](size_t b, size_t e) { self(self, stage + 1, begin + b, begin + e); });
-  };
-  run(run, 0, 0, text.size());
-}
-
-void Tokenizer::encode_word(std::string_view word, uint64_t base, std::vector<TokenSpan>& out) {
+void Tokenizer::encode_spans(std::string_view text, bool add_special_tokens,
+                             std::vector<TokenSpan>& out) {
   const TokenizerTables& t = *tables_;
-  if (progress_ && base + word.size() >= next_progress_) {
-    progress_(base + word.size());
-    next_progress_ = base + word.size() + progress_every_;
-  }
-  auto emit = [&](const std::vector<uint32_t>& ids) {
-    uint64_t offset = base;
-    for (uint32_t id : ids) {
-      const uint64_t bytes = t.token_bytes[id];
-      out.push_back({id, offset, offset + bytes});
-      offset += bytes;
+  next_progress_ = progress_every_;
+  if (add_special_tokens)
+    for (uint32_t id : t.prefix) out.push_back({id, 0, 0});
+  // Added tokens with normalized=false are found in the raw text; the text
+  // between them is normalized and searched for the others.
+  for (const Segment& segment : t.raw_added.split(text)) {
+    if (segment.token != nullptr) {
+      out.push_back({segment.token->id, segment.begin, segment.end});
+      continue;
     }
-  };
-  const std::string key(word);
-  if (auto cached = cache_.find(key); cached != cache_.end()) {
-    emit(cached->second);
-    return;
+    AlignedText gap;
+    gap.text = text.substr(segment.begin, segment.end - segment.begin);
+    gap.base = segment.begin;
+    encode_normalized_gap(t.normalizer.apply(std::move(gap)), out);
   }
-  std::vector<uint32_t> ids;
-  if (auto whole = t.vocab.find(key); t.ignore_merges && whole != t.vocab.end()) {
-    ids.push_back(whole->second);
+  if (add_special_tokens)
+    for (uint32_t id : t.suffix) out.push_back({id, text.size(), text.size()});
+}
+
+namespace {
+
+// The original bytes [begin, end) that bytes [b, e) of `piece` came from.
+std::pair<uint64_t, uint64_t> original_range(const AlignedText& piece, size_t b, size_t e) {
+  const uint64_t begin = piece.begin_of(b);
+  return {begin, std::max(piece.end_of(e - 1), begin)};
+}
+
+}  // namespace
+
+void Tokenizer::encode_normalized_gap(const AlignedText& gap, std::vector<TokenSpan>& out) {
+  const TokenizerTables& t = *tables_;
+  for (const Segment& segment : t.normalized_added.split(gap.text)) {
+    if (segment.token != nullptr) {
+      const auto [begin, end] = original_range(gap, segment.begin, segment.end);
+      out.push_back({segment.token->id, begin, end});
+      continue;
+    }
+    t.pre_tokenizer.apply(gap.slice(segment.begin, segment.end),
+                          [&](AlignedText& piece) { encode_piece(piece, out); });
+  }
+}
+
+void Tokenizer::encode_piece(const AlignedText& piece, std::vector<TokenSpan>& out) {
+  if (progress_) {
+    const uint64_t at = piece.end_of(piece.text.size() - 1);
+    if (at >= next_progress_) {
+      progress_(at);
+      next_progress_ = at + progress_every_;
+    }
+  }
+  size_t offset = 0;
+  for (const auto& [id, length] : model_tokens(piece.text)) {
+    if (length == 0) {  // a byte-fallback token after the first of a character
+      const uint64_t at = out.empty() ? piece.begin_of(0) : out.back().end;
+      out.push_back({id, at, at});
+      continue;
+    }
+    const auto [begin, end] = original_range(piece, offset, offset + length);
+    out.push_back({id, begin, end});
+    offset += length;
+  }
+}
+
+const std::vector<std::pair<uint32_t, uint32_t>>& Tokenizer::model_tokens(const std::string& word) {
+  const TokenizerTables& t = *tables_;
+  if (auto cached = cache_.find(word); cached != cache_.end()) return cached->second;
+  std::vector<std::pair<uint32_t, uint32_t>> tokens;
+  if (auto whole = t.vocab.find(word); t.ignore_merges && whole != t.vocab.end()) {
+    tokens.push_back({whole->second, uint32_t(word.size())});
   } else {
+    // The word's units (its bytes when the vocabulary is byte-level, else its
+    // characters) as symbols; what the vocabulary lacks becomes byte tokens or unk.
+    const bool byte_level = t.pre_tokenizer.byte_level();
+    std::vector<uint32_t> symbol, length;
+    symbol.reserve(word.size());
+    length.reserve(word.size());
+    std::optional<std::pair<uint32_t, uint32_t>> unk;  // pending, with its length
+    size_t i = 0;
+    while (i < word.size()) {
+      const size_t at = i;
+      i += byte_level ? 1 : tokenizer_text::utf8_length_at(word, at);
+      const uint32_t unit_length = uint32_t(i - at);
+      int64_t id = kNoId;
+      if (unit_length == 1) {
+        id = t.single_byte_ids[static_cast<unsigned char>(word[at])];
+      } else if (auto found = t.vocab.find(word.substr(at, unit_length)); found != t.vocab.end()) {
+        id = found->second;
+      }
+      if (id != kNoId) {
+        if (unk) {
+          symbol.push_back(unk->first);
+          length.push_back(unk->second);
+          unk.reset();
+        }
+        symbol.push_back(uint32_t(id));
+        length.push_back(unit_length);
+        continue;
+      }
+      if (t.byte_fallback) {
+        // The unit's text in the vocabulary's form, as byte tokens.
+        std::string form = word.substr(at, unit_length);
+        if (byte_level) {
+          form.clear();
+          tokenizer_text::append_utf8(
+              form, tokenizer_steps::byte_to_code_point()[static_cast<unsigned char>(word[at])]);
+        }
+        const bool all = std::all_of(form.begin(), form.end(), [&](char c) {
+          return t.byte_fallback_ids[static_cast<unsigned char>(c)] != kNoId;
+        });
+        if (all) {
+          for (size_t k = 0; k < form.size(); ++k) {
+            symbol.push_back(uint32_t(t.byte_fallback_ids[static_cast<unsigned char>(form[k])]));
+            // Lengths are in the word's bytes: a byte-level unit is one byte.
+            length.push_back(byte_level ? (k == 0 ? 1 : 0) : 1);
+          }
+          continue;
+        }
+      }
+      if (!t.unk) {
+        dropped_bytes_ += unit_length;
+        continue;
+      }
+      if (unk && t.fuse_unk) {
+        unk->second += unit_length;
+      } else {
+        if (unk) {
+          symbol.push_back(unk->first);
+          length.push_back(unk->second);
+        }
+        unk = std::make_pair(*t.unk, unit_length);
+      }
+    }
+    if (unk) {
+      symbol.push_back(unk->first);
+      length.push_back(unk->second);
+    }
+
     // Symbols in a linked list; a heap of candidate merges by (rank, position).
     // A popped candidate whose pair has changed since it was pushed is stale.
-    const int n = int(word.size());
-    std::vector<uint32_t> symbol(n);
+    const int n = int(symbol.size());
     std::vector<int> prev(n), next(n);
     std::vector<bool> alive(n, true);
-    for (int i = 0; i < n; ++i) {
-      symbol[i] = t.byte_ids[static_cast<unsigned char>(word[i])];
-      prev[i] = i - 1;
-      next[i] = i + 1 < n ? i + 1 : -1;
+    for (int k = 0; k < n; ++k) {
+      prev[k] = k - 1;
+      next[k] = k + 1 < n ? k + 1 : -1;
     }
     struct Candidate {
       uint32_t rank;
@@ -646,32 +613,46 @@ void Tokenizer::encode_word(std::string_view word, uint64_t base, std::vector<To
       }
     };
     std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
-    auto push = [&](int i) {
-      if (i < 0 || next[i] < 0) return;
-      auto found = t.merges.find((uint64_t(symbol[i]) << 32) | symbol[next[i]]);
-      if (found != t.merges.end()) heap.push({found->second.rank, i, symbol[i], symbol[next[i]]});
+    auto push = [&](int k) {
+      if (k < 0 || next[k] < 0) return;
+      auto found = t.merges.find((uint64_t(symbol[k]) << 32) | symbol[next[k]]);
+      if (found != t.merges.end()) heap.push({found->second.rank, k, symbol[k], symbol[next[k]]});
     };
-    for (int i = 0; i + 1 < n; ++i) push(i);
+    for (int k = 0; k + 1 < n; ++k) push(k);
     while (!heap.empty()) {
       const Candidate c = heap.top();
       heap.pop();
-      const int i = c.position;
-      if (!alive[i] || next[i] < 0 || symbol[i] != c.left || symbol[next[i]] != c.right) continue;
-      const int j = next[i];
-      symbol[i] = t.merges.at((uint64_t(c.left) << 32) | c.right).id;
+      const int k = c.position;
+      if (!alive[k] || next[k] < 0 || symbol[k] != c.left || symbol[next[k]] != c.right) continue;
+      const int j = next[k];
+      symbol[k] = t.merges.at((uint64_t(c.left) << 32) | c.right).id;
+      length[k] += length[j];
       alive[j] = false;
-      next[i] = next[j];
-      if (next[j] >= 0) prev[next[j]] = i;
-      push(prev[i]);
-      push(i);
+      next[k] = next[j];
+      if (next[j] >= 0) prev[next[j]] = k;
+      push(prev[k]);
+      push(k);
     }
-    for (int i = 0; i >= 0 && i < n; i = next[i]) ids.push_back(symbol[i]);
+    for (int k = 0; k >= 0 && k < n; k = next[k]) tokens.push_back({symbol[k], length[k]});
   }
-  emit(ids);
-  if (word.size() <= kMaxCachedWordBytes) {
-    if (cache_.size() >= kMaxCacheEntries) cache_.clear();
-    cache_.emplace(key, std::move(ids));
+  if (word.size() > kMaxCachedWordBytes) {
+    uncached_ = std::move(tokens);
+    return uncached_;
   }
+  if (cache_.size() >= kMaxCacheEntries) cache_.clear();
+  return cache_.emplace(word, std::move(tokens)).first->second;
+}
+
+std::string Tokenizer::decode(const std::vector<uint32_t>& ids, bool skip_special_tokens) const {
+  const TokenizerTables& t = *tables_;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (uint32_t id : ids) {
+    if (int64_t(id) >= t.vocab_size || t.content_by_id[id].empty()) continue;
+    if (skip_special_tokens && t.special_ids.count(id) > 0) continue;
+    tokens.push_back(t.decode_form[id].empty() ? t.content_by_id[id] : t.decode_form[id]);
+  }
+  return t.decoder.decode(std::move(tokens));
 }
 
 std::optional<uint64_t> invalid_utf8_offset(std::string_view text) {
