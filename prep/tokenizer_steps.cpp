@@ -179,7 +179,8 @@ AlignedText lowercase(const AlignedText& text) {
     if (lower != std::string_view(s).substr(at, i - at))
       changes.push_back({at, i, output_at, out.size()});
   }
-  if (changes.empty()) return text;
+  if (out == s) return text;
+  // ASCII letters change in place, byte for byte: only other changes are edits.
   return tokenizer_text::apply_edits(text, std::move(out), changes);
 }
 #endif
