@@ -33,11 +33,13 @@ from datetime import datetime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "chat_templates")
-TEMPLATES = ["chatml", "llama3", "llama3.1", "mistral-v0.1", "mistral-v0.3", "qwen2.5", "qwen3"]
+TEMPLATES = ["chatml", "llama2", "llama3", "llama3.1", "mistral-v0.1", "mistral-v0.3", "qwen2.5",
+             "qwen3"]
 TOKENS = {
     "chatml": ("", "<|im_end|>"),
     "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
     "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama2": ("<s>", "</s>"),
     "mistral-v0.1": ("<s>", "</s>"),
     "mistral-v0.3": ("<s>", "</s>"),
     "qwen2.5": ("", "<|im_end|>"),
@@ -154,7 +156,7 @@ def fixed_cases():
         add(f"{template}_without_system", template, no_system)
         add(f"{template}_generation_prompt", template, plain[:4], agp=True)
 
-    for template in ("mistral-v0.1", "mistral-v0.3"):
+    for template in ("llama2", "mistral-v0.1", "mistral-v0.3"):
         add(f"{template}_roles_must_alternate", template,
             [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
         add(f"{template}_other_roles_refused", template,

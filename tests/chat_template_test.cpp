@@ -2,8 +2,8 @@
 // the assistant's text, only it, is marked as targets.
 //
 // tests/fixtures/chat_templates/ holds the real templates (Llama 3 and 3.1,
-// Qwen2.5, Qwen3, Mistral 7B v0.1 and v0.3, ChatML) and cases.json: conversations and small
-// one-construct templates with jinja2's rendering of each, written by
+// Qwen2.5, Qwen3, Mistral 7B v0.1 and v0.3, Llama 2, ChatML) and cases.json: conversations and
+// small one-construct templates with jinja2's rendering of each, written by
 // tests/chat_template_compare.py --write-fixtures (which also compares
 // random conversations through tests/drivers/chat_template_render).
 #include "prep/chat_template.h"
@@ -183,6 +183,15 @@ TEST(ChatTemplate, MistralTargetsTheReplyWithItsLeadingSpaceAndEos) {
   EXPECT_EQ(targets(*pieces), (std::vector<std::string>{" Hello!</s>", " Ciao</s>"}));
 }
 
+TEST(ChatTemplate, Llama2PutsTheSystemPromptInTheFirstTurnAndTargetsTheReplies) {
+  auto pieces = load("llama2").render(kChat, context_for("<s>", "</s>"));
+  ASSERT_TRUE(pieces) << pieces.status().message();
+  EXPECT_EQ(joined(*pieces),
+            "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] Bye [/INST] "
+            "Ciao </s>");
+  EXPECT_EQ(targets(*pieces), (std::vector<std::string>{" Hello! </s>", " Ciao </s>"}));
+}
+
 TEST(ChatTemplate, GenerationTagsDecideTheTargetsWhenPresent) {
   auto parsed = ChatTemplate::parse(
       "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
@@ -336,8 +345,8 @@ TEST(ChatTemplate, MutatedTemplatesRenderOrFailInOneLine) {
   std::mt19937_64 rng(seed);
   const std::string alphabet = "{}%#-+()[]'\"|.,:=~*/ \nabcnotinis0123456789";
   int rendered = 0, refused = 0;
-  for (const char* name :
-       {"chatml", "llama3", "llama3.1", "mistral-v0.1", "mistral-v0.3", "qwen2.5", "qwen3"}) {
+  for (const char* name : {"chatml", "llama2", "llama3", "llama3.1", "mistral-v0.1", "mistral-v0.3",
+                           "qwen2.5", "qwen3"}) {
     const std::string original = read_file(kFixtures + name + ".jinja");
     for (int trial = 0; trial < 300; ++trial) {
       std::string source = original;

@@ -84,6 +84,35 @@ TEST(PreparedData, AChatIsTokenizedAsOneTextNotPieceByPiece) {
   EXPECT_LT(stream.targets(), int64_t(stream.tokens.size()));
 }
 
+// Llama 2's normalizer rewrites every space (and prepends "▁" to the text
+// between special tokens): the mask still follows the characters the tokens
+// came from, so the reply with its leading space and </s> are the targets.
+TEST(PreparedData, ASentencePieceChatTargetsTheReplyThroughTheNormalizer) {
+  Tokenizer llama2 = load("llama2");
+  const std::vector<MarkedText> pieces = {{"<s>[INST] What is 12 + 1? [/INST]", false},
+                                          {" It is 13. </s>", true},
+                                          {"<s>[INST] and then [/INST]", false},
+                                          {" 14 </s>", true}};
+  TokenStream stream;
+  append_marked_text(llama2, pieces, stream);
+  std::string whole;
+  for (const MarkedText& piece : pieces) whole += piece.text;
+  EXPECT_EQ(stream.tokens, llama2.encode(whole, false));
+  EXPECT_EQ(stream.mask, expected_mask(llama2, pieces));
+  std::string targets, others;
+  for (size_t i = 0; i < stream.tokens.size(); ++i)
+    (stream.mask[i] ? targets : others) += llama2.decode({stream.tokens[i]}) + "|";
+  const uint32_t bos = *llama2.token_id("<s>"), eos = *llama2.token_id("</s>");
+  int eos_targets = 0;
+  for (size_t i = 0; i < stream.tokens.size(); ++i) {
+    if (stream.tokens[i] == bos) EXPECT_EQ(stream.mask[i], 0) << others;
+    if (stream.tokens[i] == eos) eos_targets += stream.mask[i];
+  }
+  EXPECT_EQ(eos_targets, 2) << targets;
+  EXPECT_EQ(others.find("13"), std::string::npos) << others;
+  EXPECT_EQ(targets.find("INST"), std::string::npos) << targets;
+}
+
 // Random pieces and flags: the mask follows the byte rule and the ids are
 // those of the whole text, for each kind (Qwen2's normalizes with NFC).
 TEST(PreparedData, RandomPiecesFollowTheByteRule) {
@@ -92,8 +121,8 @@ TEST(PreparedData, RandomPiecesFollowTheByteRule) {
   const std::vector<std::string> words = {"the",        " model", "'s",   "  ",   "\n",
                                           "123",        "4567",   "café", "🙂", "<|eot_id|>",
                                           "<|im_end|>", "x",      "!",    " "};
-  for (const char* kind : {"llama3", "qwen2", "gpt2"}) {
-    // Built without ICU, the NFC-normalizing Qwen2 kind is refused.
+  for (const char* kind : {"llama3", "qwen2", "gpt2", "llama2", "mistral", "spbpe", "smollm"}) {
+    // Built without ICU, the NFC and NFKC-normalizing kinds are refused.
     Result<Tokenizer> here = Tokenizer::load(
         std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/tokenizers/" + kind + "/tokenizer.json");
     if (!here && here.status().message().find("without ICU") != std::string::npos) continue;

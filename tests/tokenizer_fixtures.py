@@ -474,14 +474,51 @@ def compare_chats(args, rng, work):
         mask = open(os.path.join(out, "train.mask"), "rb").read()
         hf = AutoTokenizer.from_pretrained(folder)
         eos = hf.convert_tokens_to_ids(json.load(open(os.path.join(folder, "tokenizer_config.json")))["eos_token"])
-        theirs = []
+        theirs, lengths = [], []
         for messages in chats:
             theirs += list(hf.apply_chat_template(messages, tokenize=True, return_dict=False)) + [eos]
+            lengths.append(len(theirs))
         same = ours == theirs
         failures += not same
+        wrong = wrong_targets(hf, chats, ours, mask, lengths) if same else len(chats)
+        failures += wrong > 0
+        print(f"chat {kind}: targets are the assistant's replies and their end tokens in "
+              f"{len(chats) - wrong}/{len(chats)} conversations")
         print(f"chat {kind}: {len(chats)} conversations, {len(theirs)} tokens from apply_chat_template, "
               f"strata {len(ours)} ({100 * sum(mask) / len(mask):.1f}% targets): {'EQUAL' if same else 'DIFFERENT'}")
     return failures
+
+
+def wrong_targets(hf, chats, ids, mask, ends):
+    """How many conversations' targets are not exactly their assistant replies.
+
+    The targets of a conversation must be one run per assistant message whose
+    text (decoded, whitespace ignored) ends with the reply and an end-of-turn
+    token; a run may begin with one token that BPE joined across the boundary.
+    """
+    def squeeze(text):
+        return "".join(unicodedata.normalize("NFC", text).split())
+    wrong, at = 0, 0
+    for messages, end in zip(chats, ends):
+        runs, run = [], []
+        for k in range(at, end):
+            if mask[k]:
+                run.append(ids[k])
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        ok = len(runs) == len(replies)
+        for reply, run in zip(replies, runs):
+            text = squeeze(hf.decode(run))
+            ends = [squeeze(hf.decode([run[-1]]))]
+            ok = ok and run[-1] in hf.all_special_ids and text.endswith(squeeze(reply) + ends[0]) and \
+                len(text) - len(squeeze(reply) + ends[0]) <= len(squeeze(hf.decode(run[:1])))
+        wrong += not ok
+        at = end
+    return wrong
 
 
 def main():
