@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -117,6 +118,10 @@ class PrepareDataCommand : public Subcommand {
                   "text/jsonl: leave out the post-processor's tokens (a BOS) around documents");
     cmd->add_option("--text-field", text_field_,
                     "jsonl: the field holding the text (default text)");
+    cmd->add_flag("--stats", stats_,
+                  "Print tokens per document (mean, median, 90th percentile, largest), bytes "
+                  "per token and the share of unk tokens: a high share says the tokenizer does "
+                  "not fit the text");
     return cmd;
   }
 
@@ -177,7 +182,51 @@ class PrepareDataCommand : public Subcommand {
       return 1;
     }
     print_summary(outputs, width);
+    if (stats_) print_stats(total);
+    if (tokenizer_.dropped_bytes() > 0)
+      fmt::print(stderr,
+                 "strata prepare-data: warning: {} bytes of input became no token (characters "
+                 "{} lacks, with no byte fallback or unk token to stand for them)\n",
+                 tokenizer_.dropped_bytes(), (fs::path(model_dir_) / "tokenizer.json").string());
     return 0;
+  }
+
+  // Tokens per document, bytes per token and unk tokens, over train and val.
+  void print_stats(uint64_t input_bytes) {
+    std::vector<int64_t> sizes = document_tokens_;
+    if (sizes.empty()) {
+      fmt::print("prepare-data --stats: no documents\n");
+      return;
+    }
+    std::sort(sizes.begin(), sizes.end());
+    int64_t total = 0;
+    for (int64_t n : sizes) total += n;
+    // The nearest-rank quantile: the smallest size at least a share q of documents reach.
+    auto quantile = [&](double q) {
+      return sizes[std::max<size_t>(size_t(std::ceil(q * double(sizes.size()))), 1) - 1];
+    };
+    fmt::print(
+        "prepare-data --stats: {} documents; tokens per document: mean {:.1f}, median {}, 90th "
+        "percentile {}, smallest {}, largest {}; {:.2f} input bytes per token\n",
+        sizes.size(), double(total) / double(sizes.size()), quantile(0.5), quantile(0.9),
+        sizes.front(), sizes.back(), total > 0 ? double(input_bytes) / double(total) : 0.0);
+    const std::optional<uint32_t> unk = tokenizer_.unk_id();
+    if (!unk) {
+      fmt::print(
+          "prepare-data --stats: the tokenizer has no unk token (byte-level or byte "
+          "fallback: every character has tokens)\n");
+      return;
+    }
+    int64_t unks = 0;
+    for (const TokenStream* stream : {&train_, &val_})
+      unks += std::count(stream->tokens.begin(), stream->tokens.end(), *unk);
+    if (eos_id_ == unk) unks -= int64_t(sizes.size());  // --append-eos's, when unk is the eos
+    const double share = total > 0 ? 100.0 * double(unks) / double(total) : 0.0;
+    fmt::print("prepare-data --stats: {} unk tokens ({}) of {}: {:.3f}%{}\n", unks,
+               *tokenizer_.token_content(*unk), total, share,
+               share > 1.0 ? "; more than 1% of the text is unknown to this tokenizer, which "
+                             "does not fit it"
+                           : "");
   }
 
   int64_t documents() const { return train_.documents + val_.documents; }
@@ -261,7 +310,9 @@ class PrepareDataCommand : public Subcommand {
       marked.push_back({std::move(piece.text), piece.target});
     }
     TokenStream& stream = stream_for_next_document();
+    const size_t before = stream.tokens.size();
     append_marked_text(tokenizer_, marked, stream);
+    document_tokens_.push_back(int64_t(stream.tokens.size() - before) + (eos_id_ ? 1 : 0));
     if (eos_id_) {  // a separator between conversations, not something to learn
       stream.tokens.push_back(*eos_id_);
       stream.mask.push_back(0);
@@ -291,6 +342,7 @@ class PrepareDataCommand : public Subcommand {
   void add_text_document(const std::string& text) {
     TokenStream& stream = stream_for_next_document();
     const std::vector<uint32_t> ids = tokenizer_.encode(text, !no_special_tokens_);
+    document_tokens_.push_back(int64_t(ids.size()) + (eos_id_ ? 1 : 0));
     stream.tokens.insert(stream.tokens.end(), ids.begin(), ids.end());
     if (eos_id_) stream.tokens.push_back(*eos_id_);
     stream.mask.resize(stream.tokens.size(), 1);
@@ -362,8 +414,10 @@ class PrepareDataCommand : public Subcommand {
   bool append_eos_ = false;
   bool no_special_tokens_ = false;
   std::string text_field_ = "text";
+  bool stats_ = false;
 
   Tokenizer tokenizer_;
+  std::vector<int64_t> document_tokens_;  // --stats: tokens of each document, in order
   nlohmann::json config_;
   std::optional<uint32_t> eos_id_;
   std::optional<ChatTemplate> chat_template_;  // --format chat
