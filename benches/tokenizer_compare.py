@@ -7,8 +7,11 @@
 Run it with an interpreter that has the PyPI package `tokenizers`. On N MB
 (default 20) of random documents made by tests/tokenizer_fixtures.py's
 generator (words, scripts, digits, whitespace runs, emoji, special tokens),
-with the tokenizer.json in DIR (default: each of the three test tokenizers in
-tests/fixtures/tokenizers), it times, in R interleaved rounds (default 3):
+with the tokenizer.json in DIR (default: each test tokenizer in
+tests/fixtures/tokenizers, one of each shape strata reads: byte-level BPE of
+the Llama 3, Qwen2, GPT-2 and SmolLM kinds, SentencePiece-style BPE of the
+Llama 2, Mistral and SentencePieceBPETokenizer kinds, and a lowercasing
+word-splitting one), it times, in R interleaved rounds (default 3):
 
   strata             tokenizer_bench: Tokenizer::encode per document, one thread
   tokenizers 1 thr   Tokenizer.encode(text, add_special_tokens=False) per document
@@ -59,7 +62,8 @@ def main():
         from tokenizers import Tokenizer
     except ImportError:
         raise SystemExit("tokenizers is not installed here (pip install tokenizers); nothing to compare with")
-    folders = args.tokenizer or [os.path.join(ROOT, "tests", "fixtures", "tokenizers", k) for k in ("llama3", "qwen2", "gpt2")]
+    folders = args.tokenizer or [os.path.join(ROOT, "tests", "fixtures", "tokenizers", k)
+                                 for k in tokenizer_fixtures.KINDS]
     rng = random.Random(args.seed)
     documents, size = [], 0
     while size < args.megabytes * 1e6:
