@@ -44,6 +44,37 @@ std::string little_endian(uint64_t value, int bytes) {
   return out;
 }
 
+// --- CRC-32C and framing -------------------------------------------------------------
+
+TEST(MonitorTfRecord, Crc32cGivesTheStandardsCheckValues) {
+  EXPECT_EQ(crc32c("123456789"), 0xE3069283u);  // the CRC catalogue's check value
+  EXPECT_EQ(crc32c(""), 0u);
+  // RFC 3720 (iSCSI), appendix B.4.
+  EXPECT_EQ(crc32c(std::string(32, '\0')), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(std::string(32, '\xff')), 0x62A8AB43u);
+  std::string ascending;
+  for (int i = 0; i < 32; ++i) ascending.push_back(char(i));
+  EXPECT_EQ(crc32c(ascending), 0x46DD794Eu);
+  // Continued over pieces, the same as over the whole.
+  EXPECT_EQ(crc32c("6789", crc32c("12345")), crc32c("123456789"));
+}
+
+TEST(MonitorTfRecord, ARecordIsTheLengthItsCrcTheDataAndItsCrcMaskedAsTensorFlowMasks) {
+  const std::string data = "brain";
+  const std::string record = tfrecord(data);
+  ASSERT_EQ(record.size(), 8 + 4 + data.size() + 4);
+  EXPECT_EQ(record.substr(0, 8), little_endian(data.size(), 8));
+  auto masked = [](uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xa282ead8u; };
+  EXPECT_EQ(record.substr(8, 4), little_endian(masked(crc32c(record.substr(0, 8))), 4));
+  EXPECT_EQ(record.substr(12, data.size()), data);
+  EXPECT_EQ(record.substr(12 + data.size()), little_endian(masked(crc32c(data)), 4));
+  EXPECT_EQ(masked_crc32c(data), masked(crc32c(data)));
+}
+
+// --- TensorBoard ---------------------------------------------------------------------
+
+#if STRATA_HAS_PROTOBUF
+
 // --- protobuf's wire format, by hand ------------------------------------------------
 
 std::string varint(uint64_t value) {
@@ -103,37 +134,6 @@ std::vector<std::string> read_records(const std::string& bytes) {
   }
   return records;
 }
-
-// --- CRC-32C and framing -------------------------------------------------------------
-
-TEST(MonitorTfRecord, Crc32cGivesTheStandardsCheckValues) {
-  EXPECT_EQ(crc32c("123456789"), 0xE3069283u);  // the CRC catalogue's check value
-  EXPECT_EQ(crc32c(""), 0u);
-  // RFC 3720 (iSCSI), appendix B.4.
-  EXPECT_EQ(crc32c(std::string(32, '\0')), 0x8A9136AAu);
-  EXPECT_EQ(crc32c(std::string(32, '\xff')), 0x62A8AB43u);
-  std::string ascending;
-  for (int i = 0; i < 32; ++i) ascending.push_back(char(i));
-  EXPECT_EQ(crc32c(ascending), 0x46DD794Eu);
-  // Continued over pieces, the same as over the whole.
-  EXPECT_EQ(crc32c("6789", crc32c("12345")), crc32c("123456789"));
-}
-
-TEST(MonitorTfRecord, ARecordIsTheLengthItsCrcTheDataAndItsCrcMaskedAsTensorFlowMasks) {
-  const std::string data = "brain";
-  const std::string record = tfrecord(data);
-  ASSERT_EQ(record.size(), 8 + 4 + data.size() + 4);
-  EXPECT_EQ(record.substr(0, 8), little_endian(data.size(), 8));
-  auto masked = [](uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xa282ead8u; };
-  EXPECT_EQ(record.substr(8, 4), little_endian(masked(crc32c(record.substr(0, 8))), 4));
-  EXPECT_EQ(record.substr(12, data.size()), data);
-  EXPECT_EQ(record.substr(12 + data.size()), little_endian(masked(crc32c(data)), 4));
-  EXPECT_EQ(masked_crc32c(data), masked(crc32c(data)));
-}
-
-// --- TensorBoard ---------------------------------------------------------------------
-
-#if STRATA_HAS_PROTOBUF
 
 TEST(MonitorTensorBoardWriter, TheFileIsNamedAsTensorBoardNamesItAndStartsWithItsVersion) {
   TemporaryDirectory temporary;

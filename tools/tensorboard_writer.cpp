@@ -17,6 +17,8 @@
 #endif
 
 namespace strata::tools {
+
+#if STRATA_HAS_PROTOBUF
 namespace {
 
 // TensorBoard's writers number themselves within a process; so do these,
@@ -29,7 +31,6 @@ std::string host_name() {
   return name;
 }
 
-#if STRATA_HAS_PROTOBUF
 std::string framed(const tensorboard::Event& event) {
   return tfrecord(event.SerializeAsString());
 }
@@ -55,9 +56,9 @@ std::string scalar_records(const std::vector<ScalarEvent>& events, double wall_t
   }
   return records;
 }
-#endif
 
 }  // namespace
+#endif
 
 double wall_clock_seconds() {
   using namespace std::chrono;
