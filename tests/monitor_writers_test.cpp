@@ -192,6 +192,15 @@ TEST(MonitorTensorBoardWriter, ADirectoryThatCannotBeMadeOrAFailedWriteIsOneLine
   EXPECT_NE(refused.status().message().find("name a directory you may write in"),
             std::string::npos);
 
+  // A directory this user may not write in (an open that fails as it would there).
+  io::FaultInjectingFileSystem denied;
+  denied.add({io::FileOp::kOpen, 1, io::FileFaultKind::kError, EACCES, 1});
+  Result<TensorBoardWriter> unwritable = TensorBoardWriter::open(temporary.path(), 1e9, denied);
+  expect_one_line(unwritable.status(), StatusCode::permission_denied,
+                  temporary.path() + "/events.out.tfevents.");
+  EXPECT_NE(unwritable.status().message().find("make the directory writable"), std::string::npos)
+      << unwritable.status().message();
+
   io::FaultInjectingFileSystem faulty;
   faulty.add({io::FileOp::kWrite, 2, io::FileFaultKind::kError, EIO, 1});
   Result<TensorBoardWriter> writer = TensorBoardWriter::open(temporary.path(), 1e9, faulty);
@@ -266,6 +275,13 @@ TEST(MonitorCsvWriter, ADirectoryThatCannotBeMadeOrAFailedWriteIsOneLineNamingTh
   std::ofstream(file) << "x";
   expect_one_line(CsvMonitorWriter::open(file).status(), StatusCode::not_found,
                   file + ": cannot create the directory");
+
+  io::FaultInjectingFileSystem denied;
+  denied.add({io::FileOp::kOpen, 1, io::FileFaultKind::kError, EACCES, 1});
+  Result<CsvMonitorWriter> unwritable = CsvMonitorWriter::open(temporary.path(), denied);
+  ASSERT_TRUE(unwritable.is_ok()) << unwritable.status().message();
+  expect_one_line(unwritable->write({{"Train/Samples/lr", 1e-3, 1}}), StatusCode::permission_denied,
+                  temporary.path() + "/Train_Samples_lr.csv");
 
   io::FaultInjectingFileSystem faulty;
   faulty.add({io::FileOp::kWrite, 1, io::FileFaultKind::kError, ENOSPC, 1});
