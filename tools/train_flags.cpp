@@ -163,8 +163,8 @@ void add_output_and_checkpoint_options(CLI::App& cmd, TrainFlags& flags) {
       ->group(kOutputGroup);
   cmd.add_option("--tensorboard", flags.config.overrides.tensorboard_dir,
                  "Write TensorBoard event files into this directory, created if missing: each "
-                 "step's loss, eval loss, lr, gradient norm, loss scale, tokens/s, step time and "
-                 "NVMe GB/s (the config's tensorboard block; default: none)")
+                 "step's loss, eval loss, lr, gradient norm, loss scale (fp16), tokens/s, step "
+                 "time and NVMe GB/s (the config's tensorboard block; default: none)")
       ->group(kOutputGroup);
   cmd.add_option(
          "--export", flags.export_path,
