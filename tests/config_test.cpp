@@ -125,6 +125,12 @@ std::vector<KeyCase> key_cases() {
       {"activation_checkpointing.number_checkpoints", nullptr, 4, -1},
       {"activation_checkpointing.synchronize_checkpoint_boundary", false, true, 1},
       {"activation_checkpointing.profile", false, true, 1},
+      {"tensorboard.enabled", false, true, "yes"},
+      {"tensorboard.output_path", "", "runs/tb", 7},
+      {"tensorboard.job_name", "DeepSpeedJobName", "run-1", false},
+      {"csv_monitor.enabled", false, true, 1},
+      {"csv_monitor.output_path", "", "runs/csv", json::array()},
+      {"csv_monitor.job_name", "DeepSpeedJobName", "run-1", 3},
       {"strata.device_mem_limit", nullptr, "80G", "lots"},
       {"strata.host_mem_limit", nullptr, 1073741824, true},
       {"strata.nvme_paths", json::array(), json::array({"/a", "/b"}), json::array({1})},
@@ -226,6 +232,90 @@ TEST(Config, UnknownKeysAreWarningsWithTheirPath) {
   EXPECT_NE(all.find("test.json: unknown key 'flops_profiler' ignored"), std::string::npos) << all;
   EXPECT_NE(all.find("'zero_optimization.stage3_gather_16bit_weights_on_model_save'"), std::string::npos);
   EXPECT_NE(all.find("'optimizer.params.amsgrad'"), std::string::npos);
+}
+
+TEST(Config, MonitorBlocksWriteIntoOutputPathJoinedWithJobNameAsDeepSpeedDoes) {
+  Result<TrainConfig> config = parse(json::parse(R"({
+    "tensorboard": {"enabled": true, "output_path": "runs/tb", "job_name": "llama-1"},
+    "csv_monitor": {"enabled": true}})"));
+  ASSERT_TRUE(config.is_ok()) << config.status().message();
+  EXPECT_TRUE(config->warnings.empty()) << config->warnings.front();
+  EXPECT_EQ(config->tensorboard.directory(), "runs/tb/llama-1");
+  // DeepSpeed's default output_path is "": the job's directory under the current one.
+  EXPECT_EQ(config->csv_monitor.directory(), "DeepSpeedJobName");
+  MonitorConfig absolute{true, "runs", "/data/job"};
+  EXPECT_EQ(absolute.directory(), "/data/job");  // os.path.join keeps an absolute job_name alone
+  // Disabled blocks are read and write nothing; so is a block that is absent.
+  Result<TrainConfig> off = parse(json::parse(R"({"tensorboard": {"enabled": false}})"));
+  ASSERT_TRUE(off.is_ok()) << off.status().message();
+  EXPECT_FALSE(off->tensorboard.enabled);
+  EXPECT_FALSE(off->csv_monitor.enabled);
+  EXPECT_TRUE(off->warnings.empty()) << off->warnings.front();
+}
+
+TEST(Config, AnEnabledMonitorWithoutADirectoryIsRefused) {
+  Result<TrainConfig> config = parse(
+      json::parse(R"({"csv_monitor": {"enabled": true, "output_path": "", "job_name": ""}})"));
+  ASSERT_FALSE(config.is_ok());
+  const std::string& message = config.status().message();
+  EXPECT_NE(message.find("test.json: csv_monitor.job_name"), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+}
+
+TEST(Config, NetworkMonitorsAreAWarningNamingTensorBoardAndTrainingGoesOn) {
+  Result<TrainConfig> config = parse(json::parse(R"({
+    "wandb": {"enabled": true, "group": "g", "team": "t", "project": "p"},
+    "comet": {"enabled": true, "project": "p", "workspace": "w", "api_key": "k",
+              "samples_log_interval": 10, "experiment_name": "e", "online": false}})"));
+  ASSERT_TRUE(config.is_ok()) << config.status().message();
+  ASSERT_EQ(config->warnings.size(), 2u);
+  for (const std::string& warning : config->warnings) {
+    EXPECT_EQ(warning.find('\n'), std::string::npos) << warning;
+    EXPECT_NE(warning.find("tensorboard"), std::string::npos) << warning;
+    EXPECT_NE(warning.find("--tensorboard"), std::string::npos) << warning;
+  }
+  EXPECT_EQ(config->warnings[0].rfind("test.json: wandb.enabled is true", 0), 0u)
+      << config->warnings[0];
+  EXPECT_EQ(config->warnings[1].rfind("test.json: comet.enabled is true", 0), 0u)
+      << config->warnings[1];
+  EXPECT_FALSE(config->tensorboard.enabled);  // nothing is written in their place
+
+  // Disabled, they are accepted silently; their keys are DeepSpeed's, another is unknown.
+  Result<TrainConfig> off = parse(json::parse(
+      R"({"wandb": {"enabled": false, "project": "p"}, "comet": {"mode": "get", "colour": 1}})"));
+  ASSERT_TRUE(off.is_ok()) << off.status().message();
+  ASSERT_EQ(off->warnings.size(), 1u);
+  EXPECT_EQ(off->warnings[0], "test.json: unknown key 'comet.colour' ignored");
+
+  for (const char* bad : {R"({"wandb": {"enabled": "yes"}})", R"({"comet": true})"}) {
+    Result<TrainConfig> refused = parse(json::parse(bad));
+    ASSERT_FALSE(refused.is_ok()) << bad;
+    const std::string& message = refused.status().message();
+    EXPECT_EQ(message.rfind("test.json: ", 0), 0u) << message;
+    EXPECT_TRUE(message.find("wandb.enabled") != std::string::npos ||
+                message.find("comet") != std::string::npos)
+        << message;
+  }
+}
+
+TEST(Config, TheTensorboardFlagWritesIntoItsDirectoryOverTheFile) {
+  const json doc = json::parse(R"({"tensorboard": {"enabled": false, "job_name": "j"}})");
+  Result<TrainConfig> config =
+      parse(doc, with_overrides([](ConfigOverrides& o) { o.tensorboard_dir = "runs/tb"; }));
+  ASSERT_TRUE(config.is_ok()) << config.status().message();
+  EXPECT_TRUE(config->tensorboard.enabled);
+  EXPECT_EQ(config->tensorboard.directory(), "runs/tb");
+  // The effective config says so, and its block reads back to the same directory.
+  const json block = get_path(train_config_to_json(*config), "tensorboard");
+  EXPECT_EQ(block, json::parse(R"({"enabled": true, "output_path": "runs/tb", "job_name": ""})"));
+  Result<TrainConfig> again = train_config_from_json({{"tensorboard", block}}, "effective", {});
+  ASSERT_TRUE(again.is_ok()) << again.status().message();
+  EXPECT_EQ(again->tensorboard.directory(), "runs/tb");
+
+  Result<TrainConfig> empty =
+      parse(doc, with_overrides([](ConfigOverrides& o) { o.tensorboard_dir = ""; }));
+  ASSERT_FALSE(empty.is_ok());
+  EXPECT_EQ(empty.status().message().rfind("--tensorboard: ", 0), 0u) << empty.status().message();
 }
 
 TEST(Config, AdamMeansDecoupledUnlessAdamWModeIsFalse) {

@@ -29,11 +29,13 @@ namespace fs = std::filesystem;
 // Who may include whom. A room is a top-level folder, except io/base (the
 // ground vocabulary, its own library) and the rooms of core/ ("core/*":
 // core/config, core/model, ...), which may include one another. CLI11,
-// liburing, NCCL, Oniguruma and ICU are libraries that one room owns: nothing
-// below tools knows the command line, io/ is the only code that calls
-// liburing, comm/ the only code that calls NCCL, prep/ (data preparation, which
-// only the tools use) the only code that calls Oniguruma and ICU, so the
-// engine's library links neither. tests/ and benches/ may include anything.
+// protobuf, liburing, NCCL, Oniguruma and ICU are libraries that one room
+// owns: nothing below tools knows the command line or writes protobuf
+// messages (TensorBoard's records, tools/tensorboard_writer.h), io/ is the
+// only code that calls liburing, comm/ the only code that calls NCCL, prep/
+// (data preparation, which only the tools use) the only code that calls
+// Oniguruma and ICU, so the engine's library links neither. tests/ and benches/ may include
+// anything.
 struct RoomRule {
   std::string room;
   std::vector<std::string> may_include;
@@ -48,7 +50,9 @@ const std::vector<RoomRule>& room_rules() {
       {"comm", {"comm", "io/base", "NCCL"}},
       {"core/*", {"core/*", "tiers", "io", "io/base", "kernels", "comm"}},
       {"prep", {"prep", "core/*", "io", "io/base", "Oniguruma", "ICU"}},
-      {"tools", {"tools", "prep", "core/*", "tiers", "io", "io/base", "kernels", "comm", "CLI11"}},
+      {"tools",
+       {"tools", "prep", "core/*", "tiers", "io", "io/base", "kernels", "comm", "CLI11",
+        "protobuf"}},
   };
   return rules;
 }
@@ -127,6 +131,7 @@ const RoomRule* rule_for(const std::string& room) {
 std::string included_room(const std::string& header, bool quoted, const fs::path& root,
                           const std::string& including_file) {
   if (header.rfind("CLI/", 0) == 0) return "CLI11";
+  if (header.rfind("google/protobuf/", 0) == 0) return "protobuf";
   if (header == "liburing.h" || header.rfind("liburing/", 0) == 0) return "liburing";
   if (header == "nccl.h" || header == "nccl_net.h") return "NCCL";
   if (header == "oniguruma.h") return "Oniguruma";
@@ -216,7 +221,7 @@ std::vector<std::string> readme_rows_that_disagree(const fs::path& root) {
     for (auto it = std::sregex_iterator(row->begin(), row->end(), backticked);
          it != std::sregex_iterator(); ++it)
       stated.insert((*it)[1]);
-    for (const char* library : {"CLI11", "liburing", "NCCL", "Oniguruma", "ICU"})
+    for (const char* library : {"CLI11", "protobuf", "liburing", "NCCL", "Oniguruma", "ICU"})
       if (row->find(library) != std::string::npos) stated.insert(library);
     const std::set<std::string> allowed(rule.may_include.begin(), rule.may_include.end());
     if (stated != allowed)
@@ -470,6 +475,19 @@ TEST_F(SyntheticTree, OnlyDataPreparationCallsOnigurumaAndIcuAndTheEngineNeverIn
   EXPECT_EQ(report.offences, expected) << one_per_line(report.offences);
 }
 
+TEST_F(SyntheticTree, OnlyTheToolsWriteProtobufMessages) {
+  write("tools/tensorboard_writer.cpp",
+        "#include <google/protobuf/message.h>\n#include \"tools/tensorboard_event.pb.h\"\n");
+  write("core/engine/engine.cpp", "#include <google/protobuf/message.h>\n");
+  const IncludeReport report = check_includes(root_);
+  const std::vector<std::string> expected = {
+      "core/engine/engine.cpp:1: core/engine may not include <google/protobuf/message.h> "
+      "(core/engine may include: core/*, tiers, io, io/base, kernels, comm)",
+  };
+  EXPECT_EQ(report.offences, expected) << one_per_line(report.offences);
+  EXPECT_EQ(report.includes_read.at("tools"), 2);
+}
+
 TEST_F(SyntheticTree, IoBaseMayNotIncludeTheRestOfIo) {
   write("io/base/sizes.h", "#include \"io/base/status.h\"\n#include \"io/io_engine.h\"\n");
   const IncludeReport report = check_includes(root_);
@@ -484,11 +502,11 @@ TEST_F(SyntheticTree, AReadmeRowThatDisagreesWithTheRulesIsReported) {
   for (const RoomRule& rule : room_rules()) {
     std::string names;
     for (const std::string& name : rule.may_include)
-      names += (names.empty() ? "" : ", ") +
-               (name == "CLI11" || name == "liburing" || name == "NCCL" || name == "Oniguruma" ||
-                        name == "ICU"
-                    ? name
-                    : "`" + name + "`");
+      names += (names.empty() ? "" : ", ") + (name == "CLI11" || name == "protobuf" ||
+                                                      name == "liburing" || name == "NCCL" ||
+                                                      name == "Oniguruma" || name == "ICU"
+                                                  ? name
+                                                  : "`" + name + "`");
     readmes[readme_of(rule.room)] += "| `" + rule.room + "` | " + names + " |\n";
   }
   for (const auto& [name, contents] : readmes) write(name, contents);

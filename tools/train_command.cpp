@@ -1,9 +1,9 @@
 // `strata train`: trains a model on a token file with the engine (core/engine/engine.h),
-// and shows what it does: progress on the terminal, --metrics per step,
-// --trace of every plan operation, a summary at the end, --export of the
-// final weights. This file is the run as its steps; the flags are
-// tools/train_flags.h, the pieces a run builds tools/train_run.h, what it
-// shows tools/train_report.h.
+// and shows what it does: progress on the terminal, --metrics per step (the
+// same values to the TensorBoard and CSV monitors), --trace of every plan
+// operation, a summary at the end, --export of the final weights. This file
+// is the run as its steps; the flags are tools/train_flags.h, the pieces a
+// run builds tools/train_run.h, what it shows tools/train_report.h.
 //
 // Exit status: 0 after the last step, 1 when training fails or the plan does
 // not fit the budgets, 2 for a usage error (bad flag, missing file, bad config),
@@ -344,6 +344,37 @@ class TrainCommand : public Subcommand {
       if (!opened) return usage_error(opened.status());
       run.metrics.emplace(std::move(*opened));
     }
+    return run.rank0 ? open_monitors(run) : std::nullopt;
+  }
+
+  // The config's monitors that write files (DeepSpeed's tensorboard and
+  // csv_monitor blocks; --tensorboard), their directories made now.
+  std::optional<Failure> open_monitors(TrainingRun& run) {
+    const std::string& file = f_.config.config_path;
+    if (run.config.tensorboard.enabled) {
+      const std::string where =
+          run.overrides.tensorboard_dir ? "--tensorboard" : file + ": tensorboard";
+      Result<TensorBoardWriter> opened =
+          TensorBoardWriter::open(run.config.tensorboard.directory(), wall_clock_seconds());
+      if (!opened) return usage_error(opened.status().with_context(where));
+      run.tensorboard.emplace(std::move(*opened));
+    }
+    if (run.config.csv_monitor.enabled) {
+      Result<CsvMonitorWriter> opened = CsvMonitorWriter::open(run.config.csv_monitor.directory());
+      if (!opened) return usage_error(opened.status().with_context(file + ": csv_monitor"));
+      run.csv_monitor.emplace(std::move(*opened));
+    }
+    return std::nullopt;
+  }
+
+  // The step's values to the monitors.
+  std::optional<Failure> write_monitors(TrainingRun& run, const StepReport& report) {
+    if (!run.tensorboard && !run.csv_monitor) return std::nullopt;
+    const std::vector<ScalarEvent> events = monitor_events(report);
+    if (run.tensorboard)
+      if (Status s = run.tensorboard->write(events, wall_clock_seconds()); !s) return run_error(s);
+    if (run.csv_monitor)
+      if (Status s = run.csv_monitor->write(events); !s) return run_error(s);
     return std::nullopt;
   }
 
@@ -526,6 +557,7 @@ class TrainCommand : public Subcommand {
       }
       if (run.metrics)
         if (Status w = run.metrics->write(report); !w) return run_error(w);
+      if (std::optional<Failure> f = write_monitors(run, report)) return f;
       if (std::optional<Failure> f = drain_timings(run)) return f;
       if (f_.save_every > 0 && s % f_.save_every == 0)
         if (std::optional<Failure> f = save_checkpoint(run, s)) return f;
@@ -601,6 +633,10 @@ class TrainCommand : public Subcommand {
       fmt::print("exported the weights ({}) to {}\n", dtype_name(run.export_dtype), f_.export_path);
     }
     if (!f_.metrics_path.empty()) fmt::print("metrics: {}\n", f_.metrics_path);
+    if (run.tensorboard)
+      fmt::print("tensorboard: {} (`tensorboard --logdir {}`)\n", run.tensorboard->path(),
+                 run.config.tensorboard.directory());
+    if (run.csv_monitor) fmt::print("csv_monitor: {}\n", run.csv_monitor->directory());
     if (!f_.trace_path.empty())
       fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", f_.trace_path);
     return std::nullopt;

@@ -161,6 +161,11 @@ void add_output_and_checkpoint_options(CLI::App& cmd, TrainFlags& flags) {
                  "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
                  "ui.perfetto.dev)")
       ->group(kOutputGroup);
+  cmd.add_option("--tensorboard", flags.config.overrides.tensorboard_dir,
+                 "Write TensorBoard event files into this directory, created if missing: each "
+                 "step's loss, eval loss, lr, gradient norm, loss scale (fp16), tokens/s, step "
+                 "time and NVMe GB/s (the config's tensorboard block; default: none)")
+      ->group(kOutputGroup);
   cmd.add_option(
          "--export", flags.export_path,
          "Write the final weights with Hugging Face names: FILE.safetensors, or a directory "

@@ -34,6 +34,31 @@ nlohmann::ordered_json number(double value) {
 
 }  // namespace
 
+// --- step values ---------------------------------------------------------------
+
+double tokens_per_second(const StepReport& report) {
+  const double seconds = report.result.seconds;
+  return seconds > 0 ? double(report.tokens_processed) / seconds : 0.0;
+}
+
+double nvme_gb_per_second(const StepResult& r) {
+  return r.seconds > 0 ? double(r.nvme_read_bytes + r.nvme_written_bytes) / r.seconds / 1e9 : 0.0;
+}
+
+std::vector<ScalarEvent> monitor_events(const StepReport& report) {
+  const StepResult& r = report.result;
+  const int64_t samples = r.sequence_offset;
+  std::vector<ScalarEvent> events = {{"Train/Samples/train_loss", r.loss, samples}};
+  if (report.eval_loss) events.push_back({"Train/Samples/eval_loss", *report.eval_loss, samples});
+  events.push_back({"Train/Samples/lr", r.lr, samples});
+  events.push_back({"Train/Samples/grad_norm", r.grad_norm, samples});
+  if (report.fp16) events.push_back({"Train/Samples/loss_scale", r.loss_scale, samples});
+  events.push_back({"Train/Samples/tokens_per_s", tokens_per_second(report), samples});
+  events.push_back({"Train/Samples/step_time_s", r.seconds, samples});
+  events.push_back({"Train/Samples/nvme_gb_per_s", nvme_gb_per_second(r), samples});
+  return events;
+}
+
 // --- metrics ---------------------------------------------------------------------
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path) {
@@ -70,7 +95,7 @@ Status MetricsWriter::write(const StepReport& report) {
   j["grad_norm"] = number(r.grad_norm);
   j["tokens"] = report.tokens_processed;
   j["loss_tokens"] = r.tokens;
-  j["tokens_per_s"] = r.seconds > 0 ? double(report.tokens_processed) / r.seconds : 0.0;
+  j["tokens_per_s"] = tokens_per_second(report);
   j["step_time_s"] = r.seconds;
   j["nvme_read_bytes"] = r.nvme_read_bytes;
   j["nvme_written_bytes"] = r.nvme_written_bytes;
@@ -207,12 +232,10 @@ void ProgressPrinter::step(const StepReport& report, double elapsed_seconds) {
   // The first step warms up; the ETA follows the recent steps.
   recent_step_seconds_ = r.step <= 2 ? r.seconds : 0.8 * recent_step_seconds_ + 0.2 * r.seconds;
   const double eta = recent_step_seconds_ * double(total_steps_ - r.step);
-  const double nvme_gbps =
-      r.seconds > 0 ? double(r.nvme_read_bytes + r.nvme_written_bytes) / r.seconds / 1e9 : 0.0;
   std::string text = fmt::format(
       "step {:>{}}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  nvme {:.2f} GB/s  {:.2f} s/step",
       r.step, fmt::formatted_size("{}", total_steps_), total_steps_, r.loss, r.lr,
-      r.seconds > 0 ? double(report.tokens_processed) / r.seconds : 0.0, nvme_gbps, r.seconds);
+      tokens_per_second(report), nvme_gb_per_second(r), r.seconds);
   if (report.fp16) text += fmt::format("  scale {:g}", r.loss_scale);
   if (r.skipped) text += "  (skipped: overflow)";
   const bool permanent = r.step == 1 || r.step % print_every_ == 0 || r.step == total_steps_;

@@ -1,6 +1,7 @@
 // What `strata train` writes while it runs: the metrics file (one JSON object
 // per step), the Chrome/Perfetto trace of every plan operation on its lane,
-// the progress line, and the end-of-run summary.
+// the scalars of each step for the monitors (TensorBoard, CSV), the progress
+// line, and the end-of-run summary.
 //
 // The writers only format; the command decides when to call them. Files are
 // opened up front (so a bad path fails before training starts) and flushed
@@ -18,6 +19,7 @@
 #include "core/engine/engine.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
+#include "tools/monitors.h"
 
 namespace strata::tools {
 
@@ -28,6 +30,19 @@ struct StepReport {
   std::optional<double> eval_loss;
   bool fp16 = false;
 };
+
+// The step's throughput, as the metrics file, the monitors and the progress
+// line show it: tokens processed per second of the step (0 for a step that
+// took no time), and NVMe bytes read and written per second, in GB/s.
+double tokens_per_second(const StepReport& report);
+double nvme_gb_per_second(const StepResult& result);
+
+// The step's values for the monitors, the metrics file's, named as DeepSpeed's
+// engine names them where it logs the same value ("Train/Samples/train_loss",
+// eval_loss, lr, loss_scale with fp16) and in its manner otherwise (grad_norm,
+// tokens_per_s, step_time_s, nvme_gb_per_s), each at the samples (sequences)
+// trained on so far: DeepSpeed's global_samples, the data's sequence offset.
+std::vector<ScalarEvent> monitor_events(const StepReport& report);
 
 // --metrics FILE.jsonl: one object per line.
 class MetricsWriter {

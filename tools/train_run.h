@@ -22,6 +22,8 @@
 #include "core/plan/planner.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
+#include "tools/csv_monitor_writer.h"
+#include "tools/tensorboard_writer.h"
 #include "tools/train_report.h"
 
 namespace strata::tools {
@@ -91,7 +93,7 @@ struct TrainingRun {
   // Set when this process is one of several launched ones (strata launch,
   // torchrun, SLURM, Open MPI): it trains one rank, and the world size is the launcher's.
   std::optional<comm::LaunchEnvironment> launch;
-  bool rank0 = true;          // writes the metrics, the trace and the export
+  bool rank0 = true;          // writes the metrics, the monitors, the trace and the export
   ConfigOverrides overrides;  // the flags, with the launcher's world size
   TrainConfig config;         // the --config file merged with the flags
   std::optional<ModelConfig> model;
@@ -104,6 +106,8 @@ struct TrainingRun {
   std::vector<std::string> nvme_paths;
   DType export_dtype = DType::f32;
   std::optional<MetricsWriter> metrics;
+  std::optional<TensorBoardWriter> tensorboard;  // the tensorboard block, or --tensorboard
+  std::optional<CsvMonitorWriter> csv_monitor;   // the csv_monitor block
   int local_ranks = 1;    // the ranks this process holds: the world size, or 1 when launched
   int ranks_on_node = 1;  // the ranks on this machine, threads or processes
   ChosenBudgets budgets;  // its note gains the NVMe line

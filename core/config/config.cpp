@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config/json_util.h"
+#include "core/config/monitor_config.h"
 #include "io/base/sizes.h"
 
 namespace strata {
@@ -523,6 +524,7 @@ Status read_config_blocks(const nlohmann::json& json, const std::string& origin,
   read_aio(in.object("aio"), config.aio);
   read_activation_checkpointing(in.object("activation_checkpointing"),
                                 config.activation_checkpointing);
+  read_monitor_blocks(in, config);
   const nlohmann::json empty = nlohmann::json::object();
   read_strata_block(in.object("strata"), config.strata,
                     json.contains("strata") ? json["strata"] : empty);
@@ -704,6 +706,7 @@ Result<TrainConfig> train_config_from_json(const nlohmann::json& json, const std
   if (Status s = read_config_blocks(json, origin, config, batch); !s) return s;
   if (Status s = apply_shape_overrides(overrides, origin, config, batch); !s) return s;
   if (Status s = apply_strata_overrides(overrides, origin, config); !s) return s;
+  if (Status s = apply_monitor_overrides(overrides, config); !s) return s;
   Status schedule = apply_lr_schedule_overrides(overrides, config);
   if (!schedule.is_ok()) return schedule;
 
@@ -823,6 +826,8 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"number_checkpoints", a.number_checkpoints == 0 ? json(nullptr) : json(a.number_checkpoints)},
       {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary},
       {"profile", a.profile}};
+  out["tensorboard"] = monitor_config_to_json(c.tensorboard);
+  out["csv_monitor"] = monitor_config_to_json(c.csv_monitor);
   out["strata"] = strata;
   return out;
 }

@@ -124,6 +124,20 @@ struct ActivationCheckpointingConfig {
   bool profile = false;
 };
 
+// A DeepSpeed monitor that writes files: the "tensorboard" and "csv_monitor"
+// blocks, whose keys and defaults are the same in DeepSpeed. The files go in
+// directory(), created when missing (tools/tensorboard_writer.h,
+// tools/csv_monitor_writer.h). DeepSpeed's network monitors ("wandb",
+// "comet") are not written: enabled, they are a warning that names these.
+struct MonitorConfig {
+  bool enabled = false;
+  std::string output_path;                    // "": the current directory
+  std::string job_name = "DeepSpeedJobName";  // a directory inside output_path
+  // output_path joined with job_name as DeepSpeed's os.path.join joins them
+  // (an absolute job_name stands alone; an empty one adds nothing).
+  std::string directory() const;
+};
+
 // strata's own settings: the "strata" block of the config file.
 struct StrataConfig {
   std::optional<uint64_t> device_mem_limit;  // bytes per rank; unset: detected
@@ -163,6 +177,8 @@ struct TrainConfig {
   ZeroConfig zero;
   AioConfig aio;
   ActivationCheckpointingConfig activation_checkpointing;
+  MonitorConfig tensorboard;
+  MonitorConfig csv_monitor;
   StrataConfig strata;
 
   // Unknown or unused keys, one line each ("config.json: unknown key 'x' ignored").
@@ -203,6 +219,9 @@ struct ConfigOverrides {
   std::optional<int64_t> warmup_steps;     // warmup_num_steps
   std::optional<std::string> warmup_type;  // log | linear
   std::optional<double> min_lr_ratio;      // cos_min_ratio; warmup_min_lr / warmup_max_lr (linear)
+  // strata train --tensorboard DIR: the event files go in DIR itself (the
+  // tensorboard block enabled, output_path DIR, job_name empty).
+  std::optional<std::string> tensorboard_dir;
 };
 
 // Reads `config_path` (empty: no file, all defaults) and applies `overrides`.
