@@ -91,8 +91,10 @@ check "--ops --json parses" $?
 # The schedule for a GPU, planned on any machine: the state stays off the device when offloaded,
 # ZeRO-Offload keeps the parameters there and passes the CPU optimizer's output through host memory.
 if "$strata" --version | grep -q "CUDA backend: not built"; then
-  "$strata" plan --model tiny --ops --backend cuda --stage 3 --offload-param cpu \
-    --offload-optimizer cpu 2>&1 >/dev/null | grep -q "built without CUDA"
+  # The refusal exits 2; under pipefail a pipe into grep would report that, not grep's match.
+  refusal=$("$strata" plan --model tiny --ops --backend cuda --stage 3 --offload-param cpu \
+    --offload-optimizer cpu 2>&1 >/dev/null)
+  grep -q "built without CUDA" <<<"$refusal"
   check "--ops --backend cuda refused by a CPU-only build" $?
 else
   out=$("$strata" plan --model tiny --ops --backend cuda --stage 3 --offload-param cpu --offload-optimizer cpu)
