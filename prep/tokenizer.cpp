@@ -161,16 +161,11 @@ Status parse_post_processor(const JsonErrors& p, const json& step, const std::st
   if (step.is_null()) return Status::ok();
   const std::string type = step.value("type", "");
   if (type == "ByteLevel") return Status::ok();  // trims offsets; the ids stay
-  if (type == "Sequence") {
-    if (!step.contains("processors") || !step["processors"].is_array())
-      return p.error(key + ".processors", "missing or not a list");
-    for (size_t i = 0; i < step["processors"].size(); ++i)
-      if (Status s = parse_post_processor(p, step["processors"][i],
-                                          fmt::format("{}.processors[{}]", key, i), t);
-          !s)
-        return s;
-    return Status::ok();
-  }
+  if (type == "Sequence")
+    return tokenizer_steps::parse_sequence(p, step, key, "processors",
+                                           [&](const json& item, const std::string& item_key) {
+                                             return parse_post_processor(p, item, item_key, t);
+                                           });
   if (type == "TemplateProcessing") {
     const json single = step.value("single", json());
     if (!single.is_array()) return p.error(key + ".single", "missing or not a list");

@@ -109,6 +109,18 @@ Result<std::string> parse_character(const JsonErrors& errors, const json& step, 
 
 }  // namespace
 
+Status parse_sequence(
+    const JsonErrors& errors, const nlohmann::json& json, const std::string& key,
+    const char* list_key,
+    const std::function<Status(const nlohmann::json&, const std::string&)>& part) {
+  if (!json.contains(list_key) || !json[list_key].is_array())
+    return errors.error(fmt::format("{}.{}", key, list_key), "missing or not a list");
+  for (size_t i = 0; i < json[list_key].size(); ++i)
+    if (Status s = part(json[list_key][i], fmt::format("{}.{}[{}]", key, list_key, i)); !s)
+      return s;
+  return Status::ok();
+}
+
 // ---------------------------------------------------------------- normalizer
 
 struct Normalizer::Step {
@@ -194,14 +206,16 @@ Result<Normalizer> Normalizer::parse(const JsonErrors& errors, const json& json,
   if (!json.is_object()) return errors.error(key, "not an object");
   const std::string type = json.value("type", "");
   if (type == "Sequence") {
-    if (!json.contains("normalizers") || !json["normalizers"].is_array())
-      return errors.error(key + ".normalizers", "missing or not a list");
-    for (size_t i = 0; i < json["normalizers"].size(); ++i) {
-      Result<Normalizer> part =
-          parse(errors, json["normalizers"][i], fmt::format("{}.normalizers[{}]", key, i));
-      if (!part) return part.status();
-      normalizer.steps_.insert(normalizer.steps_.end(), part->steps_.begin(), part->steps_.end());
-    }
+    Status read =
+        parse_sequence(errors, json, key, "normalizers",
+                       [&](const nlohmann::json& item, const std::string& item_key) {
+                         Result<Normalizer> part = parse(errors, item, item_key);
+                         if (!part) return part.status();
+                         normalizer.steps_.insert(normalizer.steps_.end(), part->steps_.begin(),
+                                                  part->steps_.end());
+                         return Status::ok();
+                       });
+    if (!read) return read;
     return normalizer;
   }
   using Kind = Step::Kind;
@@ -384,20 +398,20 @@ Result<PreTokenizer> PreTokenizer::parse(const JsonErrors& errors, const json& j
   if (!json.is_object()) return errors.error(key, "not an object");
   const std::string type = json.value("type", "");
   if (type == "Sequence") {
-    if (!json.contains("pretokenizers") || !json["pretokenizers"].is_array())
-      return errors.error(key + ".pretokenizers", "missing or not a list");
-    for (size_t i = 0; i < json["pretokenizers"].size(); ++i) {
-      Result<PreTokenizer> part =
-          parse(errors, json["pretokenizers"][i], fmt::format("{}.pretokenizers[{}]", key, i));
-      if (!part) return part.status();
-      if (part->byte_level()) {
-        if (pre.byte_level())
-          return errors.refused(fmt::format("{}.pretokenizers[{}]", key, i),
-                                "a second ByteLevel step is not supported");
-        pre.byte_level_at_ = int(pre.steps_.size()) + part->byte_level_at_;
-      }
-      pre.steps_.insert(pre.steps_.end(), part->steps_.begin(), part->steps_.end());
-    }
+    Status read = parse_sequence(
+        errors, json, key, "pretokenizers",
+        [&](const nlohmann::json& item, const std::string& item_key) {
+          Result<PreTokenizer> part = parse(errors, item, item_key);
+          if (!part) return part.status();
+          if (part->byte_level()) {
+            if (pre.byte_level())
+              return errors.refused(item_key, "a second ByteLevel step is not supported");
+            pre.byte_level_at_ = int(pre.steps_.size()) + part->byte_level_at_;
+          }
+          pre.steps_.insert(pre.steps_.end(), part->steps_.begin(), part->steps_.end());
+          return Status::ok();
+        });
+    if (!read) return read;
     return pre;
   }
   auto step = std::make_shared<Step>();
@@ -648,14 +662,15 @@ Result<Decoder> Decoder::parse(const JsonErrors& errors, const json& json, const
   decoder.present_ = true;
   const std::string type = json.value("type", "");
   if (type == "Sequence") {
-    if (!json.contains("decoders") || !json["decoders"].is_array())
-      return errors.error(key + ".decoders", "missing or not a list");
-    for (size_t i = 0; i < json["decoders"].size(); ++i) {
-      Result<Decoder> part =
-          parse(errors, json["decoders"][i], fmt::format("{}.decoders[{}]", key, i));
-      if (!part) return part.status();
-      decoder.steps_.insert(decoder.steps_.end(), part->steps_.begin(), part->steps_.end());
-    }
+    Status read = parse_sequence(errors, json, key, "decoders",
+                                 [&](const nlohmann::json& item, const std::string& item_key) {
+                                   Result<Decoder> part = parse(errors, item, item_key);
+                                   if (!part) return part.status();
+                                   decoder.steps_.insert(decoder.steps_.end(), part->steps_.begin(),
+                                                         part->steps_.end());
+                                   return Status::ok();
+                                 });
+    if (!read) return read;
     return decoder;
   }
   auto step = std::make_shared<Step>();

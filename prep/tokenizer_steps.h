@@ -31,6 +31,12 @@ struct JsonErrors {
                      const std::string& supported) const;
 };
 
+// A Sequence's list under `list_key` (missing or not a list: an error),
+// each element handed to `part` with its key ("normalizer.normalizers[1]").
+Status parse_sequence(const JsonErrors& errors, const nlohmann::json& json, const std::string& key,
+                      const char* list_key,
+                      const std::function<Status(const nlohmann::json&, const std::string&)>& part);
+
 // True when `object` lacks `key`, holds null there, or holds `expected`.
 bool is_null_or(const nlohmann::json& object, const char* key, const nlohmann::json& expected);
 
