@@ -39,7 +39,6 @@ OptimizerOptions optimizer_options_from_config(const TrainConfig& config, int64_
   return o;
 }
 
-
 // --- creation ------------------------------------------------------------------------
 
 namespace {
@@ -102,8 +101,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   // The input this run's plans are built from: its own, unless strata train
   // gave one, and the suggestion's when the plan does not fit.
   auto plan_input = [&] {
-    PlanInput input = plan_input_from_config(config, options.model,
-                                             {gpu, nccl, options.budgets.ranks_per_node});
+    PlanInput input =
+        plan_input_from_config(config, options.model, {gpu, nccl, options.budgets.ranks_per_node});
     input.budgets = options.budgets;
     input.nvme_path_known = !options.nvme_paths.empty();
     return input;
@@ -119,9 +118,9 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
   const TrainingPlan& p = impl->plan;
   const int W = p.input.world_size;
   if (p.input.gpu != gpu)
-    return Status::invalid_argument(fmt::format(
-        "engine: the plan was built for the {} backend but the engine runs the {} one",
-        p.input.gpu ? "CUDA" : "CPU", gpu ? "CUDA" : "CPU"));
+    return Status::invalid_argument(
+        fmt::format("engine: the plan was built for the {} backend but the engine runs the {} one",
+                    p.input.gpu ? "CUDA" : "CPU", gpu ? "CUDA" : "CPU"));
 
   // The budgets, checked before anything is allocated.
   if (options.process_comm && options.process_comm->world_size() != W)
@@ -137,7 +136,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
     planner.budgets.host_source = "--host-mem-limit";
     Result<PlanReport> suggestion = plan_with_suggestion(planner);
     std::string hint = !suggestion || suggestion->suggestion.empty() ? std::string("raise ") + flag
-                                                                      : suggestion->suggestion;
+                                                                     : suggestion->suggestion;
     return Status::no_space(fmt::format(
         "the plan does not fit: it needs {} of {} per rank but {} allows {}; {} (`strata train "
         "--print-plan` lists every buffer)",
@@ -148,9 +147,9 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
                   "--device-mem-limit");
   if (const std::optional<int64_t> host = budgets.host_per_rank(W);
       host && p.peak(tiers::Tier::host) > *host)
-    return refuse("host memory", p.peak(tiers::Tier::host), *host,
-                  budgets.node_ranks(W) > 1 ? "--host-mem-limit (shared by the ranks)"
-                                            : "--host-mem-limit");
+    return refuse(
+        "host memory", p.peak(tiers::Tier::host), *host,
+        budgets.node_ranks(W) > 1 ? "--host-mem-limit (shared by the ranks)" : "--host-mem-limit");
   if (p.peak(tiers::Tier::nvme) > 0 && options.nvme_paths.empty())
     return Status::not_found(
         "offload to nvme needs a directory: pass --nvme-path DIR (or "
@@ -158,15 +157,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineOptions options) {
 
   // Which operation finishes each unit's update (its parameters are then ready for the next step).
   impl->publishes.assign(p.ops.size(), false);
-  {
-    std::vector<int> last(size_t(impl->units()), -1);
-    for (size_t i = 0; i < p.ops.size(); ++i) {
-      const OpKind k = p.ops[i].kind;
-      if (k == OpKind::optimizer || k == OpKind::writeback || k == OpKind::sync)
-        last[size_t(p.ops[i].unit)] = int(i);
-    }
-    for (int i : last) impl->publishes[size_t(i)] = true;
-  }
+  for (int i : parameter_publishers(p))
+    if (i >= 0) impl->publishes[size_t(i)] = true;
 
   impl->options = std::move(options);
   impl->sequence_offset = impl->options.sequence_offset;

@@ -1,6 +1,6 @@
-#include "core/engine/engine_impl.h"
-
 #include <utility>
+
+#include "core/engine/engine_impl.h"
 
 namespace strata {
 
@@ -114,10 +114,7 @@ void Engine::Impl::start_lanes() {
 
 void Engine::Impl::before_op(Rank& rank, int64_t step_index, int op_index) {
   const PlanOp& op = plan.ops[size_t(op_index)];
-  const bool reads_params =
-      op.kind == OpKind::fetch || op.kind == OpKind::gather ||
-      (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
-  if (reads_params) wait_params(step_index, rank, op.unit);
+  if (reads_parameters(plan, op)) wait_params(step_index, rank, op.unit);
 }
 
 void Engine::Impl::after_op(Rank& rank, int64_t step_index, int op_index) {

@@ -78,7 +78,6 @@ void add_state_buffers(TrainingPlan& plan) {
 
 namespace {
 
-
 // The plan's buffers besides the model state, in the order the ranks allocate them.
 class BufferListing {
  public:
@@ -149,9 +148,8 @@ class BufferListing {
       add(R::gpu_saved_inputs, O::gpu, slots_name(), Tier::device, compute,
           plan.saved_input_copies(), slot_elements(cb));
     else
-      add(R::gpu_saved_inputs, O::gpu,
-          copies_name("saved unit inputs"), Tier::device, compute, copies,
-          (units - 1) * N * C);
+      add(R::gpu_saved_inputs, O::gpu, copies_name("saved unit inputs"), Tier::device, compute,
+          copies, (units - 1) * N * C);
     add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
         compute, copies, N * C);
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
@@ -182,11 +180,10 @@ class BufferListing {
     // Host memory is the device tier here: a host home only moves the budget they count against.
     const Tier kept = plan.activation_home() == Tier::host ? Tier::host : Tier::device;
     if (plan.activations_spilled())
-      add(R::saved_inputs, O::rank, slots_name(), Tier::device, f32,
-          plan.saved_input_copies(), slot_elements(4));
+      add(R::saved_inputs, O::rank, slots_name(), Tier::device, f32, plan.saved_input_copies(),
+          slot_elements(4));
     else
-      add(R::saved_inputs, O::rank,
-          copies_name("saved unit inputs (fp32)"), kept, f32, copies,
+      add(R::saved_inputs, O::rank, copies_name("saved unit inputs (fp32)"), kept, f32, copies,
           (units - 1) * N * C);
     add(R::activation_gradient, O::rank, copies_name("activation gradient"), kept, f32, copies,
         N * C);
@@ -283,8 +280,8 @@ class BufferListing {
         fmt::format("saved inputs spilled ({} levels x {} micro-batches)", levels, G),
         plan.activation_home(), element, levels * G, slot_elements(element_bytes));
     if (in.gpu && plan.activation_home() == Tier::nvme)
-      add(R::activation_staging, O::rank, "saved input on its way to or from NVMe",
-          Tier::host, element, 1, slot_elements(element_bytes));
+      add(R::activation_staging, O::rank, "saved input on its way to or from NVMe", Tier::host,
+          element, 1, slot_elements(element_bytes));
   }
   // The engine rank's unit gradients, a tied embedding's and the
   // reduce-scatter output, in `tier`.

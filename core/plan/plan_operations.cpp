@@ -1,6 +1,7 @@
 // The operations of a training plan: one step of one rank walked in a serial
 // order that every lane can follow, with each operation's dependencies and
-// bytes, and the bytes each link moves (core/plan/training_plan.h).
+// bytes (core/plan/training_plan.h); the bytes each link moves are
+// plan_traffic.cpp's.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -22,7 +23,6 @@ PlanOp make_op(OpKind kind, Lane lane, int unit = -1, int micro = -1, int slot =
   op.slot = slot;
   return op;
 }
-
 
 // Builds the op list by walking one step in a serial order that is also a
 // valid order for every lane: gathers are emitted as early as their buffer
@@ -322,102 +322,7 @@ class PlanBuilder {
   // operations' bytes; on the CUDA backend, PCIe from the data paths of
   // core/engine/gpu_rank.h (a gathered unit goes up once per use, unless the
   // use is only the embedding's backward, which reads no parameters).
-  void count_traffic() {
-    StepTraffic& t = plan_.traffic_per_step;
-    const bool gpu = in_.gpu;
-    const int64_t cb = plan_.compute_bytes;
-    const bool params_in_place = plan_.gpu_params_in_place();
-    const bool grads_in_place = plan_.gpu_grads_in_place();
-    for (const PlanOp& op : plan_.ops) {
-      const UnitPlacement* p = op.unit >= 0 ? &plan_.units[size_t(op.unit)] : nullptr;
-      switch (op.kind) {
-        case OpKind::fetch:
-          t.nvme_read += op.bytes;
-          break;
-        case OpKind::spill:
-        case OpKind::restore: {
-          // Through NVMe, and on a GPU over PCIe (the exact saved input).
-          int64_t& nvme = op.kind == OpKind::spill ? t.nvme_written : t.nvme_read;
-          if (plan_.activation_home() == Tier::nvme) nvme += op.bytes;
-          int64_t& pcie = op.kind == OpKind::spill ? t.d2h : t.h2d;
-          if (gpu) pcie += plan_.tokens_per_micro * in_.model.hidden_size * cb;
-          break;
-        }
-        case OpKind::writeback:
-          t.nvme_written += op.bytes;
-          break;
-        case OpKind::optimizer:
-          if (plan_.streamed_optimizer) {
-            t.nvme_read += op.bytes / 2;
-            t.nvme_written += op.bytes / 2;
-          }
-          if (gpu && plan_.new_params_staged() && plan_.homes.param == Tier::device)
-            t.h2d += p->optimizer_numel * cb;
-          if (gpu && plan_.homes.optimizer == Tier::device && plan_.homes.param != Tier::device)
-            t.d2h += p->optimizer_numel * cb;
-          break;
-        case OpKind::gather:
-          t.collective += op.bytes;
-          if (gpu && !params_in_place && plan_.homes.param == Tier::device)
-            t.d2h += p->shard_numel * cb;
-          break;
-        case OpKind::reduce:
-          t.collective += op.bytes;
-          if (gpu && !grads_in_place && plan_.homes.grad == Tier::device)
-            t.h2d += (in_.stage >= 2 ? p->shard_numel : p->padded_numel) * 4;
-          break;
-        case OpKind::sync:
-          t.collective += op.bytes;
-          if (gpu && params_in_place && in_.world_size > 1) {
-            t.d2h += p->shard_numel * cb;
-            t.h2d += p->padded_numel * cb;
-          }
-          break;
-        case OpKind::forward:
-        case OpKind::backward: {
-          const bool fills_grad = op.kind == OpKind::backward || op.unit == head_;
-          // Each gradient goes down (a tied embedding's with the lm_head's part in it),
-          // or once its micro-batches have added up on the device.
-          const bool sends = !plan_.gpu_grads_summed_on_device() || op.micro == in_.grad_accum - 1;
-          if (gpu && fills_grad && !grads_in_place && sends) t.d2h += p->padded_numel * 4;
-          break;
-        }
-        default:
-          break;
-      }
-    }
-    count_nvme_gradient_traffic();
-    if (!gpu || params_in_place) return;
-    for (const Use& use : uses_) {
-      bool reads = false;
-      for (size_t c = use.first; c <= use.last; ++c)
-        reads = reads || !(compute_[c].kind == OpKind::backward && use.unit == 0);
-      if (reads) t.h2d += plan_.units[size_t(use.unit)].padded_numel * cb;
-    }
-  }
-
-  // A gradient on NVMe: written after each reduce, read back to add to from
-  // the second micro-batch on, and read by the streamed optimizer chunk by chunk.
-  void count_nvme_gradient_traffic() {
-    if (plan_.homes.grad != Tier::nvme) return;
-    StepTraffic& t = plan_.traffic_per_step;
-    const int64_t alignment = int64_t(in_.nvme_alignment);
-    for (const PlanOp& op : plan_.ops) {
-      if (op.kind == OpKind::reduce) {
-        // Layer-major: the sum over a unit's micro-batches is kept in host
-        // memory (or on the GPU) and written once, after the last.
-        if (plan_.layer_major() && op.micro != in_.grad_accum - 1) continue;
-        const int64_t bytes = round_up(plan_.units[size_t(op.unit)].grad_numel * 4, alignment);
-        t.nvme_written += bytes;
-        if (op.micro > 0 && !plan_.layer_major()) t.nvme_read += bytes;
-      }
-      if (op.kind == OpKind::optimizer) {
-        const int64_t n = plan_.units[size_t(op.unit)].optimizer_numel;
-        for (int64_t at = 0; at < n; at += plan_.optimizer_chunk_elements)
-          t.nvme_read += round_up(std::min(plan_.optimizer_chunk_elements, n - at) * 4, alignment);
-      }
-    }
-  }
+  void count_traffic() { plan_.traffic_per_step = total_traffic(traffic_per_op(plan_)); }
 
   int add(PlanOp op) {
     plan_.ops.push_back(std::move(op));
@@ -443,6 +348,8 @@ class PlanBuilder {
 
 }  // namespace
 
-void build_plan_operations(TrainingPlan& plan) { PlanBuilder(plan).build(); }
+void build_plan_operations(TrainingPlan& plan) {
+  PlanBuilder(plan).build();
+}
 
 }  // namespace strata

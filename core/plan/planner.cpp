@@ -493,16 +493,14 @@ void row(std::ostringstream& out, const std::string& label, const TierBytes& byt
 std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
-  std::string model =
-      fmt::format("{} ({} parameters, {} units)", in.model.name,
-                  format_count(static_cast<double>(plan.parameters)), plan.units);
+  std::string model = fmt::format("{} ({} parameters, {} units)", in.model.name,
+                                  format_count(static_cast<double>(plan.parameters)), plan.units);
   out << fmt::format("strata plan: {}\n", model);
   out << fmt::format("  world size {}, ZeRO stage {}, {}; offload optimizer {}, params {}\n",
                      in.world_size, in.stage, precision_name(in.precision),
                      offload_device_name(in.offload_optimizer),
                      offload_device_name(in.offload_param));
-  out << fmt::format("  Adam m and v in {}; {}\n",
-                     optimizer_state_dtype_name(in.optimizer_state),
+  out << fmt::format("  Adam m and v in {}; {}\n", optimizer_state_dtype_name(in.optimizer_state),
                      plan.gradient_home_reason);
   out << fmt::format("  micro batch {} x sequence {}, gradient accumulation {}; {}\n",
                      in.micro_batch, in.seq_len, in.grad_accum,

@@ -466,9 +466,10 @@ std::string format_training_plan(const TrainingPlan& plan) {
         fmt::format(": activations of {} micro-batches in device slots of 2 levels (all of them)",
                     plan.activation_copies());
   else if (plan.activation_copies() > 1)
-    out += fmt::format(
-        ": activations of {} micro-batches kept in {} memory", plan.activation_copies(),
-        tiers::tier_name(in.gpu || plan.activation_home() != Tier::host ? Tier::device : Tier::host));
+    out +=
+        fmt::format(": activations of {} micro-batches kept in {} memory", plan.activation_copies(),
+                    tiers::tier_name(in.gpu || plan.activation_home() != Tier::host ? Tier::device
+                                                                                    : Tier::host));
   out += "\n";
   out += "units:";
   for (size_t u = 0; u < plan.layout.units.size(); ++u)
@@ -541,6 +542,21 @@ nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
                               {"pcie_h2d", plan.traffic_per_step.h2d},
                               {"pcie_d2h", plan.traffic_per_step.d2h}};
   return j;
+}
+
+bool reads_parameters(const TrainingPlan& plan, const PlanOp& op) {
+  return op.kind == OpKind::fetch || op.kind == OpKind::gather ||
+         (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
+}
+
+std::vector<int> parameter_publishers(const TrainingPlan& plan) {
+  std::vector<int> last(plan.units.size(), -1);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const OpKind k = plan.ops[i].kind;
+    if (k == OpKind::optimizer || k == OpKind::writeback || k == OpKind::sync)
+      last[size_t(plan.ops[i].unit)] = int(i);
+  }
+  return last;
 }
 
 }  // namespace strata

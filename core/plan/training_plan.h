@@ -149,34 +149,34 @@ enum class BufferRole {
   // memory beside the CPU optimizer whatever tier holds the codes.
   int8_scales,
   // The engine rank's buffers (CPU backend: in host memory standing in for the device).
-  gathered_unit,           // [gather_slots] (largest padded) compute precision
-  gathered_unit_fp32,      // [gather_slots] (largest padded) the CPU backend's widened copy
-  widened_params,          // [2] (largest padded) stages 0-2, CPU backend, below fp32
-  unit_gradient,           // [grad_slots] (largest padded) fp32
-  tied_gradient,           // [activation copies] (embedding padded) fp32
-  reduce_scatter_output,   // (largest shard) fp32
-  sync_staging,            // (largest padded) compute precision: the GPU's stage 1-2 all-gather
-  tokens_and_targets,      // (2, G, B*T) int32: tokens, then targets
-  saved_inputs,  // [saved_input_copies] (saved_input_levels, B*T, C) fp32, the CPU units'
-                           // inputs
-  activation_gradient,     // [activation copies] (B*T, C) fp32
-  unit_working_set,        // bytes the CPU UnitWorkspace allocates itself, charged here
-  new_parameters,          // (largest optimizer range) compute precision, staged
-  nccl_staging,            // [2] (largest padded) fp32: send, receive
+  gathered_unit,          // [gather_slots] (largest padded) compute precision
+  gathered_unit_fp32,     // [gather_slots] (largest padded) the CPU backend's widened copy
+  widened_params,         // [2] (largest padded) stages 0-2, CPU backend, below fp32
+  unit_gradient,          // [grad_slots] (largest padded) fp32
+  tied_gradient,          // [activation copies] (embedding padded) fp32
+  reduce_scatter_output,  // (largest shard) fp32
+  sync_staging,           // (largest padded) compute precision: the GPU's stage 1-2 all-gather
+  tokens_and_targets,     // (2, G, B*T) int32: tokens, then targets
+  saved_inputs,           // [saved_input_copies] (saved_input_levels, B*T, C) fp32, the CPU units'
+                          // inputs
+  activation_gradient,    // [activation copies] (B*T, C) fp32
+  unit_working_set,       // bytes the CPU UnitWorkspace allocates itself, charged here
+  new_parameters,         // (largest optimizer range) compute precision, staged
+  nccl_staging,           // [2] (largest padded) fp32: send, receive
   // The GPU rank's device working set (core/engine/gpu_rank.h).
-  gpu_param_slots,             // [kGpuParamSlots] (largest padded) compute precision
-  gpu_unit_gradients,          // [kGpuGradBuffers] (largest padded) fp32
-  gpu_tied_gradient,           // [activation copies] (embedding padded) fp32
-  gpu_grad_norm_scratch,       // bytes: the result, then the reduction's scratch
-  gpu_reduced_gradient,        // (largest padded) fp32
-  gpu_gradient_sum,            // (largest padded) fp32: gpu_grads_summed_on_device
-  gpu_new_parameters,          // (largest optimizer range) compute precision
-  gpu_saved_inputs,  // [saved_input_copies] (saved_input_levels, B*T, C) compute precision
-  gpu_activation_gradient,     // [activation copies] (B*T, C) compute precision
-  gpu_tokens_and_targets,      // (2, G, B*T) int32
-  gpu_token_losses,            // (B*T) fp32
-  gpu_matmul_workspace,        // bytes, cuBLASLt's
-  gpu_unit_working_set,        // bytes, CudaUnits' working set
+  gpu_param_slots,          // [kGpuParamSlots] (largest padded) compute precision
+  gpu_unit_gradients,       // [kGpuGradBuffers] (largest padded) fp32
+  gpu_tied_gradient,        // [activation copies] (embedding padded) fp32
+  gpu_grad_norm_scratch,    // bytes: the result, then the reduction's scratch
+  gpu_reduced_gradient,     // (largest padded) fp32
+  gpu_gradient_sum,         // (largest padded) fp32: gpu_grads_summed_on_device
+  gpu_new_parameters,       // (largest optimizer range) compute precision
+  gpu_saved_inputs,         // [saved_input_copies] (saved_input_levels, B*T, C) compute precision
+  gpu_activation_gradient,  // [activation copies] (B*T, C) compute precision
+  gpu_tokens_and_targets,   // (2, G, B*T) int32
+  gpu_token_losses,         // (B*T) fp32
+  gpu_matmul_workspace,     // bytes, cuBLASLt's
+  gpu_unit_working_set,     // bytes, CudaUnits' working set
   // Taken by the store and the streamed optimizer from the host budget.
   nvme_parameter_copies,  // [fetch_slots] (largest shard) compute precision
   optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
@@ -220,7 +220,7 @@ struct PlanBuffer {
   int64_t copy_bytes() const { return bytes / copies; }
 };
 
-// What one step of one rank moves over each link, from its operations.
+// What one step of one rank (or one of its operations) moves over each link.
 struct StepTraffic {
   int64_t nvme_read = 0;
   int64_t nvme_written = 0;
@@ -252,7 +252,9 @@ struct TrainingPlan {
   StepTraffic traffic_per_step;                       // per rank
 
   int64_t peak(tiers::Tier tier) const { return peak_bytes[static_cast<int>(tier)]; }
-  tiers::Tier activation_home() const { return input.activation_home.value_or(tiers::Tier::device); }
+  tiers::Tier activation_home() const {
+    return input.activation_home.value_or(tiers::Tier::device);
+  }
   bool layer_major() const { return input.schedule == Schedule::layer; }
   // What a micro-batch keeps from its forward to its backward (the units'
   // inputs, the activation gradient, a tied embedding's gradient) has one
@@ -364,6 +366,22 @@ Result<TrainingPlan> build_training_plan(const PlanInput& input);
 StateHomes state_homes(const PlanInput& input);
 // The tier of an offload setting (none: the device).
 tiers::Tier home_of(OffloadDevice device);
+
+// The waits across steps, which the plan's dependency lists (one step's) do
+// not hold; the engine's executor (core/engine/step_executor.cpp) and the
+// step-time model (core/plan/step_model.h) both follow these:
+//  - an operation that reads a unit's parameters (a fetch or gather; at
+//    stages 0-2 the forward and backward themselves) waits for the previous
+//    step's update of that unit to be published;
+//  - the update is published by the last optimizer, writeback or sync of
+//    the unit (parameter_publishers: one operation per unit, -1 for none).
+bool reads_parameters(const TrainingPlan& plan, const PlanOp& op);
+std::vector<int> parameter_publishers(const TrainingPlan& plan);
+
+// What each of plan.ops moves over each link (core/plan/plan_traffic.cpp):
+// the one account, which traffic_per_step sums and the step-time model costs.
+std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan);
+StepTraffic total_traffic(const std::vector<StepTraffic>& per_op);
 
 // "gather(layers.3) mb 1", "optimizer(embedding)", "exchange".
 std::string op_label(const TrainingPlan& plan, const PlanOp& op);

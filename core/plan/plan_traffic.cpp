@@ -1,0 +1,156 @@
+// What each operation of a training plan moves over each link
+// (core/plan/training_plan.h): the one account of a step's traffic, which
+// TrainingPlan::traffic_per_step sums and the step-time model
+// (core/plan/step_model.h) costs operation by operation.
+#include <algorithm>
+
+#include "core/plan/training_plan.h"
+#include "io/base/sizes.h"
+
+namespace strata {
+namespace {
+
+using tiers::Tier;
+
+// The units a compute operation reads: its own, and a tied head the embedding's.
+bool compute_reads(const TrainingPlan& plan, const PlanOp& op, int unit) {
+  if (op.kind != OpKind::forward && op.kind != OpKind::backward) return false;
+  const int head = int(plan.units.size()) - 1;
+  return op.unit == unit ||
+         (op.unit == head && unit == 0 && plan.layout.config.tie_word_embeddings);
+}
+
+// On a GPU without the parameters in place, a run of consecutive compute
+// operations reading a unit (one gather's use) uploads it once, at the first
+// of them; a run that is only the embedding's backward reads nothing of it.
+void add_gathered_uploads(const TrainingPlan& plan, std::vector<StepTraffic>& traffic) {
+  std::vector<size_t> compute;
+  for (size_t i = 0; i < plan.ops.size(); ++i)
+    if (plan.ops[i].kind == OpKind::forward || plan.ops[i].kind == OpKind::backward)
+      compute.push_back(i);
+  for (int u = 0; u < int(plan.units.size()); ++u) {
+    for (size_t c = 0; c < compute.size(); ++c) {
+      const PlanOp& op = plan.ops[compute[c]];
+      if (!compute_reads(plan, op, u)) continue;
+      if (c > 0 && compute_reads(plan, plan.ops[compute[c - 1]], u)) continue;  // not a run's first
+      bool reads = false;
+      for (size_t k = c; k < compute.size() && compute_reads(plan, plan.ops[compute[k]], u); ++k)
+        reads = reads || !(plan.ops[compute[k]].kind == OpKind::backward && u == 0);
+      if (reads) traffic[compute[c]].h2d += plan.units[size_t(u)].padded_numel * plan.compute_bytes;
+    }
+  }
+}
+
+// A gradient on NVMe: written after each reduce, read back to add to from
+// the second micro-batch on, and read by the streamed optimizer chunk by chunk.
+void add_nvme_gradient_traffic(const TrainingPlan& plan, std::vector<StepTraffic>& traffic) {
+  if (plan.homes.grad != Tier::nvme) return;
+  const PlanInput& in = plan.input;
+  const int64_t alignment = int64_t(in.nvme_alignment);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if (op.kind == OpKind::reduce) {
+      // Layer-major: the sum over a unit's micro-batches is kept in host
+      // memory (or on the GPU) and written once, after the last.
+      if (plan.layer_major() && op.micro != in.grad_accum - 1) continue;
+      const int64_t bytes = round_up(plan.units[size_t(op.unit)].grad_numel * 4, alignment);
+      traffic[i].nvme_written += bytes;
+      if (op.micro > 0 && !plan.layer_major()) traffic[i].nvme_read += bytes;
+    }
+    if (op.kind == OpKind::optimizer) {
+      const int64_t n = plan.units[size_t(op.unit)].optimizer_numel;
+      for (int64_t at = 0; at < n; at += plan.optimizer_chunk_elements)
+        traffic[i].nvme_read +=
+            round_up(std::min(plan.optimizer_chunk_elements, n - at) * 4, alignment);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
+  const PlanInput& in = plan.input;
+  const bool gpu = in.gpu;
+  const int64_t cb = plan.compute_bytes;
+  const bool params_in_place = plan.gpu_params_in_place();
+  const bool grads_in_place = plan.gpu_grads_in_place();
+  const int head = int(plan.units.size()) - 1;
+  std::vector<StepTraffic> traffic(plan.ops.size());
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    StepTraffic& t = traffic[i];
+    const UnitPlacement* p = op.unit >= 0 ? &plan.units[size_t(op.unit)] : nullptr;
+    switch (op.kind) {
+      case OpKind::fetch:
+        t.nvme_read += op.bytes;
+        break;
+      case OpKind::spill:
+      case OpKind::restore: {
+        // Through NVMe, and on a GPU over PCIe (the exact saved input).
+        int64_t& nvme = op.kind == OpKind::spill ? t.nvme_written : t.nvme_read;
+        if (plan.activation_home() == Tier::nvme) nvme += op.bytes;
+        int64_t& pcie = op.kind == OpKind::spill ? t.d2h : t.h2d;
+        if (gpu) pcie += plan.tokens_per_micro * in.model.hidden_size * cb;
+        break;
+      }
+      case OpKind::writeback:
+        t.nvme_written += op.bytes;
+        break;
+      case OpKind::optimizer:
+        if (plan.streamed_optimizer) {
+          t.nvme_read += op.bytes / 2;
+          t.nvme_written += op.bytes / 2;
+        }
+        if (gpu && plan.new_params_staged() && plan.homes.param == Tier::device)
+          t.h2d += p->optimizer_numel * cb;
+        if (gpu && plan.homes.optimizer == Tier::device && plan.homes.param != Tier::device)
+          t.d2h += p->optimizer_numel * cb;
+        break;
+      case OpKind::gather:
+        t.collective += op.bytes;
+        if (gpu && !params_in_place && plan.homes.param == Tier::device)
+          t.d2h += p->shard_numel * cb;
+        break;
+      case OpKind::reduce:
+        t.collective += op.bytes;
+        if (gpu && !grads_in_place && plan.homes.grad == Tier::device)
+          t.h2d += (in.stage >= 2 ? p->shard_numel : p->padded_numel) * 4;
+        break;
+      case OpKind::sync:
+        t.collective += op.bytes;
+        if (gpu && params_in_place && in.world_size > 1) {
+          t.d2h += p->shard_numel * cb;
+          t.h2d += p->padded_numel * cb;
+        }
+        break;
+      case OpKind::forward:
+      case OpKind::backward: {
+        const bool fills_grad = op.kind == OpKind::backward || op.unit == head;
+        // Each gradient goes down (a tied embedding's with the lm_head's part in it),
+        // or once its micro-batches have added up on the device.
+        const bool sends = !plan.gpu_grads_summed_on_device() || op.micro == in.grad_accum - 1;
+        if (gpu && fills_grad && !grads_in_place && sends) t.d2h += p->padded_numel * 4;
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  add_nvme_gradient_traffic(plan, traffic);
+  if (gpu && !params_in_place) add_gathered_uploads(plan, traffic);
+  return traffic;
+}
+
+StepTraffic total_traffic(const std::vector<StepTraffic>& per_op) {
+  StepTraffic sum;
+  for (const StepTraffic& t : per_op) {
+    sum.nvme_read += t.nvme_read;
+    sum.nvme_written += t.nvme_written;
+    sum.collective += t.collective;
+    sum.h2d += t.h2d;
+    sum.d2h += t.d2h;
+  }
+  return sum;
+}
+
+}  // namespace strata

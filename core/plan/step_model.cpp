@@ -1,0 +1,387 @@
+#include "core/plan/step_model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "io/base/sizes.h"
+
+namespace strata {
+
+const char* resource_name(int index) {
+  static const char* const kNames[kResourceCount] = {"device",  "cores",    "nvme",
+                                                     "network", "pcie h2d", "pcie d2h"};
+  return index >= 0 && index < kResourceCount ? kNames[index] : "?";
+}
+
+// ------------------------------------------------------------------ simulator
+
+Simulation simulate_steps(const std::vector<SimOp>& ops, int lanes, int release_op, int steps) {
+  Simulation sim;
+  const size_t n = ops.size();
+  // Each lane's operations in plan order; lane l runs lane_ops[l], step after step.
+  std::vector<std::vector<int>> lane_ops(static_cast<size_t>(lanes));
+  for (size_t i = 0; i < n; ++i) lane_ops[size_t(ops[i].lane)].push_back(int(i));
+  constexpr double kNotYet = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> done(size_t(steps), std::vector<double>(n, kNotYet));
+  std::vector<size_t> remaining(size_t(steps), n);
+  std::vector<double> step_end(size_t(steps), kNotYet);
+  sim.step_start.assign(size_t(steps) + 1, kNotYet);
+  sim.step_start[0] = 0;
+  std::vector<double> lane_free(size_t(lanes), 0.0);
+  std::vector<int> lane_step(size_t(lanes), 0);
+  std::vector<size_t> lane_next(size_t(lanes), 0);
+  double resource_free[kResourceCount] = {};
+  // Step s + 1 is handed out once step s's release operation is done and step
+  // s - 1 is complete (the engine's step() returns then).
+  auto release_ready = [&] {
+    for (int s = 0; s < steps; ++s) {
+      if (sim.step_start[size_t(s) + 1] != kNotYet) continue;
+      const double own = done[size_t(s)][size_t(release_op)];
+      const double before = s > 0 ? step_end[size_t(s) - 1] : 0.0;
+      if (own != kNotYet && before != kNotYet)
+        sim.step_start[size_t(s) + 1] = std::max(own, before);
+    }
+  };
+  for (size_t scheduled = 0; scheduled < size_t(steps) * n; ++scheduled) {
+    int best_lane = -1;
+    double best_start = kNotYet, best_ready = 0;
+    for (int l = 0; l < lanes; ++l) {
+      const int s = lane_step[size_t(l)];
+      if (s >= steps || lane_ops[size_t(l)].empty()) continue;
+      const double released = sim.step_start[size_t(s)];
+      if (released == kNotYet) continue;
+      const int i = lane_ops[size_t(l)][lane_next[size_t(l)]];
+      const SimOp& op = ops[size_t(i)];
+      const double ready = std::max(lane_free[size_t(l)], released);
+      double start = ready;
+      for (int d : op.deps) start = std::max(start, done[size_t(s)][size_t(d)]);
+      if (op.previous_step_dep >= 0 && s > 0)
+        start = std::max(start, done[size_t(s) - 1][size_t(op.previous_step_dep)]);
+      if (start == kNotYet) continue;
+      for (int r = 0; r < kResourceCount; ++r)
+        if (op.resources & (1u << r)) start = std::max(start, resource_free[r]);
+      if (start < best_start) {
+        best_start = start;
+        best_lane = l;
+        best_ready = ready;
+      }
+    }
+    if (best_lane < 0) break;  // nothing can start: a cycle (a plan never has one)
+    const int s = lane_step[size_t(best_lane)];
+    const int i = lane_ops[size_t(best_lane)][lane_next[size_t(best_lane)]];
+    const SimOp& op = ops[size_t(i)];
+    const double end = best_start + op.seconds;
+    done[size_t(s)][size_t(i)] = end;
+    lane_free[size_t(best_lane)] = end;
+    for (int r = 0; r < kResourceCount; ++r)
+      if (op.resources & (1u << r)) resource_free[r] = end;
+    sim.ops.push_back({s, i, best_start, end, best_start - best_ready});
+    if (++lane_next[size_t(best_lane)] == lane_ops[size_t(best_lane)].size()) {
+      lane_next[size_t(best_lane)] = 0;
+      lane_step[size_t(best_lane)] = s + 1;
+    }
+    if (--remaining[size_t(s)] == 0) {
+      double last = 0;
+      for (double t : done[size_t(s)]) last = std::max(last, t);
+      step_end[size_t(s)] = last;
+    }
+    release_ready();
+  }
+  return sim;
+}
+
+// ----------------------------------------------------------------------- cost
+
+namespace {
+
+double seconds_for(double bytes, double gbps, double latency_us) {
+  if (bytes <= 0) return 0;
+  if (gbps <= 0) return std::numeric_limits<double>::infinity();
+  return bytes / (gbps * 1e9) + latency_us * 1e-6;
+}
+
+// A ring collective over W ranks sends this rank's bytes in W - 1 hops.
+double collective_seconds(const TrainingPlan& plan, const HardwareProfile& hw, int64_t bytes) {
+  const int W = plan.input.world_size;
+  if (W <= 1 || bytes <= 0) return 0;
+  return seconds_for(double(bytes), hw.network_gbps, 0) + (W - 1) * hw.network_latency_us * 1e-6;
+}
+
+}  // namespace
+
+double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
+  if (op.kind != OpKind::forward && op.kind != OpKind::backward) return 0;
+  const ModelConfig& m = plan.layout.config;
+  const double N = double(plan.tokens_per_micro);
+  const double T = double(plan.input.seq_len);
+  const double B = N / std::max(T, 1.0);
+  const int head = int(plan.units.size()) - 1;
+  if (op.unit == 0) return 0;  // the embedding: a lookup and its scatter-add
+  if (op.unit == head) return 3 * 2 * N * double(m.hidden_size) * double(m.vocab_size);
+  const double D = double(m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads);
+  // A query sees the keys before it (all, or the sliding window's): QK^T and PV.
+  const double window = m.sliding_window > 0 ? std::min(double(m.sliding_window), T) : T;
+  const double seen = m.sliding_window > 0 && window < T ? window : (T + 1) / 2;
+  const double attention = 2 * 2 * B * T * seen * double(m.num_attention_heads) * D;
+  const double forward = 2 * N * double(m.layer_parameter_count()) + attention;
+  if (op.kind == OpKind::forward) return forward;
+  return (plan.recomputes(op.unit) ? forward : 0) + 2 * forward;
+}
+
+std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw) {
+  const std::vector<StepTraffic> traffic = traffic_per_op(plan);
+  const PlanInput& in = plan.input;
+  const bool gpu = in.gpu;
+  const int head = int(plan.units.size()) - 1;
+  const uint32_t compute = uint32_t(gpu ? Resource::device : Resource::cores);
+  const double nvme_latency = hw.nvme.empty() ? 100 : hw.nvme.front().latency_us;
+  auto nvme_seconds = [&](const StepTraffic& t) {
+    return seconds_for(double(t.nvme_read), hw.nvme_read_gbps(), nvme_latency) +
+           seconds_for(double(t.nvme_written), hw.nvme_write_gbps(), nvme_latency);
+  };
+  auto pcie_seconds = [&](const StepTraffic& t) {
+    return seconds_for(double(t.h2d), hw.pcie_h2d_gbps, hw.pcie_latency_us) +
+           seconds_for(double(t.d2h), hw.pcie_d2h_gbps, hw.pcie_latency_us);
+  };
+  auto pcie_bits = [&](const StepTraffic& t) {
+    return (t.h2d > 0 ? uint32_t(Resource::pcie_h2d) : 0u) |
+           (t.d2h > 0 ? uint32_t(Resource::pcie_d2h) : 0u);
+  };
+  std::vector<OpCost> costs(plan.ops.size());
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    const StepTraffic& t = traffic[i];
+    const UnitPlacement* p = op.unit >= 0 ? &plan.units[size_t(op.unit)] : nullptr;
+    OpCost& c = costs[i];
+    switch (op.kind) {
+      case OpKind::forward:
+      case OpKind::backward: {
+        const double flops = operation_flops(plan, op);
+        double rate = hw.matmul_flops(gpu ? in.precision : Precision::fp32);
+        if (!gpu) {
+          const bool is_head = op.unit == head;
+          const double measured = is_head                      ? hw.head_gflops
+                                  : op.kind == OpKind::forward ? hw.layer_forward_gflops
+                                                               : hw.layer_backward_gflops;
+          if (measured > 0) rate = measured * 1e9;
+        }
+        // The embedding and the element-wise work move (B*T, C) activations a few times.
+        const double activations = double(plan.tokens_per_micro) * double(in.model.hidden_size) * 4;
+        c.seconds = (rate > 0 ? flops / rate : 0) +
+                    (op.unit == 0 ? seconds_for(3 * activations, hw.memory_gbps, 0) : 0) +
+                    pcie_seconds(t);
+        c.resources = compute | pcie_bits(t);
+        break;
+      }
+      case OpKind::fetch:
+      case OpKind::writeback:
+        c.seconds = nvme_seconds(t);
+        c.resources = uint32_t(Resource::nvme);
+        break;
+      case OpKind::spill:
+      case OpKind::restore: {
+        const double bytes = double(op.bytes);
+        c.seconds = plan.activation_home() == tiers::Tier::nvme
+                        ? nvme_seconds(t)
+                        : seconds_for(bytes, hw.memcpy_gbps, 0);
+        c.seconds += pcie_seconds(t);
+        c.resources = (plan.activation_home() == tiers::Tier::nvme ? uint32_t(Resource::nvme)
+                                                                   : uint32_t(Resource::cores)) |
+                      pcie_bits(t);
+        break;
+      }
+      case OpKind::gather:
+      case OpKind::sync: {
+        // Into the gathered buffer (widened to fp32 on the CPU backend), and over the ring.
+        const double local =
+            double(p->padded_numel) * (gpu ? plan.compute_bytes : 4 + plan.compute_bytes);
+        c.seconds =
+            collective_seconds(plan, hw, t.collective) +
+            (op.kind == OpKind::gather && !gpu ? seconds_for(local, hw.memcpy_gbps, 0) : 0) +
+            pcie_seconds(t);
+        c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) |
+                      (gpu ? 0u : uint32_t(Resource::cores)) | pcie_bits(t);
+        break;
+      }
+      case OpKind::reduce: {
+        // The micro-batch's gradient added into the accumulator: read both, write one.
+        const double accumulate = 3.0 * double(p->grad_numel) * (plan.homes.grad_bf16 ? 2 : 4);
+        const bool on_host = !gpu || plan.homes.grad != tiers::Tier::device;
+        c.seconds = collective_seconds(plan, hw, t.collective) + pcie_seconds(t) + nvme_seconds(t) +
+                    (on_host ? seconds_for(accumulate, hw.memcpy_gbps, 0) : 0);
+        c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) | pcie_bits(t) |
+                      (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u) |
+                      (on_host ? uint32_t(Resource::cores) : 0u);
+        break;
+      }
+      case OpKind::optimizer: {
+        const double params = double(p->optimizer_numel);
+        const bool on_gpu = gpu && plan.homes.optimizer == tiers::Tier::device;
+        // On a GPU AdamW is memory-bound: master, m, v, gradient read, three written.
+        const double update = on_gpu
+                                  ? seconds_for(params * 28, hw.memory_gbps, 0)
+                                  : (hw.adamw_params_per_second(in.optimizer_state) > 0
+                                         ? params / hw.adamw_params_per_second(in.optimizer_state)
+                                         : 0);
+        // The streamed optimizer reads and writes its chunks while it updates.
+        c.seconds = std::max(update, nvme_seconds(t)) + pcie_seconds(t);
+        c.resources = (on_gpu ? uint32_t(Resource::device) : uint32_t(Resource::cores)) |
+                      (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u) |
+                      pcie_bits(t);
+        break;
+      }
+      case OpKind::exchange:
+        c.seconds =
+            in.world_size > 1 ? 2.0 * (in.world_size - 1) * hw.network_latency_us * 1e-6 : 0;
+        c.resources = in.world_size > 1 ? uint32_t(Resource::network) : 0u;
+        break;
+      default:  // decide, release: bookkeeping
+        break;
+    }
+  }
+  return costs;
+}
+
+std::vector<SimOp> step_graph(const TrainingPlan& plan, const std::vector<OpCost>& costs) {
+  const std::vector<int> publishers = parameter_publishers(plan);
+  std::vector<SimOp> ops(plan.ops.size());
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    ops[i].lane = static_cast<int>(op.lane);
+    ops[i].deps = op.deps;
+    if (reads_parameters(plan, op) && op.unit >= 0)
+      ops[i].previous_step_dep = publishers[size_t(op.unit)];
+    ops[i].seconds = costs[i].seconds;
+    ops[i].resources = costs[i].resources;
+  }
+  return ops;
+}
+
+// ---------------------------------------------------------------- prediction
+
+StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw) {
+  constexpr int kSteps = 4;  // the cold step, then steady ones
+  StepPrediction out;
+  out.hardware = hw.name;
+  const std::vector<OpCost> costs = cost_operations(plan, hw);
+  int release = -1;
+  for (size_t i = 0; i < plan.ops.size(); ++i)
+    if (plan.ops[i].kind == OpKind::exchange) release = int(i);
+  if (release < 0) release = int(plan.ops.size()) - 1;
+  out.simulation = simulate_steps(step_graph(plan, costs), kLaneCount, release, kSteps);
+  const Simulation& sim = out.simulation;
+  out.cold_seconds = sim.step_seconds(0);
+  // Steady: the step handed out after the pipeline filled (its predecessor
+  // overlapped it), measured from its hand-out to the next one's.
+  const int steady = kSteps - 2;
+  out.steady_seconds = sim.step_seconds(steady);
+  for (const SimulatedOp& s : sim.ops) {
+    if (s.step != steady) continue;
+    const PlanOp& op = plan.ops[size_t(s.op)];
+    const double seconds = s.end - s.start;
+    out.lane_busy[static_cast<int>(op.lane)] += seconds;
+    if (op.lane == Lane::compute) out.compute_stall += s.waited;
+    for (int r = 0; r < kResourceCount; ++r)
+      if (costs[size_t(s.op)].resources & (1u << r)) out.resource_busy[r] += seconds;
+  }
+  for (int l = 0; l < kLaneCount; ++l)
+    if (out.lane_busy[l] > out.lane_busy[static_cast<int>(out.bound_lane)])
+      out.bound_lane = Lane(l);
+  for (int r = 0; r < kResourceCount; ++r)
+    if (out.resource_busy[r] > out.resource_busy[out.bound_resource]) out.bound_resource = r;
+  out.tokens_per_step = plan.tokens_per_micro * plan.input.grad_accum * plan.input.world_size;
+  if (out.steady_seconds > 0)
+    out.tokens_per_second = double(out.tokens_per_step) / out.steady_seconds;
+  if (hw.gpu && out.steady_seconds > 0) {
+    // The model's FLOPs, recomputation left out: a forward and twice it
+    // backward (the head's one pass already counts all three).
+    const int head = int(plan.units.size()) - 1;
+    double flops = 0;
+    for (const PlanOp& op : plan.ops)
+      if (op.kind == OpKind::forward)
+        flops += (op.unit == head ? 1 : 3) * operation_flops(plan, op);
+    const double peak = hw.matmul_flops(plan.input.precision) / hw.matmul_efficiency;
+    out.mfu = flops / (peak * out.steady_seconds);
+  }
+  out.traffic = plan.traffic_per_step;
+  double rated = 0;
+  for (const NvmeDrive& d : hw.nvme) rated += d.rated_tbw.value_or(0);
+  if (rated > 0 && out.traffic.nvme_written > 0 && out.steady_seconds > 0) {
+    const double node_bytes_per_second = double(out.traffic.nvme_written) *
+                                         plan.input.budgets.node_ranks(plan.input.world_size) /
+                                         out.steady_seconds;
+    out.drive_years = rated * 1e12 / node_bytes_per_second / (365.25 * 86400);
+  }
+  return out;
+}
+
+namespace {
+
+std::string seconds_text(double s) {
+  if (s >= 60) return fmt::format("{:.1f} min", s / 60);
+  if (s >= 1) return fmt::format("{:.2f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.1f} ms", s * 1e3);
+  return fmt::format("{:.0f} us", s * 1e6);
+}
+
+}  // namespace
+
+std::string format_prediction(const TrainingPlan& plan, const StepPrediction& p) {
+  std::string out = fmt::format("predicted on {}: {} per step ({} the first), {:.0f} tokens/s",
+                                p.hardware, seconds_text(p.steady_seconds),
+                                seconds_text(p.cold_seconds), p.tokens_per_second);
+  if (p.mfu) out += fmt::format(", MFU {:.1f}%", 100 * *p.mfu);
+  out += "\n  lanes busy per step:";
+  for (int l = 0; l < kLaneCount; ++l)
+    if (p.lane_busy[l] > 0)
+      out += fmt::format(" {} {}", lane_name(Lane(l)), seconds_text(p.lane_busy[l]));
+  out += fmt::format("\n  bound by the {} lane and the {}; the compute lane waits {} per step",
+                     lane_name(p.bound_lane), resource_name(p.bound_resource),
+                     seconds_text(p.compute_stall));
+  out += "\n  resources busy per step:";
+  for (int r = 0; r < kResourceCount; ++r)
+    if (p.resource_busy[r] > 0)
+      out += fmt::format(" {} {}", resource_name(r), seconds_text(p.resource_busy[r]));
+  const StepTraffic& t = p.traffic;
+  out += fmt::format(
+      "\n  bytes per step and rank: NVMe {} read, {} written; network {}; PCIe {} "
+      "up, {} down",
+      format_bytes(t.nvme_read), format_bytes(t.nvme_written), format_bytes(t.collective),
+      format_bytes(t.h2d), format_bytes(t.d2h));
+  if (t.nvme_written > 0 && p.steady_seconds > 0) {
+    out += fmt::format("\n  SSD wear: {} written per step, {} per hour of steps",
+                       format_bytes(t.nvme_written),
+                       format_bytes(int64_t(double(t.nvme_written) * 3600 / p.steady_seconds)));
+    if (p.drive_years)
+      out += fmt::format("; the drives' rated TBW lasts {:.1f} years of training", *p.drive_years);
+  }
+  (void)plan;
+  return out + "\n";
+}
+
+nlohmann::ordered_json prediction_to_json(const StepPrediction& p) {
+  nlohmann::ordered_json j;
+  j["hardware"] = p.hardware;
+  j["step_seconds"] = p.steady_seconds;
+  j["first_step_seconds"] = p.cold_seconds;
+  j["tokens_per_second"] = p.tokens_per_second;
+  if (p.mfu) j["mfu"] = *p.mfu;
+  nlohmann::ordered_json lanes;
+  for (int l = 0; l < kLaneCount; ++l) lanes[lane_name(Lane(l))] = p.lane_busy[l];
+  j["lane_busy_seconds"] = lanes;
+  nlohmann::ordered_json resources;
+  for (int r = 0; r < kResourceCount; ++r) resources[resource_name(r)] = p.resource_busy[r];
+  j["resource_busy_seconds"] = resources;
+  j["bound_lane"] = lane_name(p.bound_lane);
+  j["bound_resource"] = resource_name(p.bound_resource);
+  j["compute_stall_seconds"] = p.compute_stall;
+  j["nvme_written_per_step"] = p.traffic.nvme_written;
+  if (p.drive_years) j["rated_tbw_years"] = *p.drive_years;
+  return j;
+}
+
+}  // namespace strata

@@ -1,0 +1,113 @@
+// The step-time model: a training plan's operations (core/plan/training_plan.h)
+// played out on a machine (core/plan/hardware_profile.h) before anything runs.
+//
+// Cost. Each operation takes the time of the work it does on the resources
+// it holds: a unit's forward and backward their FLOPs (matmuls from the
+// shapes, causal attention, the backward's recomputation) at the device's
+// rate (the CPU backend's measured unit rates, a GPU's peak times its
+// efficiency) plus its PCIe uploads; a transfer its bytes (traffic_per_op,
+// the plan's own account) over its link with a latency per transfer; a
+// collective a ring over the world size on the network; the optimizer its
+// parameters at the state format's rate, its streamed state over NVMe alongside.
+//
+// Simulation. The rules are the lane executor's (core/engine/lane_executor.h)
+// and the engine's, from the same definitions: each lane runs its operations
+// in plan order, step after step; an operation starts once its lane is free,
+// its dependencies of the same step are done, the previous step's update of
+// the parameters it reads is published (reads_parameters,
+// parameter_publishers), and the resources it holds are free (one NVMe set,
+// one network, PCIe each way, the device; on the CPU backend the cores, which
+// compute, the optimizer and host copies share). A step is handed to the
+// lanes when the previous one's step() returns: its exchange done and the step
+// before it complete. The first (cold) step and the steady one come apart.
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/plan/hardware_profile.h"
+#include "core/plan/training_plan.h"
+
+namespace strata {
+
+// What an operation holds while it runs (a bit each).
+enum class Resource : uint32_t {
+  device = 1,     // the GPU's compute (CUDA backend)
+  cores = 2,      // the host's cores (the CPU backend's compute, the CPU optimizer, host copies)
+  nvme = 4,       // the node's NVMe set
+  network = 8,    // the collectives' link
+  pcie_h2d = 16,  // host to GPU
+  pcie_d2h = 32,  // GPU to host
+};
+inline constexpr int kResourceCount = 6;
+const char* resource_name(int index);  // "device", "cores", ...
+
+struct OpCost {
+  double seconds = 0;
+  uint32_t resources = 0;  // Resource bits
+};
+
+// One operation as the simulator sees it.
+struct SimOp {
+  int lane = 0;
+  std::vector<int> deps;       // earlier operations of the same step
+  int previous_step_dep = -1;  // an operation of the previous step it waits for (-1: none)
+  double seconds = 0;
+  uint32_t resources = 0;
+};
+
+struct SimulatedOp {
+  int step = 0, op = 0;
+  double start = 0, end = 0;
+  double waited = 0;  // from when its lane and step were ready to its start
+};
+
+struct Simulation {
+  // (steps + 1): when each step is handed out; the last, when a next one would be
+  std::vector<double> step_start;
+  std::vector<SimulatedOp> ops;  // every operation of every step, in the order started
+  double step_seconds(int step) const {
+    return step_start[size_t(step) + 1] - step_start[size_t(step)];
+  }
+};
+
+// Plays `steps` steps of `ops` on `lanes` lanes. Step s + 1 is handed out when
+// operation `release_op` of step s is done and step s - 1 is complete.
+Simulation simulate_steps(const std::vector<SimOp>& ops, int lanes, int release_op, int steps);
+
+// The cost of each of plan.ops on `hardware`.
+std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hardware);
+// The plan's operations with their costs, lanes, dependencies and waits across steps.
+std::vector<SimOp> step_graph(const TrainingPlan& plan, const std::vector<OpCost>& costs);
+// FLOPs of one compute operation (forward or backward of a unit, one micro-batch).
+double operation_flops(const TrainingPlan& plan, const PlanOp& op);
+
+struct StepPrediction {
+  std::string hardware;               // the profile's name
+  double cold_seconds = 0;            // the first step
+  double steady_seconds = 0;          // a step once the pipeline is full
+  double lane_busy[kLaneCount] = {};  // seconds each lane works in a steady step
+  double compute_stall = 0;           // seconds the compute lane's operations wait in a steady step
+  double resource_busy[kResourceCount] = {};  // seconds each resource is held in a steady step
+  Lane bound_lane = Lane::compute;            // the busiest lane
+  int bound_resource = 0;                     // the busiest resource
+  int64_t tokens_per_step = 0;                // over the ranks
+  double tokens_per_second = 0;
+  std::optional<double> mfu;          // on a GPU: model FLOPs / (peak x step time)
+  StepTraffic traffic;                // per rank
+  std::optional<double> drive_years;  // rated TBW / bytes written per year of steps, when rated
+  Simulation simulation;              // three steps, for a timeline
+};
+
+StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hardware);
+
+// The lines `strata plan` prints, and its JSON.
+std::string format_prediction(const TrainingPlan& plan, const StepPrediction& prediction);
+nlohmann::ordered_json prediction_to_json(const StepPrediction& prediction);
+
+}  // namespace strata

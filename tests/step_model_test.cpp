@@ -1,0 +1,256 @@
+// The step-time model (core/plan/step_model.h): the simulator on hand-made
+// DAGs whose step times are worked out by hand in each test, the lane
+// executor's order on a real plan, the cost of an operation from its bytes
+// and FLOPs, and hardware profiles (presets, files, one-line errors).
+#include "core/plan/step_model.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "core/engine/lane_executor.h"
+#include "core/plan/planner.h"
+
+namespace strata {
+namespace {
+
+SimOp op(int lane, double seconds, std::vector<int> deps = {}, uint32_t resources = 0,
+         int previous_step_dep = -1) {
+  SimOp o;
+  o.lane = lane;
+  o.seconds = seconds;
+  o.deps = std::move(deps);
+  o.resources = resources;
+  o.previous_step_dep = previous_step_dep;
+  return o;
+}
+
+constexpr uint32_t kNvme = uint32_t(Resource::nvme);
+
+TEST(StepModel, ASerialChainTakesTheSumOfItsOperations) {
+  // 1 + 2 + 3 s on one lane, each after the one before; the next step is
+  // handed out when the last is done: 6 s a step, every step.
+  const std::vector<SimOp> ops = {op(0, 1), op(0, 2, {0}), op(0, 3, {1})};
+  const Simulation sim = simulate_steps(ops, 1, 2, 3);
+  for (int s = 0; s < 3; ++s) EXPECT_DOUBLE_EQ(sim.step_seconds(s), 6.0) << s;
+  EXPECT_EQ(sim.ops.size(), 9u);
+}
+
+TEST(StepModel, TwoLanesOverlapAndTheLongerOneIsTheStep) {
+  // 2 s on lane 0 and 3 s on lane 1, independent: both start at 0, and the
+  // step is done (and the next handed out) at 3 s.
+  const std::vector<SimOp> ops = {op(0, 2), op(1, 3)};
+  const Simulation sim = simulate_steps(ops, 2, 1, 2);
+  EXPECT_DOUBLE_EQ(sim.step_seconds(0), 3.0);
+  EXPECT_DOUBLE_EQ(sim.step_seconds(1), 3.0);
+  for (const SimulatedOp& s : sim.ops) {
+    if (s.step == 0) EXPECT_DOUBLE_EQ(s.start, 0.0) << s.op;
+  }
+}
+
+TEST(StepModel, TwoLanesOnOneLinkTakeTurns) {
+  // The same two operations holding the one NVMe set: 2 + 3 = 5 s, and the
+  // second waited 2 s for the link, not for its lane.
+  const std::vector<SimOp> ops = {op(0, 2, {}, kNvme), op(1, 3, {}, kNvme)};
+  const Simulation sim = simulate_steps(ops, 2, 1, 2);
+  EXPECT_DOUBLE_EQ(sim.step_seconds(0), 5.0);
+  double waited = 0;
+  for (const SimulatedOp& s : sim.ops)
+    if (s.step == 0) waited += s.waited;
+  EXPECT_DOUBLE_EQ(waited, 2.0);
+}
+
+TEST(StepModel, AComputeWaitsForThePreviousStepsUpdateOfItsParameters) {
+  // compute 1 s (lane 0), then its update 2 s (lane 1). The step returns at
+  // its compute (the release operation), so step 1 is handed out at 1 s, but
+  // its compute reads parameters that step 0's update publishes at 3 s: it runs
+  // 3-4, its update 4-6. Step 2 is handed out at 4 s (its predecessor's compute
+  // done, step 0 complete at 3), computes 6-7. Steps: 1 s, then 3 s each.
+  const std::vector<SimOp> ops = {op(0, 1, {}, 0, 1), op(1, 2, {0})};
+  const Simulation sim = simulate_steps(ops, 2, 0, 4);
+  EXPECT_DOUBLE_EQ(sim.step_seconds(0), 1.0);
+  EXPECT_DOUBLE_EQ(sim.step_seconds(1), 3.0);
+  EXPECT_DOUBLE_EQ(sim.step_seconds(2), 3.0);
+  // Without the wait across steps the update would overlap the next compute: 1 s a step.
+  const std::vector<SimOp> free_ops = {op(0, 1), op(1, 2, {0})};
+  const Simulation overlapped = simulate_steps(free_ops, 2, 0, 4);
+  EXPECT_DOUBLE_EQ(overlapped.step_seconds(1), 2.0);  // step 0 must be complete (at 3 s)
+}
+
+PlanInput tiny_input(int stage, int accumulation, Schedule schedule) {
+  PlanInput in;
+  Result<ModelConfig> model = load_model_config("tiny");
+  EXPECT_TRUE(model.is_ok());
+  in.model = *model;
+  in.stage = stage;
+  in.seq_len = 32;
+  in.micro_batch = 2;
+  in.grad_accum = accumulation;
+  in.schedule = schedule;
+  in.activation_home = tiers::Tier::device;
+  in.offload_optimizer = OffloadDevice::cpu;
+  if (stage == 3) in.offload_param = OffloadDevice::cpu;
+  return in;
+}
+
+// The lane executor and the simulator run each lane's operations of a real
+// plan in the same order: plan order, step after step; and every simulated
+// operation starts after its dependencies and the update it waits for.
+TEST(StepModel, TheSimulatorAndTheLaneExecutorOrderARealPlanAlike) {
+  for (Schedule schedule : {Schedule::micro_batch, Schedule::layer}) {
+    for (int stage : {1, 3}) {
+      Result<TrainingPlan> plan = plan_training(tiny_input(stage, 3, schedule));
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      SCOPED_TRACE(testing::Message()
+                   << "stage " << stage << " layer-major " << (schedule == Schedule::layer));
+      constexpr int kSteps = 3;
+      // The executor: each lane's (step, op) in the order it ran them.
+      std::mutex mutex;
+      std::map<int, std::vector<std::pair<int64_t, int>>> executed;
+      {
+        LaneExecutor executor(lane_ops(*plan), {});
+        std::vector<std::shared_ptr<StepProgress>> steps;
+        for (int s = 0; s < kSteps; ++s)
+          steps.push_back(executor.start_step(s, [&, s](int, int i) {
+            std::lock_guard lock(mutex);
+            executed[static_cast<int>(plan->ops[size_t(i)].lane)].push_back({s, i});
+            return Status::ok();
+          }));
+        for (auto& step : steps) ASSERT_TRUE(step->wait_all().is_ok());
+      }
+      const HardwareProfile hw = *hardware_preset("h100-sxm");
+      const std::vector<OpCost> costs = cost_operations(*plan, hw);
+      const std::vector<SimOp> graph = step_graph(*plan, costs);
+      int release = 0;
+      for (size_t i = 0; i < plan->ops.size(); ++i)
+        if (plan->ops[i].kind == OpKind::exchange) release = int(i);
+      const Simulation sim = simulate_steps(graph, kLaneCount, release, kSteps);
+      ASSERT_EQ(sim.ops.size(), kSteps * plan->ops.size());
+      std::map<int, std::vector<std::pair<int64_t, int>>> simulated;
+      std::map<std::pair<int, int>, SimulatedOp> by_op;
+      for (const SimulatedOp& s : sim.ops) {
+        simulated[graph[size_t(s.op)].lane].push_back({s.step, s.op});
+        by_op[{s.step, s.op}] = s;
+      }
+      EXPECT_EQ(simulated, executed);
+      for (const SimulatedOp& s : sim.ops) {
+        for (int d : graph[size_t(s.op)].deps) {
+          const SimulatedOp& dep = by_op[std::make_pair(s.step, d)];
+          EXPECT_GE(s.start, dep.end);
+        }
+        const int wait = graph[size_t(s.op)].previous_step_dep;
+        if (wait >= 0 && s.step > 0) {
+          const SimulatedOp& update = by_op[std::make_pair(s.step - 1, wait)];
+          EXPECT_GE(s.start, update.end);
+        }
+        EXPECT_GE(s.start, sim.step_start[size_t(s.step)]);
+      }
+    }
+  }
+}
+
+TEST(StepModel, OperationsCostTheirBytesOverTheirLinkAndTheirFlopsOnTheDevice) {
+  PlanInput in = tiny_input(3, 2, Schedule::micro_batch);
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.nvme_path_known = true;
+  Result<TrainingPlan> plan = plan_training(in);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareProfile hw;
+  hw.name = "by hand";
+  hw.matmul_tflops_fp32 = 1;  // 1e12 FLOP/s
+  hw.memory_gbps = 1000;
+  hw.memcpy_gbps = 1000;
+  hw.adamw_mparams_fp32 = 100;                   // 1e8 parameters/s
+  hw.nvme = {NvmeDrive{2, 1, 0, std::nullopt}};  // 2 GB/s read, 1 GB/s written, no latency
+  const std::vector<OpCost> costs = cost_operations(*plan, hw);
+  const std::vector<StepTraffic> traffic = traffic_per_op(*plan);
+  bool saw_fetch = false, saw_layer = false;
+  for (size_t i = 0; i < plan->ops.size(); ++i) {
+    const PlanOp& op = plan->ops[i];
+    if (op.kind == OpKind::fetch) {
+      saw_fetch = true;
+      EXPECT_DOUBLE_EQ(costs[i].seconds, double(traffic[i].nvme_read) / 2e9);
+      EXPECT_EQ(costs[i].resources, kNvme);
+    }
+    if (op.kind == OpKind::forward && op.unit == 1) {
+      saw_layer = true;
+      EXPECT_NEAR(costs[i].seconds, operation_flops(*plan, op) / 1e12, 1e-12);
+      // 2 N per token for the layer's matmuls, and causal attention.
+      const ModelConfig& m = plan->layout.config;
+      const double N = 2 * 32, T = 32, D = double(m.head_dim);
+      EXPECT_DOUBLE_EQ(operation_flops(*plan, op),
+                       2 * N * double(m.layer_parameter_count()) +
+                           4 * 2 * T * (T + 1) / 2 * double(m.num_attention_heads) * D);
+    }
+  }
+  EXPECT_TRUE(saw_fetch);
+  EXPECT_TRUE(saw_layer);
+  // The whole account is the plan's.
+  const StepTraffic sum = total_traffic(traffic);
+  EXPECT_EQ(sum.nvme_read, plan->traffic_per_step.nvme_read);
+  EXPECT_EQ(sum.nvme_written, plan->traffic_per_step.nvme_written);
+  EXPECT_EQ(sum.collective, plan->traffic_per_step.collective);
+}
+
+TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
+  PlanInput in = tiny_input(3, 2, Schedule::micro_batch);
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.nvme_path_known = true;
+  Result<TrainingPlan> plan = plan_training(in);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareProfile slow_disk = *hardware_preset("h100-sxm/gen4x1");
+  slow_disk.nvme = {NvmeDrive{0.001, 0.001, 100, 1.0}};  // 1 MB/s: the disk bounds everything
+  const StepPrediction p = predict_step(*plan, slow_disk);
+  EXPECT_GT(p.steady_seconds, 0);
+  EXPECT_STREQ(resource_name(p.bound_resource), "nvme");
+  EXPECT_TRUE(p.drive_years.has_value());
+  const std::string text = format_prediction(*plan, p);
+  EXPECT_NE(text.find("bound by the"), std::string::npos) << text;
+  EXPECT_NE(text.find("SSD wear"), std::string::npos) << text;
+  // More drives: faster, never slower.
+  const StepPrediction four = predict_step(*plan, *hardware_preset("h100-sxm/gen5x4"));
+  const StepPrediction one = predict_step(*plan, *hardware_preset("h100-sxm/gen5x1"));
+  EXPECT_LE(four.steady_seconds, one.steady_seconds);
+}
+
+TEST(HardwareProfile, PresetsAndFilesRoundTripAndBadOnesAreOneLine) {
+  for (const std::string& name : hardware_preset_names()) {
+    Result<HardwareProfile> p = hardware_preset(name + "/gen5x2");
+    ASSERT_TRUE(p.is_ok()) << p.status().message();
+    EXPECT_EQ(p->nvme.size(), 2u);
+    EXPECT_GT(p->matmul_tflops_bf16, p->matmul_tflops_fp32) << name;
+    Result<HardwareProfile> back = parse_hardware_profile(hardware_profile_json(*p), "x.json");
+    ASSERT_TRUE(back.is_ok()) << back.status().message();
+    EXPECT_EQ(hardware_profile_json(*back), hardware_profile_json(*p));
+  }
+  struct Case {
+    std::string text, names;
+  };
+  const std::vector<Case> bad = {
+      {R"({"compute": {"matmul_tflops": {"fp32": -1}}})", "compute.matmul_tflops.fp32"},
+      {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "nvme": [{"read_gbps": 1}]})", "nvme[0]"},
+      {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "netwrok": {}})", "netwrok"},
+      {R"({"kind": "tpu", "compute": {"matmul_tflops": {"fp32": 1}}})", "kind"},
+      {R"({"name": "no rates"})", "compute.matmul_tflops.fp32"},
+      {R"({"compute": )", "profile.json"},
+  };
+  for (const Case& c : bad) {
+    Result<HardwareProfile> p = parse_hardware_profile(c.text, "profile.json");
+    ASSERT_FALSE(p.is_ok()) << c.text;
+    EXPECT_NE(p.status().message().find("profile.json"), std::string::npos) << p.status().message();
+    EXPECT_NE(p.status().message().find(c.names), std::string::npos) << p.status().message();
+    EXPECT_EQ(p.status().message().find('\n'), std::string::npos) << p.status().message();
+  }
+  for (const char* name : {"h100", "h100-sxm/gen3x1", "h100-sxm/gen4x0", "h100-sxm/gen4"}) {
+    Result<HardwareProfile> p = hardware_preset(name);
+    ASSERT_FALSE(p.is_ok()) << name;
+    EXPECT_NE(p.status().message().find(name), std::string::npos) << p.status().message();
+  }
+}
+
+}  // namespace
+}  // namespace strata
