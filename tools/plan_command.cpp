@@ -1,20 +1,27 @@
 // `strata plan`: how many bytes each tier needs per rank, whether that fits,
-// the smallest change that makes it fit, and which link bounds the step.
+// the smallest change that makes it fit, which link bounds the step, and,
+// with a hardware profile (--hardware, --probe, or this machine's cached
+// probe), the step time the step-time model predicts (core/plan/step_model.h).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "core/config/config.h"
 #include "core/engine/engine.h"
 #include "core/model/model_config.h"
 #include "core/plan/planner.h"
+#include "core/plan/step_model.h"
 #include "core/plan/training_plan.h"
 #include "io/base/sizes.h"
 #include "kernels/backend.h"
 #include "tools/config_flags.h"
+#include "tools/hardware_probe.h"
 #include "tools/subcommand.h"
+#include "tools/train_report.h"
 
 namespace strata::tools {
 namespace {
@@ -47,6 +54,19 @@ class PlanCommand : public Subcommand {
     cmd->add_option("--nvme-limit", nvme_limit_,
                     "NVMe capacity of the node to plan for, e.g. 4T (default: the free space "
                     "under the NVMe paths)");
+    cmd->add_option("--hardware", hardware_,
+                    "Predict the step on this machine: a preset (h100-sxm, h200, a100-80gb, "
+                    "rtx-4090, l40s, each with /gen4xN or /gen5xN NVMe drives) or a profile "
+                    "file (default: this machine's cached probe, when there is one)");
+    cmd->add_flag("--probe", probe_,
+                  "Measure this machine (units at the model's shapes, AdamW, host copies, NVMe "
+                  "under --nvme-path) into a profile, cache it, and predict with it");
+    cmd->add_option("--probe-out", probe_out_,
+                    "Where --probe writes the profile (default: the machine's cache, " +
+                        cached_profile_path() + ")");
+    cmd->add_option("--timeline", timeline_,
+                    "Write the predicted steps as a Perfetto trace in the form of `strata train "
+                    "--trace`, to open beside a measured one");
     return cmd;
   }
 
@@ -129,6 +149,8 @@ class PlanCommand : public Subcommand {
     }
     Status valid = validate_plan_input(input);
     if (!valid.is_ok()) return valid;
+    Result<std::optional<HardwareProfile>> hardware = hardware_profile(input, c, model);
+    if (!hardware) return hardware.status();
 
     if (ops_) {
       if (model_.empty())
@@ -141,18 +163,113 @@ class PlanCommand : public Subcommand {
       } else {
         fmt::print("{}", format_training_plan(*steps));
       }
+      if (*hardware) return predict(*steps, **hardware);
       return 0;
     }
     Result<PlanReport> planned = plan_with_suggestion(input);
     if (!planned.is_ok()) return planned.status();
     const PlanReport& plan = *planned;
     const bool zero = accounting_ == "zero";
+    std::optional<StepPrediction> prediction;
+    std::optional<TrainingPlan> steps;
+    if (*hardware && plan.fits) {
+      Result<TrainingPlan> built = plan_training(input);
+      if (!built) return built.status();
+      steps = std::move(*built);
+      prediction = predict_step(*steps, **hardware);
+    }
     if (json_) {
-      fmt::print("{}\n", plan_to_json(plan, zero).dump(2));
+      nlohmann::ordered_json j = plan_to_json(plan, zero);
+      if (prediction) j["prediction"] = prediction_to_json(*prediction);
+      fmt::print("{}\n", j.dump(2));
     } else {
       fmt::print("{}", format_plan_table(plan, zero));
+      if (prediction) fmt::print("{}", format_prediction(*steps, *prediction));
+      if (!*hardware)
+        fmt::print(
+            "(no step-time prediction: --probe measures this machine, --hardware "
+            "PRESET|FILE names one)\n");
     }
+    if (prediction && !timeline_.empty())
+      if (Status s = write_timeline(*steps, *prediction); !s) return s;
     return plan.fits ? 0 : 1;
+  }
+
+  // The profile to predict with: --hardware, a fresh --probe, or this
+  // machine's cached probe (for a CPU plan); the link flags override its figures.
+  Result<std::optional<HardwareProfile>> hardware_profile(const PlanInput& input,
+                                                          const TrainConfig& config,
+                                                          const ModelConfig& model) {
+    std::optional<HardwareProfile> profile;
+    if (probe_ && !hardware_.empty())
+      return Status::invalid_argument("give one of --probe and --hardware");
+    if (probe_) {
+      if (input.gpu)
+        return Status::invalid_argument(
+            "--probe measures the CPU backend of this machine; add --backend cpu (a GPU's "
+            "figures: --hardware PRESET)");
+      ProbeOptions options;
+      options.model = model;
+      options.micro_batch = input.micro_batch;
+      options.seq_len = input.seq_len;
+      options.nvme_paths = config.effective_nvme_paths();
+      options.progress = [](const std::string& line) { fmt::print(stderr, "probe: {}\n", line); };
+      Result<HardwareProfile> probed = probe_hardware(options);
+      if (!probed) return probed.status();
+      const std::string path = probe_out_.empty() ? cached_profile_path() : probe_out_;
+      if (Status s = write_profile(*probed, path); !s) return s;
+      fmt::print(stderr, "probe: wrote {}\n", path);
+      profile = std::move(*probed);
+    } else if (!hardware_.empty()) {
+      Result<HardwareProfile> loaded = load_hardware_profile(hardware_);
+      if (!loaded) return loaded.status().with_context("--hardware");
+      profile = std::move(*loaded);
+    } else if (!input.gpu && std::filesystem::exists(cached_profile_path())) {
+      Result<HardwareProfile> cached = read_hardware_profile(cached_profile_path());
+      if (!cached) return cached.status();
+      profile = std::move(*cached);
+    }
+    if (!profile) return profile;
+    if (profile->gpu != input.gpu)
+      return Status::invalid_argument(fmt::format(
+          "--hardware {}: a {} profile for a {} plan; add --backend {}", profile->name,
+          profile->gpu ? "GPU" : "CPU", input.gpu ? "GPU" : "CPU", profile->gpu ? "cuda" : "cpu"));
+    // The link flags override the profile.
+    if (!net_bw_.empty()) profile->network_gbps = input.links.network / 1e9;
+    if (!pcie_bw_.empty()) profile->pcie_h2d_gbps = profile->pcie_d2h_gbps = input.links.pcie / 1e9;
+    if (!nvme_bw_.empty()) {
+      const double each =
+          input.links.nvme / 1e9 / double(std::max<size_t>(1, profile->nvme.size()));
+      if (profile->nvme.empty()) profile->nvme.push_back({});
+      for (NvmeDrive& d : profile->nvme) d.read_gbps = d.write_gbps = each;
+    }
+    return profile;
+  }
+
+  int predict(const TrainingPlan& steps, const HardwareProfile& hardware) {
+    const StepPrediction prediction = predict_step(steps, hardware);
+    if (json_)
+      fmt::print("{}\n", prediction_to_json(prediction).dump(2));
+    else
+      fmt::print("{}", format_prediction(steps, prediction));
+    if (!timeline_.empty())
+      if (Status s = write_timeline(steps, prediction); !s) {
+        fmt::print(stderr, "strata plan: {}\n", s.message());
+        return 2;
+      }
+    return 0;
+  }
+
+  // The simulated steps, each operation at its predicted time, through the
+  // writer of `strata train --trace`.
+  Status write_timeline(const TrainingPlan& steps, const StepPrediction& prediction) {
+    Result<TraceWriter> trace = TraceWriter::open(timeline_, steps);
+    if (!trace) return trace.status().with_context("--timeline");
+    std::vector<OpTiming> timings;
+    for (const SimulatedOp& op : prediction.simulation.ops)
+      timings.push_back({0, op.op, op.step, op.start, op.end});
+    if (Status s = trace->write(timings); !s) return s;
+    return trace->finish();
   }
 
   std::string model_;
@@ -164,6 +281,10 @@ class PlanCommand : public Subcommand {
   std::string backend_;  // empty: cuda on a CUDA build, else cpu
   std::string net_bw_, pcie_bw_, nvme_bw_;
   std::string nvme_limit_;  // --nvme-limit
+  std::string hardware_;    // --hardware
+  bool probe_ = false;
+  std::string probe_out_;
+  std::string timeline_;
 };
 
 SubcommandRegistration registration([] { return std::make_unique<PlanCommand>(); });

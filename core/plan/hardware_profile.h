@@ -48,7 +48,7 @@ struct HardwareProfile {
   double memory_gib = 0;
   // The CPU backend's units, measured at the probed model's shapes (0: from the GEMM rate).
   double layer_forward_gflops = 0, layer_backward_gflops = 0, head_gflops = 0;
-  // Host.
+  // Host. memcpy_gbps counts the bytes a copy reads and writes, per second.
   double memcpy_gbps = 10;
   int cores = 1;
   double adamw_mparams_fp32 = 0, adamw_mparams_bf16 = 0, adamw_mparams_int8 = 0;

@@ -113,23 +113,36 @@ double collective_seconds(const TrainingPlan& plan, const HardwareProfile& hw, i
 
 }  // namespace
 
+double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
+  const double N = double(B) * double(T);
+  const double D = double(m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads);
+  // A query sees the keys before it (all, or the sliding window's): QK^T and PV.
+  const double t = double(T);
+  const double seen =
+      m.sliding_window > 0 && double(m.sliding_window) < t ? double(m.sliding_window) : (t + 1) / 2;
+  const double attention = 2 * 2 * N * seen * double(m.num_attention_heads) * D;
+  return 2 * N * double(m.layer_parameter_count()) + attention;
+}
+
+double layer_backward_flops(const ModelConfig& m, int64_t B, int64_t T, bool recomputes) {
+  const double forward = layer_forward_flops(m, B, T);
+  return (recomputes ? forward : 0) + 2 * forward;
+}
+
+double head_flops(const ModelConfig& m, int64_t B, int64_t T) {
+  return 3 * 2 * double(B) * double(T) * double(m.hidden_size) * double(m.vocab_size);
+}
+
 double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
   if (op.kind != OpKind::forward && op.kind != OpKind::backward) return 0;
   const ModelConfig& m = plan.layout.config;
-  const double N = double(plan.tokens_per_micro);
-  const double T = double(plan.input.seq_len);
-  const double B = N / std::max(T, 1.0);
+  const int64_t T = plan.input.seq_len;
+  const int64_t B = plan.tokens_per_micro / std::max<int64_t>(T, 1);
   const int head = int(plan.units.size()) - 1;
   if (op.unit == 0) return 0;  // the embedding: a lookup and its scatter-add
-  if (op.unit == head) return 3 * 2 * N * double(m.hidden_size) * double(m.vocab_size);
-  const double D = double(m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads);
-  // A query sees the keys before it (all, or the sliding window's): QK^T and PV.
-  const double window = m.sliding_window > 0 ? std::min(double(m.sliding_window), T) : T;
-  const double seen = m.sliding_window > 0 && window < T ? window : (T + 1) / 2;
-  const double attention = 2 * 2 * B * T * seen * double(m.num_attention_heads) * D;
-  const double forward = 2 * N * double(m.layer_parameter_count()) + attention;
-  if (op.kind == OpKind::forward) return forward;
-  return (plan.recomputes(op.unit) ? forward : 0) + 2 * forward;
+  if (op.unit == head) return head_flops(m, B, T);
+  if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T);
+  return layer_backward_flops(m, B, T, plan.recomputes(op.unit));
 }
 
 std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw) {
@@ -187,7 +200,7 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         const double bytes = double(op.bytes);
         c.seconds = plan.activation_home() == tiers::Tier::nvme
                         ? nvme_seconds(t)
-                        : seconds_for(bytes, hw.memcpy_gbps, 0);
+                        : seconds_for(2 * bytes, hw.memcpy_gbps, 0);
         c.seconds += pcie_seconds(t);
         c.resources = (plan.activation_home() == tiers::Tier::nvme ? uint32_t(Resource::nvme)
                                                                    : uint32_t(Resource::cores)) |

@@ -86,6 +86,13 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
 std::vector<SimOp> step_graph(const TrainingPlan& plan, const std::vector<OpCost>& costs);
 // FLOPs of one compute operation (forward or backward of a unit, one micro-batch).
 double operation_flops(const TrainingPlan& plan, const PlanOp& op);
+// The same of a model's units at (B, T): a decoder layer's forward (matmuls
+// 2 N per token, causal or windowed attention) and backward (twice the
+// forward, and the forward again when it recomputes), the head's one pass
+// (forward and backward: 3 x 2 C V per token); the embedding's count 0.
+double layer_forward_flops(const ModelConfig& model, int64_t B, int64_t T);
+double layer_backward_flops(const ModelConfig& model, int64_t B, int64_t T, bool recomputes);
+double head_flops(const ModelConfig& model, int64_t B, int64_t T);
 
 struct StepPrediction {
   std::string hardware;               // the profile's name

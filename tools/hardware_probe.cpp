@@ -1,0 +1,261 @@
+#include "tools/hardware_probe.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "core/model/model.h"
+#include "core/plan/step_model.h"
+#include "io/aligned_buffer.h"
+#include "io/io_engine.h"
+#include "io/safe_write.h"
+#include "kernels/cpu/adamw.h"
+
+namespace strata::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The fastest of `runs` timings of `work` (after one warm-up), stopping early
+// once `budget` seconds are spent: the machine's rate, not its noise.
+template <typename Work>
+double best_seconds(int runs, double budget, Work&& work) {
+  work();
+  double best = 1e30;
+  const auto start = Clock::now();
+  for (int i = 0; i < runs; ++i) {
+    const auto t = Clock::now();
+    work();
+    best = std::min(best, seconds_since(t));
+    if (seconds_since(start) > budget) break;
+  }
+  return best;
+}
+
+void say(const ProbeOptions& options, const std::string& line) {
+  if (options.progress) options.progress(line);
+}
+
+void probe_memcpy(const ProbeOptions& options, HardwareProfile& p) {
+  const size_t bytes = size_t(64) << 20;
+  std::vector<char> from(bytes, 1), to(bytes, 0);
+  const double s = best_seconds(8, 2.0, [&] { std::memcpy(to.data(), from.data(), bytes); });
+  p.memcpy_gbps = 2.0 * double(bytes) / s / 1e9;  // read and written
+  p.memory_gbps = p.memcpy_gbps;
+  say(options, fmt::format("host copies: {:.1f} GB/s (read + written)", p.memcpy_gbps));
+}
+
+void probe_adamw(const ProbeOptions& options, HardwareProfile& p) {
+  using kernels::cpu::AdamWStateType;
+  const int64_t n = int64_t(4) << 20;
+  std::vector<float> master(size_t(n), 0.5f), grad(size_t(n), 0.01f);
+  const size_t count = static_cast<size_t>(n);
+  std::vector<float> m32(count), v32(count);
+  std::vector<uint16_t> m16(count), v16(count);
+  std::vector<int8_t> m8(count), v8(count);
+  std::vector<float> scales(size_t(2 * n / kernels::cpu::kAdamWInt8Block + 2), 0.0f);
+  kernels::cpu::AdamWHyperparams hyper;
+  for (AdamWStateType type : {AdamWStateType::f32, AdamWStateType::bf16, AdamWStateType::int8}) {
+    kernels::cpu::AdamWShard shard;
+    shard.numel = n;
+    shard.state_type = type;
+    shard.master = master.data();
+    shard.grad = grad.data();
+    shard.grad_type = kernels::cpu::ElementType::f32;
+    if (type == AdamWStateType::f32) {
+      shard.exp_avg = m32.data();
+      shard.exp_avg_sq = v32.data();
+    } else if (type == AdamWStateType::bf16) {
+      shard.exp_avg = m16.data();
+      shard.exp_avg_sq = v16.data();
+    } else {
+      shard.exp_avg = m8.data();
+      shard.exp_avg_sq = v8.data();
+      shard.exp_avg_scale = scales.data();
+      shard.exp_avg_sq_scale = scales.data() + n / kernels::cpu::kAdamWInt8Block + 1;
+    }
+    (void)kernels::cpu::first_touch_zero(shard);
+    const double s = best_seconds(5, 2.0, [&] { (void)kernels::cpu::adamw_step(shard, hyper); });
+    const double rate = double(n) / s / 1e6;
+    (type == AdamWStateType::f32    ? p.adamw_mparams_fp32
+     : type == AdamWStateType::bf16 ? p.adamw_mparams_bf16
+                                    : p.adamw_mparams_int8) = rate;
+    say(options, fmt::format("AdamW {}: {:.0f} M parameters/s (one thread)",
+                             kernels::cpu::adamw_state_type_name(type), rate));
+  }
+}
+
+Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
+  p.nvme.clear();
+  if (options.nvme_paths.empty()) return Status::ok();
+  io::IoOptions io;
+  io.paths = options.nvme_paths;
+  io.queue_depth = 8;
+  Result<std::unique_ptr<io::IoEngine>> engine = io::IoEngine::open(io);
+  if (!engine) return engine.status().with_context("probing NVMe");
+  const uint64_t total = options.short_probe ? uint64_t(256) << 20 : uint64_t(1) << 30;
+  const uint64_t block = (*engine)->options().block_size;
+  Result<io::FileId> file = (*engine)->create_file(fmt::format("strata-probe-{}", getpid()), total);
+  if (!file) return file.status().with_context("probing NVMe");
+  io::AlignedBuffer buffer(size_t(16 * block), (*engine)->alignment());
+  std::memset(buffer.data(), 0x5a, buffer.size());
+  // Whole passes over the file, 16 blocks in flight.
+  auto pass = [&](bool write) -> Result<double> {
+    const auto start = Clock::now();
+    std::vector<io::IoHandle> flight;
+    for (uint64_t at = 0; at < total; at += block) {
+      std::byte* data = buffer.data() + ((at / block) % 16) * block;
+      if (flight.size() == 16) {
+        if (Status s = flight.front().wait(); !s) return s;
+        flight.erase(flight.begin());
+      }
+      flight.push_back(write ? (*engine)->write(*file, at, data, block)
+                             : (*engine)->read(*file, at, data, block));
+    }
+    for (io::IoHandle& h : flight)
+      if (Status s = h.wait(); !s) return s;
+    return seconds_since(start);
+  };
+  Result<double> written = pass(true);
+  Result<double> read = written ? pass(false) : written;
+  (void)(*engine)->take_request_latencies_us();
+  // One block at a time: the latency of a request.
+  const auto one = Clock::now();
+  for (int i = 0; i < 16 && read; ++i) (void)(*engine)->read(*file, 0, buffer.data(), 4096).wait();
+  const double latency_us = seconds_since(one) / 16 * 1e6;
+  (void)(*engine)->remove_file(*file);
+  if (!written) return written.status().with_context("probing NVMe");
+  if (!read) return read.status().with_context("probing NVMe");
+  NvmeDrive drive;
+  drive.read_gbps = double(total) / *read / 1e9;
+  drive.write_gbps = double(total) / *written / 1e9;
+  drive.latency_us = latency_us;
+  p.nvme.push_back(drive);
+  say(options,
+      fmt::format("NVMe under {}: read {:.2f} GB/s, write {:.2f} GB/s, {:.0f} us a "
+                  "request ({} MiB, {} KiB blocks, {} in flight, {})",
+                  options.nvme_paths.front(), drive.read_gbps, drive.write_gbps, latency_us,
+                  total >> 20, block >> 10, 16, (*engine)->backend_description()));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
+  // One layer and the head at the run's shapes, made smaller where they would
+  // not fit a quick probe: at most 4096 tokens, a vocabulary of at most 64 MiB
+  // of fp32 per matrix, a layer of at most 256 MiB.
+  ModelConfig m = options.model;
+  m.num_hidden_layers = 1;
+  const int64_t T = std::min<int64_t>(options.seq_len, 4096);
+  const int64_t B = std::clamp<int64_t>(4096 / std::max<int64_t>(T, 1), 1, options.micro_batch);
+  std::string scaled;
+  if (m.vocab_size * m.hidden_size * 4 > (int64_t(64) << 20)) {
+    m.vocab_size = std::max<int64_t>(256, (int64_t(64) << 20) / (4 * m.hidden_size));
+    scaled += fmt::format(", vocabulary {}", m.vocab_size);
+  }
+  if (m.layer_parameter_count() * 4 > (int64_t(256) << 20)) {
+    const double shrink =
+        std::sqrt(double(int64_t(256) << 20) / double(m.layer_parameter_count() * 4));
+    const int64_t D = m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads;
+    m.num_attention_heads = std::max<int64_t>(1, int64_t(double(m.num_attention_heads) * shrink));
+    m.num_key_value_heads = std::clamp<int64_t>(m.num_key_value_heads, 1, m.num_attention_heads);
+    while (m.num_attention_heads % m.num_key_value_heads != 0) --m.num_key_value_heads;
+    m.head_dim = D;
+    m.hidden_size = m.num_attention_heads * D;
+    m.intermediate_size = std::max<int64_t>(64, int64_t(double(m.intermediate_size) * shrink));
+    scaled += fmt::format(", hidden {}", m.hidden_size);
+  }
+  HostModel model = make_host_model(m);
+  init_host_model(model, 1);
+  UnitWorkspace ws(m, B, T);
+  std::mt19937 random(7);
+  std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = int32_t(random() % uint32_t(m.vocab_size));
+    targets[i] = int32_t(random() % uint32_t(m.vocab_size));
+  }
+  UnitBatch batch{tokens.data(), targets.data(), B, T, 1.0f / float(B * T)};
+  std::vector<float> x(size_t(B * T * m.hidden_size)), y(x.size()), dx(x.size()), dy(x.size());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& v : x) v = normal(random);
+  for (float& v : dy) v = 0.01f * normal(random);
+  const double budget = options.short_probe ? 1.0 : 4.0;
+  const double forward = best_seconds(5, budget, [&] {
+    (void)unit_forward(model.layout, 1, model.unit_params(1), batch, x.data(), y.data(), ws);
+  });
+  const double backward = best_seconds(3, budget, [&] {
+    unit_backward(model.layout, 1, model.unit_params(1), batch, x.data(), dy.data(), dx.data(),
+                  model.unit_grads(1), ws, true);
+  });
+  const double head = best_seconds(3, budget, [&] {
+    (void)head_forward_backward(model.layout, model.unit_params(2), batch, x.data(), dx.data(),
+                                model.unit_grads(2), ws);
+  });
+  p.layer_forward_gflops = layer_forward_flops(m, B, T) / forward / 1e9;
+  p.layer_backward_gflops = layer_backward_flops(m, B, T, true) / backward / 1e9;
+  p.head_gflops = head_flops(m, B, T) / head / 1e9;
+  p.matmul_tflops_fp32 = p.layer_forward_gflops / 1e3;
+  say(options,
+      fmt::format("units at B={} T={}{}: layer forward {:.1f} GFLOP/s, backward {:.1f} "
+                  "GFLOP/s (recomputing), head {:.1f} GFLOP/s",
+                  B, T, scaled, p.layer_forward_gflops, p.layer_backward_gflops, p.head_gflops));
+  return Status::ok();
+}
+
+Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
+  HardwareProfile p;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  p.name = fmt::format("probe of {}", host[0] ? host : "this machine");
+  p.gpu = false;
+  p.cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  p.matmul_efficiency = 1.0;
+  probe_memcpy(options, p);
+  // Ranks of one process exchange through host memory: a copy each way.
+  p.network_gbps = p.memcpy_gbps / 2;
+  p.network_latency_us = 5;
+  probe_adamw(options, p);
+  if (Status s = probe_units(options, p); !s) return s;
+  if (Status s = probe_nvme(options, p); !s) return s;
+  return p;
+}
+
+std::string cached_profile_path() {
+  std::string base;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && xdg[0] != '\0')
+    base = xdg;
+  else if (const char* home = std::getenv("HOME"); home != nullptr && home[0] != '\0')
+    base = std::string(home) + "/.cache";
+  else
+    base = "/tmp";
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return fmt::format("{}/strata/hardware-{}.json", base, host[0] ? host : "local");
+}
+
+Status write_profile(const HardwareProfile& profile, const std::string& path) {
+  std::error_code error;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), error);
+  if (error)
+    return Status::io_error(fmt::format("{}: cannot create its directory: {}; give another path",
+                                        path, error.message()));
+  Result<io::AtomicFileWriter> writer = io::AtomicFileWriter::create(path);
+  if (!writer) return writer.status();
+  const std::string text = hardware_profile_json(profile);
+  if (Status s = writer->append(text.data(), text.size()); !s) return s;
+  return writer->commit();
+}
+
+}  // namespace strata::tools

@@ -1,0 +1,41 @@
+// `strata plan --probe`: this machine measured into a hardware profile
+// (core/plan/hardware_profile.h) for the step-time model, with strata's own
+// code: the CPU backend's units (a decoder layer's forward and backward, the
+// head) at the model's shapes, the AdamW kernel in each state format, host
+// copies, and NVMe through strata's I/O engine at its block size and queue
+// depth. Collectives between in-process ranks are host copies. Within about a
+// minute; a short probe (NVMe 256 MiB instead of 1 GiB) for `strata train`'s
+// first run.
+//
+// A probe is kept per machine (cached_profile_path) and reused; the units
+// are measured again at each run's shapes, since they depend on them.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/model/model_config.h"
+#include "core/plan/hardware_profile.h"
+#include "io/base/status.h"
+
+namespace strata::tools {
+
+struct ProbeOptions {
+  ModelConfig model;  // the units are measured at its shapes (one layer and the head)
+  int64_t micro_batch = 1;
+  int64_t seq_len = 128;
+  std::vector<std::string> nvme_paths;  // empty: the profile has no NVMe drive
+  bool short_probe = false;
+  std::function<void(const std::string&)> progress;  // one line per measurement
+};
+
+Result<HardwareProfile> probe_hardware(const ProbeOptions& options);
+// Measures only the units at these shapes into `profile` (the rest is kept).
+Status probe_units(const ProbeOptions& options, HardwareProfile& profile);
+
+// $XDG_CACHE_HOME/strata/hardware-HOST.json, or ~/.cache/strata/...
+std::string cached_profile_path();
+Status write_profile(const HardwareProfile& profile, const std::string& path);
+
+}  // namespace strata::tools
