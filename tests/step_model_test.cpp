@@ -46,7 +46,9 @@ TEST(StepModel, TwoLanesOverlapAndTheLongerOneIsTheStep) {
   EXPECT_DOUBLE_EQ(sim.step_seconds(0), 3.0);
   EXPECT_DOUBLE_EQ(sim.step_seconds(1), 3.0);
   for (const SimulatedOp& s : sim.ops) {
-    if (s.step == 0) EXPECT_DOUBLE_EQ(s.start, 0.0) << s.op;
+    if (s.step == 0) {
+      EXPECT_DOUBLE_EQ(s.start, 0.0) << s.op;
+    }
   }
 }
 

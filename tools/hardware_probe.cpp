@@ -17,6 +17,7 @@
 #include "io/io_engine.h"
 #include "io/safe_write.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/gemm.h"
 
 namespace strata::tools {
 namespace {
@@ -27,20 +28,22 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The fastest of `runs` timings of `work` (after one warm-up), stopping early
-// once `budget` seconds are spent: the machine's rate, not its noise.
+// The median of up to `runs` timings of `work` (after one warm-up), stopping
+// early once `budget` seconds are spent: what a run's steps see on a machine
+// others share, where the fastest timing would promise too much.
 template <typename Work>
-double best_seconds(int runs, double budget, Work&& work) {
+double median_seconds(int runs, double budget, Work&& work) {
   work();
-  double best = 1e30;
+  std::vector<double> times;
   const auto start = Clock::now();
   for (int i = 0; i < runs; ++i) {
     const auto t = Clock::now();
     work();
-    best = std::min(best, seconds_since(t));
+    times.push_back(seconds_since(t));
     if (seconds_since(start) > budget) break;
   }
-  return best;
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
 }
 
 void say(const ProbeOptions& options, const std::string& line) {
@@ -50,7 +53,7 @@ void say(const ProbeOptions& options, const std::string& line) {
 void probe_memcpy(const ProbeOptions& options, HardwareProfile& p) {
   const size_t bytes = size_t(64) << 20;
   std::vector<char> from(bytes, 1), to(bytes, 0);
-  const double s = best_seconds(8, 2.0, [&] { std::memcpy(to.data(), from.data(), bytes); });
+  const double s = median_seconds(8, 2.0, [&] { std::memcpy(to.data(), from.data(), bytes); });
   p.memcpy_gbps = 2.0 * double(bytes) / s / 1e9;  // read and written
   p.memory_gbps = p.memcpy_gbps;
   say(options, fmt::format("host copies: {:.1f} GB/s (read + written)", p.memcpy_gbps));
@@ -86,7 +89,7 @@ void probe_adamw(const ProbeOptions& options, HardwareProfile& p) {
       shard.exp_avg_sq_scale = scales.data() + n / kernels::cpu::kAdamWInt8Block + 1;
     }
     (void)kernels::cpu::first_touch_zero(shard);
-    const double s = best_seconds(5, 2.0, [&] { (void)kernels::cpu::adamw_step(shard, hyper); });
+    const double s = median_seconds(5, 2.0, [&] { (void)kernels::cpu::adamw_step(shard, hyper); });
     const double rate = double(n) / s / 1e6;
     (type == AdamWStateType::f32    ? p.adamw_mparams_fp32
      : type == AdamWStateType::bf16 ? p.adamw_mparams_bf16
@@ -192,17 +195,29 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   for (float& v : x) v = normal(random);
   for (float& v : dy) v = 0.01f * normal(random);
   const double budget = options.short_probe ? 1.0 : 4.0;
-  const double forward = best_seconds(5, budget, [&] {
+  const double forward = median_seconds(5, budget, [&] {
     (void)unit_forward(model.layout, 1, model.unit_params(1), batch, x.data(), y.data(), ws);
   });
-  const double backward = best_seconds(3, budget, [&] {
+  const double backward = median_seconds(3, budget, [&] {
     unit_backward(model.layout, 1, model.unit_params(1), batch, x.data(), dy.data(), dx.data(),
                   model.unit_grads(1), ws, true);
   });
-  const double head = best_seconds(3, budget, [&] {
+  const double head = median_seconds(3, budget, [&] {
     (void)head_forward_backward(model.layout, model.unit_params(2), batch, x.data(), dx.data(),
                                 model.unit_grads(2), ws);
   });
+  // The same forward on one thread: how the units scale with the cores, for
+  // ranks that split them.
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  double one_thread = forward;
+  if (cores > 1) {
+    kernels::cpu::set_blas_threads(1);
+    one_thread = median_seconds(3, budget, [&] {
+      (void)unit_forward(model.layout, 1, model.unit_params(1), batch, x.data(), y.data(), ws);
+    });
+    kernels::cpu::set_blas_threads(cores);
+  }
+  p.one_thread_share = std::clamp(forward / one_thread, 1.0 / cores, 1.0);
   p.layer_forward_gflops = layer_forward_flops(m, B, T) / forward / 1e9;
   p.layer_backward_gflops = layer_backward_flops(m, B, T, true) / backward / 1e9;
   p.head_gflops = head_flops(m, B, T) / head / 1e9;

@@ -41,6 +41,7 @@
 #include "io/base/sizes.h"
 #include "kernels/cpu/gemm.h"
 #include "tools/config_flags.h"
+#include "tools/hardware_probe.h"
 #include "tools/subcommand.h"
 #include "tools/train_flags.h"
 #include "tools/train_report.h"
@@ -115,6 +116,8 @@ class TrainCommand : public Subcommand {
     if (std::optional<Failure> f = choose_memory_budgets(run)) return f;
     if (std::optional<Failure> f = fill_engine_options(run)) return f;
     if (std::optional<Failure> f = connect_processes(run)) return f;
+    // Before the ranks split the BLAS threads: the probe measures the whole machine.
+    if (std::optional<Failure> f = predict_step_time(run)) return f;
     split_blas_threads(run);
     print_run_header(run);
     if (std::optional<Failure> f = create_engine(run)) return f;
@@ -234,6 +237,63 @@ class TrainCommand : public Subcommand {
     return std::nullopt;
   }
 
+  // The step-time model's prediction for this run: on --hardware's profile,
+  // or (auto, the CPU backend) this machine's cached probe with the units
+  // measured again at this run's shapes; the first run probes the machine and
+  // caches it. One line says which, and the prediction.
+  std::optional<Failure> predict_step_time(TrainingRun& run) {
+    if (f_.hardware == "none" || !run.rank0) return std::nullopt;
+    const bool gpu = run.backend.kind == kernels::BackendKind::cuda;
+    std::optional<HardwareProfile> profile;
+    std::string source;
+    if (f_.hardware != "auto") {
+      Result<HardwareProfile> loaded = load_hardware_profile(f_.hardware);
+      if (!loaded) return usage_error(loaded.status().with_context("--hardware"));
+      if (loaded->gpu != gpu)
+        return Failure{2, fmt::format("--hardware {}: a {} profile for a run on the {} backend; "
+                                      "give a {} one or --hardware none",
+                                      f_.hardware, loaded->gpu ? "GPU" : "CPU",
+                                      gpu ? "CUDA" : "CPU", gpu ? "GPU" : "CPU")};
+      profile = std::move(*loaded);
+      source = f_.hardware;
+    } else if (gpu || run.launch) {
+      return std::nullopt;  // no probe of a GPU yet; launched ranks would probe at once
+    } else {
+      ProbeOptions options;
+      options.model = *run.model;
+      options.micro_batch = run.plan->input.micro_batch;
+      options.seq_len = run.plan->input.seq_len;
+      options.nvme_paths = run.nvme_paths;
+      options.short_probe = true;
+      const std::string path = cached_profile_path();
+      if (std::filesystem::exists(path)) {
+        Result<HardwareProfile> cached = read_hardware_profile(path);
+        if (!cached) return usage_error(cached.status());
+        profile = std::move(*cached);
+        if (Status s = probe_units(options, *profile); !s) return run_error(s);
+        source = path + ", units at this run's shapes";
+      } else {
+        fmt::print("step-time model: probing this machine once (about 10 s), cached in {}\n", path);
+        Result<HardwareProfile> probed = probe_hardware(options);
+        if (!probed) return run_error(probed.status());
+        if (Status s = write_profile(*probed, path); !s)
+          fmt::print(stderr, "warning: {}; the probe is not kept\n", s.message());
+        profile = std::move(*probed);
+        source = path;
+      }
+    }
+    run.prediction = predict_step(*run.plan, *profile);
+    run.summary.predicted_seconds = run.prediction->steady_seconds;
+    run.summary.predicted_first_seconds = run.prediction->cold_seconds;
+    run.summary.predicted_by = profile->name;
+    fmt::print(
+        "step-time model ({}): predicted {:.1f} ms per step, {:.1f} ms the first; bound "
+        "by the {} lane and the {}\n",
+        source, 1e3 * run.prediction->steady_seconds, 1e3 * run.prediction->cold_seconds,
+        lane_name(run.prediction->bound_lane), resource_name(run.prediction->bound_resource));
+    return std::nullopt;
+  }
+
   void print_training_plan(const TrainingRun& run) {
     std::string text = format_training_plan(*run.plan);
     if (!text.empty() && text.back() != '\n') text += '\n';
@@ -333,8 +393,8 @@ class TrainCommand : public Subcommand {
     if (!f_.export_path.empty()) {
       const fs::path parent = fs::absolute(f_.export_path).parent_path();
       if (!fs::is_directory(parent))
-        return Failure{2, fmt::format("--export {}: the directory {} does not exist", f_.export_path,
-                                      parent.string())};
+        return Failure{2, fmt::format("--export {}: the directory {} does not exist",
+                                      f_.export_path, parent.string())};
     }
     Result<DType> export_dtype = parse_dtype(f_.export_dtype);
     if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
@@ -448,9 +508,10 @@ class TrainCommand : public Subcommand {
 
   // --gemm, else STRATA_GEMM, before the first product loads OpenBLAS.
   std::optional<Failure> choose_cpu_kernels() {
-    Status chosen = f_.gemm == "auto"
-                        ? kernels::cpu::select_gemm_kernel_from_environment()
-                        : kernels::cpu::select_gemm_kernel(*kernels::cpu::parse_gemm_kernel(f_.gemm));
+    Status chosen =
+        f_.gemm == "auto"
+            ? kernels::cpu::select_gemm_kernel_from_environment()
+            : kernels::cpu::select_gemm_kernel(*kernels::cpu::parse_gemm_kernel(f_.gemm));
     if (!chosen.is_ok()) return usage_error(chosen);
     return std::nullopt;
   }
@@ -486,7 +547,7 @@ class TrainCommand : public Subcommand {
         B, T, plan.input.grad_accum, run.tokens_per_step, precision_name(run.config.precision),
         !f_.resume.empty()     ? "resuming " + run.options.resume_from
         : f_.init_path.empty() ? fmt::format("random init (seed {})", f_.seed)
-                             : "from " + f_.init_path);
+                               : "from " + f_.init_path);
     if (run.data->order.is_shuffled())
       fmt::print("data: {} sequences, {}, a new order every pass\n",
                  run.data->file.sequence_count(T), run.data->order.describe());
@@ -615,9 +676,10 @@ class TrainCommand : public Subcommand {
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
     progress_->end();
     if (stop_requested.load())
-      fmt::print(
-          "stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
-          f_.save_dir.empty() ? "" : "; the checkpoint above resumes it with --resume " + f_.save_dir);
+      fmt::print("stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),
+                 f_.save_dir.empty()
+                     ? ""
+                     : "; the checkpoint above resumes it with --resume " + f_.save_dir);
     fmt::print("{}", format_run_summary(summary));
     return std::nullopt;
   }

@@ -157,6 +157,11 @@ void add_output_and_checkpoint_options(CLI::App& cmd, TrainFlags& flags) {
   cmd.add_option("--metrics", flags.metrics_path,
                  "Write one JSON object per step to this .jsonl file")
       ->group(kOutputGroup);
+  cmd.add_option("--hardware", flags.hardware,
+                 "The step-time model's profile, to predict each step beside its measurement: "
+                 "auto (this machine's cached probe, made on first use; the CPU backend), none, "
+                 "a preset (h100-sxm/gen5x2, ...) or a profile file")
+      ->default_str("auto");
   cmd.add_option("--trace", flags.trace_path,
                  "Write a Chrome/Perfetto trace of every plan operation on its lane (open in "
                  "ui.perfetto.dev)")

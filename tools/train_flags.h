@@ -36,6 +36,8 @@ struct TrainFlags {
   std::string resume;
   bool print_config = false;
   bool print_plan = false;
+  std::string hardware =
+      "auto";  // --hardware: auto (this machine's probe), none, a preset or a file
 };
 
 // Defines every flag of `strata train` on `cmd`, storing into `flags`, which

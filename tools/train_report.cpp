@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -104,6 +105,10 @@ Status MetricsWriter::write(const StepReport& report) {
   if (report.fp16) j["loss_scale"] = r.loss_scale;
   j["skipped"] = r.skipped;
   if (report.eval_loss) j["eval_loss"] = number(*report.eval_loss);
+  if (report.predicted_seconds) {
+    j["predicted_step_time_s"] = number(*report.predicted_seconds);
+    j["predicted_by"] = report.predicted_by;
+  }
   return write_text(file_, path_, j.dump() + "\n");
 }
 
@@ -282,6 +287,18 @@ std::string format_run_summary(const RunSummary& s) {
   out += "\n";
   if (s.first_loss && s.last_loss)
     out += fmt::format("loss {:.4f} -> {:.4f}\n", *s.first_loss, *s.last_loss);
+  if (s.predicted_seconds && s.step_seconds.size() > 1) {
+    // The steps after the first against the model's steady step.
+    std::vector<double> later(s.step_seconds.begin() + 1, s.step_seconds.end());
+    std::nth_element(later.begin(), later.begin() + ptrdiff_t(later.size() / 2), later.end());
+    const double measured = later[later.size() / 2];
+    out += fmt::format(
+        "step time: measured {} (median after the first), predicted {} on {}: {:+.1f}%; first "
+        "step measured {}, predicted {}\n",
+        format_seconds(measured), format_seconds(*s.predicted_seconds), s.predicted_by,
+        100.0 * (*s.predicted_seconds - measured) / measured, format_seconds(s.step_seconds[0]),
+        format_seconds(s.predicted_first_seconds.value_or(0)));
+  }
   out += "peak memory per rank:";
   for (int t = 0; t < tiers::kTierCount; ++t) {
     const tiers::TierUsage& u = s.usage[t];
@@ -307,8 +324,8 @@ std::string format_run_summary(const RunSummary& s) {
   }
   out += "\nby operation:";
   static constexpr OpKind kinds[] = {
-      OpKind::fetch,  OpKind::gather,   OpKind::forward,   OpKind::release,   OpKind::backward,
-      OpKind::reduce, OpKind::exchange, OpKind::decide,   OpKind::optimizer, OpKind::writeback,
+      OpKind::fetch,  OpKind::gather,   OpKind::forward, OpKind::release,   OpKind::backward,
+      OpKind::reduce, OpKind::exchange, OpKind::decide,  OpKind::optimizer, OpKind::writeback,
       OpKind::sync,   OpKind::spill,    OpKind::restore};
   for (OpKind kind : kinds) {
     const double seconds = s.lanes.kind_seconds[static_cast<size_t>(kind)] / std::max(1, s.world);

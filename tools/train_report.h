@@ -29,6 +29,8 @@ struct StepReport {
   int64_t tokens_processed = 0;  // B * T * G * W, masked targets included
   std::optional<double> eval_loss;
   bool fp16 = false;
+  std::optional<double> predicted_seconds;  // the step-time model's steady step
+  std::string predicted_by;                 // the hardware profile it used
 };
 
 // The step's throughput, as the metrics file, the monitors and the progress
@@ -118,6 +120,10 @@ struct RunSummary {
   uint64_t budget[tiers::kTierCount] = {0, 0,
                                         0};  // per rank: as given or chosen; nvme: the swap file
   int world = 1;
+  std::vector<double> step_seconds;         // every step's, in order
+  std::optional<double> predicted_seconds;  // the step-time model's steady step
+  std::optional<double> predicted_first_seconds;
+  std::string predicted_by;
 };
 
 // Several lines: throughput, memory per tier, NVMe traffic, stall, time per lane.

@@ -179,6 +179,9 @@ StepReport account_step(RunSummary& summary, int64_t s, const StepResult& step,
   summary.stall_seconds += step.stall_seconds;
   summary.nvme_read += step.nvme_read_bytes;
   summary.nvme_written += step.nvme_written_bytes;
+  summary.step_seconds.push_back(step.seconds);
+  report.predicted_seconds = summary.predicted_seconds;
+  report.predicted_by = summary.predicted_by;
   if (s == 1) {
     summary.first_loss = step.loss;
     summary.first_step_seconds = step.seconds;

@@ -20,6 +20,7 @@
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "core/plan/planner.h"
+#include "core/plan/step_model.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
 #include "tools/csv_monitor_writer.h"
@@ -115,6 +116,7 @@ struct TrainingRun {
   std::unique_ptr<Engine> engine;
   std::optional<TraceWriter> trace;
   int64_t tokens_per_step = 0;
+  std::optional<StepPrediction> prediction;  // the step-time model's, when a profile is known
   RunSummary summary;
   Clock::time_point start;  // of the first step
   int64_t saved_at = -1;    // the step of the last checkpoint written

@@ -28,6 +28,13 @@ double HardwareProfile::matmul_flops(Precision precision) const {
   return peak * 1e12 * matmul_efficiency;
 }
 
+double HardwareProfile::thread_share(int threads) const {
+  if (cores <= 1 || threads >= cores) return 1.0;
+  // Linear in the threads between one (one_thread_share) and all cores (1).
+  const double t = double(std::max(1, threads) - 1) / double(cores - 1);
+  return one_thread_share + t * (1.0 - one_thread_share);
+}
+
 double HardwareProfile::adamw_params_per_second(OptimizerStateDtype state) const {
   const double rate = state == OptimizerStateDtype::bf16   ? adamw_mparams_bf16
                       : state == OptimizerStateDtype::int8 ? adamw_mparams_int8
@@ -146,6 +153,7 @@ Result<HardwareProfile> parse_hardware_profile(const std::string& text, const st
     units.optional_double("layer_forward_gflops", p.layer_forward_gflops, 0);
     units.optional_double("layer_backward_gflops", p.layer_backward_gflops, 0);
     units.optional_double("head_gflops", p.head_gflops, 0);
+    units.optional_double("one_thread_share", p.one_thread_share, 0.0001, 1.0);
   }
   {
     JsonReader host = in.object("host");
@@ -231,7 +239,8 @@ std::string hardware_profile_json(const HardwareProfile& p) {
   if (!p.gpu)
     j["cpu_units"] = {{"layer_forward_gflops", p.layer_forward_gflops},
                       {"layer_backward_gflops", p.layer_backward_gflops},
-                      {"head_gflops", p.head_gflops}};
+                      {"head_gflops", p.head_gflops},
+                      {"one_thread_share", p.one_thread_share}};
   j["host"] = {{"memcpy_gbps", p.memcpy_gbps},
                {"cores", p.cores},
                {"adamw_mparams_per_s",

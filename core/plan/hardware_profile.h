@@ -10,7 +10,8 @@
 //                "attention_tflops": F,      // cpu: the attention kernel's rate
 //                "memory_gbps": F, "memory_gib": F},
 //    "cpu_units": {"layer_forward_gflops": F, "layer_backward_gflops": F,
-//                  "head_gflops": F},        // cpu: the units' measured rates
+//                  "head_gflops": F,         // cpu: the units' measured rates
+//                  "one_thread_share": F},   // on one thread, as a share of all cores
 //    "host": {"memcpy_gbps": F, "cores": N,
 //             "adamw_mparams_per_s": {"fp32": F, "bf16": F, "int8": F}},
 //    "pcie": {"h2d_gbps": F, "d2h_gbps": F, "latency_us": F},
@@ -48,6 +49,11 @@ struct HardwareProfile {
   double memory_gib = 0;
   // The CPU backend's units, measured at the probed model's shapes (0: from the GEMM rate).
   double layer_forward_gflops = 0, layer_backward_gflops = 0, head_gflops = 0;
+  // The units' rate on one thread as a share of theirs on every core (1: no
+  // gain from more cores); ranks that split the cores get the share between.
+  double one_thread_share = 1.0;
+  // The units' rate with `threads` of the `cores`, as a share of theirs on all.
+  double thread_share(int threads) const;
   // Host. memcpy_gbps counts the bytes a copy reads and writes, per second.
   double memcpy_gbps = 10;
   int cores = 1;

@@ -164,6 +164,17 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
     return (t.h2d > 0 ? uint32_t(Resource::pcie_h2d) : 0u) |
            (t.d2h > 0 ? uint32_t(Resource::pcie_d2h) : 0u);
   };
+  // On the CPU backend the node's ranks split the cores: each runs its units
+  // on its share of the BLAS threads (at the rate the probe measured for that
+  // many), its optimizer lane on one thread (while there are cores enough),
+  // and copies on its share of the host's bandwidth.
+  const int node_ranks = gpu ? 1 : std::max(1, in.budgets.node_ranks(in.world_size));
+  const double ranks = double(node_ranks);
+  const double unit_share = gpu ? 1.0
+                                : hw.thread_share(std::max(1, hw.cores / node_ranks)) *
+                                      std::min(1.0, double(hw.cores) / ranks);
+  const double optimizer_share = gpu ? 1.0 : std::min(1.0, double(hw.cores) / ranks);
+  const double memcpy_gbps = hw.memcpy_gbps / ranks;
   std::vector<OpCost> costs(plan.ops.size());
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
@@ -181,6 +192,7 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
                                   : op.kind == OpKind::forward ? hw.layer_forward_gflops
                                                                : hw.layer_backward_gflops;
           if (measured > 0) rate = measured * 1e9;
+          rate *= unit_share;
         }
         // The embedding and the element-wise work move (B*T, C) activations a few times.
         const double activations = double(plan.tokens_per_micro) * double(in.model.hidden_size) * 4;
@@ -200,7 +212,7 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         const double bytes = double(op.bytes);
         c.seconds = plan.activation_home() == tiers::Tier::nvme
                         ? nvme_seconds(t)
-                        : seconds_for(2 * bytes, hw.memcpy_gbps, 0);
+                        : seconds_for(2 * bytes, memcpy_gbps, 0);
         c.seconds += pcie_seconds(t);
         c.resources = (plan.activation_home() == tiers::Tier::nvme ? uint32_t(Resource::nvme)
                                                                    : uint32_t(Resource::cores)) |
@@ -212,10 +224,9 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         // Into the gathered buffer (widened to fp32 on the CPU backend), and over the ring.
         const double local =
             double(p->padded_numel) * (gpu ? plan.compute_bytes : 4 + plan.compute_bytes);
-        c.seconds =
-            collective_seconds(plan, hw, t.collective) +
-            (op.kind == OpKind::gather && !gpu ? seconds_for(local, hw.memcpy_gbps, 0) : 0) +
-            pcie_seconds(t);
+        c.seconds = collective_seconds(plan, hw, t.collective) +
+                    (op.kind == OpKind::gather && !gpu ? seconds_for(local, memcpy_gbps, 0) : 0) +
+                    pcie_seconds(t);
         c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) |
                       (gpu ? 0u : uint32_t(Resource::cores)) | pcie_bits(t);
         break;
@@ -225,7 +236,7 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         const double accumulate = 3.0 * double(p->grad_numel) * (plan.homes.grad_bf16 ? 2 : 4);
         const bool on_host = !gpu || plan.homes.grad != tiers::Tier::device;
         c.seconds = collective_seconds(plan, hw, t.collective) + pcie_seconds(t) + nvme_seconds(t) +
-                    (on_host ? seconds_for(accumulate, hw.memcpy_gbps, 0) : 0);
+                    (on_host ? seconds_for(accumulate, memcpy_gbps, 0) : 0);
         c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) | pcie_bits(t) |
                       (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u) |
                       (on_host ? uint32_t(Resource::cores) : 0u);
@@ -235,11 +246,12 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         const double params = double(p->optimizer_numel);
         const bool on_gpu = gpu && plan.homes.optimizer == tiers::Tier::device;
         // On a GPU AdamW is memory-bound: master, m, v, gradient read, three written.
-        const double update = on_gpu
-                                  ? seconds_for(params * 28, hw.memory_gbps, 0)
-                                  : (hw.adamw_params_per_second(in.optimizer_state) > 0
-                                         ? params / hw.adamw_params_per_second(in.optimizer_state)
-                                         : 0);
+        const double update =
+            on_gpu
+                ? seconds_for(params * 28, hw.memory_gbps, 0)
+                : (hw.adamw_params_per_second(in.optimizer_state) > 0
+                       ? params / (hw.adamw_params_per_second(in.optimizer_state) * optimizer_share)
+                       : 0);
         // The streamed optimizer reads and writes its chunks while it updates.
         c.seconds = std::max(update, nvme_seconds(t)) + pcie_seconds(t);
         c.resources = (on_gpu ? uint32_t(Resource::device) : uint32_t(Resource::cores)) |

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""The step-time model against measured runs, on this machine's CPU backend.
+
+    python3 benches/predict_vs_measure.py --strata build/tools/strata --nvme-path DIR
+            [--steps 10] [--only N,M] [--profile FILE] [--json OUT]
+
+First `strata plan --probe` measures this machine into a profile (the units
+at the bench's shapes, AdamW per state format, host copies, NVMe under
+DIR), written before any run and never changed by them: nothing is fitted to
+the runs. Then for each configuration below (fixed here: ZeRO stages 0-3,
+parameters and optimizer state on the device, in host memory or on NVMe,
+accumulation 1-8, both schedules, the activation homes, fp32/bf16/int8
+optimizer state, 1-3 in-process ranks; the `small` preset at 8 x 128 tokens a
+micro-batch) it runs `strata train --hardware PROFILE --trace --metrics` and
+compares:
+
+  step time   the median of the measured steps after the first, against the
+              prediction in the metrics (predicted_step_time_s)
+  lane busy   each lane's busy time per step in the trace (steps after the
+              first), against `strata plan --hardware PROFILE --json`'s
+
+and prints a table, the median and worst |predicted - measured| / measured,
+and exits 1 when the median passes 10% or the worst 25% (the issue's bounds).
+Python's standard library only.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+BASE = ["--model", "small", "--backend", "cpu", "--seq-len", "128", "--micro-batch", "8"]
+
+# name, flags. Each is a distinct placement, schedule or size of the step.
+CONFIGS = [
+    ("s0 device", ["--zero-stage", "0"]),
+    ("s0 G8 micro", ["--zero-stage", "0", "--grad-accum", "8", "--schedule", "micro_batch"]),
+    ("s0 G8 layer", ["--zero-stage", "0", "--grad-accum", "8", "--schedule", "layer"]),
+    ("s1 opt cpu", ["--zero-stage", "1", "--offload-optimizer", "cpu"]),
+    ("s2 opt cpu G2", ["--zero-stage", "2", "--offload-optimizer", "cpu", "--grad-accum", "2"]),
+    ("s2 opt nvme G2", ["--zero-stage", "2", "--offload-optimizer", "nvme", "--grad-accum", "2"]),
+    ("s3 cpu/cpu", ["--zero-stage", "3", "--offload-param", "cpu", "--offload-optimizer", "cpu"]),
+    ("s3 cpu/cpu G4 layer", ["--zero-stage", "3", "--offload-param", "cpu", "--offload-optimizer", "cpu",
+                             "--grad-accum", "4", "--schedule", "layer"]),
+    ("s3 nvme/nvme", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme"]),
+    ("s3 nvme/nvme G4 micro", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+                               "--grad-accum", "4", "--schedule", "micro_batch"]),
+    ("s3 nvme/nvme G4 layer", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+                               "--grad-accum", "4", "--schedule", "layer"]),
+    ("s3 nvme/nvme G8 layer act host", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer",
+                                        "nvme", "--grad-accum", "8", "--schedule", "layer",
+                                        "--activation-home", "host"]),
+    ("s3 nvme/nvme G8 layer act nvme", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer",
+                                        "nvme", "--grad-accum", "8", "--schedule", "layer",
+                                        "--activation-home", "nvme"]),
+    ("s3 nvme/nvme bf16 state G2", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer",
+                                    "nvme", "--grad-accum", "2", "--optimizer-state-dtype", "bf16"]),
+    ("s3 nvme/nvme int8 state G2", ["--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer",
+                                    "nvme", "--grad-accum", "2", "--optimizer-state-dtype", "int8"]),
+    ("s3 cpu/cpu int8 state", ["--zero-stage", "3", "--offload-param", "cpu", "--offload-optimizer", "cpu",
+                               "--optimizer-state-dtype", "int8"]),
+    ("s1 W2", ["--zero-stage", "1", "--world-size", "2"]),
+    ("s2 W2 opt cpu G2", ["--zero-stage", "2", "--world-size", "2", "--offload-optimizer", "cpu",
+                          "--grad-accum", "2"]),
+    ("s3 W2 cpu/cpu", ["--zero-stage", "3", "--world-size", "2", "--offload-param", "cpu",
+                       "--offload-optimizer", "cpu"]),
+    ("s3 W2 nvme/nvme G2 layer", ["--zero-stage", "3", "--world-size", "2", "--offload-param", "nvme",
+                                  "--offload-optimizer", "nvme", "--grad-accum", "2", "--schedule", "layer"]),
+    ("s1 W3", ["--zero-stage", "1", "--world-size", "3"]),
+    ("s3 W3 nvme/nvme", ["--zero-stage", "3", "--world-size", "3", "--offload-param", "nvme",
+                         "--offload-optimizer", "nvme"]),
+]
+LANES = ["io", "comm", "compute", "optimizer", "activations"]
+
+
+def run(command, **kwargs):
+    result = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)}\nfailed ({result.returncode}): {result.stderr.strip()[-600:]}")
+    return result
+
+
+def trace_lane_busy(path, steps):
+    """Seconds each lane of rank 0 worked per step in a strata train trace, steps after the first."""
+    text = open(path).read().rstrip()
+    if not text.endswith("]}"):
+        text = text.rstrip(",\n") + "]}"
+    events = json.loads(text)["traceEvents"]
+    busy = {lane: 0.0 for lane in LANES}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") != 0 or e["args"].get("step", 0) < 1:
+            continue
+        busy[LANES[e["tid"]]] += e["dur"] / 1e6
+    return {lane: seconds / (steps - 1) for lane, seconds in busy.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strata", required=True)
+    parser.add_argument("--nvme-path", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", help="comma-separated indices of the configurations to run")
+    parser.add_argument("--profile", help="use this profile instead of probing first")
+    parser.add_argument("--json", help="write the table as JSON here")
+    args = parser.parse_args()
+    chosen = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
+    version = run([args.strata, "--version"]).stdout.strip().splitlines()
+    print("\n".join(version))
+    with tempfile.TemporaryDirectory() as work:
+        profile = args.profile or os.path.join(work, "profile.json")
+        if not args.profile:
+            probe = run([args.strata, "plan", *BASE, "--zero-stage", "3", "--offload-param", "nvme",
+                         "--offload-optimizer", "nvme", "--nvme-path", args.nvme_path, "--probe",
+                         "--probe-out", profile])
+            print(probe.stderr.strip())
+        data = os.path.join(work, "demo")
+        run([args.strata, "demo-data", "--out", data])
+        rows = []
+        for name, flags in chosen:
+            common = [*BASE, *flags, "--nvme-path", args.nvme_path, "--hardware", profile]
+            planned = json.loads(run([args.strata, "plan", *common, "--json"]).stdout)["prediction"]
+            metrics, trace = os.path.join(work, "m.jsonl"), os.path.join(work, "t.json")
+            run([args.strata, "train", *common, "--data", os.path.join(data, "train.bin"), "--steps",
+                 str(args.steps), "--lr", "1e-3", "--metrics", metrics, "--trace", trace])
+            lines = [json.loads(line) for line in open(metrics)]
+            measured = statistics.median(line["step_time_s"] for line in lines[1:])
+            predicted = lines[-1]["predicted_step_time_s"]
+            lanes = trace_lane_busy(trace, args.steps)
+            row = {"name": name, "flags": " ".join(flags), "measured_s": measured, "predicted_s": predicted,
+                   "error": (predicted - measured) / measured,
+                   "first_measured_s": lines[0]["step_time_s"],
+                   "first_predicted_s": planned["first_step_seconds"],
+                   "lanes_measured": lanes, "lanes_predicted": planned["lane_busy_seconds"],
+                   "bound": f"{planned['bound_lane']} / {planned['bound_resource']}"}
+            rows.append(row)
+            print(f"{name:32s} measured {1e3 * measured:8.1f} ms  predicted {1e3 * predicted:8.1f} ms  "
+                  f"{100 * row['error']:+6.1f}%   compute {1e3 * lanes['compute']:7.1f} / "
+                  f"{1e3 * planned['lane_busy_seconds']['compute']:7.1f} ms  optimizer "
+                  f"{1e3 * lanes['optimizer']:6.1f} / {1e3 * planned['lane_busy_seconds']['optimizer']:6.1f} ms  "
+                  f"bound {row['bound']}", flush=True)
+    errors = sorted(abs(r["error"]) for r in rows)
+    median, worst = statistics.median(errors), errors[-1]
+    print(f"{len(rows)} configurations: median |predicted - measured| / measured {100 * median:.1f}%, "
+          f"worst {100 * worst:.1f}% (bounds 10% and 25%)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if median <= 0.10 and worst <= 0.25 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
