@@ -19,7 +19,9 @@ compares:
   lane busy   each lane's busy time per step in the trace (steps after the
               first), against `strata plan --hardware PROFILE --json`'s
 
-and prints a table, the median and worst |predicted - measured| / measured,
+each configuration --rounds times (default 2, in alternating order, the
+measured step the median over the rounds), and prints a table, the median and
+worst |predicted - measured| / measured,
 and exits 1 when the median passes 10% or the worst 25% (the issue's bounds).
 Python's standard library only.
 """
@@ -101,6 +103,9 @@ def main():
     parser.add_argument("--strata", required=True)
     parser.add_argument("--nvme-path", required=True)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of every configuration, in alternating order; the measured step "
+                             "is the median over them (the machine's load changes under a bench)")
     parser.add_argument("--only", help="comma-separated indices of the configurations to run")
     parser.add_argument("--profile", help="use this profile instead of probing first")
     parser.add_argument("--json", help="write the table as JSON here")
@@ -117,20 +122,29 @@ def main():
             print(probe.stderr.strip())
         data = os.path.join(work, "demo")
         run([args.strata, "demo-data", "--out", data])
+        measured_steps = {name: [] for name, _ in chosen}
+        lane_rounds = {name: [] for name, _ in chosen}
+        planned_of, predicted_of = {}, {}
+        for round_ in range(args.rounds):
+            order = chosen if round_ % 2 == 0 else list(reversed(chosen))
+            for name, flags in order:
+                common = [*BASE, *flags, "--nvme-path", args.nvme_path, "--hardware", profile]
+                if name not in planned_of:
+                    planned_of[name] = json.loads(run([args.strata, "plan", *common, "--json"]).stdout)["prediction"]
+                metrics, trace = os.path.join(work, "m.jsonl"), os.path.join(work, "t.json")
+                run([args.strata, "train", *common, "--data", os.path.join(data, "train.bin"), "--steps",
+                     str(args.steps), "--lr", "1e-3", "--metrics", metrics, "--trace", trace])
+                lines = [json.loads(line) for line in open(metrics)]
+                measured_steps[name].append(statistics.median(line["step_time_s"] for line in lines[1:]))
+                predicted_of[name] = lines[-1]["predicted_step_time_s"]
+                lane_rounds[name].append(trace_lane_busy(trace, args.steps))
         rows = []
         for name, flags in chosen:
-            common = [*BASE, *flags, "--nvme-path", args.nvme_path, "--hardware", profile]
-            planned = json.loads(run([args.strata, "plan", *common, "--json"]).stdout)["prediction"]
-            metrics, trace = os.path.join(work, "m.jsonl"), os.path.join(work, "t.json")
-            run([args.strata, "train", *common, "--data", os.path.join(data, "train.bin"), "--steps",
-                 str(args.steps), "--lr", "1e-3", "--metrics", metrics, "--trace", trace])
-            lines = [json.loads(line) for line in open(metrics)]
-            measured = statistics.median(line["step_time_s"] for line in lines[1:])
-            predicted = lines[-1]["predicted_step_time_s"]
-            lanes = trace_lane_busy(trace, args.steps)
+            planned, predicted = planned_of[name], predicted_of[name]
+            measured = statistics.median(measured_steps[name])
+            lanes = {lane: statistics.median(r[lane] for r in lane_rounds[name]) for lane in LANES}
             row = {"name": name, "flags": " ".join(flags), "measured_s": measured, "predicted_s": predicted,
-                   "error": (predicted - measured) / measured,
-                   "first_measured_s": lines[0]["step_time_s"],
+                   "error": (predicted - measured) / measured, "rounds_s": measured_steps[name],
                    "first_predicted_s": planned["first_step_seconds"],
                    "lanes_measured": lanes, "lanes_predicted": planned["lane_busy_seconds"],
                    "bound": f"{planned['bound_lane']} / {planned['bound_resource']}"}
@@ -139,6 +153,7 @@ def main():
                   f"{100 * row['error']:+6.1f}%   compute {1e3 * lanes['compute']:7.1f} / "
                   f"{1e3 * planned['lane_busy_seconds']['compute']:7.1f} ms  optimizer "
                   f"{1e3 * lanes['optimizer']:6.1f} / {1e3 * planned['lane_busy_seconds']['optimizer']:6.1f} ms  "
+                  f"rounds {' '.join(f'{1e3 * x:.0f}' for x in measured_steps[name])} ms  "
                   f"bound {row['bound']}", flush=True)
     errors = sorted(abs(r["error"]) for r in rows)
     median, worst = statistics.median(errors), errors[-1]

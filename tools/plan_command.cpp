@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "tools/config_flags.h"
 #include "tools/hardware_probe.h"
+#include "tools/plan_tune.h"
 #include "tools/subcommand.h"
 #include "tools/train_report.h"
 
@@ -64,6 +65,13 @@ class PlanCommand : public Subcommand {
     cmd->add_option("--probe-out", probe_out_,
                     "Where --probe writes the profile (default: the machine's cache, " +
                         cached_profile_path() + ")");
+    cmd->add_flag("--tune", tune_,
+                  "Search micro-batch x accumulation (at the same tokens per step), ZeRO stage, "
+                  "offload placements, schedule, activation home and fetch slots for the fastest "
+                  "plans that fit, by the step-time model; prints the five fastest with their "
+                  "flags and DeepSpeed config (needs a hardware profile)");
+    cmd->add_flag("--allow-approximate", allow_approximate_,
+                  "--tune may also pick bf16 or int8 optimizer state (not bitwise AdamW)");
     cmd->add_option("--timeline", timeline_,
                     "Write the predicted steps as a Perfetto trace in the form of `strata train "
                     "--trace`, to open beside a measured one");
@@ -151,6 +159,16 @@ class PlanCommand : public Subcommand {
     if (!valid.is_ok()) return valid;
     Result<std::optional<HardwareProfile>> hardware = hardware_profile(input, c, model);
     if (!hardware) return hardware.status();
+    if (tune_) {
+      if (!*hardware)
+        return Status::invalid_argument(
+            "--tune needs a hardware profile: --probe, --hardware PRESET|FILE, or a cached probe");
+      Result<TuneResult> tuned =
+          tune_plan(c, model, {backend_ == "cuda"}, input.budgets, **hardware, allow_approximate_);
+      if (!tuned) return tuned.status();
+      fmt::print("{}", format_tune_result(*tuned));
+      return tuned->fastest.empty() ? 1 : 0;
+    }
 
     if (ops_) {
       if (model_.empty())
@@ -285,6 +303,8 @@ class PlanCommand : public Subcommand {
   bool probe_ = false;
   std::string probe_out_;
   std::string timeline_;
+  bool tune_ = false;
+  bool allow_approximate_ = false;
 };
 
 SubcommandRegistration registration([] { return std::make_unique<PlanCommand>(); });

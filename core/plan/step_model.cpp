@@ -234,7 +234,10 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
       case OpKind::reduce: {
         // The micro-batch's gradient added into the accumulator: read both, write one.
         const double accumulate = 3.0 * double(p->grad_numel) * (plan.homes.grad_bf16 ? 2 : 4);
-        const bool on_host = !gpu || plan.homes.grad != tiers::Tier::device;
+        // On a GPU the host adds a gradient only when one comes down: every
+        // micro-batch's, or only the last's when they add up on the device.
+        const bool comes_down = !plan.gpu_grads_summed_on_device() || op.micro == in.grad_accum - 1;
+        const bool on_host = !gpu || (plan.homes.grad != tiers::Tier::device && comes_down);
         c.seconds = collective_seconds(plan, hw, t.collective) + pcie_seconds(t) + nvme_seconds(t) +
                     (on_host ? seconds_for(accumulate, memcpy_gbps, 0) : 0);
         c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) | pcie_bits(t) |
