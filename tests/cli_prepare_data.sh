@@ -212,7 +212,8 @@ refuse() {  # NAME PATTERN -- ARGS
   "$strata" prepare-data "$@" >/dev/null 2>"$dir/err"
   local status=$?
   [ $status -eq 2 ] && grep -q -- "$pattern" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
-  check "$name (exit $status: $(head -c 160 "$dir/err"))" $?
+  local result=$?  # before the substitution below, which sets $? again
+  check "$name (exit $status: $(head -c 160 "$dir/err"))" $result
 }
 before=$(md5sum "$dir/data/train.bin" "$dir/data/train.mask")
 mkdir -p "$dir/empty"

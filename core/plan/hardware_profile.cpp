@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/config/json_util.h"
@@ -221,6 +222,12 @@ Result<HardwareProfile> load_hardware_profile(const std::string& preset_or_path)
   const std::vector<std::string> presets = hardware_preset_names();
   if (std::find(presets.begin(), presets.end(), name) != presets.end())
     return hardware_preset(preset_or_path);
+  std::error_code error;
+  if (!std::filesystem::exists(preset_or_path, error))
+    return Status::not_found(fmt::format(
+        "{}: neither a preset ({}, each with /gen4xN or /gen5xN) nor a profile file (strata plan "
+        "--probe writes one)",
+        preset_or_path, fmt::join(presets, ", ")));
   return read_hardware_profile(preset_or_path);
 }
 

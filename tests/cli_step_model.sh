@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The step-time model on the command line: `strata plan --hardware PRESET`
+# prints a prediction (and --json's `prediction`), --timeline writes a trace
+# in the form of `strata train --trace`, --tune prints the fastest plans with
+# their flags and DeepSpeed config, --probe writes a profile that --hardware
+# reads back, a bad preset or profile is one line naming it and the key, and
+# `strata train --hardware FILE` reports the prediction beside the
+# measurement in its summary and its metrics. No timing is checked.
+# Usage: cli_step_model.sh STRATA_BINARY REPO_ROOT
+set -uo pipefail
+strata="$1"
+source "$(dirname "$0")/check_support.sh"
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+export XDG_CACHE_HOME="$dir/cache"  # this test's probes stay in it
+
+plan=(plan --model small --backend cpu --seq-len 64 --micro-batch 2 --zero-stage 3
+      --offload-param cpu --offload-optimizer cpu)
+
+"$strata" "${plan[@]}" --probe --probe-out "$dir/profile.json" >"$dir/out" 2>"$dir/err"
+check "--probe exits 0" $?
+grep -q "probe: units at B=2 T=64" "$dir/err" && grep -q "probe: wrote $dir/profile.json" "$dir/err"
+check "--probe says what it measured and where it wrote the profile" $?
+grep -q "^predicted on probe of " "$dir/out"
+check "--probe predicts with the profile it made" $?
+
+"$strata" "${plan[@]}" --hardware "$dir/profile.json" --json >"$dir/plan.json" 2>"$dir/err"
+python3 - "$dir/plan.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))["prediction"]
+assert p["step_seconds"] > 0 and p["first_step_seconds"] > 0, p
+assert set(p["lane_busy_seconds"]) == {"io", "comm", "compute", "optimizer", "activations"}, p
+assert p["bound_lane"] in p["lane_busy_seconds"], p
+PY
+check "--json holds the prediction: step times, lanes, what bounds it" $?
+
+"$strata" "${plan[@]}" --hardware "$dir/profile.json" --timeline "$dir/timeline.json" >/dev/null 2>&1
+python3 - "$dir/timeline.json" <<'PY'
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+ops = [e for e in events if e["ph"] == "X"]
+assert ops and all(e["dur"] >= 0 and "step" in e["args"] for e in ops), ops[:3]
+assert {e["args"]["step"] for e in ops} == {0, 1, 2, 3}
+assert any(e["ph"] == "M" and e["args"].get("name") == "compute" for e in events)
+PY
+check "--timeline writes the simulated steps as a trace" $?
+
+"$strata" "${plan[@]}" --grad-accum 2 --hardware "$dir/profile.json" --tune >"$dir/tune" 2>&1
+check "--tune exits 0" $?
+[ "$(grep -c '^   strata train --micro-batch' "$dir/tune")" = 5 ] &&
+  [ "$(grep -c '^   DeepSpeed config: {' "$dir/tune")" = 5 ] && grep -q "configurations tried" "$dir/tune"
+check "--tune prints the five fastest, each with flags and a DeepSpeed config" $?
+python3 - "$dir/tune" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("   DeepSpeed config: "):
+        c = json.loads(line[len("   DeepSpeed config: "):])
+        assert c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] == 4, c
+PY
+check "--tune keeps the tokens per step (micro-batch x accumulation = 4)" $?
+
+if "$strata" --version | grep -q "CUDA backend: built"; then
+  "$strata" plan --model llama3-8b --backend cuda --precision bf16 --zero-stage 3 \
+    --offload-param nvme --offload-optimizer nvme --nvme-path "$dir" --nvme-limit 8T \
+    --host-mem-limit 512G --seq-len 4096 --grad-accum 2 --hardware h100-sxm/gen5x2 >"$dir/out" 2>&1
+  grep -q "predicted on h100-sxm with 2 Gen5 NVMe drives: .* MFU" "$dir/out" &&
+    grep -q "SSD wear: .*rated TBW lasts" "$dir/out"
+  check "a GPU preset predicts MFU and the drives' wear" $?
+fi
+
+refuse() {  # NAME PATTERN ARGS...
+  local name="$1" pattern="$2"
+  shift 2
+  "$strata" "$@" >/dev/null 2>"$dir/err"
+  local status=$?
+  [ $status -eq 2 ] && grep -q -- "$pattern" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
+  local result=$?  # before the substitution below, which sets $? again
+  check "$name (exit $status: $(head -c 160 "$dir/err"))" $result
+}
+refuse "an unknown preset names it and the presets" "h100: neither a preset (h100-sxm, h200" \
+  "${plan[@]}" --hardware h100
+refuse "a bad drive set names it" "gen3x1" "${plan[@]}" --hardware h100-sxm/gen3x1
+printf '{"compute": {"matmul_tflops": {"fp32": 1}}, "netwrk": {}}' >"$dir/bad.json"
+refuse "a profile with an unknown key names the file and key" "bad.json: netwrk" \
+  "${plan[@]}" --hardware "$dir/bad.json"
+printf '{"compute": {"matmul_tflops": {"fp32": "fast"}}}' >"$dir/bad2.json"
+refuse "a value of the wrong type names the key" "compute.matmul_tflops.fp32" \
+  "${plan[@]}" --hardware "$dir/bad2.json"
+refuse "--tune without a profile" "--tune needs a hardware profile" "${plan[@]}" --tune
+
+"$strata" demo-data --out "$dir/data" >/dev/null 2>&1
+"$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 4 \
+  --data "$dir/data/train.bin" --hardware "$dir/profile.json" --metrics "$dir/m.jsonl" >"$dir/out" 2>&1
+check "train with --hardware exits 0" $?
+grep -q "^step-time model ($dir/profile.json): predicted" "$dir/out" &&
+  grep -q "^step time: measured .* (median after the first), predicted .* on probe of" "$dir/out"
+check "train prints the prediction before the first step and beside the measurement at the end" $?
+python3 - "$dir/m.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert len(lines) == 4 and all(l["predicted_step_time_s"] > 0 and l["predicted_by"] for l in lines)
+PY
+check "every metrics line holds the predicted step time and the profile" $?
+"$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 1 \
+  --data "$dir/data/train.bin" --hardware none >"$dir/out" 2>&1
+! grep -q "step-time model" "$dir/out"
+check "--hardware none predicts nothing" $?
+
+finish_checks
