@@ -99,7 +99,7 @@ void probe_adamw(const ProbeOptions& options, HardwareProfile& p) {
   }
 }
 
-Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
+Status measure_nvme(const ProbeOptions& options, HardwareProfile& p) {
   p.nvme.clear();
   if (options.nvme_paths.empty()) return Status::ok();
   io::IoOptions io;
@@ -230,6 +230,10 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   return Status::ok();
 }
 
+Status probe_nvme(const ProbeOptions& options, HardwareProfile& profile) {
+  return measure_nvme(options, profile);
+}
+
 Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
   HardwareProfile p;
   char host[256] = {};
@@ -244,7 +248,7 @@ Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
   p.network_latency_us = 5;
   probe_adamw(options, p);
   if (Status s = probe_units(options, p); !s) return s;
-  if (Status s = probe_nvme(options, p); !s) return s;
+  if (Status s = measure_nvme(options, p); !s) return s;
   return p;
 }
 

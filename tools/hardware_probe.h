@@ -33,6 +33,8 @@ struct ProbeOptions {
 Result<HardwareProfile> probe_hardware(const ProbeOptions& options);
 // Measures only the units at these shapes into `profile` (the rest is kept).
 Status probe_units(const ProbeOptions& options, HardwareProfile& profile);
+// Measures only the NVMe under options.nvme_paths into `profile`.
+Status probe_nvme(const ProbeOptions& options, HardwareProfile& profile);
 
 // $XDG_CACHE_HOME/strata/hardware-HOST.json, or ~/.cache/strata/...
 std::string cached_profile_path();

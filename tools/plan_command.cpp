@@ -176,12 +176,18 @@ class PlanCommand : public Subcommand {
             "--ops needs --model: the operations are those of a real model's units");
       Result<TrainingPlan> steps = plan_training(input);
       if (!steps.is_ok()) return steps.status();
+      std::optional<StepPrediction> prediction;
+      if (*hardware) prediction = predict_step(*steps, **hardware);
       if (json_) {
-        fmt::print("{}\n", training_plan_to_json(*steps).dump(2));
+        nlohmann::ordered_json j = training_plan_to_json(*steps);
+        if (prediction) j["prediction"] = prediction_to_json(*prediction);
+        fmt::print("{}\n", j.dump(2));
       } else {
         fmt::print("{}", format_training_plan(*steps));
+        if (prediction) fmt::print("{}", format_prediction(*steps, *prediction));
       }
-      if (*hardware) return predict(*steps, **hardware);
+      if (prediction && !timeline_.empty())
+        if (Status s = write_timeline(*steps, *prediction); !s) return s;
       return 0;
     }
     Result<PlanReport> planned = plan_with_suggestion(input);
@@ -262,20 +268,6 @@ class PlanCommand : public Subcommand {
       for (NvmeDrive& d : profile->nvme) d.read_gbps = d.write_gbps = each;
     }
     return profile;
-  }
-
-  int predict(const TrainingPlan& steps, const HardwareProfile& hardware) {
-    const StepPrediction prediction = predict_step(steps, hardware);
-    if (json_)
-      fmt::print("{}\n", prediction_to_json(prediction).dump(2));
-    else
-      fmt::print("{}", format_prediction(steps, prediction));
-    if (!timeline_.empty())
-      if (Status s = write_timeline(steps, prediction); !s) {
-        fmt::print(stderr, "strata plan: {}\n", s.message());
-        return 2;
-      }
-    return 0;
   }
 
   // The simulated steps, each operation at its predicted time, through the

@@ -259,23 +259,36 @@ class TrainCommand : public Subcommand {
     } else if (gpu || run.launch) {
       return std::nullopt;  // no probe of a GPU yet; launched ranks would probe at once
     } else {
+      // A probe never stops a run: when it fails, the run goes on unpredicted.
+      auto skip = [](const Status& why) {
+        fmt::print(stderr, "warning: step-time model: {}; no prediction for this run\n",
+                   why.message());
+        return std::nullopt;
+      };
+      const bool uses_nvme = run.plan->peak(tiers::Tier::nvme) > 0;
       ProbeOptions options;
       options.model = *run.model;
       options.micro_batch = run.plan->input.micro_batch;
       options.seq_len = run.plan->input.seq_len;
-      options.nvme_paths = run.nvme_paths;
+      if (uses_nvme) options.nvme_paths = run.nvme_paths;
       options.short_probe = true;
       const std::string path = cached_profile_path();
       if (std::filesystem::exists(path)) {
         Result<HardwareProfile> cached = read_hardware_profile(path);
-        if (!cached) return usage_error(cached.status());
+        if (!cached) return skip(cached.status());
         profile = std::move(*cached);
-        if (Status s = probe_units(options, *profile); !s) return run_error(s);
+        if (Status s = probe_units(options, *profile); !s) return skip(s);
         source = path + ", units at this run's shapes";
+        if (uses_nvme && profile->nvme.empty()) {  // the first run on NVMe measures it
+          if (Status s = probe_nvme(options, *profile); !s) return skip(s);
+          if (Status s = write_profile(*profile, path); !s) return skip(s);
+          source += ", NVMe measured now";
+        }
       } else {
-        fmt::print("step-time model: probing this machine once (about 10 s), cached in {}\n", path);
+        fmt::print("step-time model: probing this machine once (a few seconds), cached in {}\n",
+                   path);
         Result<HardwareProfile> probed = probe_hardware(options);
-        if (!probed) return run_error(probed.status());
+        if (!probed) return skip(probed.status());
         if (Status s = write_profile(*probed, path); !s)
           fmt::print(stderr, "warning: {}; the probe is not kept\n", s.message());
         profile = std::move(*probed);

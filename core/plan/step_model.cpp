@@ -98,9 +98,9 @@ Simulation simulate_steps(const std::vector<SimOp>& ops, int lanes, int release_
 
 namespace {
 
+// A link the profile does not know (0 GB/s) costs nothing; the prediction says so.
 double seconds_for(double bytes, double gbps, double latency_us) {
-  if (bytes <= 0) return 0;
-  if (gbps <= 0) return std::numeric_limits<double>::infinity();
+  if (bytes <= 0 || gbps <= 0) return 0;
   return bytes / (gbps * 1e9) + latency_us * 1e-6;
 }
 
@@ -336,6 +336,7 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw)
     out.mfu = flops / (peak * out.steady_seconds);
   }
   out.traffic = plan.traffic_per_step;
+  out.nvme_unknown = hw.nvme.empty() && out.traffic.nvme_read + out.traffic.nvme_written > 0;
   double rated = 0;
   for (const NvmeDrive& d : hw.nvme) rated += d.rated_tbw.value_or(0);
   if (rated > 0 && out.traffic.nvme_written > 0 && out.steady_seconds > 0) {
@@ -367,6 +368,10 @@ std::string format_prediction(const TrainingPlan& plan, const StepPrediction& p)
   for (int l = 0; l < kLaneCount; ++l)
     if (p.lane_busy[l] > 0)
       out += fmt::format(" {} {}", lane_name(Lane(l)), seconds_text(p.lane_busy[l]));
+  if (p.nvme_unknown)
+    out +=
+        "\n  (the profile has no NVMe drive: the NVMe transfers are not counted; --probe "
+        "with --nvme-path measures them)";
   out += fmt::format("\n  bound by the {} lane and the {}; the compute lane waits {} per step",
                      lane_name(p.bound_lane), resource_name(p.bound_resource),
                      seconds_text(p.compute_stall));
@@ -408,6 +413,7 @@ nlohmann::ordered_json prediction_to_json(const StepPrediction& p) {
   j["bound_resource"] = resource_name(p.bound_resource);
   j["compute_stall_seconds"] = p.compute_stall;
   j["nvme_written_per_step"] = p.traffic.nvme_written;
+  if (p.nvme_unknown) j["nvme_unknown"] = true;
   if (p.drive_years) j["rated_tbw_years"] = *p.drive_years;
   return j;
 }

@@ -108,6 +108,7 @@ struct StepPrediction {
   std::optional<double> mfu;          // on a GPU: model FLOPs / (peak x step time)
   StepTraffic traffic;                // per rank
   std::optional<double> drive_years;  // rated TBW / bytes written per year of steps, when rated
+  bool nvme_unknown = false;          // the plan moves NVMe bytes the profile has no drive for
   Simulation simulation;              // three steps, for a timeline
 };
 
