@@ -210,7 +210,7 @@ TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
   EXPECT_GT(p.steady_seconds, 0);
   EXPECT_STREQ(resource_name(p.bound_resource), "nvme");
   EXPECT_TRUE(p.drive_years.has_value());
-  const std::string text = format_prediction(*plan, p);
+  const std::string text = format_prediction(p);
   EXPECT_NE(text.find("bound by the"), std::string::npos) << text;
   EXPECT_NE(text.find("SSD wear"), std::string::npos) << text;
   // More drives: faster, never slower.

@@ -156,11 +156,15 @@ Status measure_nvme(const ProbeOptions& options, HardwareProfile& p) {
 }  // namespace
 
 Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
-  // One layer and the head at the run's shapes, made smaller where they would
-  // not fit a quick probe: at most 4096 tokens, a vocabulary of at most 64 MiB
-  // of fp32 per matrix, a layer of at most 256 MiB.
+  // The model's layers (up to 8, at most 1 GiB of them with their gradients)
+  // and the head at the run's shapes, made smaller where they would not fit a
+  // quick probe: at most 4096 tokens, a vocabulary of at most 64 MiB of fp32
+  // per matrix, a layer of at most 256 MiB. The layers run one after another,
+  // as in a step, so each finds the caches holding the one before it, not itself.
   ModelConfig m = options.model;
-  m.num_hidden_layers = 1;
+  const int64_t layer_bytes = std::max<int64_t>(1, m.layer_parameter_count() * 8);
+  m.num_hidden_layers = std::clamp<int64_t>((int64_t(1) << 30) / layer_bytes, 1,
+                                            std::min<int64_t>(8, m.num_hidden_layers));
   const int64_t T = std::min<int64_t>(options.seq_len, 4096);
   const int64_t B = std::clamp<int64_t>(4096 / std::max<int64_t>(T, 1), 1, options.micro_batch);
   std::string scaled;
@@ -195,16 +199,23 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   for (float& v : x) v = normal(random);
   for (float& v : dy) v = 0.01f * normal(random);
   const double budget = options.short_probe ? 1.0 : 4.0;
-  const double forward = median_seconds(5, budget, [&] {
-    (void)unit_forward(model.layout, 1, model.unit_params(1), batch, x.data(), y.data(), ws);
-  });
-  const double backward = median_seconds(3, budget, [&] {
-    unit_backward(model.layout, 1, model.unit_params(1), batch, x.data(), dy.data(), dx.data(),
-                  model.unit_grads(1), ws, true);
-  });
+  const int64_t layers = m.num_hidden_layers, head_unit = layers + 1;
+  auto forward_all = [&] {
+    for (int64_t u = 1; u <= layers; ++u)
+      (void)unit_forward(model.layout, u, model.unit_params(u), batch, x.data(), y.data(), ws);
+  };
+  const double forward = median_seconds(5, budget, forward_all) / double(layers);
+  const double backward =
+      median_seconds(3, budget,
+                     [&] {
+                       for (int64_t u = layers; u >= 1; --u)
+                         unit_backward(model.layout, u, model.unit_params(u), batch, x.data(),
+                                       dy.data(), dx.data(), model.unit_grads(u), ws, true);
+                     }) /
+      double(layers);
   const double head = median_seconds(3, budget, [&] {
-    (void)head_forward_backward(model.layout, model.unit_params(2), batch, x.data(), dx.data(),
-                                model.unit_grads(2), ws);
+    (void)head_forward_backward(model.layout, model.unit_params(head_unit), batch, x.data(),
+                                dx.data(), model.unit_grads(head_unit), ws);
   });
   // The same forward on one thread: how the units scale with the cores, for
   // ranks that split them.
@@ -212,9 +223,7 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   double one_thread = forward;
   if (cores > 1) {
     kernels::cpu::set_blas_threads(1);
-    one_thread = median_seconds(3, budget, [&] {
-      (void)unit_forward(model.layout, 1, model.unit_params(1), batch, x.data(), y.data(), ws);
-    });
+    one_thread = median_seconds(3, budget, forward_all) / double(layers);
     kernels::cpu::set_blas_threads(cores);
   }
   p.one_thread_share = std::clamp(forward / one_thread, 1.0 / cores, 1.0);
@@ -223,10 +232,11 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   p.head_gflops = head_flops(m, B, T) / head / 1e9;
   p.matmul_tflops_fp32 = p.layer_forward_gflops / 1e3;
   say(options,
-      fmt::format("units at B={} T={}{}: layer forward {:.1f} GFLOP/s, backward {:.1f} "
-                  "GFLOP/s (recomputing), head {:.1f} GFLOP/s; one thread {:.0f}% of {} cores",
-                  B, T, scaled, p.layer_forward_gflops, p.layer_backward_gflops, p.head_gflops,
-                  100 * p.one_thread_share, cores));
+      fmt::format(
+          "units at B={} T={}{} ({} layers in turn): layer forward {:.1f} GFLOP/s, backward {:.1f} "
+          "GFLOP/s (recomputing), head {:.1f} GFLOP/s; one thread {:.0f}% of {} cores",
+          B, T, scaled, layers, p.layer_forward_gflops, p.layer_backward_gflops, p.head_gflops,
+          100 * p.one_thread_share, cores));
   return Status::ok();
 }
 

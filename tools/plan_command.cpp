@@ -184,7 +184,7 @@ class PlanCommand : public Subcommand {
         fmt::print("{}\n", j.dump(2));
       } else {
         fmt::print("{}", format_training_plan(*steps));
-        if (prediction) fmt::print("{}", format_prediction(*steps, *prediction));
+        if (prediction) fmt::print("{}", format_prediction(*prediction));
       }
       if (prediction && !timeline_.empty())
         if (Status s = write_timeline(*steps, *prediction); !s) return s;
@@ -208,7 +208,7 @@ class PlanCommand : public Subcommand {
       fmt::print("{}\n", j.dump(2));
     } else {
       fmt::print("{}", format_plan_table(plan, zero));
-      if (prediction) fmt::print("{}", format_prediction(*steps, *prediction));
+      if (prediction) fmt::print("{}", format_prediction(*prediction));
       if (!*hardware)
         fmt::print(
             "(no step-time prediction: --probe measures this machine, --hardware "

@@ -359,7 +359,7 @@ std::string seconds_text(double s) {
 
 }  // namespace
 
-std::string format_prediction(const TrainingPlan& plan, const StepPrediction& p) {
+std::string format_prediction(const StepPrediction& p) {
   std::string out = fmt::format("predicted on {}: {} per step ({} the first), {:.0f} tokens/s",
                                 p.hardware, seconds_text(p.steady_seconds),
                                 seconds_text(p.cold_seconds), p.tokens_per_second);
@@ -392,7 +392,6 @@ std::string format_prediction(const TrainingPlan& plan, const StepPrediction& p)
     if (p.drive_years)
       out += fmt::format("; the drives' rated TBW lasts {:.1f} years of training", *p.drive_years);
   }
-  (void)plan;
   return out + "\n";
 }
 

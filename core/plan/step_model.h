@@ -115,7 +115,7 @@ struct StepPrediction {
 StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hardware);
 
 // The lines `strata plan` prints, and its JSON.
-std::string format_prediction(const TrainingPlan& plan, const StepPrediction& prediction);
+std::string format_prediction(const StepPrediction& prediction);
 nlohmann::ordered_json prediction_to_json(const StepPrediction& prediction);
 
 }  // namespace strata
