@@ -97,6 +97,15 @@ PlanInput tiny_input(int stage, int accumulation, Schedule schedule) {
   return in;
 }
 
+// Stage 3 with the parameters and the optimizer state on NVMe, two micro-batches.
+PlanInput nvme_input() {
+  PlanInput in = tiny_input(3, 2, Schedule::micro_batch);
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.nvme_path_known = true;
+  return in;
+}
+
 // The lane executor and the simulator run each lane's operations of a real
 // plan in the same order: plan order, step after step; and every simulated
 // operation starts after its dependencies and the update it waits for.
@@ -154,11 +163,7 @@ TEST(StepModel, TheSimulatorAndTheLaneExecutorOrderARealPlanAlike) {
 }
 
 TEST(StepModel, OperationsCostTheirBytesOverTheirLinkAndTheirFlopsOnTheDevice) {
-  PlanInput in = tiny_input(3, 2, Schedule::micro_batch);
-  in.offload_param = OffloadDevice::nvme;
-  in.offload_optimizer = OffloadDevice::nvme;
-  in.nvme_path_known = true;
-  Result<TrainingPlan> plan = plan_training(in);
+  Result<TrainingPlan> plan = plan_training(nvme_input());
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   HardwareProfile hw;
   hw.name = "by hand";
@@ -198,11 +203,7 @@ TEST(StepModel, OperationsCostTheirBytesOverTheirLinkAndTheirFlopsOnTheDevice) {
 }
 
 TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
-  PlanInput in = tiny_input(3, 2, Schedule::micro_batch);
-  in.offload_param = OffloadDevice::nvme;
-  in.offload_optimizer = OffloadDevice::nvme;
-  in.nvme_path_known = true;
-  Result<TrainingPlan> plan = plan_training(in);
+  Result<TrainingPlan> plan = plan_training(nvme_input());
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
   HardwareProfile slow_disk = *hardware_preset("h100-sxm/gen4x1");
   slow_disk.nvme = {NvmeDrive{0.001, 0.001, 100, 1.0}};  // 1 MB/s: the disk bounds everything
