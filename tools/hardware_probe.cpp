@@ -233,10 +233,10 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   p.matmul_tflops_fp32 = p.layer_forward_gflops / 1e3;
   say(options,
       fmt::format(
-          "units at B={} T={}{} ({} layers in turn): layer forward {:.1f} GFLOP/s, backward {:.1f} "
-          "GFLOP/s (recomputing), head {:.1f} GFLOP/s; one thread {:.0f}% of {} cores",
-          B, T, scaled, layers, p.layer_forward_gflops, p.layer_backward_gflops, p.head_gflops,
-          100 * p.one_thread_share, cores));
+          "units at B={} T={}{} ({} layer{} in turn): layer forward {:.1f} GFLOP/s, backward "
+          "{:.1f} GFLOP/s (recomputing), head {:.1f} GFLOP/s; one thread {:.0f}% of {} cores",
+          B, T, scaled, layers, layers > 1 ? "s" : "", p.layer_forward_gflops,
+          p.layer_backward_gflops, p.head_gflops, 100 * p.one_thread_share, cores));
   return Status::ok();
 }
 

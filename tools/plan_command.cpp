@@ -213,6 +213,8 @@ class PlanCommand : public Subcommand {
         fmt::print(
             "(no step-time prediction: --probe measures this machine, --hardware "
             "PRESET|FILE names one)\n");
+      else if (!plan.fits)
+        fmt::print("(no step-time prediction: the plan does not fit; predict the change above)\n");
     }
     if (prediction && !timeline_.empty())
       if (Status s = write_timeline(*steps, *prediction); !s) return s;
