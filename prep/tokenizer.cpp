@@ -197,8 +197,8 @@ Status parse_post_processor(const JsonErrors& p, const json& step, const std::st
 }
 
 // A byte-level vocabulary entry's bytes: each character stands for one byte.
-std::optional<std::string> byte_level_bytes(std::string_view token,
-                                            const std::unordered_map<uint32_t, uint8_t>& bytes) {
+std::optional<std::string> byte_level_bytes(std::string_view token) {
+  const std::unordered_map<uint32_t, char>& bytes = tokenizer_steps::code_point_to_byte();
   std::string out;
   size_t i = 0;
   while (i < token.size()) {
@@ -206,7 +206,7 @@ std::optional<std::string> byte_level_bytes(std::string_view token,
     if (!cp) return std::nullopt;
     auto found = bytes.find(*cp);
     if (found == bytes.end()) return std::nullopt;
-    out.push_back(char(found->second));
+    out.push_back(found->second);
   }
   return out;
 }
@@ -263,10 +263,6 @@ Status parse_model(const JsonErrors& p, const json& model, bool byte_level, Toke
   if (!model.contains("vocab") || !model["vocab"].is_object())
     return p.error("model.vocab", "missing or not an object");
 
-  std::unordered_map<uint32_t, uint8_t> code_point_bytes;
-  for (int b = 0; b < 256; ++b)
-    code_point_bytes[tokenizer_steps::byte_to_code_point()[b]] = uint8_t(b);
-
   std::unordered_map<std::string, uint32_t> by_content;
   for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
     if (!it.value().is_number_unsigned())
@@ -279,7 +275,7 @@ Status parse_model(const JsonErrors& p, const json& model, bool byte_level, Toke
     t.content_by_id[id] = it.key();
     if (!byte_level) {
       t.vocab.emplace(it.key(), id);
-    } else if (std::optional<std::string> bytes = byte_level_bytes(it.key(), code_point_bytes)) {
+    } else if (std::optional<std::string> bytes = byte_level_bytes(it.key())) {
       t.vocab.emplace(std::move(*bytes), id);
     }
   }

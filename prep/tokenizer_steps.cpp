@@ -54,6 +54,15 @@ const std::array<uint32_t, 256>& byte_to_code_point() {
   return map;
 }
 
+const std::unordered_map<uint32_t, char>& code_point_to_byte() {
+  static const std::unordered_map<uint32_t, char> map = [] {
+    std::unordered_map<uint32_t, char> m;
+    for (int b = 0; b < 256; ++b) m[byte_to_code_point()[b]] = char(b);
+    return m;
+  }();
+  return map;
+}
+
 namespace {
 
 // GPT-2's pattern, which ByteLevel uses when use_regex is true.
@@ -105,6 +114,27 @@ Result<std::string> parse_character(const JsonErrors& errors, const json& step, 
     return errors.error(fmt::format("{}.{}", key, name),
                         fmt::format("'{}' is not one character", value));
   return value;
+}
+
+// Metaspace's prepend_scheme (pre-tokenizer and decoder alike), or the older
+// add_prefix_space (false: never), which must agree with it when both are given.
+enum class PrependScheme { always, first, never };
+Result<PrependScheme> parse_prepend_scheme(const JsonErrors& errors, const json& json,
+                                           const std::string& key) {
+  const std::string scheme = json.value("prepend_scheme", "always");
+  PrependScheme out = PrependScheme::always;
+  if (scheme == "first")
+    out = PrependScheme::first;
+  else if (scheme == "never")
+    out = PrependScheme::never;
+  else if (scheme != "always")
+    return errors.unsupported(key + ".prepend_scheme", scheme, "always, first or never");
+  if (json.contains("add_prefix_space") && json["add_prefix_space"] == false) {
+    if (json.contains("prepend_scheme") && scheme != "never")
+      return errors.error(key, "add_prefix_space false does not match prepend_scheme " + scheme);
+    out = PrependScheme::never;
+  }
+  return out;
 }
 
 }  // namespace
@@ -298,7 +328,7 @@ struct PreTokenizer::Step {
   SplitBehavior behavior = SplitBehavior::isolated;
   bool invert = false;
   std::string replacement;  // metaspace
-  enum class Prepend { always, first, never } prepend = Prepend::always;
+  PrependScheme prepend = PrependScheme::always;
   bool split_on_replacement = true;   // metaspace
   bool add_prefix_space = false;      // byte_level
   std::shared_ptr<const Regex> gpt2;  // byte_level with use_regex
@@ -321,7 +351,8 @@ void PreTokenizer::Step::split(const AlignedText& piece, std::vector<AlignedText
           piece, tokenizer_text::find_literal(piece.text, " "), replacement);
       const bool starts = text.text.compare(0, replacement.size(), replacement) == 0;
       if (!starts && !text.text.empty() &&
-          (prepend == Prepend::always || (prepend == Prepend::first && text.begin_of(0) == 0)))
+          (prepend == PrependScheme::always ||
+           (prepend == PrependScheme::first && text.begin_of(0) == 0)))
         text = tokenizer_text::prepend(text, replacement);
       if (split_on_replacement)
         tokenizer_text::split_text(text, tokenizer_text::find_literal(text.text, replacement),
@@ -362,11 +393,7 @@ AlignedText bytes_to_characters(const AlignedText& piece) {
 }
 
 AlignedText characters_to_bytes(const AlignedText& piece) {
-  static const std::unordered_map<uint32_t, char> bytes = [] {
-    std::unordered_map<uint32_t, char> m;
-    for (int b = 0; b < 256; ++b) m[byte_to_code_point()[b]] = char(b);
-    return m;
-  }();
+  const std::unordered_map<uint32_t, char>& bytes = code_point_to_byte();
   AlignedText out;
   out.base = piece.base;
   size_t i = 0;
@@ -471,21 +498,9 @@ Result<PreTokenizer> PreTokenizer::parse(const JsonErrors& errors, const json& j
     Result<std::string> replacement = parse_character(errors, json, "replacement", key, "\u2581");
     if (!replacement) return replacement.status();
     step->replacement = *replacement;
-    const std::string scheme = json.value("prepend_scheme", "always");
-    if (scheme == "always")
-      step->prepend = Step::Prepend::always;
-    else if (scheme == "first")
-      step->prepend = Step::Prepend::first;
-    else if (scheme == "never")
-      step->prepend = Step::Prepend::never;
-    else
-      return errors.unsupported(key + ".prepend_scheme", scheme, "always, first or never");
-    // Files from before prepend_scheme existed say add_prefix_space instead.
-    if (json.contains("add_prefix_space") && json["add_prefix_space"] == false) {
-      if (json.contains("prepend_scheme") && scheme != "never")
-        return errors.error(key, "add_prefix_space false does not match prepend_scheme " + scheme);
-      step->prepend = Step::Prepend::never;
-    }
+    Result<PrependScheme> scheme = parse_prepend_scheme(errors, json, key);
+    if (!scheme) return scheme.status();
+    step->prepend = *scheme;
     step->split_on_replacement = json.value("split", true);
   } else {
     return errors.unsupported(key + ".type", type,
@@ -565,11 +580,7 @@ std::vector<uint32_t> code_points(const std::string& text) {
 std::vector<std::string> Decoder::Step::decode_chain(std::vector<std::string> tokens) const {
   switch (kind) {
     case Kind::byte_level: {
-      static const std::unordered_map<uint32_t, char> bytes = [] {
-        std::unordered_map<uint32_t, char> m;
-        for (int b = 0; b < 256; ++b) m[byte_to_code_point()[b]] = char(b);
-        return m;
-      }();
+      const std::unordered_map<uint32_t, char>& bytes = code_point_to_byte();
       std::string all;
       for (const std::string& token : tokens) {
         std::string mapped;
@@ -681,9 +692,9 @@ Result<Decoder> Decoder::parse(const JsonErrors& errors, const json& json, const
     Result<std::string> replacement = parse_character(errors, json, "replacement", key, "\u2581");
     if (!replacement) return replacement.status();
     step->replacement = *replacement;
-    const bool never = json.value("prepend_scheme", "always") == "never" ||
-                       (json.contains("add_prefix_space") && json["add_prefix_space"] == false);
-    step->strip_first = !never;
+    Result<PrependScheme> scheme = parse_prepend_scheme(errors, json, key);
+    if (!scheme) return scheme.status();
+    step->strip_first = *scheme != PrependScheme::never;
   } else if (type == "Replace") {
     Result<Pattern> pattern = parse_pattern(errors, json, key);
     if (!pattern) return pattern.status();

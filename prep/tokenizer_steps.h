@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "io/base/status.h"
@@ -94,5 +95,7 @@ class Decoder {
 // vocabulary: printable Latin-1 bytes stand for themselves, the other 68 for
 // U+0100 and up, in byte order (GPT-2's bytes_to_unicode).
 const std::array<uint32_t, 256>& byte_to_code_point();
+// The other way: the character that stands for a byte -> the byte.
+const std::unordered_map<uint32_t, char>& code_point_to_byte();
 
 }  // namespace strata::tokenizer_steps

@@ -170,6 +170,10 @@ TEST(Tokenizer, RefusesWhatItDoesNotReadNamingTheKey) {
        },
        "decoder.type"},
       {[](nlohmann::json& j) {
+         j["decoder"] = {{"type", "Metaspace"}, {"prepend_scheme", "sometimes"}};
+       },
+       "decoder.prepend_scheme"},
+      {[](nlohmann::json& j) {
          j["truncation"] = {{"max_length", 8}};
        },
        "truncation"},
