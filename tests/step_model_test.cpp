@@ -134,10 +134,7 @@ TEST(StepModel, TheSimulatorAndTheLaneExecutorOrderARealPlanAlike) {
       const HardwareProfile hw = *hardware_preset("h100-sxm");
       const std::vector<OpCost> costs = cost_operations(*plan, hw);
       const std::vector<SimOp> graph = step_graph(*plan, costs);
-      int release = 0;
-      for (size_t i = 0; i < plan->ops.size(); ++i)
-        if (plan->ops[i].kind == OpKind::exchange) release = int(i);
-      const Simulation sim = simulate_steps(graph, kLaneCount, release, kSteps);
+      const Simulation sim = simulate_steps(graph, kLaneCount, exchange_op(*plan), kSteps);
       ASSERT_EQ(sim.ops.size(), kSteps * plan->ops.size());
       std::map<int, std::vector<std::pair<int64_t, int>>> simulated;
       std::map<std::pair<int, int>, SimulatedOp> by_op;

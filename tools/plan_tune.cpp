@@ -62,10 +62,8 @@ Result<TuneResult> tune_plan(const TrainConfig& base, const ModelConfig& model, 
     input.budgets = budgets;
     if (!validate_plan_input(input)) return Status::ok();  // not a configuration strata runs
     ++result.tried;
-    Result<PlanReport> memory = plan_memory(input);
-    if (!memory || !memory->fits) return Status::ok();
     Result<TrainingPlan> plan = plan_training(input);
-    if (!plan) return Status::ok();
+    if (!plan || !training_plan_report(plan->input, *plan).fits) return Status::ok();
     ++result.fitting;
     result.fastest.push_back({c, candidate_flags(c), predict_step(*plan, hardware)});
     return Status::ok();
@@ -106,8 +104,8 @@ Result<TuneResult> tune_plan(const TrainConfig& base, const ModelConfig& model, 
     PlanInput input = plan_input_from_config(base, model, target);
     input.budgets = budgets;
     if (validate_plan_input(input))
-      if (Result<PlanReport> memory = plan_memory(input); memory && memory->fits)
-        if (Result<TrainingPlan> plan = plan_training(input))
+      if (Result<TrainingPlan> plan = plan_training(input))
+        if (training_plan_report(plan->input, *plan).fits)
           result.given_seconds = predict_step(*plan, hardware).steady_seconds;
   }
   std::stable_sort(result.fastest.begin(), result.fastest.end(),

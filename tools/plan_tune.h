@@ -6,7 +6,8 @@
 // and the fetch slots (offload_param.buffer_count); compact optimizer state
 // and bf16 gradients only when approximations are allowed. Each candidate is
 // made the way a run makes its plan (plan_input_from_config of a changed
-// config), checked against the budgets by the planner, and predicted.
+// config), checked against the budgets by the planner's report of that
+// plan (training_plan_report), and predicted.
 #pragma once
 
 #include <string>

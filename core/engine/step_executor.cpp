@@ -107,8 +107,7 @@ void Engine::Impl::start_lanes() {
     after_op(*ranks[size_t(rank)], step_index, op);
   };
   lanes.origin = created;
-  for (size_t i = 0; i < plan.ops.size(); ++i)
-    if (plan.ops[i].kind == OpKind::exchange) exchange_op = int(i);
+  exchange_op = strata::exchange_op(plan);
   executor = std::make_unique<LaneExecutor>(lane_ops(plan), std::move(lanes));
 }
 

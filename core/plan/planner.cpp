@@ -134,8 +134,9 @@ BufferKind buffer_kind(BufferRole role) {
   }
 }
 
-// plan_memory for an input whose schedule and activation home are resolved.
-Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
+}  // namespace
+
+PlanReport training_plan_report(const PlanInput& in, TrainingPlan built) {
   PlanReport plan;
   plan.input = in;
   const Sizes sizes = compute_sizes(in);
@@ -149,12 +150,10 @@ Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
   const int node_ranks = in.budgets.node_ranks(w);
 
   // strata's bytes: the training plan's buffers, as the ranks allocate them.
-  Result<TrainingPlan> built = build_training_plan(in);
-  if (!built) return built.status();
-  plan.buffers = std::move(built->buffers);
-  const StateHomes homes = built->homes;
-  plan.gradient_home_reason = built->gradient_home_reason;
-  plan.traffic = plan_traffic(in, *built, sizes);
+  plan.buffers = std::move(built.buffers);
+  const StateHomes homes = built.homes;
+  plan.gradient_home_reason = built.gradient_home_reason;
+  plan.traffic = plan_traffic(in, built, sizes);
   plan.homes = homes;
   for (const PlanBuffer& b : plan.buffers) {
     plan.total_per_rank.at(b.tier) += b.bytes;
@@ -197,6 +196,15 @@ Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
   plan.fits = std::all_of(plan.verdicts.begin(), plan.verdicts.end(),
                           [](const TierVerdict& v) { return v.fits(); });
   return plan;
+}
+
+namespace {
+
+// plan_memory for an input whose schedule and activation home are resolved.
+Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
+  Result<TrainingPlan> built = build_training_plan(in);
+  if (!built) return built.status();
+  return training_plan_report(in, std::move(*built));
 }
 
 // One schedule's option: its plan with the first activation home that fits

@@ -137,6 +137,10 @@ Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule
 // The plan without suggestion search.
 Result<PlanReport> plan_memory(const PlanInput& input);
 
+// The report of a plan already built from `input` (its buffers, traffic and
+// whether it fits the input's budgets), without building it again.
+PlanReport training_plan_report(const PlanInput& input, TrainingPlan plan);
+
 // The plan, and when it does not fit, the smallest change that does.
 Result<PlanReport> plan_with_suggestion(const PlanInput& input);
 

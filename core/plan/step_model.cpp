@@ -296,11 +296,7 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw)
   StepPrediction out;
   out.hardware = hw.name;
   const std::vector<OpCost> costs = cost_operations(plan, hw);
-  int release = -1;
-  for (size_t i = 0; i < plan.ops.size(); ++i)
-    if (plan.ops[i].kind == OpKind::exchange) release = int(i);
-  if (release < 0) release = int(plan.ops.size()) - 1;
-  out.simulation = simulate_steps(step_graph(plan, costs), kLaneCount, release, kSteps);
+  out.simulation = simulate_steps(step_graph(plan, costs), kLaneCount, exchange_op(plan), kSteps);
   const Simulation& sim = out.simulation;
   out.cold_seconds = sim.step_seconds(0);
   // Steady: the step handed out after the pipeline filled (its predecessor

@@ -549,6 +549,12 @@ bool reads_parameters(const TrainingPlan& plan, const PlanOp& op) {
          (plan.input.stage < 3 && (op.kind == OpKind::forward || op.kind == OpKind::backward));
 }
 
+int exchange_op(const TrainingPlan& plan) {
+  for (size_t i = 0; i < plan.ops.size(); ++i)
+    if (plan.ops[i].kind == OpKind::exchange) return int(i);
+  return int(plan.ops.size()) - 1;  // unreachable: build_plan_operations adds one
+}
+
 std::vector<int> parameter_publishers(const TrainingPlan& plan) {
   std::vector<int> last(plan.units.size(), -1);
   for (size_t i = 0; i < plan.ops.size(); ++i) {

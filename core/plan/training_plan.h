@@ -377,6 +377,9 @@ tiers::Tier home_of(OffloadDevice device);
 //    the unit (parameter_publishers: one operation per unit, -1 for none).
 bool reads_parameters(const TrainingPlan& plan, const PlanOp& op);
 std::vector<int> parameter_publishers(const TrainingPlan& plan);
+// The step's exchange, every plan's one: once it is done and the step
+// before is complete, the engine's step() returns and the next is handed out.
+int exchange_op(const TrainingPlan& plan);
 
 // What each of plan.ops moves over each link (core/plan/plan_traffic.cpp):
 // the one account, which traffic_per_step sums and the step-time model costs.
