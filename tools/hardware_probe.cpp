@@ -99,7 +99,9 @@ void probe_adamw(const ProbeOptions& options, HardwareProfile& p) {
   }
 }
 
-Status measure_nvme(const ProbeOptions& options, HardwareProfile& p) {
+}  // namespace
+
+Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
   p.nvme.clear();
   if (options.nvme_paths.empty()) return Status::ok();
   io::IoOptions io;
@@ -152,8 +154,6 @@ Status measure_nvme(const ProbeOptions& options, HardwareProfile& p) {
                   total >> 20, block >> 10, 16, (*engine)->backend_description()));
   return Status::ok();
 }
-
-}  // namespace
 
 Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   // The model's layers (up to 8, at most 1 GiB of them with their gradients)
@@ -240,15 +240,21 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   return Status::ok();
 }
 
-Status probe_nvme(const ProbeOptions& options, HardwareProfile& profile) {
-  return measure_nvme(options, profile);
+namespace {
+
+// This machine's name, which names its probe and its cache; empty when unknown.
+std::string host_name() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "";
+  return host;
 }
+
+}  // namespace
 
 Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
   HardwareProfile p;
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  p.name = fmt::format("probe of {}", host[0] ? host : "this machine");
+  const std::string host = host_name();
+  p.name = fmt::format("probe of {}", host.empty() ? "this machine" : host);
   p.gpu = false;
   p.cores = int(std::max(1u, std::thread::hardware_concurrency()));
   p.matmul_efficiency = 1.0;
@@ -258,7 +264,7 @@ Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
   p.network_latency_us = 5;
   probe_adamw(options, p);
   if (Status s = probe_units(options, p); !s) return s;
-  if (Status s = measure_nvme(options, p); !s) return s;
+  if (Status s = probe_nvme(options, p); !s) return s;
   return p;
 }
 
@@ -270,9 +276,8 @@ std::string cached_profile_path() {
     base = std::string(home) + "/.cache";
   else
     base = "/tmp";
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return fmt::format("{}/strata/hardware-{}.json", base, host[0] ? host : "local");
+  const std::string host = host_name();
+  return fmt::format("{}/strata/hardware-{}.json", base, host.empty() ? "local" : host);
 }
 
 Status write_profile(const HardwareProfile& profile, const std::string& path) {
