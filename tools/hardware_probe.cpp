@@ -155,6 +155,16 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
   return Status::ok();
 }
 
+std::string unit_shapes(const ProbeOptions& o) {
+  const ModelConfig& m = o.model;
+  return fmt::format(
+      "vocab {} hidden {} intermediate {} layers {} heads {}/{} head_dim {} window {} "
+      "qkv_bias {} qk_norm {}; micro-batch {} x {} tokens",
+      m.vocab_size, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
+      m.num_key_value_heads, m.head_dim, m.sliding_window, m.qkv_bias, m.qk_norm, o.micro_batch,
+      o.seq_len);
+}
+
 Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   // The model's layers (up to 8, at most 1 GiB of them with their gradients)
   // and the head at the run's shapes, made smaller where they would not fit a
@@ -227,6 +237,7 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
     kernels::cpu::set_blas_threads(cores);
   }
   p.one_thread_share = std::clamp(forward / one_thread, 1.0 / cores, 1.0);
+  p.unit_shapes = unit_shapes(options);
   p.layer_forward_gflops = layer_forward_flops(m, B, T) / forward / 1e9;
   p.layer_backward_gflops = layer_backward_flops(m, B, T, true) / backward / 1e9;
   p.head_gflops = head_flops(m, B, T) / head / 1e9;

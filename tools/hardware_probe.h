@@ -8,7 +8,8 @@
 // first run.
 //
 // A probe is kept per machine (cached_profile_path) and reused; the units
-// are measured again at each run's shapes, since they depend on them.
+// depend on the shapes, so a run at other shapes than the cached ones
+// measures them again (and keeps them).
 #pragma once
 
 #include <functional>
@@ -33,6 +34,9 @@ struct ProbeOptions {
 Result<HardwareProfile> probe_hardware(const ProbeOptions& options);
 // Measures only the units at these shapes into `profile` (the rest is kept).
 Status probe_units(const ProbeOptions& options, HardwareProfile& profile);
+// The shapes probe_units measures at, as the profile records them
+// (HardwareProfile::unit_shapes): a profile whose units match needs no new probe.
+std::string unit_shapes(const ProbeOptions& options);
 // Measures only the NVMe under options.nvme_paths into `profile`.
 Status probe_nvme(const ProbeOptions& options, HardwareProfile& profile);
 

@@ -277,13 +277,20 @@ class TrainCommand : public Subcommand {
         Result<HardwareProfile> cached = read_hardware_profile(path);
         if (!cached) return skip(cached.status());
         profile = std::move(*cached);
-        if (Status s = probe_units(options, *profile); !s) return skip(s);
-        source = path + ", units at this run's shapes";
+        source = path;
+        bool changed = false;
+        if (profile->unit_shapes != unit_shapes(options)) {  // measured at other shapes
+          if (Status s = probe_units(options, *profile); !s) return skip(s);
+          source += ", units measured now at this run's shapes";
+          changed = true;
+        }
         if (uses_nvme && profile->nvme.empty()) {  // the first run on NVMe measures it
           if (Status s = probe_nvme(options, *profile); !s) return skip(s);
-          if (Status s = write_profile(*profile, path); !s) return skip(s);
           source += ", NVMe measured now";
+          changed = true;
         }
+        if (changed)
+          if (Status s = write_profile(*profile, path); !s) return skip(s);
       } else {
         fmt::print("step-time model: probing this machine once (a few seconds), cached in {}\n",
                    path);

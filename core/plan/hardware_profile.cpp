@@ -155,6 +155,7 @@ Result<HardwareProfile> parse_hardware_profile(const std::string& text, const st
     units.optional_double("layer_backward_gflops", p.layer_backward_gflops, 0);
     units.optional_double("head_gflops", p.head_gflops, 0);
     units.optional_double("one_thread_share", p.one_thread_share, 0.0001, 1.0);
+    units.optional_string("shapes", p.unit_shapes);
   }
   {
     JsonReader host = in.object("host");
@@ -247,7 +248,8 @@ std::string hardware_profile_json(const HardwareProfile& p) {
     j["cpu_units"] = {{"layer_forward_gflops", p.layer_forward_gflops},
                       {"layer_backward_gflops", p.layer_backward_gflops},
                       {"head_gflops", p.head_gflops},
-                      {"one_thread_share", p.one_thread_share}};
+                      {"one_thread_share", p.one_thread_share},
+                      {"shapes", p.unit_shapes}};
   j["host"] = {{"memcpy_gbps", p.memcpy_gbps},
                {"cores", p.cores},
                {"adamw_mparams_per_s",

@@ -11,7 +11,8 @@
 //                "memory_gbps": F, "memory_gib": F},
 //    "cpu_units": {"layer_forward_gflops": F, "layer_backward_gflops": F,
 //                  "head_gflops": F,         // cpu: the units' measured rates
-//                  "one_thread_share": F},   // on one thread, as a share of all cores
+//                  "one_thread_share": F,    // on one thread, as a share of all cores
+//                  "shapes": "..."},         // the model shapes and batch they were measured at
 //    "host": {"memcpy_gbps": F, "cores": N,
 //             "adamw_mparams_per_s": {"fp32": F, "bf16": F, "int8": F}},
 //    "pcie": {"h2d_gbps": F, "d2h_gbps": F, "latency_us": F},
@@ -52,6 +53,9 @@ struct HardwareProfile {
   // The units' rate on one thread as a share of theirs on every core (1: no
   // gain from more cores); ranks that split the cores get the share between.
   double one_thread_share = 1.0;
+  // The shapes the units were measured at (tools/hardware_probe.h's
+  // unit_shapes); a run at other shapes measures them again.
+  std::string unit_shapes;
   // The units' rate with `threads` of the `cores`, as a share of theirs on all.
   double thread_share(int threads) const;
   // Host. memcpy_gbps counts the bytes a copy reads and writes, per second.
