@@ -1,13 +1,11 @@
 // The CPU backend's products (kernels/cpu/gemm.h): GFLOP/s of the fast path in
 // the class this process runs and of the reference path, on the shapes of a
-// Llama layer's linear layers, and the CPU time OpenBLAS's threads burn while
-// the process sleeps after a product (idle_cpu_per_s: about 1 per spinning
-// thread, 0 when they sleep).
+// Llama layer's linear layers, and the CPU time the product's threads (TBB's)
+// burn while the process sleeps after a product (idle_cpu_per_s: about 1 per
+// spinning thread, 0 when they sleep).
 //
 //   build/benches/gemm_bench                      the class the CPU allows
 //   STRATA_GEMM=baseline build/benches/gemm_bench OpenBLAS's fallback kernels
-//   OPENBLAS_THREAD_TIMEOUT=28 build/benches/gemm_bench
-//                                                 OpenBLAS's own idle spin (2^28 cycles)
 //
 // The context line `cpu_kernels` names the class, its threads and the AdamW
 // SIMD path.
@@ -99,8 +97,6 @@ BENCHMARK(BM_idle_after_product)->Iterations(10)->Unit(benchmark::kMillisecond)-
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   benchmark::AddCustomContext("cpu_kernels", strata::kernels::cpu::describe_cpu_kernels());
-  benchmark::AddCustomContext("blas_idle_spin_cycles",
-                              std::to_string(strata::kernels::cpu::gemm_info().idle_spin_cycles));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

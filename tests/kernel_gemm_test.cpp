@@ -8,6 +8,7 @@
 // (tests/CMakeLists.txt); a class the CPU cannot run skips them.
 #include <gtest/gtest.h>
 #include <tbb/global_control.h>
+#include <tbb/task_arena.h>
 
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu/gemm.h"
@@ -121,7 +123,10 @@ double worst_error_over_bound(const Product& p, const std::vector<float>& c) {
 // at odd sizes, with every transpose, alpha and beta the backend uses.
 std::vector<Product> products(std::mt19937& rng) {
   std::vector<Product> out;
-  const int64_t shapes[][3] = {{1, 1, 1}, {5, 17, 3}, {67, 131, 29}, {130, 260, 77}, {7, 3, 300}};
+  // 130 x 260 and 300 x 97 are large enough for the fast path to cut into
+  // blocks per thread (along N, then along M), at edges off the 16s.
+  const int64_t shapes[][3] = {{1, 1, 1},     {5, 17, 3},    {67, 131, 29},
+                               {130, 260, 77}, {300, 97, 61}, {7, 3, 300}};
   for (const auto& s : shapes)
     for (bool ta : {false, true})
       for (bool tb : {false, true})
@@ -248,14 +253,30 @@ TEST(KernelGemm, ChosenClassIsTheBestTheCpusFeaturesAllow) {
   EXPECT_EQ(info.chosen_by, "the CPU's features");
 }
 
-// OpenBLAS's idle threads spin 2^4 cycles, not its default 2^28 (about 0.1 s
-// of a core after every product), unless the environment says otherwise.
-TEST(KernelGemm, IdleBlasThreadsSleepAfterAFewCycles) {
-  const kernels::cpu::GemmInfo info = kernels::cpu::gemm_info();
-  if (const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT"))
-    GTEST_SKIP() << "OPENBLAS_THREAD_TIMEOUT=" << timeout << " is set here; OpenBLAS spins "
-                 << info.idle_spin_cycles << " cycles";
-  EXPECT_EQ(info.idle_spin_cycles, 16u);
+// The fast path cuts a large product into blocks per thread: the blocks
+// depend on the thread count it is given, never on which of TBB's threads runs
+// them, how many there are or who calls (the engine's ranks call at once).
+TEST(KernelGemm, FastPathIsTheSameBitsWhicheverThreadsRunItsBlocks) {
+  std::mt19937 rng(fresh_seed());
+  for (int blocks : {2, 3}) {
+    kernels::cpu::set_blas_threads(blocks);
+    EXPECT_EQ(kernels::cpu::gemm_info().threads, blocks);
+    for (const Product& p : {random_product(rng, false, false, 300, 97, 61, 1.0f, 1.0f),
+                             random_product(rng, true, true, 130, 260, 77, 0.125f, 0.0f)}) {
+      const std::vector<float> here = run(p, false);
+      std::vector<float> one_thread;
+      tbb::task_arena(1).execute([&] { one_thread = run(p, false); });
+      EXPECT_TRUE(bitwise_equal(here, one_thread)) << blocks << " blocks on one thread";
+      std::vector<float> first, second;
+      std::thread other([&] { first = run(p, false); });
+      second = run(p, false);
+      other.join();
+      EXPECT_TRUE(bitwise_equal(here, first) && bitwise_equal(here, second))
+          << blocks << " blocks, two callers at once";
+      EXPECT_LE(worst_error_over_bound(p, here), 1.0) << blocks << " blocks";
+    }
+  }
+  kernels::cpu::set_blas_threads(0);
 }
 
 // Run once per class by ctest with STRATA_GEMM=<class>.

@@ -9,7 +9,10 @@
 
 #include <cblas.h>
 #include <dlfcn.h>
+#include <tbb/blocked_range.h>
 #include <tbb/info.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
@@ -34,10 +37,8 @@ using SgemmFunction = decltype(&cblas_sgemm);
 struct OpenBlas {
   SgemmFunction sgemm = nullptr;
   void (*set_num_threads)(int) = nullptr;
-  int (*get_num_threads)() = nullptr;
   char* (*get_corename)() = nullptr;
   char* (*get_config)() = nullptr;
-  int (*thread_timeout)() = nullptr;
   GemmKernel kernel = GemmKernel::baseline;  // what the loaded core is
   std::string core;                          // OpenBLAS's name for it
   std::string version;                       // "OpenBLAS 0.3.21"
@@ -75,7 +76,7 @@ struct Choice {
   bool selected = false;  // by select_gemm_kernel or STRATA_GEMM
   GemmKernel kernel = GemmKernel::baseline;
   std::string selected_by;
-  int threads = 0;  // asked for before the load; 0: one per core the process may use
+  int threads = 0;  // set_blas_threads; 0: one per core the process may use
   const OpenBlas* openblas = nullptr;
 };
 
@@ -87,6 +88,8 @@ Choice& choice() {
 // Fast reads of the current path by sgemm (written under the mutex).
 std::atomic<bool> use_reference{false};
 std::atomic<const OpenBlas*> loaded{nullptr};
+// The blocks the fast path cuts a large product into (the product's threads).
+std::atomic<int> product_parts{1};
 
 [[noreturn]] void fail(const std::string& message) {
   std::fprintf(stderr, "strata: %s\n", message.c_str());
@@ -143,7 +146,8 @@ const OpenBlas* load_locked(Choice& c) {
   if (Status s = read_environment_locked(c); !s.is_ok()) fail(s.message());
   auto* blas = new OpenBlas;  // lives as long as the process, as the library does
   const char* inherited_core = std::getenv("OPENBLAS_CORETYPE");
-  const char* inherited_timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const char* inherited_threads = std::getenv("OPENBLAS_NUM_THREADS");
+  const std::string saved_threads = inherited_threads != nullptr ? inherited_threads : "";
   const std::string saved_core = inherited_core != nullptr ? inherited_core : "";
   GemmKernel wanted = cpu_gemm_kernel();
   if (c.selected && c.kernel != GemmKernel::reference) {
@@ -156,7 +160,8 @@ const OpenBlas* load_locked(Choice& c) {
   }
   const bool steer = blas->chosen_by.rfind("OPENBLAS_CORETYPE", 0) != 0;
   if (steer) setenv("OPENBLAS_CORETYPE", core_of_kernel(wanted), 1);
-  if (inherited_timeout == nullptr) setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
+  // One thread: OpenBLAS starts no threads of its own (the products run on TBB's).
+  setenv("OPENBLAS_NUM_THREADS", "1", 1);
   void* library = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
   std::string first_error = library == nullptr ? dlerror() : "";
   if (library == nullptr && *STRATA_OPENBLAS_LIBRARY != '\0')
@@ -167,17 +172,18 @@ const OpenBlas* load_locked(Choice& c) {
     else
       unsetenv("OPENBLAS_CORETYPE");
   }
-  if (inherited_timeout == nullptr) unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  if (inherited_threads != nullptr)
+    setenv("OPENBLAS_NUM_THREADS", saved_threads.c_str(), 1);
+  else
+    unsetenv("OPENBLAS_NUM_THREADS");
   if (library == nullptr) {
     fail("cannot load OpenBLAS (" + first_error +
          "): install libopenblas0 (tools/setup-debian does), or put its folder on LD_LIBRARY_PATH");
   }
   blas->sgemm = symbol<SgemmFunction>(library, "cblas_sgemm");
   blas->set_num_threads = symbol<void (*)(int)>(library, "openblas_set_num_threads");
-  blas->get_num_threads = symbol<int (*)()>(library, "openblas_get_num_threads");
   blas->get_corename = symbol<char* (*)()>(library, "openblas_get_corename");
   blas->get_config = symbol<char* (*)()>(library, "openblas_get_config");
-  blas->thread_timeout = symbol<int (*)()>(library, "openblas_thread_timeout");
   blas->core = blas->get_corename();
   blas->kernel = kernel_of_core(blas->core);
   // "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64": the first two words.
@@ -188,8 +194,8 @@ const OpenBlas* load_locked(Choice& c) {
     blas->chosen_by +=
         std::string(", which asked for ") + core_of_kernel(wanted) + " (this OpenBLAS lacks it)";
   }
-  // strata sets the threads, not OPENBLAS_NUM_THREADS: one per core this process may use.
-  blas->set_num_threads(c.threads > 0 ? c.threads : tbb::info::default_concurrency());
+  blas->set_num_threads(1);
+  product_parts.store(c.threads > 0 ? c.threads : std::max(1, tbb::info::default_concurrency()));
   c.openblas = blas;
   loaded.store(blas);
   return blas;
@@ -283,10 +289,8 @@ GemmInfo gemm_info() {
     std::lock_guard lock(c.mutex);
     info.chosen_by = info.kernel == GemmKernel::reference ? c.selected_by : blas.chosen_by;
   }
-  const int timeout = blas.thread_timeout();  // 0: OpenBLAS's default
-  info.idle_spin_cycles = uint64_t{1} << (timeout <= 0 ? 28 : std::clamp(timeout, 4, 30));
   info.threads = info.kernel == GemmKernel::reference ? tbb::this_task_arena::max_concurrency()
-                                                      : blas.get_num_threads();
+                                                      : product_parts.load();
   return info;
 }
 
@@ -311,10 +315,40 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
     sgemm_reference(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
-  openblas().sgemm(
-      CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-      static_cast<blasint>(M), static_cast<blasint>(N), static_cast<blasint>(K), alpha, A,
-      static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
+  const OpenBlas& blas = openblas();
+  auto product = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    const float* a = trans_a ? A + m0 : A + m0 * lda;
+    const float* b = trans_b ? B + n0 * ldb : B + n0;
+    blas.sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+               trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m1 - m0),
+               static_cast<blasint>(n1 - n0), static_cast<blasint>(K), alpha, a,
+               static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, C + m0 * ldc + n0,
+               static_cast<blasint>(ldc));
+  };
+  // A product of 2 MFLOP or more is cut along C's longer side into one block
+  // per thread (edges on multiples of 16), each a single-threaded OpenBLAS
+  // call run as a TBB task: the cuts depend on the shape and the thread count
+  // only, and the products share TBB's threads with every other kernel
+  // instead of waking threads of their own against them.
+  const bool rows = M >= N;
+  const int64_t side = rows ? M : N;
+  const int64_t parts = std::min<int64_t>(product_parts.load(std::memory_order_relaxed), side / 32);
+  if (parts <= 1 || 2.0 * double(M) * double(N) * double(K) < double(1 << 21)) {
+    product(0, M, 0, N);
+    return;
+  }
+  auto edge = [&](int64_t i) { return i == parts ? side : side * i / parts / 16 * 16; };
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, parts, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t i = r.begin(); i < r.end(); ++i) {
+          if (rows)
+            product(edge(i), edge(i + 1), 0, N);
+          else
+            product(0, M, edge(i), edge(i + 1));
+        }
+      },
+      tbb::static_partitioner());
 }
 
 void set_blas_threads(int threads) {
@@ -323,7 +357,7 @@ void set_blas_threads(int threads) {
   Choice& c = choice();
   std::lock_guard lock(c.mutex);
   c.threads = threads;
-  if (c.openblas != nullptr) c.openblas->set_num_threads(threads);
+  product_parts.store(threads);
 }
 
 }  // namespace strata::kernels::cpu

@@ -12,7 +12,8 @@
 //   first: avx512 (AVX-512 F/DQ/BW/VL: OpenBLAS's SkylakeX kernels), avx2
 //   (AVX2 + FMA: Haswell), avx (Sandy Bridge), baseline (SSE3: Prescott).
 //   Its results depend on the class and the thread count (the kernels block
-//   and sum differently), not on anything else.
+//   and sum differently, and the blocks are cut per thread), not on anything
+//   else.
 // - the reference path: strata's own product, the same bits on every x86-64
 //   CPU and for every thread count. Element (i, j) is the float sum, in order
 //   k = 0, 1, ..., K-1, of the rounded products op(A)[i][k] * op(B)[k][j],
@@ -28,13 +29,16 @@
 // (`strata train --gemm`). A class the CPU lacks is refused. Without either,
 // an OPENBLAS_CORETYPE already in the environment is left to OpenBLAS (the
 // report says so); otherwise the best class the CPU's features allow runs.
-// OpenBLAS's idle threads sleep after a few cycles instead of spinning for
-// about 0.1 s (OPENBLAS_THREAD_TIMEOUT=4 unless set), so they leave the cores
-// to the I/O and optimizer lanes between products.
 //
-// sgemm() runs its threads (OpenBLAS's, or TBB's for the reference path) and
-// is called from one thread at a time, never from inside a TBB task. The
-// other functions are thread-safe.
+// Threads. OpenBLAS runs single-threaded and starts no threads of its own: a
+// product of 2 MFLOP or more is cut along C's longer side into one block per
+// thread (set_blas_threads; edges on multiples of 16), each block one OpenBLAS
+// call run as a TBB task, so the products share TBB's threads with the other
+// kernels instead of waking threads of their own against them (which, with
+// the element-wise kernels' TBB workers still spinning, ran whole stretches
+// of steps at half speed). The cuts depend on the shape and the thread count only.
+// sgemm() may be called from several threads and from inside TBB tasks; the
+// other functions are thread-safe too.
 #pragma once
 
 #include <cstdint>
@@ -75,10 +79,6 @@ struct GemmInfo {
   std::string library_core;   // OpenBLAS's name for its kernels: "SkylakeX", "Haswell", ...
   std::string chosen_by;      // "the CPU's features", "STRATA_GEMM=avx2", ...
   int threads = 1;            // threads of the products
-  // Cycles an idle OpenBLAS thread spins before it sleeps: 2^4 as strata
-  // loads it, 2^n with OPENBLAS_THREAD_TIMEOUT=n in the environment (OpenBLAS
-  // keeps n within 4..30; its default is 2^28, about 0.1 s).
-  uint64_t idle_spin_cycles = 0;
 };
 
 // Loads OpenBLAS if needed and says what runs. Exits the process with one
@@ -100,9 +100,9 @@ void sgemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K
                      const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                      int64_t ldc);
 
-// Threads the fast path's products may use (0, and the default: one per core
-// this process may run on; OPENBLAS_NUM_THREADS is not read). TBB's pool is
-// set separately with tbb::global_control; the two are never active at once.
+// The blocks the fast path cuts a large product into, one per thread (0, and
+// the default: one per core this process may run on; OPENBLAS_NUM_THREADS is
+// not read). They run on TBB's pool, whose size tbb::global_control sets.
 void set_blas_threads(int threads);
 
 }  // namespace strata::kernels::cpu
