@@ -58,6 +58,24 @@ for line in open(sys.argv[1]):
         assert c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] == 4, c
 PY
 check "--tune keeps the tokens per step (micro-batch x accumulation = 4)" $?
+"$strata" "${plan[@]}" --grad-accum 2 --hardware "$dir/profile.json" --tune --json >"$dir/tune.json" 2>&1
+python3 - "$dir/tune.json" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+c = t["candidates"]
+assert len(c) == 5 and t["fitting"] >= 5 and t["tried"] >= t["fitting"] and t["given_step_seconds"] > 0, t
+steps = [x["prediction"]["step_seconds"] for x in c]
+assert steps == sorted(steps) and all(x["flags"].startswith("--micro-batch") for x in c), steps
+assert all(x["deepspeed_config"]["train_micro_batch_size_per_gpu"] *
+           x["deepspeed_config"]["gradient_accumulation_steps"] == 4 for x in c)
+PY
+check "--tune --json: the five fastest in order, each with flags, DeepSpeed config and prediction" $?
+python3 - "$dir/profile.json" <<'PY'
+import json, sys
+shares = json.load(open(sys.argv[1]))["cpu_units"]["rank_shares"]
+assert len(shares) == 4 and shares[0] == 1 and all(0 < s <= 1 for s in shares), shares
+PY
+check "the probe measures each rank's share with 1-4 ranks computing at once" $?
 
 if "$strata" --version | grep -q "CUDA backend: built"; then
   "$strata" plan --model llama3-8b --backend cuda --precision bf16 --zero-stage 3 \
@@ -105,5 +123,24 @@ check "every metrics line holds the predicted step time and the profile" $?
   --data "$dir/data/train.bin" --hardware none >"$dir/out" 2>&1
 ! grep -q "step-time model" "$dir/out"
 check "--hardware none predicts nothing" $?
+
+# A cached probe an older strata wrote (or a damaged one) is only a default:
+# plan warns and predicts nothing, train probes again and rewrites it.
+cache="$XDG_CACHE_HOME/strata/hardware-$(hostname).json"
+mkdir -p "$(dirname "$cache")"
+printf '{"cpu_units": {"one_thread_share": 0.7}}' >"$cache"
+"$strata" "${plan[@]}" >"$dir/out" 2>"$dir/err"
+status=$?
+[ $status -eq 0 ] && grep -q "warning: the cached probe is unusable (.*one_thread_share" "$dir/err" &&
+  ! grep -q "^predicted on" "$dir/out"
+check "plan with an unusable cached probe warns and predicts nothing (exit $status)" $?
+"$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 2 \
+  --data "$dir/data/train.bin" >"$dir/out" 2>&1
+grep -q "^step-time model: the cached probe is unusable (.*); probing again" "$dir/out" &&
+  grep -q "^step-time model ($cache): predicted" "$dir/out"
+check "train with an unusable cached probe probes again and predicts" $?
+"$strata" "${plan[@]}" >"$dir/out" 2>&1
+grep -q "^predicted on probe of" "$dir/out"
+check "the probe train wrote is the cache plan reads next" $?
 
 finish_checks

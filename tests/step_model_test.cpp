@@ -217,6 +217,37 @@ TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
   EXPECT_LE(four.steady_seconds, one.steady_seconds);
 }
 
+// Ranks of one process share the CPU's cores at the probe's measured shares,
+// the last one's aggregate split further beyond them, evenly without them.
+TEST(HardwareProfile, EachRanksShareOfTheCores) {
+  HardwareProfile hw;
+  hw.cores = 2;
+  EXPECT_DOUBLE_EQ(hw.rank_share(1), 1.0);
+  EXPECT_DOUBLE_EQ(hw.rank_share(2), 1.0);
+  EXPECT_DOUBLE_EQ(hw.rank_share(4), 0.5);
+  hw.rank_shares = {1.0, 0.6, 0.36};
+  EXPECT_DOUBLE_EQ(hw.rank_share(2), 0.6);
+  EXPECT_DOUBLE_EQ(hw.rank_share(3), 0.36);
+  EXPECT_DOUBLE_EQ(hw.rank_share(6), 0.36 * 3 / 6);
+  // A unit's forward at two ranks takes 1 / 0.6 of its time at one.
+  PlanInput in = nvme_input();
+  in.world_size = 2;
+  in.budgets.ranks_per_node = 2;
+  Result<TrainingPlan> two = plan_training(in);
+  ASSERT_TRUE(two.is_ok()) << two.status().message();
+  hw.matmul_tflops_fp32 = 1;
+  hw.layer_forward_gflops = 100;
+  const std::vector<OpCost> costs = cost_operations(*two, hw);
+  bool saw = false;
+  for (size_t i = 0; i < two->ops.size(); ++i) {
+    const PlanOp& op = two->ops[i];
+    if (op.kind != OpKind::forward || op.unit != 1) continue;
+    saw = true;
+    EXPECT_NEAR(costs[i].seconds, operation_flops(*two, op) / (100e9 * 0.6), 1e-12);
+  }
+  EXPECT_TRUE(saw);
+}
+
 TEST(HardwareProfile, PresetsAndFilesRoundTripAndBadOnesAreOneLine) {
   for (const std::string& name : hardware_preset_names()) {
     Result<HardwareProfile> p = hardware_preset(name + "/gen5x2");
@@ -237,6 +268,10 @@ TEST(HardwareProfile, PresetsAndFilesRoundTripAndBadOnesAreOneLine) {
       {R"({"kind": "tpu", "compute": {"matmul_tflops": {"fp32": 1}}})", "kind"},
       {R"({"name": "no rates"})", "compute.matmul_tflops.fp32"},
       {R"({"compute": )", "profile.json"},
+      {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "cpu_units": {"rank_shares": [1, 2]}})",
+       "cpu_units.rank_shares"},
+      {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "cpu_units": {"rank_shares": []}})",
+       "cpu_units.rank_shares"},
   };
   for (const Case& c : bad) {
     Result<HardwareProfile> p = parse_hardware_profile(c.text, "profile.json");

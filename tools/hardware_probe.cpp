@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -17,12 +18,13 @@
 #include "io/io_engine.h"
 #include "io/safe_write.h"
 #include "kernels/cpu/adamw.h"
-#include "kernels/cpu/gemm.h"
 
 namespace strata::tools {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+constexpr int kProbedRanks = 4;  // ranks of one process the probe runs at once
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -204,39 +206,58 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
     targets[i] = int32_t(random() % uint32_t(m.vocab_size));
   }
   UnitBatch batch{tokens.data(), targets.data(), B, T, 1.0f / float(B * T)};
-  std::vector<float> x(size_t(B * T * m.hidden_size)), y(x.size()), dx(x.size()), dy(x.size());
+  // As in a step: layer u reads layer u - 1's output (acts[u - 1]) and keeps
+  // its own (acts[u]); the backward passes its gradient down in place.
+  const int64_t layers = m.num_hidden_layers, head_unit = layers + 1;
+  const size_t activation = size_t(B * T * m.hidden_size);
+  std::vector<std::vector<float>> acts(size_t(layers) + 1, std::vector<float>(activation));
+  std::vector<float> dy(activation);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (float& v : x) v = normal(random);
+  for (float& v : acts[0]) v = normal(random);
   for (float& v : dy) v = 0.01f * normal(random);
   const double budget = options.short_probe ? 1.0 : 4.0;
-  const int64_t layers = m.num_hidden_layers, head_unit = layers + 1;
   auto forward_all = [&] {
     for (int64_t u = 1; u <= layers; ++u)
-      (void)unit_forward(model.layout, u, model.unit_params(u), batch, x.data(), y.data(), ws);
+      (void)unit_forward(model.layout, u, model.unit_params(u), batch, acts[size_t(u) - 1].data(),
+                         acts[size_t(u)].data(), ws);
   };
-  const double forward = median_seconds(5, budget, forward_all) / double(layers);
+  const double forward = median_seconds(9, budget, forward_all) / double(layers);
   const double backward =
       median_seconds(3, budget,
                      [&] {
                        for (int64_t u = layers; u >= 1; --u)
-                         unit_backward(model.layout, u, model.unit_params(u), batch, x.data(),
-                                       dy.data(), dx.data(), model.unit_grads(u), ws, true);
+                         unit_backward(model.layout, u, model.unit_params(u), batch,
+                                       acts[size_t(u) - 1].data(), dy.data(), dy.data(),
+                                       model.unit_grads(u), ws, true);
                      }) /
       double(layers);
   const double head = median_seconds(3, budget, [&] {
-    (void)head_forward_backward(model.layout, model.unit_params(head_unit), batch, x.data(),
-                                dx.data(), model.unit_grads(head_unit), ws);
+    (void)head_forward_backward(model.layout, model.unit_params(head_unit), batch,
+                                acts[size_t(layers)].data(), dy.data(),
+                                model.unit_grads(head_unit), ws);
   });
-  // The same forward on one thread: how the units scale with the cores, for
-  // ranks that split them.
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  double one_thread = forward;
-  if (cores > 1) {
-    kernels::cpu::set_blas_threads(1);
-    one_thread = median_seconds(3, budget, forward_all) / double(layers);
-    kernels::cpu::set_blas_threads(cores);
+  // Ranks of one process at once (2 to 4): each its own thread, activations
+  // and workspace, the same layers' forward, as the engine's ranks share the
+  // cores. Each rank's rate as a share of one alone's.
+  p.rank_shares = {1.0};
+  for (int ranks = 2; ranks <= kProbedRanks; ++ranks) {
+    std::vector<std::unique_ptr<UnitWorkspace>> spaces;
+    std::vector<std::vector<std::vector<float>>> rank_acts(size_t(ranks), acts);
+    for (int r = 0; r < ranks; ++r) spaces.push_back(std::make_unique<UnitWorkspace>(m, B, T));
+    const double together = median_seconds(3, budget / 2, [&] {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] {
+          std::vector<std::vector<float>>& own = rank_acts[size_t(r)];
+          for (int64_t u = 1; u <= layers; ++u)
+            (void)unit_forward(model.layout, u, model.unit_params(u), batch,
+                               own[size_t(u) - 1].data(), own[size_t(u)].data(),
+                               *spaces[size_t(r)]);
+        });
+      for (std::thread& t : threads) t.join();
+    });
+    p.rank_shares.push_back(std::clamp(forward / (together / double(layers)), 0.0001, 1.0));
   }
-  p.one_thread_share = std::clamp(forward / one_thread, 1.0 / cores, 1.0);
   p.unit_shapes = unit_shapes(options);
   p.layer_forward_gflops = layer_forward_flops(m, B, T) / forward / 1e9;
   p.layer_backward_gflops = layer_backward_flops(m, B, T, true) / backward / 1e9;
@@ -245,9 +266,11 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   say(options,
       fmt::format(
           "units at B={} T={}{} ({} layer{} in turn): layer forward {:.1f} GFLOP/s, backward "
-          "{:.1f} GFLOP/s (recomputing), head {:.1f} GFLOP/s; one thread {:.0f}% of {} cores",
+          "{:.1f} GFLOP/s (recomputing), head {:.1f} GFLOP/s; per rank with 2, 3, 4 ranks at "
+          "once {:.0f}%, {:.0f}%, {:.0f}%",
           B, T, scaled, layers, layers > 1 ? "s" : "", p.layer_forward_gflops,
-          p.layer_backward_gflops, p.head_gflops, 100 * p.one_thread_share, cores));
+          p.layer_backward_gflops, p.head_gflops, 100 * p.rank_shares[1], 100 * p.rank_shares[2],
+          100 * p.rank_shares[3]));
   return Status::ok();
 }
 

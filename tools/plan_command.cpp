@@ -69,7 +69,7 @@ class PlanCommand : public Subcommand {
                   "Search micro-batch x accumulation (at the same tokens per step), ZeRO stage, "
                   "offload placements, schedule, activation home and fetch slots for the fastest "
                   "plans that fit, by the step-time model; prints the five fastest with their "
-                  "flags and DeepSpeed config (needs a hardware profile)");
+                  "flags and DeepSpeed config (--json: as JSON; needs a hardware profile)");
     cmd->add_flag("--allow-approximate", allow_approximate_,
                   "--tune may also pick bf16 or int8 optimizer state (not bitwise AdamW)");
     cmd->add_option("--timeline", timeline_,
@@ -166,7 +166,10 @@ class PlanCommand : public Subcommand {
       Result<TuneResult> tuned =
           tune_plan(c, model, {backend_ == "cuda"}, input.budgets, **hardware, allow_approximate_);
       if (!tuned) return tuned.status();
-      fmt::print("{}", format_tune_result(*tuned));
+      if (json_)
+        fmt::print("{}\n", tune_result_to_json(*tuned).dump(2));
+      else
+        fmt::print("{}", format_tune_result(*tuned));
       return tuned->fastest.empty() ? 1 : 0;
     }
 
@@ -251,8 +254,16 @@ class PlanCommand : public Subcommand {
       if (!loaded) return loaded.status().with_context("--hardware");
       profile = std::move(*loaded);
     } else if (!input.gpu && std::filesystem::exists(cached_profile_path())) {
+      // The cache is only a default: one an older strata wrote, or a damaged
+      // one, predicts nothing, and says how to measure again.
       Result<HardwareProfile> cached = read_hardware_profile(cached_profile_path());
-      if (!cached) return cached.status();
+      if (!cached) {
+        fmt::print(stderr,
+                   "warning: the cached probe is unusable ({}); no prediction (--probe measures "
+                   "this machine again)\n",
+                   cached.status().message());
+        return profile;
+      }
       profile = std::move(*cached);
     }
     if (!profile) return profile;

@@ -137,4 +137,21 @@ std::string format_tune_result(const TuneResult& r) {
   return out;
 }
 
+nlohmann::ordered_json tune_result_to_json(const TuneResult& r) {
+  nlohmann::ordered_json j;
+  j["tried"] = r.tried;
+  j["fitting"] = r.fitting;
+  if (r.given_seconds) j["given_step_seconds"] = *r.given_seconds;
+  nlohmann::ordered_json candidates = nlohmann::ordered_json::array();
+  for (const TuneCandidate& c : r.fastest) {
+    nlohmann::ordered_json one;
+    one["flags"] = c.flags;
+    one["deepspeed_config"] = train_config_to_json(c.config);
+    one["prediction"] = prediction_to_json(c.prediction);
+    candidates.push_back(std::move(one));
+  }
+  j["candidates"] = std::move(candidates);
+  return j;
+}
+
 }  // namespace strata::tools

@@ -10,6 +10,7 @@
 // plan (training_plan_report), and predicted.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -41,5 +42,10 @@ Result<TuneResult> tune_plan(const TrainConfig& base, const ModelConfig& model, 
                              bool allow_approximate, int keep = 5);
 
 std::string format_tune_result(const TuneResult& result);
+// The same as JSON (`strata plan --tune --json`): tried, fitting,
+// given_step_seconds (when the configuration as given fits) and the
+// candidates, fastest first, each with its flags, DeepSpeed config and
+// prediction (prediction_to_json).
+nlohmann::ordered_json tune_result_to_json(const TuneResult& result);
 
 }  // namespace strata::tools

@@ -273,9 +273,15 @@ class TrainCommand : public Subcommand {
       if (uses_nvme) options.nvme_paths = run.nvme_paths;
       options.short_probe = true;
       const std::string path = cached_profile_path();
+      Result<HardwareProfile> cached = Status::not_found("no cached probe");
       if (std::filesystem::exists(path)) {
-        Result<HardwareProfile> cached = read_hardware_profile(path);
-        if (!cached) return skip(cached.status());
+        cached = read_hardware_profile(path);
+        // One an older strata wrote, or a damaged one, is measured again.
+        if (!cached)
+          fmt::print("step-time model: the cached probe is unusable ({}); probing again\n",
+                     cached.status().message());
+      }
+      if (cached) {
         profile = std::move(*cached);
         source = path;
         bool changed = false;

@@ -227,6 +227,23 @@ bool JsonReader::optional_double_pair(const std::string& key, double& first, dou
   return true;
 }
 
+bool JsonReader::optional_double_array(const std::string& key, std::vector<double>& out,
+                                       double min, double max) {
+  const nlohmann::json* value = find(key);
+  if (!value || is_auto(*value)) return false;
+  bool usable = value->is_array() && !value->empty();
+  if (usable)
+    for (const nlohmann::json& item : *value)
+      usable = usable && item.is_number() && item.get<double>() >= min && item.get<double>() <= max;
+  if (!usable) {
+    type_error(key, fmt::format("a non-empty list of numbers in [{}, {}]", min, max), *value);
+    return false;
+  }
+  out.clear();
+  for (const nlohmann::json& item : *value) out.push_back(item.get<double>());
+  return true;
+}
+
 void JsonReader::required_int(const std::string& key, int64_t& out, int64_t min) {
   if (!has(key)) {
     accept(key);

@@ -54,6 +54,9 @@ class JsonReader {
   bool optional_choice(const std::string& key, std::string& out,
                        const std::vector<std::string>& choices);
   bool optional_double_pair(const std::string& key, double& first, double& second);
+  // A non-empty list of numbers, each within [min, max].
+  bool optional_double_array(const std::string& key, std::vector<double>& out, double min,
+                             double max);
   void required_int(const std::string& key, int64_t& out,
                     int64_t min = std::numeric_limits<int64_t>::min());
 

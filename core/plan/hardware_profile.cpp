@@ -29,11 +29,12 @@ double HardwareProfile::matmul_flops(Precision precision) const {
   return peak * 1e12 * matmul_efficiency;
 }
 
-double HardwareProfile::thread_share(int threads) const {
-  if (cores <= 1 || threads >= cores) return 1.0;
-  // Linear in the threads between one (one_thread_share) and all cores (1).
-  const double t = double(std::max(1, threads) - 1) / double(cores - 1);
-  return one_thread_share + t * (1.0 - one_thread_share);
+double HardwareProfile::rank_share(int ranks) const {
+  ranks = std::max(1, ranks);
+  if (rank_shares.empty()) return std::min(1.0, double(cores) / double(ranks));
+  const size_t n = rank_shares.size();
+  if (size_t(ranks) <= n) return rank_shares[size_t(ranks) - 1];
+  return rank_shares.back() * double(n) / double(ranks);
 }
 
 double HardwareProfile::adamw_params_per_second(OptimizerStateDtype state) const {
@@ -154,7 +155,7 @@ Result<HardwareProfile> parse_hardware_profile(const std::string& text, const st
     units.optional_double("layer_forward_gflops", p.layer_forward_gflops, 0);
     units.optional_double("layer_backward_gflops", p.layer_backward_gflops, 0);
     units.optional_double("head_gflops", p.head_gflops, 0);
-    units.optional_double("one_thread_share", p.one_thread_share, 0.0001, 1.0);
+    units.optional_double_array("rank_shares", p.rank_shares, 0.0001, 1.0);
     units.optional_string("shapes", p.unit_shapes);
   }
   {
@@ -248,7 +249,7 @@ std::string hardware_profile_json(const HardwareProfile& p) {
     j["cpu_units"] = {{"layer_forward_gflops", p.layer_forward_gflops},
                       {"layer_backward_gflops", p.layer_backward_gflops},
                       {"head_gflops", p.head_gflops},
-                      {"one_thread_share", p.one_thread_share},
+                      {"rank_shares", p.rank_shares},
                       {"shapes", p.unit_shapes}};
   j["host"] = {{"memcpy_gbps", p.memcpy_gbps},
                {"cores", p.cores},

@@ -11,7 +11,7 @@
 //                "memory_gbps": F, "memory_gib": F},
 //    "cpu_units": {"layer_forward_gflops": F, "layer_backward_gflops": F,
 //                  "head_gflops": F,         // cpu: the units' measured rates
-//                  "one_thread_share": F,    // on one thread, as a share of all cores
+//                  "rank_shares": [F, ...],  // per rank with 1, 2, ... ranks at once
 //                  "shapes": "..."},         // the model shapes and batch they were measured at
 //    "host": {"memcpy_gbps": F, "cores": N,
 //             "adamw_mparams_per_s": {"fp32": F, "bf16": F, "int8": F}},
@@ -50,14 +50,17 @@ struct HardwareProfile {
   double memory_gib = 0;
   // The CPU backend's units, measured at the probed model's shapes (0: from the GEMM rate).
   double layer_forward_gflops = 0, layer_backward_gflops = 0, head_gflops = 0;
-  // The units' rate on one thread as a share of theirs on every core (1: no
-  // gain from more cores); ranks that split the cores get the share between.
-  double one_thread_share = 1.0;
+  // The units' rate per rank while 1, 2, ... ranks of one process compute at
+  // once (they share the cores), as a share of one rank's alone: [0] is 1.
+  // Empty: the cores split evenly.
+  std::vector<double> rank_shares;
   // The shapes the units were measured at (tools/hardware_probe.h's
   // unit_shapes); a run at other shapes measures them again.
   std::string unit_shapes;
-  // The units' rate with `threads` of the `cores`, as a share of theirs on all.
-  double thread_share(int threads) const;
+  // The units' rate per rank with `ranks` at once, as a share of one alone:
+  // rank_shares, beyond its end the last entry's aggregate rate split
+  // further, and without it min(1, cores / ranks).
+  double rank_share(int ranks) const;
   // Host. memcpy_gbps counts the bytes a copy reads and writes, per second.
   double memcpy_gbps = 10;
   int cores = 1;

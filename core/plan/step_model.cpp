@@ -164,15 +164,13 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
     return (t.h2d > 0 ? uint32_t(Resource::pcie_h2d) : 0u) |
            (t.d2h > 0 ? uint32_t(Resource::pcie_d2h) : 0u);
   };
-  // On the CPU backend the node's ranks split the cores: each runs its units
-  // on its share of the BLAS threads (at the rate the probe measured for that
-  // many), its optimizer lane on one thread (while there are cores enough),
-  // and copies on its share of the host's bandwidth.
+  // On the CPU backend the node's ranks share the cores: each runs its units
+  // at the rate the probe measured with that many ranks at once (rank_share),
+  // its optimizer on its share of the cores, and copies on its share of the
+  // host's bandwidth.
   const int node_ranks = gpu ? 1 : std::max(1, in.budgets.node_ranks(in.world_size));
   const double ranks = double(node_ranks);
-  const double unit_share = gpu ? 1.0
-                                : hw.thread_share(std::max(1, hw.cores / node_ranks)) *
-                                      std::min(1.0, double(hw.cores) / ranks);
+  const double unit_share = gpu ? 1.0 : hw.rank_share(node_ranks);
   const double optimizer_share = gpu ? 1.0 : std::min(1.0, double(hw.cores) / ranks);
   const double memcpy_gbps = hw.memcpy_gbps / ranks;
   std::vector<OpCost> costs(plan.ops.size());
