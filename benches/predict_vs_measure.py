@@ -2,12 +2,15 @@
 """The step-time model against measured runs, on this machine's CPU backend.
 
     python3 benches/predict_vs_measure.py --strata build/tools/strata --nvme-path DIR
-            [--steps 10] [--only N,M] [--profile FILE] [--json OUT]
+            [--steps 10] [--rounds 2] [--only N,M] [--profile FILE | --probe-once] [--json OUT]
 
-First `strata plan --probe` measures this machine into a profile (the units
-at the bench's shapes, AdamW per state format, host copies, NVMe under
-DIR), written before any run and never changed by them: nothing is fitted to
-the runs. Then for each configuration below (fixed here: ZeRO stages 0-3,
+Each round starts with `strata plan --probe`, which measures this machine
+into a profile (the units at the bench's shapes, AdamW per state format, host
+copies, NVMe under DIR), written before the round's runs and never changed by
+them: nothing is fitted to the runs. (A probe per round, because a shared
+machine's speed drifts by more than the bounds within the minutes a bench
+takes; the probes' unit rates are printed, so the drift shows.
+--probe-once probes before the first round only.) Then for each configuration below (fixed here: ZeRO stages 0-3,
 parameters and optimizer state on the device, in host memory or on NVMe,
 accumulation 1-8, both schedules, the activation homes, fp32/bf16/int8
 optimizer state, 1-3 in-process ranks; the `small` preset at 8 x 128 tokens a
@@ -20,8 +23,8 @@ compares:
               first), against `strata plan --hardware PROFILE --json`'s
 
 each configuration --rounds times (default 2, in alternating order, the
-measured step the median over the rounds), and prints a table, the median and
-worst |predicted - measured| / measured,
+measured and the predicted step the medians over the rounds), and prints a
+table, the median and worst |predicted - measured| / measured,
 and exits 1 when the median passes 10% or the worst 25% (the issue's bounds).
 Python's standard library only.
 """
@@ -107,44 +110,54 @@ def main():
                         help="runs of every configuration, in alternating order; the measured step "
                              "is the median over them (the machine's load changes under a bench)")
     parser.add_argument("--only", help="comma-separated indices of the configurations to run")
-    parser.add_argument("--profile", help="use this profile instead of probing first")
+    parser.add_argument("--profile", help="use this profile instead of probing")
+    parser.add_argument("--probe-once", action="store_true", help="probe before the first round only")
     parser.add_argument("--json", help="write the table as JSON here")
     args = parser.parse_args()
     chosen = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
     version = run([args.strata, "--version"]).stdout.strip().splitlines()
     print("\n".join(version))
     with tempfile.TemporaryDirectory() as work:
-        profile = args.profile or os.path.join(work, "profile.json")
-        if not args.profile:
-            probe = run([args.strata, "plan", *BASE, "--zero-stage", "3", "--offload-param", "nvme",
-                         "--offload-optimizer", "nvme", "--nvme-path", args.nvme_path, "--probe",
-                         "--probe-out", profile])
-            print(probe.stderr.strip())
         data = os.path.join(work, "demo")
         run([args.strata, "demo-data", "--out", data])
         measured_steps = {name: [] for name, _ in chosen}
+        predicted_steps = {name: [] for name, _ in chosen}
         lane_rounds = {name: [] for name, _ in chosen}
-        planned_of, predicted_of = {}, {}
+        planned_rounds = {name: [] for name, _ in chosen}
         for round_ in range(args.rounds):
+            profile = args.profile
+            if not profile:
+                profile = os.path.join(work, f"profile-{round_ if not args.probe_once else 0}.json")
+                if round_ == 0 or not args.probe_once:
+                    probe = run([args.strata, "plan", *BASE, "--zero-stage", "3", "--offload-param", "nvme",
+                                 "--offload-optimizer", "nvme", "--nvme-path", args.nvme_path, "--probe",
+                                 "--probe-out", profile])
+                    print(f"round {round_ + 1}: " + probe.stderr.strip().replace("\n", f"\nround {round_ + 1}: "),
+                          flush=True)
             order = chosen if round_ % 2 == 0 else list(reversed(chosen))
             for name, flags in order:
                 common = [*BASE, *flags, "--nvme-path", args.nvme_path, "--hardware", profile]
-                if name not in planned_of:
-                    planned_of[name] = json.loads(run([args.strata, "plan", *common, "--json"]).stdout)["prediction"]
+                planned_rounds[name].append(
+                    json.loads(run([args.strata, "plan", *common, "--json"]).stdout)["prediction"])
                 metrics, trace = os.path.join(work, "m.jsonl"), os.path.join(work, "t.json")
                 run([args.strata, "train", *common, "--data", os.path.join(data, "train.bin"), "--steps",
                      str(args.steps), "--lr", "1e-3", "--metrics", metrics, "--trace", trace])
                 lines = [json.loads(line) for line in open(metrics)]
                 measured_steps[name].append(statistics.median(line["step_time_s"] for line in lines[1:]))
-                predicted_of[name] = lines[-1]["predicted_step_time_s"]
+                predicted_steps[name].append(lines[-1]["predicted_step_time_s"])
                 lane_rounds[name].append(trace_lane_busy(trace, args.steps))
         rows = []
         for name, flags in chosen:
-            planned, predicted = planned_of[name], predicted_of[name]
+            planned = planned_rounds[name][-1]
+            planned["lane_busy_seconds"] = {
+                lane: statistics.median(p["lane_busy_seconds"][lane] for p in planned_rounds[name])
+                for lane in LANES}
+            predicted = statistics.median(predicted_steps[name])
             measured = statistics.median(measured_steps[name])
             lanes = {lane: statistics.median(r[lane] for r in lane_rounds[name]) for lane in LANES}
             row = {"name": name, "flags": " ".join(flags), "measured_s": measured, "predicted_s": predicted,
                    "error": (predicted - measured) / measured, "rounds_s": measured_steps[name],
+                   "predicted_rounds_s": predicted_steps[name],
                    "first_predicted_s": planned["first_step_seconds"],
                    "lanes_measured": lanes, "lanes_predicted": planned["lane_busy_seconds"],
                    "bound": f"{planned['bound_lane']} / {planned['bound_resource']}"}
@@ -153,12 +166,20 @@ def main():
                   f"{100 * row['error']:+6.1f}%   compute {1e3 * lanes['compute']:7.1f} / "
                   f"{1e3 * planned['lane_busy_seconds']['compute']:7.1f} ms  optimizer "
                   f"{1e3 * lanes['optimizer']:6.1f} / {1e3 * planned['lane_busy_seconds']['optimizer']:6.1f} ms  "
-                  f"rounds {' '.join(f'{1e3 * x:.0f}' for x in measured_steps[name])} ms  "
+                  f"rounds {' '.join(f'{1e3 * x:.0f}' for x in measured_steps[name])} ms (predicted "
+                  f"{' '.join(f'{1e3 * x:.0f}' for x in predicted_steps[name])})  "
                   f"bound {row['bound']}", flush=True)
     errors = sorted(abs(r["error"]) for r in rows)
     median, worst = statistics.median(errors), errors[-1]
     print(f"{len(rows)} configurations: median |predicted - measured| / measured {100 * median:.1f}%, "
           f"worst {100 * worst:.1f}% (bounds 10% and 25%)")
+    for lane in ("compute", "optimizer", "io"):
+        lane_errors = sorted(abs(r["lanes_predicted"][lane] - r["lanes_measured"][lane]) / r["lanes_measured"][lane]
+                             for r in rows if r["lanes_measured"][lane] > 0.002)
+        if lane_errors:
+            print(f"  the {lane} lane's busy time, where over 2 ms a step ({len(lane_errors)} configurations): "
+                  f"median |predicted - trace| / trace {100 * statistics.median(lane_errors):.1f}%, "
+                  f"worst {100 * lane_errors[-1]:.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
