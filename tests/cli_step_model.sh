@@ -105,6 +105,11 @@ printf '{"compute": {"matmul_tflops": {"fp32": "fast"}}}' >"$dir/bad2.json"
 refuse "a value of the wrong type names the key" "compute.matmul_tflops.fp32" \
   "${plan[@]}" --hardware "$dir/bad2.json"
 refuse "--tune without a profile" "--tune needs a hardware profile" "${plan[@]}" --tune
+if "$strata" --version | grep -q "GPUs: none"; then
+  refuse "--probe --backend cuda without a GPU says so and names the presets" \
+    "--probe --backend cuda: .*--hardware PRESET predicts for a GPU" \
+    plan --model small --backend cuda --zero-stage 0 --probe
+fi
 
 "$strata" demo-data --out "$dir/data" >/dev/null 2>&1
 "$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 4 \

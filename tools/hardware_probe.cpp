@@ -57,7 +57,7 @@ void probe_memcpy(const ProbeOptions& options, HardwareProfile& p) {
   std::vector<char> from(bytes, 1), to(bytes, 0);
   const double s = median_seconds(8, 2.0, [&] { std::memcpy(to.data(), from.data(), bytes); });
   p.memcpy_gbps = 2.0 * double(bytes) / s / 1e9;  // read and written
-  p.memory_gbps = p.memcpy_gbps;
+  if (!p.gpu) p.memory_gbps = p.memcpy_gbps;  // the CPU backend's device memory is the host's
   say(options, fmt::format("host copies: {:.1f} GB/s (read + written)", p.memcpy_gbps));
 }
 
@@ -292,17 +292,22 @@ Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
   p.gpu = false;
   p.cores = int(std::max(1u, std::thread::hardware_concurrency()));
   p.matmul_efficiency = 1.0;
+  if (options.gpu)  // first: without a GPU there is nothing to measure
+    if (Status s = probe_gpu(options, p); !s) return s;
   probe_memcpy(options, p);
-  // Ranks of one process exchange through host memory: a copy each way.
-  p.network_gbps = p.memcpy_gbps / 2;
-  p.network_latency_us = 5;
+  if (!options.gpu) {
+    // Ranks of one process exchange through host memory: a copy each way.
+    p.network_gbps = p.memcpy_gbps / 2;
+    p.network_latency_us = 5;
+  }
   probe_adamw(options, p);
-  if (Status s = probe_units(options, p); !s) return s;
+  if (!options.gpu)
+    if (Status s = probe_units(options, p); !s) return s;
   if (Status s = probe_nvme(options, p); !s) return s;
   return p;
 }
 
-std::string cached_profile_path() {
+std::string cached_profile_path(bool gpu) {
   std::string base;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && xdg[0] != '\0')
     base = xdg;
@@ -311,7 +316,8 @@ std::string cached_profile_path() {
   else
     base = "/tmp";
   const std::string host = host_name();
-  return fmt::format("{}/strata/hardware-{}.json", base, host.empty() ? "local" : host);
+  return fmt::format("{}/strata/hardware-{}{}.json", base, host.empty() ? "local" : host,
+                     gpu ? "-gpu" : "");
 }
 
 Status write_profile(const HardwareProfile& profile, const std::string& path) {

@@ -60,11 +60,13 @@ class PlanCommand : public Subcommand {
                     "rtx-4090, l40s, each with /gen4xN or /gen5xN NVMe drives) or a profile "
                     "file (default: this machine's cached probe, when there is one)");
     cmd->add_flag("--probe", probe_,
-                  "Measure this machine (units at the model's shapes, AdamW, host copies, NVMe "
+                  "Measure this machine (the CPU backend's units at the model's shapes, or with "
+                  "--backend cuda the GPU's matmuls, memory and PCIe; AdamW, host copies, NVMe "
                   "under --nvme-path) into a profile, cache it, and predict with it");
     cmd->add_option("--probe-out", probe_out_,
                     "Where --probe writes the profile (default: the machine's cache, " +
-                        cached_profile_path() + ")");
+                        cached_profile_path() + ", or " + cached_profile_path(true) +
+                        " for --backend cuda)");
     cmd->add_flag("--tune", tune_,
                   "Search micro-batch x accumulation (at the same tokens per step), ZeRO stage, "
                   "offload placements, schedule, activation home and fetch slots for the fastest "
@@ -233,11 +235,8 @@ class PlanCommand : public Subcommand {
     if (probe_ && !hardware_.empty())
       return Status::invalid_argument("give one of --probe and --hardware");
     if (probe_) {
-      if (input.gpu)
-        return Status::invalid_argument(
-            "--probe measures the CPU backend of this machine; add --backend cpu (a GPU's "
-            "figures: --hardware PRESET)");
       ProbeOptions options;
+      options.gpu = input.gpu;
       options.model = model;
       options.micro_batch = input.micro_batch;
       options.seq_len = input.seq_len;
@@ -245,7 +244,7 @@ class PlanCommand : public Subcommand {
       options.progress = [](const std::string& line) { fmt::print(stderr, "probe: {}\n", line); };
       Result<HardwareProfile> probed = probe_hardware(options);
       if (!probed) return probed.status();
-      const std::string path = probe_out_.empty() ? cached_profile_path() : probe_out_;
+      const std::string path = probe_out_.empty() ? cached_profile_path(input.gpu) : probe_out_;
       if (Status s = write_profile(*probed, path); !s) return s;
       fmt::print(stderr, "probe: wrote {}\n", path);
       profile = std::move(*probed);
@@ -253,10 +252,10 @@ class PlanCommand : public Subcommand {
       Result<HardwareProfile> loaded = load_hardware_profile(hardware_);
       if (!loaded) return loaded.status().with_context("--hardware");
       profile = std::move(*loaded);
-    } else if (!input.gpu && std::filesystem::exists(cached_profile_path())) {
+    } else if (std::filesystem::exists(cached_profile_path(input.gpu))) {
       // The cache is only a default: one an older strata wrote, or a damaged
       // one, predicts nothing, and says how to measure again.
-      Result<HardwareProfile> cached = read_hardware_profile(cached_profile_path());
+      Result<HardwareProfile> cached = read_hardware_profile(cached_profile_path(input.gpu));
       if (!cached) {
         fmt::print(stderr,
                    "warning: the cached probe is unusable ({}); no prediction (--probe measures "

@@ -256,8 +256,22 @@ class TrainCommand : public Subcommand {
                                       gpu ? "CUDA" : "CPU", gpu ? "GPU" : "CPU")};
       profile = std::move(*loaded);
       source = f_.hardware;
-    } else if (gpu || run.launch) {
-      return std::nullopt;  // no probe of a GPU yet; launched ranks would probe at once
+    } else if (run.launch) {
+      return std::nullopt;  // launched ranks would probe at once
+    } else if (gpu) {
+      // A GPU is probed only when asked (strata plan --probe --backend cuda);
+      // its cached probe, when there is one, predicts.
+      const std::string path = cached_profile_path(true);
+      if (!std::filesystem::exists(path)) return std::nullopt;
+      Result<HardwareProfile> cached = read_hardware_profile(path);
+      if (!cached || !cached->gpu) {
+        fmt::print(stderr, "warning: step-time model: the cached GPU probe {} is unusable ({}); "
+                           "no prediction (strata plan --probe --backend cuda measures again)\n",
+                   path, cached ? "not a GPU profile" : cached.status().message());
+        return std::nullopt;
+      }
+      profile = std::move(*cached);
+      source = path;
     } else {
       // A probe never stops a run: when it fails, the run goes on unpredicted.
       auto skip = [](const Status& why) {

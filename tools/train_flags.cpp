@@ -159,7 +159,8 @@ void add_output_and_checkpoint_options(CLI::App& cmd, TrainFlags& flags) {
       ->group(kOutputGroup);
   cmd.add_option("--hardware", flags.hardware,
                  "The step-time model's profile, to predict each step beside its measurement: "
-                 "auto (this machine's cached probe, made on first use; the CPU backend), none, "
+                 "auto (this machine's cached probe: on the CPU backend made on first use, on "
+                 "the CUDA backend the one strata plan --probe --backend cuda made), none, "
                  "a preset (h100-sxm/gen5x2, ...) or a profile file")
       ->default_str("auto");
   cmd.add_option("--trace", flags.trace_path,
