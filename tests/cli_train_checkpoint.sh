@@ -82,7 +82,9 @@ ls "$dir/term" | grep -q "^step-"; check "SIGTERM saved a checkpoint" $?
 
 # SIGKILL at random moments (also while a checkpoint is being written: one
 # is saved after every step), resuming from the newest checkpoint each time.
-long=150
+# Long enough (about 7 s uninterrupted here) that several kills land before
+# the last run finishes.
+long=400
 "$strata" train "${common[@]}" "${nvme[@]}" --steps $long --export "$dir/long.safetensors" >/dev/null 2>&1
 rm -rf "$dir/kill"
 kills=0

@@ -237,26 +237,30 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
                                 model.unit_grads(head_unit), ws);
   });
   // Ranks of one process at once (2 to 4): each its own thread, activations
-  // and workspace, the same layers' forward, as the engine's ranks share the
-  // cores. Each rank's rate as a share of one alone's.
+  // and workspace, the first (up to) two layers' forward, as the engine's
+  // ranks share the cores. Each rank's rate as a share of one alone's.
   p.rank_shares = {1.0};
+  const int64_t shared_layers = std::min<int64_t>(layers, 2);
+  const std::vector<std::vector<float>> first_acts(acts.begin(),
+                                                   acts.begin() + shared_layers + 1);
   for (int ranks = 2; ranks <= kProbedRanks; ++ranks) {
     std::vector<std::unique_ptr<UnitWorkspace>> spaces;
-    std::vector<std::vector<std::vector<float>>> rank_acts(size_t(ranks), acts);
+    std::vector<std::vector<std::vector<float>>> rank_acts(size_t(ranks), first_acts);
     for (int r = 0; r < ranks; ++r) spaces.push_back(std::make_unique<UnitWorkspace>(m, B, T));
     const double together = median_seconds(3, budget / 2, [&] {
       std::vector<std::thread> threads;
       for (int r = 0; r < ranks; ++r)
         threads.emplace_back([&, r] {
           std::vector<std::vector<float>>& own = rank_acts[size_t(r)];
-          for (int64_t u = 1; u <= layers; ++u)
+          for (int64_t u = 1; u <= shared_layers; ++u)
             (void)unit_forward(model.layout, u, model.unit_params(u), batch,
                                own[size_t(u) - 1].data(), own[size_t(u)].data(),
                                *spaces[size_t(r)]);
         });
       for (std::thread& t : threads) t.join();
     });
-    p.rank_shares.push_back(std::clamp(forward / (together / double(layers)), 0.0001, 1.0));
+    p.rank_shares.push_back(
+        std::clamp(forward / (together / double(shared_layers)), 0.0001, 1.0));
   }
   p.unit_shapes = unit_shapes(options);
   p.layer_forward_gflops = layer_forward_flops(m, B, T) / forward / 1e9;
