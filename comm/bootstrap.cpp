@@ -323,6 +323,26 @@ IoError recv_frame(int fd, Blob& blob, Clock::time_point deadline) {
 }
 
 // A world of one: nothing to exchange.
+// The numeric address of this end of a connected socket ("" if unknown); an
+// IPv4 address mapped into IPv6 is written as IPv4.
+std::string numeric_local_address(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return "";
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&address)->sin_addr, text, sizeof(text));
+  } else if (address.ss_family == AF_INET6) {
+    const in6_addr& in6 = reinterpret_cast<sockaddr_in6*>(&address)->sin6_addr;
+    if (IN6_IS_ADDR_V4MAPPED(&in6)) {
+      ::inet_ntop(AF_INET, &in6.s6_addr[12], text, sizeof(text));
+    } else {
+      ::inet_ntop(AF_INET6, &in6, text, sizeof(text));
+    }
+  }
+  return text;
+}
+
 class SoloRendezvous final : public Rendezvous {
  public:
   int rank() const override { return 0; }
@@ -332,6 +352,7 @@ class SoloRendezvous final : public Rendezvous {
     return std::vector<Blob>{mine};
   }
   Status barrier() override { return Status::ok(); }
+  std::string local_address() const override { return "127.0.0.1"; }
 };
 
 class TcpRendezvous final : public Rendezvous {
@@ -401,6 +422,10 @@ class TcpRendezvous final : public Rendezvous {
   Status barrier() override {
     Result<std::vector<Blob>> gathered = all_gather({});
     return gathered.status();
+  }
+
+  std::string local_address() const override {
+    return numeric_local_address(rank_ == 0 ? peers_[1].fd() : server_.fd());
   }
 
  private:

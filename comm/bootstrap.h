@@ -91,6 +91,12 @@ class Rendezvous {
   virtual Result<std::vector<Blob>> all_gather(const Blob& mine) = 0;
   // Returns when every rank has reached it.
   virtual Status barrier() = 0;
+  // The numeric IP address of this end of this rank's connection to the
+  // rendezvous (rank 0: of its connection to rank 1), so the address the
+  // other ranks reach this machine at on the interface the rendezvous uses:
+  // a collective library started from here listens on it. A world of one:
+  // "127.0.0.1".
+  virtual std::string local_address() const = 0;
 };
 
 }  // namespace strata::comm

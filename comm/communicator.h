@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -53,7 +54,25 @@ class Communicator {
   virtual Status all_reduce(const void* send, void* recv, size_t count, DataType dtype) = 0;
   virtual Status broadcast(void* buffer, size_t count, DataType dtype, int root) = 0;
   virtual Status barrier() = 0;
+
+  // The data bytes this rank has sent to other ranks so far: the collectives'
+  // payload, without the agreement checks' headers (32 bytes to each peer per
+  // call). GlooComm counts them at its transport; LocalComm and NcclComm add
+  // up bytes_sent_by for each call (a ring, NCCL's, sends the same per rank
+  // in the reductions and the all-gather).
+  virtual uint64_t bytes_sent() const = 0;
 };
+
+enum class CollectiveKind { all_gather, reduce_scatter, all_reduce, broadcast };
+
+// The data bytes rank `rank` of `world` sends to the others in one collective
+// of `count` elements per rank (the root's, for a broadcast) when every rank
+// sends straight to every other, as GlooComm does: an all-gather (W-1) x count
+// elements; a reduce-scatter the W-1 slices of the others; an all-reduce the
+// others' W-1 segments of the buffer and then its own to each of them (segment
+// r is [count r / W, count (r+1) / W)); a broadcast (W-1) x count from the root.
+uint64_t bytes_sent_by(CollectiveKind kind, size_t count, DataType dtype, int world, int rank,
+                       int root = 0);
 
 // W ranks as threads of one process. make_local_group(W) returns one
 // Communicator per rank; hand communicators[r] to the thread that runs rank r.

@@ -47,6 +47,7 @@ class LocalComm final : public Communicator {
   Status all_gather(const void* send, void* recv, size_t count, DataType dtype) override {
     Status agreed = post({send, recv, count, dtype, 0, "all_gather"});
     if (!agreed.is_ok()) return agreed;
+    sent_ += bytes_sent_by(CollectiveKind::all_gather, count, dtype, world_size(), rank_);
     const size_t bytes = count * dtype_bytes(dtype);
     for (int r = 0; r < world_size(); ++r) {
       std::memcpy(static_cast<char*>(recv) + r * bytes, shared_->posts[r].send, bytes);
@@ -58,6 +59,7 @@ class LocalComm final : public Communicator {
   Status reduce_scatter(const void* send, void* recv, size_t count, DataType dtype) override {
     Status agreed = post({send, recv, count, dtype, 0, "reduce_scatter"});
     if (!agreed.is_ok()) return agreed;
+    sent_ += bytes_sent_by(CollectiveKind::reduce_scatter, count, dtype, world_size(), rank_);
     std::vector<float> sums(count);
     sum_in_rank_order(sends(), static_cast<size_t>(rank_) * count, count, dtype, sums.data());
     store_sums(sums.data(), count, dtype, recv, 0);
@@ -68,6 +70,7 @@ class LocalComm final : public Communicator {
   Status all_reduce(const void* send, void* recv, size_t count, DataType dtype) override {
     Status agreed = post({send, recv, count, dtype, 0, "all_reduce"});
     if (!agreed.is_ok()) return agreed;
+    sent_ += bytes_sent_by(CollectiveKind::all_reduce, count, dtype, world_size(), rank_);
     // Rank r sums slice r of every rank's buffer in rank order into its partial;
     // after a barrier every rank copies all slices (send may alias recv).
     const int w = world_size();
@@ -94,6 +97,7 @@ class LocalComm final : public Communicator {
     }
     Status agreed = post({buffer, buffer, count, dtype, root, "broadcast"});
     if (!agreed.is_ok()) return agreed;
+    sent_ += bytes_sent_by(CollectiveKind::broadcast, count, dtype, world_size(), rank_, root);
     if (rank_ != root) {
       std::memcpy(buffer, shared_->posts[root].send, count * dtype_bytes(dtype));
     }
@@ -105,6 +109,8 @@ class LocalComm final : public Communicator {
     shared_->sync.arrive_and_wait();
     return Status::ok();
   }
+
+  uint64_t bytes_sent() const override { return sent_; }
 
  private:
   // Every rank's posted send buffer, in rank order.
@@ -137,12 +143,31 @@ class LocalComm final : public Communicator {
 
   std::shared_ptr<SharedState> shared_;
   int rank_;
+  uint64_t sent_ = 0;
 };
 
 }  // namespace
 
 size_t dtype_bytes(DataType dtype) {
   return dtype == DataType::fp32 ? 4 : 2;
+}
+
+uint64_t bytes_sent_by(CollectiveKind kind, size_t count, DataType dtype, int world, int rank,
+                       int root) {
+  const uint64_t element = dtype_bytes(dtype), others = uint64_t(std::max(0, world - 1));
+  switch (kind) {
+    case CollectiveKind::all_gather:
+    case CollectiveKind::reduce_scatter:
+      return others * count * element;
+    case CollectiveKind::all_reduce: {
+      const uint64_t begin = count * uint64_t(rank) / uint64_t(world);
+      const uint64_t mine = count * uint64_t(rank + 1) / uint64_t(world) - begin;
+      return (count - mine) * element + others * mine * element;
+    }
+    case CollectiveKind::broadcast:
+      return rank == root ? others * count * element : 0;
+  }
+  return 0;
 }
 
 std::vector<std::unique_ptr<Communicator>> make_local_group(int world_size) {

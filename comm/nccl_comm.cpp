@@ -150,10 +150,12 @@ class NcclCommImpl final : public NcclComm {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
+  uint64_t bytes_sent() const override { return sent_; }
   int gpu_index() const override { return gpu_; }
   CUstream_st* stream() const override { return stream_; }
 
   Status all_gather(const void* send, void* recv, size_t count, DataType dtype) override {
+    sent_ += bytes_sent_by(CollectiveKind::all_gather, count, dtype, world_size_, rank_);
     const Call call{"all_gather", count, dtype};
     const size_t bytes = count * dtype_bytes(dtype);
     return run_staged(call, send, bytes, recv, bytes * world_size_, true,
@@ -163,6 +165,7 @@ class NcclCommImpl final : public NcclComm {
   }
 
   Status reduce_scatter(const void* send, void* recv, size_t count, DataType dtype) override {
+    sent_ += bytes_sent_by(CollectiveKind::reduce_scatter, count, dtype, world_size_, rank_);
     const Call call{"reduce_scatter", count, dtype};
     const size_t bytes = count * dtype_bytes(dtype);
     return run_staged(call, send, bytes * world_size_, recv, bytes, true,
@@ -173,6 +176,7 @@ class NcclCommImpl final : public NcclComm {
   }
 
   Status all_reduce(const void* send, void* recv, size_t count, DataType dtype) override {
+    sent_ += bytes_sent_by(CollectiveKind::all_reduce, count, dtype, world_size_, rank_);
     const Call call{"all_reduce", count, dtype};
     const size_t bytes = count * dtype_bytes(dtype);
     return run_staged(call, send, bytes, recv, bytes, true,
@@ -182,6 +186,7 @@ class NcclCommImpl final : public NcclComm {
   }
 
   Status broadcast(void* buffer, size_t count, DataType dtype, int root) override {
+    sent_ += bytes_sent_by(CollectiveKind::broadcast, count, dtype, world_size_, rank_, root);
     const Call call{"broadcast", count, dtype};
     Status valid = check_root(call, root);
     if (!valid.is_ok()) return valid;
@@ -403,6 +408,7 @@ class NcclCommImpl final : public NcclComm {
 
   int rank_;
   int world_size_;
+  uint64_t sent_ = 0;
   int gpu_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;

@@ -114,8 +114,11 @@ class SocketComm final : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
+  // What the direct schedule would send (this relay sends more, through rank 0).
+  uint64_t bytes_sent() const override { return sent_; }
 
   Status all_gather(const void* send, void* recv, size_t count, DataType dtype) override {
+    sent_ += bytes_sent_by(CollectiveKind::all_gather, count, dtype, world_size_, rank_);
     const size_t element = dtype_bytes(dtype);
     return in_pieces(count, elements_per_exchange(element), [&](size_t first, size_t n) -> Status {
       Result<std::vector<Blob>> messages =
@@ -131,6 +134,7 @@ class SocketComm final : public Communicator {
   }
 
   Status reduce_scatter(const void* send, void* recv, size_t count, DataType dtype) override {
+    sent_ += bytes_sent_by(CollectiveKind::reduce_scatter, count, dtype, world_size_, rank_);
     // Each exchange covers elements [first, first + n) of every rank's slice:
     // this rank sends those of all W slices and sums the ones of its own.
     const size_t element = dtype_bytes(dtype);
@@ -158,6 +162,7 @@ class SocketComm final : public Communicator {
   }
 
   Status all_reduce(const void* send, void* recv, size_t count, DataType dtype) override {
+    sent_ += bytes_sent_by(CollectiveKind::all_reduce, count, dtype, world_size_, rank_);
     // send may be recv: an exchange copies its part of send before this rank
     // writes the same part of recv, and later exchanges read later parts.
     const size_t element = dtype_bytes(dtype);
@@ -177,6 +182,7 @@ class SocketComm final : public Communicator {
   }
 
   Status broadcast(void* buffer, size_t count, DataType dtype, int root) override {
+    sent_ += bytes_sent_by(CollectiveKind::broadcast, count, dtype, world_size_, rank_, root);
     // The root is checked after the first exchange, so that a bad root fails
     // on every rank alike instead of leaving the others waiting.
     const size_t element = dtype_bytes(dtype);
@@ -291,6 +297,7 @@ class SocketComm final : public Communicator {
   int rank_;
   int world_size_;
   size_t exchange_bytes_;
+  uint64_t sent_ = 0;
   std::string first_failure_;
 };
 

@@ -27,7 +27,7 @@
 
 #include "comm/bootstrap.h"
 #include "comm/nccl_comm.h"
-#include "comm/socket_comm.h"
+#include "comm/gloo_comm.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/safetensors.h"
 #include "core/config/backend_choice.h"
@@ -528,7 +528,7 @@ class TrainCommand : public Subcommand {
   }
 
   // The backend, and when launched this rank's link to the others: NCCL on
-  // GPUs (GPU LOCAL_RANK), sockets on the CPU.
+  // GPUs (GPU LOCAL_RANK), Gloo on the CPU.
   std::optional<Failure> connect_processes(TrainingRun& run) {
     run.options.backend = run.backend.kind;
     if (!run.launch) return std::nullopt;
@@ -539,9 +539,9 @@ class TrainCommand : public Subcommand {
       if (!nccl) return run_error(nccl.status());
       run.options.process_comm = std::move(*nccl);
     } else {
-      Result<std::unique_ptr<comm::Communicator>> sockets = comm::make_socket_comm(*run.launch);
-      if (!sockets) return run_error(sockets.status());
-      run.options.process_comm = std::move(*sockets);
+      Result<std::unique_ptr<comm::Communicator>> gloo = comm::make_gloo_comm(*run.launch);
+      if (!gloo) return run_error(gloo.status());
+      run.options.process_comm = std::move(*gloo);
     }
     return std::nullopt;
   }
