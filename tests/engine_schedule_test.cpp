@@ -1,13 +1,21 @@
-// The layer-major schedule computes what the micro-batch order computes: a
-// unit's micro-batches reach it in order, so every gradient sums in the same
-// order and the runs are bitwise equal, at every placement, world size and
-// precision, with clipping and with fp16 loss scaling. What it changes is
-// what moves: each unit's parameters cross each link once for the forward
-// and once for the backward, whatever the number of micro-batches, for the
-// activation copies the plan lists.
+// The layer-major schedule computes what the micro-batch order computes. At
+// one rank a unit's micro-batches reach it in order, so every gradient sums
+// in the same order and the runs are bitwise equal, at every placement and
+// precision, with clipping and with fp16 loss scaling. At more than one rank
+// layer-major sums each unit's micro-batch gradients on the rank first and
+// reduces the sum once per step: a reference summing in that order gives its
+// bits, and it is within the rounding bound of the micro-batch order
+// (core/README.md, "Numbers"). What it changes is what moves: each unit's
+// parameters cross each link once for the forward and once for the
+// backward, and its gradient the network once, whatever the number of
+// micro-batches, for the activation copies the plan lists.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <map>
+#include <tuple>
 #include <cerrno>
 #include <limits>
 #include <memory>
@@ -26,7 +34,10 @@ class EngineSchedule : public testing::EngineRunsTest {
  protected:
   EngineSchedule() : EngineRunsTest("engine_schedule") {}
 
-  // Trains `run` in both orders and expects the same bits.
+  // Trains `run` in both orders and expects the same bits at one rank; at
+  // more, where the sums are taken in another order, the same losses, norms
+  // and weights to within kNearRelative (a few steps of rounding differences
+  // of about 2^-24 relative, checked bitwise against a reference below).
   void expect_schedules_agree(EngineRun run) {
     run.schedule = "micro_batch";
     const EngineOutcome micro = train(run);
@@ -34,10 +45,33 @@ class EngineSchedule : public testing::EngineRunsTest {
     const EngineOutcome layer = train(run);
     ASSERT_EQ(micro.plan.input.schedule, Schedule::micro_batch) << run.label();
     ASSERT_EQ(layer.plan.input.schedule, Schedule::layer) << run.label();
-    testing::expect_identical(layer, micro, run.label());
+    if (run.world == 1 || run.grad_accum == 1) {
+      testing::expect_identical(layer, micro, run.label());
+      return;
+    }
+    expect_near(layer, micro, run.label());
+  }
+
+  static constexpr double kNearRelative = 1e-4;
+
+  static void expect_near(const EngineOutcome& a, const EngineOutcome& b, const std::string& what) {
+    ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
+    for (size_t s = 0; s < a.steps.size(); ++s) {
+      EXPECT_EQ(a.steps[s].skipped, b.steps[s].skipped) << what << ", step " << s + 1;
+      EXPECT_NEAR(a.steps[s].loss, b.steps[s].loss, kNearRelative * std::fabs(b.steps[s].loss))
+          << what << ", step " << s + 1;
+      EXPECT_NEAR(a.steps[s].grad_norm, b.steps[s].grad_norm,
+                  kNearRelative * std::fabs(b.steps[s].grad_norm))
+          << what << ", step " << s + 1;
+    }
+    std::string where;
+    EXPECT_LE(testing::weights_relative_error(a.weights, b.weights, &where), kNearRelative)
+        << what << " (" << where << ")";
   }
 };
 
+// At one rank bitwise; at 2 and 3 within kNearRelative (the bits are the
+// reference's of LayerMajorSumsOnTheRankThenReducesOnce).
 TEST_F(EngineSchedule, LayerMajorIsBitwiseTheMicroBatchOrderAtEveryPlacement) {
   for (int world : {1, 2, 3}) {
     for (const char* precision : {"fp32", "bf16"}) {
@@ -47,6 +81,112 @@ TEST_F(EngineSchedule, LayerMajorIsBitwiseTheMicroBatchOrderAtEveryPlacement) {
         run.steps = 2;
         expect_schedules_agree(run);
       }
+    }
+  }
+}
+
+// What EngineOptions::gradient_observer saw in one step, per (rank, unit, micro).
+struct SeenGradients {
+  std::mutex lock;
+  std::map<std::tuple<int, int, int>, std::vector<float>> unreduced, reduced;
+};
+
+// The rounding bound of a sum of n + 1 terms (Higham's gamma_n, u = 2^-24).
+double gamma_n(int n) {
+  const double u = std::ldexp(1.0, -24);
+  return n * u / (1 - n * u);
+}
+
+// At W ranks and G micro-batches the micro-batch order reduces each
+// micro-batch's gradient (0 + g[0][m] + ... + g[W-1][m], rank order) and adds
+// the sums up in micro-batch order; layer-major first sums each rank's in
+// micro-batch order (s[r] = g[r][0] + ... + g[r][G-1]) and reduces those once
+// (0 + s[0] + ... + s[W-1]). References computing each order from the
+// observed micro-batch gradients give both runs' bits, and the two differ by
+// at most 2 gamma_(W+G-2) sum |g| per element.
+TEST_F(EngineSchedule, LayerMajorSumsOnTheRankThenReducesOnce) {
+  const int G = 3;
+  for (int world : {2, 3}) {
+    for (auto [stage, param, optimizer] :
+         {std::tuple{0, "none", "none"}, std::tuple{2, "none", "cpu"},
+          std::tuple{3, "nvme", "nvme"}}) {
+      EngineRun run;
+      run.stage = stage;
+      run.offload_param = param;
+      run.offload_optimizer = optimizer;
+      run.world = world;
+      run.grad_accum = G;
+      run.steps = 1;
+      SeenGradients seen[2];  // the micro-batch order, layer-major
+      for (int s = 0; s < 2; ++s) {
+        run.schedule = s == 0 ? "micro_batch" : "layer";
+        Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+        ASSERT_TRUE(options.is_ok()) << options.status().message();
+        SeenGradients& into = seen[s];
+        options->gradient_observer = [&into](const GradientSeen& g) {
+          std::lock_guard<std::mutex> hold(into.lock);
+          (g.reduced ? into.reduced : into.unreduced)[{g.rank, g.unit, g.micro}].assign(
+              g.data, g.data + g.count);
+        };
+        Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
+        ASSERT_TRUE(engine.is_ok()) << engine.status().message();
+        Result<StepResult> step = (*engine)->step();
+        ASSERT_TRUE(step.is_ok()) << run.label() << ": " << step.status().message();
+      }
+      const std::string what = run.label();
+      // The same parameters and tokens: the same micro-batch gradients.
+      ASSERT_FALSE(seen[1].unreduced.empty()) << what;
+      EXPECT_TRUE(seen[0].unreduced == seen[1].unreduced) << what;
+      double worst_ratio = 0;
+      for (const auto& [key, ignored] : seen[1].unreduced) {
+        const auto [r, u, m] = key;
+        if (m != 0) continue;
+        const size_t padded = seen[1].unreduced.at({r, u, 0}).size();
+        std::vector<float> new_order(padded, 0.0f), old_order(padded), size(padded, 0.0f);
+        for (int q = 0; q < world; ++q) {
+          std::vector<float> sum = seen[1].unreduced.at({q, u, 0});
+          for (int k = 1; k < G; ++k) {
+            const std::vector<float>& g = seen[1].unreduced.at({q, u, k});
+            for (size_t i = 0; i < padded; ++i) sum[i] += g[i];
+          }
+          for (size_t i = 0; i < padded; ++i) new_order[i] += sum[i];
+        }
+        for (int k = 0; k < G; ++k) {
+          std::vector<float> reduced(padded, 0.0f);
+          for (int q = 0; q < world; ++q) {
+            const std::vector<float>& g = seen[1].unreduced.at({q, u, k});
+            for (size_t i = 0; i < padded; ++i) {
+              reduced[i] += g[i];
+              size[i] += std::fabs(g[i]);
+            }
+          }
+          for (size_t i = 0; i < padded; ++i) old_order[i] = k == 0 ? reduced[i] : old_order[i] + reduced[i];
+        }
+        // Layer-major reduced once, at the last micro-batch.
+        for (int k = 0; k + 1 < G; ++k)
+          EXPECT_EQ(seen[1].reduced.count({r, u, k}), 0u) << what << ", unit " << u;
+        const std::vector<float>& got = seen[1].reduced.at({r, u, G - 1});
+        const size_t from = got.size() == padded ? 0 : size_t(r) * got.size();
+        ASSERT_LE(from + got.size(), padded) << what;
+        EXPECT_EQ(std::memcmp(got.data(), new_order.data() + from, got.size() * 4), 0)
+            << what << ", rank " << r << ", unit " << u << ": not the layer-major reference's bits";
+        // The micro-batch order's accumulated sums, as the accumulator adds them.
+        std::vector<float> micro = seen[0].reduced.at({r, u, 0});
+        for (int k = 1; k < G; ++k) {
+          const std::vector<float>& reduced = seen[0].reduced.at({r, u, k});
+          for (size_t i = 0; i < micro.size(); ++i) micro[i] += reduced[i];
+        }
+        EXPECT_EQ(std::memcmp(micro.data(), old_order.data() + from, micro.size() * 4), 0)
+            << what << ", rank " << r << ", unit " << u << ": not the micro-batch reference's bits";
+        const double bound = 2 * gamma_n(world + G - 2);
+        for (size_t i = 0; i < got.size(); ++i) {
+          const double difference = std::fabs(double(got[i]) - double(old_order[from + i]));
+          const double allowed = bound * size[from + i];
+          ASSERT_LE(difference, allowed) << what << ", unit " << u << ", element " << from + i;
+          if (allowed > 0) worst_ratio = std::max(worst_ratio, difference / allowed);
+        }
+      }
+      std::printf("%s: the largest difference is %.3f of the bound\n", what.c_str(), worst_ratio);
     }
   }
 }
@@ -200,7 +340,11 @@ TEST_F(EngineSchedule, GradientsOnNvmeAreWrittenOnceAndAgree) {
       const EngineOutcome micro = train(run);
       run.schedule = "layer";
       const EngineOutcome layer = train(run);
-      testing::expect_identical(layer, micro, run.label());
+      if (world == 1) {
+        testing::expect_identical(layer, micro, run.label());
+      } else {
+        expect_near(layer, micro, run.label());
+      }
       for (const EngineOutcome* o : {&micro, &layer}) {
         EXPECT_EQ(o->nvme_read, uint64_t(o->plan.traffic_per_step.nvme_read) * 2 * world)
             << run.label();

@@ -66,6 +66,14 @@ using BatchReader =
     std::function<Status(int64_t sequence_offset, int64_t micro, int rank, int world, int64_t B,
                          int64_t T, int32_t* inputs, int32_t* targets)>;
 
+// A gradient EngineOptions::gradient_observer sees.
+struct GradientSeen {
+  int rank = 0, unit = 0, micro = 0;
+  bool reduced = false;
+  const float* data = nullptr;
+  int64_t count = 0;
+};
+
 struct EngineOptions {
   ModelConfig model;
   TrainConfig config;  // merged file and flags (stage, offload, batch, precision, optimizer, aio)
@@ -99,7 +107,7 @@ struct EngineOptions {
   bool emulate_gpu = false;
   // Set when this process is one rank of several processes (strata launch):
   // the engine then holds that rank only, talking to the others through this
-  // communicator (SocketComm on the CPU, NcclComm on GPUs), whose world size
+  // communicator (GlooComm on the CPU, NcclComm on GPUs), whose world size
   // must be the config's. Null: every rank is a thread of this process.
   // budgets.ranks_per_node then says how many processes share the node's host
   // budget (strata train sets it from the launcher). Collective calls below (save_checkpoint,
@@ -110,6 +118,12 @@ struct EngineOptions {
   std::function<void(const std::string&)> notice{};
   // Tests only: the NVMe rings of every rank fail on demand.
   std::shared_ptr<io::FaultInjector> fault_injector{};
+  // Tests only: sees each gradient on its way through the reduction, on the
+  // thread of the rank: `reduced` false, a micro-batch's gradient of the whole
+  // unit as the backward left it, before anything is added to it; true, what
+  // the collective returned (this rank's part at stages 2-3), before it is
+  // added to the accumulator. Ranks of one process call it concurrently.
+  std::function<void(const GradientSeen&)> gradient_observer{};
 };
 
 // What a step did, summed over the ranks unless said otherwise.

@@ -110,6 +110,7 @@ struct Engine::Impl {
     // int8 state: per unit, (int8_block_count of its segments) block scales of m and of v.
     std::vector<float*> m_scales, v_scales;
     float* grad_staging = nullptr;  // (largest gradient shard) an NVMe-homed gradient, read back
+    float* grad_sum = nullptr;      // (largest padded) TrainingPlan::host_grads_summed
     // Spilled saved inputs (TrainingPlan::activations_spilled):
     // [spilled level x G + micro] in host memory, or the NVMe extent holding
     // them (copy k at k x the plan buffer's copy bytes); a GPU's staging copy.

@@ -107,6 +107,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.sync_staging = b.at(R::sync_staging);
   rank.param_out = b.at(R::new_parameters);
   rank.grad_staging = b.as<float>(R::gradient_staging);
+  rank.grad_sum = b.as<float>(R::gradient_sum);
   rank.spilled_inputs = b.all_as<std::byte>(R::activation_spill);
   rank.spill_staging = b.at(R::activation_staging);
   if (const PlanBuffer* spill = plan.buffer(R::activation_spill);

@@ -45,6 +45,20 @@ void accumulate_one_rank_sum(float* accumulator, const float* unreduced, int64_t
                     });
 }
 
+// out = in (first) or out + in, elementwise in fp32 (IEEE addition is
+// commutative: the bits of sum + g either way round).
+void add_on_host(float* out, const float* in, int64_t numel, bool first) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, int64_t{1} << 18),
+                    [&](const tbb::blocked_range<int64_t>& range) {
+                      const int64_t b = range.begin();
+                      if (first) {
+                        std::memcpy(out + b, in + b, size_t(range.end() - b) * 4);
+                        return;
+                      }
+                      for (int64_t i = b; i < range.end(); ++i) out[i] += in[i];
+                    });
+}
+
 // The same sum in place, where the accumulation is not a pass over host memory.
 void one_rank_sum_in_place(float* values, int64_t numel) {
   accumulate_one_rank_sum(values, values, numel, true);
@@ -210,6 +224,21 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     one_rank_sum_in_place(buffer, p.padded_numel);
     return accumulate_gradient(rank, u, buffer, count, op.micro, first);
   }
+  const int64_t padded = p.padded_numel;
+  if (options.gradient_observer && !summed_on_device)
+    options.gradient_observer({r, u, op.micro, false, buffer, padded});
+  if (plan.host_grads_summed()) {
+    // Layer-major: the unit's micro-batch gradients add up here in
+    // micro-batch order (sum = g0, sum + g1, ...) and the sum is reduced
+    // once, after the last, straight into the accumulator.
+    if (!arrived) return arrived;
+    if (op.micro < plan.input.grad_accum - 1) {
+      add_on_host(rank.grad_sum, buffer, padded, op.micro == 0);
+      return Status::ok();
+    }
+    add_on_host(buffer, rank.grad_sum, padded, false);
+  }
+  const bool into_home_first = first || plan.host_grads_summed();
   const int stage = plan.input.stage;
   const bool scatter = stage >= 2 && plan.input.reduce_scatter && world() > 1;
   // Stages 2-3 keep their part of the full sum; stages 0-1 keep all of it.
@@ -240,8 +269,10 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     if (!arrived) return arrived;
     if (!status) return status;
   }
-  // Summed on the GPU, the one sum that comes down is the first.
-  return accumulate_gradient(rank, u, reduced, count, op.micro, first);
+  if (options.gradient_observer) options.gradient_observer({r, u, op.micro, true, reduced, count});
+  // Summed before the reduction (on the GPU or here), the one sum that
+  // arrives is the first.
+  return accumulate_gradient(rank, u, reduced, count, op.micro, into_home_first);
 }
 
 Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int64_t count,

@@ -111,6 +111,9 @@ class BufferListing {
     if (!grads_in_place) {
       add_gradient_buffers(Tier::host, scatter_output);
     }
+    if (plan.host_grads_summed())
+      add(R::gradient_sum, O::rank, "gradient sum over the micro-batches (largest unit, fp32)",
+          Tier::host, f32, 1, largest_padded);
     if (plan.gpu_grads_summed_on_device())
       add(R::gpu_gradient_sum, O::gpu, "device gradient sum over the micro-batches", Tier::device,
           f32, 1, largest_padded);
@@ -177,6 +180,9 @@ class BufferListing {
           largest_padded);
     }
     add_gradient_buffers(Tier::device, scatter_output);
+    if (plan.host_grads_summed())
+      add(R::gradient_sum, O::rank, "gradient sum over the micro-batches (largest unit, fp32)",
+          Tier::device, f32, 1, largest_padded);
     // Host memory is the device tier here: a host home only moves the budget they count against.
     const Tier kept = plan.activation_home() == Tier::host ? Tier::host : Tier::device;
     if (plan.activations_spilled())
@@ -230,7 +236,8 @@ class BufferListing {
       // From the second micro-batch on, the stored sum is read to add to; in
       // the layer-major order a unit's micro-batches come one after another,
       // so the sum stays here and goes to NVMe once.
-      if (in.grad_accum > 1)
+      // Summed once per step before the reduction, it arrives once: no staging.
+      if (in.grad_accum > 1 && !(plan.grads_summed_per_step() && in.world_size > 1))
         add(R::gradient_staging, O::rank,
             plan.layer_major() ? "gradient sum on its way to NVMe (largest shard, fp32)"
                                : "gradient read back from NVMe (largest shard, fp32)",

@@ -276,9 +276,12 @@ class PlanBuilder {
     if (last_reduce_[size_t(cu.unit)] >= 0) reduce.deps.push_back(last_reduce_[size_t(cu.unit)]);
     const UnitPlacement& p = plan_.units[size_t(cu.unit)];
     const bool scatter = in_.stage >= 2 && in_.reduce_scatter;
-    // Ring collectives: reduce-scatter sends (W-1)/W of the unit, all-reduce twice that.
-    reduce.bytes =
-        p.shard_numel * (in_.reduce_in_bf16 ? 2 : 4) * (in_.world_size - 1) * (scatter ? 1 : 2);
+    // Reduce-scatter sends (W-1)/W of the unit, all-reduce twice that; summed
+    // once per step, only the last micro-batch's reduce sends (the sum).
+    const bool sends = !plan_.grads_summed_per_step() || cu.micro == in_.grad_accum - 1;
+    reduce.bytes = sends ? p.shard_numel * (in_.reduce_in_bf16 ? 2 : 4) * (in_.world_size - 1) *
+                               (scatter ? 1 : 2)
+                         : 0;
     const int index = add(std::move(reduce));
     last_reduce_[size_t(cu.unit)] = index;
     if (uses_rotating_grad) {

@@ -232,15 +232,18 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
       case OpKind::reduce: {
         // The micro-batch's gradient added into the accumulator: read both, write one.
         const double accumulate = 3.0 * double(p->grad_numel) * (plan.homes.grad_bf16 ? 2 : 4);
-        // On a GPU the host adds a gradient only when one comes down: every
-        // micro-batch's, or only the last's when they add up on the device.
-        const bool comes_down = !plan.gpu_grads_summed_on_device() || op.micro == in.grad_accum - 1;
-        const bool on_host = !gpu || (plan.homes.grad != tiers::Tier::device && comes_down);
+        // Summed once per step, only the last micro-batch's reduce (of the
+        // sum) reaches the accumulator; summed in host memory, every
+        // micro-batch's gradient is first added to the sum (the whole unit).
+        const bool into_home = !plan.grads_summed_per_step() || op.micro == in.grad_accum - 1;
+        const bool on_host = into_home && (!gpu || plan.homes.grad != tiers::Tier::device);
+        const double sum = plan.host_grads_summed() ? 3.0 * double(p->padded_numel) * 4 : 0;
         c.seconds = collective_seconds(plan, hw, t.collective) + pcie_seconds(t) + nvme_seconds(t) +
-                    (on_host ? seconds_for(accumulate, memcpy_gbps, 0) : 0);
+                    (on_host ? seconds_for(accumulate, memcpy_gbps, 0) : 0) +
+                    seconds_for(sum, memcpy_gbps, 0);
         c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) | pcie_bits(t) |
                       (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u) |
-                      (on_host ? uint32_t(Resource::cores) : 0u);
+                      (on_host || sum > 0 ? uint32_t(Resource::cores) : 0u);
         break;
       }
       case OpKind::optimizer: {

@@ -161,6 +161,8 @@ const char* buffer_role_name(BufferRole role) {
       return "nvme_shard_staging";
     case BufferRole::gradient_staging:
       return "gradient_staging";
+    case BufferRole::gradient_sum:
+      return "gradient_sum";
   }
   return "?";
 }

@@ -182,6 +182,7 @@ enum class BufferRole {
   optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored
   nvme_shard_staging,     // bytes: write_shard / read_shard's block
   gradient_staging,       // (largest gradient shard) fp32: an NVMe-homed gradient, read to add to
+  gradient_sum,           // (largest padded) fp32: host_grads_summed, a unit's micro-batches' sum
   // Spilled saved inputs (TrainingPlan::activations_spilled), the engine rank's.
   activation_spill,  // [spilled_levels x G] (B*T, C) as the saved inputs: in host memory or on NVMe
   activation_staging,  // (B*T, C) compute precision: the GPU's saved input on its way to or from
@@ -338,14 +339,25 @@ struct TrainingPlan {
     return input.gpu && homes.grad == tiers::Tier::device && input.world_size == 1 &&
            !input.reduce_in_bf16;
   }
-  // Layer-major with one rank and gradients leaving the GPU: a unit's
-  // micro-batches run back to back, so their gradients add up on the device
-  // (each computed fresh, added in micro-batch order, as the host would) and
-  // go down once per step, after the last.
+  // Layer-major with gradients leaving the GPU: a unit's micro-batches run
+  // back to back, so their gradients add up on the device (each computed
+  // fresh, added in micro-batch order, as the host would) and go down once
+  // per step, after the last (a bf16 reduction sums on the host instead).
   bool gpu_grads_summed_on_device() const {
-    return input.gpu && layer_major() && input.grad_accum > 1 && input.world_size == 1 &&
-           !input.reduce_in_bf16 && !gpu_grads_in_place();
+    return input.gpu && layer_major() && input.grad_accum > 1 && !input.reduce_in_bf16 &&
+           !gpu_grads_in_place();
   }
+  // Layer-major with gradients to reduce or to send down: a unit's
+  // micro-batch gradients add up on the rank, in micro-batch order, and are
+  // reduced (and go down) once per step, after the last micro-batch, so they
+  // cross the network once per step. At more than one rank this sums in
+  // another order than the micro-batch schedule (core/README.md, "Numbers").
+  bool grads_summed_per_step() const {
+    return layer_major() && input.grad_accum > 1 &&
+           (input.world_size > 1 || gpu_grads_summed_on_device());
+  }
+  // ... in host memory (gradient_sum): where the sum is not the GPU's.
+  bool host_grads_summed() const { return grads_summed_per_step() && !gpu_grads_summed_on_device(); }
   // New compute-precision parameters pass through a pinned host buffer: on
   // their way to NVMe, or from the CPU optimizer to their device home.
   bool new_params_staged() const {
