@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `strata launch -n N -- strata train ...`: each process trains one rank
-# (SocketComm on the CPU backend) and the run is bitwise the run of N ranks
+# (Gloo on the CPU backend) and the run is bitwise the run of N ranks
 # as threads of one process: losses, gradient norms, the validation loss, the
 # exported weights and the checkpoint's state files. A run launched as
 # processes resumes from a checkpoint written by threads; SIGTERM stops every
@@ -59,6 +59,42 @@ kill -TERM $launcher
 wait $launcher
 ls -d "$dir"/ckpt-s/step-* >/dev/null 2>&1; check "SIGTERM: a checkpoint was saved" $?
 [ -z "$(ls -A "$dir/swap-s" 2>/dev/null)" ]; check "SIGTERM: no swap files left" $?
+
+# A rank killed mid-run: the other fails at once (not after its timeout) in
+# one line naming it.
+timeout --foreground 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 100000 \
+  --nvme-path "$dir/swap-k" >"$dir/killed.out" 2>&1 &
+launcher=$!
+for _ in $(seq 1 200); do grep -q "^step" "$dir/killed.out" 2>/dev/null && break; sleep 0.1; done
+rank1=""
+for pid in $(pgrep -P $launcher); do
+  tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "RANK=1" && rank1=$pid
+done
+killed_at=$(date +%s)
+[ -n "$rank1" ] && kill -KILL "$rank1"
+wait $launcher
+waited=$(( $(date +%s) - killed_at ))
+grep -E "GlooComm .* on rank 0: rank 1 closed the connection" "$dir/killed.out" | head -1 >"$dir/killed.line"
+[ -n "$rank1" ] && [ -s "$dir/killed.line" ] && [ "$waited" -lt 60 ]
+check "a rank killed mid-step: rank 0 fails within ${waited} s in a line naming rank 1" $?
+
+# kill -9 of both ranks, then a resume from the newest checkpoint: the
+# steps after it are the straight run's, bitwise.
+"$strata" train "${base[@]}" --world-size 2 --steps 12 --nvme-path "$dir/swap-t" \
+  --metrics "$dir/straight12.jsonl" >/dev/null 2>&1
+timeout --foreground 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 12 \
+  --nvme-path "$dir/swap-9" --save "$dir/ckpt-9" --save-every 2 >"$dir/nine.out" 2>&1 &
+launcher=$!
+for _ in $(seq 1 300); do ls -d "$dir"/ckpt-9/step-4 >/dev/null 2>&1 && break; sleep 0.1; done
+pkill -KILL -P $launcher; kill -KILL $launcher 2>/dev/null
+wait $launcher 2>/dev/null
+timeout 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 12 --nvme-path "$dir/swap-9" \
+  --resume "$dir/ckpt-9" --metrics "$dir/resumed9.jsonl" >"$dir/resumed9.out" 2>&1
+check "kill -9 of both ranks: they resume from the newest checkpoint" $?
+resumed=$(losses "$dir/resumed9.jsonl")
+count=$(echo "$resumed" | wc -w)
+[ -n "$resumed" ] && [ "$resumed" = "$(losses "$dir/straight12.jsonl" | tr ' ' '\n' | tail -n "$count" | paste -sd' ')" ]
+check "kill -9 and resume at 2 processes: the resumed steps are the straight run's, bitwise" $?
 
 # The launcher's world size is the one that counts.
 WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 \

@@ -33,8 +33,9 @@ class EngineGpuPaths : public testing::EngineRunsTest {
  protected:
   EngineGpuPaths() : EngineRunsTest("engine_gpu_paths") {}
 
-  static std::vector<EngineRun> placements(int world, const std::string& precision) {
-    std::vector<EngineRun> runs = testing::every_placement(world, precision);
+  static std::vector<EngineRun> placements(int world, const std::string& precision,
+                                           const std::string& schedule = "") {
+    std::vector<EngineRun> runs = testing::every_placement(world, precision, schedule);
     for (EngineRun& run : runs) run.emulate_gpu = true;
     return runs;
   }
@@ -83,6 +84,15 @@ TEST_F(EngineGpuPaths, EveryPlacementGivesTheCpuBackendsResultsAtEachWorldSize) 
     for (EngineRun& run : runs) run.steps = 2;
     expect_cpu_backend_results(runs);
   }
+  // Layer-major at two ranks: the GPU sums a unit's micro-batch gradients on
+  // the device and sends the sum down once, the CPU backend sums them in host
+  // memory; both then reduce once, with the same bits.
+  std::vector<EngineRun> runs = placements(2, "fp32", "layer");
+  for (EngineRun& run : runs) {
+    run.steps = 2;
+    run.grad_accum = 3;
+  }
+  expect_cpu_backend_results(runs);
 }
 
 TEST_F(EngineGpuPaths, Bf16TiedPlacementsGiveTheCpuBackendsResults) {

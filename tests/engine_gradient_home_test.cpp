@@ -34,12 +34,17 @@ EngineRun placed(int world, int stage, const char* param, const char* home, int6
 }
 
 TEST_F(EngineGradientHome, NvmeGradientsEqualHostGradientsBitwise) {
-  for (int world : {1, 2}) {
+  // At two ranks each schedule sums in its own order: homes compared within each.
+  for (auto [world, schedule] : {std::pair{1, "auto"}, std::pair{2, "micro_batch"},
+                                 std::pair{2, "layer"}}) {
     for (auto [stage, param] : {std::pair{0, "none"}, std::pair{1, "none"}, std::pair{2, "none"},
                                 std::pair{3, "nvme"}, std::pair{3, "cpu"}}) {
       for (int64_t accum : {int64_t{1}, int64_t{3}}) {
-        const EngineOutcome host = train(placed(world, stage, param, "host", accum));
-        const EngineRun run = placed(world, stage, param, "nvme", accum);
+        EngineRun host_run = placed(world, stage, param, "host", accum);
+        host_run.schedule = schedule;
+        const EngineOutcome host = train(host_run);
+        EngineRun run = placed(world, stage, param, "nvme", accum);
+        run.schedule = schedule;
         const EngineOutcome nvme = train(run);
         ASSERT_EQ(nvme.plan.homes.grad, tiers::Tier::nvme) << run.label();
         testing::expect_identical(host, nvme, run.label());

@@ -191,6 +191,46 @@ TEST_F(EngineSchedule, LayerMajorSumsOnTheRankThenReducesOnce) {
   }
 }
 
+// The bytes the communicators send each step are the plan's (per rank, times
+// the ranks); layer-major reduces a unit's gradient once per step, so at 8
+// micro-batches its reductions carry 1/8 of the micro-batch order's bytes.
+TEST_F(EngineSchedule, NetworkBytesEqualThePlanAndGradientsCrossOncePerStep) {
+  const int G = 8;
+  for (int world : {2, 3}) {
+    for (auto [stage, param] : {std::pair{0, "none"}, std::pair{2, "none"}, std::pair{3, "cpu"}}) {
+      EngineRun run;
+      run.stage = stage;
+      run.offload_param = param;
+      run.world = world;
+      run.grad_accum = G;
+      run.steps = 2;
+      int64_t reduced[2] = {0, 0};
+      for (int s = 0; s < 2; ++s) {
+        run.schedule = s == 0 ? "micro_batch" : "layer";
+        const EngineOutcome outcome = train(run);
+        ASSERT_EQ(outcome.steps.size(), size_t(run.steps)) << run.label();
+        for (const PlanOp& op : outcome.plan.ops)
+          if (op.kind == OpKind::reduce) reduced[s] += op.bytes;
+        // Stage 2's parameter all-gathers of a step's updates may run into
+        // the next step: there the steps together carry the plan's bytes.
+        uint64_t sent = 0;
+        for (const StepResult& step : outcome.steps) {
+          if (stage != 2)
+            EXPECT_EQ(step.network_bytes,
+                      uint64_t(outcome.plan.traffic_per_step.collective) * uint64_t(world))
+                << run.label() << ", step " << step.step;
+          sent += step.network_bytes;
+        }
+        EXPECT_LE(sent, uint64_t(outcome.plan.traffic_per_step.collective) * uint64_t(world) *
+                            uint64_t(run.steps))
+            << run.label();
+      }
+      EXPECT_GT(reduced[0], 0) << run.label();
+      EXPECT_EQ(reduced[1] * G, reduced[0]) << run.label();
+    }
+  }
+}
+
 TEST_F(EngineSchedule, TiedEmbeddingsAndTheGpuDataPathsAgree) {
   for (int world : {1, 2}) {
     for (EngineRun run : testing::every_placement(world, "bf16")) {

@@ -305,7 +305,14 @@ class EngineRunsTest : public ::testing::Test {
 };
 
 // Every valid (stage, offload_param, offload_optimizer): parameter offload needs stage 3.
-inline std::vector<EngineRun> every_placement(int world, const std::string& precision) {
+// At more than one rank the two schedules sum gradients in different orders
+// (core/README.md, "Numbers at more than one rank") and `auto` picks by
+// placement, so runs to be compared across placements take one schedule:
+// `schedule`, by default the micro-batch order there (`auto` at one rank,
+// where both give the same bits).
+inline std::vector<EngineRun> every_placement(int world, const std::string& precision,
+                                              std::string schedule = "") {
+  if (schedule.empty()) schedule = world > 1 ? "micro_batch" : "auto";
   std::vector<EngineRun> runs;
   for (int stage = 0; stage <= 3; ++stage) {
     for (const char* param : {"none", "cpu", "nvme"}) {
@@ -317,6 +324,7 @@ inline std::vector<EngineRun> every_placement(int world, const std::string& prec
         run.offload_optimizer = optimizer;
         run.world = world;
         run.precision = precision;
+        run.schedule = schedule;
         runs.push_back(run);
       }
     }

@@ -29,10 +29,10 @@ namespace fs = std::filesystem;
 // Who may include whom. A room is a top-level folder, except io/base (the
 // ground vocabulary, its own library) and the rooms of core/ ("core/*":
 // core/config, core/model, ...), which may include one another. CLI11,
-// protobuf, liburing, NCCL, Oniguruma and ICU are libraries that one room
+// protobuf, liburing, NCCL, Gloo, Oniguruma and ICU are libraries that one room
 // owns: nothing below tools knows the command line or writes protobuf
 // messages (TensorBoard's records, tools/tensorboard_writer.h), io/ is the
-// only code that calls liburing, comm/ the only code that calls NCCL, prep/
+// only code that calls liburing, comm/ the only code that calls NCCL and Gloo, prep/
 // (data preparation, which only the tools use) the only code that calls
 // Oniguruma and ICU, so the engine's library links neither. tests/ and benches/ may include
 // anything.
@@ -47,7 +47,7 @@ const std::vector<RoomRule>& room_rules() {
       {"io", {"io", "io/base", "liburing"}},
       {"tiers", {"tiers", "io", "io/base"}},
       {"kernels", {"kernels", "io/base"}},
-      {"comm", {"comm", "io/base", "NCCL"}},
+      {"comm", {"comm", "io/base", "NCCL", "Gloo"}},
       {"core/*", {"core/*", "tiers", "io", "io/base", "kernels", "comm"}},
       {"prep", {"prep", "core/*", "io", "io/base", "Oniguruma", "ICU"}},
       {"tools",
@@ -134,6 +134,7 @@ std::string included_room(const std::string& header, bool quoted, const fs::path
   if (header.rfind("google/protobuf/", 0) == 0) return "protobuf";
   if (header == "liburing.h" || header.rfind("liburing/", 0) == 0) return "liburing";
   if (header == "nccl.h" || header == "nccl_net.h") return "NCCL";
+  if (header.rfind("gloo/", 0) == 0) return "Gloo";
   if (header == "oniguruma.h") return "Oniguruma";
   if (header.rfind("unicode/", 0) == 0) return "ICU";
   if (std::string room = room_of(header); !room.empty()) return room;
@@ -221,7 +222,8 @@ std::vector<std::string> readme_rows_that_disagree(const fs::path& root) {
     for (auto it = std::sregex_iterator(row->begin(), row->end(), backticked);
          it != std::sregex_iterator(); ++it)
       stated.insert((*it)[1]);
-    for (const char* library : {"CLI11", "protobuf", "liburing", "NCCL", "Oniguruma", "ICU"})
+    for (const char* library :
+         {"CLI11", "protobuf", "liburing", "NCCL", "Gloo", "Oniguruma", "ICU"})
       if (row->find(library) != std::string::npos) stated.insert(library);
     const std::set<std::string> allowed(rule.may_include.begin(), rule.may_include.end());
     if (stated != allowed)
@@ -446,7 +448,7 @@ TEST_F(SyntheticTree, AForbiddenIncludeIsReportedAndAnAllowedOneIsNot) {
       "include: kernels, io/base)",
       "kernels/cpu/matmul.h:4: kernels may not include \"tiers/tier.h\" (kernels may include: "
       "kernels, io/base)",
-      "comm/comm.h:2: comm may not include <CLI/CLI.hpp> (comm may include: comm, io/base, NCCL)",
+      "comm/comm.h:2: comm may not include <CLI/CLI.hpp> (comm may include: comm, io/base, NCCL, Gloo)",
       "core/config/config.h:1: core/config may not include \"tools/config_flags.h\" (core/config "
       "may include: core/*, tiers, io, io/base, kernels, comm)",
       "core/config/config.h:2: core/config may not include <liburing.h> (core/config may "
@@ -504,6 +506,7 @@ TEST_F(SyntheticTree, AReadmeRowThatDisagreesWithTheRulesIsReported) {
     for (const std::string& name : rule.may_include)
       names += (names.empty() ? "" : ", ") + (name == "CLI11" || name == "protobuf" ||
                                                       name == "liburing" || name == "NCCL" ||
+                                                      name == "Gloo" ||
                                                       name == "Oniguruma" || name == "ICU"
                                                   ? name
                                                   : "`" + name + "`");

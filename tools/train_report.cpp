@@ -100,6 +100,7 @@ Status MetricsWriter::write(const StepReport& report) {
   j["step_time_s"] = r.seconds;
   j["nvme_read_bytes"] = r.nvme_read_bytes;
   j["nvme_written_bytes"] = r.nvme_written_bytes;
+  j["network_bytes"] = r.network_bytes;
   j["stall_s"] = r.stall_seconds;
   j["sequence_offset"] = r.sequence_offset;
   if (report.fp16) j["loss_scale"] = r.loss_scale;

@@ -140,6 +140,12 @@ struct StepResult {
   double stall_seconds = 0;      // compute lanes waiting on other lanes (mean over ranks)
   uint64_t nvme_read_bytes = 0;  // counted by the I/O engines since the previous step() returned
   uint64_t nvme_written_bytes = 0;
+  // Data bytes this process's ranks sent to other ranks during step() (the
+  // communicators' count, comm::Communicator::bytes_sent): in one process of
+  // W ranks W times the plan's traffic_per_step.collective, in each process
+  // of a launched run once. Collectives of the previous step's updates that
+  // are still running (stages 1-2) count where they fall.
+  uint64_t network_bytes = 0;
 };
 
 // One operation as it ran, for traces.

@@ -143,6 +143,12 @@ struct Engine::Impl {
   ElementType compute_type() const { return plan.compute_type(); }
   // One rank of several processes (EngineOptions::process_comm).
   bool process_mode() const { return options.process_comm != nullptr; }
+  // The data bytes this process's ranks have sent to other ranks so far.
+  uint64_t network_bytes_sent() const {
+    uint64_t bytes = 0;
+    for (const auto& rank : ranks) bytes += rank->comm ? rank->comm->bytes_sent() : 0;
+    return bytes;
+  }
   // True on every process when `flag` is true on any (process mode; else `flag`).
   Result<bool> any_rank(bool flag);
   // `mine`, or `others_failed` when it is ok but another process's was not.

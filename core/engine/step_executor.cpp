@@ -11,6 +11,7 @@ Result<StepResult> Engine::step() {
   if (im.poisoned)
     return Status::error("engine: an earlier step failed (" + im.poison_reason + "); start again");
   const Clock::time_point start = Clock::now();
+  const uint64_t network_at_start = im.network_bytes_sent();
   const PlanInput& in = im.plan.input;
   const int W = im.world();
   const int64_t N = im.plan.tokens_per_micro;
@@ -92,6 +93,7 @@ Result<StepResult> Engine::step() {
   result.nvme_written_bytes = counters.bytes_written - im.last_written;
   im.last_read = counters.bytes_read;
   im.last_written = counters.bytes_written;
+  result.network_bytes = im.network_bytes_sent() - network_at_start;
   return result;
 }
 

@@ -116,6 +116,9 @@ std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
         if (gpu && !grads_in_place && plan.homes.grad == Tier::device)
           t.h2d += (in.stage >= 2 ? p->shard_numel : p->padded_numel) * 4;
         break;
+      case OpKind::exchange:
+        t.collective += op.bytes;
+        break;
       case OpKind::sync:
         t.collective += op.bytes;
         if (gpu && params_in_place && in.world_size > 1) {
