@@ -173,9 +173,13 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
   const int head = int(plan.units.size()) - 1;
   const uint32_t compute = uint32_t(gpu ? Resource::device : Resource::cores);
   const double nvme_latency = hw.nvme.empty() ? 100 : hw.nvme.front().latency_us;
+  // Every rank of the node streams through the node's drives at once (the
+  // ranks run the same plan): each has its share of their bandwidth, on
+  // either backend, as the planner's NVMe time counts it.
+  const double nvme_share = 1.0 / double(std::max(1, in.budgets.node_ranks(in.world_size)));
   auto nvme_seconds = [&](const StepTraffic& t) {
-    return seconds_for(double(t.nvme_read), hw.nvme_read_gbps(), nvme_latency) +
-           seconds_for(double(t.nvme_written), hw.nvme_write_gbps(), nvme_latency);
+    return seconds_for(double(t.nvme_read), hw.nvme_read_gbps() * nvme_share, nvme_latency) +
+           seconds_for(double(t.nvme_written), hw.nvme_write_gbps() * nvme_share, nvme_latency);
   };
   auto pcie_seconds = [&](const StepTraffic& t) {
     return seconds_for(double(t.h2d), hw.pcie_h2d_gbps, hw.pcie_latency_us) +
@@ -416,7 +420,11 @@ std::string format_prediction(const StepPrediction& p) {
                        format_bytes(t.nvme_written),
                        format_bytes(int64_t(double(t.nvme_written) * 3600 / p.steady_seconds)));
     if (p.drive_years)
-      out += fmt::format("; the drives' rated TBW lasts {:.1f} years of training", *p.drive_years);
+      out += *p.drive_years >= 0.1
+                 ? fmt::format("; the drives' rated TBW lasts {:.1f} years of training",
+                               *p.drive_years)
+                 : fmt::format("; the drives' rated TBW lasts {:.1f} days of training",
+                               *p.drive_years * 365.25);
   }
   return out + "\n";
 }
