@@ -55,8 +55,10 @@ act=$(echo "$out" | json_get 'd["activations"]["saved_bytes"]')
 [ "$act" -gt 0 ]; check "--params plans activations too ($act bytes)" $?
 "$strata" plan --params 7B | head -1 | grep -q "^strata plan: llama-shaped (hidden [0-9]*, [0-9]* layers, vocab 32000)"
 check "--params names the model's shape" $?
-bw=$(echo "$out" | json_get 'int(d["traffic"]["net_bandwidth"])')
-[ "$bw" = "50000000000" ]; check "--net-bw 50GB/s is read" $?
+bw=$(echo "$out" | json_get 'int(d["traffic"]["intra_node_bandwidth"])')
+[ "$bw" = "50000000000" ]; check "--net-bw 50GB/s is read (the link within the node)" $?
+inter=$(echo "$out" | json_get 'd["traffic"]["inter_node_bytes"]')
+[ "$inter" = "0" ]; check "one node: nothing crosses nodes ($inter)" $?
 
 # NVMe free space is read from the directory given.
 nvme_dir=$(mktemp -d)
@@ -186,5 +188,68 @@ grep -q "gradients on NVMe, fp32 (auto: " <<<"$out"; check "the table says where
 grep -q "model states per parameter (node, bytes): " <<<"$out"; check "bytes per parameter of each state" $?
 err=$("$strata" plan --model tiny --gradient-home nvme --offload-optimizer cpu 2>&1 >/dev/null)
 grep -q "strata.gradient_home nvme" <<<"$err"; check "NVMe gradients without the optimizer on NVMe refused" $?
+
+# Across nodes (the issue's two plans): host memory and NVMe per node, the
+# collectives within each node and then across the nodes, traffic per link.
+if "$strata" --version | grep -q "CUDA backend: not built"; then backend=cpu; else backend=cuda; fi
+backend=${STRATA_TEST_BACKEND:-$backend}  # cpu: what a build without CUDA runs
+predict=(); [ "$backend" = cuda ] && predict=(--hardware h100-sxm)
+links=(--net-bw 450GB/s --internode-bw 50GB/s --pcie-bw 54.4GB/s --nvme-bw 7GB/s)
+node=(--device-mem-limit 80GB --host-mem-limit 1TB --nvme-path "$nvme_dir" --nvme-limit 1TB)
+out=$("$strata" plan --model llama3-70b --backend $backend --precision bf16 --stage 3 \
+      --offload-optimizer cpu --nodes 2 --gpus-per-node 8 "${node[@]}" "${links[@]}")
+check "llama3-70b on 2 nodes x 8 GPUs fits" $?
+grep -q "world size 16 (2 nodes x 8 ranks)" <<<"$out" &&
+  grep -q "^  host    needs .* (per node, given): fits" <<<"$out" &&
+  grep -q "^traffic per step and rank (collectives within each node of 8 ranks, then across the 2 nodes)" <<<"$out" &&
+  grep -q "^  intra-node  .* at 419.10 GiB/s: " <<<"$out" && grep -q "^  inter-node  .* at 46.57 GiB/s: " <<<"$out" &&
+  grep -q "^  slowest link: [A-Za-z-]* (.* per step)" <<<"$out"
+check "llama3-70b 2x8 prints per-node budgets, traffic per link and the slowest" $?
+out=$("$strata" plan --model llama3-70b --backend $backend --precision bf16 --stage 3 \
+      --offload-optimizer cpu --nodes 2 --gpus-per-node 8 "${node[@]}" "${links[@]}" --json)
+python3 -c '
+import json, sys
+d = json.loads(sys.argv[1]); t = d["traffic"]
+assert (d["nodes"], d["ranks_per_node"], d["world_size"]) == (2, 8, 16), d["nodes"]
+# A ring within the node carries n(g - 1) = 14 parts of every 15 a flat ring sends, one across nodes 1.
+assert t["intra_node_bytes"] == 14 * t["inter_node_bytes"], t
+assert t["collective_bytes"] == t["intra_node_bytes"] + t["inter_node_bytes"], t
+assert t["slowest_link"] in ("intra-node", "inter-node", "PCIe", "NVMe"), t
+' "$out"
+check "llama3-70b 2x8 --json: bytes per link, 14 to 1 within and across nodes" $?
+out=$("$strata" plan --model llama3.1-405b --backend $backend --precision bf16 --stage 3 \
+      --offload-param cpu --offload-optimizer nvme --optimizer-state-dtype bf16 \
+      --nodes 4 --gpus-per-node 8 "${node[@]}" "${links[@]}" "${predict[@]}")
+status=$?
+[ "$backend" = cpu ] || [ $status -eq 0 ]; check "llama3.1-405b on 4 nodes x 8 GPUs fits (bf16 m and v)" $?
+grep -q "^strata plan: llama3.1-405b (405.85 B parameters, 128 units)" <<<"$out" &&
+  grep -q "^  inter-node  .* at 46.57 GiB/s: " <<<"$out" &&
+  grep -q "^  slowest link: [A-Za-z-]* (.* per step)" <<<"$out"
+check "llama3.1-405b 4x8 prints traffic per link and the slowest" $?
+if [ "$backend" = cuda ]; then
+  grep -q "^  slowest link: NVMe" <<<"$out" && grep -q "resources busy per step: .*inter-node link" <<<"$out" &&
+    grep -q "bytes per step and rank: .*intra-node .*; inter-node " <<<"$out"
+  check "llama3.1-405b 4x8: NVMe bounds its traffic, the prediction costs both links" $?
+fi
+# Without bf16 state it does not fit four such nodes; the suggestion is more nodes.
+out=$("$strata" plan --model llama3.1-405b --backend $backend --precision bf16 --stage 3 \
+      --offload-param cpu --offload-optimizer nvme --nodes 4 --gpus-per-node 8 "${node[@]}")
+[ $? -eq 1 ] && grep -q "^  nvme    needs .* (per node, given): DOES NOT FIT" <<<"$out"
+check "llama3.1-405b 4x8 with fp32 m and v overflows each node's NVMe" $?
+# The world's shape: one line naming both when they disagree.
+err=$("$strata" plan --model tiny --nodes 2 --gpus-per-node 8 --world-size 8 2>&1 >/dev/null)
+[ $? -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] &&
+  grep -q -- "--world-size 8 disagrees with --nodes 2 x --gpus-per-node 8 = 16 ranks" <<<"$err"
+check "--world-size that disagrees with --nodes x --gpus-per-node refused in one line" $?
+err=$("$strata" plan --model tiny --world-size 6 --gpus-per-node 4 2>&1 >/dev/null)
+[ $? -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && grep -q -- "--gpus-per-node 4: world size 6" <<<"$err"
+check "a world that is not whole nodes refused in one line" $?
+err=$("$strata" plan --model tiny --nodes 0 2>&1 >/dev/null)
+[ $? -eq 2 ] && grep -q -- "--nodes 0: a plan needs at least one node" <<<"$err"; check "--nodes 0 refused" $?
+err=$("$strata" plan --model tiny --nodes 2 --gpus-per-node 1 --internode-bw fast 2>&1 >/dev/null)
+[ $? -eq 2 ] && grep -q -- "--internode-bw" <<<"$err"; check "bad --internode-bw named" $?
+out=$("$strata" plan --model tiny --world-size 4 --gpus-per-node 2 --json)
+python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert (d["nodes"], d["ranks_per_node"]) == (2, 2)' "$out"
+check "--world-size with --gpus-per-node gives the nodes" $?
 
 finish_checks

@@ -24,6 +24,18 @@ TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(count("llama2-7b"), 6738415616LL);
   EXPECT_EQ(count("llama2-13b"), 13015864320LL);
   EXPECT_EQ(count("llama3-70b"), 70553706496LL);
+  // Llama 3.1 405B: 128256 x 16384 embedding and lm_head (untied), 126 layers of
+  // 128 query and 8 key/value heads of 128, MLP 53248, final norm.
+  const int64_t layer_405b = 2 * 16384 * 16384 + 2 * 16384 * 1024 + 3 * 16384 * 53248LL + 2 * 16384;
+  EXPECT_EQ(count("llama3.1-405b"), 2 * 128256LL * 16384 + 126 * layer_405b + 16384);
+  EXPECT_EQ(count("llama3.1-405b"), 405853388800LL);
+  const ModelConfig m405 = *load_model_config("llama3.1-405b");
+  EXPECT_EQ(m405.head_dim, 128);
+  EXPECT_EQ(m405.max_position_embeddings, 131072);
+  EXPECT_EQ(m405.rope_theta, 500000.0);
+  EXPECT_EQ(m405.rope_scaling.type, "llama3");
+  EXPECT_EQ(m405.rope_scaling.factor, 8.0);
+  EXPECT_FALSE(m405.tie_word_embeddings);
 }
 
 TEST(ModelConfig, FamilyPresetsHaveThePublishedParameterCounts) {
@@ -132,8 +144,20 @@ TEST(ModelConfig, PublishedConfigFilesGiveThePresets) {
       "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
       "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
       "vocab_size": 32000})";
-  const std::pair<const char*, const char*> cases[] = {
-      {qwen25, "qwen2.5-0.5b"}, {qwen3, "qwen3-0.6b"}, {mistral, "mistral-7b"}};
+  const char* llama31_405b = R"({"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+      "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001,
+      "hidden_act": "silu", "hidden_size": 16384, "initializer_range": 0.02,
+      "intermediate_size": 53248, "max_position_embeddings": 131072, "mlp_bias": false,
+      "model_type": "llama", "num_attention_heads": 128, "num_hidden_layers": 126,
+      "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+      "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
+      "vocab_size": 128256})";
+  const std::pair<const char*, const char*> cases[] = {{qwen25, "qwen2.5-0.5b"},
+                                                       {qwen3, "qwen3-0.6b"},
+                                                       {mistral, "mistral-7b"},
+                                                       {llama31_405b, "llama3.1-405b"}};
   for (const auto& [text, name] : cases) {
     Result<ModelConfig> read = model_config_from_json(nlohmann::json::parse(text), name);
     ASSERT_TRUE(read.is_ok()) << read.status().message();

@@ -150,7 +150,8 @@ TEST(Planner, TrafficIsTheTrainingPlansOwn) {
     Result<TrainingPlan> built = build_training_plan(in);
     ASSERT_TRUE(built.is_ok()) << built.status().message();
     const StepTraffic& t = built->traffic_per_step;
-    EXPECT_EQ(plan.traffic.collective_bytes, t.collective) << stage;
+    EXPECT_EQ(plan.traffic.intra_node_bytes, t.intra_node) << stage;
+    EXPECT_EQ(plan.traffic.inter_node_bytes, t.inter_node) << stage;
     EXPECT_EQ(plan.traffic.nvme_read_bytes, t.nvme_read) << stage;
     EXPECT_EQ(plan.traffic.nvme_write_bytes, t.nvme_written) << stage;
     EXPECT_EQ(plan.traffic.h2d_bytes, t.h2d) << stage;
@@ -179,13 +180,13 @@ TEST(Planner, CollectiveVolumeFollowsTheStage) {
   const int64_t layers = padded - head - embedding;
   const int64_t reduce_scatter = padded * 4 * 3 / 4;
   const int64_t all_gather = (2 * G * layers + G * head + (G + 1) * embedding) * 2 * 3 / 4;
-  EXPECT_EQ(plan.traffic.collective_bytes, G * reduce_scatter + all_gather);
+  EXPECT_EQ(plan.traffic.collective_bytes(), G * reduce_scatter + all_gather);
   EXPECT_EQ(plan.traffic.collective_bytes_zero, 3 * 2 * n);  // 3 psi, fp16
   in.stage = 1;
   PlanReport stage1 = *plan_memory(in);
   EXPECT_EQ(stage1.traffic.collective_bytes_zero, 2 * 2 * n);  // 2 psi
   in.world_size = 1;
-  EXPECT_EQ(plan_memory(in)->traffic.collective_bytes, 0);
+  EXPECT_EQ(plan_memory(in)->traffic.collective_bytes(), 0);
 }
 
 TEST(Planner, TinyModelUnitsAndActivationsByHand) {

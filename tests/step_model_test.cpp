@@ -196,7 +196,8 @@ TEST(StepModel, OperationsCostTheirBytesOverTheirLinkAndTheirFlopsOnTheDevice) {
   const StepTraffic sum = total_traffic(traffic);
   EXPECT_EQ(sum.nvme_read, plan->traffic_per_step.nvme_read);
   EXPECT_EQ(sum.nvme_written, plan->traffic_per_step.nvme_written);
-  EXPECT_EQ(sum.collective, plan->traffic_per_step.collective);
+  EXPECT_EQ(sum.intra_node, plan->traffic_per_step.intra_node);
+  EXPECT_EQ(sum.inter_node, plan->traffic_per_step.inter_node);
 }
 
 TEST(StepModel, APredictionNamesWhatBoundsTheStep) {

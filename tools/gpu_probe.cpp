@@ -185,8 +185,8 @@ Status probe_gpu(const ProbeOptions& options, HardwareProfile& p) {
   if (!small) return small.status();
   p.pcie_latency_us = *small * 1e6;
   // Ranks of one process share this GPU: their collectives are device copies.
-  p.network_gbps = p.memory_gbps / 2;
-  p.network_latency_us = p.pcie_latency_us;
+  p.intra_node_gbps = p.memory_gbps / 2;
+  p.intra_node_latency_us = p.pcie_latency_us;
   if (options.progress)
     options.progress(fmt::format(
         "{}: matmuls at {} tokens {:.0f} TFLOP/s bf16, {:.0f} fp16, {:.1f} fp32; memory {:.0f} "

@@ -300,9 +300,10 @@ Result<HardwareProfile> probe_hardware(const ProbeOptions& options) {
     if (Status s = probe_gpu(options, p); !s) return s;
   probe_memcpy(options, p);
   if (!options.gpu) {
-    // Ranks of one process exchange through host memory: a copy each way.
-    p.network_gbps = p.memcpy_gbps / 2;
-    p.network_latency_us = 5;
+    // Ranks of one process exchange through host memory: a copy each way. The
+    // network to other nodes is not measured (inter_node_gbps stays unknown).
+    p.intra_node_gbps = p.memcpy_gbps / 2;
+    p.intra_node_latency_us = 5;
   }
   probe_adamw(options, p);
   if (!options.gpu)

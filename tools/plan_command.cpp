@@ -48,8 +48,19 @@ class PlanCommand : public Subcommand {
                     "cpu or cuda, the backend whose buffers the plan lists (default cuda on a CUDA "
                     "build, where a machine without a GPU can plan for one; cpu otherwise)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
+    cmd->add_option("--nodes", nodes_,
+                    "Nodes the ranks are spread over, each with --host-mem-limit, --nvme-limit "
+                    "and its NVMe of its own (default 1; world size = nodes x --gpus-per-node)");
+    cmd->add_option("--gpus-per-node,--ranks-per-node", ranks_per_node_,
+                    "Ranks (GPUs) on each node (default: the whole world on one node)");
     cmd->add_option("--net-bw", net_bw_,
-                    "Network bandwidth per rank for collectives (default 25GB/s)");
+                    "Bandwidth per rank of the link between the ranks of a node (NVLink, or "
+                    "shared memory on the CPU backend), for the collectives' first level "
+                    "(default 25GB/s)");
+    cmd->add_option("--internode-bw", internode_bw_,
+                    "Each rank's share of its node's network to other nodes (one NIC per GPU: "
+                    "that NIC's rate; one NIC per node: its rate / --gpus-per-node), for the "
+                    "collectives' second level (default 25GB/s)");
     cmd->add_option("--pcie-bw", pcie_bw_, "Host-device bandwidth per direction (default 25GB/s)");
     cmd->add_option("--nvme-bw", nvme_bw_, "NVMe bandwidth of the node (default 6GB/s)");
     cmd->add_option("--nvme-limit", nvme_limit_,
@@ -94,9 +105,12 @@ class PlanCommand : public Subcommand {
     if (model_.empty() == params_.empty()) {
       return Status::error("give exactly one of --model PRESET|config.json|DIR and --params N");
     }
+    if (Status s = shape_the_world(); !s) return s;
     Result<TrainConfig> config = load_train_config(flags_.config_path, flags_.overrides);
     if (!config.is_ok()) return config.status();
     print_config_warnings(*config);
+    Result<int> ranks_per_node = node_ranks(config->world_size);
+    if (!ranks_per_node) return ranks_per_node.status();
 
     ModelConfig model;
     if (!model_.empty()) {
@@ -118,7 +132,8 @@ class PlanCommand : public Subcommand {
       return Status::error(
           "--backend cuda: this strata was built without CUDA, so it cannot size the GPU's "
           "buffers; plan on a CUDA build");
-    PlanInput input = plan_input_from_config(c, model, {backend_ == "cuda"});
+    PlanInput input =
+        plan_input_from_config(c, model, {backend_ == "cuda", false, *ranks_per_node});
 
     // Budgets: given (plan_input_from_config), else detected on this machine.
     PlanBudgets& budgets = input.budgets;
@@ -149,9 +164,11 @@ class PlanCommand : public Subcommand {
       fmt::print(stderr, "warning: cannot read the free space under {}; NVMe not checked\n",
                  nvme_paths.front());
     }
-    for (auto [text, target, name] : {std::tuple{&net_bw_, &input.links.network, "--net-bw"},
-                                      std::tuple{&pcie_bw_, &input.links.pcie, "--pcie-bw"},
-                                      std::tuple{&nvme_bw_, &input.links.nvme, "--nvme-bw"}}) {
+    for (auto [text, target, name] :
+         {std::tuple{&net_bw_, &input.links.intra_node, "--net-bw"},
+          std::tuple{&internode_bw_, &input.links.inter_node, "--internode-bw"},
+          std::tuple{&pcie_bw_, &input.links.pcie, "--pcie-bw"},
+          std::tuple{&nvme_bw_, &input.links.nvme, "--nvme-bw"}}) {
       if (text->empty()) continue;
       Result<double> bandwidth = parse_bandwidth(*text);
       if (!bandwidth.is_ok()) return bandwidth.status().with_context(name);
@@ -165,8 +182,8 @@ class PlanCommand : public Subcommand {
       if (!*hardware)
         return Status::invalid_argument(
             "--tune needs a hardware profile: --probe, --hardware PRESET|FILE, or a cached probe");
-      Result<TuneResult> tuned =
-          tune_plan(c, model, {backend_ == "cuda"}, input.budgets, **hardware, allow_approximate_);
+      Result<TuneResult> tuned = tune_plan(c, model, {backend_ == "cuda", false, *ranks_per_node},
+                                           input.budgets, **hardware, allow_approximate_);
       if (!tuned) return tuned.status();
       if (json_)
         fmt::print("{}\n", tune_result_to_json(*tuned).dump(2));
@@ -271,7 +288,8 @@ class PlanCommand : public Subcommand {
           "--hardware {}: a {} profile for a {} plan; add --backend {}", profile->name,
           profile->gpu ? "GPU" : "CPU", input.gpu ? "GPU" : "CPU", profile->gpu ? "cuda" : "cpu"));
     // The link flags override the profile.
-    if (!net_bw_.empty()) profile->network_gbps = input.links.network / 1e9;
+    if (!net_bw_.empty()) profile->intra_node_gbps = input.links.intra_node / 1e9;
+    if (!internode_bw_.empty()) profile->inter_node_gbps = input.links.inter_node / 1e9;
     if (!pcie_bw_.empty()) profile->pcie_h2d_gbps = profile->pcie_d2h_gbps = input.links.pcie / 1e9;
     if (!nvme_bw_.empty()) {
       const double each =
@@ -280,6 +298,48 @@ class PlanCommand : public Subcommand {
       for (NvmeDrive& d : profile->nvme) d.read_gbps = d.write_gbps = each;
     }
     return profile;
+  }
+
+  // --nodes with --gpus-per-node fix the world size: a --world-size that
+  // disagrees is refused, else it becomes the config's (before the batch
+  // triple is checked against it).
+  Status shape_the_world() {
+    if (nodes_ && *nodes_ < 1)
+      return Status::invalid_argument(
+          fmt::format("--nodes {}: a plan needs at least one node", *nodes_));
+    if (ranks_per_node_ && *ranks_per_node_ < 1)
+      return Status::invalid_argument(
+          fmt::format("--gpus-per-node {}: a node needs at least one rank", *ranks_per_node_));
+    if (!nodes_ || !ranks_per_node_) return Status::ok();
+    const int world = *nodes_ * *ranks_per_node_;
+    std::optional<int>& given = flags_.overrides.world_size;
+    if (given && *given != world)
+      return Status::invalid_argument(fmt::format(
+          "--world-size {} disagrees with --nodes {} x --gpus-per-node {} = {} ranks; drop "
+          "--world-size or make it {}",
+          *given, *nodes_, *ranks_per_node_, world, world));
+    given = world;
+    return Status::ok();
+  }
+
+  // The ranks per node for a world size: --gpus-per-node, or the world over
+  // --nodes; 0 (one node) with neither.
+  Result<int> node_ranks(int world_size) const {
+    if (ranks_per_node_) {
+      if (world_size % *ranks_per_node_ != 0)
+        return Status::invalid_argument(fmt::format(
+            "--gpus-per-node {}: world size {} is not a whole number of such nodes; give a "
+            "multiple of it (--world-size, or --nodes)",
+            *ranks_per_node_, world_size));
+      return *ranks_per_node_;
+    }
+    if (!nodes_) return 0;
+    if (world_size % *nodes_ != 0)
+      return Status::invalid_argument(fmt::format(
+          "--nodes {}: world size {} does not split evenly over them; give --gpus-per-node or "
+          "a --world-size that is a multiple of {}",
+          *nodes_, world_size, *nodes_));
+    return world_size / *nodes_;
   }
 
   // The simulated steps, each operation at its predicted time, through the
@@ -300,8 +360,9 @@ class PlanCommand : public Subcommand {
   std::string accounting_ = "strata";
   bool json_ = false;
   bool ops_ = false;
-  std::string backend_;  // empty: cuda on a CUDA build, else cpu
-  std::string net_bw_, pcie_bw_, nvme_bw_;
+  std::string backend_;                        // empty: cuda on a CUDA build, else cpu
+  std::optional<int> nodes_, ranks_per_node_;  // --nodes, --gpus-per-node
+  std::string net_bw_, internode_bw_, pcie_bw_, nvme_bw_;
   std::string nvme_limit_;  // --nvme-limit
   std::string hardware_;    // --hardware
   bool probe_ = false;

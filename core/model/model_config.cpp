@@ -66,6 +66,9 @@ const std::vector<Preset>& presets() {
     p.push_back({"llama2-7b", "Llama 2 7B", make(32000, 4096, 11008, 32, 32, 32, 4096, 10000.0, false)});
     p.push_back({"llama2-13b", "Llama 2 13B", make(32000, 5120, 13824, 40, 40, 40, 4096, 10000.0, false)});
     p.push_back({"llama3-70b", "Llama 3 70B", make(128256, 8192, 28672, 80, 64, 8, 8192, 500000.0, false)});
+    ModelConfig llama31_405b = make(128256, 16384, 53248, 126, 128, 8, 131072, 500000.0, false);
+    llama31_405b.rope_scaling = llama3_scaling(8.0, 8192);
+    p.push_back({"llama3.1-405b", "Llama 3.1 405B", llama31_405b});
     for (auto& preset : p) {
       preset.config.name = preset.name;
       if (preset.config.vocab_size >= 32000) preset.config.rms_norm_eps = 1e-5;

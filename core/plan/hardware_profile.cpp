@@ -49,15 +49,25 @@ namespace {
 // A GPU's published figures (README.md, "Hardware profiles", names the sources).
 struct GpuPreset {
   const char* name;
-  double fp32_tflops, bf16_tflops, memory_gbps, memory_gib, pcie_gbps, network_gbps;
+  double fp32_tflops, bf16_tflops, memory_gbps, memory_gib, pcie_gbps, intra_node_gbps,
+      inter_node_gbps;
 };
 // Dense (no sparsity) tensor-core rates; fp32 is the plain (non-TF32) rate.
-// network: the GPUs' own interconnect inside a node (NVLink, or PCIe peer to peer).
+// intra-node: the GPUs' own interconnect inside a node (NVLink, or PCIe peer
+// to peer). inter-node: each GPU's share of the node's network, as the
+// usual servers for that GPU are built (README.md): one 400 Gb/s NIC per
+// H100/H200 and one 200 Gb/s per A100 (DGX-class nodes), one 200 Gb/s NIC
+// per two L40S, one 100 Gb/s NIC per four RTX 4090.
 constexpr GpuPreset kGpus[] = {
-    {"h100-sxm", 67, 989, 3350, 80, 64, 450},    {"h200", 67, 989, 4800, 141, 64, 450},
-    {"a100-80gb", 19.5, 312, 2039, 80, 32, 300}, {"rtx-4090", 82.6, 165.2, 1008, 24, 32, 25},
-    {"l40s", 91.6, 362, 864, 48, 32, 32},
+    {"h100-sxm", 67, 989, 3350, 80, 64, 450, 50},
+    {"h200", 67, 989, 4800, 141, 64, 450, 50},
+    {"a100-80gb", 19.5, 312, 2039, 80, 32, 300, 25},
+    {"rtx-4090", 82.6, 165.2, 1008, 24, 32, 25, 3.125},
+    {"l40s", 91.6, 362, 864, 48, 32, 32, 12.5},
 };
+// A message's latency between nodes (RDMA through a switch) and within one.
+constexpr double kInterNodeLatencyUs = 20;
+constexpr double kIntraNodeLatencyUs = 10;
 // PCIe x4 drives: a Gen4 one (Samsung 990 PRO 2 TB) and a Gen5 one (Crucial T705 2 TB).
 constexpr NvmeDrive kGen4{7.45, 6.9, 60, 1200};
 constexpr NvmeDrive kGen5{14.5, 12.7, 60, 1200};
@@ -112,8 +122,10 @@ Result<HardwareProfile> hardware_preset(const std::string& spec) {
   p.adamw_mparams_int8 = 2400;
   p.pcie_h2d_gbps = p.pcie_d2h_gbps = gpu->pcie_gbps * kPcieEfficiency;
   p.nvme.assign(size_t(count), generation == '4' ? kGen4 : kGen5);
-  p.network_gbps = gpu->network_gbps;
-  p.network_latency_us = 10;
+  p.intra_node_gbps = gpu->intra_node_gbps;
+  p.intra_node_latency_us = kIntraNodeLatencyUs;
+  p.inter_node_gbps = gpu->inter_node_gbps;
+  p.inter_node_latency_us = kInterNodeLatencyUs;
   return p;
 }
 
@@ -199,8 +211,13 @@ Result<HardwareProfile> parse_hardware_profile(const std::string& text, const st
   }
   {
     JsonReader network = in.object("network");
-    network.optional_double("gbps", p.network_gbps, 0);
-    network.optional_double("latency_us", p.network_latency_us, 0);
+    network.optional_double("gbps", p.intra_node_gbps, 0);
+    network.optional_double("latency_us", p.intra_node_latency_us, 0);
+  }
+  {
+    JsonReader internode = in.object("internode");
+    internode.optional_double("gbps", p.inter_node_gbps, 0);
+    internode.optional_double("latency_us", p.inter_node_latency_us, 0);
   }
   if (!in.status()) return in.status();
   for (const std::string& key : in.unread_keys())
@@ -268,7 +285,8 @@ std::string hardware_profile_json(const HardwareProfile& p) {
     drives.push_back(drive);
   }
   j["nvme"] = drives;
-  j["network"] = {{"gbps", p.network_gbps}, {"latency_us", p.network_latency_us}};
+  j["network"] = {{"gbps", p.intra_node_gbps}, {"latency_us", p.intra_node_latency_us}};
+  j["internode"] = {{"gbps", p.inter_node_gbps}, {"latency_us", p.inter_node_latency_us}};
   return j.dump(2) + "\n";
 }
 

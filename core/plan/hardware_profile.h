@@ -17,7 +17,13 @@
 //             "adamw_mparams_per_s": {"fp32": F, "bf16": F, "int8": F}},
 //    "pcie": {"h2d_gbps": F, "d2h_gbps": F, "latency_us": F},
 //    "nvme": [{"read_gbps": F, "write_gbps": F, "latency_us": F, "rated_tbw": F}, ...],
-//    "network": {"gbps": F, "latency_us": F}}
+//    "network": {"gbps": F, "latency_us": F},
+//    "internode": {"gbps": F, "latency_us": F}}
+// "network" is the link between the ranks of a node (NVLink, PCIe peer to
+// peer; on the CPU backend shared memory), "internode" each rank's share of
+// its node's network to other nodes (a GPU's own NIC where it has one). Both
+// are per rank; a profile without "internode" (one node needs none) loads
+// with it unknown, and a plan over several nodes then says so.
 // Unknown keys and values of the wrong type or range are one-line errors
 // naming the file and the key.
 #pragma once
@@ -68,7 +74,8 @@ struct HardwareProfile {
   // Links.
   double pcie_h2d_gbps = 0, pcie_d2h_gbps = 0, pcie_latency_us = 10;
   std::vector<NvmeDrive> nvme;
-  double network_gbps = 0, network_latency_us = 10;
+  double intra_node_gbps = 0, intra_node_latency_us = 10;  // "network"
+  double inter_node_gbps = 0, inter_node_latency_us = 10;  // "internode"; 0 GB/s: unknown
 
   // The node's NVMe read and write bandwidth: the drives striped.
   double nvme_read_gbps() const;

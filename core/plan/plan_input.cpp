@@ -125,6 +125,12 @@ Status validate_plan_input(const PlanInput& in) {
   if (in.world_size < 1)
     return Status::invalid_argument(
         fmt::format("world size must be at least 1 (--world-size), got {}", in.world_size));
+  const int node_ranks = in.budgets.node_ranks(in.world_size);
+  if (node_ranks < 1 || in.world_size % node_ranks != 0)
+    return Status::invalid_argument(fmt::format(
+        "world size {} is not a whole number of nodes of {} ranks each; make the world size a "
+        "multiple of the ranks per node (--gpus-per-node, or the launcher's LOCAL_WORLD_SIZE)",
+        in.world_size, node_ranks));
   if (in.stage < 0 || in.stage > 3)
     return Status::invalid_argument(fmt::format(
         "ZeRO stage must be 0, 1, 2 or 3 (--stage, zero_optimization.stage), got {}", in.stage));

@@ -11,7 +11,12 @@
 //
 // Budgets say what they cover: the device's is one rank's, the host's and
 // NVMe's the node's, and PlanBudgets::host_per_rank is the one place the
-// node's host budget is divided among the ranks on it.
+// node's host budget is divided among the ranks on it. The world is
+// PlanBudgets::nodes nodes of ranks_per_node ranks each (`strata plan
+// --nodes N --gpus-per-node G`; at run time the launcher's LOCAL_WORLD_SIZE),
+// every node with the same budgets; a collective runs within each node over
+// LinkBandwidths::intra_node, then across the nodes over ::inter_node
+// (training_plan.h, StepTraffic).
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -51,6 +56,10 @@ struct PlanBudgets {
   std::string device_source, host_source, nvme_source;
 
   int node_ranks(int world_size) const { return ranks_per_node > 0 ? ranks_per_node : world_size; }
+  // Nodes in the world (validate_plan_input: a whole number of them).
+  int nodes(int world_size) const {
+    return std::max(1, world_size / std::max(1, node_ranks(world_size)));
+  }
   // The node's host budget shared evenly by its ranks: the one division.
   std::optional<int64_t> host_per_rank(int world_size) const {
     if (!host_per_node) return std::nullopt;
@@ -58,9 +67,15 @@ struct PlanBudgets {
   }
 };
 
-// Link bandwidths in bytes per second, for the traffic times.
+// Link bandwidths in bytes per second, for the traffic times. The two
+// collective links are per rank: intra_node between the ranks of a node
+// (NVLink or PCIe peer to peer; on the CPU backend shared memory), inter_node
+// a rank's share of its node's network to the other nodes (with one NIC per
+// GPU, as on DGX-class nodes, that NIC's rate; with one NIC for the node, its
+// rate divided by the node's ranks).
 struct LinkBandwidths {
-  double network = 25e9;
+  double intra_node = 25e9;
+  double inter_node = 25e9;
   double pcie = 25e9;
   double nvme = 6e9;  // shared by the node
 };

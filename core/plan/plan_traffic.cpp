@@ -1,7 +1,9 @@
 // What each operation of a training plan moves over each link
 // (core/plan/training_plan.h): the one account of a step's traffic, which
 // TrainingPlan::traffic_per_step sums and the step-time model
-// (core/plan/step_model.h) costs operation by operation.
+// (core/plan/step_model.h) costs operation by operation. A collective's
+// bytes go to the intra-node and inter-node links by the hierarchy
+// StepTraffic describes.
 #include <algorithm>
 
 #include "core/plan/training_plan.h"
@@ -68,6 +70,17 @@ void add_nvme_gradient_traffic(const TrainingPlan& plan, std::vector<StepTraffic
 
 }  // namespace
 
+void add_collective_bytes(const PlanInput& in, int64_t bytes, StepTraffic& t) {
+  const int64_t world = in.world_size;
+  if (world <= 1 || bytes <= 0) return;
+  const int64_t nodes = in.budgets.nodes(in.world_size);
+  const int64_t node_ranks = in.budgets.node_ranks(in.world_size);
+  // bytes = k (W - 1) s: k n (g - 1) s within the node, k (n - 1) s across nodes.
+  const int64_t per_shard = bytes / (world - 1);
+  t.intra_node += per_shard * nodes * (node_ranks - 1);
+  t.inter_node += per_shard * (nodes - 1);
+}
+
 std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
   const PlanInput& in = plan.input;
   const bool gpu = in.gpu;
@@ -107,20 +120,20 @@ std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
           t.d2h += p->optimizer_numel * cb;
         break;
       case OpKind::gather:
-        t.collective += op.bytes;
+        add_collective_bytes(in, op.bytes, t);
         if (gpu && !params_in_place && plan.homes.param == Tier::device)
           t.d2h += p->shard_numel * cb;
         break;
       case OpKind::reduce:
-        t.collective += op.bytes;
+        add_collective_bytes(in, op.bytes, t);
         if (gpu && !grads_in_place && plan.homes.grad == Tier::device)
           t.h2d += (in.stage >= 2 ? p->shard_numel : p->padded_numel) * 4;
         break;
       case OpKind::exchange:
-        t.collective += op.bytes;
+        add_collective_bytes(in, op.bytes, t);
         break;
       case OpKind::sync:
-        t.collective += op.bytes;
+        add_collective_bytes(in, op.bytes, t);
         if (gpu && params_in_place && in.world_size > 1) {
           t.d2h += p->shard_numel * cb;
           t.h2d += p->padded_numel * cb;
@@ -149,7 +162,8 @@ StepTraffic total_traffic(const std::vector<StepTraffic>& per_op) {
   for (const StepTraffic& t : per_op) {
     sum.nvme_read += t.nvme_read;
     sum.nvme_written += t.nvme_written;
-    sum.collective += t.collective;
+    sum.intra_node += t.intra_node;
+    sum.inter_node += t.inter_node;
     sum.h2d += t.h2d;
     sum.d2h += t.d2h;
   }

@@ -71,9 +71,11 @@ Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule
 
 namespace {
 
-// The links' times at the given bandwidths, and the slowest.
+// The links' times at the given bandwidths, and the slowest. Each rank has
+// its own share of both collective links (LinkBandwidths).
 void time_links(const PlanInput& in, Traffic& t) {
-  t.collective_seconds = t.collective_bytes / in.links.network;
+  t.intra_node_seconds = t.intra_node_bytes / in.links.intra_node;
+  t.inter_node_seconds = t.inter_node_bytes / in.links.inter_node;
   t.h2d_seconds = t.h2d_bytes / in.links.pcie;
   t.d2h_seconds = t.d2h_bytes / in.links.pcie;
   // Every rank on the node shares the NVMe drives.
@@ -81,7 +83,8 @@ void time_links(const PlanInput& in, Traffic& t) {
                    double(in.budgets.node_ranks(in.world_size)) / in.links.nvme;
   double slowest = 0;
   t.slowest_link.clear();
-  for (auto [seconds, name] : {std::pair{t.collective_seconds, "network"},
+  for (auto [seconds, name] : {std::pair{t.intra_node_seconds, "intra-node"},
+                               std::pair{t.inter_node_seconds, "inter-node"},
                                std::pair{std::max(t.h2d_seconds, t.d2h_seconds), "PCIe"},
                                std::pair{t.nvme_seconds, "NVMe"}}) {
     if (seconds > slowest) {
@@ -92,7 +95,8 @@ void time_links(const PlanInput& in, Traffic& t) {
 }
 
 double slowest_seconds(const Traffic& t) {
-  return std::max({t.collective_seconds, t.h2d_seconds, t.d2h_seconds, t.nvme_seconds});
+  return std::max(
+      {t.intra_node_seconds, t.inter_node_seconds, t.h2d_seconds, t.d2h_seconds, t.nvme_seconds});
 }
 
 // The bytes each link moves per step and rank: the training plan's operations
@@ -100,7 +104,8 @@ double slowest_seconds(const Traffic& t) {
 Traffic plan_traffic(const PlanInput& in, const TrainingPlan& plan, const Sizes& sizes) {
   Traffic t;
   const StepTraffic& s = plan.traffic_per_step;
-  t.collective_bytes = s.collective;
+  t.intra_node_bytes = s.intra_node;
+  t.inter_node_bytes = s.inter_node;
   t.h2d_bytes = s.h2d;
   t.d2h_bytes = s.d2h;
   t.nvme_read_bytes = s.nvme_read;
@@ -250,8 +255,10 @@ Result<std::pair<ScheduleOption, PlanReport>> schedule_option(const PlanInput& i
 
 // "2.00 GiB over NVMe"
 std::string slowest_bytes(const Traffic& t) {
-  if (t.slowest_link == "network")
-    return fmt::format("{} over the network", format_bytes(double(t.collective_bytes)));
+  if (t.slowest_link == "intra-node")
+    return fmt::format("{} over the intra-node link", format_bytes(double(t.intra_node_bytes)));
+  if (t.slowest_link == "inter-node")
+    return fmt::format("{} over the inter-node link", format_bytes(double(t.inter_node_bytes)));
   if (t.slowest_link == "PCIe")
     return fmt::format("{} over PCIe", format_bytes(double(std::max(t.h2d_bytes, t.d2h_bytes))));
   if (t.slowest_link == "NVMe")
@@ -419,9 +426,14 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
            p.micro_batch = 1;
          }});
   }
+  // More ranks; where the ranks per node are known, in more nodes of as many
+  // (each with its own host memory and NVMe).
+  const int per_node = input.budgets.ranks_per_node;
   for (int ranks = input.world_size * 2; ranks <= 1024; ranks *= 2) {
+    const std::string nodes =
+        per_node > 0 ? fmt::format(", {} nodes of {} ranks", ranks / per_node, per_node) : "";
     candidates.push_back(
-        {fmt::format("--world-size {} (at ZeRO stage 3)", ranks), [ranks](PlanInput& p) {
+        {fmt::format("--world-size {} (at ZeRO stage 3{})", ranks, nodes), [ranks](PlanInput& p) {
            p.world_size = ranks;
            p.stage = 3;
          }});
@@ -504,8 +516,15 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   std::string model = fmt::format("{} ({} parameters, {} units)", in.model.name,
                                   format_count(static_cast<double>(plan.parameters)), plan.units);
   out << fmt::format("strata plan: {}\n", model);
-  out << fmt::format("  world size {}, ZeRO stage {}, {}; offload optimizer {}, params {}\n",
-                     in.world_size, in.stage, precision_name(in.precision),
+  const int nodes = in.budgets.nodes(in.world_size);
+  const int node_ranks = in.budgets.node_ranks(in.world_size);
+  // Bytes per parameter are over every rank: the node's with one node.
+  const std::string everyone = nodes > 1 ? fmt::format("{} nodes", nodes) : "node";
+  const std::string world =
+      nodes > 1 ? fmt::format("{} ({} nodes x {} ranks)", in.world_size, nodes, node_ranks)
+                : std::to_string(in.world_size);
+  out << fmt::format("  world size {}, ZeRO stage {}, {}; offload optimizer {}, params {}\n", world,
+                     in.stage, precision_name(in.precision),
                      offload_device_name(in.offload_optimizer),
                      offload_device_name(in.offload_param));
   out << fmt::format("  Adam m and v in {}; {}\n", optimizer_state_dtype_name(in.optimizer_state),
@@ -525,13 +544,13 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   const TierBytes& states = zero_accounting ? plan.model_states_zero : plan.model_states;
   row(out, "model states", states);
   if (!zero_accounting && plan.parameters > 0) {
-    // What each kind of state costs per parameter on the node, and where.
+    // What each kind of state costs per parameter over the ranks, and where.
     std::string parts;
     for (const StateLine& line : plan.states)
       parts += fmt::format("{}{} {} ({})", parts.empty() ? "" : ", ", line.name,
                            per_parameter(line.bytes * in.world_size, plan.parameters),
                            tier_name(line.tier));
-    out << fmt::format("  model states per parameter (node, bytes): {} = {}\n", parts,
+    out << fmt::format("  model states per parameter ({}, bytes): {} = {}\n", everyone, parts,
                        per_parameter(states.total() * in.world_size, plan.parameters));
   }
   // The rest of the training plan's buffers, as a rank allocates them.
@@ -542,20 +561,24 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
     row(out, b.name, bytes);
   }
   row(out, "total per rank (strata)", plan.total_per_rank);
-  const TierBytes node{plan.total_per_rank.device * in.world_size,
-                       plan.total_per_rank.host * in.world_size,
-                       plan.total_per_rank.nvme * in.world_size};
-  if (in.world_size > 1) row(out, fmt::format("node total ({} ranks)", in.world_size), node);
-  // What each choice costs, whatever the model's size: the node's bytes per parameter.
-  out << fmt::format("  {:<56}{:>14}{:>14}{:>14}\n", "bytes per parameter (node)",
-                     per_parameter(node.device, plan.parameters),
-                     per_parameter(node.host, plan.parameters),
-                     per_parameter(node.nvme, plan.parameters));
+  auto times = [&](int ranks) {
+    return TierBytes{plan.total_per_rank.device * ranks, plan.total_per_rank.host * ranks,
+                     plan.total_per_rank.nvme * ranks};
+  };
+  if (node_ranks > 1) row(out, fmt::format("node total ({} ranks)", node_ranks), times(node_ranks));
+  if (nodes > 1)
+    row(out, fmt::format("all {} nodes ({} ranks)", nodes, in.world_size), times(in.world_size));
+  // What each choice costs, whatever the model's size: bytes per parameter over the ranks.
+  const TierBytes all = times(in.world_size);
+  out << fmt::format(
+      "  {:<56}{:>14}{:>14}{:>14}\n", fmt::format("bytes per parameter ({})", everyone),
+      per_parameter(all.device, plan.parameters), per_parameter(all.host, plan.parameters),
+      per_parameter(all.nvme, plan.parameters));
 
   out << "\nbudget\n";
   for (const TierVerdict& v : plan.verdicts) {
     if (v.need == 0 && !v.budget) continue;
-    std::string scope = v.tier == Tier::device ? "per rank" : "node";
+    std::string scope = v.tier == Tier::device ? "per rank" : "per node";
     if (!v.budget) {
       out << fmt::format("  {:<7} needs {} ({}); no budget known ({})\n", tier_name(v.tier),
                          format_bytes(double(v.need)), scope,
@@ -576,25 +599,37 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
                                   plan.suggestion));
 
   const Traffic& t = plan.traffic;
-  out << "\ntraffic per step and rank\n";
-  if (in.world_size > 1) {
-    out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
-                       format_bytes(double(t.collective_bytes)), format_bytes(in.links.network),
-                       format_seconds(t.collective_seconds),
-                       format_bytes(double(t.collective_bytes_zero)));
-  } else {
-    out << "  collectives      none (one rank)\n";
-  }
   auto link = [&](const char* label, int64_t bytes, double bandwidth, double seconds) {
     if (bytes == 0) {
       out << fmt::format("  {:<17}none\n", label);
     } else {
-      out << fmt::format("  {:<17}{:>12} at {}/s: {} ({} B per parameter, node)\n", label,
+      out << fmt::format("  {:<17}{:>12} at {}/s: {} ({} B per parameter, {})\n", label,
                          format_bytes(double(bytes)), format_bytes(bandwidth),
                          format_seconds(seconds),
-                         per_parameter(bytes * in.world_size, plan.parameters));
+                         per_parameter(bytes * in.world_size, plan.parameters), everyone);
     }
   };
+  if (nodes > 1) {
+    // Each collective reduces (or gathers) within the node, then across the nodes.
+    out << fmt::format(
+        "\ntraffic per step and rank (collectives within each node of {} ranks, "
+        "then across the {} nodes)\n",
+        node_ranks, nodes);
+    out << fmt::format("  collectives      {:>12} in all (ZeRO paper's count: {})\n",
+                       format_bytes(double(t.collective_bytes())),
+                       format_bytes(double(t.collective_bytes_zero)));
+    link("intra-node", t.intra_node_bytes, in.links.intra_node, t.intra_node_seconds);
+    link("inter-node", t.inter_node_bytes, in.links.inter_node, t.inter_node_seconds);
+  } else if (in.world_size > 1) {
+    out << "\ntraffic per step and rank\n";
+    out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
+                       format_bytes(double(t.collective_bytes())),
+                       format_bytes(in.links.intra_node), format_seconds(t.intra_node_seconds),
+                       format_bytes(double(t.collective_bytes_zero)));
+  } else {
+    out << "\ntraffic per step and rank\n";
+    out << "  collectives      none (one rank)\n";
+  }
   link("PCIe host->dev", t.h2d_bytes, in.links.pcie, t.h2d_seconds);
   link("PCIe dev->host", t.d2h_bytes, in.links.pcie, t.d2h_seconds);
   if (t.nvme_read_bytes + t.nvme_write_bytes == 0) {
@@ -602,13 +637,15 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   } else {
     out << fmt::format(
         "  NVMe read/write  {:>12} / {} at {}/s shared by the node: {} ({} / {} B per "
-        "parameter, node)\n",
+        "parameter, {})\n",
         format_bytes(double(t.nvme_read_bytes)), format_bytes(double(t.nvme_write_bytes)),
         format_bytes(in.links.nvme), format_seconds(t.nvme_seconds),
         per_parameter(t.nvme_read_bytes * in.world_size, plan.parameters),
-        per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters));
+        per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters), everyone);
   }
-  if (!t.slowest_link.empty()) out << fmt::format("  slowest link: {}\n", t.slowest_link);
+  if (!t.slowest_link.empty())
+    out << fmt::format("  slowest link: {} ({} per step)\n", t.slowest_link,
+                       format_seconds(slowest_seconds(t)));
 
   // The schedules side by side: what each moves per step and keeps for the backward.
   const ScheduleChoice& choice = plan.schedule;
@@ -619,7 +656,7 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
                        "act. device", "act. host", "act. NVMe", "fits");
     for (const ScheduleOption& o : choice.options) {
       out << fmt::format("  {:<12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}  {}\n",
-                         schedule_name(o.schedule), cell(o.traffic.collective_bytes),
+                         schedule_name(o.schedule), cell(o.traffic.collective_bytes()),
                          cell(o.traffic.h2d_bytes), cell(o.traffic.d2h_bytes),
                          cell(o.traffic.nvme_read_bytes), cell(o.traffic.nvme_write_bytes),
                          cell(o.activations.device), cell(o.activations.host),
@@ -646,6 +683,8 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["parameters"] = plan.parameters;
   j["units"] = plan.units;
   j["world_size"] = in.world_size;
+  j["nodes"] = in.budgets.nodes(in.world_size);
+  j["ranks_per_node"] = in.budgets.node_ranks(in.world_size);
   j["stage"] = in.stage;
   j["precision"] = precision_name(in.precision);
   j["offload_optimizer"] = offload_device_name(in.offload_optimizer);
@@ -684,7 +723,9 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["bytes_per_parameter"] = {{"device", per(plan.total_per_rank.device)},
                               {"host", per(plan.total_per_rank.host)},
                               {"nvme", per(plan.total_per_rank.nvme)},
-                              {"collectives_per_step", per(plan.traffic.collective_bytes)},
+                              {"collectives_per_step", per(plan.traffic.collective_bytes())},
+                              {"intra_node_per_step", per(plan.traffic.intra_node_bytes)},
+                              {"inter_node_per_step", per(plan.traffic.inter_node_bytes)},
                               {"pcie_h2d_per_step", per(plan.traffic.h2d_bytes)},
                               {"pcie_d2h_per_step", per(plan.traffic.d2h_bytes)},
                               {"nvme_read_per_step", per(plan.traffic.nvme_read_bytes)},
@@ -705,7 +746,9 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
     options.push_back({{"schedule", schedule_name(o.schedule)},
                        {"activation_home", tier_name(o.activation_home)},
                        {"fits", o.fits},
-                       {"collective_bytes", o.traffic.collective_bytes},
+                       {"collective_bytes", o.traffic.collective_bytes()},
+                       {"intra_node_bytes", o.traffic.intra_node_bytes},
+                       {"inter_node_bytes", o.traffic.inter_node_bytes},
                        {"h2d_bytes", o.traffic.h2d_bytes},
                        {"d2h_bytes", o.traffic.d2h_bytes},
                        {"nvme_read_bytes", o.traffic.nvme_read_bytes},
@@ -717,9 +760,12 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
                    {"reason", plan.schedule.reason},
                    {"options", options}};
   const Traffic& t = plan.traffic;
-  j["traffic"] = {{"collective_bytes", t.collective_bytes},
+  j["traffic"] = {{"collective_bytes", t.collective_bytes()},
                   {"collective_bytes_zero", t.collective_bytes_zero},
-                  {"collective_seconds", t.collective_seconds},
+                  {"intra_node_bytes", t.intra_node_bytes},
+                  {"intra_node_seconds", t.intra_node_seconds},
+                  {"inter_node_bytes", t.inter_node_bytes},
+                  {"inter_node_seconds", t.inter_node_seconds},
                   {"h2d_bytes", t.h2d_bytes},
                   {"d2h_bytes", t.d2h_bytes},
                   {"h2d_seconds", t.h2d_seconds},
@@ -727,10 +773,12 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
                   {"nvme_read_bytes", t.nvme_read_bytes},
                   {"nvme_write_bytes", t.nvme_write_bytes},
                   {"nvme_seconds", t.nvme_seconds},
-                  {"net_bandwidth", in.links.network},
+                  {"intra_node_bandwidth", in.links.intra_node},
+                  {"inter_node_bandwidth", in.links.inter_node},
                   {"pcie_bandwidth", in.links.pcie},
                   {"nvme_bandwidth", in.links.nvme},
-                  {"slowest_link", t.slowest_link.empty() ? json(nullptr) : json(t.slowest_link)}};
+                  {"slowest_link", t.slowest_link.empty() ? json(nullptr) : json(t.slowest_link)},
+                  {"slowest_seconds", slowest_seconds(t)}};
   return j;
 }
 

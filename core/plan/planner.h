@@ -62,15 +62,22 @@ struct TierVerdict {
   bool fits() const { return !budget || need <= *budget; }
 };
 
+// A step's bytes per rank on each link (StepTraffic, the plan's own) and
+// their times at the input's LinkBandwidths.
 struct Traffic {
-  int64_t collective_bytes = 0;       // strata: what the ring collectives send per rank
+  // strata's collectives, sent per rank: within the node, then across nodes.
+  int64_t intra_node_bytes = 0;
+  int64_t inter_node_bytes = 0;
   int64_t collective_bytes_zero = 0;  // the ZeRO paper's 2x (stages 0-2) or 3x (stage 3) params
   int64_t h2d_bytes = 0;
   int64_t d2h_bytes = 0;
   int64_t nvme_read_bytes = 0;
   int64_t nvme_write_bytes = 0;
-  double collective_seconds = 0, h2d_seconds = 0, d2h_seconds = 0, nvme_seconds = 0;
-  std::string slowest_link;  // "network", "PCIe", "NVMe" or "" when nothing moves
+  double intra_node_seconds = 0, inter_node_seconds = 0;
+  double h2d_seconds = 0, d2h_seconds = 0, nvme_seconds = 0;
+  // "intra-node", "inter-node", "PCIe", "NVMe" or "" when nothing moves.
+  std::string slowest_link;
+  int64_t collective_bytes() const { return intra_node_bytes + inter_node_bytes; }
 };
 
 // One schedule's plan in brief, for the comparison `strata plan` prints.

@@ -12,9 +12,17 @@
 namespace strata {
 
 const char* resource_name(int index) {
-  static const char* const kNames[kResourceCount] = {"device",  "cores",    "nvme",
-                                                     "network", "pcie h2d", "pcie d2h"};
+  static const char* const kNames[kResourceCount] = {
+      "device", "cores", "nvme", "intra-node link", "pcie h2d", "pcie d2h", "inter-node link"};
   return index >= 0 && index < kResourceCount ? kNames[index] : "?";
+}
+
+double OpCost::busy_seconds(int index) const {
+  const uint32_t bit = 1u << index;
+  if (!(resources & bit)) return 0;
+  if (bit == uint32_t(Resource::intra_node)) return intra_node_seconds;
+  if (bit == uint32_t(Resource::inter_node)) return inter_node_seconds;
+  return seconds;
 }
 
 // ------------------------------------------------------------------ simulator
@@ -104,11 +112,24 @@ double seconds_for(double bytes, double gbps, double latency_us) {
   return bytes / (gbps * 1e9) + latency_us * 1e-6;
 }
 
-// A ring collective over W ranks sends this rank's bytes in W - 1 hops.
-double collective_seconds(const TrainingPlan& plan, const HardwareProfile& hw, int64_t bytes) {
-  const int W = plan.input.world_size;
-  if (W <= 1 || bytes <= 0) return 0;
-  return seconds_for(double(bytes), hw.network_gbps, 0) + (W - 1) * hw.network_latency_us * 1e-6;
+// A collective's two levels (StepTraffic): a ring over the node's g ranks
+// sends its intra-node bytes in g - 1 hops, then one over the n nodes its
+// inter-node bytes in n - 1; each level on its link, one after the other.
+void cost_collective(const TrainingPlan& plan, const HardwareProfile& hw, const StepTraffic& t,
+                     OpCost& c) {
+  const PlanInput& in = plan.input;
+  const int g = in.budgets.node_ranks(in.world_size), n = in.budgets.nodes(in.world_size);
+  if (t.intra_node > 0) {
+    c.intra_node_seconds = seconds_for(double(t.intra_node), hw.intra_node_gbps, 0) +
+                           (g - 1) * hw.intra_node_latency_us * 1e-6;
+    c.resources |= uint32_t(Resource::intra_node);
+  }
+  if (t.inter_node > 0) {
+    c.inter_node_seconds = seconds_for(double(t.inter_node), hw.inter_node_gbps, 0) +
+                           (n - 1) * hw.inter_node_latency_us * 1e-6;
+    c.resources |= uint32_t(Resource::inter_node);
+  }
+  c.seconds += c.intra_node_seconds + c.inter_node_seconds;
 }
 
 }  // namespace
@@ -152,9 +173,13 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
   const int head = int(plan.units.size()) - 1;
   const uint32_t compute = uint32_t(gpu ? Resource::device : Resource::cores);
   const double nvme_latency = hw.nvme.empty() ? 100 : hw.nvme.front().latency_us;
+  // Every rank of the node streams through the node's drives at once (the
+  // ranks run the same plan): each has its share of their bandwidth, on
+  // either backend, as the planner's NVMe time counts it.
+  const double nvme_share = 1.0 / double(std::max(1, in.budgets.node_ranks(in.world_size)));
   auto nvme_seconds = [&](const StepTraffic& t) {
-    return seconds_for(double(t.nvme_read), hw.nvme_read_gbps(), nvme_latency) +
-           seconds_for(double(t.nvme_written), hw.nvme_write_gbps(), nvme_latency);
+    return seconds_for(double(t.nvme_read), hw.nvme_read_gbps() * nvme_share, nvme_latency) +
+           seconds_for(double(t.nvme_written), hw.nvme_write_gbps() * nvme_share, nvme_latency);
   };
   auto pcie_seconds = [&](const StepTraffic& t) {
     return seconds_for(double(t.h2d), hw.pcie_h2d_gbps, hw.pcie_latency_us) +
@@ -222,11 +247,10 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         // Into the gathered buffer (widened to fp32 on the CPU backend), and over the ring.
         const double local =
             double(p->padded_numel) * (gpu ? plan.compute_bytes : 4 + plan.compute_bytes);
-        c.seconds = collective_seconds(plan, hw, t.collective) +
-                    (op.kind == OpKind::gather && !gpu ? seconds_for(local, memcpy_gbps, 0) : 0) +
+        c.seconds = (op.kind == OpKind::gather && !gpu ? seconds_for(local, memcpy_gbps, 0) : 0) +
                     pcie_seconds(t);
-        c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) |
-                      (gpu ? 0u : uint32_t(Resource::cores)) | pcie_bits(t);
+        c.resources = (gpu ? 0u : uint32_t(Resource::cores)) | pcie_bits(t);
+        cost_collective(plan, hw, t, c);
         break;
       }
       case OpKind::reduce: {
@@ -238,12 +262,13 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         const bool into_home = !plan.grads_summed_per_step() || op.micro == in.grad_accum - 1;
         const bool on_host = into_home && (!gpu || plan.homes.grad != tiers::Tier::device);
         const double sum = plan.host_grads_summed() ? 3.0 * double(p->padded_numel) * 4 : 0;
-        c.seconds = collective_seconds(plan, hw, t.collective) + pcie_seconds(t) + nvme_seconds(t) +
+        c.seconds = pcie_seconds(t) + nvme_seconds(t) +
                     (on_host ? seconds_for(accumulate, memcpy_gbps, 0) : 0) +
                     seconds_for(sum, memcpy_gbps, 0);
-        c.resources = (t.collective > 0 ? uint32_t(Resource::network) : 0u) | pcie_bits(t) |
+        c.resources = pcie_bits(t) |
                       (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u) |
                       (on_host || sum > 0 ? uint32_t(Resource::cores) : 0u);
+        cost_collective(plan, hw, t, c);
         break;
       }
       case OpKind::optimizer: {
@@ -263,11 +288,16 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
                       pcie_bits(t);
         break;
       }
-      case OpKind::exchange:
-        c.seconds =
-            in.world_size > 1 ? 2.0 * (in.world_size - 1) * hw.network_latency_us * 1e-6 : 0;
-        c.resources = in.world_size > 1 ? uint32_t(Resource::network) : 0u;
+      case OpKind::exchange: {
+        // A few numbers, all-reduced: twice the hops of each level, latency alone.
+        const int g = in.budgets.node_ranks(in.world_size), n = in.budgets.nodes(in.world_size);
+        c.intra_node_seconds = 2.0 * (g - 1) * hw.intra_node_latency_us * 1e-6;
+        c.inter_node_seconds = 2.0 * (n - 1) * hw.inter_node_latency_us * 1e-6;
+        c.seconds = c.intra_node_seconds + c.inter_node_seconds;
+        c.resources = (g > 1 ? uint32_t(Resource::intra_node) : 0u) |
+                      (n > 1 ? uint32_t(Resource::inter_node) : 0u);
         break;
+      }
       default:  // decide, release: bookkeeping
         break;
     }
@@ -311,7 +341,7 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw)
     out.lane_busy[static_cast<int>(op.lane)] += seconds;
     if (op.lane == Lane::compute) out.compute_stall += s.waited;
     for (int r = 0; r < kResourceCount; ++r)
-      if (costs[size_t(s.op)].resources & (1u << r)) out.resource_busy[r] += seconds;
+      out.resource_busy[r] += costs[size_t(s.op)].busy_seconds(r);
   }
   for (int l = 0; l < kLaneCount; ++l)
     if (out.lane_busy[l] > out.lane_busy[static_cast<int>(out.bound_lane)])
@@ -334,6 +364,7 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw)
   }
   out.traffic = plan.traffic_per_step;
   out.nvme_unknown = hw.nvme.empty() && out.traffic.nvme_read + out.traffic.nvme_written > 0;
+  out.inter_node_unknown = hw.inter_node_gbps <= 0 && out.traffic.inter_node > 0;
   double rated = 0;
   for (const NvmeDrive& d : hw.nvme) rated += d.rated_tbw.value_or(0);
   if (rated > 0 && out.traffic.nvme_written > 0 && out.steady_seconds > 0) {
@@ -369,6 +400,10 @@ std::string format_prediction(const StepPrediction& p) {
     out +=
         "\n  (the profile has no NVMe drive: the NVMe transfers are not counted; --probe "
         "with --nvme-path measures them)";
+  if (p.inter_node_unknown)
+    out +=
+        "\n  (the profile has no inter-node link: the bytes across nodes are not counted; "
+        "--internode-bw gives its bandwidth)";
   out += fmt::format("\n  bound by the {} lane and the {}; the compute lane waits {} per step",
                      lane_name(p.bound_lane), resource_name(p.bound_resource),
                      seconds_text(p.compute_stall));
@@ -378,16 +413,21 @@ std::string format_prediction(const StepPrediction& p) {
       out += fmt::format(" {} {}", resource_name(r), seconds_text(p.resource_busy[r]));
   const StepTraffic& t = p.traffic;
   out += fmt::format(
-      "\n  bytes per step and rank: NVMe {} read, {} written; network {}; PCIe {} "
-      "up, {} down",
-      format_bytes(t.nvme_read), format_bytes(t.nvme_written), format_bytes(t.collective),
+      "\n  bytes per step and rank: NVMe {} read, {} written; intra-node {}{}; PCIe {} up, {} "
+      "down",
+      format_bytes(t.nvme_read), format_bytes(t.nvme_written), format_bytes(t.intra_node),
+      t.inter_node > 0 ? fmt::format("; inter-node {}", format_bytes(t.inter_node)) : "",
       format_bytes(t.h2d), format_bytes(t.d2h));
   if (t.nvme_written > 0 && p.steady_seconds > 0) {
     out += fmt::format("\n  SSD wear: {} written per step, {} per hour of steps",
                        format_bytes(t.nvme_written),
                        format_bytes(int64_t(double(t.nvme_written) * 3600 / p.steady_seconds)));
     if (p.drive_years)
-      out += fmt::format("; the drives' rated TBW lasts {:.1f} years of training", *p.drive_years);
+      out += *p.drive_years >= 0.1
+                 ? fmt::format("; the drives' rated TBW lasts {:.1f} years of training",
+                               *p.drive_years)
+                 : fmt::format("; the drives' rated TBW lasts {:.1f} days of training",
+                               *p.drive_years * 365.25);
   }
   return out + "\n";
 }
@@ -410,6 +450,7 @@ nlohmann::ordered_json prediction_to_json(const StepPrediction& p) {
   j["compute_stall_seconds"] = p.compute_stall;
   j["nvme_written_per_step"] = p.traffic.nvme_written;
   if (p.nvme_unknown) j["nvme_unknown"] = true;
+  if (p.inter_node_unknown) j["inter_node_unknown"] = true;
   if (p.drive_years) j["rated_tbw_years"] = *p.drive_years;
   return j;
 }

@@ -7,7 +7,9 @@
 // rate (the CPU backend's measured unit rates, a GPU's peak times its
 // efficiency) plus its PCIe uploads; a transfer its bytes (traffic_per_op,
 // the plan's own account) over its link with a latency per transfer; a
-// collective a ring over the world size on the network; the optimizer its
+// collective its two levels one after the other (StepTraffic: a ring within
+// the node on the intra-node link, then one across the nodes on the
+// inter-node link, each at its own bandwidth with a latency per hop); the optimizer its
 // parameters at the state format's rate, its streamed state over NVMe alongside.
 //
 // Simulation. The rules are the lane executor's (core/engine/lane_executor.h)
@@ -16,10 +18,10 @@
 // its dependencies of the same step are done, the previous step's update of
 // the parameters it reads is published (reads_parameters,
 // parameter_publishers), and the resources it holds are free (one NVMe set,
-// one network, PCIe each way, the device; on the CPU backend the cores, which
-// compute, the optimizer and host copies share). A step is handed to the
-// lanes when the previous one's step() returns: its exchange done and the step
-// before it complete. The first (cold) step and the steady one come apart.
+// the intra-node and the inter-node link, PCIe each way, the device; on the CPU backend the cores,
+// which compute, the optimizer and host copies share). A step is handed to the lanes when the
+// previous one's step() returns: its exchange done and the step before it complete. The first
+// (cold) step and the steady one come apart.
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -37,19 +39,25 @@ namespace strata {
 
 // What an operation holds while it runs (a bit each).
 enum class Resource : uint32_t {
-  device = 1,     // the GPU's compute (CUDA backend)
-  cores = 2,      // the host's cores (the CPU backend's compute, the CPU optimizer, host copies)
-  nvme = 4,       // the node's NVMe set
-  network = 8,    // the collectives' link
-  pcie_h2d = 16,  // host to GPU
-  pcie_d2h = 32,  // GPU to host
+  device = 1,       // the GPU's compute (CUDA backend)
+  cores = 2,        // the host's cores (the CPU backend's compute, the CPU optimizer, host copies)
+  nvme = 4,         // the node's NVMe set
+  intra_node = 8,   // the collectives' link between the ranks of a node
+  pcie_h2d = 16,    // host to GPU
+  pcie_d2h = 32,    // GPU to host
+  inter_node = 64,  // the collectives' link to other nodes (this rank's share)
 };
-inline constexpr int kResourceCount = 6;
+inline constexpr int kResourceCount = 7;
 const char* resource_name(int index);  // "device", "cores", ...
 
 struct OpCost {
   double seconds = 0;
   uint32_t resources = 0;  // Resource bits
+  // A collective's two levels, of `seconds`: it holds both links while it
+  // runs (one lane runs every collective), each busy for its own level only.
+  double intra_node_seconds = 0, inter_node_seconds = 0;
+  // The seconds resource `index` works during the operation.
+  double busy_seconds(int index) const;
 };
 
 // One operation as the simulator sees it.
@@ -109,6 +117,7 @@ struct StepPrediction {
   StepTraffic traffic;                // per rank
   std::optional<double> drive_years;  // rated TBW / bytes written per year of steps, when rated
   bool nvme_unknown = false;          // the plan moves NVMe bytes the profile has no drive for
+  bool inter_node_unknown = false;    // the plan crosses nodes and the profile has no such link
   Simulation simulation;              // three steps, for a timeline
 };
 

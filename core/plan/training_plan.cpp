@@ -495,8 +495,12 @@ std::string format_training_plan(const TrainingPlan& plan) {
   const StepTraffic& t = plan.traffic_per_step;
   out += fmt::format("NVMe traffic per step and rank: {} read, {} written\n",
                      format_bytes(uint64_t(t.nvme_read)), format_bytes(uint64_t(t.nvme_written)));
-  out +=
-      fmt::format("Collectives: {} sent per step and rank\n", format_bytes(uint64_t(t.collective)));
+  out += fmt::format("Collectives: {} sent per step and rank\n",
+                     format_bytes(uint64_t(t.collective())));
+  if (in.budgets.nodes(in.world_size) > 1)
+    out += fmt::format("  within the node {}, across the {} nodes {}\n",
+                       format_bytes(uint64_t(t.intra_node)), in.budgets.nodes(in.world_size),
+                       format_bytes(uint64_t(t.inter_node)));
   if (in.gpu)
     out += fmt::format("PCIe per step and rank: {} host to device, {} device to host\n",
                        format_bytes(uint64_t(t.h2d)), format_bytes(uint64_t(t.d2h)));
@@ -507,6 +511,8 @@ nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
   nlohmann::ordered_json j;
   j["stage"] = plan.input.stage;
   j["world_size"] = plan.input.world_size;
+  j["nodes"] = plan.input.budgets.nodes(plan.input.world_size);
+  j["ranks_per_node"] = plan.input.budgets.node_ranks(plan.input.world_size);
   j["schedule"] = schedule_name(plan.input.schedule);
   j["activation_home"] = tiers::tier_name(plan.activation_home());
   nlohmann::ordered_json units = nlohmann::ordered_json::array();
@@ -540,7 +546,9 @@ nlohmann::ordered_json training_plan_to_json(const TrainingPlan& plan) {
                      {"nvme", plan.peak(Tier::nvme)}};
   j["nvme_bytes_per_step"] = {{"read", plan.traffic_per_step.nvme_read},
                               {"written", plan.traffic_per_step.nvme_written}};
-  j["link_bytes_per_step"] = {{"collectives", plan.traffic_per_step.collective},
+  j["link_bytes_per_step"] = {{"collectives", plan.traffic_per_step.collective()},
+                              {"intra_node", plan.traffic_per_step.intra_node},
+                              {"inter_node", plan.traffic_per_step.inter_node},
                               {"pcie_h2d", plan.traffic_per_step.h2d},
                               {"pcie_d2h", plan.traffic_per_step.d2h}};
   return j;

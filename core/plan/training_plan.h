@@ -222,12 +222,22 @@ struct PlanBuffer {
 };
 
 // What one step of one rank (or one of its operations) moves over each link.
+// Collectives are hierarchical over the world's n nodes of g ranks
+// (PlanBudgets::nodes, ::node_ranks): a reduce-scatter of a unit whose
+// shard is s bytes (N = n g s in all) reduce-scatters within the node,
+// sending (g - 1) / g of N = n (g - 1) s over the intra-node link, then
+// across the nodes on the node's 1/g of it, sending (n - 1) / n of N / g =
+// (n - 1) s over the inter-node link; an all-gather runs the same two levels
+// in reverse, an all-reduce is both (twice the bytes). Together (W - 1) s, a
+// flat ring's; with one node all of it is intra-node.
 struct StepTraffic {
   int64_t nvme_read = 0;
   int64_t nvme_written = 0;
-  int64_t collective = 0;  // sent by this rank (ring collectives)
+  int64_t intra_node = 0;  // sent by this rank to ranks of its node (collectives' first level)
+  int64_t inter_node = 0;  // sent by this rank to other nodes (collectives' second level)
   int64_t h2d = 0;         // host to GPU (the CUDA backend; 0 on the CPU)
   int64_t d2h = 0;         // GPU to host
+  int64_t collective() const { return intra_node + inter_node; }
 };
 
 struct TrainingPlan {
@@ -396,6 +406,9 @@ int exchange_op(const TrainingPlan& plan);
 // What each of plan.ops moves over each link (core/plan/plan_traffic.cpp):
 // the one account, which traffic_per_step sums and the step-time model costs.
 std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan);
+// A collective's `bytes` sent by one rank (PlanOp::bytes: (W - 1) x a shard,
+// twice for an all-reduce) split between its two levels (StepTraffic).
+void add_collective_bytes(const PlanInput& input, int64_t bytes, StepTraffic& traffic);
 StepTraffic total_traffic(const std::vector<StepTraffic>& per_op);
 
 // "gather(layers.3) mb 1", "optimizer(embedding)", "exchange".
