@@ -1,6 +1,8 @@
-// The CPU processes' collectives side by side: all-reduce and reduce-scatter
-// bandwidth of each communicator named in --comms, at each world size and
-// buffer size, one process per rank on this machine (over 127.0.0.1).
+// The CPU processes' collectives: all-reduce and reduce-scatter bandwidth of
+// each communicator named in --comms (today GlooComm; its figures against the
+// SocketComm it replaced, from this bench side by side before SocketComm was
+// removed, are in benches/README.md), at each world size and buffer size, one
+// process per rank on this machine (over 127.0.0.1).
 //
 //   comm_bench [--comms gloo] [--worlds 2,3,4] [--sizes-mib 1,4,16,64,256] [--repeats 5]
 //
@@ -25,7 +27,6 @@
 
 #include "comm/bootstrap.h"
 #include "comm/gloo_comm.h"
-#include "comm/socket_comm.h"
 
 namespace {
 
@@ -37,7 +38,6 @@ using Factory = std::function<Result<std::unique_ptr<Communicator>>(const Launch
 std::map<std::string, Factory> communicators() {
   return {
       {"gloo", [](const LaunchEnvironment& env) { return make_gloo_comm(env); }},
-      {"socket", [](const LaunchEnvironment& env) { return make_socket_comm(env); }},
   };
 }
 
@@ -159,7 +159,7 @@ int main(int argc, char** argv) {
   CLI::App app{"The CPU processes' collectives side by side (algorithm bandwidth)."};
   std::string comms = "gloo", worlds = "2,3,4", sizes = "1,4,16,64,256";
   int repeats = 5;
-  app.add_option("--comms", comms, "communicators, the first the reference: gloo, socket");
+  app.add_option("--comms", comms, "communicators, the first the reference: gloo");
   app.add_option("--worlds", worlds, "processes per measurement");
   app.add_option("--sizes-mib", sizes, "buffer sizes per rank in MiB");
   app.add_option("--repeats", repeats, "timed calls per measurement (after one warm-up)")
@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
   }
   for (const std::string& name : names) {
     if (!known.count(name)) {
-      std::fprintf(stderr, "comm_bench: --comms names '%s'; known: gloo, socket\n", name.c_str());
+      std::fprintf(stderr, "comm_bench: --comms names '%s'; known: gloo\n", name.c_str());
       return 2;
     }
   }

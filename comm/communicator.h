@@ -1,13 +1,14 @@
 // Communicator: collectives over flat buffers between the ranks of one run.
 //
 // Implementations: LocalComm (W ranks as threads of one process,
-// make_local_group below; host buffers), SocketComm (one process per rank on
-// the CPU backend, over TCP, comm/socket_comm.h; host buffers) and NcclComm (one
+// make_local_group below; host buffers), GlooComm (one process per rank on
+// the CPU backend, over Gloo's TCP transport, comm/gloo_comm.h; host buffers)
+// and NcclComm (one
 // process per GPU, comm/nccl_comm.h; device or host buffers).
 //
 // Contract. Every rank calls the same collectives in the same order with the
 // same counts and dtype; each call returns when this rank's part is done and
-// its buffers may be reused. Reductions are sums. LocalComm and SocketComm check
+// its buffers may be reused. Reductions are sums. LocalComm and GlooComm check
 // the agreement: a collective whose ranks disagree (count, dtype, root) fails on
 // every rank with the same message. NcclComm cannot check it (NCCL does not):
 // there a disagreement may hang or corrupt, so it is the caller's to keep.
@@ -23,7 +24,7 @@
 // Reproducibility: LocalComm adds the ranks' contributions in rank order
 // (0, 1, ..., W-1) in fp32, whatever the thread timing, so a run is bitwise
 // repeatable. bf16 buffers are summed in fp32 and rounded to nearest-even once.
-// SocketComm does the same arithmetic (comm/reduction.h), so its results are
+// GlooComm does the same arithmetic (comm/reduction.h), so its results are
 // bitwise LocalComm's for the same inputs.
 // NcclComm sums in NCCL's order (which depends on the world size and NCCL's
 // algorithm choice) and, for bf16, rounds as NCCL does; it matches LocalComm

@@ -1,4 +1,4 @@
-// The rank-order sum shared by LocalComm and SocketComm (comm/reduction.h).
+// The rank-order sum shared by LocalComm and GlooComm (comm/reduction.h).
 #include "comm/reduction.h"
 
 #include <cstring>

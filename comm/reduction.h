@@ -1,4 +1,4 @@
-// The reduction arithmetic of the host communicators (LocalComm, SocketComm),
+// The reduction arithmetic of the host communicators (LocalComm, GlooComm),
 // in one place so that both give bitwise the same results.
 //
 // A sum over ranks starts at 0.0f and adds rank 0's element, then rank 1's, ...

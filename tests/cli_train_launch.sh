@@ -67,7 +67,7 @@ timeout --foreground 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" -
 launcher=$!
 for _ in $(seq 1 200); do grep -q "^step" "$dir/killed.out" 2>/dev/null && break; sleep 0.1; done
 rank1=""
-for pid in $(pgrep -P $launcher); do
+for pid in $(pgrep -f -- "--nvme-path $dir/swap-k"); do  # timeout, the launcher, the ranks
   tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "RANK=1" && rank1=$pid
 done
 killed_at=$(date +%s)
@@ -86,7 +86,7 @@ timeout --foreground 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" -
   --nvme-path "$dir/swap-9" --save "$dir/ckpt-9" --save-every 2 >"$dir/nine.out" 2>&1 &
 launcher=$!
 for _ in $(seq 1 300); do ls -d "$dir"/ckpt-9/step-4 >/dev/null 2>&1 && break; sleep 0.1; done
-pkill -KILL -P $launcher; kill -KILL $launcher 2>/dev/null
+pkill -KILL -f -- "--nvme-path $dir/swap-9"  # timeout, the launcher and both ranks at once
 wait $launcher 2>/dev/null
 timeout 300 "$strata" launch -n 2 -- "$strata" train "${base[@]}" --steps 12 --nvme-path "$dir/swap-9" \
   --resume "$dir/ckpt-9" --metrics "$dir/resumed9.jsonl" >"$dir/resumed9.out" 2>&1

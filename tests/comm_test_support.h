@@ -1,4 +1,4 @@
-// Shared by the comm_* / socket_comm / nccl_comm tests: a fresh seed printed
+// Shared by the comm_* / gloo_comm / nccl_comm tests: a fresh seed printed
 // for reruns, the check every one-line error gets, and a torchrun-style
 // launch environment of rank r on 127.0.0.1 at a free port.
 #pragma once

@@ -217,11 +217,11 @@ TEST_F(EngineSchedule, NetworkBytesEqualThePlanAndGradientsCrossOncePerStep) {
         for (const StepResult& step : outcome.steps) {
           if (stage != 2)
             EXPECT_EQ(step.network_bytes,
-                      uint64_t(outcome.plan.traffic_per_step.collective) * uint64_t(world))
+                      uint64_t(outcome.plan.traffic_per_step.collective()) * uint64_t(world))
                 << run.label() << ", step " << step.step;
           sent += step.network_bytes;
         }
-        EXPECT_LE(sent, uint64_t(outcome.plan.traffic_per_step.collective) * uint64_t(world) *
+        EXPECT_LE(sent, uint64_t(outcome.plan.traffic_per_step.collective()) * uint64_t(world) *
                             uint64_t(run.steps))
             << run.label();
       }

@@ -42,22 +42,25 @@ PlanInput tiny_over(int nodes, int ranks_per_node) {
 // every unit's fp32 gradient reduce-scattered once; its bf16 parameters
 // all-gathered for each use (a layer's forward and its backward, the head's
 // one pass, the embedding's forward and its backward).
+// And the step's exchange: an all-gather of each of the 4 units' norm partial
+// and flag and the micro-batch's loss sum, 8 bytes each.
 int64_t bytes_per_shard_step(int world) {
   const int64_t e = shard(kEmbedding, world), l = shard(kLayer, world), h = shard(kHead, world);
   const int64_t reduce_scatter = 4 * (e + 2 * l + h);
   const int64_t all_gather = 2 * (2 * e + 2 * 2 * l + h);
-  return reduce_scatter + all_gather;
+  const int64_t exchange = (2 * 4 + 1) * 8;
+  return reduce_scatter + all_gather + exchange;
 }
 
 TEST(PlanNodes, TwoNodesOfTwoRanksSplitEachCollectiveByHand) {
   Result<TrainingPlan> plan = build_training_plan(tiny_over(2, 2));
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-  // W = 4: shards of 6144, 18432, 8192 elements; P = 4 x 51200 + 2 x 94208 = 393216.
+  // W = 4: shards of 6144, 18432, 8192 elements; P = 4 x 51200 + 2 x 94208 + 72 = 393288.
   const int64_t P = bytes_per_shard_step(4);
-  ASSERT_EQ(P, 393216);
+  ASSERT_EQ(P, 393288);
   // Within the node: n (g - 1) P = 2 P; across the nodes: (n - 1) P = P.
-  EXPECT_EQ(plan->traffic_per_step.intra_node, 786432);
-  EXPECT_EQ(plan->traffic_per_step.inter_node, 393216);
+  EXPECT_EQ(plan->traffic_per_step.intra_node, 786576);
+  EXPECT_EQ(plan->traffic_per_step.inter_node, 393288);
   // Together a flat ring's (W - 1) P.
   EXPECT_EQ(plan->traffic_per_step.collective(), 3 * P);
 }
@@ -65,13 +68,13 @@ TEST(PlanNodes, TwoNodesOfTwoRanksSplitEachCollectiveByHand) {
 TEST(PlanNodes, ThreeNodesOfTwoRanksSplitEachCollectiveByHand) {
   Result<TrainingPlan> plan = build_training_plan(tiny_over(3, 2));
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-  // W = 6: shards of 4096, 12288, 6144 elements; P = 4 x 34816 + 2 x 63488 = 266240.
+  // W = 6: shards of 4096, 12288, 6144 elements; P = 4 x 34816 + 2 x 63488 + 72 = 266312.
   const int64_t P = bytes_per_shard_step(6);
-  ASSERT_EQ(P, 266240);
+  ASSERT_EQ(P, 266312);
   EXPECT_EQ(plan->traffic_per_step.intra_node, 3 * 1 * P);  // n (g - 1) P
   EXPECT_EQ(plan->traffic_per_step.inter_node, 2 * P);      // (n - 1) P
-  EXPECT_EQ(plan->traffic_per_step.intra_node, 798720);
-  EXPECT_EQ(plan->traffic_per_step.inter_node, 532480);
+  EXPECT_EQ(plan->traffic_per_step.intra_node, 798936);
+  EXPECT_EQ(plan->traffic_per_step.inter_node, 532624);
 }
 
 TEST(PlanNodes, EachOperationSplitsItsOwnBytes) {
@@ -121,10 +124,10 @@ TEST(PlanNodes, TheReportTimesEachLinkAndNamesTheSlowest) {
   in.links.intra_node = 100e9;
   in.links.inter_node = 1e9;
   PlanReport plan = *plan_memory(in);
-  EXPECT_EQ(plan.traffic.intra_node_bytes, 786432);
-  EXPECT_EQ(plan.traffic.inter_node_bytes, 393216);
-  EXPECT_DOUBLE_EQ(plan.traffic.intra_node_seconds, 786432 / 100e9);
-  EXPECT_DOUBLE_EQ(plan.traffic.inter_node_seconds, 393216 / 1e9);
+  EXPECT_EQ(plan.traffic.intra_node_bytes, 786576);
+  EXPECT_EQ(plan.traffic.inter_node_bytes, 393288);
+  EXPECT_DOUBLE_EQ(plan.traffic.intra_node_seconds, 786576 / 100e9);
+  EXPECT_DOUBLE_EQ(plan.traffic.inter_node_seconds, 393288 / 1e9);
   EXPECT_EQ(plan.traffic.slowest_link, "inter-node");
   in.links.inter_node = 1000e9;
   EXPECT_EQ(plan_memory(in)->traffic.slowest_link, "intra-node");
@@ -143,9 +146,9 @@ TEST(PlanNodes, TheReportTimesEachLinkAndNamesTheSlowest) {
   const nlohmann::ordered_json j = plan_to_json(plan, false);
   EXPECT_EQ(j["nodes"].get<int>(), 2);
   EXPECT_EQ(j["ranks_per_node"].get<int>(), 2);
-  EXPECT_EQ(j["traffic"]["intra_node_bytes"].get<int64_t>(), 786432);
-  EXPECT_EQ(j["traffic"]["inter_node_bytes"].get<int64_t>(), 393216);
-  EXPECT_EQ(j["traffic"]["collective_bytes"].get<int64_t>(), 786432 + 393216);
+  EXPECT_EQ(j["traffic"]["intra_node_bytes"].get<int64_t>(), 786576);
+  EXPECT_EQ(j["traffic"]["inter_node_bytes"].get<int64_t>(), 393288);
+  EXPECT_EQ(j["traffic"]["collective_bytes"].get<int64_t>(), 786576 + 393288);
   EXPECT_EQ(j["traffic"]["slowest_link"].get<std::string>(), "inter-node");
 }
 

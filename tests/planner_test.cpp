@@ -180,7 +180,10 @@ TEST(Planner, CollectiveVolumeFollowsTheStage) {
   const int64_t layers = padded - head - embedding;
   const int64_t reduce_scatter = padded * 4 * 3 / 4;
   const int64_t all_gather = (2 * G * layers + G * head + (G + 1) * embedding) * 2 * 3 / 4;
-  EXPECT_EQ(plan.traffic.collective_bytes(), G * reduce_scatter + all_gather);
+  // The step's exchange: every unit's norm partial and flag and each
+  // micro-batch's loss, 8 bytes each, all-gathered (3 other ranks).
+  const int64_t exchange = (2 * int64_t(built->units.size()) + G) * 8 * 3;
+  EXPECT_EQ(plan.traffic.collective_bytes(), G * reduce_scatter + all_gather + exchange);
   EXPECT_EQ(plan.traffic.collective_bytes_zero, 3 * 2 * n);  // 3 psi, fp16
   in.stage = 1;
   PlanReport stage1 = *plan_memory(in);

@@ -142,7 +142,7 @@ struct StepResult {
   uint64_t nvme_written_bytes = 0;
   // Data bytes this process's ranks sent to other ranks during step() (the
   // communicators' count, comm::Communicator::bytes_sent): in one process of
-  // W ranks W times the plan's traffic_per_step.collective, in each process
+  // W ranks W times the plan's traffic_per_step.collective(), in each process
   // of a launched run once. Collectives of the previous step's updates that
   // are still running (stages 1-2) count where they fall.
   uint64_t network_bytes = 0;

@@ -510,6 +510,63 @@ void row(std::ostringstream& out, const std::string& label, const TierBytes& byt
 
 }  // namespace
 
+// The traffic section of format_plan_table: each link's bytes per step and
+// rank, its time, and the slowest.
+static void format_traffic(std::ostringstream& out, const PlanReport& plan,
+                           const std::string& everyone) {
+  const PlanInput& in = plan.input;
+  const int nodes = in.budgets.nodes(in.world_size);
+  const int node_ranks = in.budgets.node_ranks(in.world_size);
+  const Traffic& t = plan.traffic;
+  auto link = [&](const char* label, int64_t bytes, double bandwidth, double seconds) {
+    if (bytes == 0) {
+      out << fmt::format("  {:<17}none\n", label);
+    } else {
+      out << fmt::format("  {:<17}{:>12} at {}/s: {} ({} B per parameter, {})\n", label,
+                         format_bytes(double(bytes)), format_bytes(bandwidth),
+                         format_seconds(seconds),
+                         per_parameter(bytes * in.world_size, plan.parameters), everyone);
+    }
+  };
+  if (nodes > 1) {
+    // Each collective reduces (or gathers) within the node, then across the nodes.
+    out << fmt::format(
+        "\ntraffic per step and rank (collectives within each node of {} ranks, "
+        "then across the {} nodes)\n",
+        node_ranks, nodes);
+    out << fmt::format("  collectives      {:>12} in all (ZeRO paper's count: {})\n",
+                       format_bytes(double(t.collective_bytes())),
+                       format_bytes(double(t.collective_bytes_zero)));
+    link("intra-node", t.intra_node_bytes, in.links.intra_node, t.intra_node_seconds);
+    link("inter-node", t.inter_node_bytes, in.links.inter_node, t.inter_node_seconds);
+  } else if (in.world_size > 1) {
+    out << "\ntraffic per step and rank\n";
+    out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
+                       format_bytes(double(t.collective_bytes())),
+                       format_bytes(in.links.intra_node), format_seconds(t.intra_node_seconds),
+                       format_bytes(double(t.collective_bytes_zero)));
+  } else {
+    out << "\ntraffic per step and rank\n";
+    out << "  collectives      none (one rank)\n";
+  }
+  link("PCIe host->dev", t.h2d_bytes, in.links.pcie, t.h2d_seconds);
+  link("PCIe dev->host", t.d2h_bytes, in.links.pcie, t.d2h_seconds);
+  if (t.nvme_read_bytes + t.nvme_write_bytes == 0) {
+    out << "  NVMe             none\n";
+  } else {
+    out << fmt::format(
+        "  NVMe read/write  {:>12} / {} at {}/s shared by the node: {} ({} / {} B per "
+        "parameter, {})\n",
+        format_bytes(double(t.nvme_read_bytes)), format_bytes(double(t.nvme_write_bytes)),
+        format_bytes(in.links.nvme), format_seconds(t.nvme_seconds),
+        per_parameter(t.nvme_read_bytes * in.world_size, plan.parameters),
+        per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters), everyone);
+  }
+  if (!t.slowest_link.empty())
+    out << fmt::format("  slowest link: {} ({} per step)\n", t.slowest_link,
+                       format_seconds(slowest_seconds(t)));
+}
+
 std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
@@ -598,54 +655,7 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
                     : fmt::format("  verdict: does not fit; smallest change that fits: {}\n",
                                   plan.suggestion));
 
-  const Traffic& t = plan.traffic;
-  auto link = [&](const char* label, int64_t bytes, double bandwidth, double seconds) {
-    if (bytes == 0) {
-      out << fmt::format("  {:<17}none\n", label);
-    } else {
-      out << fmt::format("  {:<17}{:>12} at {}/s: {} ({} B per parameter, {})\n", label,
-                         format_bytes(double(bytes)), format_bytes(bandwidth),
-                         format_seconds(seconds),
-                         per_parameter(bytes * in.world_size, plan.parameters), everyone);
-    }
-  };
-  if (nodes > 1) {
-    // Each collective reduces (or gathers) within the node, then across the nodes.
-    out << fmt::format(
-        "\ntraffic per step and rank (collectives within each node of {} ranks, "
-        "then across the {} nodes)\n",
-        node_ranks, nodes);
-    out << fmt::format("  collectives      {:>12} in all (ZeRO paper's count: {})\n",
-                       format_bytes(double(t.collective_bytes())),
-                       format_bytes(double(t.collective_bytes_zero)));
-    link("intra-node", t.intra_node_bytes, in.links.intra_node, t.intra_node_seconds);
-    link("inter-node", t.inter_node_bytes, in.links.inter_node, t.inter_node_seconds);
-  } else if (in.world_size > 1) {
-    out << "\ntraffic per step and rank\n";
-    out << fmt::format("  collectives      {:>12} at {}/s: {} (ZeRO paper's count: {})\n",
-                       format_bytes(double(t.collective_bytes())),
-                       format_bytes(in.links.intra_node), format_seconds(t.intra_node_seconds),
-                       format_bytes(double(t.collective_bytes_zero)));
-  } else {
-    out << "\ntraffic per step and rank\n";
-    out << "  collectives      none (one rank)\n";
-  }
-  link("PCIe host->dev", t.h2d_bytes, in.links.pcie, t.h2d_seconds);
-  link("PCIe dev->host", t.d2h_bytes, in.links.pcie, t.d2h_seconds);
-  if (t.nvme_read_bytes + t.nvme_write_bytes == 0) {
-    out << "  NVMe             none\n";
-  } else {
-    out << fmt::format(
-        "  NVMe read/write  {:>12} / {} at {}/s shared by the node: {} ({} / {} B per "
-        "parameter, {})\n",
-        format_bytes(double(t.nvme_read_bytes)), format_bytes(double(t.nvme_write_bytes)),
-        format_bytes(in.links.nvme), format_seconds(t.nvme_seconds),
-        per_parameter(t.nvme_read_bytes * in.world_size, plan.parameters),
-        per_parameter(t.nvme_write_bytes * in.world_size, plan.parameters), everyone);
-  }
-  if (!t.slowest_link.empty())
-    out << fmt::format("  slowest link: {} ({} per step)\n", t.slowest_link,
-                       format_seconds(slowest_seconds(t)));
+  format_traffic(out, plan, everyone);
 
   // The schedules side by side: what each moves per step and keeps for the backward.
   const ScheduleChoice& choice = plan.schedule;
