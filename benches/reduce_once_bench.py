@@ -54,14 +54,6 @@ def read_safetensors(path):
     return out
 
 
-def exported(directory):
-    tensors = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            tensors.update(read_safetensors(os.path.join(directory, name)))
-    return tensors
-
-
 def relative_error(a, b):
     diff = sum((x - y) * (x - y) for x, y in zip(a, b)) ** 0.5
     norm = sum(y * y for y in b) ** 0.5
@@ -84,44 +76,53 @@ def main():
     print(version.replace("\n", "; "))
 
     print("\n## Drift over", args.steps, "steps (tiny, stage 3, 4 micro-batches, ranks as threads)")
-    print(f"{'ranks':>5} {'max loss rel diff':>18} {'last step':>12} {'weights rel err':>16}")
+    print("(the baseline row: the micro-batch order at W ranks against one rank with W times the")
+    print(" micro-batches, the same sequences each step: another summation order of the same terms)")
+    print(f"{'ranks':>5} {'compared':>28} {'max loss rel diff':>18} {'last step':>12} "
+          f"{'weights rel err':>16}")
+
+    def train(world, accum, schedule):
+        tag = f"w{world}-g{accum}-{schedule}"
+        metrics = os.path.join(args.out, tag + ".jsonl")
+        export = os.path.join(args.out, tag + ".safetensors")
+        run([strata, "train", "--model", "tiny", "--backend", "cpu", "--data", train_bin,
+             "--seq-len", "64", "--micro-batch", "2", "--grad-accum", str(accum),
+             "--world-size", str(world), "--zero-stage", "3", "--steps", str(args.steps),
+             "--lr", "3e-3", "--schedule", schedule, "--hardware", "none",
+             "--metrics", metrics, "--export", export], stdout=subprocess.DEVNULL)
+        return read_metrics(metrics), read_safetensors(export)
+
+    def compare(world, what, a, b):
+        diffs = [abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a[0], b[0])]
+        errors = [relative_error(a[1][n], b[1][n]) for n in b[1]]
+        print(f"{world:>5} {what:>28} {max(diffs):>18.3e} {diffs[-1]:>12.3e} {max(errors):>16.3e}",
+              flush=True)
+
     for world in (2, 3):
-        results = {}
-        for schedule in ("micro_batch", "layer"):
-            tag = f"w{world}-{schedule}"
-            metrics = os.path.join(args.out, tag + ".jsonl")
-            export = os.path.join(args.out, tag + "-export")
-            run([strata, "train", "--model", "tiny", "--backend", "cpu", "--data", train_bin,
-                 "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "4",
-                 "--world-size", str(world), "--zero-stage", "3", "--steps", str(args.steps),
-                 "--lr", "3e-3", "--schedule", schedule, "--hardware", "none",
-                 "--metrics", metrics, "--export", export], stdout=subprocess.DEVNULL)
-            results[schedule] = (read_metrics(metrics), exported(export))
-        micro, layer = results["micro_batch"], results["layer"]
-        diffs = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(layer[0], micro[0])]
-        errors = [relative_error(layer[1][n], micro[1][n]) for n in micro[1]]
-        print(f"{world:>5} {max(diffs):>18.3e} {diffs[-1]:>12.3e} {max(errors):>16.3e}", flush=True)
+        micro, layer = train(world, 4, "micro_batch"), train(world, 4, "layer")
+        compare(world, "layer-major / micro-batch", layer, micro)
+        compare(world, "baseline: W ranks / 1 rank", micro, train(1, 4 * world, "micro_batch"))
 
     print("\n## Step time and network bytes: small, 8 micro-batches, 2 processes over Gloo")
-    common = ["--model", "small", "--backend", "cpu", "--data", train_bin, "--seq-len", "128",
-              "--micro-batch", "2", "--grad-accum", "8", "--zero-stage", "3",
-              "--offload-optimizer", "cpu"]
+    common = ["--model", "small", "--seq-len", "128", "--micro-batch", "2", "--grad-accum", "8",
+              "--zero-stage", "3", "--offload-optimizer", "cpu"]
     times = {}
     for schedule in ("micro_batch", "layer"):
         metrics = os.path.join(args.out, f"launch-{schedule}.jsonl")
-        run([strata, "launch", "-n", "2", "--", strata, "train", *common, "--steps", "12",
+        run([strata, "launch", "-n", "2", "--", strata, "train", *common, "--backend", "cpu",
+             "--data", train_bin, "--steps", "12",
              "--lr", "3e-3", "--schedule", schedule, "--hardware", "none",
              "--metrics", metrics], stdout=subprocess.DEVNULL)
         lines = read_metrics(metrics)[2:]
         plan = json.loads(subprocess.run(
-            [strata, "plan", *common, "--world-size", "2", "--schedule", schedule, "--json"],
-            capture_output=True, text=True, check=True).stdout)
-        planned = plan.get("traffic_per_step", {}).get("collective_bytes")
+            [strata, "plan", *common, "--backend", "cpu", "--world-size", "2", "--schedule",
+             schedule, "--json"], capture_output=True, text=True, check=True).stdout)
+        planned = plan["traffic"]["collective_bytes"]
         times[schedule] = statistics.median(l["step_time_s"] for l in lines)
         sent = statistics.median(l["network_bytes"] for l in lines)
         print(f"{schedule:>12}: median step {times[schedule] * 1e3:.1f} ms, network "
               f"{sent / 2**20:.2f} MiB per step and rank (plan: "
-              f"{planned / 2**20 if planned is not None else float('nan'):.2f} MiB)", flush=True)
+              f"{planned / 2**20:.2f} MiB)", flush=True)
     print(f"layer-major / micro-batch step time: {times['layer'] / times['micro_batch']:.3f}")
 
 
