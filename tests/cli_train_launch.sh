@@ -38,6 +38,13 @@ same=0
 for f in master.bin m.bin v.bin; do cmp -s "$dir/ckpt-t/step-4/$f" "$dir/ckpt-p/step-4/$f" || same=1; done
 check "checkpoint state files byte-identical (every rank wrote its part)" $same
 [ -z "$(ls -A "$dir/swap-p")" ]; check "no swap files left" $?
+# The bytes Gloo sent for rank 0 in each step are what the plan counts per rank.
+planned=$("$strata" plan --model tiny --backend cpu --seq-len 32 --micro-batch 2 --zero-stage 3 \
+  --offload-param nvme --offload-optimizer nvme --nvme-path "$dir" --world-size 2 --json |
+  python3 -c 'import json,sys; print(json.load(sys.stdin)["traffic"]["collective_bytes"])')
+sent=$(python3 -c 'import json,sys; print(" ".join(sorted({str(json.loads(l)["network_bytes"]) for l in open(sys.argv[1])})))' "$dir/procs.jsonl")
+[ -n "$planned" ] && [ "$sent" = "$planned" ]
+check "network bytes per step counted by Gloo ($sent) equal the plan's ($planned)" $?
 
 # Processes resume what threads saved: steps 3-4 again, from step 2.
 "$strata" train "${base[@]}" --world-size 2 --steps 2 --nvme-path "$dir/swap-t" --save "$dir/ckpt-2" \
