@@ -215,10 +215,11 @@ TEST_F(EngineSchedule, NetworkBytesEqualThePlanAndGradientsCrossOncePerStep) {
         // the next step: there the steps together carry the plan's bytes.
         uint64_t sent = 0;
         for (const StepResult& step : outcome.steps) {
-          if (stage != 2)
+          if (stage != 2) {
             EXPECT_EQ(step.network_bytes,
                       uint64_t(outcome.plan.traffic_per_step.collective()) * uint64_t(world))
                 << run.label() << ", step " << step.step;
+          }
           sent += step.network_bytes;
         }
         EXPECT_LE(sent, uint64_t(outcome.plan.traffic_per_step.collective()) * uint64_t(world) *
