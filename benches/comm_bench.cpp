@@ -55,8 +55,8 @@ LaunchEnvironment rank_of(int rank, int world, int port) {
 
 // Seconds per call on this rank, one per repeat, after a warm-up call; a
 // barrier before each so that the ranks start together.
-std::vector<double> time_calls(Communicator& comm, const std::string& op, size_t bytes,
-                               int repeats, std::string& error) {
+std::vector<double> time_calls(Communicator& comm, const std::string& op, size_t bytes, int repeats,
+                               std::string& error) {
   const size_t count = bytes / 4;
   const int world = comm.world_size();
   std::vector<float> send(count), recv(op == "all_reduce" ? count : count / size_t(world));
@@ -68,12 +68,12 @@ std::vector<double> time_calls(Communicator& comm, const std::string& op, size_t
     Status status = comm.barrier();
     const auto start = std::chrono::steady_clock::now();
     if (status.is_ok()) {
-      status = op == "all_reduce"
-                   ? comm.all_reduce(send.data(), recv.data(), count, DataType::fp32)
-                   : comm.reduce_scatter(send.data(), recv.data(), count / size_t(world),
-                                         DataType::fp32);
+      status = op == "all_reduce" ? comm.all_reduce(send.data(), recv.data(), count, DataType::fp32)
+                                  : comm.reduce_scatter(send.data(), recv.data(),
+                                                        count / size_t(world), DataType::fp32);
     }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!status.is_ok()) {
       error = status.message();
       return {};
@@ -122,7 +122,8 @@ double measure(const Factory& make, int world, const std::string& op, size_t byt
     std::string text;
     char buffer[4096];
     ssize_t n;
-    while ((n = ::read(pipes[size_t(r)], buffer, sizeof(buffer))) > 0) text.append(buffer, size_t(n));
+    while ((n = ::read(pipes[size_t(r)], buffer, sizeof(buffer))) > 0)
+      text.append(buffer, size_t(n));
     ::close(pipes[size_t(r)]);
     ::waitpid(children[size_t(r)], nullptr, 0);
     if (text.rfind("error ", 0) == 0 || text.empty()) {

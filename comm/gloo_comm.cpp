@@ -178,9 +178,9 @@ class MeshContext final : public gloo::Context {
       }
       at += length;
     }
-    throw std::runtime_error(fmt::format(
-        "rank {} sent no address for rank {}; run the same strata build on every rank", from,
-        rank));
+    throw std::runtime_error(
+        fmt::format("rank {} sent no address for rank {}; run the same strata build on every rank",
+                    from, rank));
   }
 };
 
@@ -205,9 +205,10 @@ class GlooComm final : public Communicator {
       const size_t bytes = count * dtype_bytes(dtype);
       char* out = static_cast<char*>(recv);
       // send may lie inside recv (in place): move this rank's part last.
-      exchange_pieces(bytes, deadline, kPieceSlot,
-                      [&](int, size_t first) { return static_cast<const char*>(send) + first; },
-                      [&](int from, size_t first) { return out + from * bytes + first; });
+      exchange_pieces(
+          bytes, deadline, kPieceSlot,
+          [&](int, size_t first) { return static_cast<const char*>(send) + first; },
+          [&](int from, size_t first) { return out + from * bytes + first; });
       std::memmove(out + rank_ * bytes, send, bytes);
     });
   }
@@ -217,7 +218,8 @@ class GlooComm final : public Communicator {
     return run(header, [&](Clock::time_point deadline) {
       const char* in = static_cast<const char*>(send);
       const size_t slice = count * dtype_bytes(dtype);
-      reduce_pieces(count, dtype, deadline, [&](int owner) { return in + owner * slice; }, recv);
+      reduce_pieces(
+          count, dtype, deadline, [&](int owner) { return in + owner * slice; }, recv);
     });
   }
 
@@ -233,10 +235,10 @@ class GlooComm final : public Communicator {
       const char* in = static_cast<const char*>(send);
       char* out = static_cast<char*>(recv);
       const size_t mine = begin(rank_ + 1) - begin(rank_);
-      reduce_pieces(mine, dtype, deadline, [&](int) { return in + begin(rank_) * element; },
-                    out + begin(rank_) * element,
-                    [&](int owner) { return in + begin(owner) * element; },
-                    [&](int owner) { return (begin(owner + 1) - begin(owner)) * element; });
+      reduce_pieces(
+          mine, dtype, deadline, [&](int) { return in + begin(rank_) * element; },
+          out + begin(rank_) * element, [&](int owner) { return in + begin(owner) * element; },
+          [&](int owner) { return (begin(owner + 1) - begin(owner)) * element; });
       exchange_pieces_varied(
           deadline, kResultSlot, [&](int) { return mine * element; },
           [&](int, size_t first) { return out + begin(rank_) * element + first; },
@@ -273,6 +275,7 @@ class GlooComm final : public Communicator {
 
  private:
   using Body = std::function<void(Clock::time_point)>;
+  using Buffers = std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>>;
 
   // Exchanges and checks headers, then runs `body` (may be null), turning
   // Gloo's exceptions into one-line errors.
@@ -286,10 +289,11 @@ class GlooComm final : public Communicator {
     try {
       std::vector<uint8_t> headers(size_t(world_size_) * kHeaderBytes);
       encode(header, headers.data() + size_t(rank_) * kHeaderBytes);
-      exchange(deadline, gloo::Slot::build(kHeaderSlot, 0),
-               [&](int) { return headers.data() + size_t(rank_) * kHeaderBytes; },
-               [&](int from) { return headers.data() + size_t(from) * kHeaderBytes; },
-               [&](int) { return kHeaderBytes; }, [&](int) { return kHeaderBytes; });
+      exchange(
+          deadline, gloo::Slot::build(kHeaderSlot, 0),
+          [&](int) { return headers.data() + size_t(rank_) * kHeaderBytes; },
+          [&](int from) { return headers.data() + size_t(from) * kHeaderBytes; },
+          [&](int) { return kHeaderBytes; }, [&](int) { return kHeaderBytes; });
       const Header reference = decode(headers.data());
       for (int r = 1; r < world_size_; ++r) {
         const Header other = decode(headers.data() + size_t(r) * kHeaderBytes);
@@ -306,9 +310,10 @@ class GlooComm final : public Communicator {
       const double seconds = timeout_.count() / 1000.0;
       const std::string reason =
           failure.timed_out
-              ? fmt::format("waited {} s for rank {}; is rank {} still running (see its error), or "
-                            "does it need a longer timeout?",
-                            seconds, failure.peer, failure.peer)
+              ? fmt::format(
+                    "waited {} s for rank {}; is rank {} still running (see its error), or "
+                    "does it need a longer timeout?",
+                    seconds, failure.peer, failure.peer)
               : fmt::format("rank {} closed the connection (did it fail? see its error): {}",
                             failure.peer, name_peers(failure.reason));
       return fail(what, reason);
@@ -321,10 +326,9 @@ class GlooComm final : public Communicator {
   // recv_bytes(q) bytes from it into recv_at(q), in one go, on `slot`; returns
   // when all are done. A rank with nothing to send or receive skips it.
   template <typename SendAt, typename RecvAt, typename SendBytes, typename RecvBytes>
-  void exchange(Clock::time_point deadline, uint64_t slot, SendAt send_at,
-                RecvAt recv_at, SendBytes send_bytes, RecvBytes recv_bytes) {
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recvs(static_cast<size_t>(world_size_));
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends(static_cast<size_t>(world_size_));
+  void exchange(Clock::time_point deadline, uint64_t slot, SendAt send_at, RecvAt recv_at,
+                SendBytes send_bytes, RecvBytes recv_bytes) {
+    Buffers recvs(static_cast<size_t>(world_size_)), sends(static_cast<size_t>(world_size_));
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
       if (const size_t n = recv_bytes(q); n > 0) {
@@ -335,9 +339,8 @@ class GlooComm final : public Communicator {
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
       if (const size_t n = send_bytes(q); n > 0) {
-        sends[size_t(q)] = context_->createUnboundBuffer(const_cast<void*>(
-                                                             static_cast<const void*>(send_at(q))),
-                                                         n);
+        sends[size_t(q)] = context_->createUnboundBuffer(
+            const_cast<void*>(static_cast<const void*>(send_at(q))), n);
         with_peer(q, [&] { sends[size_t(q)]->send(q, slot); });
       }
     }
@@ -355,8 +358,7 @@ class GlooComm final : public Communicator {
   void exchange_pieces(size_t bytes, Clock::time_point deadline, uint8_t prefix, SendAt send_at,
                        RecvAt recv_at) {
     exchange_pieces_varied(
-        deadline, prefix, [&](int) { return bytes; }, send_at, [&](int) { return bytes; },
-        recv_at);
+        deadline, prefix, [&](int) { return bytes; }, send_at, [&](int) { return bytes; }, recv_at);
   }
 
   // As exchange_pieces, with per-peer sizes: send_bytes(q) bytes to q from
@@ -373,10 +375,10 @@ class GlooComm final : public Communicator {
       const auto part = [&](size_t total) {
         return first < total ? std::min(exchange_bytes_, total - first) : size_t(0);
       };
-      exchange(deadline, gloo::Slot::build(prefix, uint32_t(piece)),
-               [&](int q) { return send_at(q, first); }, [&](int q) { return recv_at(q, first); },
-               [&](int q) { return part(send_bytes(q)); },
-               [&](int q) { return part(recv_bytes(q)); });
+      exchange(
+          deadline, gloo::Slot::build(prefix, uint32_t(piece)),
+          [&](int q) { return send_at(q, first); }, [&](int q) { return recv_at(q, first); },
+          [&](int q) { return part(send_bytes(q)); }, [&](int q) { return part(recv_bytes(q)); });
       for (int q = 0; q < world_size_; ++q) {
         if (q != rank_) data_bytes_sent_ += part(send_bytes(q));
       }
@@ -398,24 +400,25 @@ class GlooComm final : public Communicator {
   }
 
   template <typename Contribution, typename PeerSlice, typename PeerBytes>
-  void reduce_pieces(size_t count, DataType dtype, Clock::time_point deadline,
-                     Contribution own, void* out, PeerSlice peer_slice, PeerBytes peer_bytes) {
+  void reduce_pieces(size_t count, DataType dtype, Clock::time_point deadline, Contribution own,
+                     void* out, PeerSlice peer_slice, PeerBytes peer_bytes) {
     const size_t element = dtype_bytes(dtype);
     const size_t step = std::max<size_t>(1, exchange_bytes_ / element);
     size_t most = 0;  // bytes, the largest slice any peer is sent
     for (int q = 0; q < world_size_; ++q) {
       if (q != rank_) most = std::max(most, peer_bytes(q));
     }
-    const size_t pieces = std::max((count + step - 1) / step, (most + step * element - 1) /
-                                                                  (step * element));
+    const size_t pieces =
+        std::max((count + step - 1) / step, (most + step * element - 1) / (step * element));
     // Two sets of staging buffers, kept between calls: piece k lands in set
     // k % 2, peer q's part at q * piece_bytes.
     const size_t piece_bytes = std::min(step, count) * element;
     for (std::vector<char>& set : staging_) {
-      if (set.size() < size_t(world_size_) * piece_bytes) set.resize(size_t(world_size_) * piece_bytes);
+      if (set.size() < size_t(world_size_) * piece_bytes)
+        set.resize(size_t(world_size_) * piece_bytes);
     }
     struct InFlight {
-      std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recvs, sends;
+      Buffers recvs, sends;
     };
     InFlight flights[2];
     const auto post = [&](size_t piece) {
@@ -429,9 +432,8 @@ class GlooComm final : public Communicator {
       const size_t mine = first < count ? std::min(step, count - first) : 0;
       for (int q = 0; q < world_size_; ++q) {
         if (q == rank_ || mine == 0) continue;
-        flight.recvs[size_t(q)] =
-            context_->createUnboundBuffer(staging_[piece % 2].data() + size_t(q) * piece_bytes,
-                                          mine * element);
+        flight.recvs[size_t(q)] = context_->createUnboundBuffer(
+            staging_[piece % 2].data() + size_t(q) * piece_bytes, mine * element);
         with_peer(q, [&] { flight.recvs[size_t(q)]->recv(q, slot); });
       }
       for (int q = 0; q < world_size_; ++q) {
@@ -473,9 +475,9 @@ class GlooComm final : public Communicator {
   // Waits for one transfer with peer `q`, until `deadline`.
   void wait(gloo::transport::UnboundBuffer& buffer, int q, Clock::time_point deadline,
             bool receive) {
-    const auto left = std::max(std::chrono::milliseconds(1),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   deadline - Clock::now()));
+    const auto left =
+        std::max(std::chrono::milliseconds(1),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
     with_peer(q, [&] { receive ? buffer.waitRecv(left) : buffer.waitSend(left); });
   }
 
@@ -538,10 +540,11 @@ class GlooComm final : public Communicator {
 Result<std::unique_ptr<Communicator>> make_gloo_comm(const LaunchEnvironment& env,
                                                      GlooCommOptions options) {
   if (env.world_size == 1) return std::move(make_local_group(1)[0]);
-  const std::string where = fmt::format("GlooComm start-up of rank {} of {}", env.rank,
-                                        env.world_size);
+  const std::string where =
+      fmt::format("GlooComm start-up of rank {} of {}", env.rank, env.world_size);
   Result<std::unique_ptr<Rendezvous>> rendezvous = Rendezvous::join(env, options.timeout);
-  if (!rendezvous) return Status::error(fmt::format("{}: {}", where, rendezvous.status().message()));
+  if (!rendezvous)
+    return Status::error(fmt::format("{}: {}", where, rendezvous.status().message()));
   // A write to a peer that has gone must be an error Gloo reports, not a
   // signal that ends the process.
   std::signal(SIGPIPE, SIG_IGN);

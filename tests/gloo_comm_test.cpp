@@ -239,12 +239,11 @@ TEST_P(GlooCommTest, EveryCollectiveIsBitwiseLocalComm) {
     std::string report;
     // What went on the wire: the sequence's collectives as bytes_sent_by counts them.
     uint64_t expected_bytes = 0;
-    for (auto [kind, root] : {std::pair{CollectiveKind::all_gather, 0},
-                              std::pair{CollectiveKind::reduce_scatter, 0},
-                              std::pair{CollectiveKind::all_reduce, 0},
-                              std::pair{CollectiveKind::all_reduce, 0},
-                              std::pair{CollectiveKind::broadcast, world - 1},
-                              std::pair{CollectiveKind::broadcast, 0}}) {
+    for (auto [kind, root] :
+         {std::pair{CollectiveKind::all_gather, 0}, std::pair{CollectiveKind::reduce_scatter, 0},
+          std::pair{CollectiveKind::all_reduce, 0}, std::pair{CollectiveKind::all_reduce, 0},
+          std::pair{CollectiveKind::broadcast, world - 1},
+          std::pair{CollectiveKind::broadcast, 0}}) {
       expected_bytes += bytes_sent_by(kind, count, dtype, world, r, root);
     }
     if ((*comm)->bytes_sent() != expected_bytes) {
