@@ -26,9 +26,9 @@ TEST_F(EngineEquivalence, EveryPlacementIsBitwiseIdenticalAtEachWorldSize) {
   EngineOutcome one_rank;
   // At more than one rank each schedule sums in its own order: placements
   // agree bitwise within each.
-  for (auto [world, schedule] : {std::pair{1, "auto"}, std::pair{2, "micro_batch"},
-                                 std::pair{2, "layer"}, std::pair{3, "micro_batch"},
-                                 std::pair{3, "layer"}}) {
+  for (auto [world, schedule] :
+       {std::pair{1, "auto"}, std::pair{2, "micro_batch"}, std::pair{2, "layer"},
+        std::pair{3, "micro_batch"}, std::pair{3, "layer"}}) {
     // The same global batch at every world size: 6 micro-batches of 2 sequences.
     std::vector<EngineRun> runs = testing::every_placement(world, "fp32", schedule);
     // Adam divides each element's gradient by its own magnitude plus eps: an
@@ -60,8 +60,9 @@ TEST_F(EngineEquivalence, EveryPlacementIsBitwiseIdenticalAtEachWorldSize) {
     std::string worst;
     const double error =
         testing::weights_relative_error(reference.weights, one_rank.weights, &worst);
-    std::printf("world %d, schedule %s, against one rank: worst per-tensor weight error %.2e (%s)\n",
-                world, schedule, error, worst.c_str());
+    std::printf(
+        "world %d, schedule %s, against one rank: worst per-tensor weight error %.2e (%s)\n", world,
+        schedule, error, worst.c_str());
     EXPECT_LT(error, 1e-6) << "world " << world << ", worst tensor " << worst;
   }
 }

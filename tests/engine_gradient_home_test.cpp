@@ -37,8 +37,8 @@ EngineRun placed(int world, int stage, const char* param, const char* home, int6
 
 TEST_F(EngineGradientHome, NvmeGradientsEqualHostGradientsBitwise) {
   // At two ranks each schedule sums in its own order: homes compared within each.
-  for (auto [world, schedule] : {std::pair{1, "auto"}, std::pair{2, "micro_batch"},
-                                 std::pair{2, "layer"}}) {
+  for (auto [world, schedule] :
+       {std::pair{1, "auto"}, std::pair{2, "micro_batch"}, std::pair{2, "layer"}}) {
     for (auto [stage, param] : {std::pair{0, "none"}, std::pair{1, "none"}, std::pair{2, "none"},
                                 std::pair{3, "nvme"}, std::pair{3, "cpu"}}) {
       for (int64_t accum : {int64_t{1}, int64_t{3}}) {

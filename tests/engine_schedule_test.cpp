@@ -12,13 +12,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
-#include <mutex>
-#include <map>
-#include <tuple>
 #include <cerrno>
+#include <cmath>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "engine_test_support.h"
@@ -160,7 +160,8 @@ TEST_F(EngineSchedule, LayerMajorSumsOnTheRankThenReducesOnce) {
               size[i] += std::fabs(g[i]);
             }
           }
-          for (size_t i = 0; i < padded; ++i) old_order[i] = k == 0 ? reduced[i] : old_order[i] + reduced[i];
+          for (size_t i = 0; i < padded; ++i)
+            old_order[i] = k == 0 ? reduced[i] : old_order[i] + reduced[i];
         }
         // Layer-major reduced once, at the last micro-batch.
         for (int k = 0; k + 1 < G; ++k)

@@ -448,7 +448,8 @@ TEST_F(SyntheticTree, AForbiddenIncludeIsReportedAndAnAllowedOneIsNot) {
       "include: kernels, io/base)",
       "kernels/cpu/matmul.h:4: kernels may not include \"tiers/tier.h\" (kernels may include: "
       "kernels, io/base)",
-      "comm/comm.h:2: comm may not include <CLI/CLI.hpp> (comm may include: comm, io/base, NCCL, Gloo)",
+      "comm/comm.h:2: comm may not include <CLI/CLI.hpp> (comm may include: comm, io/base, NCCL, "
+      "Gloo)",
       "core/config/config.h:1: core/config may not include \"tools/config_flags.h\" (core/config "
       "may include: core/*, tiers, io, io/base, kernels, comm)",
       "core/config/config.h:2: core/config may not include <liburing.h> (core/config may "
@@ -504,12 +505,11 @@ TEST_F(SyntheticTree, AReadmeRowThatDisagreesWithTheRulesIsReported) {
   for (const RoomRule& rule : room_rules()) {
     std::string names;
     for (const std::string& name : rule.may_include)
-      names += (names.empty() ? "" : ", ") + (name == "CLI11" || name == "protobuf" ||
-                                                      name == "liburing" || name == "NCCL" ||
-                                                      name == "Gloo" ||
-                                                      name == "Oniguruma" || name == "ICU"
-                                                  ? name
-                                                  : "`" + name + "`");
+      names += (names.empty() ? "" : ", ") +
+               (name == "CLI11" || name == "protobuf" || name == "liburing" || name == "NCCL" ||
+                        name == "Gloo" || name == "Oniguruma" || name == "ICU"
+                    ? name
+                    : "`" + name + "`");
     readmes[readme_of(rule.room)] += "| `" + rule.room + "` | " + names + " |\n";
   }
   for (const auto& [name, contents] : readmes) write(name, contents);

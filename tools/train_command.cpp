@@ -26,8 +26,8 @@
 #include <thread>
 
 #include "comm/bootstrap.h"
-#include "comm/nccl_comm.h"
 #include "comm/gloo_comm.h"
+#include "comm/nccl_comm.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/safetensors.h"
 #include "core/config/backend_choice.h"

@@ -367,7 +367,9 @@ struct TrainingPlan {
            (input.world_size > 1 || gpu_grads_summed_on_device());
   }
   // ... in host memory (gradient_sum): where the sum is not the GPU's.
-  bool host_grads_summed() const { return grads_summed_per_step() && !gpu_grads_summed_on_device(); }
+  bool host_grads_summed() const {
+    return grads_summed_per_step() && !gpu_grads_summed_on_device();
+  }
   // New compute-precision parameters pass through a pinned host buffer: on
   // their way to NVMe, or from the CPU optimizer to their device home.
   bool new_params_staged() const {
