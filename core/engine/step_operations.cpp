@@ -231,12 +231,13 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     // Layer-major: the unit's micro-batch gradients add up here in
     // micro-batch order (sum = g0, sum + g1, ...) and the sum is reduced
     // once, after the last, straight into the accumulator.
-    if (!arrived) return arrived;
     if (op.micro < plan.input.grad_accum - 1) {
+      if (!arrived) return arrived;  // no collective to take part in
       add_on_host(rank.grad_sum, buffer, padded, op.micro == 0);
       return Status::ok();
     }
-    add_on_host(buffer, rank.grad_sum, padded, false);
+    // The last still takes part in the collective if its gradient failed.
+    if (arrived) add_on_host(buffer, rank.grad_sum, padded, false);
   }
   const bool into_home_first = first || plan.host_grads_summed();
   const int stage = plan.input.stage;
