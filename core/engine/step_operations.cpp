@@ -45,20 +45,6 @@ void accumulate_one_rank_sum(float* accumulator, const float* unreduced, int64_t
                     });
 }
 
-// out = in (first) or out + in, elementwise in fp32 (IEEE addition is
-// commutative: the bits of sum + g either way round).
-void add_on_host(float* out, const float* in, int64_t numel, bool first) {
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, int64_t{1} << 18),
-                    [&](const tbb::blocked_range<int64_t>& range) {
-                      const int64_t b = range.begin();
-                      if (first) {
-                        std::memcpy(out + b, in + b, size_t(range.end() - b) * 4);
-                        return;
-                      }
-                      for (int64_t i = b; i < range.end(); ++i) out[i] += in[i];
-                    });
-}
-
 // The same sum in place, where the accumulation is not a pass over host memory.
 void one_rank_sum_in_place(float* values, int64_t numel) {
   accumulate_one_rank_sum(values, values, numel, true);
@@ -233,11 +219,13 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     // once, after the last, straight into the accumulator.
     if (op.micro < plan.input.grad_accum - 1) {
       if (!arrived) return arrived;  // no collective to take part in
-      add_on_host(rank.grad_sum, buffer, padded, op.micro == 0);
-      return Status::ok();
+      return accumulate_on_host(rank.grad_sum, buffer, padded, op.micro == 0);
     }
     // The last still takes part in the collective if its gradient failed.
-    if (arrived) add_on_host(buffer, rank.grad_sum, padded, false);
+    // (buffer + sum: IEEE addition is commutative, the bits of sum + g.)
+    if (arrived) {
+      if (Status s = accumulate_on_host(buffer, rank.grad_sum, padded, false); !s) return s;
+    }
   }
   const bool into_home_first = first || plan.host_grads_summed();
   const int stage = plan.input.stage;
