@@ -36,6 +36,21 @@ inline ModelConfig small_gqa_model(bool tied = false) {
   return c;
 }
 
+// small_gqa_model's shape as a mixture of experts: 5 experts of 40, top 2
+// renormalised (mixtral), the load-balancing loss in the loss.
+inline ModelConfig small_moe_model() {
+  ModelConfig c = small_gqa_model();
+  c.family = ModelFamily::mixtral;
+  c.intermediate_size = 40;
+  c.moe_intermediate_size = 40;
+  c.num_experts = 5;
+  c.num_experts_per_tok = 2;
+  c.norm_topk_prob = true;
+  c.output_router_logits = true;
+  c.router_aux_loss_coef = 0.02;
+  return c;
+}
+
 inline std::vector<int32_t> random_tokens(int64_t count, int64_t vocab, uint64_t seed) {
   std::mt19937_64 random(seed);
   std::vector<int32_t> tokens(static_cast<size_t>(count));
@@ -76,6 +91,7 @@ struct EngineRun {
   int steps = 3;
   bool tied = false;
   int layers = 2;  // decoder layers of small_gqa_model
+  bool moe = false;  // small_moe_model instead
   uint64_t device_budget = 64ull << 20;
   uint64_t host_budget = 64ull << 20;
   std::string scheduler;      // "" or a DeepSpeed scheduler type
@@ -95,7 +111,8 @@ struct EngineRun {
   std::string gradient_home = "auto";    // strata.gradient_home
   std::string activation_home = "auto";  // strata.activation_home
   std::string label() const {
-    return std::string(backend == kernels::BackendKind::cuda ? "cuda "
+    return std::string(moe ? "moe " : "") +
+           std::string(backend == kernels::BackendKind::cuda ? "cuda "
                        : emulate_gpu                         ? "emulated gpu "
                                                              : "") +
            "stage " + std::to_string(stage) + " param " + offload_param + " optimizer " +
@@ -166,7 +183,7 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   Result<TrainConfig> config = engine_config(run, nvme_dir);
   if (!config) return config.status();
   EngineOptions options;
-  options.model = small_gqa_model(run.tied);
+  options.model = run.moe ? small_moe_model() : small_gqa_model(run.tied);
   options.model.num_hidden_layers = run.layers;
   options.config = *config;
   options.total_steps = run.steps;

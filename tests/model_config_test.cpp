@@ -205,8 +205,91 @@ TEST(ModelConfig, WhatNoFamilyComputesIsRefusedNamingTheKey) {
                     "rope_scaling.rope_type"));
   EXPECT_TRUE(names(error("qwen3", R"("rope_parameters": {"rope_type": "dynamic"})"),
                     "rope_parameters.rope_type"));
-  EXPECT_TRUE(names(error("qwen2_moe", R"("num_experts": 60)"), "model_type"));
+  // Mixtures not built yet, by the field that sets them apart.
+  EXPECT_TRUE(names(error("qwen2_moe", R"("num_experts": 60)"), "shared_expert_intermediate_size"));
+  EXPECT_TRUE(names(error("deepseek_v3", R"("kv_lora_rank": 512)"), "kv_lora_rank"));
+  EXPECT_TRUE(names(error("gpt_oss", R"("num_local_experts": 32)"), "model_type"));
+  EXPECT_TRUE(names(error("mixtral", R"("router_jitter_noise": 0.01)"), "router_jitter_noise"));
+  EXPECT_TRUE(names(error("qwen3_moe", R"("mlp_only_layers": [1, -2])"), "mlp_only_layers"));
+  EXPECT_TRUE(names(error("qwen3_moe", R"("num_experts": 4, "num_experts_per_tok": 5)"),
+                    "num_experts_per_tok"));
   EXPECT_TRUE(names(error("gemma", R"("head_dim": 4)"), "model_type"));
+}
+
+TEST(ModelConfig, MixturePresetsHaveThePublishedParameterCounts) {
+  auto config = [](const char* name) { return *load_model_config(name); };
+  // Mixtral-8x7B: 46.7B parameters, 12.9B active (two of eight experts).
+  EXPECT_EQ(config("mixtral-8x7b").parameter_count(), 46702792704LL);
+  EXPECT_EQ(config("mixtral-8x7b").active_parameter_count(), 12879925248LL);
+  // Qwen3-30B-A3B: 30.5B, 3.3B active; Qwen3-235B-A22B: 235.1B, 22.2B active.
+  EXPECT_EQ(config("qwen3-30b-a3b").parameter_count(), 30532122624LL);
+  EXPECT_EQ(config("qwen3-30b-a3b").active_parameter_count(), 3353032704LL);
+  EXPECT_EQ(config("qwen3-235b-a22b").parameter_count(), 235093634560LL);
+  EXPECT_EQ(config("qwen3-235b-a22b").active_parameter_count(), 22190763520LL);
+  EXPECT_EQ(config("llama3-8b").active_parameter_count(), config("llama3-8b").parameter_count());
+}
+
+TEST(ModelConfig, MixturesAreReadAndWrittenBackAsThemselves) {
+  // As published (Mixtral-8x7B-v0.1), keys strata has no use for included.
+  const char* mixtral = R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0,
+      "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+      "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+      "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+      "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+      "output_router_logits": false, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+      "router_aux_loss_coef": 0.02, "sliding_window": null, "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": true,
+      "vocab_size": 32000})";
+  // Qwen3-30B-A3B's, with its 128 experts of 768 and 8 per token.
+  const char* qwen3_moe = R"({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false,
+      "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+      "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+      "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+      "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+      "moe_intermediate_size": 768, "norm_topk_prob": true, "num_attention_heads": 32,
+      "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+      "num_key_value_heads": 4, "output_router_logits": false, "rms_norm_eps": 1e-06,
+      "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+      "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+      "vocab_size": 151936})";
+  for (const auto& [text, preset] :
+       {std::pair{mixtral, "mixtral-8x7b"}, std::pair{qwen3_moe, "qwen3-30b-a3b"}}) {
+    Result<ModelConfig> model = model_config_from_json(nlohmann::json::parse(text), "cfg.json");
+    ASSERT_TRUE(model.is_ok()) << model.status().message();
+    const ModelConfig expected = *load_model_config(preset);
+    EXPECT_EQ(model->family, expected.family);
+    EXPECT_EQ(model->parameter_count(), expected.parameter_count()) << preset;
+    EXPECT_EQ(model->num_experts, expected.num_experts);
+    EXPECT_EQ(model->num_experts_per_tok, expected.num_experts_per_tok);
+    EXPECT_EQ(model->moe_intermediate_size, expected.moe_intermediate_size);
+    EXPECT_EQ(model->norm_topk_prob, expected.norm_topk_prob);
+    EXPECT_EQ(model->router_aux_loss_coef, expected.router_aux_loss_coef);
+    EXPECT_FALSE(model->output_router_logits);
+    Result<ModelConfig> again = model_config_from_json(model_config_to_json(*model), "again");
+    ASSERT_TRUE(again.is_ok()) << again.status().message();
+    EXPECT_EQ(again->parameter_count(), model->parameter_count());
+    EXPECT_EQ(again->sparse_layer_count(), model->num_hidden_layers);
+    EXPECT_EQ(model_config_to_json(*again)["architectures"][0],
+              model_family_architecture(model->family));
+  }
+  // Dense layers among sparse ones: mlp_only_layers and decoder_sparse_step.
+  Result<ModelConfig> mixed = model_config_from_json(
+      nlohmann::json::parse(R"({"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 16,
+          "intermediate_size": 24, "moe_intermediate_size": 6, "num_hidden_layers": 6,
+          "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+          "decoder_sparse_step": 2, "mlp_only_layers": [3], "output_router_logits": true})"),
+      "cfg.json");
+  ASSERT_TRUE(mixed.is_ok()) << mixed.status().message();
+  EXPECT_EQ(mixed->head_dim, 8);  // Qwen3MoeConfig derives it, unlike Qwen3Config
+  EXPECT_FALSE(mixed->norm_topk_prob);  // Qwen3MoeConfig's default
+  EXPECT_TRUE(mixed->output_router_logits);
+  std::vector<bool> sparse;
+  for (int64_t i = 0; i < 6; ++i) sparse.push_back(mixed->layer_is_sparse(i));
+  EXPECT_EQ(sparse, (std::vector<bool>{false, true, false, false, false, true}));
+  EXPECT_EQ(mixed->layer_parameter_count(0) - mixed->layer_parameter_count(1),
+            3 * 16 * 24 - (4 * 16 + 4 * 3 * 16 * 6));
+  EXPECT_EQ(mixed->layer_active_parameter_count(1), mixed->layer_parameter_count(1) - 2 * 3 * 16 * 6);
 }
 
 TEST(ModelConfig, ASequenceLongerThanTheSlidingWindowIsNamed) {

@@ -3,7 +3,8 @@
 // checked at 0.5%), for Llama and for each other family on small odd-sized
 // configs (qwen2's q/k/v biases, qwen3's per-head q/k norms with a head_dim
 // unrelated to hidden / heads, mistral's sliding window shorter than the
-// sequence), gradient accumulation over micro-batches, tied embeddings
+// sequence; the mixtures' routers and experts and the load-balancing loss in
+// the objective), gradient accumulation over micro-batches, tied embeddings
 // collecting both uses, and bad token ids refused.
 #include <gtest/gtest.h>
 
@@ -72,6 +73,34 @@ ModelConfig family_config(ModelFamily family) {
       c.head_dim = 8;
       c.sliding_window = 3;
       break;
+    case ModelFamily::mixtral:  // 5 experts, top 2 renormalised, the load-balancing loss in the loss
+      c.vocab_size = 23;
+      c.hidden_size = 18;
+      c.intermediate_size = 14;
+      c.moe_intermediate_size = 14;
+      c.head_dim = 6;
+      c.sliding_window = 4;
+      c.num_experts = 5;
+      c.num_experts_per_tok = 2;
+      c.norm_topk_prob = true;
+      c.output_router_logits = true;
+      c.router_aux_loss_coef = 0.5;
+      break;
+    case ModelFamily::qwen3_moe:  // 6 experts, top 3 as the router weighs them, a dense layer 0
+      c.vocab_size = 25;
+      c.hidden_size = 20;
+      c.intermediate_size = 30;
+      c.moe_intermediate_size = 10;
+      c.num_hidden_layers = 3;
+      c.head_dim = 6;
+      c.qk_norm = true;
+      c.num_experts = 6;
+      c.num_experts_per_tok = 3;
+      c.norm_topk_prob = false;
+      c.mlp_only_layers = {0};
+      c.output_router_logits = true;
+      c.router_aux_loss_coef = 0.7;
+      break;
   }
   return c;
 }
@@ -111,13 +140,18 @@ void expect_central_differences(const ModelConfig& config) {
   const int64_t B = 2, T = 5, N = B * T;
   const Data data = random_data(N, config.vocab_size, 4);
   UnitBatch batch{data.tokens.data(), data.targets.data(), B, T, 1.0f / N};
+  // A mixture's objective adds the coefficient times its load-balancing loss.
+  RouterStats router;
+  batch.router = &router;
+  const double aux_coef = config.output_router_logits ? config.router_aux_loss_coef : 0.0;
+  batch.aux_loss_scale = float(aux_coef);
   UnitWorkspace ws(config, B, T);
   ASSERT_TRUE(model_forward_backward(model, batch, ws).is_ok());
 
   auto loss_at = [&](float* p, float value) {
     const float saved = *p;
     *p = value;
-    const double loss = *model_forward(model, batch, ws) / N;
+    const double loss = *model_forward(model, batch, ws) / N + aux_coef * router.aux_loss();
     *p = saved;
     return loss;
   };
@@ -165,7 +199,8 @@ TEST_P(FamilyGradient, MatchesCentralDifferencesOfTheLoss) {
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyGradient,
                          ::testing::Values(ModelFamily::qwen2, ModelFamily::qwen3,
-                                           ModelFamily::mistral),
+                                           ModelFamily::mistral, ModelFamily::mixtral,
+                                           ModelFamily::qwen3_moe),
                          [](const auto& info) { return model_family_name(info.param); });
 
 TEST(ModelGradients, AccumulateOverMicroBatches) {
@@ -257,7 +292,8 @@ TEST_P(UnitByUnit, CallsMatchTheWholeModelPath) {
 
 INSTANTIATE_TEST_SUITE_P(Families, UnitByUnit,
                          ::testing::Values(ModelFamily::llama, ModelFamily::qwen2,
-                                           ModelFamily::qwen3, ModelFamily::mistral),
+                                           ModelFamily::qwen3, ModelFamily::mistral,
+                                           ModelFamily::mixtral, ModelFamily::qwen3_moe),
                          [](const auto& info) { return model_family_name(info.param); });
 
 TEST(ModelGradients, TokensOutsideTheVocabularyAreRefused) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Reference test: strata's CPU backend against an independent model in PyTorch,
-for each family strata computes (llama, qwen2, qwen3, mistral).
+for each family strata computes (llama, qwen2, qwen3, mistral, and the
+mixtures of experts mixtral and qwen3_moe).
 
 Fresh random weights and tokens on every run (the seed is printed; pass --seed
 to repeat one). For each case the weights go to strata through safetensors
@@ -15,7 +16,12 @@ query attention, SwiGLU, tied or untied lm_head, mean cross-entropy; and the
 families' differences as transformers' classes have them: Qwen2's biases on
 q, k and v; Qwen3's RMSNorm on each head of q and k before the rotary
 embedding, with a head_dim unrelated to hidden_size / heads; Mistral's
-sliding window (query i sees keys j with i - window < j <= i).
+sliding window (query i sees keys j with i - window < j <= i); the mixtures'
+sparse layers (softmax router, top k, renormalised or not, SwiGLU experts
+under the released checkpoints' per-expert names; dense layers among them by
+mlp_only_layers and decoder_sparse_step) and transformers'
+load_balancing_loss_func per micro-batch, in the loss with
+output_router_logits.
 Exit codes: 0 pass, 1 fail, 77 skipped (no torch).
 """
 import argparse
@@ -142,8 +148,73 @@ def rmsnorm(x, weight, eps):
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-def reference_forward(p, cfg, inputs, targets):
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def num_experts(cfg):
+    return cfg["num_local_experts"] if cfg["model_type"] == "mixtral" else cfg["num_experts"]
+
+
+def layer_is_sparse(cfg, i):
+    if cfg["model_type"] not in MOE_FAMILIES:
+        return False
+    if i in (cfg.get("mlp_only_layers") or []):
+        return False
+    return (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+
+
+def expert_names(cfg, pre):
+    """The router's and each expert's (gate, up, down) names, as the released checkpoints have them."""
+    mixtral = cfg["model_type"] == "mixtral"
+    moe = pre + ("block_sparse_moe." if mixtral else "mlp.")
+    parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    return moe + "gate.weight", [[f"{moe}experts.{e}.{n}.weight" for n in parts] for e in range(num_experts(cfg))]
+
+
+def moe_mlp(p, cfg, pre, h, routers):
+    """A sparse layer's MLP: softmax router, each token's top k experts weighted by their
+    probabilities (renormalised for mixtral and with norm_topk_prob), SwiGLU experts.
+    Appends the layer's probabilities and choices to `routers` for the load-balancing loss."""
+    B, T, C = h.shape
+    x = h.reshape(-1, C)
+    router, experts = expert_names(cfg, pre)
+    probs = torch.softmax(x @ p[router].T, dim=-1)
+    top, chosen = torch.topk(probs, cfg["num_experts_per_tok"], dim=-1)
+    if cfg["model_type"] == "mixtral" or cfg.get("norm_topk_prob"):
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e, (gate, up, down) in enumerate(experts):
+        token, slot = torch.where(chosen == e)
+        if len(token) == 0:
+            continue
+        xe = x[token]
+        y = (F.silu(xe @ p[gate].T) * (xe @ p[up].T)) @ p[down].T
+        out = out.index_add(0, token, y * top[token, slot, None])
+    routers.append((probs, chosen))
+    return out.view(B, T, C)
+
+
+def load_balancing_loss(cfg, routers, micro):
+    """transformers' load_balancing_loss_func over the sparse layers, per micro-batch (its
+    tokens), then the mean over the micro-batches."""
+    E = num_experts(cfg)
+    losses = []
+    for m in range(micro):
+        assigned, prob_sum, rows = torch.zeros(E), torch.zeros(E), 0
+        for probs, chosen in routers:
+            n = probs.shape[0] // micro
+            assigned = assigned + F.one_hot(chosen[m * n:(m + 1) * n].reshape(-1), E).sum(0).float()
+            prob_sum = prob_sum + probs[m * n:(m + 1) * n].sum(0)
+            rows += n
+        losses.append(E * torch.sum((assigned / rows) * (prob_sum / rows)))
+    return torch.stack(losses).mean()
+
+
+def reference_forward(p, cfg, inputs, targets, micro=1):
+    """Logits and loss; a mixture's loss adds router_aux_loss_coef times its load-balancing
+    loss when output_router_logits (the micro-batches' mean), which comes back third."""
     B, T = inputs.shape
+    routers = []
     H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
     eps = cfg["rms_norm_eps"]
     inv_freq = inv_freq_of(cfg)
@@ -152,7 +223,7 @@ def reference_forward(p, cfg, inputs, targets):
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     mask = torch.ones(T, T, dtype=torch.bool).tril()
-    window = cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
+    window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "mixtral") else None
     if window:
         mask = mask & ~torch.ones(T, T, dtype=torch.bool).tril(-window)
     x = p["model.embed_tokens.weight"][inputs]
@@ -163,7 +234,7 @@ def reference_forward(p, cfg, inputs, targets):
         q = (h @ w("self_attn.q_proj").T + bias("self_attn.q_proj")).view(B, T, H, D)
         k = (h @ w("self_attn.k_proj").T + bias("self_attn.k_proj")).view(B, T, KV, D)
         v = (h @ w("self_attn.v_proj").T + bias("self_attn.v_proj")).view(B, T, KV, D)
-        if cfg["model_type"] == "qwen3":  # per head, over D, before the rotary embedding
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):  # per head, over D, before the rotary embedding
             q = rmsnorm(q, w("self_attn.q_norm"), eps)
             k = rmsnorm(k, w("self_attn.k_norm"), eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -176,12 +247,20 @@ def reference_forward(p, cfg, inputs, targets):
         y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, T, H * D)
         x = x + y @ w("self_attn.o_proj").T
         h = rmsnorm(x, w("post_attention_layernorm"), eps)
-        x = x + (F.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+        if layer_is_sparse(cfg, i):
+            x = x + moe_mlp(p, cfg, f"model.layers.{i}.", h, routers)
+        else:
+            x = x + (F.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
     x = rmsnorm(x, p["model.norm.weight"], eps)
     lm_head = p["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else p["lm_head.weight"]
     logits = x @ lm_head.T
     loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-    return logits, loss
+    if cfg["model_type"] not in MOE_FAMILIES:
+        return logits, loss
+    aux = load_balancing_loss(cfg, routers, micro)
+    if cfg.get("output_router_logits"):
+        loss = loss + cfg["router_aux_loss_coef"] * aux
+    return logits, loss, aux
 
 
 def parameter_shapes(cfg):
@@ -193,13 +272,20 @@ def parameter_shapes(cfg):
         shapes.update({
             pre + "self_attn.q_proj.weight": (H * D, C), pre + "self_attn.k_proj.weight": (KV * D, C),
             pre + "self_attn.v_proj.weight": (KV * D, C), pre + "self_attn.o_proj.weight": (C, H * D),
-            pre + "mlp.gate_proj.weight": (I, C), pre + "mlp.up_proj.weight": (I, C),
-            pre + "mlp.down_proj.weight": (C, I), pre + "input_layernorm.weight": (C,),
-            pre + "post_attention_layernorm.weight": (C,)})
+            pre + "input_layernorm.weight": (C,), pre + "post_attention_layernorm.weight": (C,)})
+        if layer_is_sparse(cfg, i):
+            IE = cfg["intermediate_size"] if cfg["model_type"] == "mixtral" else cfg["moe_intermediate_size"]
+            router, experts = expert_names(cfg, pre)
+            shapes[router] = (num_experts(cfg), C)
+            for gate, up, down in experts:
+                shapes.update({gate: (IE, C), up: (IE, C), down: (C, IE)})
+        else:
+            shapes.update({pre + "mlp.gate_proj.weight": (I, C), pre + "mlp.up_proj.weight": (I, C),
+                           pre + "mlp.down_proj.weight": (C, I)})
         if cfg["model_type"] == "qwen2":
             shapes.update({pre + "self_attn.q_proj.bias": (H * D,), pre + "self_attn.k_proj.bias": (KV * D,),
                            pre + "self_attn.v_proj.bias": (KV * D,)})
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes.update({pre + "self_attn.q_norm.weight": (D,), pre + "self_attn.k_norm.weight": (D,)})
     shapes["model.norm.weight"] = (C,)
     if not cfg["tie_word_embeddings"]:
@@ -251,21 +337,29 @@ def run_case(args, case, generator, workdir):
     grads = read_checkpoint(os.path.join(out_dir, "grads"))
 
     leaves = {n: t.clone().requires_grad_(True) for n, t in params.items()}
-    logits, loss = reference_forward(leaves, cfg, inputs, targets)
+    logits, loss, *aux = reference_forward(leaves, cfg, inputs, targets, case["micro"])
     loss.backward()
     errors = {"logits": rel_error(outputs["logits"], logits.detach()),
               "loss": rel_error(outputs["loss"], loss.detach().reshape(1))}
+    if aux:
+        errors["aux_loss"] = rel_error(outputs["aux_loss"], aux[0].detach().reshape(1))
     missing = sorted(set(params) - set(grads))
     if missing:
         print(f"{case['name']}: strata wrote no gradient for {missing}")
         return False
+    idle = 0
     for name, leaf in leaves.items():
-        errors["grad " + name] = rel_error(grads[name], leaf.grad)
+        # An expert no token reached has no gradient in PyTorch: strata's must be zero.
+        reference = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        idle += leaf.grad is None
+        errors["grad " + name] = rel_error(grads[name], reference)
     worst = max(errors, key=errors.get)
     grad_worst = max(v for k, v in errors.items() if k.startswith("grad"))
     ok = all(v <= TOLERANCE for v in errors.values())
+    aux_text = f", load-balancing loss {errors['aux_loss']:.2e}" if aux else ""
+    idle_text = f" ({idle} of them zero: idle experts)" if idle else ""
     print(f"{case['name']}: loss {loss.item():.6f}; relative error logits {errors['logits']:.2e}, "
-          f"loss {errors['loss']:.2e}, worst of {len(leaves)} gradients {grad_worst:.2e} "
+          f"loss {errors['loss']:.2e}{aux_text}, worst of {len(leaves)} gradients {grad_worst:.2e}{idle_text} "
           f"-> {'ok' if ok else 'FAIL'} (tolerance {TOLERANCE:g})")
     if not ok:
         for k, v in sorted(errors.items(), key=lambda kv: -kv[1])[:8]:
@@ -275,7 +369,8 @@ def run_case(args, case, generator, workdir):
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 CASES = [
     # Untied, grouped-query heads (6 query heads on 2 kv heads), llama3 rope scaling whose
@@ -329,6 +424,36 @@ CASES = [
                 "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 10,
                 "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                 "tie_word_embeddings": True, "sliding_window": None, "rope_scaling": None}},
+    # Mixtral: 5 experts, top 2 renormalised, a window of 6 keys; the load-balancing loss in
+    # the loss, per micro-batch (two of them), BF16 weights in two shards.
+    {"name": "mixtral-aux-micro", "family": "mixtral", "B": 2, "T": 19, "micro": 2, "dtype": "BF16", "shards": 2,
+     "config": {"vocab_size": 79, "hidden_size": 42, "intermediate_size": 38, "num_hidden_layers": 2,
+                "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 14,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+                "tie_word_embeddings": False, "sliding_window": 6, "rope_scaling": None,
+                "num_local_experts": 5, "num_experts_per_tok": 2, "output_router_logits": True,
+                "router_aux_loss_coef": 0.41, "router_jitter_noise": 0.0}},
+    # Qwen3-MoE: 6 experts, top 3 not renormalised, layer 0 dense (mlp_only_layers) and layer
+    # 2 dense by decoder_sparse_step 2 (layers 1 and 3 sparse), tied.
+    {"name": "qwen3moe-dense-layers", "family": "qwen3_moe", "B": 1, "T": 23, "micro": 1, "dtype": "F32",
+     "shards": 1,
+     "config": {"vocab_size": 87, "hidden_size": 34, "intermediate_size": 54, "moe_intermediate_size": 22,
+                "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 12,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
+                "rope_scaling": None, "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                "decoder_sparse_step": 2, "mlp_only_layers": [0], "output_router_logits": True,
+                "router_aux_loss_coef": 0.23}},
+    # Qwen3-MoE on 3 tokens over 11 experts, top 2 renormalised: most experts get no token
+    # (their gradients zero); the load-balancing loss computed but not in the loss.
+    {"name": "qwen3moe-idle-experts", "family": "qwen3_moe", "B": 1, "T": 3, "micro": 1, "dtype": "F32",
+     "shards": 1,
+     "config": {"vocab_size": 61, "hidden_size": 26, "intermediate_size": 40, "moe_intermediate_size": 18,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+                "rope_scaling": None, "num_experts": 11, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                "output_router_logits": False, "router_aux_loss_coef": 0.001}},
 ]
 
 

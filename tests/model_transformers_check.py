@@ -80,7 +80,23 @@ FAMILY_CONFIGS = {
                 "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 10,
                 "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                 "tie_word_embeddings": False, "sliding_window": 9, "hidden_act": "silu"},
+    # Mixtral: 5 experts, top 2 renormalised, a window of 9 keys; the load-balancing loss in the loss.
+    "mixtral": {"vocab_size": 193, "hidden_size": 58, "intermediate_size": 46, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 14,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+                "tie_word_embeddings": False, "sliding_window": 9, "hidden_act": "silu",
+                "num_local_experts": 5, "num_experts_per_tok": 2, "output_router_logits": True,
+                "router_aux_loss_coef": 0.37, "router_jitter_noise": 0.0},
+    # Qwen3-MoE: 7 experts, top 3 not renormalised, layer 1 dense (mlp_only_layers) between sparse ones.
+    "qwen3_moe": {"vocab_size": 201, "hidden_size": 44, "intermediate_size": 62, "moe_intermediate_size": 26,
+                  "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 10,
+                  "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                  "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
+                  "hidden_act": "silu", "num_experts": 7, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [1], "output_router_logits": True,
+                  "router_aux_loss_coef": 0.29},
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 TOLERANCE = 1e-5
 BF16_FACTOR = 2.0  # strata's bf16 error at most this times transformers' in bf16
 
@@ -102,19 +118,64 @@ def hf_model(family, config, seed):
     return model.float().eval()
 
 
-def check_transformers_in_strata(args, work, family, config):
+def strata_gradients(family, named_parameters):
+    """transformers' parameter gradients under strata's (the released checkpoints') names: the
+    fused experts (gate_up_proj (E, 2I, C), down_proj (E, C, I)) split per expert, Mixtral's
+    mlp.gate as block_sparse_moe.gate."""
+    out = {}
+    mixtral = family == "mixtral"
+    for name, p in named_parameters:
+        g = p.grad
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            prefix = name[:name.index("mlp.experts.")] + ("block_sparse_moe." if mixtral else "mlp.")
+            for e in range(g.shape[0]):
+                x = f"{prefix}experts.{e}."
+                if name.endswith("gate_up_proj"):
+                    half = g.shape[1] // 2
+                    out[x + ("w1.weight" if mixtral else "gate_proj.weight")] = g[e, :half]
+                    out[x + ("w3.weight" if mixtral else "up_proj.weight")] = g[e, half:]
+                else:
+                    out[x + ("w2.weight" if mixtral else "down_proj.weight")] = g[e]
+        elif mixtral and name.endswith("mlp.gate.weight"):
+            out[name.replace("mlp.gate.weight", "block_sparse_moe.gate.weight")] = g
+        else:
+            out[name] = g
+    return out
+
+
+def hf_loss(family, config, model, inputs, targets):
+    """transformers' logits, and its loss: cross-entropy, plus the load-balancing loss times
+    router_aux_loss_coef for a mixture that outputs router logits (as MixtralForCausalLM and
+    Qwen3MoeForCausalLM add it with labels). Also the number of experts no token reached in
+    each sparse layer."""
+    moe = family in MOE_FAMILIES
+    out = model(inputs, output_router_logits=True) if moe else model(inputs)
+    logits = out.logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    empty = []
+    if moe:
+        k = config["num_experts_per_tok"]
+        E = config.get("num_local_experts", config.get("num_experts"))
+        for layer_logits in out.router_logits:
+            chosen = torch.topk(torch.softmax(layer_logits.float(), -1), k, dim=-1).indices
+            empty.append(E - len(torch.unique(chosen)))
+        if config.get("output_router_logits"):
+            loss = loss + config["router_aux_loss_coef"] * out.aux_loss
+    return logits, loss, (out.aux_loss if moe else None), empty
+
+
+def check_transformers_in_strata(args, work, family, config, B=2, T=23, label=""):
     """transformers writes a model; strata's CPU backend computes logits, loss and every
     gradient on it; all within 1e-5 of transformers' own in fp32."""
     model = hf_model(family, config, seed=17)
-    hf_dir = os.path.join(work, f"hf-{family}")
+    hf_dir = os.path.join(work, f"hf-{family}{label}")
     model.save_pretrained(hf_dir, max_shard_size="100KB", safe_serialization=True)
-    B, T = 2, 23
     tokens = torch.randint(0, config["vocab_size"], (B * T + 1,))
-    tokens_path = os.path.join(work, f"tokens-{family}.u32")
+    tokens_path = os.path.join(work, f"tokens-{family}{label}.u32")
     tokens.numpy().astype(np.uint32).tofile(tokens_path)
     rows = torch.stack([tokens[b * T:b * T + T + 1] for b in range(B)])
     inputs, targets = rows[:, :-1], rows[:, 1:]
-    out_dir = os.path.join(work, f"hf-{family}-out")
+    out_dir = os.path.join(work, f"hf-{family}{label}-out")
     run = subprocess.run([os.path.join(args.drivers, "model_ref"), hf_dir, tokens_path, str(B), str(T), "1",
                           out_dir], capture_output=True, text=True)
     if run.returncode != 0:
@@ -123,12 +184,13 @@ def check_transformers_in_strata(args, work, family, config):
     outputs = model_ref.read_safetensors(os.path.join(out_dir, "outputs.safetensors"))
     grads = model_ref.read_checkpoint(os.path.join(out_dir, "grads"))
     model.zero_grad()
-    logits = model(inputs).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    logits, loss, aux_loss, empty = hf_loss(family, config, model, inputs, targets)
     loss.backward()
     errors = {"logits": model_ref.rel_error(outputs["logits"], logits.detach()),
               "loss": model_ref.rel_error(outputs["loss"], loss.detach().reshape(1))}
-    params = dict(model.named_parameters())
+    if aux_loss is not None:
+        errors["aux_loss"] = model_ref.rel_error(outputs["aux_loss"], aux_loss.detach().reshape(1))
+    params = strata_gradients(family, model.named_parameters())
     tied = config["tie_word_embeddings"]
     expected = {n for n in params if not (tied and n == "lm_head.weight")}
     if set(grads) != expected:
@@ -136,12 +198,14 @@ def check_transformers_in_strata(args, work, family, config):
               f"transformers only {sorted(expected - set(grads))}")
         return False
     for name in expected:
-        errors["grad " + name] = model_ref.rel_error(grads[name], params[name].grad)
+        errors["grad " + name] = model_ref.rel_error(grads[name], params[name])
     grad_worst = max(v for k, v in errors.items() if k.startswith("grad"))
     ok = all(v <= TOLERANCE for v in errors.values())
-    print(f"{family} ({type(model).__name__}) in strata: relative error logits {errors['logits']:.2e}, "
-          f"loss {errors['loss']:.2e}, worst of {len(expected)} gradients {grad_worst:.2e} "
-          f"-> {'ok' if ok else 'FAIL'}")
+    moe = "" if aux_loss is None else (f", load-balancing loss {errors['aux_loss']:.2e} "
+                                       f"(experts with no token per sparse layer: {empty})")
+    print(f"{family}{label} ({type(model).__name__}, {B}x{T} tokens) in strata: relative error logits "
+          f"{errors['logits']:.2e}, loss {errors['loss']:.2e}{moe}, worst of {len(expected)} gradients "
+          f"{grad_worst:.2e} -> {'ok' if ok else 'FAIL'}")
     if not ok:
         for k, v in sorted(errors.items(), key=lambda kv: -kv[1])[:6]:
             print(f"    {k}: {v:.3e}")
@@ -163,7 +227,8 @@ def check_strata_in_transformers(args, work, family, config):
                     "bf16", "40000", tokens_path, str(T), export_dir], check=True, capture_output=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     expected_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "mistral": "MistralForCausalLM"}[family]
+                      "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                      "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
     with torch.no_grad():
         hf_logits = hf(tokens[:T][None]).logits
     strata_logits = model_ref.read_safetensors(os.path.join(family_dir, "strata_logits.safetensors"))["logits"]
@@ -375,6 +440,8 @@ def main():
         for family in args.families.split(","):
             config = FAMILY_CONFIGS[family]
             ok = check_transformers_in_strata(args, work, family, config) and ok
+            if family in MOE_FAMILIES:  # 4 tokens: experts that no token reaches
+                ok = check_transformers_in_strata(args, work, family, config, B=1, T=4, label="-few") and ok
             ok = check_strata_in_transformers(args, work, family, config) and ok
             if not args.no_bf16:
                 family_ok, row = check_bf16(args, work, family, config)

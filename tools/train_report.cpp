@@ -54,6 +54,7 @@ std::vector<ScalarEvent> monitor_events(const StepReport& report) {
   events.push_back({"Train/Samples/lr", r.lr, samples});
   events.push_back({"Train/Samples/grad_norm", r.grad_norm, samples});
   if (report.fp16) events.push_back({"Train/Samples/loss_scale", r.loss_scale, samples});
+  if (r.aux_loss) events.push_back({"Train/Samples/aux_loss", *r.aux_loss, samples});
   events.push_back({"Train/Samples/tokens_per_s", tokens_per_second(report), samples});
   events.push_back({"Train/Samples/step_time_s", r.seconds, samples});
   events.push_back({"Train/Samples/nvme_gb_per_s", nvme_gb_per_second(r), samples});
@@ -101,6 +102,7 @@ Status MetricsWriter::write(const StepReport& report) {
   j["nvme_read_bytes"] = r.nvme_read_bytes;
   j["nvme_written_bytes"] = r.nvme_written_bytes;
   j["network_bytes"] = r.network_bytes;
+  if (r.aux_loss) j["aux_loss"] = number(*r.aux_loss);
   j["stall_s"] = r.stall_seconds;
   j["sequence_offset"] = r.sequence_offset;
   if (report.fp16) j["loss_scale"] = r.loss_scale;
@@ -243,6 +245,7 @@ void ProgressPrinter::step(const StepReport& report, double elapsed_seconds) {
       r.step, fmt::formatted_size("{}", total_steps_), total_steps_, r.loss, r.lr,
       tokens_per_second(report), nvme_gb_per_second(r), r.seconds);
   if (report.fp16) text += fmt::format("  scale {:g}", r.loss_scale);
+  if (r.aux_loss) text += fmt::format("  aux {:.4f}", *r.aux_loss);
   if (r.skipped) text += "  (skipped: overflow)";
   const bool permanent = r.step == 1 || r.step % print_every_ == 0 || r.step == total_steps_;
   text += fmt::format("  elapsed {}  eta {}", format_seconds(elapsed_seconds), format_seconds(eta));

@@ -244,7 +244,7 @@ const TensorEntry* SafetensorsFile::find(const std::string& name) const {
 }
 
 Status SafetensorsFile::read_f32(const std::string& name, const std::vector<int64_t>& shape,
-                                 float* out) const {
+                                 float* out, int64_t first, int64_t count) const {
   const TensorEntry* entry = find(name);
   if (entry == nullptr) return Status::not_found(fmt::format("{}: no tensor {}", path_, name));
   if (entry->shape != shape) {
@@ -254,20 +254,25 @@ Status SafetensorsFile::read_f32(const std::string& name, const std::vector<int6
   }
   Result<DType> dtype = float_dtype(*entry, path_);
   if (!dtype.is_ok()) return dtype.status();
-  const int64_t numel = entry->numel();
   const int64_t element_bytes = dtype_bytes(*dtype);
+  if (first < 0 || first > entry->numel() || (count >= 0 && first + count > entry->numel())) {
+    return Status::invalid_argument(fmt::format("{}: tensor {}: elements [{}, {}) lie outside its {}",
+                                                path_, name, first, first + count, entry->numel()));
+  }
+  const int64_t numel = count >= 0 ? count : entry->numel() - first;
+  const uint64_t begin = entry->begin + static_cast<uint64_t>(first * element_bytes);
   // The tensor's name first, then the file's line: "tensor x: <path>: reading ...".
   auto read = [&](void* data, uint64_t bytes, uint64_t offset) {
     return io::read_fully(*handle_->file_system, handle_->fd, data, bytes, data_offset_ + offset,
                           path_)
         .with_context(fmt::format("tensor {}", name));
   };
-  if (*dtype == DType::f32) return read(out, static_cast<uint64_t>(numel) * 4, entry->begin);
+  if (*dtype == DType::f32) return read(out, static_cast<uint64_t>(numel) * 4, begin);
   std::vector<uint16_t> buffer(static_cast<size_t>(std::min(numel, kChunkElements)));
   for (int64_t start = 0; start < numel; start += kChunkElements) {
     const int64_t count = std::min(kChunkElements, numel - start);
     if (Status s = read(buffer.data(), static_cast<uint64_t>(count * element_bytes),
-                        entry->begin + static_cast<uint64_t>(start * element_bytes));
+                        begin + static_cast<uint64_t>(start * element_bytes));
         !s) {
       return s;
     }
@@ -358,13 +363,13 @@ const TensorEntry* SafetensorsCheckpoint::find(const std::string& name,
 }
 
 Status SafetensorsCheckpoint::read_f32(const std::string& name, const std::vector<int64_t>& shape,
-                                       float* out) const {
+                                       float* out, int64_t first, int64_t count) const {
   auto it = file_of_.find(name);
   if (it == file_of_.end()) {
     return Status::not_found(
         fmt::format("{}: missing tensor {} (shape {})", path_, name, shape_string(shape)));
   }
-  return files_[it->second].read_f32(name, shape, out);
+  return files_[it->second].read_f32(name, shape, out, first, count);
 }
 
 // --- writing -------------------------------------------------------------------

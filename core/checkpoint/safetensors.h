@@ -72,7 +72,10 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
   // Reads `name` into `out` as fp32. The tensor must have exactly `shape`.
-  Status read_f32(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
+  // Elements [first, first + count) of the row-major tensor (count < 0: to the
+  // end), so one expert's slice of a fused (E, ...) tensor reads alone.
+  Status read_f32(const std::string& name, const std::vector<int64_t>& shape, float* out,
+                  int64_t first = 0, int64_t count = -1) const;
 
  private:
   struct Handle;
@@ -96,7 +99,10 @@ class SafetensorsCheckpoint {
   std::vector<std::string> tensor_names() const;
   // The entry and the file holding it, or null when the checkpoint lacks it.
   const TensorEntry* find(const std::string& name, const SafetensorsFile** file = nullptr) const;
-  Status read_f32(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
+  // Elements [first, first + count) of the row-major tensor (count < 0: to the
+  // end), so one expert's slice of a fused (E, ...) tensor reads alone.
+  Status read_f32(const std::string& name, const std::vector<int64_t>& shape, float* out,
+                  int64_t first = 0, int64_t count = -1) const;
 
  private:
   std::string path_;

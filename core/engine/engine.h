@@ -129,7 +129,13 @@ struct EngineOptions {
 // What a step did, summed over the ranks unless said otherwise.
 struct StepResult {
   int64_t step = 0;              // 1 for the first step
-  double loss = 0;               // mean token cross-entropy over the global batch (unscaled)
+  // Mean token cross-entropy over the global batch (unscaled); for a mixture
+  // of experts with output_router_logits, plus router_aux_loss_coef x aux_loss.
+  double loss = 0;
+  // A mixture of experts: the load-balancing loss (core/model/model.h), the
+  // mean over the global batch's micro-batches, whether or not the loss has
+  // it; none for a dense model.
+  std::optional<double> aux_loss;
   double grad_norm = 0;          // global L2 norm of the gradients before clipping
   double lr = 0;                 // learning rate this step's update used
   double loss_scale = 1;         // fp16: the scale of this step's gradients

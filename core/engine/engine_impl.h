@@ -81,6 +81,7 @@ struct StepRun {
   std::mutex mutex;                 // guards the vectors below
   std::vector<StepDecision> decisions;  // per rank, set by the exchange
   std::vector<double> loss_sum;     // per rank, global loss sum after the exchange
+  std::vector<double> aux_sum;      // per rank, global sum of the micro-batches' load-balancing losses
   std::vector<double> grad_norm;
   double total_tokens = 0;
 };
@@ -118,6 +119,10 @@ struct Engine::Impl {
     std::optional<tiers::NvmeExtent> spill_extent;
     std::byte* spill_staging = nullptr;
     std::vector<double> micro_loss;                        // (G) this rank's token-loss sums
+    // A mixture of experts: each micro-batch's router statistics (UnitBatch::router)
+    // and load-balancing loss, taken when its head runs.
+    std::vector<RouterStats> router_stats;  // (G)
+    std::vector<double> micro_aux;          // (G)
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
   };
@@ -256,6 +261,15 @@ struct Engine::Impl {
     batch.T = plan.input.seq_len;
     const double scale = rank.optimizer ? rank.optimizer->loss_scale() : 1.0;
     batch.loss_scale = float(scale / run.total_tokens);
+    const ModelConfig& model = plan.layout.config;
+    if (model.is_moe()) {
+      batch.router = &rank.router_stats[size_t(micro)];
+      // The objective's load-balancing term is the coefficient times the mean
+      // over the global batch's micro-batches, as data-parallel transformers averages it.
+      if (model.output_router_logits)
+        batch.aux_loss_scale =
+            float(scale * model.router_aux_loss_coef / double(plan.input.grad_accum * world()));
+    }
     return batch;
   }
   std::byte* home_data(Rank& rank, ShardKey key) {

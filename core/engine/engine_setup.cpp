@@ -133,6 +133,12 @@ Status Engine::Impl::open_rank(Rank& rank) {
   }
   // What the rank computes with: a GPU (its working set is the plan's
   // buffers of owner gpu), or the CPU over the rank's buffers above.
+  if (in.gpu && plan.layout.config.is_moe()) {
+    return Status::error(fmt::format(
+        "{}: mixture-of-experts layers have no CUDA kernels yet; train with --backend cpu "
+        "(strata plan sizes the GPU run)",
+        plan.layout.config.name));
+  }
   if (in.gpu) {
     Result<std::unique_ptr<GpuRank>> created =
         options.emulate_gpu
@@ -166,6 +172,8 @@ Status Engine::Impl::open_rank(Rank& rank) {
   for (int u = 0; u < units(); ++u) rank.segments[size_t(u)] = plan.segments(u, r);
   if (Status s = zero_moments(rank); !s) return s.with_context(fmt::format("rank {}", r));
   rank.micro_loss.assign(size_t(in.grad_accum), 0.0);
+  rank.micro_aux.assign(size_t(in.grad_accum), 0.0);
+  rank.router_stats.assign(size_t(in.grad_accum), {});
   rank.partials.assign(size_t(units()), {});
   rank.params_ready = std::make_unique<std::atomic<int64_t>[]>(size_t(units()));
   for (int u = 0; u < units(); ++u) rank.params_ready[size_t(u)] = -1;

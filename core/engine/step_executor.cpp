@@ -20,6 +20,7 @@ Result<StepResult> Engine::step() {
   run->index = im.steps_done;
   run->decisions.resize(size_t(W));
   run->loss_sum.assign(size_t(W), 0.0);
+  run->aux_sum.assign(size_t(W), 0.0);
   run->grad_norm.assign(size_t(W), 0.0);
 
   // The global batch: every rank's micro-batches, read before the step (the
@@ -80,6 +81,11 @@ Result<StepResult> Engine::step() {
   const StepDecision& decision = run->decisions[first];
   result.step = im.steps_done;
   result.loss = run->loss_sum[first] / run->total_tokens;
+  const ModelConfig& model = im.plan.layout.config;
+  if (model.is_moe()) {
+    result.aux_loss = run->aux_sum[first] / double(in.grad_accum * W);
+    if (model.output_router_logits) result.loss += model.router_aux_loss_coef * *result.aux_loss;
+  }
   result.grad_norm = run->grad_norm[first];
   result.lr = decision.lr;
   result.loss_scale = decision.loss_scale;

@@ -150,6 +150,8 @@ Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanO
         fmt::format("the loss is {} (micro-batch {}); lower the learning rate or check the data",
                     *loss, op.micro));
   rank.micro_loss[size_t(op.micro)] = *loss;
+  // Every sparse layer of the micro-batch has run its forward: its load-balancing loss is known.
+  if (batch.router != nullptr) rank.micro_aux[size_t(op.micro)] = batch.router->aux_loss();
   return Status::ok();
 }
 
@@ -316,14 +318,18 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
   const int U = units();
   const int G = int(plan.input.grad_accum);
   const int W = world();
-  // Per rank: U norm partials, U non-finite flags, G loss sums, as doubles.
-  const size_t per_rank = size_t(2 * U + G);
+  // Per rank: U norm partials, U non-finite flags, G loss sums (and a
+  // mixture's G load-balancing losses), as doubles.
+  const bool moe = plan.layout.config.is_moe();
+  const size_t per_rank = size_t(2 * U + (moe ? 2 : 1) * G);
   std::vector<double> send(per_rank), all(per_rank * size_t(W));
   for (int u = 0; u < U; ++u) {
     send[size_t(u)] = rank.partials[size_t(u)].sum_squares;
     send[size_t(U + u)] = rank.partials[size_t(u)].nonfinite ? 1.0 : 0.0;
   }
   for (int m = 0; m < G; ++m) send[size_t(2 * U + m)] = rank.micro_loss[size_t(m)];
+  if (moe)
+    for (int m = 0; m < G; ++m) send[size_t(2 * U + G + m)] = rank.micro_aux[size_t(m)];
   // Doubles travel as pairs of fp32 words: a gather copies, it does not add.
   if (Status s = rank.comm->all_gather(send.data(), all.data(), per_rank * 2, comm::DataType::fp32);
       !s)
@@ -335,9 +341,12 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
       global.add({theirs[u], theirs[U + u] != 0.0});
     }
   }
-  double loss = 0;
+  double loss = 0, aux = 0;
   for (int m = 0; m < G; ++m)
     for (int r = 0; r < W; ++r) loss += all[size_t(r) * per_rank + size_t(2 * U + m)];
+  if (moe)
+    for (int m = 0; m < G; ++m)
+      for (int r = 0; r < W; ++r) aux += all[size_t(r) * per_rank + size_t(2 * U + G + m)];
   if (global.nonfinite && plan.input.precision == Precision::fp32) {
     std::string where;
     for (int r = 0; r < W; ++r)
@@ -355,6 +364,7 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
     // `decide` ran at the start of the step; the norm is for the report.
     std::lock_guard lock(run.mutex);
     run.loss_sum[size_t(rank.rank)] = loss;
+    run.aux_sum[size_t(rank.rank)] = aux;
     run.grad_norm[size_t(rank.rank)] = std::sqrt(global.sum_squares);
     return Status::ok();
   }
@@ -363,6 +373,7 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
   std::lock_guard lock(run.mutex);
   run.decisions[size_t(rank.rank)] = *decision;
   run.loss_sum[size_t(rank.rank)] = loss;
+  run.aux_sum[size_t(rank.rank)] = aux;
   run.grad_norm[size_t(rank.rank)] = decision->grad_norm;
   return Status::ok();
 }

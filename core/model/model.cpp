@@ -39,6 +39,35 @@ void add_slot(UnitLayout& layout, std::string name, std::vector<int64_t> shape) 
   layout.tensors.push_back(std::move(slot));
 }
 
+// A sparse layer's router and experts under the released checkpoints' names,
+// each also readable from transformers 5's fused tensors.
+void add_expert_slots(UnitLayout& layout, const ModelConfig& c, const std::string& p) {
+  const int64_t C = c.hidden_size, I = c.moe_intermediate_size, E = c.num_experts;
+  const bool mixtral = c.family == ModelFamily::mixtral;
+  const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
+  add_slot(layout, moe + "gate.weight", {E, C});
+  if (mixtral) {
+    layout.tensors.back().fused_name = p + "mlp.gate.weight";
+    layout.tensors.back().fused_shape = {E, C};
+  }
+  const std::string gate_up = p + "mlp.experts.gate_up_proj", down = p + "mlp.experts.down_proj";
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = fmt::format("{}experts.{}.", moe, e);
+    add_slot(layout, x + (mixtral ? "w1.weight" : "gate_proj.weight"), {I, C});
+    layout.tensors.back().fused_name = gate_up;
+    layout.tensors.back().fused_shape = {E, 2 * I, C};
+    layout.tensors.back().fused_first = e * 2 * I * C;
+    add_slot(layout, x + (mixtral ? "w3.weight" : "up_proj.weight"), {I, C});
+    layout.tensors.back().fused_name = gate_up;
+    layout.tensors.back().fused_shape = {E, 2 * I, C};
+    layout.tensors.back().fused_first = e * 2 * I * C + I * C;
+    add_slot(layout, x + (mixtral ? "w2.weight" : "down_proj.weight"), {C, I});
+    layout.tensors.back().fused_name = down;
+    layout.tensors.back().fused_shape = {E, C, I};
+    layout.tensors.back().fused_first = e * C * I;
+  }
+}
+
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -61,6 +90,19 @@ const TensorSlot* UnitLayout::find(const std::string& name) const {
   return nullptr;
 }
 
+void RouterStats::reset(int64_t experts) {
+  assigned.assign(size_t(experts), 0.0);
+  prob_sum.assign(size_t(experts), 0.0);
+  rows = 0;
+}
+
+double RouterStats::aux_loss() const {
+  if (rows <= 0) return 0.0;
+  double sum = 0.0;
+  for (size_t e = 0; e < assigned.size(); ++e) sum += (assigned[e] / rows) * (prob_sum[e] / rows);
+  return double(assigned.size()) * sum;
+}
+
 ModelLayout model_layout(const ModelConfig& c, int world_size) {
   ModelLayout model;
   model.config = c;
@@ -79,9 +121,13 @@ ModelLayout model_layout(const ModelConfig& c, int world_size) {
       add_slot(layout, p + "self_attn.k_proj.weight", {KV * D, C});
       add_slot(layout, p + "self_attn.v_proj.weight", {KV * D, C});
       add_slot(layout, p + "self_attn.o_proj.weight", {C, H * D});
-      add_slot(layout, p + "mlp.gate_proj.weight", {I, C});
-      add_slot(layout, p + "mlp.up_proj.weight", {I, C});
-      add_slot(layout, p + "mlp.down_proj.weight", {C, I});
+      if (c.layer_is_sparse(unit.layer)) {
+        add_expert_slots(layout, c, p);
+      } else {
+        add_slot(layout, p + "mlp.gate_proj.weight", {I, C});
+        add_slot(layout, p + "mlp.up_proj.weight", {I, C});
+        add_slot(layout, p + "mlp.down_proj.weight", {C, I});
+      }
       add_slot(layout, p + "input_layernorm.weight", {C});
       add_slot(layout, p + "post_attention_layernorm.weight", {C});
       // The families' extras follow, so a Llama layer's layout is the same as ever.
@@ -150,10 +196,26 @@ UnitWorkspace::UnitWorkspace(const ModelConfig& c, int64_t B, int64_t T) : B_(B)
   x2.resize(N * C);
   xn2.resize(N * C);
   rstd2.resize(N);
-  gate_up.resize(N * 2 * I);
-  mlp.resize(N * I);
-  d_mlp.resize(N * I);
-  d_gate_up.resize(N * 2 * I);
+  // A mixture whose layers are all sparse has no dense MLP to hold.
+  const int64_t dense_rows = c.sparse_layer_count() < c.num_hidden_layers ? N : 0;
+  gate_up.resize(dense_rows * 2 * I);
+  mlp.resize(dense_rows * I);
+  d_mlp.resize(dense_rows * I);
+  d_gate_up.resize(dense_rows * 2 * I);
+  if (c.sparse_layer_count() > 0) {
+    const int64_t E = c.num_experts, K = c.num_experts_per_tok, IE = c.moe_intermediate_size;
+    router_probs.resize(N * E);
+    d_router.resize(N * E);
+    top_expert.resize(N * K);
+    row_of.resize(N * K);
+    top_weight.resize(N * K);
+    d_top_weight.resize(N * K);
+    expert_begin.resize(E + 1);
+    row_token.resize(N * K);
+    for (auto* rows_c : {&moe_x, &moe_y, &d_moe_x}) rows_c->resize(N * K * C);
+    for (auto* rows_2i : {&moe_gate_up, &d_moe_gate_up}) rows_2i->resize(N * K * 2 * IE);
+    for (auto* rows_i : {&moe_act, &d_moe_act}) rows_i->resize(N * K * IE);
+  }
   d_xn.resize(N * C);
   d_attn.resize(N * H * D);
   d_qkv.resize(N * QKV);
@@ -178,12 +240,20 @@ int64_t UnitWorkspace::bytes_for(const ModelConfig& c, int64_t B, int64_t T) {
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, V = c.vocab_size;
   const int64_t QKV = (H + 2 * KV) * D;
   const int64_t head_rows = std::clamp<int64_t>(kHeadLogitElements / std::max<int64_t>(V, 1), 1, N);
-  const int64_t floats = T * D                             // rope cos, sin
-                         + 4 * N * C + 2 * N               // xn1, x2, xn2, d_xn; rstd1, rstd2
-                         + 2 * N * QKV + 2 * N * H * D     // qkv, d_qkv; attn, d_attn
-                         + B * H * T * T + T * T           // probs, d_scores
-                         + 2 * N * 2 * I + 2 * N * I       // gate_up, d_gate_up; mlp, d_mlp
-                         + N * C + N + head_rows * V + N;  // head_xn, head_rstd, logits, losses
+  const int64_t dense_rows = c.sparse_layer_count() < c.num_hidden_layers ? N : 0;
+  const int64_t E = c.num_experts, K = c.num_experts_per_tok, IE = c.moe_intermediate_size;
+  const int64_t moe_floats =
+      c.sparse_layer_count() == 0
+          ? 0
+          : 2 * N * E + 5 * N * K + (E + 1) * 2  // router probs, d; top k, rows; begins
+                + N * K * (3 * C + 4 * IE + 2 * IE);  // moe_x, y, d_x; gate_up, d; act, d
+  const int64_t floats = T * D                                      // rope cos, sin
+                         + 4 * N * C + 2 * N                        // xn1, x2, xn2, d_xn; rstd1, 2
+                         + 2 * N * QKV + 2 * N * H * D              // qkv, d_qkv; attn, d_attn
+                         + B * H * T * T + T * T                    // probs, d_scores
+                         + 2 * dense_rows * 2 * I + 2 * dense_rows * I  // gate_up, d; mlp, d
+                         + N * C + N + head_rows * V + N  // head_xn, head_rstd, logits, losses
+                         + moe_floats;
   const int64_t qk_norm_floats = c.qk_norm ? N * (H + KV) * D +
                                                  N * (H + KV)  // q_raw, k_raw; q_rstd, k_rstd
                                                  + 2 * N * std::max(H, KV) * D  // heads, d_heads
@@ -242,27 +312,33 @@ struct UnitKernels {
   struct LayerWeights {
     T* qkv;        // (QKV, C): q_proj, k_proj, v_proj stacked
     T* o;          // (C, H D)
-    T* gate_up;    // (2 I, C): gate_proj, up_proj stacked
-    T* down;       // (C, I)
+    T* gate_up;    // (2 I, C): gate_proj, up_proj stacked; null in a sparse layer
+    T* down;       // (C, I); null in a sparse layer
     T* norm_in;    // (C)
     T* norm_post;  // (C)
     T* qkv_bias;   // (QKV): q_proj, k_proj, v_proj biases stacked; null without
     T* q_norm;     // (D); null without
     T* k_norm;     // (D); null without
+    T* router;     // (E, C) in a sparse layer; null otherwise
+    T* experts;    // expert e's gate and up (2 I, C) at e * 3 I C, its down (C, I) after them
   };
   template <typename T>
   static LayerWeights<T> layer_weights(const ModelConfig& c, const UnitLayout& layout, T* flat) {
     const auto& t = layout.tensors;  // order fixed by model_layout
-    const size_t extra = c.qkv_bias ? 12 : 9;  // the q/k norms follow the biases
+    const bool sparse = c.layer_is_sparse(layout.unit.layer);
+    const size_t norms = sparse ? size_t(5 + 3 * c.num_experts) : 7;
+    const size_t extra = norms + (c.qkv_bias ? 5 : 2);  // the q/k norms follow the biases
     return {flat + t[0].offset,
             flat + t[3].offset,
-            flat + t[4].offset,
-            flat + t[6].offset,
-            flat + t[7].offset,
-            flat + t[8].offset,
-            c.qkv_bias ? flat + t[9].offset : nullptr,
+            sparse ? nullptr : flat + t[4].offset,
+            sparse ? nullptr : flat + t[6].offset,
+            flat + t[norms].offset,
+            flat + t[norms + 1].offset,
+            c.qkv_bias ? flat + t[norms + 2].offset : nullptr,
             c.qk_norm ? flat + t[extra].offset : nullptr,
-            c.qk_norm ? flat + t[extra + 1].offset : nullptr};
+            c.qk_norm ? flat + t[extra + 1].offset : nullptr,
+            sparse ? flat + t[4].offset : nullptr,
+            sparse ? flat + t[5].offset : nullptr};
   }
 
   // Qwen3's RMSNorm over each head of q and k, in place in the qkv rows; keeps
@@ -323,6 +399,12 @@ struct UnitKernels {
     std::copy(x, x + N * C, ws.x2.data());
     cpu::matmul_forward(ws.x2.data(), ws.attn.data(), w.o, N, H * D, C, /*accumulate=*/true);
     cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), ws.x2.data(), w.norm_post, N, C, eps);
+    if (w.router != nullptr) {
+      moe_route(c, w, ws);
+      moe_experts_forward(c, w, ws);
+      if (out != nullptr) moe_combine(c, ws, out);
+      return;
+    }
     cpu::matmul_forward(ws.gate_up.data(), ws.xn2.data(), w.gate_up, N, C, 2 * I);
     cpu::swiglu_forward(ws.mlp.data(), ws.gate_up.data(), N, I);
     if (out == nullptr) return;  // recomputation for the backward stops here
@@ -330,9 +412,179 @@ struct UnitKernels {
     cpu::matmul_forward(out, ws.mlp.data(), w.down, N, I, C, /*accumulate=*/true);
   }
 
+  // --- mixture of experts (core/model/model.h) ---------------------------------
+
+  // The router: probabilities (N, E), each token's top k experts by
+  // probability (ties to the lower index) and weights, and the routed rows
+  // grouped by expert (by token within an expert).
+  static void moe_route(const ModelConfig& c, const LayerWeights<const float>& w,
+                        UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, E = c.num_experts;
+    const int64_t K = c.num_experts_per_tok;
+    float* probs = ws.router_probs.data();
+    cpu::matmul_forward(probs, ws.xn2.data(), w.router, N, C, E);
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 64), [&](const auto& range) {
+      for (int64_t n = range.begin(); n < range.end(); ++n) {
+        float* p = probs + n * E;
+        const float top = *std::max_element(p, p + E);
+        double sum = 0.0;
+        for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
+        for (int64_t e = 0; e < E; ++e) p[e] = float(p[e] / sum);
+        int32_t* chosen = ws.top_expert.data() + n * K;
+        float* weight = ws.top_weight.data() + n * K;
+        for (int64_t k = 0; k < K; ++k) {  // the k-th largest of the ones not chosen yet
+          int64_t best = -1;
+          for (int64_t e = 0; e < E; ++e) {
+            if (std::find(chosen, chosen + k, int32_t(e)) != chosen + k) continue;
+            if (best < 0 || p[e] > p[best]) best = e;
+          }
+          chosen[k] = int32_t(best);
+          weight[k] = p[best];
+        }
+        if (c.norm_topk_prob) {
+          float total = 0.0f;
+          for (int64_t k = 0; k < K; ++k) total += weight[k];
+          for (int64_t k = 0; k < K; ++k) weight[k] /= total;
+        }
+      }
+    });
+    std::fill(ws.expert_begin.begin(), ws.expert_begin.end(), 0);
+    for (int64_t i = 0; i < N * K; ++i) ++ws.expert_begin[size_t(ws.top_expert[i]) + 1];
+    for (int64_t e = 0; e < E; ++e) ws.expert_begin[e + 1] += ws.expert_begin[e];
+    std::vector<int64_t> next(ws.expert_begin.begin(), ws.expert_begin.end() - 1);
+    for (int64_t i = 0; i < N * K; ++i) {
+      const int64_t row = next[size_t(ws.top_expert[i])]++;
+      ws.row_of[i] = int32_t(row);
+      ws.row_token[row] = int32_t(i / K);
+    }
+  }
+
+  // Each expert over its rows: moe_x (the rows' inputs), gate_up, SwiGLU, y.
+  static void moe_experts_forward(const ModelConfig& c, const LayerWeights<const float>& w,
+                                  UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.moe_intermediate_size;
+    const int64_t rows = N * c.num_experts_per_tok;
+    tbb::parallel_for(int64_t(0), rows, [&](int64_t r) {
+      const float* x = ws.xn2.data() + int64_t(ws.row_token[r]) * C;
+      std::copy(x, x + C, ws.moe_x.data() + r * C);
+    });
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      const int64_t r0 = ws.expert_begin[e], n = ws.expert_begin[e + 1] - r0;
+      if (n == 0) continue;
+      const float* gate_up = w.experts + e * 3 * I * C;
+      cpu::matmul_forward(ws.moe_gate_up.data() + r0 * 2 * I, ws.moe_x.data() + r0 * C, gate_up, n,
+                          C, 2 * I);
+      cpu::swiglu_forward(ws.moe_act.data() + r0 * I, ws.moe_gate_up.data() + r0 * 2 * I, n, I);
+      cpu::matmul_forward(ws.moe_y.data() + r0 * C, ws.moe_act.data() + r0 * I,
+                          gate_up + 2 * I * C, n, I, C);
+    }
+  }
+
+  // A token's k slots in the order of their experts' indices.
+  static void slots_by_expert(const UnitWorkspace& ws, int64_t n, int64_t K, int64_t* order) {
+    for (int64_t k = 0; k < K; ++k) order[k] = k;
+    const int32_t* chosen = ws.top_expert.data() + n * K;
+    std::sort(order, order + K, [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+  }
+
+  // out = x2 + each token's weighted expert outputs, added in expert order.
+  static void moe_combine(const ModelConfig& c, const UnitWorkspace& ws, float* out) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, K = c.num_experts_per_tok;
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
+      std::vector<int64_t> order(static_cast<size_t>(K));
+      std::vector<float> sum(static_cast<size_t>(C));
+      for (int64_t n = range.begin(); n < range.end(); ++n) {
+        slots_by_expert(ws, n, K, order.data());
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int64_t k : order) {
+          const float weight = ws.top_weight[n * K + k];
+          const float* y = ws.moe_y.data() + int64_t(ws.row_of[n * K + k]) * C;
+          for (int64_t i = 0; i < C; ++i) sum[i] += weight * y[i];
+        }
+        for (int64_t i = 0; i < C; ++i) out[n * C + i] = ws.x2[n * C + i] + sum[i];
+      }
+    });
+  }
+
+  // Backward of the experts and the router: d_xn = d(xn2) from dout (N, C);
+  // aux_grad (E): d(objective)/d(each router probability) of the
+  // load-balancing loss, or null.
+  static void moe_backward(const ModelConfig& c, const LayerWeights<const float>& w,
+                           const LayerWeights<float>& g, const float* dout, const float* aux_grad,
+                           UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.moe_intermediate_size;
+    const int64_t E = c.num_experts, K = c.num_experts_per_tok;
+    // d(weight) = dout . y; then y's rows become their gradient, weight * dout.
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
+      for (int64_t n = range.begin(); n < range.end(); ++n) {
+        for (int64_t k = 0; k < K; ++k) {
+          float* y = ws.moe_y.data() + int64_t(ws.row_of[n * K + k]) * C;
+          const float weight = ws.top_weight[n * K + k];
+          double dot = 0.0;
+          for (int64_t i = 0; i < C; ++i) {
+            dot += double(dout[n * C + i]) * y[i];
+            y[i] = weight * dout[n * C + i];
+          }
+          ws.d_top_weight[n * K + k] = float(dot);
+        }
+      }
+    });
+    std::fill(ws.d_moe_act.begin(), ws.d_moe_act.end(), 0.0f);
+    std::fill(ws.d_moe_x.begin(), ws.d_moe_x.end(), 0.0f);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = ws.expert_begin[e], n = ws.expert_begin[e + 1] - r0;
+      if (n == 0) continue;  // its gradient stays as it was: zero from this micro-batch
+      const float* gate_up = w.experts + e * 3 * I * C;
+      float* d_gate_up = g.experts + e * 3 * I * C;
+      cpu::matmul_backward(ws.d_moe_act.data() + r0 * I, d_gate_up + 2 * I * C,
+                           ws.moe_y.data() + r0 * C, ws.moe_act.data() + r0 * I,
+                           gate_up + 2 * I * C, n, I, C);
+      cpu::swiglu_backward(ws.d_moe_gate_up.data() + r0 * 2 * I, ws.d_moe_act.data() + r0 * I,
+                           ws.moe_gate_up.data() + r0 * 2 * I, n, I);
+      cpu::matmul_backward(ws.d_moe_x.data() + r0 * C, d_gate_up, ws.d_moe_gate_up.data() + r0 * 2 * I,
+                           ws.moe_x.data() + r0 * C, gate_up, n, C, 2 * I);
+    }
+    // The router: through the weights (renormalised or not) and the
+    // load-balancing loss to the probabilities, then the softmax.
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
+      std::vector<int64_t> order(static_cast<size_t>(K));
+      for (int64_t n = range.begin(); n < range.end(); ++n) {
+        const float* p = ws.router_probs.data() + n * E;
+        float* dp = ws.d_router.data() + n * E;
+        for (int64_t e = 0; e < E; ++e) dp[e] = aux_grad != nullptr ? aux_grad[e] : 0.0f;
+        const float* weight = ws.top_weight.data() + n * K;
+        const float* dw = ws.d_top_weight.data() + n * K;
+        const int32_t* chosen = ws.top_expert.data() + n * K;
+        if (c.norm_topk_prob) {  // weight_k = p_k / S: d p_k = (dw_k - sum_j dw_j weight_j) / S
+          float total = 0.0f, dot = 0.0f;
+          for (int64_t k = 0; k < K; ++k) {
+            total += p[chosen[k]];
+            dot += dw[k] * weight[k];
+          }
+          for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += (dw[k] - dot) / total;
+        } else {
+          for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += dw[k];
+        }
+        double dot = 0.0;
+        for (int64_t e = 0; e < E; ++e) dot += double(p[e]) * dp[e];
+        for (int64_t e = 0; e < E; ++e) dp[e] = p[e] * (dp[e] - float(dot));
+        // d(xn2) of the token: its rows' input gradients, in expert order.
+        slots_by_expert(ws, n, K, order.data());
+        float* dxn = ws.d_xn.data() + n * C;
+        std::fill(dxn, dxn + C, 0.0f);
+        for (int64_t k : order) {
+          const float* dxr = ws.d_moe_x.data() + int64_t(ws.row_of[n * K + k]) * C;
+          for (int64_t i = 0; i < C; ++i) dxn[i] += dxr[i];
+        }
+      }
+    });
+    cpu::matmul_backward(ws.d_xn.data(), g.router, ws.d_router.data(), ws.xn2.data(), w.router, N,
+                         C, E);
+  }
+
   static void layer_backward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
                              float* grad_flat, const float* x, const float* dout, float* dx,
-                             bool recompute, UnitWorkspace& ws) {
+                             bool recompute, const float* aux_grad, UnitWorkspace& ws) {
     const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size, I = c.intermediate_size;
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
     const cpu::AttentionShape s = layer_attention_shape(c, B, T);
@@ -344,13 +596,17 @@ struct UnitKernels {
 
     // dx starts as the residual gradient; each branch adds into it.
     if (dx != dout) std::copy(dout, dout + N * C, dx);
-    // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))).
-    std::fill(ws.d_mlp.begin(), ws.d_mlp.end(), 0.0f);
-    cpu::matmul_backward(ws.d_mlp.data(), g.down, dout, ws.mlp.data(), w.down, N, I, C);
-    cpu::swiglu_backward(ws.d_gate_up.data(), ws.d_mlp.data(), ws.gate_up.data(), N, I);
-    std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
-    cpu::matmul_backward(ws.d_xn.data(), g.gate_up, ws.d_gate_up.data(), ws.xn2.data(), w.gate_up,
-                         N, C, 2 * I);
+    // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))), or the experts'.
+    if (w.router != nullptr) {
+      moe_backward(c, w, g, dout, aux_grad, ws);
+    } else {
+      std::fill(ws.d_mlp.begin(), ws.d_mlp.end(), 0.0f);
+      cpu::matmul_backward(ws.d_mlp.data(), g.down, dout, ws.mlp.data(), w.down, N, I, C);
+      cpu::swiglu_backward(ws.d_gate_up.data(), ws.d_mlp.data(), ws.gate_up.data(), N, I);
+      std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
+      cpu::matmul_backward(ws.d_xn.data(), g.gate_up, ws.d_gate_up.data(), ws.xn2.data(),
+                           w.gate_up, N, C, 2 * I);
+    }
     cpu::rmsnorm_backward(dx, g.norm_post, ws.d_xn.data(), ws.x2.data(), w.norm_post,
                           ws.rstd2.data(), N, C);
     // dx now holds d(x2). Attention branch: x2 = x + o(attention(rope(qkv(norm_in(x))))).
@@ -367,6 +623,18 @@ struct UnitKernels {
     std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
     cpu::matmul_backward(ws.d_xn.data(), g.qkv, dq, ws.xn1.data(), w.qkv, N, C, QKV);
     cpu::rmsnorm_backward(dx, g.norm_in, ws.d_xn.data(), x, w.norm_in, ws.rstd1.data(), N, C);
+  }
+
+  // A sparse layer's forward adds its tokens to the micro-batch's statistics.
+  static void add_router_stats(const ModelConfig& c, const UnitWorkspace& ws, RouterStats& stats) {
+    const int64_t N = ws.B_ * ws.T_, E = c.num_experts;
+    for (int64_t e = 0; e < E; ++e) {
+      stats.assigned[size_t(e)] += double(ws.expert_begin[e + 1] - ws.expert_begin[e]);
+      double sum = 0.0;
+      for (int64_t n = 0; n < N; ++n) sum += ws.router_probs[n * E + e];
+      stats.prob_sum[size_t(e)] += sum;
+    }
+    stats.rows += double(N);
   }
 
   // The head over rows [begin, begin + rows): logits into ws.logits.
@@ -437,9 +705,12 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
   switch (layout.unit.kind) {
     case UnitKind::embedding:
       cpu::embedding_forward(output, batch.tokens, params.flat, N, c.hidden_size);
+      if (batch.router != nullptr) batch.router->reset(c.num_experts);
       return 0.0;
     case UnitKind::decoder_layer:
       UnitKernels::layer_forward(c, layout, params.flat, input, output, ws);
+      if (batch.router != nullptr && c.layer_is_sparse(layout.unit.layer))
+        UnitKernels::add_router_stats(c, ws, *batch.router);
       return 0.0;
     case UnitKind::head: {
       const float* lm_head =
@@ -460,10 +731,19 @@ void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params
     case UnitKind::embedding:
       cpu::embedding_backward(grads.flat, doutput, batch.tokens, N, c.hidden_size);
       return;
-    case UnitKind::decoder_layer:
+    case UnitKind::decoder_layer: {
+      // The load-balancing loss's gradient to each probability: scale E a_e / R^2.
+      std::vector<float> aux_grad;
+      if (batch.router != nullptr && batch.aux_loss_scale != 0.0f && batch.router->rows > 0) {
+        const RouterStats& stats = *batch.router;
+        for (double a : stats.assigned)
+          aux_grad.push_back(float(double(batch.aux_loss_scale) * double(c.num_experts) * a /
+                                   (stats.rows * stats.rows)));
+      }
       UnitKernels::layer_backward(c, layout, params.flat, grads.flat, input, doutput, dinput,
-                                  recompute, ws);
+                                  recompute, aux_grad.empty() ? nullptr : aux_grad.data(), ws);
       return;
+    }
     case UnitKind::head:
       head_forward_backward(model, params, batch, input, dinput, grads, ws);
       return;
@@ -604,16 +884,22 @@ double forward_all(const HostModel& model, const UnitBatch& batch, UnitWorkspace
 
 }  // namespace
 
-Result<double> model_forward(const HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
+Result<double> model_forward(const HostModel& model, const UnitBatch& given, UnitWorkspace& ws,
                              float* logits) {
-  if (Status s = check_batch(model, batch, ws); !s) return s;
+  if (Status s = check_batch(model, given, ws); !s) return s;
+  RouterStats own;
+  UnitBatch batch = given;
+  if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
   std::vector<std::vector<float>> inputs;
   return forward_all(model, batch, ws, inputs, logits);
 }
 
-Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
+Result<double> model_forward_backward(HostModel& model, const UnitBatch& given, UnitWorkspace& ws,
                                       float* logits) {
-  if (Status s = check_batch(model, batch, ws); !s) return s;
+  if (Status s = check_batch(model, given, ws); !s) return s;
+  RouterStats own;
+  UnitBatch batch = given;
+  if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
   if (batch.targets == nullptr) return Status::error("model_forward_backward needs targets");
   const ModelLayout& layout = model.layout;
   const int64_t units = static_cast<int64_t>(layout.units.size());
@@ -643,7 +929,12 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, 
 Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
                             int64_t u, float* flat) {
   for (const TensorSlot& slot : layout.units[u].tensors) {
-    if (Status s = checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset); !s) return s;
+    const bool fused = !slot.fused_name.empty() && checkpoint.find(slot.name) == nullptr &&
+                       checkpoint.find(slot.fused_name) != nullptr;
+    Status s = fused ? checkpoint.read_f32(slot.fused_name, slot.fused_shape, flat + slot.offset,
+                                           slot.fused_first, slot.numel)
+                     : checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset);
+    if (!s) return s;
   }
   return Status::ok();
 }

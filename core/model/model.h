@@ -12,6 +12,22 @@
 // then the q and k norms (qwen3; applied to each head before RoPE). A tied lm_head is the
 // embedding unit's tensor: the head unit reads it through
 // UnitParams::tied_embedding and adds into UnitGrads::tied_embedding.
+// A sparse layer (mixture of experts) stores q, k, v, o, the router (E, C),
+// then each expert's gate, up and down together (expert j's gate and up run
+// as one product), then the norms and the extras, under the released
+// checkpoints' names (mixtral: block_sparse_moe.gate, experts.j.w1 / w3 / w2;
+// qwen3_moe: mlp.gate, mlp.experts.j.gate_proj / up_proj / down_proj).
+//
+// Mixture of experts. A sparse layer's router takes softmax(x W_r^T) in fp32,
+// each token its top k experts (ties to the lower index) with those
+// probabilities as weights, renormalised to sum to one when norm_topk_prob;
+// the layer's MLP output is the weighted sum of the k experts' SwiGLU outputs
+// in the order of the experts' indices. The load-balancing loss of a
+// micro-batch is transformers' load_balancing_loss_func over its sparse
+// layers: E sum_e (a_e / R) (P_e / R), with a_e the token-expert assignments
+// and P_e the router probabilities summed over the tokens of every sparse
+// layer and R the tokens times the sparse layers; its gradient reaches each
+// router through P_e (a_e counts, which have none).
 //
 // Computation. unit_forward and unit_backward take a unit's gathered flat
 // parameters, so an engine can gather and release units one at a time. Only a
@@ -44,6 +60,13 @@ struct TensorSlot {
   std::vector<int64_t> shape;  // Hugging Face shape, [out, in] for projections
   int64_t numel = 0;
   bool weight_decay = false;  // 2-D tensors decay; norm weights do not (core/optimizer/optimizer.h)
+  // An expert's tensor also reads from the layout transformers 5 keeps in
+  // memory and may save: elements [fused_first, fused_first + numel) of
+  // `fused_name` of `fused_shape` (mlp.experts.gate_up_proj (E, 2 I, C),
+  // mlp.experts.down_proj (E, C, I), mixtral's router as mlp.gate.weight).
+  std::string fused_name;
+  std::vector<int64_t> fused_shape;
+  int64_t fused_first = 0;
 };
 
 struct UnitLayout {
@@ -93,6 +116,17 @@ struct UnitGrads {
       nullptr;  // head of a tied model: (V, C) of the embedding unit's grads, +=
 };
 
+// The load-balancing statistics of one micro-batch (mixture of experts),
+// gathered by its sparse layers' forwards: each adds its tokens.
+struct RouterStats {
+  std::vector<double> assigned;  // (E) token-expert assignments over the sparse layers
+  std::vector<double> prob_sum;  // (E) router probabilities summed over tokens and layers
+  double rows = 0;               // tokens times sparse layers forwarded
+  void reset(int64_t experts);
+  // E sum_e (assigned_e / rows) (prob_sum_e / rows); 0 before any sparse layer.
+  double aux_loss() const;
+};
+
 // One micro-batch: B sequences of T tokens.
 struct UnitBatch {
   const int32_t* tokens = nullptr;   // (B, T), inputs of the embedding unit, in [0, V)
@@ -102,6 +136,16 @@ struct UnitBatch {
   // Head backward: d(objective)/d(each token's loss); 1 / (tokens in the global batch)
   // for the mean loss over the global batch (core/README.md, model).
   float loss_scale = 1.0f;
+  // Mixture of experts: the micro-batch's router statistics. The embedding's
+  // forward resets them, each sparse layer's forward adds to them, each
+  // sparse layer's backward reads them (every forward of a micro-batch runs
+  // before its first backward, in both schedules). Null: the forwards gather
+  // nothing and the backwards take no load-balancing gradient.
+  RouterStats* router = nullptr;
+  // d(objective)/d(this micro-batch's load-balancing loss): the coefficient
+  // over the micro-batches of the global batch (times the fp16 loss scale)
+  // when the loss includes it (output_router_logits), else 0.
+  float aux_loss_scale = 0.0f;
 };
 
 // Scratch for the forward and backward of any unit at one (B, T).
@@ -134,6 +178,18 @@ class UnitWorkspace {
   std::vector<float> heads, d_heads;  // (N * max(H, KV), D)
   // Head: its own norm output (so a layer's activations survive it), logits of a
   // block of rows, the per-token losses.
+  // Sparse layers (N K routed rows, grouped by expert): the router's logits,
+  // then probabilities, and their gradient (N, E); each token's k experts and
+  // weights and their gradient (N, K); the routed rows' expert, by expert, and
+  // where each expert's rows begin (E + 1); the rows' inputs, gate_up,
+  // SwiGLU outputs and expert outputs (then their weighted gradient), and the
+  // inputs' and gate_up's gradients.
+  std::vector<float> router_probs, d_router;
+  std::vector<int32_t> top_expert, row_of;  // (N, K): expert; (N, K): routed row of (n, k)
+  std::vector<float> top_weight, d_top_weight;
+  std::vector<int64_t> expert_begin;  // (E + 1)
+  std::vector<int32_t> row_token;     // (N K): the token of each routed row
+  std::vector<float> moe_x, moe_gate_up, moe_act, moe_y, d_moe_x, d_moe_gate_up, d_moe_act;
   std::vector<float> head_xn, head_rstd;  // (N, C), (N)
   std::vector<float> logits;              // (head_rows, V)
   std::vector<float> losses;              // (N)
@@ -201,6 +257,9 @@ Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t co
 // Forward and backward of every unit over one micro-batch, keeping only unit
 // inputs between the two. Gradients accumulate (+=) into model.grads. Returns
 // the sum of token losses; `logits` (B, T, V) is filled when not null.
+// A mixture of experts gathers its router statistics into batch.router, or
+// into its own when that is null; the load-balancing gradient follows
+// batch.aux_loss_scale.
 Result<double> model_forward_backward(HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
                                       float* logits = nullptr);
 // Forward only: the sum of token losses (and the logits when not null).
@@ -209,7 +268,8 @@ Result<double> model_forward(const HostModel& model, const UnitBatch& batch, Uni
 
 // Loads the tensors of unit `u` into its flat buffer (padding left untouched),
 // so an engine can load a checkpoint one unit at a time. A tied head reads
-// nothing beyond model.norm.weight.
+// nothing beyond model.norm.weight. Experts read from the released names or,
+// when those are absent, transformers 5's fused tensors (TensorSlot::fused_name).
 Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
                             int64_t u, float* flat);
 

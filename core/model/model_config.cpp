@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -116,6 +117,28 @@ const std::vector<Preset>& presets() {
                  mistral(make(32000, 4096, 14336, 32, 32, 8, 32768, 10000.0, false), 4096)});
     p.push_back({"mistral-7b-v0.3", "Mistral 7B v0.3",
                  mistral(make(32768, 4096, 14336, 32, 32, 8, 32768, 1000000.0, false), 0)});
+    // Mixtures of experts: each sparse layer's MLP is a router and E experts.
+    ModelConfig mixtral = mistral(make(32000, 4096, 14336, 32, 32, 8, 32768, 1000000.0, false), 0);
+    mixtral.family = ModelFamily::mixtral;
+    mixtral.num_experts = 8;
+    mixtral.num_experts_per_tok = 2;
+    mixtral.moe_intermediate_size = 14336;
+    mixtral.router_aux_loss_coef = 0.02;
+    p.push_back({"mixtral-8x7b", "Mixtral 8x7B (47B, 13B active)", mixtral});
+    auto qwen3_moe = [&](ModelConfig c, int64_t expert_intermediate) {
+      c = qwen3(c);
+      c.family = ModelFamily::qwen3_moe;
+      c.num_experts = 128;
+      c.num_experts_per_tok = 8;
+      c.moe_intermediate_size = expert_intermediate;
+      c.norm_topk_prob = true;
+      c.router_aux_loss_coef = 0.001;
+      return c;
+    };
+    p.push_back({"qwen3-30b-a3b", "Qwen3 30B-A3B (128 experts, 8 active)",
+                 qwen3_moe(make(151936, 2048, 6144, 48, 32, 4, 40960, 1000000.0, false), 768)});
+    p.push_back({"qwen3-235b-a22b", "Qwen3 235B-A22B (128 experts, 8 active)",
+                 qwen3_moe(make(151936, 4096, 12288, 94, 64, 4, 40960, 1000000.0, false), 1536)});
     for (auto& preset : p) preset.config.name = preset.name;
     return p;
   }();
@@ -134,6 +157,10 @@ const char* model_family_name(ModelFamily family) {
       return "qwen3";
     case ModelFamily::mistral:
       return "mistral";
+    case ModelFamily::mixtral:
+      return "mixtral";
+    case ModelFamily::qwen3_moe:
+      return "qwen3_moe";
   }
   return "llama";
 }
@@ -148,19 +175,51 @@ const char* model_family_architecture(ModelFamily family) {
       return "Qwen3ForCausalLM";
     case ModelFamily::mistral:
       return "MistralForCausalLM";
+    case ModelFamily::mixtral:
+      return "MixtralForCausalLM";
+    case ModelFamily::qwen3_moe:
+      return "Qwen3MoeForCausalLM";
   }
   return "LlamaForCausalLM";
 }
 
-int64_t ModelConfig::layer_parameter_count() const {
-  const int64_t q = hidden_size * num_attention_heads * head_dim;
-  const int64_t kv = 2 * hidden_size * num_key_value_heads * head_dim;
-  const int64_t o = num_attention_heads * head_dim * hidden_size;
-  const int64_t mlp = 3 * hidden_size * intermediate_size;
-  const int64_t norms = 2 * hidden_size;
-  const int64_t biases = qkv_bias ? (num_attention_heads + 2 * num_key_value_heads) * head_dim : 0;
-  const int64_t qk_norms = qk_norm ? 2 * head_dim : 0;
+bool ModelConfig::layer_is_sparse(int64_t layer) const {
+  if (num_experts <= 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
+    return false;
+  return (layer + 1) % std::max<int64_t>(1, decoder_sparse_step) == 0;
+}
+
+int64_t ModelConfig::sparse_layer_count() const {
+  int64_t count = 0;
+  for (int64_t i = 0; i < num_hidden_layers; ++i) count += layer_is_sparse(i) ? 1 : 0;
+  return count;
+}
+
+namespace {
+// A layer's parameters with `experts` of its experts (all of them, or the k a token reads).
+int64_t layer_parameters(const ModelConfig& c, int64_t layer, int64_t experts) {
+  const int64_t q = c.hidden_size * c.num_attention_heads * c.head_dim;
+  const int64_t kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim;
+  const int64_t o = c.num_attention_heads * c.head_dim * c.hidden_size;
+  const int64_t mlp = c.layer_is_sparse(layer) ? c.num_experts * c.hidden_size +
+                                                     experts * 3 * c.hidden_size *
+                                                         c.moe_intermediate_size
+                                               : 3 * c.hidden_size * c.intermediate_size;
+  const int64_t norms = 2 * c.hidden_size;
+  const int64_t biases =
+      c.qkv_bias ? (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim : 0;
+  const int64_t qk_norms = c.qk_norm ? 2 * c.head_dim : 0;
   return q + kv + o + mlp + norms + biases + qk_norms;
+}
+}  // namespace
+
+int64_t ModelConfig::layer_parameter_count(int64_t layer) const {
+  return layer_parameters(*this, layer, num_experts);
+}
+
+int64_t ModelConfig::layer_active_parameter_count(int64_t layer) const {
+  return layer_parameters(*this, layer, num_experts_per_tok);
 }
 
 int64_t ModelConfig::parameter_count() const {
@@ -169,12 +228,19 @@ int64_t ModelConfig::parameter_count() const {
   return total;
 }
 
+int64_t ModelConfig::active_parameter_count() const {
+  int64_t total = parameter_count();
+  for (int64_t i = 0; i < num_hidden_layers; ++i)
+    total -= layer_parameter_count(i) - layer_active_parameter_count(i);
+  return total;
+}
+
 std::vector<UnitShape> model_units(const ModelConfig& config) {
   std::vector<UnitShape> units;
   units.push_back({UnitKind::embedding, -1, "embedding", config.vocab_size * config.hidden_size});
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     units.push_back({UnitKind::decoder_layer, i, fmt::format("layers.{}", i),
-                     config.layer_parameter_count()});
+                     config.layer_parameter_count(i)});
   }
   const int64_t lm_head = config.tie_word_embeddings ? 0 : config.vocab_size * config.hidden_size;
   units.push_back({UnitKind::head, -1, "head", config.hidden_size + lm_head});
@@ -237,6 +303,42 @@ void refuse_if_set(JsonReader& in, const nlohmann::json& json, const std::string
   if (!unset) in.fail(key, why);
 }
 
+// The experts of mixtral (num_local_experts, each of intermediate_size) and
+// qwen3_moe (num_experts of moe_intermediate_size, dense layers by
+// decoder_sparse_step and mlp_only_layers), with transformers' defaults.
+void read_experts(JsonReader& in, const nlohmann::json& json, ModelConfig& c) {
+  const bool mixtral = c.family == ModelFamily::mixtral;
+  c.num_experts = mixtral ? 8 : 128;
+  c.num_experts_per_tok = mixtral ? 2 : 8;
+  c.norm_topk_prob = mixtral;  // Mixtral always renormalises; Qwen3MoeConfig defaults to false
+  in.optional_int(mixtral ? "num_local_experts" : "num_experts", c.num_experts, 1);
+  in.optional_int("num_experts_per_tok", c.num_experts_per_tok, 1, c.num_experts);
+  in.optional_bool("output_router_logits", c.output_router_logits);
+  in.optional_double("router_aux_loss_coef", c.router_aux_loss_coef, 0.0);
+  if (mixtral) {
+    refuse_if_set(in, json, "router_jitter_noise",
+                  "strata's router has no jitter noise (it would make training runs differ); "
+                  "expected 0");
+    return;  // the experts' size is intermediate_size, read with the dense keys
+  }
+  c.moe_intermediate_size = 768;
+  in.optional_int("moe_intermediate_size", c.moe_intermediate_size, 1);
+  in.optional_bool("norm_topk_prob", c.norm_topk_prob);
+  in.optional_int("decoder_sparse_step", c.decoder_sparse_step, 1);
+  if (json.contains("mlp_only_layers") && !json["mlp_only_layers"].is_null()) {
+    const nlohmann::json& layers = json["mlp_only_layers"];
+    bool ok = layers.is_array();
+    for (const nlohmann::json& layer : ok ? layers : nlohmann::json::array()) {
+      ok = ok && layer.is_number_integer() && layer.get<int64_t>() >= 0;
+      if (ok) c.mlp_only_layers.push_back(layer.get<int64_t>());
+    }
+    if (!ok)
+      in.fail("mlp_only_layers", "expected a list of layer indices (integers from 0); got " +
+                                     json_excerpt(layers));
+    in.accept("mlp_only_layers");
+  }
+}
+
 }  // namespace
 
 Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std::string& origin) {
@@ -246,6 +348,23 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   c.name = origin;
   std::string model_type = "llama";
   in.optional_string("model_type", model_type);
+  // Mixtures strata does not compute yet, refused by the field that makes them different.
+  if (model_type == "qwen2_moe") {
+    in.fail("shared_expert_intermediate_size",
+            "shared experts (qwen2_moe) are not built in strata; it trains mixtral and qwen3_moe");
+    return in.status();
+  }
+  if (model_type.starts_with("deepseek")) {
+    in.fail("kv_lora_rank", fmt::format("multi-head latent attention ({}) is not built in strata; "
+                                        "it trains mixtral and qwen3_moe",
+                                        model_type));
+    return in.status();
+  }
+  if (model_type == "gpt_oss") {
+    in.fail("model_type",
+            "gpt_oss's attention sinks are not built in strata; it trains mixtral and qwen3_moe");
+    return in.status();
+  }
   if (model_type == "llama") {
     c.family = ModelFamily::llama;
   } else if (model_type == "qwen2") {
@@ -254,18 +373,29 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
     c.family = ModelFamily::qwen3;
   } else if (model_type == "mistral") {
     c.family = ModelFamily::mistral;
+  } else if (model_type == "mixtral") {
+    c.family = ModelFamily::mixtral;
+  } else if (model_type == "qwen3_moe") {
+    c.family = ModelFamily::qwen3_moe;
   } else {
-    in.fail("model_type", fmt::format("strata trains the families llama, qwen2, qwen3 and mistral "
-                                      "(dense); got '{}'",
+    in.fail("model_type", fmt::format("strata trains the families llama, qwen2, qwen3, mistral, "
+                                      "mixtral and qwen3_moe; got '{}'",
                                       model_type));
     return in.status();
   }
   const std::string family = model_family_name(c.family);
-  // Mixture-of-experts configs (qwen2_moe, qwen3_moe, mixtral and the like) carry these.
-  for (const char* key :
-       {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
-        "moe_intermediate_size", "shared_expert_intermediate_size"}) {
-    refuse_if_set(in, json, key, "mixture of experts: strata trains dense models only");
+  if (c.family == ModelFamily::mixtral || c.family == ModelFamily::qwen3_moe) {
+    read_experts(in, json, c);
+  } else {
+    // Mixture-of-experts keys in a dense family's config ask for what it does not compute.
+    for (const char* key :
+         {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+          "moe_intermediate_size", "shared_expert_intermediate_size"}) {
+      refuse_if_set(in, json, key,
+                    fmt::format("mixture of experts in a {} config; strata's mixtures are the "
+                                "families mixtral and qwen3_moe",
+                                family));
+    }
   }
   in.required_int("vocab_size", c.vocab_size, 1);
   in.required_int("hidden_size", c.hidden_size, 1);
@@ -276,13 +406,15 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
   in.optional_int("num_key_value_heads", c.num_key_value_heads, 1);
   // transformers' defaults per family: Qwen3Config's head_dim is 128, the others
   // derive it; LlamaConfig's eps is 1e-6 like the others', its context 2048.
+  if (c.family == ModelFamily::mixtral) c.moe_intermediate_size = c.intermediate_size;
   c.head_dim = c.family == ModelFamily::qwen3 ? 128
                : c.num_attention_heads > 0    ? c.hidden_size / c.num_attention_heads
                                               : 0;
   in.optional_int("head_dim", c.head_dim, 1);
-  c.max_position_embeddings = c.family == ModelFamily::llama     ? 2048
-                              : c.family == ModelFamily::mistral ? 4096 * 32
-                                                                 : 32768;
+  const bool mistral_like = c.family == ModelFamily::mistral || c.family == ModelFamily::mixtral;
+  c.max_position_embeddings = c.family == ModelFamily::llama ? 2048
+                              : mistral_like                 ? 4096 * 32
+                                                             : 32768;
   in.optional_int("max_position_embeddings", c.max_position_embeddings, 1);
   c.rms_norm_eps = 1e-6;
   in.optional_double("rms_norm_eps", c.rms_norm_eps, 0.0);
@@ -304,15 +436,16 @@ Result<ModelConfig> model_config_from_json(const nlohmann::json& json, const std
                   fmt::format("strata's {} has no attention biases; expected false", family));
   }
   refuse_if_set(in, json, "use_mrope", "multimodal rotary embeddings: strata computes 1-D RoPE");
-  c.qk_norm = c.family == ModelFamily::qwen3;
-  if (c.family == ModelFamily::qwen2 || c.family == ModelFamily::qwen3) {
+  c.qk_norm = c.family == ModelFamily::qwen3 || c.family == ModelFamily::qwen3_moe;
+  if (c.family == ModelFamily::qwen2 || c.family == ModelFamily::qwen3 ||
+      c.family == ModelFamily::qwen3_moe) {
     // sliding_window only counts with use_sliding_window, which strata does not compute.
     refuse_if_set(
         in, json, "use_sliding_window",
         fmt::format("strata's {} has full attention in every layer; expected false", family));
     in.accept("sliding_window");
     in.accept("max_window_layers");
-  } else if (c.family == ModelFamily::mistral) {
+  } else if (mistral_like) {
     in.optional_int("sliding_window", c.sliding_window, 1);
   } else {
     refuse_if_set(in, json, "sliding_window",
@@ -384,17 +517,34 @@ nlohmann::json model_config_to_json(const ModelConfig& c) {
       break;
     case ModelFamily::qwen2:
     case ModelFamily::qwen3:
-      if (c.family == ModelFamily::qwen3) j["attention_bias"] = false;
+    case ModelFamily::qwen3_moe:
+      if (c.family != ModelFamily::qwen2) j["attention_bias"] = false;
       j["use_sliding_window"] = false;
       j["sliding_window"] = nullptr;
       break;
     case ModelFamily::mistral:
+    case ModelFamily::mixtral:
       if (c.sliding_window > 0) {
         j["sliding_window"] = c.sliding_window;
       } else {
         j["sliding_window"] = nullptr;
       }
       break;
+  }
+  if (c.family == ModelFamily::mixtral) {
+    j["num_local_experts"] = c.num_experts;
+    j["router_jitter_noise"] = 0.0;
+  } else if (c.family == ModelFamily::qwen3_moe) {
+    j["num_experts"] = c.num_experts;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = c.decoder_sparse_step;
+    j["mlp_only_layers"] = c.mlp_only_layers;
+  }
+  if (c.is_moe()) {
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["output_router_logits"] = c.output_router_logits;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
   }
   if (c.rope_scaling.type.empty()) {
     j["rope_scaling"] = nullptr;

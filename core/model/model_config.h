@@ -3,9 +3,14 @@
 // decoder (RMSNorm, rotary grouped-query attention, SwiGLU) and differ in a few
 // features: llama (none), qwen2 (biases on q, k and v), qwen3 (RMSNorm over
 // each head of q and k before the rotary embedding, explicit head_dim) and
-// mistral (sliding-window attention). A config.json asking for anything else
-// (mixture of experts, another rope_scaling type, a bias the family has not)
-// is refused in one line naming the key.
+// mistral (sliding-window attention). Two mixture-of-experts families replace
+// the MLP of their sparse layers with a softmax router over E SwiGLU experts,
+// each token taking the top k: mixtral (Mistral's attention, top-k weights
+// renormalised) and qwen3_moe (Qwen3's attention, `norm_topk_prob`, dense
+// layers among the sparse ones by `decoder_sparse_step` and
+// `mlp_only_layers`). A config.json asking for anything else (shared experts,
+// latent attention, another rope_scaling type, a bias the family has not) is
+// refused in one line naming the key.
 //
 // A ModelConfig is a plain value; the functions here are pure and thread-safe.
 // The parameter count is computed from the shapes (no lookup tables), and the
@@ -32,9 +37,9 @@ struct RopeScaling {
 };
 
 // The families strata computes, by their Hugging Face model_type.
-enum class ModelFamily { llama, qwen2, qwen3, mistral };
+enum class ModelFamily { llama, qwen2, qwen3, mistral, mixtral, qwen3_moe };
 
-// "llama", "qwen2", "qwen3", "mistral".
+// "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe".
 const char* model_family_name(ModelFamily family);
 // The Hugging Face class of the family: "LlamaForCausalLM", "Qwen2ForCausalLM", ...
 const char* model_family_architecture(ModelFamily family);
@@ -59,11 +64,36 @@ struct ModelConfig {
   bool qk_norm = false;        // qwen3: RMSNorm (weights of head_dim) on each head of q and k
   int64_t sliding_window = 0;  // mistral: a query sees the last this-many keys; 0: all before it
 
-  // Parameters of one decoder layer: q, k, v, o, gate, up, down, the two norms,
-  // and the q/k/v biases or q/k norms of the families that have them.
-  int64_t layer_parameter_count() const;
+  // Mixture of experts (mixtral, qwen3_moe); num_experts 0 for the dense families.
+  int64_t num_experts = 0;            // E: num_local_experts (mixtral), num_experts (qwen3_moe)
+  int64_t num_experts_per_tok = 0;    // k, the experts each token is routed to
+  int64_t moe_intermediate_size = 0;  // each expert's I (mixtral: intermediate_size)
+  bool norm_topk_prob = true;         // the k weights renormalised to sum to one
+  int64_t decoder_sparse_step = 1;    // qwen3_moe: layer i is sparse when (i + 1) % step == 0
+  std::vector<int64_t> mlp_only_layers;  // qwen3_moe: dense layers (intermediate_size) whatever the step
+  // The load-balancing loss (transformers' load_balancing_loss_func) is
+  // computed always; it joins the loss and its gradient, times the coefficient,
+  // when output_router_logits is set (as transformers trains).
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;
+
+  bool is_moe() const { return num_experts > 0; }
+  // Whether decoder layer `layer` has a router and experts (false for every
+  // layer of a dense family).
+  bool layer_is_sparse(int64_t layer) const;
+  int64_t sparse_layer_count() const;
+
+  // Parameters of decoder layer `layer`: q, k, v, o, the MLP (gate, up, down;
+  // or the router and every expert's gate, up, down), the two norms, and the
+  // q/k/v biases or q/k norms of the families that have them.
+  int64_t layer_parameter_count(int64_t layer = 0) const;
+  // Parameters one token's forward reads in decoder layer `layer`: the
+  // router and k experts of a sparse layer, the whole layer otherwise.
+  int64_t layer_active_parameter_count(int64_t layer = 0) const;
   // Every parameter of the model, counted from the shapes (a tied lm_head once).
   int64_t parameter_count() const;
+  // The parameters one token's forward reads (parameter_count for dense models).
+  int64_t active_parameter_count() const;
 };
 
 // A unit's flat buffer is padded so that it splits into equal shards over the

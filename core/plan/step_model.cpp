@@ -142,7 +142,12 @@ double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
   const double seen =
       m.sliding_window > 0 && double(m.sliding_window) < t ? double(m.sliding_window) : (t + 1) / 2;
   const double attention = 2 * 2 * N * seen * double(m.num_attention_heads) * D;
-  return 2 * N * double(m.layer_parameter_count()) + attention;
+  // A token's products read the layer's active parameters: a sparse layer's
+  // router and k experts (the mean over the layers, dense ones among them).
+  double active = 0;
+  for (int64_t i = 0; i < m.num_hidden_layers; ++i) active += double(m.layer_active_parameter_count(i));
+  active /= double(std::max<int64_t>(1, m.num_hidden_layers));
+  return 2 * N * active + attention;
 }
 
 double layer_backward_flops(const ModelConfig& m, int64_t B, int64_t T, bool recomputes) {
