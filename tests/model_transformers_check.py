@@ -97,6 +97,9 @@ FAMILY_CONFIGS = {
                   "router_aux_loss_coef": 0.29},
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# The reference implementations: eager attention, and the experts as a loop over experts
+# (transformers 5's grouped products need 16-byte strides, which odd sizes do not have).
+EAGER = {"attn_implementation": "eager", "experts_implementation": "eager"}
 TOLERANCE = 1e-5
 BF16_FACTOR = 2.0  # strata's bf16 error at most this times transformers' in bf16
 
@@ -106,7 +109,7 @@ def hf_model(family, config, seed):
     norms near one, so that every feature shows in the outputs."""
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(family, **config)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, **EAGER)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -225,7 +228,7 @@ def check_strata_in_transformers(args, work, family, config):
     export_dir = os.path.join(family_dir, "export")
     subprocess.run([os.path.join(args.drivers, "model_export"), os.path.join(family_dir, "config.json"), "5",
                     "bf16", "40000", tokens_path, str(T), export_dir], check=True, capture_output=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32, **EAGER)
     expected_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                       "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
@@ -264,7 +267,7 @@ def check_exported_checkpoints(args, work, family, config, tokens_path, inputs, 
         subprocess.run([os.path.join(args.drivers, "model_ref"), exported, tokens_path, "1", str(T), "1", out_dir],
                        check=True, capture_output=True)
         strata_logits = model_ref.read_safetensors(os.path.join(out_dir, "outputs.safetensors"))["logits"]
-        hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, **EAGER)
         with torch.no_grad():
             hf_logits = hf(inputs).logits
         err = model_ref.rel_error(strata_logits, hf_logits)
@@ -333,8 +336,7 @@ def check_bf16(args, work, family, config):
     names = [n for n, _ in model.named_parameters() if not (tied and n == "lm_head.weight")]
 
     # transformers in bf16, loaded as users load it in bf16.
-    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16,
-                                                                attn_implementation="eager")
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, **EAGER)
     hf_logits, hf_loss, hf_per_token, hf_grads = forward_backward(hf_bf16, inputs, targets)
     hf_err, hf_worst = bf16_errors(hf_logits, hf_loss, hf_per_token, {n: hf_grads[n] for n in names}, ref)
 

@@ -311,7 +311,16 @@ void read_experts(JsonReader& in, const nlohmann::json& json, ModelConfig& c) {
   c.num_experts = mixtral ? 8 : 128;
   c.num_experts_per_tok = mixtral ? 2 : 8;
   c.norm_topk_prob = mixtral;  // Mixtral always renormalises; Qwen3MoeConfig defaults to false
-  in.optional_int(mixtral ? "num_local_experts" : "num_experts", c.num_experts, 1);
+  // Qwen3-MoE's released configs say num_experts; transformers 5 writes it as
+  // num_local_experts (its attribute_map), as Mixtral's are.
+  in.optional_int("num_local_experts", c.num_experts, 1);
+  if (!mixtral) {
+    const int64_t local = c.num_experts;
+    if (in.optional_int("num_experts", c.num_experts, 1) && json.contains("num_local_experts") &&
+        !json["num_local_experts"].is_null() && local != c.num_experts)
+      in.fail("num_experts", fmt::format("{} disagrees with num_local_experts {}; give one",
+                                         c.num_experts, local));
+  }
   in.optional_int("num_experts_per_tok", c.num_experts_per_tok, 1, c.num_experts);
   in.optional_bool("output_router_logits", c.output_router_logits);
   in.optional_double("router_aux_loss_coef", c.router_aux_loss_coef, 0.0);
