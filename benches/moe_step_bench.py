@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""A small mixture of experts against two dense models, everything on NVMe.
+
+  benches/moe_step_bench.py [--strata build/tools/strata] [--out build/moe-bench] [--steps 12]
+
+Three models of the same attention (hidden 256, 4 layers, 8 heads, byte
+vocabulary) trained side by side in one command on the CPU backend, stage 3,
+parameters and optimizer state on NVMe (`--offload-param nvme
+--offload-optimizer nvme`), 4 sequences of 128 tokens a step:
+
+- moe: a Mixtral-shaped mixture, 8 experts of 344, 2 per token (the
+  load-balancing loss in the loss);
+- dense-active: a Llama of the same active parameters (intermediate 688 = 2 x 344);
+- dense-total: a Llama of the same total parameters (intermediate 2752 = 8 x 344).
+
+Printed per model: parameters (total, active), median step time after the
+first two steps, the time relative to each dense model, NVMe bytes read and
+written per step (the engine's counters, `--metrics`), and the last loss. A
+decoder layer is one unit of the plan, so the mixture moves every expert each
+step, as the dense model of the same total parameters does (experts as plan
+pieces of their own are not built).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+
+BASE = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+MODELS = {
+    "moe": dict(BASE, model_type="mixtral", intermediate_size=344, num_local_experts=8, num_experts_per_tok=2,
+                output_router_logits=True, router_aux_loss_coef=0.02),
+    "dense-active": dict(BASE, model_type="llama", intermediate_size=688),
+    "dense-total": dict(BASE, model_type="llama", intermediate_size=2752),
+}
+
+
+def run(cmd, **kw):
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def counts(cfg):
+    C, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = C // H
+    attention = C * H * D * 2 + 2 * C * KV * D + 2 * C
+    outer = 2 * V * C + C
+    I = cfg["intermediate_size"]
+    if cfg["model_type"] == "mixtral":
+        E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+        return outer + L * (attention + E * C + E * 3 * C * I), outer + L * (attention + E * C + k * 3 * C * I)
+    total = outer + L * (attention + 3 * C * I)
+    return total, total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--strata", default="build/tools/strata")
+    parser.add_argument("--out", default="build/moe-bench")
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    strata = os.path.abspath(args.strata)
+    os.makedirs(args.out, exist_ok=True)
+    data = os.path.join(args.out, "demo")
+    if not os.path.exists(os.path.join(data, "train.bin")):
+        run([strata, "demo-data", "--out", data], stdout=subprocess.DEVNULL)
+    version = subprocess.run([strata, "--version"], capture_output=True, text=True).stdout.strip()
+    print(version.replace("\n", "; "))
+    rows = {}
+    for name, cfg in MODELS.items():
+        model_dir = os.path.join(args.out, name)
+        os.makedirs(model_dir, exist_ok=True)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        metrics = os.path.join(args.out, name + ".jsonl")
+        run([strata, "train", "--model", model_dir, "--backend", "cpu", "--data", os.path.join(data, "train.bin"),
+             "--seq-len", "128", "--micro-batch", "4", "--steps", str(args.steps), "--lr", "3e-3",
+             "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+             "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics],
+            stdout=subprocess.DEVNULL)
+        with open(metrics) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        steady = lines[2:] or lines
+        rows[name] = {"params": counts(cfg), "seconds": statistics.median(l["step_time_s"] for l in steady),
+                      "read": statistics.median(l["nvme_read_bytes"] for l in steady),
+                      "written": statistics.median(l["nvme_written_bytes"] for l in steady),
+                      "loss": lines[-1]["loss"], "aux": lines[-1].get("aux_loss")}
+    print(f"\n{'model':>13} {'params':>10} {'active':>10} {'s/step':>8} {'/ active':>9} {'/ total':>8} "
+          f"{'NVMe read/step':>15} {'written/step':>13} {'last loss':>10}")
+    for name, r in rows.items():
+        aux = f" (aux {r['aux']:.3f})" if r["aux"] is not None else ""
+        print(f"{name:>13} {r['params'][0]:>10,} {r['params'][1]:>10,} {r['seconds']:>8.3f} "
+              f"{r['seconds'] / rows['dense-active']['seconds']:>9.2f} {r['seconds'] / rows['dense-total']['seconds']:>8.2f} "
+              f"{r['read']:>15,.0f} {r['written']:>13,.0f} {r['loss']:>10.4f}{aux}")
+
+
+if __name__ == "__main__":
+    main()
