@@ -60,9 +60,11 @@ fi
 model_common=(--backend cpu --seq-len 32 --micro-batch 2 --steps 2 --data "$dir/data/train.bin")
 shape='"vocab_size": 256, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 1, "num_attention_heads": 4'
 echo "{\"model_type\": \"qwen2_moe\", $shape, \"num_experts\": 8}" >"$dir/moe.json"
-refuse "another model_type" 2 "moe.json: model_type" -- --model "$dir/moe.json" "${model_common[@]}"
-echo "{\"model_type\": \"mixtral\", $shape}" >"$dir/mixtral.json"
-refuse "mixtral" 2 "mixtral.json: model_type" -- --model "$dir/mixtral.json" "${model_common[@]}"
+refuse "shared experts" 2 "moe.json: shared_expert_intermediate_size" -- --model "$dir/moe.json" "${model_common[@]}"
+echo "{\"model_type\": \"gpt_oss\", $shape, \"num_local_experts\": 8}" >"$dir/gpt_oss.json"
+refuse "another model_type" 2 "gpt_oss.json: model_type" -- --model "$dir/gpt_oss.json" "${model_common[@]}"
+echo "{\"model_type\": \"mixtral\", $shape, \"router_jitter_noise\": 0.1}" >"$dir/jitter.json"
+refuse "router jitter" 2 "jitter.json: router_jitter_noise" -- --model "$dir/jitter.json" "${model_common[@]}"
 echo "{\"model_type\": \"mistral\", $shape, \"num_local_experts\": 8}" >"$dir/experts.json"
 refuse "mixture-of-experts keys" 2 "experts.json: num_local_experts" -- \
   --model "$dir/experts.json" "${model_common[@]}"

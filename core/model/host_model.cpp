@@ -1,0 +1,222 @@
+// A whole model in host memory for one rank (core/model/model.h): its units'
+// buffers, forward and backward over every unit, and Hugging Face checkpoints
+// in and out.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/model/model.h"
+#include "io/safe_write.h"
+
+namespace strata {
+
+// --- HostModel -----------------------------------------------------------------
+
+UnitParams HostModel::unit_params(int64_t u) const {
+  UnitParams p;
+  p.flat = params[u].data();
+  if (layout.units[u].unit.kind == UnitKind::head && layout.config.tie_word_embeddings) {
+    p.tied_embedding = params[0].data();
+  }
+  return p;
+}
+
+UnitGrads HostModel::unit_grads(int64_t u) {
+  UnitGrads g;
+  g.flat = grads[u].data();
+  if (layout.units[u].unit.kind == UnitKind::head && layout.config.tie_word_embeddings) {
+    g.tied_embedding = grads[0].data();
+  }
+  return g;
+}
+
+namespace {
+template <typename Buffers>
+auto find_tensor(const ModelLayout& layout, Buffers& buffers, const std::string& name)
+    -> decltype(buffers[0].data()) {
+  const std::string target = name == "lm_head.weight" && layout.config.tie_word_embeddings
+                                 ? "model.embed_tokens.weight"
+                                 : name;
+  for (size_t u = 0; u < layout.units.size(); ++u) {
+    if (const TensorSlot* slot = layout.units[u].find(target))
+      return buffers[u].data() + slot->offset;
+  }
+  return nullptr;
+}
+}  // namespace
+
+const float* HostModel::tensor(const std::string& name) const {
+  return find_tensor(layout, params, name);
+}
+
+float* HostModel::tensor_grad(const std::string& name) {
+  return find_tensor(layout, grads, name);
+}
+
+HostModel make_host_model(const ModelConfig& config, int world_size) {
+  HostModel model;
+  model.layout = model_layout(config, world_size);
+  for (const UnitLayout& unit : model.layout.units) {
+    model.params.emplace_back(unit.padded_numel, 0.0f);
+    model.grads.emplace_back(unit.padded_numel, 0.0f);
+  }
+  return model;
+}
+
+void init_host_model(HostModel& model, uint64_t seed, float init_std) {
+  for (size_t u = 0; u < model.layout.units.size(); ++u) {
+    init_unit_parameters(model.layout, static_cast<int64_t>(u), seed, model.params[u].data(),
+                         init_std);
+  }
+}
+
+void zero_host_grads(HostModel& model) {
+  for (auto& g : model.grads) std::fill(g.begin(), g.end(), 0.0f);
+}
+
+std::vector<NamedTensor> checkpoint_tensors(const ModelLayout& layout) {
+  // Hugging Face order: embeddings, layers, final norm, lm_head.
+  std::vector<NamedTensor> list;
+  for (size_t u = 0; u < layout.units.size(); ++u) {
+    for (const TensorSlot& slot : layout.units[u].tensors)
+      list.push_back({static_cast<int64_t>(u), &slot});
+  }
+  return list;
+}
+
+Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t count,
+                       bool allow_negative, const std::string& origin) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] >= config.vocab_size || (ids[i] < 0 && !allow_negative)) {
+      return Status::error(
+          fmt::format("{}: token id {} at position {} is outside the vocabulary [0, {})", origin,
+                      ids[i], i, config.vocab_size));
+    }
+  }
+  return Status::ok();
+}
+
+namespace {
+
+Status check_batch(const HostModel& model, const UnitBatch& batch, const UnitWorkspace& ws) {
+  if (batch.B != ws.B() || batch.T != ws.T()) {
+    return Status::error(fmt::format("batch is {}x{} but the workspace was made for {}x{}", batch.B,
+                                     batch.T, ws.B(), ws.T()));
+  }
+  const int64_t N = batch.B * batch.T;
+  if (Status s = check_token_ids(model.layout.config, batch.tokens, N, false, "input tokens"); !s)
+    return s;
+  if (batch.targets != nullptr) {
+    if (Status s = check_token_ids(model.layout.config, batch.targets, N, true, "targets"); !s)
+      return s;
+  }
+  return Status::ok();
+}
+
+// Runs the forward of every unit, keeping each unit's input in `inputs` (L + 1 buffers).
+double forward_all(const HostModel& model, const UnitBatch& batch, UnitWorkspace& ws,
+                   std::vector<std::vector<float>>& inputs, float* logits) {
+  const ModelLayout& layout = model.layout;
+  const int64_t units = static_cast<int64_t>(layout.units.size());
+  const int64_t NC = batch.B * batch.T * layout.config.hidden_size;
+  inputs.assign(units - 1, std::vector<float>(NC));
+  unit_forward(layout, 0, model.unit_params(0), batch, nullptr, inputs[0].data(), ws);
+  for (int64_t u = 1; u + 1 < units; ++u) {
+    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(),
+                 ws);
+  }
+  return unit_forward(layout, units - 1, model.unit_params(units - 1), batch,
+                      inputs[units - 2].data(), logits, ws);
+}
+
+}  // namespace
+
+Result<double> model_forward(const HostModel& model, const UnitBatch& given, UnitWorkspace& ws,
+                             float* logits) {
+  if (Status s = check_batch(model, given, ws); !s) return s;
+  RouterStats own;
+  UnitBatch batch = given;
+  if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
+  std::vector<std::vector<float>> inputs;
+  return forward_all(model, batch, ws, inputs, logits);
+}
+
+Result<double> model_forward_backward(HostModel& model, const UnitBatch& given, UnitWorkspace& ws,
+                                      float* logits) {
+  if (Status s = check_batch(model, given, ws); !s) return s;
+  RouterStats own;
+  UnitBatch batch = given;
+  if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
+  if (batch.targets == nullptr) return Status::error("model_forward_backward needs targets");
+  const ModelLayout& layout = model.layout;
+  const int64_t units = static_cast<int64_t>(layout.units.size());
+  // Forward through the last layer keeping unit inputs; the head runs forward and
+  // backward at once, then the layers and the embedding go backward.
+  std::vector<std::vector<float>> inputs(
+      units - 1, std::vector<float>(batch.B * batch.T * layout.config.hidden_size));
+  unit_forward(layout, 0, model.unit_params(0), batch, nullptr, inputs[0].data(), ws);
+  for (int64_t u = 1; u + 1 < units; ++u) {
+    unit_forward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), inputs[u].data(),
+                 ws);
+  }
+  std::vector<float> grad(inputs[0].size());
+  const double loss_sum =
+      head_forward_backward(layout, model.unit_params(units - 1), batch, inputs[units - 2].data(),
+                            grad.data(), model.unit_grads(units - 1), ws, logits);
+  for (int64_t u = units - 2; u >= 1; --u) {
+    // The last layer's activations are still in the workspace (the head keeps its own).
+    unit_backward(layout, u, model.unit_params(u), batch, inputs[u - 1].data(), grad.data(),
+                  grad.data(), model.unit_grads(u), ws, /*recompute=*/u != units - 2);
+  }
+  unit_backward(layout, 0, model.unit_params(0), batch, nullptr, grad.data(), nullptr,
+                model.unit_grads(0), ws);
+  return loss_sum;
+}
+
+Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
+                            int64_t u, float* flat) {
+  for (const TensorSlot& slot : layout.units[u].tensors) {
+    const bool fused = !slot.fused_name.empty() && checkpoint.find(slot.name) == nullptr &&
+                       checkpoint.find(slot.fused_name) != nullptr;
+    Status s = fused ? checkpoint.read_f32(slot.fused_name, slot.fused_shape, flat + slot.offset,
+                                           slot.fused_first, slot.numel)
+                     : checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset);
+    if (!s) return s;
+  }
+  return Status::ok();
+}
+
+Status load_host_model(HostModel& model, const SafetensorsCheckpoint& checkpoint) {
+  for (size_t u = 0; u < model.layout.units.size(); ++u) {
+    Status s = load_unit_parameters(checkpoint, model.layout, static_cast<int64_t>(u),
+                                    model.params[u].data());
+    if (!s) return s;
+  }
+  return Status::ok();
+}
+
+Status write_model_config_json(const ModelConfig& model, const std::string& dir, DType dtype) {
+  nlohmann::json config = model_config_to_json(model);
+  config["torch_dtype"] = dtype == DType::f32    ? "float32"
+                          : dtype == DType::bf16 ? "bfloat16"
+                                                 : "float16";
+  return io::write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
+                                   config.dump(2) + "\n");
+}
+
+Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
+                       uint64_t max_shard_bytes, bool gradients) {
+  const std::vector<NamedTensor> list = checkpoint_tensors(model.layout);
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& t : list) specs.push_back({t.slot->name, t.slot->shape});
+  const auto& buffers = gradients ? model.grads : model.params;
+  Status s = write_safetensors_checkpoint(dir, specs, dtype, max_shard_bytes, [&](size_t i) {
+    return buffers[list[i].unit].data() + list[i].slot->offset;
+  });
+  if (!s) return s;
+  return write_model_config_json(model.layout.config, dir, dtype);
+  return Status::ok();
+}
+
+}  // namespace strata
