@@ -122,13 +122,17 @@ def hf_model(family, config, seed):
 
 
 def strata_gradients(family, named_parameters):
-    """transformers' parameter gradients under strata's (the released checkpoints') names: the
+    """transformers' parameter gradients under strata's names (split_experts)."""
+    return split_experts(family, {name: p.grad for name, p in named_parameters})
+
+
+def split_experts(family, tensors):
+    """transformers' tensors by name under strata's (the released checkpoints') names: the
     fused experts (gate_up_proj (E, 2I, C), down_proj (E, C, I)) split per expert, Mixtral's
     mlp.gate as block_sparse_moe.gate."""
     out = {}
     mixtral = family == "mixtral"
-    for name, p in named_parameters:
-        g = p.grad
+    for name, g in tensors.items():
         if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
             prefix = name[:name.index("mlp.experts.")] + ("block_sparse_moe." if mixtral else "mlp.")
             for e in range(g.shape[0]):
@@ -283,17 +287,19 @@ def token_losses(logits, targets):
                                              reduction="none")
 
 
-def forward_backward(model, inputs, targets):
+def forward_backward(model, inputs, targets, family):
     """Logits, mean loss (cross-entropy in fp32 at least, as transformers' own loss upcasts
-    the logits), each token's loss and every parameter's gradient, by name."""
+    the logits), each token's loss and every parameter's gradient, by strata's name."""
     model.zero_grad()
     logits = model(inputs).logits
     per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                   targets.reshape(-1), reduction="none")
     loss = per_token.mean()
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return logits.detach(), loss.detach().reshape(1), per_token.detach(), grads
+    # An expert no token reached has no gradient: zero, as strata's.
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach().reshape(1), per_token.detach(), split_experts(family, grads)
 
 
 def bf16_errors(logits, loss, per_token, grads, ref):
@@ -319,6 +325,8 @@ def check_bf16(args, work, family, config):
     """bf16 on the CPU backend: strata's error against a float64 reference at most twice
     that of transformers in bf16, for logits, the tokens' losses, the mean loss (over many
     batches) and the worst gradient."""
+    if family in MOE_FAMILIES:  # the cross-entropy's gradients, compared; fp32 checks the rest
+        config = dict(config, output_router_logits=False)
     model = hf_model(family, config, seed=17)
     hf_dir = os.path.join(work, f"bf16-{family}-fp32")
     model.save_pretrained(hf_dir, safe_serialization=True)
@@ -331,13 +339,14 @@ def check_bf16(args, work, family, config):
     inputs, targets = rows[:, :-1], rows[:, 1:]
 
     # The reference: transformers in float64 on the fp32 weights.
-    ref = forward_backward(copy.deepcopy(model).double(), inputs, targets)
+    ref = forward_backward(copy.deepcopy(model).double(), inputs, targets, family)
     tied = config["tie_word_embeddings"]
-    names = [n for n, _ in model.named_parameters() if not (tied and n == "lm_head.weight")]
+    names = [n for n in split_experts(family, dict(model.named_parameters()))
+             if not (tied and n == "lm_head.weight")]
 
     # transformers in bf16, loaded as users load it in bf16.
     hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, **EAGER)
-    hf_logits, hf_loss, hf_per_token, hf_grads = forward_backward(hf_bf16, inputs, targets)
+    hf_logits, hf_loss, hf_per_token, hf_grads = forward_backward(hf_bf16, inputs, targets, family)
     hf_err, hf_worst = bf16_errors(hf_logits, hf_loss, hf_per_token, {n: hf_grads[n] for n in names}, ref)
 
     # strata: the checkpoint in bf16, through the reference driver (CPU units, widened to fp32).

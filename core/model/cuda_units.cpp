@@ -99,6 +99,17 @@ int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t 
   int64_t total = 0;
   for (int64_t size : workspace_shape(config, B, T, type_bytes).sizes())
     total += round_up(size, kAlign);
+  if (config.sparse_layer_count() > 0) {
+    // The GPU has no expert kernels yet (the engine refuses a mixture there);
+    // a plan for one counts the routed rows as the CPU's units hold them:
+    // inputs, outputs and their gradients (C each), gate_up and its gradient
+    // (2 I), SwiGLU's output and its gradient (I), and the router's fp32
+    // probabilities and gradient with the rows' indices and weights.
+    const int64_t N = B * T, rows = N * config.num_experts_per_tok;
+    const int64_t C = config.hidden_size, I = config.moe_intermediate_size;
+    total += round_up(rows * (3 * C + 6 * I) * type_bytes, kAlign) +
+             round_up(2 * N * config.num_experts * 4 + rows * 20, kAlign);
+  }
   return total;
 }
 
