@@ -2,7 +2,8 @@
 // 5 experts, top 2, the load-balancing loss in the loss) as it trains a dense
 // model: every placement gives the same bits at a fixed world size and
 // schedule, both schedules the same bits at one rank, 2 and 3 ranks agree
-// with one within the dense engine's 1e-6; a checkpoint resumes bitwise; the
+// with one within the dense engine's 1e-6; NVMe bytes are the plan's; a
+// checkpoint resumes bitwise; the
 // step reports the load-balancing loss, the mean over the global batch's
 // micro-batches, and the loss includes it times the coefficient.
 #include <gtest/gtest.h>
@@ -79,7 +80,7 @@ TEST_F(EngineMoe, TheStepReportsTheLoadBalancingLossInsideTheLoss) {
   ASSERT_EQ(with_aux.steps.size(), 1u);
   ASSERT_TRUE(with_aux.steps[0].aux_loss.has_value());
   const double aux = *with_aux.steps[0].aux_loss;
-  // E sum_e f_e P_e is 1 when the routing is even and at most E (here 5).
+  // E sum_e f_e P_e (the f_e summing to k) is k when the routing is even (here 2), at most E (5).
   EXPECT_GE(aux, 0.5);
   EXPECT_LE(aux, 5.0);
   // A dense model reports none.
@@ -105,6 +106,33 @@ TEST_F(EngineMoe, TheStepReportsTheLoadBalancingLossInsideTheLoss) {
   EXPECT_EQ(*plain->steps[0].aux_loss, aux);
   EXPECT_NEAR(with_aux.steps[0].loss, plain->steps[0].loss + 0.02 * aux,
               1e-12 * with_aux.steps[0].loss);
+}
+
+TEST_F(EngineMoe, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
+  // A decoder layer is one unit: its experts travel with it, whatever the
+  // routing, so the bytes are the plan's (its worst case) every step.
+  for (int world : {1, 2}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      EngineRun run = moe_placements(world, "auto").back();  // stage 3, everything on NVMe
+      run.precision = precision;
+      const EngineOutcome outcome = train(run);
+      ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
+      const TrainingPlan& plan = outcome.plan;
+      const uint64_t per_step = uint64_t(run.steps) * uint64_t(world);
+      EXPECT_GT(outcome.nvme_read, 0u) << run.label();
+      EXPECT_EQ(outcome.nvme_read, uint64_t(plan.traffic_per_step.nvme_read) * per_step)
+          << run.label();
+      EXPECT_EQ(outcome.nvme_written, uint64_t(plan.traffic_per_step.nvme_written) * per_step)
+          << run.label();
+      for (int t = 0; t < tiers::kTierCount; ++t) {
+        const tiers::TierUsage& usage = outcome.rank_usage[t];
+        const auto tier = static_cast<tiers::Tier>(t);
+        EXPECT_LE(usage.peak, usage.capacity) << run.label() << " " << tiers::tier_name(tier);
+        if (tier != tiers::Tier::nvme)
+          EXPECT_LE(int64_t(usage.peak), plan.peak(tier)) << run.label();
+      }
+    }
+  }
 }
 
 TEST_F(EngineMoe, ACheckpointResumesBitwise) {
