@@ -60,4 +60,44 @@ check "a missing --init file is one line naming it" $?
 "$strata" train "${common[@]}" --steps 1 --export "$dir/no/such/dir/x.safetensors" >/dev/null 2>"$dir/err"
 [ $? -eq 2 ] && grep -q "does not exist" "$dir/err"; check "an --export into a missing directory is refused before training" $?
 
+# A mixture of experts (mixtral, 4 experts, top 2, the load-balancing loss in
+# the loss) trains from the command line, reports its load-balancing loss, and
+# exports under the released per-expert names; a run from the export starts
+# where the first ended.
+cat >"$dir/moe.json" <<'JSON'
+{"model_type": "mixtral", "vocab_size": 256, "hidden_size": 48, "intermediate_size": 40,
+ "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": true,
+ "router_aux_loss_coef": 0.05}
+JSON
+moe=(--model "$dir/moe.json" --backend cpu --seq-len 32 --micro-batch 2 --grad-accum 2 --data "$dir/data/train.bin")
+"$strata" train "${moe[@]}" --steps 4 --zero-stage 3 --offload-param nvme --offload-optimizer nvme \
+  --nvme-path "$dir/swap" --eval-data "$dir/data/train.bin" --eval-batches 1 --metrics "$dir/moe.jsonl" \
+  --export "$dir/moe-hf" >"$dir/out" 2>"$dir/err"
+check "a mixture trains with everything on NVMe" $?
+grep -q " aux " "$dir/out"; check "the progress line shows the load-balancing loss" $?
+python3 - "$dir/moe.jsonl" "$dir/moe-hf" <<'PY'
+import json, os, struct, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert all(2.0 * 0.5 < l["aux_loss"] <= 4.0 for l in lines), [l["aux_loss"] for l in lines]
+data = open(os.path.join(sys.argv[2], "model.safetensors"), "rb").read()
+names = set(json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])) - {"__metadata__"}
+for e in range(4):
+    for w in ("w1", "w2", "w3"):
+        assert f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" in names, (e, w)
+assert "model.layers.0.block_sparse_moe.gate.weight" in names
+config = json.load(open(os.path.join(sys.argv[2], "config.json")))
+assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4, config
+PY
+check "aux_loss in the metrics; the export under the released expert names" $?
+"$strata" train "${moe[@]}" --steps 1 --init "$dir/moe-hf" --metrics "$dir/moe-b.jsonl" >/dev/null 2>"$dir/err"
+check "a mixture's export loads with --init" $?
+python3 - "$dir/moe.jsonl" "$dir/moe-b.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert b[0]["loss"] < a[0]["loss"], (a[0]["loss"], b[0]["loss"])
+PY
+check "the run from the export starts below the first run's first loss" $?
+
 finish_checks
