@@ -200,6 +200,37 @@ TEST(StepModel, OperationsCostTheirBytesOverTheirLinkAndTheirFlopsOnTheDevice) {
   EXPECT_EQ(sum.inter_node, plan->traffic_per_step.inter_node);
 }
 
+TEST(StepModel, ASparseLayerCostsTheExpertsItsTokensRead) {
+  // A qwen3_moe shape with a dense layer 0 among sparse ones: each layer's
+  // forward counts its own active parameters (the router and k of E experts).
+  ModelConfig m = nvme_input().model;
+  m.family = ModelFamily::qwen3_moe;
+  m.qk_norm = true;
+  m.num_experts = 6;
+  m.num_experts_per_tok = 2;
+  m.moe_intermediate_size = 24;
+  m.mlp_only_layers = {0};
+  ASSERT_GE(m.num_hidden_layers, 2);
+  const int64_t B = 2, T = 32;
+  const double N = double(B * T), D = double(m.head_dim);
+  const double attention = 4 * double(B) * T * (T + 1) / 2 * double(m.num_attention_heads) * D;
+  const double C = double(m.hidden_size);
+  EXPECT_DOUBLE_EQ(layer_forward_flops(m, B, T, 0),
+                   2 * N * double(m.layer_parameter_count(0)) + attention);
+  EXPECT_DOUBLE_EQ(layer_forward_flops(m, B, T, 1),
+                   2 * N * double(m.layer_parameter_count(1) - 4 * 3 * C * 24) + attention);
+  EXPECT_LT(layer_forward_flops(m, B, T, 1), layer_forward_flops(m, B, T, 0));
+  PlanInput in = nvme_input();
+  in.model = m;
+  Result<TrainingPlan> plan = plan_training(in);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  for (const PlanOp& op : plan->ops) {
+    if (op.kind != OpKind::forward || op.unit < 1 || op.unit > 2) continue;
+    EXPECT_DOUBLE_EQ(operation_flops(*plan, op),
+                     layer_forward_flops(m, in.micro_batch, in.seq_len, op.unit - 1));
+  }
+}
+
 TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
   Result<TrainingPlan> plan = plan_training(nvme_input());
   ASSERT_TRUE(plan.is_ok()) << plan.status().message();

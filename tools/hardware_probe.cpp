@@ -164,7 +164,11 @@ std::string unit_shapes(const ProbeOptions& o) {
       "qkv_bias {} qk_norm {}; micro-batch {} x {} tokens",
       m.vocab_size, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
       m.num_key_value_heads, m.head_dim, m.sliding_window, m.qkv_bias, m.qk_norm, o.micro_batch,
-      o.seq_len);
+      o.seq_len) +
+         (m.is_moe() ? fmt::format("; experts {} top {} of {} in {} sparse layers", m.num_experts,
+                                   m.num_experts_per_tok, m.moe_intermediate_size,
+                                   m.sparse_layer_count())
+                     : std::string());
 }
 
 Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
@@ -174,7 +178,14 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   // per matrix, a layer of at most 256 MiB. The layers run one after another,
   // as in a step, so each finds the caches holding the one before it, not itself.
   ModelConfig m = options.model;
-  const int64_t layer_bytes = std::max<int64_t>(1, m.layer_parameter_count() * 8);
+  // The largest layer (a mixture's sparse layers hold every expert).
+  auto largest_layer = [](const ModelConfig& c) {
+    int64_t most = 0;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      most = std::max(most, c.layer_parameter_count(i));
+    return most;
+  };
+  const int64_t layer_bytes = std::max<int64_t>(1, largest_layer(m) * 8);
   m.num_hidden_layers = std::clamp<int64_t>((int64_t(1) << 30) / layer_bytes, 1,
                                             std::min<int64_t>(8, m.num_hidden_layers));
   const int64_t T = std::min<int64_t>(options.seq_len, 4096);
@@ -184,9 +195,8 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
     m.vocab_size = std::max<int64_t>(256, (int64_t(64) << 20) / (4 * m.hidden_size));
     scaled += fmt::format(", vocabulary {}", m.vocab_size);
   }
-  if (m.layer_parameter_count() * 4 > (int64_t(256) << 20)) {
-    const double shrink =
-        std::sqrt(double(int64_t(256) << 20) / double(m.layer_parameter_count() * 4));
+  if (largest_layer(m) * 4 > (int64_t(256) << 20)) {
+    const double shrink = std::sqrt(double(int64_t(256) << 20) / double(largest_layer(m) * 4));
     const int64_t D = m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads;
     m.num_attention_heads = std::max<int64_t>(1, int64_t(double(m.num_attention_heads) * shrink));
     m.num_key_value_heads = std::clamp<int64_t>(m.num_key_value_heads, 1, m.num_attention_heads);
@@ -194,6 +204,10 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
     m.head_dim = D;
     m.hidden_size = m.num_attention_heads * D;
     m.intermediate_size = std::max<int64_t>(64, int64_t(double(m.intermediate_size) * shrink));
+    // A mixture keeps its experts and top k (the routing's work), each expert smaller.
+    if (m.is_moe())
+      m.moe_intermediate_size =
+          std::max<int64_t>(16, int64_t(double(m.moe_intermediate_size) * shrink));
     scaled += fmt::format(", hidden {}", m.hidden_size);
   }
   HostModel model = make_host_model(m);

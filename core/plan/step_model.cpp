@@ -134,7 +134,7 @@ void cost_collective(const TrainingPlan& plan, const HardwareProfile& hw, const 
 
 }  // namespace
 
-double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
+double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t layer) {
   const double N = double(B) * double(T);
   const double D = double(m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads);
   // A query sees the keys before it (all, or the sliding window's): QK^T and PV.
@@ -143,15 +143,21 @@ double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
       m.sliding_window > 0 && double(m.sliding_window) < t ? double(m.sliding_window) : (t + 1) / 2;
   const double attention = 2 * 2 * N * seen * double(m.num_attention_heads) * D;
   // A token's products read the layer's active parameters: a sparse layer's
-  // router and k experts (the mean over the layers, dense ones among them).
+  // router and k experts (without a layer, the mean over the layers).
   double active = 0;
-  for (int64_t i = 0; i < m.num_hidden_layers; ++i) active += double(m.layer_active_parameter_count(i));
-  active /= double(std::max<int64_t>(1, m.num_hidden_layers));
+  if (layer >= 0) {
+    active = double(m.layer_active_parameter_count(layer));
+  } else {
+    for (int64_t i = 0; i < m.num_hidden_layers; ++i)
+      active += double(m.layer_active_parameter_count(i));
+    active /= double(std::max<int64_t>(1, m.num_hidden_layers));
+  }
   return 2 * N * active + attention;
 }
 
-double layer_backward_flops(const ModelConfig& m, int64_t B, int64_t T, bool recomputes) {
-  const double forward = layer_forward_flops(m, B, T);
+double layer_backward_flops(const ModelConfig& m, int64_t B, int64_t T, bool recomputes,
+                            int64_t layer) {
+  const double forward = layer_forward_flops(m, B, T, layer);
   return (recomputes ? forward : 0) + 2 * forward;
 }
 
@@ -167,8 +173,9 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
   const int head = int(plan.units.size()) - 1;
   if (op.unit == 0) return 0;  // the embedding: a lookup and its scatter-add
   if (op.unit == head) return head_flops(m, B, T);
-  if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T);
-  return layer_backward_flops(m, B, T, plan.recomputes(op.unit));
+  const int64_t layer = plan.layout.units[size_t(op.unit)].unit.layer;
+  if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T, layer);
+  return layer_backward_flops(m, B, T, plan.recomputes(op.unit), layer);
 }
 
 std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw) {

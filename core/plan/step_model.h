@@ -97,9 +97,12 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op);
 // The same of a model's units at (B, T): a decoder layer's forward (matmuls
 // 2 N per token, causal or windowed attention) and backward (twice the
 // forward, and the forward again when it recomputes), the head's one pass
-// (forward and backward: 3 x 2 C V per token); the embedding's count 0.
-double layer_forward_flops(const ModelConfig& model, int64_t B, int64_t T);
-double layer_backward_flops(const ModelConfig& model, int64_t B, int64_t T, bool recomputes);
+// (forward and backward: 3 x 2 C V per token); the embedding's count 0. A
+// layer's matmuls read its active parameters (a sparse layer's router and k
+// experts); `layer` < 0: the mean over the model's layers.
+double layer_forward_flops(const ModelConfig& model, int64_t B, int64_t T, int64_t layer = -1);
+double layer_backward_flops(const ModelConfig& model, int64_t B, int64_t T, bool recomputes,
+                            int64_t layer = -1);
 double head_flops(const ModelConfig& model, int64_t B, int64_t T);
 
 struct StepPrediction {
