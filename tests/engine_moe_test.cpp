@@ -128,8 +128,9 @@ TEST_F(EngineMoe, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
         const tiers::TierUsage& usage = outcome.rank_usage[t];
         const auto tier = static_cast<tiers::Tier>(t);
         EXPECT_LE(usage.peak, usage.capacity) << run.label() << " " << tiers::tier_name(tier);
-        if (tier != tiers::Tier::nvme)
+        if (tier != tiers::Tier::nvme) {
           EXPECT_LE(int64_t(usage.peak), plan.peak(tier)) << run.label();
+        }
       }
     }
   }

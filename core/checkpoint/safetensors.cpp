@@ -255,11 +255,11 @@ Status SafetensorsFile::read_f32(const std::string& name, const std::vector<int6
   Result<DType> dtype = float_dtype(*entry, path_);
   if (!dtype.is_ok()) return dtype.status();
   const int64_t element_bytes = dtype_bytes(*dtype);
-  if (first < 0 || first > entry->numel() || (count >= 0 && first + count > entry->numel())) {
-    return Status::invalid_argument(fmt::format("{}: tensor {}: elements [{}, {}) lie outside its {}",
-                                                path_, name, first, first + count, entry->numel()));
-  }
   const int64_t numel = count >= 0 ? count : entry->numel() - first;
+  if (first < 0 || numel < 0 || first + numel > entry->numel()) {
+    return Status::invalid_argument(fmt::format("{}: tensor {}: elements [{}, {}) lie outside its {}",
+                                                path_, name, first, first + numel, entry->numel()));
+  }
   const uint64_t begin = entry->begin + static_cast<uint64_t>(first * element_bytes);
   // The tensor's name first, then the file's line: "tensor x: <path>: reading ...".
   auto read = [&](void* data, uint64_t bytes, uint64_t offset) {

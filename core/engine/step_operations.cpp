@@ -321,7 +321,7 @@ Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
   // Per rank: U norm partials, U non-finite flags, G loss sums (and a
   // mixture's G load-balancing losses), as doubles.
   const bool moe = plan.layout.config.is_moe();
-  const size_t per_rank = size_t(2 * U + (moe ? 2 : 1) * G);
+  const size_t per_rank = size_t(plan.exchange_values());
   std::vector<double> send(per_rank), all(per_rank * size_t(W));
   for (int u = 0; u < U; ++u) {
     send[size_t(u)] = rank.partials[size_t(u)].sum_squares;

@@ -298,12 +298,8 @@ class PlanBuilder {
   // backward) and, at stages 1-2, the all-gathers of the updated parameters.
   void emit_exchange_and_updates() {
     PlanOp exchange = make_op(OpKind::exchange, comm_lane_);
-    // An all-gather of each unit's norm partial and flag and each
-    // micro-batch's loss sum (and a mixture's load-balancing loss), as
-    // doubles sent as fp32 pairs.
-    const int64_t per_micro = in_.model.is_moe() ? 2 : 1;
-    exchange.bytes =
-        (2 * int64_t(units_) + per_micro * in_.grad_accum) * 8 * (in_.world_size - 1);
+    // An all-gather of TrainingPlan::exchange_values, doubles sent as fp32 pairs.
+    exchange.bytes = plan_.exchange_values() * 8 * (in_.world_size - 1);
     for (int u = 0; u < units_; ++u) exchange.deps.push_back(last_reduce_[size_t(u)]);
     // With the updates during backward the step's decision (its learning
     // rate, whether it applies) came from `decide`: the step is over, and

@@ -274,6 +274,11 @@ kernels::cpu::AdamWStateType TrainingPlan::state_type() const {
   return kernels::cpu::AdamWStateType::f32;
 }
 
+int64_t TrainingPlan::exchange_values() const {
+  const int64_t per_micro = layout.config.is_moe() ? 2 : 1;
+  return 2 * int64_t(layout.units.size()) + per_micro * input.grad_accum;
+}
+
 int64_t TrainingPlan::moment_bytes() const {
   return input.optimizer_state == OptimizerStateDtype::fp32   ? 4
          : input.optimizer_state == OptimizerStateDtype::bf16 ? 2

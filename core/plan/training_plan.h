@@ -330,6 +330,10 @@ struct TrainingPlan {
   // How m and v are stored, and the bytes of one element of each (int8: the codes).
   kernels::cpu::AdamWStateType state_type() const;
   int64_t moment_bytes() const;
+  // The doubles each rank sends to every other in the step's exchange: each
+  // unit's norm partial and non-finite flag, each micro-batch's loss sum,
+  // and a mixture's load-balancing loss of each micro-batch after those.
+  int64_t exchange_values() const;
   // The parameter groups of rank r's optimizer range of unit u, over [0, optimizer_numel).
   std::vector<ShardSegment> segments(int u, int rank) const;
 
