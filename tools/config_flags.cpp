@@ -46,6 +46,9 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
   app.add_option("--activation-home", o.activation_home,
                  "Where the layer-major order keeps saved inputs: auto | device | host | "
                  "nvme (strata.activation_home)");
+  app.add_option("--vocab-chunks", o.vocab_chunks,
+                 "Units the embedding and the head are cut into along the vocabulary, each "
+                 "fetched on its own (strata.vocab_chunks; 1: whole)");
 }
 
 void print_config_warnings(const TrainConfig& config) {

@@ -210,6 +210,7 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
           std::max<int64_t>(16, int64_t(double(m.moe_intermediate_size) * shrink));
     scaled += fmt::format(", hidden {}", m.hidden_size);
   }
+  m.vocab_chunks = 1;  // the whole head's rate: the step model gives a chunk its rows' share
   HostModel model = make_host_model(m);
   init_host_model(model, 1);
   UnitWorkspace ws(m, B, T);

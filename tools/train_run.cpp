@@ -109,14 +109,16 @@ Result<EvalResult> evaluate(Engine& engine, const TokenFile& file, const std::ve
 // model.safetensors).
 Status export_model(const HostModel& model, const std::string& path, DType dtype) {
   if (fs::path(path).extension() != ".safetensors") return save_host_model(model, path, dtype);
-  std::vector<NamedTensor> named = checkpoint_tensors(model.layout);
+  const std::vector<CheckpointTensor> named = checkpoint_tensor_groups(model.layout);
   std::vector<TensorSpec> specs;
-  for (const NamedTensor& t : named) specs.push_back({t.slot->name, t.slot->shape});
+  for (const CheckpointTensor& t : named) specs.push_back({t.name, t.shape});
   Result<SafetensorsWriter> writer = SafetensorsWriter::create(path, specs, dtype);
   if (!writer) return writer.status();
-  for (const NamedTensor& t : named) {
-    const float* data = model.params[size_t(t.unit)].data() + t.slot->offset;
-    if (Status s = writer->write(t.slot->name, data); !s) return s;
+  std::vector<float> scratch;
+  for (const CheckpointTensor& t : named) {
+    const float* data = whole_tensor(
+        t, [&](int64_t u) { return model.params[size_t(u)].data(); }, scratch);
+    if (Status s = writer->write(t.name, data); !s) return s;
   }
   return writer->finish();
 }

@@ -358,15 +358,22 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   if (!reader) return reader.status();
   Result<ModelConfig> config = model_config_from_json(reader->model, checkpoint + "/model.json");
   if (!config) return config.status();
-  const ModelLayout layout = model_layout(*config, 1);
   const nlohmann::json& units = reader->state["units"];
+  // A run with its vocabulary cut (strata.vocab_chunks) stored its chunks as units.
+  if (units.is_array()) {
+    int64_t chunks = 0;
+    for (const nlohmann::json& unit : units)
+      if (unit.is_object() && unit.value("name", std::string()).starts_with("embedding.")) ++chunks;
+    config->vocab_chunks = std::max<int64_t>(1, chunks);
+  }
+  const ModelLayout layout = model_layout(*config, 1);
   if (!units.is_array() || units.size() != layout.units.size())
     return Status::corruption(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,
                                           units.is_array() ? units.size() : 0,
                                           layout.units.size()));
-  const std::vector<NamedTensor> tensors = checkpoint_tensors(layout);
+  const std::vector<CheckpointTensor> tensors = checkpoint_tensor_groups(layout);
   std::vector<TensorSpec> specs;
-  for (const NamedTensor& t : tensors) specs.push_back({t.slot->name, t.slot->shape});
+  for (const CheckpointTensor& t : tensors) specs.push_back({t.name, t.shape});
   std::vector<float> buffer;
   Status read_status = Status::ok();
   std::error_code error;
@@ -375,13 +382,17 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
     return Status::from_errno(error.value(), fmt::format("--out {}: cannot create", out_dir));
   Status written = write_safetensors_checkpoint(
       out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
-        const NamedTensor& t = tensors[i];
-        buffer.resize(size_t(t.slot->numel));
-        const uint64_t offset =
-            (units[size_t(t.unit)].value("offset", uint64_t{0}) + uint64_t(t.slot->offset)) * 4;
-        if (Status s = reader->read(0, offset, buffer.data(), uint64_t(t.slot->numel) * 4);
-            !s && read_status)
-          read_status = s;
+        const CheckpointTensor& t = tensors[i];
+        buffer.resize(size_t(t.numel()));
+        for (const NamedTensor& part : t.parts) {  // a vocabulary-cut tensor's rows in order
+          const uint64_t offset = (units[size_t(part.unit)].value("offset", uint64_t{0}) +
+                                   uint64_t(part.slot->offset)) *
+                                  4;
+          float* into = buffer.data() + (part.slot->is_part() ? part.slot->fused_first : 0);
+          if (Status s = reader->read(0, offset, into, uint64_t(part.slot->numel) * 4);
+              !s && read_status)
+            read_status = s;
+        }
         return buffer.data();
       });
   if (!read_status) return read_status;

@@ -160,6 +160,9 @@ struct StrataConfig {
   Schedule schedule = Schedule::auto_choice;
   // Where the layer-major order keeps its saved inputs; auto: the plan's choice.
   ActivationHome activation_home = ActivationHome::automatic;
+  // The units the embedding and the head are cut into along the vocabulary
+  // (ModelConfig::vocab_chunks): 1 keeps them whole.
+  int64_t vocab_chunks = 1;
 };
 
 struct TrainConfig {
@@ -211,6 +214,7 @@ struct ConfigOverrides {
   std::optional<uint64_t> shuffle_seed;
   std::optional<std::string> schedule;  // auto | micro_batch | layer
   std::optional<std::string> activation_home;  // auto | device | host | nvme
+  std::optional<int64_t> vocab_chunks;         // strata.vocab_chunks
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
   // The learning-rate schedule ("scheduler"): --lr-schedule constant | warmup | linear |

@@ -46,6 +46,7 @@ class CpuRankCompute final : public RankCompute {
         gathered_fp32_(buffers.all_as<float>(BufferRole::gathered_unit_fp32)),
         widened_(buffers.all_as<float>(BufferRole::widened_params)),
         activation_grads_(buffers.all_as<float>(BufferRole::activation_gradient)),
+        head_logits_(buffers.all_as<float>(BufferRole::head_logits)),
         saved_inputs_(buffers.all_as<float>(BufferRole::saved_inputs)),
         activation_elements_(plan.tokens_per_micro * plan.input.model.hidden_size) {}
 
@@ -54,7 +55,8 @@ class CpuRankCompute final : public RankCompute {
     UnitParams p;
     p.flat = fp32(unit, params, 0);
     const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
-    unit_forward(plan_.layout, unit, p, batch, input, saved_input_at(unit, micro), workspace_);
+    unit_forward(plan_.layout, unit, p, with_logits(batch, micro), input,
+                 saved_input_at(unit, micro), workspace_);
     return Status::ok();
   }
 
@@ -73,7 +75,8 @@ class CpuRankCompute final : public RankCompute {
       zero(g.flat, head);
       if (g.tied_embedding != nullptr) zero(g.tied_embedding, 0);
     }
-    return head_forward_backward(plan_.layout, p, batch, saved_input_at(head - 1, micro),
+    return head_forward_backward(plan_.layout, p, with_logits(batch, micro),
+                                 saved_input_at(head - 1, micro),
                                  activation_grad(micro), g, workspace_);
   }
 
@@ -86,8 +89,8 @@ class CpuRankCompute final : public RankCompute {
     if (target.zero_first) zero(g.flat, unit);
     const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
     float* dy = activation_grad(micro);
-    unit_backward(plan_.layout, unit, p, batch, input, dy, unit == 0 ? nullptr : dy, g, workspace_,
-                  recompute);
+    unit_backward(plan_.layout, unit, p, with_logits(batch, micro), input, dy,
+                  unit == 0 ? nullptr : dy, g, workspace_, recompute);
     return Status::ok();
   }
 
@@ -148,6 +151,12 @@ class CpuRankCompute final : public RankCompute {
     const TrainingPlan::SavedInputPlace place = plan_.saved_input_place(unit, micro);
     return saved_inputs_[size_t(place.copy)] + place.level * activation_elements_;
   }
+  // A vocabulary-cut head's chunks share the micro-batch's logits (UnitBatch::head_logits).
+  UnitBatch with_logits(const UnitBatch& batch, int micro) const {
+    UnitBatch b = batch;
+    if (!head_logits_.empty()) b.head_logits = head_logits_[size_t(plan_.activation_copy(micro))];
+    return b;
+  }
   float* activation_grad(int micro) const {
     return activation_grads_[size_t(plan_.activation_copy(micro))];
   }
@@ -161,6 +170,7 @@ class CpuRankCompute final : public RankCompute {
   std::vector<float*> gathered_fp32_;     // [gather slot] (largest padded), below fp32 at stage 3
   std::vector<float*> widened_;           // [2] (largest padded), below fp32 at stages 0-2
   std::vector<float*> activation_grads_;  // [activation copies] (B*T, C)
+  std::vector<float*> head_logits_;       // [activation copies] (B*T, V); none for a whole head
   // [saved-input copies] (saved-input levels, B*T, C): each unit's output, the next's input
   std::vector<float*> saved_inputs_;
   int64_t activation_elements_ = 0;  // B*T*C

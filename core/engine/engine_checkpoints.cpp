@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/data/sequence_order.h"
@@ -39,6 +42,49 @@ Status check_data_order(const SequenceOrder& stored, const SequenceOrder& here) 
   return Status::error(fmt::format(
       "the checkpoint read its data {} but this run reads them {}; {} to continue its order",
       stored.describe(), here.describe(), fix));
+}
+
+// The checkpoint's units against this run's. Its files hold the units one
+// after another, and a vocabulary-cut tensor's chunks lie where the whole
+// tensor's rows do, so fp32 and bf16 state resumes with another
+// strata.vocab_chunks; int8 state is blocked per unit and needs the same cut.
+Status check_stored_units(const nlohmann::json& stored, const ModelLayout& layout,
+                          OptimizerStateDtype format) {
+  using Units = std::vector<std::pair<std::string, int64_t>>;
+  Units theirs, ours;
+  int64_t stored_chunks = 0;
+  for (const nlohmann::json& unit : stored.is_array() ? stored : nlohmann::json::array()) {
+    const std::string name = unit.is_object() ? unit.value("name", std::string()) : "";
+    stored_chunks += name.starts_with("embedding.") ? 1 : 0;
+    theirs.push_back({name, unit.is_object() ? unit.value("numel", int64_t{-1}) : -1});
+  }
+  for (const UnitLayout& unit : layout.units) ours.push_back({unit.unit.name, unit.numel});
+  if (theirs == ours) return Status::ok();
+  // Whole tensors: a chunk's unit counts as its embedding or head.
+  auto merged = [](const Units& units) {
+    Units out;
+    for (const auto& [name, numel] : units) {
+      const std::string whole = name.substr(0, name.find('.'));
+      const bool chunk = whole == "embedding" || whole == "head";
+      if (chunk && !out.empty() && out.back().first == whole)
+        out.back().second += numel;
+      else
+        out.push_back({chunk ? whole : name, numel});
+    }
+    return out;
+  };
+  const int64_t chunks = std::max<int64_t>(1, stored_chunks);
+  if (merged(theirs) != merged(ours))
+    return Status::error(fmt::format(
+        "state.json: the checkpoint's {} units are not this model's {}; resume it with the model "
+        "it was written for",
+        theirs.size(), ours.size()));
+  if (format == OptimizerStateDtype::int8)
+    return Status::error(fmt::format(
+        "the checkpoint's int8 optimizer state is blocked per unit of its strata.vocab_chunks "
+        "{}, and this run cuts the vocabulary into {}; pass --vocab-chunks {} to resume it",
+        chunks, layout.config.vocab_chunks, chunks));
+  return Status::ok();
 }
 
 }  // namespace
@@ -124,6 +170,7 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
           stored_world, stored_stage, stored_world,
           stored_stage == 0 ? "--zero-stage 0" : "a ZeRO stage of 1 to 3"));
   }
+  if (Status s = check_stored_units(state["units"], plan.layout, format); !s) return s;
   int64_t total = 0;
   for (const UnitLayout& unit : plan.layout.units) total += unit.numel;
   const MomentFiles files = moment_files(total);
@@ -133,11 +180,6 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   std::vector<std::byte> m, v;
   for (int u = 0; u < units(); ++u) {
     const UnitLayout& unit = plan.layout.units[size_t(u)];
-    const nlohmann::json& stored = state["units"][size_t(u)];
-    if (stored.value("numel", int64_t{-1}) != unit.numel ||
-        stored.value("name", std::string()) != unit.unit.name)
-      return Status::error(
-          fmt::format("state.json: unit {} differs from this model's {}", u, unit.unit.name));
     const size_t padded = size_t(unit.padded_numel);
     master.assign(padded, 0.0f);
     const uint64_t bytes = uint64_t(unit.numel) * 4;

@@ -3,6 +3,7 @@
 // in and out.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -40,7 +41,7 @@ auto find_tensor(const ModelLayout& layout, Buffers& buffers, const std::string&
                                  : name;
   for (size_t u = 0; u < layout.units.size(); ++u) {
     if (const TensorSlot* slot = layout.units[u].find(target))
-      return buffers[u].data() + slot->offset;
+      return slot->is_part() ? nullptr : buffers[u].data() + slot->offset;
   }
   return nullptr;
 }
@@ -83,6 +84,42 @@ std::vector<NamedTensor> checkpoint_tensors(const ModelLayout& layout) {
       list.push_back({static_cast<int64_t>(u), &slot});
   }
   return list;
+}
+
+int64_t CheckpointTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<CheckpointTensor> checkpoint_tensor_groups(const ModelLayout& layout) {
+  std::vector<CheckpointTensor> groups;
+  for (const NamedTensor& t : checkpoint_tensors(layout)) {
+    if (t.slot->is_part() && !groups.empty()) {
+      auto same = std::find_if(groups.begin(), groups.end(),
+                               [&](const CheckpointTensor& g) { return g.name == t.slot->name; });
+      if (same != groups.end()) {
+        same->parts.push_back(t);
+        continue;
+      }
+    }
+    groups.push_back(
+        {t.slot->name, t.slot->is_part() ? t.slot->fused_shape : t.slot->shape, {t}});
+  }
+  return groups;
+}
+
+const float* whole_tensor(const CheckpointTensor& t,
+                          const std::function<const float*(int64_t)>& unit_data,
+                          std::vector<float>& scratch) {
+  if (t.parts.size() == 1 && !t.parts[0].slot->is_part())
+    return unit_data(t.parts[0].unit) + t.parts[0].slot->offset;
+  scratch.resize(size_t(t.numel()));
+  for (const NamedTensor& part : t.parts) {
+    const float* data = unit_data(part.unit) + part.slot->offset;
+    std::copy(data, data + part.slot->numel, scratch.begin() + part.slot->fused_first);
+  }
+  return scratch.data();
 }
 
 Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t count,
@@ -130,6 +167,13 @@ double forward_all(const HostModel& model, const UnitBatch& batch, UnitWorkspace
                       inputs[units - 2].data(), logits, ws);
 }
 
+// A vocabulary-cut head's logits store, when the caller gave none.
+void own_head_logits(const ModelConfig& config, UnitBatch& batch, std::vector<float>& own) {
+  if (config.vocab_chunks <= 1 || batch.head_logits != nullptr) return;
+  own.resize(size_t(batch.B * batch.T * config.vocab_size));
+  batch.head_logits = own.data();
+}
+
 }  // namespace
 
 Result<double> model_forward(const HostModel& model, const UnitBatch& given, UnitWorkspace& ws,
@@ -138,6 +182,8 @@ Result<double> model_forward(const HostModel& model, const UnitBatch& given, Uni
   RouterStats own;
   UnitBatch batch = given;
   if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
+  std::vector<float> own_logits;
+  own_head_logits(model.layout.config, batch, own_logits);
   std::vector<std::vector<float>> inputs;
   return forward_all(model, batch, ws, inputs, logits);
 }
@@ -149,6 +195,8 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& given, 
   UnitBatch batch = given;
   if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
   if (batch.targets == nullptr) return Status::error("model_forward_backward needs targets");
+  std::vector<float> own_logits;
+  own_head_logits(model.layout.config, batch, own_logits);
   const ModelLayout& layout = model.layout;
   const int64_t units = static_cast<int64_t>(layout.units.size());
   // Forward through the last layer keeping unit inputs; the head runs forward and
@@ -177,8 +225,9 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& given, 
 Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
                             int64_t u, float* flat) {
   for (const TensorSlot& slot : layout.units[u].tensors) {
-    const bool fused = !slot.fused_name.empty() && checkpoint.find(slot.name) == nullptr &&
-                       checkpoint.find(slot.fused_name) != nullptr;
+    const bool fused = slot.is_part() || (!slot.fused_name.empty() &&
+                                          checkpoint.find(slot.name) == nullptr &&
+                                          checkpoint.find(slot.fused_name) != nullptr);
     Status s = fused ? checkpoint.read_f32(slot.fused_name, slot.fused_shape, flat + slot.offset,
                                            slot.fused_first, slot.numel)
                      : checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset);
@@ -207,12 +256,14 @@ Status write_model_config_json(const ModelConfig& model, const std::string& dir,
 
 Status save_host_model(const HostModel& model, const std::string& dir, DType dtype,
                        uint64_t max_shard_bytes, bool gradients) {
-  const std::vector<NamedTensor> list = checkpoint_tensors(model.layout);
+  const std::vector<CheckpointTensor> list = checkpoint_tensor_groups(model.layout);
   std::vector<TensorSpec> specs;
-  for (const NamedTensor& t : list) specs.push_back({t.slot->name, t.slot->shape});
+  for (const CheckpointTensor& t : list) specs.push_back({t.name, t.shape});
   const auto& buffers = gradients ? model.grads : model.params;
+  std::vector<float> scratch;
   Status s = write_safetensors_checkpoint(dir, specs, dtype, max_shard_bytes, [&](size_t i) {
-    return buffers[list[i].unit].data() + list[i].slot->offset;
+    return whole_tensor(
+        list[i], [&](int64_t u) { return buffers[size_t(u)].data(); }, scratch);
   });
   if (!s) return s;
   return write_model_config_json(model.layout.config, dir, dtype);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/model/vocab_chunks.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -65,6 +66,21 @@ void add_expert_slots(UnitLayout& layout, const ModelConfig& c, const std::strin
   }
 }
 
+// embed_tokens or lm_head (V, C), or chunk `chunk`'s rows of it.
+void add_vocab_slot(UnitLayout& layout, const ModelConfig& c, const std::string& name,
+                    int64_t chunk) {
+  const int64_t V = c.vocab_size, C = c.hidden_size;
+  if (chunk < 0) {
+    add_slot(layout, name, {V, C});
+    return;
+  }
+  const int64_t begin = c.vocab_chunk_begin(chunk), end = c.vocab_chunk_begin(chunk + 1);
+  add_slot(layout, name, {end - begin, C});
+  layout.tensors.back().fused_name = name;
+  layout.tensors.back().fused_shape = {V, C};
+  layout.tensors.back().fused_first = begin * C;
+}
+
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -79,6 +95,8 @@ uint64_t name_hash(const std::string& name) {  // FNV-1a
 }
 
 }  // namespace
+
+const TensorSlot* lm_head_slot(const UnitLayout& head) { return head.find("lm_head.weight"); }
 
 const TensorSlot* UnitLayout::find(const std::string& name) const {
   for (const TensorSlot& slot : tensors) {
@@ -105,12 +123,12 @@ ModelLayout model_layout(const ModelConfig& c, int world_size) {
   model.config = c;
   model.world_size = std::max(1, world_size);
   const int64_t C = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, V = c.vocab_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads;
   for (const UnitShape& unit : model_units(c)) {
     UnitLayout layout;
     layout.unit = unit;
     if (unit.kind == UnitKind::embedding) {
-      add_slot(layout, "model.embed_tokens.weight", {V, C});
+      add_vocab_slot(layout, c, "model.embed_tokens.weight", unit.chunk);
     } else if (unit.kind == UnitKind::decoder_layer) {
       const std::string p = fmt::format("model.layers.{}.", unit.layer);
       // q, k, v adjacent: one fused projection of (H + 2 KV) D rows; gate, up likewise.
@@ -138,8 +156,8 @@ ModelLayout model_layout(const ModelConfig& c, int world_size) {
         add_slot(layout, p + "self_attn.k_norm.weight", {D});
       }
     } else {
-      add_slot(layout, "model.norm.weight", {C});
-      if (!c.tie_word_embeddings) add_slot(layout, "lm_head.weight", {V, C});
+      if (unit.chunk <= 0) add_slot(layout, "model.norm.weight", {C});
+      if (!c.tie_word_embeddings) add_vocab_slot(layout, c, "lm_head.weight", unit.chunk);
     }
     const int64_t granule = model.world_size * kShardAlignElements;
     layout.padded_numel = (layout.numel + granule - 1) / granule * granule;
@@ -169,10 +187,13 @@ void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, fl
       std::fill(out, out + slot.numel, bias ? 0.0f : 1.0f);
       continue;
     }
+    // A vocabulary chunk's rows draw the whole tensor's values: a cut model
+    // starts as the whole one does.
+    const int64_t first = slot.is_part() ? slot.fused_first : 0;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, slot.numel, 4096),
                       [&](const tbb::blocked_range<int64_t>& range) {
                         for (int64_t i = range.begin(); i < range.end(); ++i) {
-                          out[i] = init_std * init_normal(seed, slot.name, i);
+                          out[i] = init_std * init_normal(seed, slot.name, first + i);
                         }
                       });
   }
@@ -699,6 +720,7 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
   const ModelConfig& c = model.config;
   const UnitLayout& layout = model.units[u];
   const int64_t N = batch.B * batch.T;
+  if (layout.unit.chunk >= 0) return vocab_chunk_forward(model, u, params, batch, input, output, ws);
   switch (layout.unit.kind) {
     case UnitKind::embedding:
       cpu::embedding_forward(output, batch.tokens, params.flat, N, c.hidden_size);
@@ -724,6 +746,10 @@ void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params
   const ModelConfig& c = model.config;
   const UnitLayout& layout = model.units[u];
   const int64_t N = batch.B * batch.T;
+  if (layout.unit.chunk >= 0 && u != int64_t(model.units.size()) - 1) {
+    vocab_chunk_backward(model, u, params, batch, input, doutput, dinput, grads, ws);
+    return;
+  }
   switch (layout.unit.kind) {
     case UnitKind::embedding:
       cpu::embedding_backward(grads.flat, doutput, batch.tokens, N, c.hidden_size);
@@ -752,6 +778,8 @@ double head_forward_backward(const ModelLayout& model, const UnitParams& params,
                              const UnitGrads& grads, UnitWorkspace& ws, float* logits) {
   const ModelConfig& c = model.config;
   const UnitLayout& layout = model.units.back();
+  if (layout.unit.chunk >= 0)
+    return vocab_chunk_head_pass(model, params, batch, input, dinput, grads, ws, logits);
   const bool tied = c.tie_word_embeddings;
   const int64_t lm_offset = tied ? 0 : layout.tensors[1].offset;
   const float* lm_head = tied ? params.tied_embedding : params.flat + lm_offset;

@@ -44,6 +44,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -64,9 +65,13 @@ struct TensorSlot {
   // memory and may save: elements [fused_first, fused_first + numel) of
   // `fused_name` of `fused_shape` (mlp.experts.gate_up_proj (E, 2 I, C),
   // mlp.experts.down_proj (E, C, I), mixtral's router as mlp.gate.weight).
+  // A vocabulary chunk's embed_tokens or lm_head (ModelConfig::vocab_chunks)
+  // is a part of the tensor of its own name: fused_name is `name`, and its
+  // rows are elements [fused_first, fused_first + numel) of it.
   std::string fused_name;
   std::vector<int64_t> fused_shape;
   int64_t fused_first = 0;
+  bool is_part() const { return !fused_name.empty() && fused_name == name; }
 };
 
 struct UnitLayout {
@@ -104,6 +109,10 @@ kernels::cpu::AttentionShape layer_attention_shape(const ModelConfig& config, in
 // The rotary embedding's fp32 tables for positions [0, T): cos and sin (T, D/2),
 // with the model's theta and rope_scaling. Shared by both backends.
 void rope_tables(const ModelConfig& config, int64_t T, float* cos, float* sin);
+
+// The lm_head rows of a head unit (the whole table, or its chunk's rows); null
+// for a tied head, which reads UnitParams::tied_embedding.
+const TensorSlot* lm_head_slot(const UnitLayout& head);
 
 // A unit's gathered parameters and where its gradients accumulate.
 struct UnitParams {
@@ -146,6 +155,13 @@ struct UnitBatch {
   // over the micro-batches of the global batch (times the fp16 loss scale)
   // when the loss includes it (output_router_logits), else 0.
   float aux_loss_scale = 0.0f;
+  // A head cut along the vocabulary (ModelConfig::vocab_chunks > 1): this
+  // micro-batch's logits, (N, V) chunk after chunk, each chunk's (N, rows)
+  // block. Each head chunk's forward writes its block; the last chunk's
+  // forward reads every block for the loss, its backward (the one pass)
+  // turns every block into the logits' gradient, which the other chunks'
+  // backwards read. Null for a whole head; a cut one needs it.
+  float* head_logits = nullptr;
 };
 
 // Scratch for the forward and backward of any unit at one (B, T).
@@ -159,6 +175,7 @@ class UnitWorkspace {
 
  private:
   friend struct UnitKernels;
+  friend struct VocabChunkKernels;
   int64_t B_, T_;
   std::vector<float> rope_cos, rope_sin;  // (T, D/2)
   // Decoder layer activations (N = B*T), recomputed in the backward.
@@ -201,6 +218,23 @@ class UnitWorkspace {
 //  layer:     output (B, T, C) from input (B, T, C).
 //  head:      input (B, T, C); writes logits (B, T, V) to `output` unless null.
 // Returns the sum of the token losses for the head (needs batch.targets), 0 otherwise.
+// Cut along the vocabulary (ModelConfig::vocab_chunks), every chunk but the
+// last is a unit with an input and an output (B, T, C) like a layer's:
+//  embedding.k: output = input (none for k = 0: zeros) with the rows of the
+//               tokens in chunk k's range set, so the last chunk's output is
+//               the whole embedding's, bit for bit;
+//  head.0:      output = the final norm of input; its logits block written;
+//  head.k:      output = input (the normed rows); its logits block written;
+//  the last head chunk is the head: its loss reads every block.
+// Backward: embedding.k adds its rows' gradients and passes doutput on;
+// head.k (not the last) adds its block's product to the gradient of the
+// normed rows that doutput carries (head.0 then takes it through the final
+// norm into dinput); the last chunk's pass starts that gradient. The
+// embedding's gradients and the head's logits, loss and lm_head gradients are
+// the whole units' bits on the reference products (kernels/cpu/gemm.h); the
+// normed rows' gradient sums over the chunks in another order (chunk K-1
+// first, the whole head's sum in vocabulary order), within the bound that
+// core/README.md ("vocabulary chunks") derives.
 double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
                     const UnitBatch& batch, const float* input, float* output, UnitWorkspace& ws);
 
@@ -233,7 +267,8 @@ struct HostModel {
 
   UnitParams unit_params(int64_t u) const;
   UnitGrads unit_grads(int64_t u);
-  // Pointer to a tensor by Hugging Face name (lm_head.weight of a tied model is the embedding).
+  // Pointer to a tensor by Hugging Face name (lm_head.weight of a tied model
+  // is the embedding); null for a vocabulary-cut tensor, which has parts.
   const float* tensor(const std::string& name) const;
   float* tensor_grad(const std::string& name);
 };
@@ -248,7 +283,23 @@ struct NamedTensor {
   int64_t unit = 0;
   const TensorSlot* slot = nullptr;
 };
+// (A vocabulary-cut tensor is listed once per chunk, each its part.)
 std::vector<NamedTensor> checkpoint_tensors(const ModelLayout& layout);
+
+// The same tensors whole, as a checkpoint stores them: each with its parts in
+// row order (one slot, or a vocabulary-cut tensor's chunks).
+struct CheckpointTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<NamedTensor> parts;
+  int64_t numel() const;
+};
+std::vector<CheckpointTensor> checkpoint_tensor_groups(const ModelLayout& layout);
+// Tensor `t` from the units' flat buffers (unit_data(u) is unit u's): its one
+// part's own elements, or its parts copied one after another into `scratch`.
+const float* whole_tensor(const CheckpointTensor& t,
+                          const std::function<const float*(int64_t)>& unit_data,
+                          std::vector<float>& scratch);
 
 // Checks that tokens lie in [0, V) and targets in [-inf, V): the message names `origin`.
 Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t count,

@@ -237,14 +237,38 @@ int64_t ModelConfig::active_parameter_count() const {
 
 std::vector<UnitShape> model_units(const ModelConfig& config) {
   std::vector<UnitShape> units;
-  units.push_back({UnitKind::embedding, -1, "embedding", config.vocab_size * config.hidden_size});
+  const int64_t C = config.hidden_size, K = std::max<int64_t>(1, config.vocab_chunks);
+  auto rows = [&](int64_t k) {
+    return K == 1 ? config.vocab_size : config.vocab_chunk_begin(k + 1) - config.vocab_chunk_begin(k);
+  };
+  auto name = [&](const char* unit, int64_t k) {
+    return K == 1 ? std::string(unit) : fmt::format("{}.{}", unit, k);
+  };
+  for (int64_t k = 0; k < K; ++k)
+    units.push_back({UnitKind::embedding, -1, name("embedding", k), rows(k) * C, K == 1 ? -1 : k});
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     units.push_back({UnitKind::decoder_layer, i, fmt::format("layers.{}", i),
                      config.layer_parameter_count(i)});
   }
-  const int64_t lm_head = config.tie_word_embeddings ? 0 : config.vocab_size * config.hidden_size;
-  units.push_back({UnitKind::head, -1, "head", config.hidden_size + lm_head});
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t lm_head = config.tie_word_embeddings ? 0 : rows(k) * C;
+    units.push_back(
+        {UnitKind::head, -1, name("head", k), (k == 0 ? C : 0) + lm_head, K == 1 ? -1 : k});
+  }
   return units;
+}
+
+Status check_vocab_chunks(const ModelConfig& config) {
+  if (config.vocab_chunks < 1 || config.vocab_chunks > config.vocab_size)
+    return Status::invalid_argument(
+        fmt::format("strata.vocab_chunks: expected 1 to the vocabulary's {} rows, got {}",
+                    config.vocab_size, config.vocab_chunks));
+  if (config.vocab_chunks > 1 && config.tie_word_embeddings)
+    return Status::invalid_argument(fmt::format(
+        "strata.vocab_chunks {}: {} ties lm_head to the embedding (tie_word_embeddings), whose "
+        "head reads the whole table; use strata.vocab_chunks 1 for a tied model",
+        config.vocab_chunks, config.name));
+  return Status::ok();
 }
 
 Status check_sequence_window(const ModelConfig& config, int64_t seq_len) {

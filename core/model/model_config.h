@@ -77,6 +77,13 @@ struct ModelConfig {
   bool output_router_logits = false;
   double router_aux_loss_coef = 0.001;
 
+  // Not a Hugging Face key: the units the embedding and the head are cut
+  // into along the vocabulary (strata.vocab_chunks; 1, whole units). Chunk k
+  // holds rows [vocab_chunk_begin(k), vocab_chunk_begin(k + 1)) of
+  // embed_tokens and of lm_head; the final norm is the first head chunk's.
+  int64_t vocab_chunks = 1;
+  int64_t vocab_chunk_begin(int64_t chunk) const { return chunk * vocab_size / vocab_chunks; }
+
   bool is_moe() const { return num_experts > 0; }
   // Whether decoder layer `layer` has a router and experts (false for every
   // layer of a dense family).
@@ -106,12 +113,19 @@ enum class UnitKind { embedding, decoder_layer, head };
 struct UnitShape {
   UnitKind kind = UnitKind::embedding;
   int64_t layer = -1;  // decoder layer index, -1 for embedding and head
-  std::string name;    // "embedding", "layers.3", "head"
+  std::string name;    // "embedding", "layers.3", "head"; cut: "embedding.1", "head.0"
   int64_t numel = 0;   // parameters owned by the unit (the tied lm_head is the embedding's)
+  int64_t chunk = -1;  // the vocabulary chunk of a cut embedding or head; -1: whole
 };
 
-// The units in forward order: embedding, layers.0 .. layers.{L-1}, head.
+// The units in forward order: embedding, layers.0 .. layers.{L-1}, head; with
+// vocab_chunks K > 1, embedding.0 .. embedding.{K-1} and head.0 .. head.{K-1}.
 std::vector<UnitShape> model_units(const ModelConfig& config);
+
+// OK when config.vocab_chunks can cut this model: 1 to vocab_size chunks, and
+// an untied lm_head when more than one (a tied head reads the embedding
+// unit's whole table). The message names strata.vocab_chunks.
+Status check_vocab_chunks(const ModelConfig& config);
 
 // The names accepted by load_model_config as presets.
 std::vector<std::string> model_preset_names();

@@ -193,6 +193,10 @@ class BufferListing {
           (units - 1) * N * C);
     add(R::activation_gradient, O::rank, copies_name("activation gradient"), kept, f32, copies,
         N * C);
+    // A vocabulary-cut head's logits live from its chunks' forwards to their backwards.
+    if (in.model.vocab_chunks > 1)
+      add(R::head_logits, O::rank, copies_name("logits of the vocabulary-cut head"), kept, f32,
+          copies, N * in.model.vocab_size);
     add_spill_buffers(f32, 4);
     add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);

@@ -48,6 +48,7 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.precision = c.precision;
   in.micro_batch = c.train_micro_batch_size_per_gpu;
   in.seq_len = effective_seq_len(c, model);
+  in.model.vocab_chunks = c.strata.vocab_chunks;
   in.grad_accum = c.gradient_accumulation_steps;
   in.overlap_comm = c.zero.overlap_comm;
   in.reduce_scatter = c.zero.reduce_scatter;
@@ -144,6 +145,12 @@ Status validate_plan_input(const PlanInput& in) {
         "micro batch ({}), sequence length ({}) and gradient accumulation ({}) must each be at "
         "least 1",
         in.micro_batch, in.seq_len, in.grad_accum));
+  if (Status s = check_vocab_chunks(in.model); !s) return s;
+  if (in.model.vocab_chunks > 1 && in.gpu)
+    return Status::invalid_argument(fmt::format(
+        "strata.vocab_chunks {}: the CUDA backend computes whole embeddings and heads only; use "
+        "strata.vocab_chunks 1, or train on the CPU backend (--backend cpu)",
+        in.model.vocab_chunks));
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));

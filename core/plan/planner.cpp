@@ -123,6 +123,7 @@ BufferKind buffer_kind(BufferRole role) {
   switch (role) {
     case BufferRole::saved_inputs:
     case BufferRole::activation_gradient:
+    case BufferRole::head_logits:
     case BufferRole::tokens_and_targets:
     case BufferRole::gpu_saved_inputs:
     case BufferRole::gpu_activation_gradient:

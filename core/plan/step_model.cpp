@@ -171,9 +171,19 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
   const int64_t T = plan.input.seq_len;
   const int64_t B = plan.tokens_per_micro / std::max<int64_t>(T, 1);
   const int head = int(plan.units.size()) - 1;
-  if (op.unit == 0) return 0;  // the embedding: a lookup and its scatter-add
-  if (op.unit == head) return head_flops(m, B, T);
-  const int64_t layer = plan.layout.units[size_t(op.unit)].unit.layer;
+  const UnitShape& unit = plan.layout.units[size_t(op.unit)].unit;
+  if (unit.kind == UnitKind::embedding) return 0;  // a lookup and its scatter-add
+  if (unit.kind == UnitKind::head) {
+    // A vocabulary chunk computes its rows' share: the last chunk's one pass
+    // all three products, another chunk's forward one and its backward two.
+    const double share =
+        unit.chunk < 0 ? 1.0
+                       : double(m.vocab_chunk_begin(unit.chunk + 1) - m.vocab_chunk_begin(unit.chunk)) /
+                             double(m.vocab_size);
+    const double thirds = op.unit == head ? 3 : op.kind == OpKind::forward ? 1 : 2;
+    return head_flops(m, B, T) * share * thirds / 3;
+  }
+  const int64_t layer = unit.layer;
   if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T, layer);
   return layer_backward_flops(m, B, T, plan.recomputes(op.unit), layer);
 }
@@ -182,7 +192,6 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
   const std::vector<StepTraffic> traffic = traffic_per_op(plan);
   const PlanInput& in = plan.input;
   const bool gpu = in.gpu;
-  const int head = int(plan.units.size()) - 1;
   const uint32_t compute = uint32_t(gpu ? Resource::device : Resource::cores);
   const double nvme_latency = hw.nvme.empty() ? 100 : hw.nvme.front().latency_us;
   // Every rank of the node streams through the node's drives at once (the
@@ -222,7 +231,7 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         const double flops = operation_flops(plan, op);
         double rate = hw.matmul_flops(gpu ? in.precision : Precision::fp32);
         if (!gpu) {
-          const bool is_head = op.unit == head;
+          const bool is_head = plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::head;
           const double measured = is_head                      ? hw.head_gflops
                                   : op.kind == OpKind::forward ? hw.layer_forward_gflops
                                                                : hw.layer_backward_gflops;
@@ -232,7 +241,9 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         // The embedding and the element-wise work move (B*T, C) activations a few times.
         const double activations = double(plan.tokens_per_micro) * double(in.model.hidden_size) * 4;
         c.seconds = (rate > 0 ? flops / rate : 0) +
-                    (op.unit == 0 ? seconds_for(3 * activations, hw.memory_gbps, 0) : 0) +
+                    (plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::embedding
+                         ? seconds_for(3 * activations, hw.memory_gbps, 0)
+                         : 0) +
                     pcie_seconds(t);
         c.resources = compute | pcie_bits(t);
         break;

@@ -117,6 +117,8 @@ const char* buffer_role_name(BufferRole role) {
       return "saved_inputs";
     case BufferRole::activation_gradient:
       return "activation_gradient";
+    case BufferRole::head_logits:
+      return "head_logits";
     case BufferRole::activation_spill:
       return "activation_spill";
     case BufferRole::activation_staging:

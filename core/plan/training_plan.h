@@ -160,6 +160,7 @@ enum class BufferRole {
   saved_inputs,           // [saved_input_copies] (saved_input_levels, B*T, C) fp32, the CPU units'
                           // inputs
   activation_gradient,    // [activation copies] (B*T, C) fp32
+  head_logits,            // [activation copies] (B*T, V) fp32: a vocabulary-cut head's logits
   unit_working_set,       // bytes the CPU UnitWorkspace allocates itself, charged here
   new_parameters,         // (largest optimizer range) compute precision, staged
   nccl_staging,           // [2] (largest padded) fp32: send, receive

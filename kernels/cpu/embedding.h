@@ -21,4 +21,13 @@ void embedding_backward(float* dweight,         // (V, C), +=
                         const int32_t* tokens,  // (N)
                         int64_t N, int64_t C);
 
+// A table cut along the vocabulary: `weight` holds rows [begin, end). The
+// forward sets the rows of `out` whose token is in the range and leaves the
+// others; the backward adds those tokens' rows only, visiting them in order
+// as embedding_backward does, so every row's sum is the whole table's.
+void embedding_forward_rows(float* out, const int32_t* tokens, const float* weight, int64_t N,
+                            int64_t C, int64_t begin, int64_t end);
+void embedding_backward_rows(float* dweight, const float* dout, const int32_t* tokens, int64_t N,
+                             int64_t C, int64_t begin, int64_t end);
+
 }  // namespace strata::kernels::cpu
