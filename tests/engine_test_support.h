@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -110,6 +111,8 @@ struct EngineRun {
   std::string state_dtype = "fp32";      // strata.optimizer_state_dtype
   std::string gradient_home = "auto";    // strata.gradient_home
   std::string activation_home = "auto";  // strata.activation_home
+  int64_t vocab_chunks = 1;              // strata.vocab_chunks
+  int64_t vocab_size = 0;                // the model's vocabulary; 0: small_gqa_model's
   std::string label() const {
     return std::string(moe ? "moe " : "") +
            std::string(backend == kernels::BackendKind::cuda ? "cuda "
@@ -121,7 +124,8 @@ struct EngineRun {
            (schedule == "auto" ? "" : " schedule " + schedule) +
            (state_dtype == "fp32" ? "" : " state " + state_dtype) +
            (gradient_home == "auto" ? "" : " gradients " + gradient_home) +
-           (activation_home == "auto" ? "" : " activations " + activation_home);
+           (activation_home == "auto" ? "" : " activations " + activation_home) +
+           (vocab_chunks == 1 ? "" : " vocab chunks " + std::to_string(vocab_chunks));
   }
 };
 
@@ -171,6 +175,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   if (run.gradient_home != "auto") j["strata"]["gradient_home"] = run.gradient_home;
   if (run.activation_home != "auto") j["strata"]["activation_home"] = run.activation_home;
   if (run.shuffle_seed) j["strata"]["shuffle_seed"] = *run.shuffle_seed;
+  if (run.vocab_chunks != 1) j["strata"]["vocab_chunks"] = run.vocab_chunks;
   j["strata"]["schedule"] = run.schedule;
   ConfigOverrides overrides;
   overrides.world_size = run.world;
@@ -185,6 +190,7 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   EngineOptions options;
   options.model = run.moe ? small_moe_model() : small_gqa_model(run.tied);
   options.model.num_hidden_layers = run.layers;
+  if (run.vocab_size > 0) options.model.vocab_size = run.vocab_size;
   options.config = *config;
   options.total_steps = run.steps;
   options.budgets.device_per_rank = int64_t(run.device_budget);
@@ -233,30 +239,38 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   return outcome;
 }
 
-// Largest per-tensor relative error |a - b| / |b| over the model; `where` gets its tensor.
+// Largest per-tensor relative error |a - b| / |b| over the model; `where` gets
+// its tensor. Whole tensors, so models cut along the vocabulary differently compare.
 inline double weights_relative_error(const HostModel& a, const HostModel& b,
                                      std::string* where = nullptr) {
   double worst = 0;
-  for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
-    const float* x = a.params[size_t(t.unit)].data() + t.slot->offset;
-    const float* y = b.params[size_t(t.unit)].data() + t.slot->offset;
+  const std::vector<CheckpointTensor> ta = checkpoint_tensor_groups(a.layout);
+  const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
+  std::vector<float> sa, sb;
+  for (size_t i = 0; i < ta.size() && i < tb.size(); ++i) {
+    const float* x = whole_tensor(ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
+    const float* y = whole_tensor(tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
     double diff = 0, norm = 0;
-    for (int64_t i = 0; i < t.slot->numel; ++i) {
-      diff += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-      norm += double(y[i]) * y[i];
+    for (int64_t e = 0; e < ta[i].numel(); ++e) {
+      diff += (double(x[e]) - y[e]) * (double(x[e]) - y[e]);
+      norm += double(y[e]) * y[e];
     }
     const double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
-    if (error > worst && where) *where = t.slot->name;
+    if (error > worst && where) *where = ta[i].name;
     worst = std::max(worst, error);
   }
-  return worst;
+  return ta.size() == tb.size() ? worst : INFINITY;
 }
 
 inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
-  for (const NamedTensor& t : checkpoint_tensors(a.layout)) {
-    if (std::memcmp(a.params[size_t(t.unit)].data() + t.slot->offset,
-                    b.params[size_t(t.unit)].data() + t.slot->offset,
-                    size_t(t.slot->numel) * 4) != 0)
+  const std::vector<CheckpointTensor> ta = checkpoint_tensor_groups(a.layout);
+  const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
+  if (ta.size() != tb.size()) return false;
+  std::vector<float> sa, sb;
+  for (size_t i = 0; i < ta.size(); ++i) {
+    const float* x = whole_tensor(ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
+    const float* y = whole_tensor(tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
+    if (ta[i].shape != tb[i].shape || std::memcmp(x, y, size_t(ta[i].numel()) * 4) != 0)
       return false;
   }
   return true;
