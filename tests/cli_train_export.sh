@@ -100,4 +100,49 @@ assert b[0]["loss"] < a[0]["loss"], (a[0]["loss"], b[0]["loss"])
 PY
 check "the run from the export starts below the first run's first loss" $?
 
+# The embedding and the head cut along the vocabulary: the plan lists the
+# chunks, training saves a checkpoint whose export (and --export) holds the
+# whole tensors, and a tied model is refused in one line.
+cat >"$dir/untied.json" <<'JSON'
+{"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 48,
+ "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+ "max_position_embeddings": 64, "tie_word_embeddings": false}
+JSON
+placed=(--model "$dir/untied.json" --backend cpu --seq-len 32 --micro-batch 2 --zero-stage 3
+        --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap")
+cut=("${placed[@]}" --data "$dir/data/train.bin")
+"$strata" plan "${placed[@]}" --vocab-chunks 3 --ops >"$dir/out" 2>"$dir/err"
+check "strata plan --vocab-chunks exits 0" $?
+grep -q "gather(head.2)" "$dir/out" && grep -q "logits of the vocabulary-cut head" "$dir/out"
+check "the plan lists the chunks and their logits" $?
+"$strata" train "${cut[@]}" --steps 3 --vocab-chunks 3 --save "$dir/cut-ck" --metrics "$dir/cut.jsonl" \
+  --export "$dir/cut.safetensors" >"$dir/out" 2>"$dir/err"
+check "a run with --vocab-chunks 3 trains, saves and exports" $?
+"$strata" train "${cut[@]}" --steps 3 --metrics "$dir/whole.jsonl" --export "$dir/whole.safetensors" \
+  >/dev/null 2>"$dir/err"
+check "the same run with whole units" $?
+"$strata" export "$dir/cut-ck" --out "$dir/cut-hf" >/dev/null 2>"$dir/err"
+check "strata export of the cut run's checkpoint" $?
+python3 - "$dir/cut.safetensors" "$dir/whole.safetensors" "$dir/cut-hf/model.safetensors" \
+  "$dir/cut.jsonl" "$dir/whole.jsonl" <<'PY'
+import json, struct, sys
+def header(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    return {k: v["shape"] for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__"}
+cut, whole, exported = header(sys.argv[1]), header(sys.argv[2]), header(sys.argv[3])
+assert cut == whole == exported, (cut, whole)
+assert cut["model.embed_tokens.weight"] == [300, 32] and cut["lm_head.weight"] == [300, 32]
+a = [json.loads(l)["loss"] for l in open(sys.argv[4])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[5])]
+assert all(abs(x - y) <= 1e-5 * y for x, y in zip(a, b)), (a, b)
+PY
+check "whole tensors in both exports; the losses agree with whole units" $?
+sed 's/"tie_word_embeddings": false/"tie_word_embeddings": true/' "$dir/untied.json" >"$dir/tied.json"
+err=$("$strata" train --model "$dir/tied.json" --backend cpu --seq-len 32 --micro-batch 2 \
+  --data "$dir/data/train.bin" --steps 1 --vocab-chunks 2 2>&1 >/dev/null)
+status=$?
+[ $status -ne 0 ] && grep -q "tie_word_embeddings" <<<"$err" && [ "$(echo "$err" | wc -l)" -eq 1 ]
+check "a tied model with --vocab-chunks is refused in one line" $?
+
 finish_checks

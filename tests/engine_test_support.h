@@ -248,8 +248,10 @@ inline double weights_relative_error(const HostModel& a, const HostModel& b,
   const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
   std::vector<float> sa, sb;
   for (size_t i = 0; i < ta.size() && i < tb.size(); ++i) {
-    const float* x = whole_tensor(ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
-    const float* y = whole_tensor(tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
+    const float* x = whole_tensor(
+        ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
+    const float* y = whole_tensor(
+        tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
     double diff = 0, norm = 0;
     for (int64_t e = 0; e < ta[i].numel(); ++e) {
       diff += (double(x[e]) - y[e]) * (double(x[e]) - y[e]);
@@ -268,8 +270,10 @@ inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
   if (ta.size() != tb.size()) return false;
   std::vector<float> sa, sb;
   for (size_t i = 0; i < ta.size(); ++i) {
-    const float* x = whole_tensor(ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
-    const float* y = whole_tensor(tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
+    const float* x = whole_tensor(
+        ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
+    const float* y = whole_tensor(
+        tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
     if (ta[i].shape != tb[i].shape || std::memcmp(x, y, size_t(ta[i].numel()) * 4) != 0)
       return false;
   }

@@ -208,7 +208,8 @@ TEST_F(EngineVocabChunks, ModelsAndBackendsThatCannotBeCutAreRefused) {
   ASSERT_TRUE(options.is_ok());
   engine = Engine::create(*options);
   ASSERT_FALSE(engine.is_ok());
-  EXPECT_NE(engine.status().message().find("strata.vocab_chunks: expected 1 to the vocabulary's 96 rows, got 97"),
+  EXPECT_NE(engine.status().message().find(
+                "strata.vocab_chunks: expected 1 to the vocabulary's 96 rows, got 97"),
             std::string::npos)
       << engine.status().message();
 }

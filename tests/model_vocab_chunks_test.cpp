@@ -27,7 +27,9 @@ namespace strata {
 namespace {
 
 constexpr double kUnit = 1.0 / 16777216.0;  // fp32's unit roundoff, 2^-24
-double gamma(double n) { return n * kUnit / (1 - n * kUnit); }
+double gamma(double n) {
+  return n * kUnit / (1 - n * kUnit);
+}
 
 class ModelVocabChunks : public ::testing::Test {
  protected:
@@ -166,9 +168,9 @@ TEST_F(ModelVocabChunks, TheHeadsChunksGiveTheWholeHeadsBitsAndTheInputGradientW
     UnitWorkspace ws(c, B, T);
     const int64_t whole_head = int64_t(a.layout.units.size()) - 1;
     std::vector<float> dx_a(size_t(N * C)), logits_a(size_t(N * V)), logits_b(size_t(N * V));
-    const double loss_a = head_forward_backward(a.layout, a.unit_params(whole_head), batch,
-                                                h.data(), dx_a.data(),
-                                                a.unit_grads(whole_head), ws, logits_a.data());
+    const double loss_a =
+        head_forward_backward(a.layout, a.unit_params(whole_head), batch, h.data(), dx_a.data(),
+                              a.unit_grads(whole_head), ws, logits_a.data());
     // The cut head: head.0 .. head.{K-2} forward, the last chunk's pass, back down.
     std::vector<float> store(size_t(N * V));
     batch.head_logits = store.data();
@@ -219,8 +221,8 @@ TEST_F(ModelVocabChunks, TheHeadsChunksGiveTheWholeHeadsBitsAndTheInputGradientW
       for (int64_t i = 0; i < C; ++i)
         mean += std::abs(double(w[size_t(i)])) * e[t * C + i] * std::abs(xhat[t * C + i]);
       mean /= double(C);
-      return rstd[t] * (std::abs(double(w[size_t(j)])) * e[t * C + j] +
-                        std::abs(xhat[t * C + j]) * mean);
+      return rstd[t] *
+             (std::abs(double(w[size_t(j)])) * e[t * C + j] + std::abs(xhat[t * C + j]) * mean);
     };
     std::vector<double> g_abs(size_t(N * C));
     for (size_t i = 0; i < g.size(); ++i) g_abs[i] = std::abs(g[i]);

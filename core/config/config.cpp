@@ -689,8 +689,8 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
 
   if (overrides.vocab_chunks) {
     if (*overrides.vocab_chunks < 1)
-      return Status::invalid_argument(fmt::format(
-          "--vocab-chunks: expected an integer >= 1, got {}", *overrides.vocab_chunks));
+      return Status::invalid_argument(
+          fmt::format("--vocab-chunks: expected an integer >= 1, got {}", *overrides.vocab_chunks));
     config.strata.vocab_chunks = *overrides.vocab_chunks;
   }
   if (overrides.seq_len) {
@@ -769,7 +769,8 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
   json strata = {
       {"world_size", c.world_size},
       {"precision", precision_name(c.precision)},
-      {"device_mem_limit", c.strata.device_mem_limit ? json(*c.strata.device_mem_limit) : json(nullptr)},
+      {"device_mem_limit",
+       c.strata.device_mem_limit ? json(*c.strata.device_mem_limit) : json(nullptr)},
       {"host_mem_limit", c.strata.host_mem_limit ? json(*c.strata.host_mem_limit) : json(nullptr)},
       {"nvme_paths", c.effective_nvme_paths()},
       {"gradient_reduce_dtype", precision_name(c.strata.gradient_reduce_dtype)},

@@ -76,8 +76,8 @@ class CpuRankCompute final : public RankCompute {
       if (g.tied_embedding != nullptr) zero(g.tied_embedding, 0);
     }
     return head_forward_backward(plan_.layout, p, with_logits(batch, micro),
-                                 saved_input_at(head - 1, micro),
-                                 activation_grad(micro), g, workspace_);
+                                 saved_input_at(head - 1, micro), activation_grad(micro), g,
+                                 workspace_);
   }
 
   Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch& batch,

@@ -103,8 +103,7 @@ std::vector<CheckpointTensor> checkpoint_tensor_groups(const ModelLayout& layout
         continue;
       }
     }
-    groups.push_back(
-        {t.slot->name, t.slot->is_part() ? t.slot->fused_shape : t.slot->shape, {t}});
+    groups.push_back({t.slot->name, t.slot->is_part() ? t.slot->fused_shape : t.slot->shape, {t}});
   }
   return groups;
 }
@@ -225,9 +224,9 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& given, 
 Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const ModelLayout& layout,
                             int64_t u, float* flat) {
   for (const TensorSlot& slot : layout.units[u].tensors) {
-    const bool fused = slot.is_part() || (!slot.fused_name.empty() &&
-                                          checkpoint.find(slot.name) == nullptr &&
-                                          checkpoint.find(slot.fused_name) != nullptr);
+    const bool fused =
+        slot.is_part() || (!slot.fused_name.empty() && checkpoint.find(slot.name) == nullptr &&
+                           checkpoint.find(slot.fused_name) != nullptr);
     Status s = fused ? checkpoint.read_f32(slot.fused_name, slot.fused_shape, flat + slot.offset,
                                            slot.fused_first, slot.numel)
                      : checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset);

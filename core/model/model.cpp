@@ -96,7 +96,9 @@ uint64_t name_hash(const std::string& name) {  // FNV-1a
 
 }  // namespace
 
-const TensorSlot* lm_head_slot(const UnitLayout& head) { return head.find("lm_head.weight"); }
+const TensorSlot* lm_head_slot(const UnitLayout& head) {
+  return head.find("lm_head.weight");
+}
 
 const TensorSlot* UnitLayout::find(const std::string& name) const {
   for (const TensorSlot& slot : tensors) {
@@ -720,7 +722,8 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
   const ModelConfig& c = model.config;
   const UnitLayout& layout = model.units[u];
   const int64_t N = batch.B * batch.T;
-  if (layout.unit.chunk >= 0) return vocab_chunk_forward(model, u, params, batch, input, output, ws);
+  if (layout.unit.chunk >= 0)
+    return vocab_chunk_forward(model, u, params, batch, input, output, ws);
   switch (layout.unit.kind) {
     case UnitKind::embedding:
       cpu::embedding_forward(output, batch.tokens, params.flat, N, c.hidden_size);

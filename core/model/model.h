@@ -48,8 +48,8 @@
 #include <string>
 #include <vector>
 
-#include "core/model/model_config.h"
 #include "core/checkpoint/safetensors.h"
+#include "core/model/model_config.h"
 #include "io/base/status.h"
 #include "kernels/cpu/attention.h"
 

@@ -239,7 +239,8 @@ std::vector<UnitShape> model_units(const ModelConfig& config) {
   std::vector<UnitShape> units;
   const int64_t C = config.hidden_size, K = std::max<int64_t>(1, config.vocab_chunks);
   auto rows = [&](int64_t k) {
-    return K == 1 ? config.vocab_size : config.vocab_chunk_begin(k + 1) - config.vocab_chunk_begin(k);
+    return K == 1 ? config.vocab_size
+                  : config.vocab_chunk_begin(k + 1) - config.vocab_chunk_begin(k);
   };
   auto name = [&](const char* unit, int64_t k) {
     return K == 1 ? std::string(unit) : fmt::format("{}.{}", unit, k);

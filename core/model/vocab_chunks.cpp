@@ -44,8 +44,8 @@ struct VocabChunkKernels {
 
   // Rows [first, first + rows) of the whole logits, between the store (chunk
   // after chunk) and `full` (rows, V): gathered from the store, or scattered back.
-  static void move_rows(const ModelConfig& c, float* store, int64_t N, int64_t first,
-                        int64_t rows, float* full, bool gather) {
+  static void move_rows(const ModelConfig& c, float* store, int64_t N, int64_t first, int64_t rows,
+                        float* full, bool gather) {
     const int64_t V = c.vocab_size;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, rows), [&](const auto& range) {
       for (int64_t r = range.begin(); r < range.end(); ++r) {
@@ -118,8 +118,8 @@ struct VocabChunkKernels {
       if (logits_out != nullptr)
         std::copy(ws.logits.begin(), ws.logits.begin() + rows * V, logits_out + begin * V);
       cpu::cross_entropy_forward_backward(ws.losses.data() + begin, ws.logits.data(),
-                                          ws.logits.data(), batch.targets + begin,
-                                          batch.loss_scale, rows, V);
+                                          ws.logits.data(), batch.targets + begin, batch.loss_scale,
+                                          rows, V);
       move_rows(c, batch.head_logits, N, begin, rows, ws.logits.data(), false);
       cpu::matmul_backward(ws.d_xn.data() + begin * C, h.d_lm_head, h.block + begin * h.rows,
                            xn + begin * C, h.lm_head, rows, C, h.rows);

@@ -177,9 +177,10 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
     // A vocabulary chunk computes its rows' share: the last chunk's one pass
     // all three products, another chunk's forward one and its backward two.
     const double share =
-        unit.chunk < 0 ? 1.0
-                       : double(m.vocab_chunk_begin(unit.chunk + 1) - m.vocab_chunk_begin(unit.chunk)) /
-                             double(m.vocab_size);
+        unit.chunk < 0
+            ? 1.0
+            : double(m.vocab_chunk_begin(unit.chunk + 1) - m.vocab_chunk_begin(unit.chunk)) /
+                  double(m.vocab_size);
     const double thirds = op.unit == head ? 3 : op.kind == OpKind::forward ? 1 : 2;
     return head_flops(m, B, T) * share * thirds / 3;
   }
