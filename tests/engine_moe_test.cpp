@@ -117,21 +117,8 @@ TEST_F(EngineMoe, NvmeBytesEqualThePlanAndPeaksStayInBudget) {
       run.precision = precision;
       const EngineOutcome outcome = train(run);
       ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
-      const TrainingPlan& plan = outcome.plan;
-      const uint64_t per_step = uint64_t(run.steps) * uint64_t(world);
-      EXPECT_GT(outcome.nvme_read, 0u) << run.label();
-      EXPECT_EQ(outcome.nvme_read, uint64_t(plan.traffic_per_step.nvme_read) * per_step)
-          << run.label();
-      EXPECT_EQ(outcome.nvme_written, uint64_t(plan.traffic_per_step.nvme_written) * per_step)
-          << run.label();
-      for (int t = 0; t < tiers::kTierCount; ++t) {
-        const tiers::TierUsage& usage = outcome.rank_usage[t];
-        const auto tier = static_cast<tiers::Tier>(t);
-        EXPECT_LE(usage.peak, usage.capacity) << run.label() << " " << tiers::tier_name(tier);
-        if (tier != tiers::Tier::nvme) {
-          EXPECT_LE(int64_t(usage.peak), plan.peak(tier)) << run.label();
-        }
-      }
+      testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps) * uint64_t(world),
+                                            run.label());
     }
   }
 }

@@ -264,6 +264,25 @@ inline double weights_relative_error(const HostModel& a, const HostModel& b,
   return ta.size() == tb.size() ? worst : INFINITY;
 }
 
+// A run's NVMe bytes are its plan's per step, and each tier's peak stays
+// within its capacity and (but NVMe) the plan's.
+inline void expect_run_keeps_to_its_plan(const EngineOutcome& outcome, uint64_t rank_steps,
+                                         const std::string& label) {
+  const TrainingPlan& plan = outcome.plan;
+  EXPECT_GT(outcome.nvme_read, 0u) << label;
+  EXPECT_EQ(outcome.nvme_read, uint64_t(plan.traffic_per_step.nvme_read) * rank_steps) << label;
+  EXPECT_EQ(outcome.nvme_written, uint64_t(plan.traffic_per_step.nvme_written) * rank_steps)
+      << label;
+  for (int t = 0; t < tiers::kTierCount; ++t) {
+    const tiers::TierUsage& usage = outcome.rank_usage[t];
+    const auto tier = static_cast<tiers::Tier>(t);
+    EXPECT_LE(usage.peak, usage.capacity) << label << " " << tiers::tier_name(tier);
+    if (tier != tiers::Tier::nvme) {
+      EXPECT_LE(int64_t(usage.peak), plan.peak(tier)) << label;
+    }
+  }
+}
+
 inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
   const std::vector<CheckpointTensor> ta = checkpoint_tensor_groups(a.layout);
   const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
