@@ -111,7 +111,7 @@ struct EngineRun {
   std::string state_dtype = "fp32";      // strata.optimizer_state_dtype
   std::string gradient_home = "auto";    // strata.gradient_home
   std::string activation_home = "auto";  // strata.activation_home
-  int64_t vocab_chunks = 1;              // strata.vocab_chunks
+  int64_t vocab_chunks = 1;              // strata.vocab_chunks (0: auto)
   int64_t vocab_size = 0;                // the model's vocabulary; 0: small_gqa_model's
   std::string label() const {
     return std::string(moe ? "moe " : "") +
@@ -175,7 +175,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   if (run.gradient_home != "auto") j["strata"]["gradient_home"] = run.gradient_home;
   if (run.activation_home != "auto") j["strata"]["activation_home"] = run.activation_home;
   if (run.shuffle_seed) j["strata"]["shuffle_seed"] = *run.shuffle_seed;
-  if (run.vocab_chunks != 1) j["strata"]["vocab_chunks"] = run.vocab_chunks;
+  j["strata"]["vocab_chunks"] = run.vocab_chunks;
   j["strata"]["schedule"] = run.schedule;
   ConfigOverrides overrides;
   overrides.world_size = run.world;

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <nlohmann/json.hpp>
 
 #include "core/model/model.h"
@@ -272,6 +274,80 @@ TEST(Planner, JsonHasThePerRankModelStates) {
   EXPECT_EQ(j["per_rank"]["host_bytes"].get<int64_t>(), 0);
   nlohmann::ordered_json zero = plan_to_json(plan, true);
   EXPECT_EQ(zero["per_rank"]["device_bytes"].get<int64_t>(), 16 * plan.parameters);
+}
+
+// strata.vocab_chunks auto: whole units unless the embedding and the head
+// are what keeps the plan from fitting and cutting them to a layer's size
+// makes it fit; a given count is kept, and a plan that does not fit whole is
+// told the count that fits.
+TEST(PlannerVocabChunks, AutoCutsOnlyWhereThatIsWhatFits) {
+  PlanInput in = bare(0, 1, 3, Precision::fp32);
+  in.model = ModelConfig();
+  in.model.name = "wide vocabulary";
+  in.model.vocab_size = 32000;
+  in.model.hidden_size = 256;
+  in.model.intermediate_size = 512;
+  in.model.num_hidden_layers = 3;
+  in.model.num_attention_heads = 4;
+  in.model.num_key_value_heads = 2;
+  in.model.head_dim = 64;
+  in.model.max_position_embeddings = 256;
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.gradient_home = GradientHome::nvme;
+  in.nvme_path_known = true;
+  // The embedding (8.2M) and the head (8.2M + the norm) against a layer's 0.8M: 11 chunks.
+  const int64_t chunks = vocab_chunks_for_layers(in);
+  const int64_t layer = in.model.layer_parameter_count(0);
+  EXPECT_EQ(chunks, ceil_div(32000 * 256 + 256, layer));
+  for (int64_t k = 0; k < chunks; ++k)
+    EXPECT_LE(in.model.vocab_chunk_begin(k + 1) - in.model.vocab_chunk_begin(k) + 1, layer);
+
+  Result<PlanReport> whole = plan_memory(in);
+  PlanInput cut_in = in;
+  cut_in.model.vocab_chunks = chunks;
+  Result<PlanReport> cut = plan_memory(cut_in);
+  ASSERT_TRUE(whole.is_ok() && cut.is_ok());
+  const int64_t whole_device = whole->total_per_rank.device, cut_device = cut->total_per_rank.device;
+  ASSERT_LT(cut_device, whole_device / 2);
+
+  in.vocab_chunks_auto = true;
+  in.budgets.device_per_rank = (whole_device + cut_device) / 2;  // only the cut fits
+  Result<TrainingPlan> chosen = plan_training(in);
+  ASSERT_TRUE(chosen.is_ok()) << chosen.status().message();
+  EXPECT_EQ(chosen->layout.config.vocab_chunks, chunks);
+  EXPECT_EQ(chosen->units.size(), size_t(2 * chunks + 3));
+  EXPECT_NE(chosen->input.vocab_chunks_reason.find("auto"), std::string::npos);
+  Result<PlanReport> report = plan_memory(in);
+  ASSERT_TRUE(report.is_ok());
+  EXPECT_TRUE(report->fits);
+  EXPECT_EQ(report->input.model.vocab_chunks, chunks);
+
+  in.budgets.device_per_rank = whole_device;  // whole units fit: kept whole
+  chosen = plan_training(in);
+  ASSERT_TRUE(chosen.is_ok());
+  EXPECT_EQ(chosen->layout.config.vocab_chunks, 1);
+  EXPECT_EQ(chosen->input.vocab_chunks_reason, "1 (auto: whole units fit the budgets)");
+
+  in.budgets.device_per_rank = cut_device / 2;  // nothing fits: kept whole
+  chosen = plan_training(in);
+  ASSERT_TRUE(chosen.is_ok());
+  EXPECT_EQ(chosen->layout.config.vocab_chunks, 1);
+
+  PlanInput tied = in;  // a tied head cannot be cut
+  tied.model.tie_word_embeddings = true;
+  tied.budgets.device_per_rank = (whole_device + cut_device) / 2;
+  EXPECT_EQ(vocab_chunks_for_layers(tied), 1);
+
+  PlanInput given = in;  // a count given is kept, and the suggestion names the one that fits
+  given.vocab_chunks_auto = false;
+  given.budgets.device_per_rank = (whole_device + cut_device) / 2;
+  Result<PlanReport> suggested = plan_with_suggestion(given);
+  ASSERT_TRUE(suggested.is_ok());
+  EXPECT_FALSE(suggested->fits);
+  EXPECT_EQ(suggested->input.model.vocab_chunks, 1);
+  EXPECT_EQ(suggested->suggestion.rfind(fmt::format("--vocab-chunks {} ", chunks), 0), 0u)
+      << suggested->suggestion;
 }
 
 }  // namespace

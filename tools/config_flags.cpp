@@ -48,7 +48,8 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
                  "nvme (strata.activation_home)");
   app.add_option("--vocab-chunks", o.vocab_chunks,
                  "Units the embedding and the head are cut into along the vocabulary, each "
-                 "fetched on its own (strata.vocab_chunks; 1: whole)");
+                 "fetched on its own: auto | an integer >= 1 (strata.vocab_chunks; default auto: "
+                 "whole unless cutting them is what makes the plan fit)");
 }
 
 void print_config_warnings(const TrainConfig& config) {

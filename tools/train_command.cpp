@@ -601,6 +601,8 @@ class TrainCommand : public Subcommand {
     if (!run.eval_mask.empty())
       fmt::print("eval loss mask: {} (found next to --eval-data)\n", loss_mask_path(f_.eval_path));
     if (plan.input.grad_accum > 1) fmt::print("schedule: {}\n", run.schedule_reason);
+    if (plan.input.model.vocab_chunks > 1 || !plan.input.vocab_chunks_reason.empty())
+      fmt::print("vocabulary chunks: {}\n", vocabulary_chunks_line(plan.input));
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }

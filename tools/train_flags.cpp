@@ -135,8 +135,9 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "(strata.activation_home; default auto: the first that fits)"},
       {"--vocab-chunks", kZeroGroup,
        "Units the embedding and the head are cut into along the vocabulary, each fetched on its "
-       "own, so neither sets the working set (strata.vocab_chunks; default 1: whole; CPU backend, "
-       "untied lm_head)"},
+       "own, so neither sets the working set: auto | an integer >= 1 (strata.vocab_chunks; "
+       "default auto: whole unless cutting them is what makes the plan fit the budgets; CPU "
+       "backend, untied lm_head)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
       {"--aio-queue-depth", kIoGroup,

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
+#include <system_error>
 #include <nlohmann/json.hpp>
 
 #include "core/config/json_util.h"
@@ -286,7 +288,7 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   }
   int64_t seq_len = 0;
   if (in.optional_int("seq_len", seq_len, 1)) out.seq_len = seq_len;
-  in.optional_int("vocab_chunks", out.vocab_chunks, 1);
+  in.optional_int("vocab_chunks", out.vocab_chunks, 1);  // "auto" counts as not given: 0
   int world_size = 1;
   if (in.optional_int("world_size", world_size, 1)) out.world_size = world_size;
   std::string precision;
@@ -688,10 +690,13 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
   }
 
   if (overrides.vocab_chunks) {
-    if (*overrides.vocab_chunks < 1)
+    const std::string& given = *overrides.vocab_chunks;
+    int64_t chunks = 0;
+    const auto [end, error] = std::from_chars(given.data(), given.data() + given.size(), chunks);
+    if (given != "auto" && (error != std::errc() || end != given.data() + given.size() || chunks < 1))
       return Status::invalid_argument(
-          fmt::format("--vocab-chunks: expected an integer >= 1, got {}", *overrides.vocab_chunks));
-    config.strata.vocab_chunks = *overrides.vocab_chunks;
+          fmt::format("--vocab-chunks: expected auto or an integer >= 1, got '{}'", given));
+    config.strata.vocab_chunks = given == "auto" ? 0 : chunks;
   }
   if (overrides.seq_len) {
     if (*overrides.seq_len < 1) return Status::invalid_argument(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
@@ -781,7 +786,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"shuffle_seed", c.strata.shuffle_seed ? json(*c.strata.shuffle_seed) : json(nullptr)},
       {"schedule", schedule_name(c.strata.schedule)},
       {"activation_home", activation_home_name(c.strata.activation_home)},
-      {"vocab_chunks", c.strata.vocab_chunks},
+      {"vocab_chunks", c.strata.vocab_chunks == 0 ? json("auto") : json(c.strata.vocab_chunks)},
   };
   json out = json::object();
   out["train_batch_size"] = c.train_batch_size;

@@ -161,8 +161,9 @@ struct StrataConfig {
   // Where the layer-major order keeps its saved inputs; auto: the plan's choice.
   ActivationHome activation_home = ActivationHome::automatic;
   // The units the embedding and the head are cut into along the vocabulary
-  // (ModelConfig::vocab_chunks): 1 keeps them whole.
-  int64_t vocab_chunks = 1;
+  // (ModelConfig::vocab_chunks): 1 keeps them whole; 0, auto (the default):
+  // the plan's choice (PlanInput::vocab_chunks_auto).
+  int64_t vocab_chunks = 0;
 };
 
 struct TrainConfig {
@@ -214,7 +215,7 @@ struct ConfigOverrides {
   std::optional<uint64_t> shuffle_seed;
   std::optional<std::string> schedule;  // auto | micro_batch | layer
   std::optional<std::string> activation_home;  // auto | device | host | nvme
-  std::optional<int64_t> vocab_chunks;         // strata.vocab_chunks
+  std::optional<std::string> vocab_chunks;     // strata.vocab_chunks: auto | an integer >= 1
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
   // The learning-rate schedule ("scheduler"): --lr-schedule constant | warmup | linear |

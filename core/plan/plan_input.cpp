@@ -48,7 +48,8 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.precision = c.precision;
   in.micro_batch = c.train_micro_batch_size_per_gpu;
   in.seq_len = effective_seq_len(c, model);
-  in.model.vocab_chunks = c.strata.vocab_chunks;
+  in.model.vocab_chunks = std::max<int64_t>(1, c.strata.vocab_chunks);
+  in.vocab_chunks_auto = c.strata.vocab_chunks == 0;
   in.grad_accum = c.gradient_accumulation_steps;
   in.overlap_comm = c.zero.overlap_comm;
   in.reduce_scatter = c.zero.reduce_scatter;

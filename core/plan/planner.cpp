@@ -54,7 +54,50 @@ int64_t TierBytes::at(Tier tier) const {
   return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
 }
 
-Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule_reason) {
+int64_t vocab_chunks_for_layers(const PlanInput& in) {
+  const ModelConfig& m = in.model;
+  if (in.gpu || m.tie_word_embeddings || m.vocab_size <= 1) return 1;
+  int64_t largest_layer = 0;
+  for (int64_t i = 0; i < m.num_hidden_layers; ++i)
+    largest_layer = std::max(largest_layer, m.layer_parameter_count(i));
+  const int64_t table = m.vocab_size * m.hidden_size;
+  if (largest_layer <= 0 || table + m.hidden_size <= largest_layer) return 1;
+  // The head's first chunk also holds the final norm.
+  return std::min(m.vocab_size, ceil_div(table + m.hidden_size, largest_layer));
+}
+
+Result<PlanInput> resolve_vocab_chunks(const PlanInput& input) {
+  PlanInput in = input;
+  if (!in.vocab_chunks_auto) return in;
+  in.vocab_chunks_auto = false;
+  in.model.vocab_chunks = 1;
+  const int64_t chunks = vocab_chunks_for_layers(in);
+  if (chunks <= 1) return in;  // nothing to say: cutting would not shrink the largest unit
+  Result<PlanReport> whole = plan_memory(in);
+  if (!whole) return whole.status();
+  if (whole->fits) {
+    in.vocab_chunks_reason = "1 (auto: whole units fit the budgets)";
+    return in;
+  }
+  PlanInput cut = in;
+  cut.model.vocab_chunks = chunks;
+  Result<PlanReport> cut_plan = plan_memory(cut);
+  if (!cut_plan || !cut_plan->fits) {
+    in.vocab_chunks_reason = fmt::format(
+        "1 (auto: whole units do not fit the budgets, and cut in {} they do not either)", chunks);
+    return in;
+  }
+  cut.vocab_chunks_reason = fmt::format(
+      "{} (auto: whole, the embedding and the head set the working set and the plan does not fit "
+      "the budgets; cut in {}, a layer is the largest unit and it fits)",
+      chunks, chunks);
+  return cut;
+}
+
+Result<TrainingPlan> plan_training(const PlanInput& given, std::string* schedule_reason) {
+  Result<PlanInput> chosen = resolve_vocab_chunks(given);
+  if (!chosen) return chosen.status();
+  const PlanInput& input = *chosen;
   PlanInput resolved = input;
   const bool layer_may_keep = input.schedule != Schedule::micro_batch && input.grad_accum > 1;
   if (input.schedule == Schedule::auto_choice || (layer_may_keep && !input.activation_home)) {
@@ -350,7 +393,10 @@ Result<ScheduleChoice> choose_schedule(const PlanInput& input) {
   return std::move(resolved->first);
 }
 
-Result<PlanReport> plan_memory(const PlanInput& input) {
+Result<PlanReport> plan_memory(const PlanInput& given) {
+  Result<PlanInput> chosen = resolve_vocab_chunks(given);
+  if (!chosen) return chosen.status();
+  const PlanInput& input = *chosen;
   auto resolved = resolve(input);
   if (!resolved) return resolved.status();
   PlanReport plan = std::move(resolved->second);
@@ -382,6 +428,13 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   if (plan.schedule.schedule == Schedule::layer && input.grad_accum > 1)
     candidates.push_back({"--schedule micro_batch (the layer-major activations do not fit)",
                           [](PlanInput& p) { p.schedule = Schedule::micro_batch; }});
+  // The embedding and the head cut to a layer's size, where they are larger.
+  if (const int64_t chunks = vocab_chunks_for_layers(input);
+      chunks > 1 && input.model.vocab_chunks == 1 && !input.vocab_chunks_auto)
+    candidates.push_back({fmt::format("--vocab-chunks {} (the embedding and the head cut to a "
+                                      "layer's size)",
+                                      chunks),
+                          [chunks](PlanInput& p) { p.model.vocab_chunks = chunks; }});
   if (input.world_size > 1) {
     for (int stage = input.stage + 1; stage <= 3; ++stage) {
       candidates.push_back(
@@ -457,6 +510,8 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   leanest.offload_optimizer = OffloadDevice::nvme;
   leanest.offload_param = OffloadDevice::nvme;
   leanest.micro_batch = 1;
+  leanest.model.vocab_chunks = std::max(leanest.model.vocab_chunks, vocab_chunks_for_layers(leanest));
+  leanest.vocab_chunks_auto = false;
   Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
   const PlanReport& lean = *lean_plan;
@@ -568,6 +623,11 @@ static void format_traffic(std::ostringstream& out, const PlanReport& plan,
                        format_seconds(slowest_seconds(t)));
 }
 
+std::string vocabulary_chunks_line(const PlanInput& in) {
+  if (!in.vocab_chunks_reason.empty()) return in.vocab_chunks_reason;
+  return fmt::format("{} (given)", in.model.vocab_chunks);
+}
+
 std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
@@ -591,6 +651,8 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
                      in.micro_batch, in.seq_len, in.grad_accum,
                      in.gpu ? "CUDA backend (the device is a GPU)"
                             : "CPU backend (host memory stands in for the device)");
+  if (in.model.vocab_chunks > 1 || !in.vocab_chunks_reason.empty())
+    out << fmt::format("  vocabulary chunks: {}\n", vocabulary_chunks_line(in));
   out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
                      zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
                      zero_accounting ? 26 : 40, "host", "nvme");
@@ -693,6 +755,8 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["model"] = in.model.name;
   j["parameters"] = plan.parameters;
   j["units"] = plan.units;
+  j["vocab_chunks"] = {{"chunks", in.model.vocab_chunks},
+                       {"reason", vocabulary_chunks_line(in)}};
   j["world_size"] = in.world_size;
   j["nodes"] = in.budgets.nodes(in.world_size);
   j["ranks_per_node"] = in.budgets.node_ranks(in.world_size);

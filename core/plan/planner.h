@@ -144,6 +144,17 @@ Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule
 // The plan without suggestion search.
 Result<PlanReport> plan_memory(const PlanInput& input);
 
+// strata.vocab_chunks auto (PlanInput::vocab_chunks_auto): the input with
+// model.vocab_chunks chosen and vocab_chunks_reason set. It stays 1 unless
+// the embedding or the head is larger than every layer, the whole-unit plan
+// does not fit its budgets and the cut one (vocab_chunks_for_layers) does;
+// plan_training and plan_memory resolve it first. A given count is kept.
+Result<PlanInput> resolve_vocab_chunks(const PlanInput& input);
+// The fewest chunks that make every embedding and head chunk no larger than
+// the largest layer; 1 where that is already so, or where the model or the
+// backend cannot be cut (a tied head, the CUDA backend).
+int64_t vocab_chunks_for_layers(const PlanInput& input);
+
 // The report of a plan already built from `input` (its buffers, traffic and
 // whether it fits the input's budgets), without building it again.
 PlanReport training_plan_report(const PlanInput& input, TrainingPlan plan);
@@ -156,6 +167,8 @@ std::optional<int64_t> detect_host_available_bytes();
 std::optional<int64_t> detect_free_bytes(const std::vector<std::string>& directories);
 
 std::string format_plan_table(const PlanReport& plan, bool zero_accounting);
+// "2 (given)", or the automatic choice and why (PlanInput::vocab_chunks_reason).
+std::string vocabulary_chunks_line(const PlanInput& input);
 nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting);
 
 }  // namespace strata
