@@ -63,13 +63,7 @@ class EngineGpuPaths : public testing::EngineRunsTest {
       }
       in_place = outcome;
       in_place_label = run.label();
-      for (size_t s = 0; s < outcome.steps.size(); ++s) {
-        EXPECT_NEAR(outcome.steps[s].loss, reference.steps[s].loss, 1e-5 * reference.steps[s].loss)
-            << run.label() << ", step " << s + 1;
-        EXPECT_NEAR(outcome.steps[s].grad_norm, reference.steps[s].grad_norm,
-                    1e-4 * reference.steps[s].grad_norm)
-            << run.label() << ", step " << s + 1;
-      }
+      testing::expect_steps_near(outcome, reference, 1e-5, 1e-4, run.label());
       std::string worst;
       EXPECT_LT(testing::weights_relative_error(outcome.weights, reference.weights, &worst), 1e-4)
           << run.label() << ", worst tensor " << worst;

@@ -264,6 +264,22 @@ inline double weights_relative_error(const HostModel& a, const HostModel& b,
   return ta.size() == tb.size() ? worst : INFINITY;
 }
 
+// Each step's loss and gradient norm within `loss_relative` and
+// `norm_relative` of the reference run's.
+inline void expect_steps_near(const EngineOutcome& outcome, const EngineOutcome& reference,
+                              double loss_relative, double norm_relative,
+                              const std::string& label) {
+  ASSERT_EQ(outcome.steps.size(), reference.steps.size()) << label;
+  for (size_t s = 0; s < outcome.steps.size(); ++s) {
+    EXPECT_NEAR(outcome.steps[s].loss, reference.steps[s].loss,
+                loss_relative * reference.steps[s].loss)
+        << label << ", step " << s + 1;
+    EXPECT_NEAR(outcome.steps[s].grad_norm, reference.steps[s].grad_norm,
+                norm_relative * reference.steps[s].grad_norm)
+        << label << ", step " << s + 1;
+  }
+}
+
 // A run's NVMe bytes are its plan's per step, and each tier's peak stays
 // within its capacity and (but NVMe) the plan's.
 inline void expect_run_keeps_to_its_plan(const EngineOutcome& outcome, uint64_t rank_steps,

@@ -70,13 +70,7 @@ TEST_F(EngineVocabChunks, CutAndWholeUnitsAgree) {
     const EngineOutcome cut = train(run);
     ASSERT_EQ(cut.steps.size(), 2u) << run.label();
     EXPECT_EQ(cut.steps[0].loss, reference.steps[0].loss) << run.label();
-    for (size_t s = 0; s < cut.steps.size(); ++s) {
-      EXPECT_NEAR(cut.steps[s].loss, reference.steps[s].loss, 1e-6 * reference.steps[s].loss)
-          << run.label() << ", step " << s + 1;
-      EXPECT_NEAR(cut.steps[s].grad_norm, reference.steps[s].grad_norm,
-                  1e-6 * reference.steps[s].grad_norm)
-          << run.label() << ", step " << s + 1;
-    }
+    testing::expect_steps_near(cut, reference, 1e-6, 1e-6, run.label());
     std::string worst;
     const double error = testing::weights_relative_error(cut.weights, reference.weights, &worst);
     std::printf("%lld vocabulary chunks against whole units: worst weight error %.2e (%s)\n",

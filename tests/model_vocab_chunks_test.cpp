@@ -85,17 +85,34 @@ std::vector<float> whole(const HostModel& m, const std::string& name, bool grads
   return {};
 }
 
+// A whole model and the same model cut into `chunks`, both initialised from `seed`.
+std::pair<HostModel, HostModel> whole_and_cut(ModelConfig c, int64_t chunks, uint64_t seed) {
+  HostModel whole = make_host_model(c);
+  c.vocab_chunks = chunks;
+  HostModel cut = make_host_model(c);
+  init_host_model(whole, seed);
+  init_host_model(cut, seed);
+  return {std::move(whole), std::move(cut)};
+}
+
+// B sequences of T tokens, `targets` (when given) scored as the mean over them.
+UnitBatch batch_of(const std::vector<int32_t>& ids, const std::vector<int32_t>* targets, int64_t B,
+                   int64_t T) {
+  UnitBatch batch;
+  batch.tokens = ids.data();
+  batch.targets = targets != nullptr ? targets->data() : nullptr;
+  batch.B = B;
+  batch.T = T;
+  batch.loss_scale = 1.0f / float(B * T);
+  return batch;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
 TEST_F(ModelVocabChunks, ACutModelStartsAsTheWholeOne) {
-  ModelConfig c = random_config();
-  HostModel a = make_host_model(c);
-  c.vocab_chunks = 3;
-  HostModel b = make_host_model(c);
-  init_host_model(a, seed_);
-  init_host_model(b, seed_);
+  auto [a, b] = whole_and_cut(random_config(), 3, seed_);
   EXPECT_EQ(b.layout.units.size(), 3u + 1u + 3u);
   EXPECT_EQ(b.layout.units[1].unit.name, "embedding.1");
   EXPECT_EQ(b.layout.units.back().unit.name, "head.2");
@@ -109,18 +126,11 @@ TEST_F(ModelVocabChunks, TheEmbeddingsChunksGiveTheWholeUnitsBits) {
   for (int64_t K : {2, 3, 7}) {
     ModelConfig c = random_config();
     const int64_t B = 2, T = 9, N = B * T, C = c.hidden_size;
-    HostModel a = make_host_model(c);
-    c.vocab_chunks = K;
-    HostModel b = make_host_model(c);
-    init_host_model(a, seed_ + uint64_t(K));
-    init_host_model(b, seed_ + uint64_t(K));
+    auto [a, b] = whole_and_cut(c, K, seed_ + uint64_t(K));
     const std::vector<int32_t> ids = tokens(size_t(N), c.vocab_size, false);
-    UnitBatch batch;
-    batch.tokens = ids.data();
-    batch.B = B;
-    batch.T = T;
+    const UnitBatch batch = batch_of(ids, nullptr, B, T);
     UnitWorkspace ws(c, B, T);
-    std::vector<float> out_a(size_t(N * C)), out_b(size_t(N * C));
+    std::vector<float> out_a(size_t(N * C));
     unit_forward(a.layout, 0, a.unit_params(0), batch, nullptr, out_a.data(), ws);
     std::vector<std::vector<float>> levels(size_t(K), std::vector<float>(size_t(N * C)));
     for (int64_t k = 0; k < K; ++k)
@@ -145,11 +155,7 @@ TEST_F(ModelVocabChunks, TheHeadsChunksGiveTheWholeHeadsBitsAndTheInputGradientW
   for (int64_t K : {2, 3, 7}) {
     ModelConfig c = random_config();
     const int64_t B = 2, T = 11, N = B * T, C = c.hidden_size, V = c.vocab_size;
-    HostModel a = make_host_model(c);
-    c.vocab_chunks = K;
-    HostModel b = make_host_model(c);
-    init_host_model(a, seed_ + 10 + uint64_t(K));
-    init_host_model(b, seed_ + 10 + uint64_t(K));
+    auto [a, b] = whole_and_cut(c, K, seed_ + 10 + uint64_t(K));
     // A final norm away from one, so its gradient and Jacobian are not trivial.
     std::vector<float> w = normal(size_t(C), 0.2f);
     for (float& x : w) x += 1.0f;
@@ -159,12 +165,7 @@ TEST_F(ModelVocabChunks, TheHeadsChunksGiveTheWholeHeadsBitsAndTheInputGradientW
     const std::vector<float> h = normal(size_t(N * C), 1.5f);
     const std::vector<int32_t> targets = tokens(size_t(N), V, true);
     const std::vector<int32_t> ids = tokens(size_t(N), V, false);
-    UnitBatch batch;
-    batch.tokens = ids.data();
-    batch.targets = targets.data();
-    batch.B = B;
-    batch.T = T;
-    batch.loss_scale = 1.0f / float(N);
+    UnitBatch batch = batch_of(ids, &targets, B, T);
     UnitWorkspace ws(c, B, T);
     const int64_t whole_head = int64_t(a.layout.units.size()) - 1;
     std::vector<float> dx_a(size_t(N * C)), logits_a(size_t(N * V)), logits_b(size_t(N * V));
@@ -254,19 +255,10 @@ TEST_F(ModelVocabChunks, AWholeModelsStepAgrees) {
   ModelConfig c = random_config();
   c.num_hidden_layers = 2;
   const int64_t B = 2, T = 8, N = B * T;
-  HostModel a = make_host_model(c);
-  c.vocab_chunks = 4;
-  HostModel b = make_host_model(c);
-  init_host_model(a, seed_ + 99);
-  init_host_model(b, seed_ + 99);
+  auto [a, b] = whole_and_cut(c, 4, seed_ + 99);
   const std::vector<int32_t> ids = tokens(size_t(N), c.vocab_size, false);
   const std::vector<int32_t> targets = tokens(size_t(N), c.vocab_size, true);
-  UnitBatch batch;
-  batch.tokens = ids.data();
-  batch.targets = targets.data();
-  batch.B = B;
-  batch.T = T;
-  batch.loss_scale = 1.0f / float(N);
+  const UnitBatch batch = batch_of(ids, &targets, B, T);
   UnitWorkspace ws(c, B, T);
   Result<double> la = model_forward_backward(a, batch, ws);
   Result<double> lb = model_forward_backward(b, batch, ws);

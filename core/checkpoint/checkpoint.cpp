@@ -352,6 +352,13 @@ Status CheckpointReader::read(int file, uint64_t offset, void* bytes, uint64_t s
                         directory + "/" + kCheckpointStateFiles[file]);
 }
 
+int64_t stored_vocab_chunks(const nlohmann::json& units) {
+  int64_t chunks = 0;
+  for (const nlohmann::json& unit : units.is_array() ? units : nlohmann::json::array())
+    if (unit.is_object() && unit.value("name", std::string()).starts_with("embedding.")) ++chunks;
+  return std::max<int64_t>(1, chunks);
+}
+
 Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
                          uint64_t max_shard_bytes) {
   Result<CheckpointReader> reader = CheckpointReader::open(checkpoint);
@@ -359,13 +366,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   Result<ModelConfig> config = model_config_from_json(reader->model, checkpoint + "/model.json");
   if (!config) return config.status();
   const nlohmann::json& units = reader->state["units"];
-  // A run with its vocabulary cut (strata.vocab_chunks) stored its chunks as units.
-  if (units.is_array()) {
-    int64_t chunks = 0;
-    for (const nlohmann::json& unit : units)
-      if (unit.is_object() && unit.value("name", std::string()).starts_with("embedding.")) ++chunks;
-    config->vocab_chunks = std::max<int64_t>(1, chunks);
-  }
+  config->vocab_chunks = stored_vocab_chunks(units);  // a cut run stored its chunks as units
   const ModelLayout layout = model_layout(*config, 1);
   if (!units.is_array() || units.size() != layout.units.size())
     return Status::corruption(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,

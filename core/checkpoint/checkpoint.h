@@ -110,6 +110,10 @@ struct CheckpointReader {
   Status read(int file, uint64_t offset, void* bytes, uint64_t size) const;
 };
 
+// The vocabulary chunks (strata.vocab_chunks) of the run that wrote state.json's
+// "units": its embedding.k units, or 1 when its embedding was whole.
+int64_t stored_vocab_chunks(const nlohmann::json& units);
+
 // Streams a checkpoint's fp32 weights into a Hugging Face directory
 // (config.json + safetensors, sharded above max_shard_bytes with an index),
 // one tensor in memory at a time.

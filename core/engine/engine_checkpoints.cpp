@@ -52,11 +52,12 @@ Status check_stored_units(const nlohmann::json& stored, const ModelLayout& layou
                           OptimizerStateDtype format) {
   using Units = std::vector<std::pair<std::string, int64_t>>;
   Units theirs, ours;
-  int64_t stored_chunks = 0;
   for (const nlohmann::json& unit : stored.is_array() ? stored : nlohmann::json::array()) {
-    const std::string name = unit.is_object() ? unit.value("name", std::string()) : "";
-    stored_chunks += name.starts_with("embedding.") ? 1 : 0;
-    theirs.push_back({name, unit.is_object() ? unit.value("numel", int64_t{-1}) : -1});
+    if (!unit.is_object()) {
+      theirs.push_back({"", -1});
+      continue;
+    }
+    theirs.push_back({unit.value("name", std::string()), unit.value("numel", int64_t{-1})});
   }
   for (const UnitLayout& unit : layout.units) ours.push_back({unit.unit.name, unit.numel});
   if (theirs == ours) return Status::ok();
@@ -73,7 +74,7 @@ Status check_stored_units(const nlohmann::json& stored, const ModelLayout& layou
     }
     return out;
   };
-  const int64_t chunks = std::max<int64_t>(1, stored_chunks);
+  const int64_t chunks = stored_vocab_chunks(stored);
   if (merged(theirs) != merged(ours))
     return Status::error(fmt::format(
         "state.json: the checkpoint's {} units are not this model's {}; resume it with the model "
