@@ -66,32 +66,55 @@ int64_t vocab_chunks_for_layers(const PlanInput& in) {
   return std::min(m.vocab_size, ceil_div(table + m.hidden_size, largest_layer));
 }
 
-Result<PlanInput> resolve_vocab_chunks(const PlanInput& input) {
-  PlanInput in = input;
-  if (!in.vocab_chunks_auto) return in;
+namespace {
+
+// resolve_vocab_chunks with the plan it judged by, when it built the one it
+// chose (plan_memory returns that one rather than building it again).
+struct VocabChunksChoice {
+  PlanInput input;
+  std::optional<PlanReport> report;
+};
+
+Result<VocabChunksChoice> choose_vocab_chunks(const PlanInput& input) {
+  VocabChunksChoice choice{input, std::nullopt};
+  PlanInput& in = choice.input;
+  if (!in.vocab_chunks_auto) return choice;
   in.vocab_chunks_auto = false;
   in.model.vocab_chunks = 1;
   const int64_t chunks = vocab_chunks_for_layers(in);
-  if (chunks <= 1) return in;  // nothing to say: cutting would not shrink the largest unit
+  if (chunks <= 1) return choice;  // nothing to say: cutting would not shrink the largest unit
   Result<PlanReport> whole = plan_memory(in);
   if (!whole) return whole.status();
   if (whole->fits) {
     in.vocab_chunks_reason = "1 (auto: whole units fit the budgets)";
-    return in;
+    choice.report = std::move(*whole);
+  } else {
+    PlanInput cut = in;
+    cut.model.vocab_chunks = chunks;
+    Result<PlanReport> cut_plan = plan_memory(cut);
+    if (cut_plan && cut_plan->fits) {
+      cut.vocab_chunks_reason = fmt::format(
+          "{} (auto: whole, the embedding and the head set the working set and the plan does not "
+          "fit the budgets; cut in {}, a layer is the largest unit and it fits)",
+          chunks, chunks);
+      in = cut;
+      choice.report = std::move(*cut_plan);
+    } else {
+      in.vocab_chunks_reason = fmt::format(
+          "1 (auto: whole units do not fit the budgets, and cut in {} they do not either)", chunks);
+      choice.report = std::move(*whole);
+    }
   }
-  PlanInput cut = in;
-  cut.model.vocab_chunks = chunks;
-  Result<PlanReport> cut_plan = plan_memory(cut);
-  if (!cut_plan || !cut_plan->fits) {
-    in.vocab_chunks_reason = fmt::format(
-        "1 (auto: whole units do not fit the budgets, and cut in {} they do not either)", chunks);
-    return in;
-  }
-  cut.vocab_chunks_reason = fmt::format(
-      "{} (auto: whole, the embedding and the head set the working set and the plan does not fit "
-      "the budgets; cut in {}, a layer is the largest unit and it fits)",
-      chunks, chunks);
-  return cut;
+  choice.report->input.vocab_chunks_reason = in.vocab_chunks_reason;
+  return choice;
+}
+
+}  // namespace
+
+Result<PlanInput> resolve_vocab_chunks(const PlanInput& input) {
+  Result<VocabChunksChoice> choice = choose_vocab_chunks(input);
+  if (!choice) return choice.status();
+  return std::move(choice->input);
 }
 
 Result<TrainingPlan> plan_training(const PlanInput& given, std::string* schedule_reason) {
@@ -394,9 +417,10 @@ Result<ScheduleChoice> choose_schedule(const PlanInput& input) {
 }
 
 Result<PlanReport> plan_memory(const PlanInput& given) {
-  Result<PlanInput> chosen = resolve_vocab_chunks(given);
+  Result<VocabChunksChoice> chosen = choose_vocab_chunks(given);
   if (!chosen) return chosen.status();
-  const PlanInput& input = *chosen;
+  if (chosen->report) return std::move(*chosen->report);
+  const PlanInput& input = chosen->input;
   auto resolved = resolve(input);
   if (!resolved) return resolved.status();
   PlanReport plan = std::move(resolved->second);
