@@ -145,4 +145,41 @@ status=$?
 [ $status -ne 0 ] && grep -q "tie_word_embeddings" <<<"$err" && [ "$(echo "$err" | wc -l)" -eq 1 ]
 check "a tied model with --vocab-chunks is refused in one line" $?
 
+# Each layer's attention and MLP as units of their own: the plan lists the
+# pieces, a run trains, saves, resumes whole and exports the same tensors,
+# with the losses of whole layers (gradient_clipping is off by default: bitwise).
+"$strata" plan "${placed[@]}" --layer-pieces 2 --ops >"$dir/out" 2>"$dir/err" &&
+  "$strata" plan "${placed[@]}" --layer-pieces 2 >"$dir/table" 2>>"$dir/err"
+check "strata plan --layer-pieces exits 0" $?
+grep -q "gather(layers.1.mlp)" "$dir/out" && grep -q "layer pieces: 2 (given)" "$dir/table"
+check "the plan lists the pieces" $?
+"$strata" train "${cut[@]}" --steps 3 --layer-pieces 2 --save "$dir/pieces-ck" \
+  --metrics "$dir/pieces.jsonl" --export "$dir/pieces.safetensors" >"$dir/out" 2>"$dir/err"
+check "a run with --layer-pieces 2 trains, saves and exports" $?
+grep -q "^layer pieces: 2 (given)" "$dir/out"
+check "train says the layers are in pieces" $?
+"$strata" train "${cut[@]}" --steps 4 --layer-pieces 1 --resume "$dir/pieces-ck" \
+  --metrics "$dir/resumed.jsonl" >/dev/null 2>"$dir/err"
+check "whole layers resume the pieces' checkpoint" $?
+python3 - "$dir/pieces.safetensors" "$dir/whole.safetensors" "$dir/pieces.jsonl" \
+  "$dir/whole.jsonl" "$dir/resumed.jsonl" <<'PY'
+import json, struct, sys
+def header(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    return {k: v["shape"] for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__"}
+assert header(sys.argv[1]) == header(sys.argv[2])
+a = [json.loads(l)["loss"] for l in open(sys.argv[3])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[4])]
+assert a == b, (a, b)
+resumed = [json.loads(l) for l in open(sys.argv[5])]
+assert [r["step"] for r in resumed] == [4], resumed
+PY
+check "the pieces' losses are whole layers' bits; the resume goes on at step 4" $?
+err=$("$strata" train "${cut[@]}" --steps 1 --layer-pieces 3 2>&1 >/dev/null)
+status=$?
+[ $status -ne 0 ] && grep -q "\-\-layer-pieces: expected auto, 1 or 2, got '3'" <<<"$err" &&
+  [ "$(echo "$err" | wc -l)" -eq 1 ]
+check "--layer-pieces 3 is refused in one line" $?
+
 finish_checks

@@ -6,8 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -113,6 +115,7 @@ struct EngineRun {
   std::string activation_home = "auto";  // strata.activation_home
   int64_t vocab_chunks = 1;              // strata.vocab_chunks (0: auto)
   int64_t vocab_size = 0;                // the model's vocabulary; 0: small_gqa_model's
+  int64_t layer_pieces = 1;              // strata.layer_pieces (0: auto)
   std::string label() const {
     return std::string(moe ? "moe " : "") +
            std::string(backend == kernels::BackendKind::cuda ? "cuda "
@@ -125,7 +128,8 @@ struct EngineRun {
            (state_dtype == "fp32" ? "" : " state " + state_dtype) +
            (gradient_home == "auto" ? "" : " gradients " + gradient_home) +
            (activation_home == "auto" ? "" : " activations " + activation_home) +
-           (vocab_chunks == 1 ? "" : " vocab chunks " + std::to_string(vocab_chunks));
+           (vocab_chunks == 1 ? "" : " vocab chunks " + std::to_string(vocab_chunks)) +
+           (layer_pieces == 1 ? "" : " layer pieces " + std::to_string(layer_pieces));
   }
 };
 
@@ -176,6 +180,8 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   if (run.activation_home != "auto") j["strata"]["activation_home"] = run.activation_home;
   if (run.shuffle_seed) j["strata"]["shuffle_seed"] = *run.shuffle_seed;
   j["strata"]["vocab_chunks"] = run.vocab_chunks;
+  j["strata"]["layer_pieces"] =
+      run.layer_pieces == 0 ? nlohmann::json("auto") : nlohmann::json(run.layer_pieces);
   j["strata"]["schedule"] = run.schedule;
   ConfigOverrides overrides;
   overrides.world_size = run.world;
@@ -239,29 +245,45 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   return outcome;
 }
 
-// Largest per-tensor relative error |a - b| / |b| over the model; `where` gets
-// its tensor. Whole tensors, so models cut along the vocabulary differently compare.
+// Calls `each(name, x, y, numel)` for every whole tensor of `a` with the
+// same tensor of `b` (by name: models cut differently compare); false when
+// their tensors or shapes differ.
+inline bool for_each_tensor_pair(
+    const HostModel& a, const HostModel& b,
+    const std::function<void(const std::string&, const float*, const float*, int64_t)>& each) {
+  const std::vector<CheckpointTensor> ta = checkpoint_tensor_groups(a.layout);
+  const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
+  if (ta.size() != tb.size()) return false;
+  std::vector<float> sa, sb;
+  for (const CheckpointTensor& t : ta) {
+    const auto other = std::find_if(tb.begin(), tb.end(),
+                                    [&](const CheckpointTensor& u) { return u.name == t.name; });
+    if (other == tb.end() || other->shape != t.shape) return false;
+    const float* x = whole_tensor(
+        t, [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
+    const float* y = whole_tensor(
+        *other, [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
+    each(t.name, x, y, t.numel());
+  }
+  return true;
+}
+
+// Largest per-tensor relative error |a - b| / |b| over the model; `where` gets its tensor.
 inline double weights_relative_error(const HostModel& a, const HostModel& b,
                                      std::string* where = nullptr) {
   double worst = 0;
-  const std::vector<CheckpointTensor> ta = checkpoint_tensor_groups(a.layout);
-  const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
-  std::vector<float> sa, sb;
-  for (size_t i = 0; i < ta.size() && i < tb.size(); ++i) {
-    const float* x = whole_tensor(
-        ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
-    const float* y = whole_tensor(
-        tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
-    double diff = 0, norm = 0;
-    for (int64_t e = 0; e < ta[i].numel(); ++e) {
-      diff += (double(x[e]) - y[e]) * (double(x[e]) - y[e]);
-      norm += double(y[e]) * y[e];
-    }
-    const double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
-    if (error > worst && where) *where = ta[i].name;
-    worst = std::max(worst, error);
-  }
-  return ta.size() == tb.size() ? worst : INFINITY;
+  const bool paired = for_each_tensor_pair(
+      a, b, [&](const std::string& name, const float* x, const float* y, int64_t numel) {
+        double diff = 0, norm = 0;
+        for (int64_t e = 0; e < numel; ++e) {
+          diff += (double(x[e]) - y[e]) * (double(x[e]) - y[e]);
+          norm += double(y[e]) * y[e];
+        }
+        const double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+        if (error > worst && where) *where = name;
+        worst = std::max(worst, error);
+      });
+  return paired ? worst : INFINITY;
 }
 
 // Each step's loss and gradient norm within `loss_relative` and
@@ -300,19 +322,12 @@ inline void expect_run_keeps_to_its_plan(const EngineOutcome& outcome, uint64_t 
 }
 
 inline bool weights_bitwise_equal(const HostModel& a, const HostModel& b) {
-  const std::vector<CheckpointTensor> ta = checkpoint_tensor_groups(a.layout);
-  const std::vector<CheckpointTensor> tb = checkpoint_tensor_groups(b.layout);
-  if (ta.size() != tb.size()) return false;
-  std::vector<float> sa, sb;
-  for (size_t i = 0; i < ta.size(); ++i) {
-    const float* x = whole_tensor(
-        ta[i], [&](int64_t u) { return a.params[size_t(u)].data(); }, sa);
-    const float* y = whole_tensor(
-        tb[i], [&](int64_t u) { return b.params[size_t(u)].data(); }, sb);
-    if (ta[i].shape != tb[i].shape || std::memcmp(x, y, size_t(ta[i].numel()) * 4) != 0)
-      return false;
-  }
-  return true;
+  bool equal = true;
+  const bool paired = for_each_tensor_pair(
+      a, b, [&](const std::string&, const float* x, const float* y, int64_t numel) {
+        equal = equal && std::memcmp(x, y, size_t(numel) * 4) == 0;
+      });
+  return paired && equal;
 }
 
 // Losses, gradient norms and weights bitwise equal.
@@ -342,6 +357,27 @@ class EngineRunsTest : public ::testing::Test {
     EXPECT_TRUE(outcome.is_ok()) << run.label() << ": " << outcome.status().message();
     if (!outcome) return {};
     return std::move(*outcome);
+  }
+  // `run` with int8 moments, saved after a step and resumed with `resumed`'s
+  // cut of the units: refused in one line holding `expected`.
+  void expect_int8_resume_refused(EngineRun run, EngineRun resumed, const std::string& expected) {
+    run.state_dtype = resumed.state_dtype = "int8";
+    Result<EngineOptions> options = engine_options(run, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok()) << options.status().message();
+    Result<std::unique_ptr<Engine>> first = Engine::create(*options);
+    ASSERT_TRUE(first.is_ok()) << run.label() << ": " << first.status().message();
+    ASSERT_TRUE((*first)->step().is_ok()) << run.label();
+    Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/int8-ckpt");
+    ASSERT_TRUE(saved.is_ok()) << run.label() << ": " << saved.status().message();
+    first->reset();
+    Result<EngineOptions> other = engine_options(resumed, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(other.is_ok()) << other.status().message();
+    other->resume_from = *saved;
+    Result<std::unique_ptr<Engine>> refused = Engine::create(*other);
+    ASSERT_FALSE(refused.is_ok()) << resumed.label();
+    EXPECT_NE(refused.status().message().find(expected), std::string::npos)
+        << refused.status().message();
+    EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
   }
   // `run` saved after `save_after` steps and resumed in a new engine gives
   // the straight run's remaining losses and final weights bitwise.

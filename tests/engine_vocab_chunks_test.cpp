@@ -147,24 +147,9 @@ TEST_F(EngineVocabChunks, ACheckpointResumesIntoAnotherCut) {
     EXPECT_TRUE((*second)->step().is_ok()) << other.label();
   }
   // int8 moments are blocked per unit: another cut is refused in one line.
-  run.state_dtype = "int8";
-  Result<EngineOptions> int8 = testing::engine_options(run, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(int8.is_ok());
-  Result<std::unique_ptr<Engine>> eight = Engine::create(*int8);
-  ASSERT_TRUE(eight.is_ok()) << eight.status().message();
-  ASSERT_TRUE((*eight)->step().is_ok());
-  Result<std::string> saved8 = (*eight)->save_checkpoint(dir_.path() + "/int8-ckpt");
-  ASSERT_TRUE(saved8.is_ok()) << saved8.status().message();
-  eight->reset();
-  run.vocab_chunks = 1;
-  Result<EngineOptions> whole = testing::engine_options(run, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(whole.is_ok());
-  whole->resume_from = *saved8;
-  Result<std::unique_ptr<Engine>> refused = Engine::create(*whole);
-  ASSERT_FALSE(refused.is_ok());
-  EXPECT_NE(refused.status().message().find("pass --vocab-chunks 3 to resume it"),
-            std::string::npos)
-      << refused.status().message();
+  EngineRun whole = run;
+  whole.vocab_chunks = 1;
+  expect_int8_resume_refused(run, whole, "pass --vocab-chunks 3 --layer-pieces 1 to resume it");
 }
 
 TEST_F(EngineVocabChunks, ModelsAndBackendsThatCannotBeCutAreRefused) {

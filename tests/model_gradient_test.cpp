@@ -5,15 +5,20 @@
 // unrelated to hidden / heads, mistral's sliding window shorter than the
 // sequence; the mixtures' routers and experts and the load-balancing loss in
 // the objective), gradient accumulation over micro-batches, tied embeddings
-// collecting both uses, and bad token ids refused.
+// collecting both uses, and bad token ids refused. Each layer cut into its
+// attention and its MLP (ModelConfig::layer_pieces) gives the whole layers'
+// bits: the cut sums nothing another way.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <map>
 #include <random>
 
 #include "core/model/model.h"
+#include "tiers_test_support.h"
 
 namespace strata {
 namespace {
@@ -306,6 +311,97 @@ TEST_P(UnitByUnit, CallsMatchTheWholeModelPath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, UnitByUnit,
+                         ::testing::Values(ModelFamily::llama, ModelFamily::qwen2,
+                                           ModelFamily::qwen3, ModelFamily::mistral,
+                                           ModelFamily::mixtral, ModelFamily::qwen3_moe),
+                         [](const auto& info) { return model_family_name(info.param); });
+
+// Each tensor of a model's gradients (or parameters) by name.
+std::map<std::string, std::vector<float>> tensors_of(const HostModel& m, bool grads) {
+  std::map<std::string, std::vector<float>> out;
+  for (const NamedTensor& t : checkpoint_tensors(m.layout)) {
+    const float* data = (grads ? m.grads : m.params)[size_t(t.unit)].data() + t.slot->offset;
+    out[t.slot->name] = std::vector<float>(data, data + t.slot->numel);
+  }
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// The whole model's path (every unit recomputed in its backward but the
+// last before the head, which keeps its forward's activations), and every
+// unit recomputed, with layers whole and cut into pieces.
+class LayerPieces : public ::testing::TestWithParam<ModelFamily> {};
+
+TEST_P(LayerPieces, GiveTheWholeLayersBits) {
+  const uint64_t seed = tiers::testing::fresh_seed("layer_pieces");
+  ModelConfig config = family_config(GetParam());
+  if (GetParam() == ModelFamily::llama) config.tie_word_embeddings = true;
+  ModelConfig cut_config = config;
+  cut_config.layer_pieces = 2;
+  HostModel whole = make_host_model(config), cut = make_host_model(cut_config);
+  ASSERT_EQ(cut.layout.units.size(), whole.layout.units.size() + size_t(config.num_hidden_layers));
+  EXPECT_EQ(cut.layout.units[1].unit.name, "layers.0.attention");
+  EXPECT_EQ(cut.layout.units[2].unit.name, "layers.0.mlp");
+  EXPECT_EQ(cut.layout.units[1].numel + cut.layout.units[2].numel, whole.layout.units[1].numel);
+  EXPECT_EQ(cut.layout.units[1].numel, config.attention_parameter_count());
+  init_host_model(whole, seed);
+  init_host_model(cut, seed);
+  ASSERT_EQ(tensors_of(whole, false), tensors_of(cut, false));  // initialised by name
+  randomize_vectors(whole, uint32_t(seed));
+  for (const NamedTensor& t : checkpoint_tensors(cut.layout)) {
+    const float* from = whole.tensor(t.slot->name);
+    std::copy(from, from + t.slot->numel, cut.params[size_t(t.unit)].data() + t.slot->offset);
+  }
+  const int64_t B = 2, T = 7, N = B * T;
+  const Data data = random_data(N, config.vocab_size, uint32_t(seed >> 32));
+  RouterStats router_whole, router_cut;
+  UnitBatch batch{data.tokens.data(), data.targets.data(), B, T, 1.0f / N};
+  batch.aux_loss_scale = config.output_router_logits ? float(config.router_aux_loss_coef) : 0.0f;
+  UnitBatch cut_batch = batch;
+  batch.router = &router_whole;
+  cut_batch.router = &router_cut;
+  UnitWorkspace ws(config, B, T);
+  std::vector<float> logits_whole(size_t(N * config.vocab_size)), logits_cut(logits_whole.size());
+  Result<double> loss_whole = model_forward_backward(whole, batch, ws, logits_whole.data());
+  Result<double> loss_cut = model_forward_backward(cut, cut_batch, ws, logits_cut.data());
+  ASSERT_TRUE(loss_whole.is_ok() && loss_cut.is_ok());
+  EXPECT_EQ(*loss_cut, *loss_whole);
+  EXPECT_EQ(router_cut.aux_loss(), router_whole.aux_loss());
+  EXPECT_TRUE(same_bits(logits_cut, logits_whole));
+  const auto grads_whole = tensors_of(whole, true);
+  for (const auto& [name, grad] : tensors_of(cut, true))
+    EXPECT_TRUE(same_bits(grad, grads_whole.at(name))) << name;
+  Result<double> eval = model_forward(cut, cut_batch, ws);
+  ASSERT_TRUE(eval.is_ok());
+  EXPECT_EQ(*eval, *model_forward(whole, batch, ws));
+
+  // Unit by unit, every unit recomputed: the pieces' gradients are the model path's.
+  const ModelLayout& layout = cut.layout;
+  const int64_t count = int64_t(layout.units.size()), C = config.hidden_size;
+  std::vector<std::vector<float>> inputs(size_t(count), std::vector<float>(size_t(N * C)));
+  HostModel again = make_host_model(cut_config);
+  again.params = cut.params;
+  unit_forward(layout, 0, again.unit_params(0), cut_batch, nullptr, inputs[0].data(), ws);
+  for (int64_t u = 1; u + 1 < count; ++u)
+    unit_forward(layout, u, again.unit_params(u), cut_batch, inputs[size_t(u - 1)].data(),
+                 inputs[size_t(u)].data(), ws);
+  std::vector<float> grad(size_t(N * C));
+  head_forward_backward(layout, again.unit_params(count - 1), cut_batch,
+                        inputs[size_t(count - 2)].data(), grad.data(), again.unit_grads(count - 1),
+                        ws);
+  for (int64_t u = count - 2; u >= 0; --u)
+    unit_backward(layout, u, again.unit_params(u), cut_batch,
+                  u == 0 ? nullptr : inputs[size_t(u - 1)].data(), grad.data(),
+                  u == 0 ? nullptr : grad.data(), again.unit_grads(u), ws);
+  const auto grads_cut = tensors_of(cut, true);
+  for (const auto& [name, g] : tensors_of(again, true))
+    EXPECT_TRUE(same_bits(g, grads_cut.at(name))) << name << " (every unit recomputed)";
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, LayerPieces,
                          ::testing::Values(ModelFamily::llama, ModelFamily::qwen2,
                                            ModelFamily::qwen3, ModelFamily::mistral,
                                            ModelFamily::mixtral, ModelFamily::qwen3_moe),

@@ -276,17 +276,15 @@ TEST(Planner, JsonHasThePerRankModelStates) {
   EXPECT_EQ(zero["per_rank"]["device_bytes"].get<int64_t>(), 16 * plan.parameters);
 }
 
-// strata.vocab_chunks auto: whole units unless the embedding and the head
-// are what keeps the plan from fitting and cutting them to a layer's size
-// makes it fit; a given count is kept, and a plan that does not fit whole is
-// told the count that fits.
-TEST(PlannerVocabChunks, AutoCutsOnlyWhereThatIsWhatFits) {
+// Stage 3 with everything on NVMe, CPU backend: a 3-layer model of hidden
+// 256 with this vocabulary and MLP.
+PlanInput all_on_nvme(const char* name, int64_t vocab, int64_t intermediate) {
   PlanInput in = bare(0, 1, 3, Precision::fp32);
   in.model = ModelConfig();
-  in.model.name = "wide vocabulary";
-  in.model.vocab_size = 32000;
+  in.model.name = name;
+  in.model.vocab_size = vocab;
   in.model.hidden_size = 256;
-  in.model.intermediate_size = 512;
+  in.model.intermediate_size = intermediate;
   in.model.num_hidden_layers = 3;
   in.model.num_attention_heads = 4;
   in.model.num_key_value_heads = 2;
@@ -296,6 +294,15 @@ TEST(PlannerVocabChunks, AutoCutsOnlyWhereThatIsWhatFits) {
   in.offload_optimizer = OffloadDevice::nvme;
   in.gradient_home = GradientHome::nvme;
   in.nvme_path_known = true;
+  return in;
+}
+
+// strata.vocab_chunks auto: whole units unless the embedding and the head
+// are what keeps the plan from fitting and cutting them to a layer's size
+// makes it fit; a given count is kept, and a plan that does not fit whole is
+// told the count that fits.
+TEST(PlannerVocabChunks, AutoCutsOnlyWhereThatIsWhatFits) {
+  PlanInput in = all_on_nvme("wide vocabulary", 32000, 512);
   // The embedding (8.2M) and the head (8.2M + the norm) against a layer's 0.8M: 11 chunks.
   const int64_t chunks = vocab_chunks_for_layers(in);
   const int64_t layer = in.model.layer_parameter_count(0);
@@ -348,6 +355,68 @@ TEST(PlannerVocabChunks, AutoCutsOnlyWhereThatIsWhatFits) {
   EXPECT_EQ(suggested->input.model.vocab_chunks, 1);
   EXPECT_EQ(suggested->suggestion.rfind(fmt::format("--vocab-chunks {} ", chunks), 0), 0u)
       << suggested->suggestion;
+}
+
+// strata.layer_pieces auto: whole layers unless they are what keeps the plan
+// from fitting and each layer's attention and MLP as units of their own
+// make it fit; a given count is kept and told the one that fits; the CUDA
+// backend keeps whole layers.
+TEST(PlannerLayerPieces, AutoCutsLayersOnlyWhereThatIsWhatFits) {
+  PlanInput in = all_on_nvme("wide layers", 512, 2048);
+  Result<PlanReport> whole = plan_memory(in);
+  PlanInput cut_in = in;
+  cut_in.model.layer_pieces = 2;
+  Result<PlanReport> cut = plan_memory(cut_in);
+  ASSERT_TRUE(whole.is_ok() && cut.is_ok());
+  EXPECT_EQ(cut->units, whole->units + 3);
+  const int64_t whole_device = whole->total_per_rank.device,
+                cut_device = cut->total_per_rank.device;
+  // A layer's MLP is 1.57M of its 1.77M parameters: its slots shrink by a ninth, less the
+  // saved input each layer's MLP adds.
+  ASSERT_LT(cut_device, whole_device * 95 / 100);
+
+  in.layer_pieces_auto = true;
+  in.budgets.device_per_rank = (whole_device + cut_device) / 2;  // only the pieces fit
+  Result<TrainingPlan> chosen = plan_training(in);
+  ASSERT_TRUE(chosen.is_ok()) << chosen.status().message();
+  EXPECT_EQ(chosen->layout.config.layer_pieces, 2);
+  EXPECT_EQ(chosen->units.size(), size_t(1 + 2 * 3 + 1));
+  EXPECT_EQ(chosen->layout.units[2].unit.name, "layers.0.mlp");
+  EXPECT_NE(chosen->input.layer_pieces_reason.find("2 (auto:"), std::string::npos);
+  Result<PlanReport> report = plan_memory(in);
+  ASSERT_TRUE(report.is_ok());
+  EXPECT_TRUE(report->fits);
+  EXPECT_EQ(report->input.model.layer_pieces, 2);
+  EXPECT_NE(format_plan_table(*report, false).find("  layer pieces: 2 (auto:"), std::string::npos);
+  EXPECT_EQ(plan_to_json(*report, false)["layer_pieces"]["pieces"].get<int64_t>(), 2);
+
+  in.budgets.device_per_rank = whole_device;  // whole layers fit: kept whole
+  chosen = plan_training(in);
+  ASSERT_TRUE(chosen.is_ok());
+  EXPECT_EQ(chosen->layout.config.layer_pieces, 1);
+  EXPECT_EQ(chosen->input.layer_pieces_reason, "1 (auto: whole layers fit the budgets)");
+
+  in.budgets.device_per_rank = cut_device / 2;  // nothing fits: kept whole
+  chosen = plan_training(in);
+  ASSERT_TRUE(chosen.is_ok());
+  EXPECT_EQ(chosen->layout.config.layer_pieces, 1);
+
+  PlanInput gpu = in;  // the CUDA backend computes whole layers: nothing to choose
+  gpu.gpu = true;
+  gpu.budgets.device_per_rank = (whole_device + cut_device) / 2;
+  Result<PlanInput> resolved = resolve_unit_cuts(gpu);
+  ASSERT_TRUE(resolved.is_ok());
+  EXPECT_EQ(resolved->model.layer_pieces, 1);
+  EXPECT_TRUE(resolved->layer_pieces_reason.empty());
+
+  PlanInput given = in;  // a count given is kept, and the suggestion names the one that fits
+  given.layer_pieces_auto = false;
+  given.budgets.device_per_rank = (whole_device + cut_device) / 2;
+  Result<PlanReport> suggested = plan_with_suggestion(given);
+  ASSERT_TRUE(suggested.is_ok());
+  EXPECT_FALSE(suggested->fits);
+  EXPECT_EQ(suggested->input.model.layer_pieces, 1);
+  EXPECT_EQ(suggested->suggestion.rfind("--layer-pieces 2 ", 0), 0u) << suggested->suggestion;
 }
 
 }  // namespace

@@ -50,6 +50,10 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
                  "Units the embedding and the head are cut into along the vocabulary, each "
                  "fetched on its own: auto | an integer >= 1 (strata.vocab_chunks; default auto: "
                  "whole unless cutting them is what makes the plan fit)");
+  app.add_option("--layer-pieces", o.layer_pieces,
+                 "Units each decoder layer is cut into: auto | 1 (whole) | 2 (its attention and "
+                 "its MLP, each fetched on its own) (strata.layer_pieces; default auto: whole "
+                 "unless cutting them is what makes the plan fit)");
 }
 
 void print_config_warnings(const TrainConfig& config) {

@@ -603,6 +603,8 @@ class TrainCommand : public Subcommand {
     if (plan.input.grad_accum > 1) fmt::print("schedule: {}\n", run.schedule_reason);
     if (plan.input.model.vocab_chunks > 1 || !plan.input.vocab_chunks_reason.empty())
       fmt::print("vocabulary chunks: {}\n", vocabulary_chunks_line(plan.input));
+    if (plan.input.model.layer_pieces > 1 || !plan.input.layer_pieces_reason.empty())
+      fmt::print("layer pieces: {}\n", layer_pieces_line(plan.input));
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }

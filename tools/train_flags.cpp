@@ -138,6 +138,11 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "own, so neither sets the working set: auto | an integer >= 1 (strata.vocab_chunks; "
        "default auto: whole unless cutting them is what makes the plan fit the budgets; CPU "
        "backend, untied lm_head)"},
+      {"--layer-pieces", kZeroGroup,
+       "Units each decoder layer is cut into: auto | 1 (whole) | 2 (its attention and its MLP, "
+       "each fetched on its own, so a layer's MLP alone sets the working set) "
+       "(strata.layer_pieces; default auto: whole unless cutting them is what makes the plan fit "
+       "the budgets; CPU backend)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
       {"--aio-queue-depth", kIoGroup,

@@ -359,6 +359,12 @@ int64_t stored_vocab_chunks(const nlohmann::json& units) {
   return std::max<int64_t>(1, chunks);
 }
 
+int64_t stored_layer_pieces(const nlohmann::json& units) {
+  for (const nlohmann::json& unit : units.is_array() ? units : nlohmann::json::array())
+    if (unit.is_object() && unit.value("name", std::string()).ends_with(".attention")) return 2;
+  return 1;
+}
+
 Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
                          uint64_t max_shard_bytes) {
   Result<CheckpointReader> reader = CheckpointReader::open(checkpoint);
@@ -367,6 +373,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   if (!config) return config.status();
   const nlohmann::json& units = reader->state["units"];
   config->vocab_chunks = stored_vocab_chunks(units);  // a cut run stored its chunks as units
+  config->layer_pieces = stored_layer_pieces(units);  // and its layers' pieces
   const ModelLayout layout = model_layout(*config, 1);
   if (!units.is_array() || units.size() != layout.units.size())
     return Status::corruption(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,

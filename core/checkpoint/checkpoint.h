@@ -113,6 +113,9 @@ struct CheckpointReader {
 // The vocabulary chunks (strata.vocab_chunks) of the run that wrote state.json's
 // "units": its embedding.k units, or 1 when its embedding was whole.
 int64_t stored_vocab_chunks(const nlohmann::json& units);
+// The layer pieces (strata.layer_pieces) of that run: 2 when it stored its
+// layers as layers.i.attention and layers.i.mlp, else 1.
+int64_t stored_layer_pieces(const nlohmann::json& units);
 
 // Streams a checkpoint's fp32 weights into a Hugging Face directory
 // (config.json + safetensors, sharded above max_shard_bytes with an index),

@@ -289,6 +289,7 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   int64_t seq_len = 0;
   if (in.optional_int("seq_len", seq_len, 1)) out.seq_len = seq_len;
   in.optional_int("vocab_chunks", out.vocab_chunks, 1);  // "auto" counts as not given: 0
+  in.optional_int("layer_pieces", out.layer_pieces, 1);  // likewise
   int world_size = 1;
   if (in.optional_int("world_size", world_size, 1)) out.world_size = world_size;
   std::string precision;
@@ -698,6 +699,13 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
           fmt::format("--vocab-chunks: expected auto or an integer >= 1, got '{}'", given));
     config.strata.vocab_chunks = given == "auto" ? 0 : chunks;
   }
+  if (overrides.layer_pieces) {
+    const std::string& given = *overrides.layer_pieces;
+    if (given != "auto" && given != "1" && given != "2")
+      return Status::invalid_argument(
+          fmt::format("--layer-pieces: expected auto, 1 or 2, got '{}'", given));
+    config.strata.layer_pieces = given == "auto" ? 0 : given == "1" ? 1 : 2;
+  }
   if (overrides.seq_len) {
     if (*overrides.seq_len < 1) return Status::invalid_argument(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
     config.strata.seq_len = *overrides.seq_len;
@@ -787,6 +795,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"schedule", schedule_name(c.strata.schedule)},
       {"activation_home", activation_home_name(c.strata.activation_home)},
       {"vocab_chunks", c.strata.vocab_chunks == 0 ? json("auto") : json(c.strata.vocab_chunks)},
+      {"layer_pieces", c.strata.layer_pieces == 0 ? json("auto") : json(c.strata.layer_pieces)},
   };
   json out = json::object();
   out["train_batch_size"] = c.train_batch_size;

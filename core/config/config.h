@@ -164,6 +164,10 @@ struct StrataConfig {
   // (ModelConfig::vocab_chunks): 1 keeps them whole; 0, auto (the default):
   // the plan's choice (PlanInput::vocab_chunks_auto).
   int64_t vocab_chunks = 0;
+  // The units each decoder layer is cut into (ModelConfig::layer_pieces): 1
+  // whole, 2 its attention and its MLP; 0, auto (the default): the plan's
+  // choice (PlanInput::layer_pieces_auto).
+  int64_t layer_pieces = 0;
 };
 
 struct TrainConfig {
@@ -216,6 +220,7 @@ struct ConfigOverrides {
   std::optional<std::string> schedule;  // auto | micro_batch | layer
   std::optional<std::string> activation_home;  // auto | device | host | nvme
   std::optional<std::string> vocab_chunks;     // strata.vocab_chunks: auto | an integer >= 1
+  std::optional<std::string> layer_pieces;     // strata.layer_pieces: auto | 1 | 2
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
   // The learning-rate schedule ("scheduler"): --lr-schedule constant | warmup | linear |

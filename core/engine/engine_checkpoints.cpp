@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -44,48 +45,65 @@ Status check_data_order(const SequenceOrder& stored, const SequenceOrder& here) 
       stored.describe(), here.describe(), fix));
 }
 
-// The checkpoint's units against this run's. Its files hold the units one
-// after another, and a vocabulary-cut tensor's chunks lie where the whole
-// tensor's rows do, so fp32 and bf16 state resumes with another
-// strata.vocab_chunks; int8 state is blocked per unit and needs the same cut.
-Status check_stored_units(const nlohmann::json& stored, const ModelLayout& layout,
-                          OptimizerStateDtype format) {
-  using Units = std::vector<std::pair<std::string, int64_t>>;
-  Units theirs, ours;
+// The checkpoint's layout: this model with the cuts its units were stored
+// in (strata.vocab_chunks, strata.layer_pieces).
+ModelLayout stored_layout(const nlohmann::json& stored, const ModelLayout& layout) {
+  ModelConfig config = layout.config;
+  config.vocab_chunks = stored_vocab_chunks(stored);
+  config.layer_pieces = stored_layer_pieces(stored);
+  return model_layout(config, 1);
+}
+
+using StoredUnits = std::vector<std::pair<std::string, int64_t>>;
+StoredUnits unit_names(const ModelLayout& layout) {
+  StoredUnits units;
+  for (const UnitLayout& unit : layout.units) units.push_back({unit.unit.name, unit.numel});
+  return units;
+}
+
+// The checkpoint's units against its layout and this run's. Its files hold
+// the units one after another, and each tensor is read where it lies
+// (stored_tensor_offsets), so fp32 and bf16 state resumes with other cuts;
+// int8 state is blocked per unit and needs the same ones.
+Status check_stored_units(const nlohmann::json& stored, const ModelLayout& theirs,
+                          const ModelLayout& ours, OptimizerStateDtype format) {
+  StoredUnits listed;
   for (const nlohmann::json& unit : stored.is_array() ? stored : nlohmann::json::array()) {
     if (!unit.is_object()) {
-      theirs.push_back({"", -1});
+      listed.push_back({"", -1});
       continue;
     }
-    theirs.push_back({unit.value("name", std::string()), unit.value("numel", int64_t{-1})});
+    listed.push_back({unit.value("name", std::string()), unit.value("numel", int64_t{-1})});
   }
-  for (const UnitLayout& unit : layout.units) ours.push_back({unit.unit.name, unit.numel});
-  if (theirs == ours) return Status::ok();
-  // Whole tensors: a chunk's unit counts as its embedding or head.
-  auto merged = [](const Units& units) {
-    Units out;
-    for (const auto& [name, numel] : units) {
-      const std::string whole = name.substr(0, name.find('.'));
-      const bool chunk = whole == "embedding" || whole == "head";
-      if (chunk && !out.empty() && out.back().first == whole)
-        out.back().second += numel;
-      else
-        out.push_back({chunk ? whole : name, numel});
-    }
-    return out;
-  };
-  const int64_t chunks = stored_vocab_chunks(stored);
-  if (merged(theirs) != merged(ours))
+  if (listed != unit_names(theirs))
     return Status::error(fmt::format(
         "state.json: the checkpoint's {} units are not this model's {}; resume it with the model "
         "it was written for",
-        theirs.size(), ours.size()));
-  if (format == OptimizerStateDtype::int8)
-    return Status::error(fmt::format(
-        "the checkpoint's int8 optimizer state is blocked per unit of its strata.vocab_chunks "
-        "{}, and this run cuts the vocabulary into {}; pass --vocab-chunks {} to resume it",
-        chunks, layout.config.vocab_chunks, chunks));
-  return Status::ok();
+        listed.size(), ours.units.size()));
+  if (format != OptimizerStateDtype::int8 || unit_names(theirs) == unit_names(ours))
+    return Status::ok();
+  const ModelConfig& t = theirs.config;
+  const ModelConfig& o = ours.config;
+  return Status::error(fmt::format(
+      "the checkpoint's int8 optimizer state is blocked per unit of its cut (strata.vocab_chunks "
+      "{}, strata.layer_pieces {}), and this run's is {} and {}; pass --vocab-chunks {} "
+      "--layer-pieces {} to resume it",
+      t.vocab_chunks, t.layer_pieces, o.vocab_chunks, o.layer_pieces, t.vocab_chunks,
+      t.layer_pieces));
+}
+
+// Where each tensor of the checkpoint's layout starts in its state files, in
+// elements (a vocabulary-cut tensor's parts lie where its rows do).
+std::unordered_map<std::string, int64_t> stored_tensor_offsets(const ModelLayout& stored) {
+  std::unordered_map<std::string, int64_t> at;
+  int64_t unit_offset = 0;
+  for (const UnitLayout& unit : stored.units) {
+    for (const TensorSlot& slot : unit.tensors)
+      at.try_emplace(slot.name,
+                     unit_offset + slot.offset - (slot.is_part() ? slot.fused_first : 0));
+    unit_offset += unit.numel;
+  }
+  return at;
 }
 
 }  // namespace
@@ -171,37 +189,50 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
           stored_world, stored_stage, stored_world,
           stored_stage == 0 ? "--zero-stage 0" : "a ZeRO stage of 1 to 3"));
   }
-  if (Status s = check_stored_units(state["units"], plan.layout, format); !s) return s;
+  const ModelLayout theirs = stored_layout(state["units"], plan.layout);
+  if (Status s = check_stored_units(state["units"], theirs, plan.layout, format); !s) return s;
+  const std::unordered_map<std::string, int64_t> stored_at = stored_tensor_offsets(theirs);
   int64_t total = 0;
   for (const UnitLayout& unit : plan.layout.units) total += unit.numel;
   const MomentFiles files = moment_files(total);
   const int64_t mb = plan.moment_bytes();
-  int64_t offset = 0;
   std::vector<float> master;
   std::vector<std::byte> m, v;
   for (int u = 0; u < units(); ++u) {
     const UnitLayout& unit = plan.layout.units[size_t(u)];
     const size_t padded = size_t(unit.padded_numel);
     master.assign(padded, 0.0f);
-    const uint64_t bytes = uint64_t(unit.numel) * 4;
-    if (Status s = checkpoint.read(0, uint64_t(offset) * 4, master.data(), bytes); !s) return s;
-    if (format != OptimizerStateDtype::int8) {
+    const bool int8 = format == OptimizerStateDtype::int8;
+    if (!int8) {
       m.assign(padded * size_t(mb), std::byte{0});
       v.assign(padded * size_t(mb), std::byte{0});
-      const uint64_t moment_bytes = uint64_t(unit.numel * mb);
-      if (Status s = checkpoint.read(1, uint64_t(offset * mb), m.data(), moment_bytes); !s)
+    }
+    // Tensor by tensor, from where the checkpoint's layout keeps it.
+    for (const TensorSlot& slot : unit.tensors) {
+      const auto found = stored_at.find(slot.name);
+      if (found == stored_at.end())
+        return Status::corruption(
+            fmt::format("state.json: the checkpoint has no {}; resume it with the model it was "
+                        "written for",
+                        slot.name));
+      const int64_t at = found->second + (slot.is_part() ? slot.fused_first : 0);
+      if (Status s = checkpoint.read(0, uint64_t(at) * 4, master.data() + slot.offset,
+                                     uint64_t(slot.numel) * 4);
+          !s)
         return s;
-      if (Status s = checkpoint.read(2, uint64_t(offset * mb), v.data(), moment_bytes); !s)
+      if (int8) continue;
+      const uint64_t bytes = uint64_t(slot.numel * mb);
+      if (Status s = checkpoint.read(1, uint64_t(at * mb), m.data() + slot.offset * mb, bytes); !s)
+        return s;
+      if (Status s = checkpoint.read(2, uint64_t(at * mb), v.data() + slot.offset * mb, bytes); !s)
         return s;
     }
     for (auto& rank : ranks) {
       if (Status s = init_unit(*rank, u, master.data()); !s) return s;
-      const Status loaded = format == OptimizerStateDtype::int8
-                                ? load_int8_moments(*rank, u, checkpoint, files)
-                                : load_moments(*rank, u, m.data(), v.data());
+      const Status loaded = int8 ? load_int8_moments(*rank, u, checkpoint, files)
+                                 : load_moments(*rank, u, m.data(), v.data());
       if (!loaded) return loaded;
     }
-    offset += unit.numel;
   }
   OptimizerState optimizer;
   const nlohmann::json& o = state["optimizer"];

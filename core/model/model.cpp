@@ -66,6 +66,46 @@ void add_expert_slots(UnitLayout& layout, const ModelConfig& c, const std::strin
   }
 }
 
+// A decoder layer's tensors, or those of its piece (UnitShape::piece): the
+// attention's q, k, v, o, input norm and the families' extras; the MLP's
+// projections (or router and experts) and post-attention norm. A whole
+// layer keeps the order it always had.
+void add_layer_slots(UnitLayout& layout, const ModelConfig& c, const UnitShape& unit) {
+  const int64_t C = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const std::string p = fmt::format("model.layers.{}.", unit.layer);
+  const bool attention = unit.piece != LayerPiece::mlp, mlp = unit.piece != LayerPiece::attention;
+  if (attention) {
+    // q, k, v adjacent: one fused projection of (H + 2 KV) D rows; gate, up likewise.
+    add_slot(layout, p + "self_attn.q_proj.weight", {H * D, C});
+    add_slot(layout, p + "self_attn.k_proj.weight", {KV * D, C});
+    add_slot(layout, p + "self_attn.v_proj.weight", {KV * D, C});
+    add_slot(layout, p + "self_attn.o_proj.weight", {C, H * D});
+  }
+  if (mlp) {
+    if (c.layer_is_sparse(unit.layer)) {
+      add_expert_slots(layout, c, p);
+    } else {
+      add_slot(layout, p + "mlp.gate_proj.weight", {I, C});
+      add_slot(layout, p + "mlp.up_proj.weight", {I, C});
+      add_slot(layout, p + "mlp.down_proj.weight", {C, I});
+    }
+  }
+  if (attention) add_slot(layout, p + "input_layernorm.weight", {C});
+  if (mlp) add_slot(layout, p + "post_attention_layernorm.weight", {C});
+  if (!attention) return;
+  // The families' extras follow, so a Llama layer's layout is the same as ever.
+  if (c.qkv_bias) {  // adjacent: one bias of (H + 2 KV) D for the fused projection
+    add_slot(layout, p + "self_attn.q_proj.bias", {H * D});
+    add_slot(layout, p + "self_attn.k_proj.bias", {KV * D});
+    add_slot(layout, p + "self_attn.v_proj.bias", {KV * D});
+  }
+  if (c.qk_norm) {
+    add_slot(layout, p + "self_attn.q_norm.weight", {D});
+    add_slot(layout, p + "self_attn.k_norm.weight", {D});
+  }
+}
+
 // embed_tokens or lm_head (V, C), or chunk `chunk`'s rows of it.
 void add_vocab_slot(UnitLayout& layout, const ModelConfig& c, const std::string& name,
                     int64_t chunk) {
@@ -124,39 +164,14 @@ ModelLayout model_layout(const ModelConfig& c, int world_size) {
   ModelLayout model;
   model.config = c;
   model.world_size = std::max(1, world_size);
-  const int64_t C = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int64_t C = c.hidden_size;
   for (const UnitShape& unit : model_units(c)) {
     UnitLayout layout;
     layout.unit = unit;
     if (unit.kind == UnitKind::embedding) {
       add_vocab_slot(layout, c, "model.embed_tokens.weight", unit.chunk);
     } else if (unit.kind == UnitKind::decoder_layer) {
-      const std::string p = fmt::format("model.layers.{}.", unit.layer);
-      // q, k, v adjacent: one fused projection of (H + 2 KV) D rows; gate, up likewise.
-      add_slot(layout, p + "self_attn.q_proj.weight", {H * D, C});
-      add_slot(layout, p + "self_attn.k_proj.weight", {KV * D, C});
-      add_slot(layout, p + "self_attn.v_proj.weight", {KV * D, C});
-      add_slot(layout, p + "self_attn.o_proj.weight", {C, H * D});
-      if (c.layer_is_sparse(unit.layer)) {
-        add_expert_slots(layout, c, p);
-      } else {
-        add_slot(layout, p + "mlp.gate_proj.weight", {I, C});
-        add_slot(layout, p + "mlp.up_proj.weight", {I, C});
-        add_slot(layout, p + "mlp.down_proj.weight", {C, I});
-      }
-      add_slot(layout, p + "input_layernorm.weight", {C});
-      add_slot(layout, p + "post_attention_layernorm.weight", {C});
-      // The families' extras follow, so a Llama layer's layout is the same as ever.
-      if (c.qkv_bias) {  // adjacent: one bias of (H + 2 KV) D for the fused projection
-        add_slot(layout, p + "self_attn.q_proj.bias", {H * D});
-        add_slot(layout, p + "self_attn.k_proj.bias", {KV * D});
-        add_slot(layout, p + "self_attn.v_proj.bias", {KV * D});
-      }
-      if (c.qk_norm) {
-        add_slot(layout, p + "self_attn.q_norm.weight", {D});
-        add_slot(layout, p + "self_attn.k_norm.weight", {D});
-      }
+      add_layer_slots(layout, c, unit);
     } else {
       if (unit.chunk <= 0) add_slot(layout, "model.norm.weight", {C});
       if (!c.tie_word_embeddings) add_vocab_slot(layout, c, "lm_head.weight", unit.chunk);
@@ -342,23 +357,27 @@ struct UnitKernels {
     T* router;     // (E, C) in a sparse layer; null otherwise
     T* experts;    // expert e's gate and up (2 I, C) at e * 3 I C, its down (C, I) after them
   };
+  // A whole layer's weights, or its piece's (the other piece's are null).
   template <typename T>
   static LayerWeights<T> layer_weights(const ModelConfig& c, const UnitLayout& layout, T* flat) {
-    const auto& t = layout.tensors;  // order fixed by model_layout
-    const bool sparse = c.layer_is_sparse(layout.unit.layer);
-    const size_t norms = sparse ? size_t(5 + 3 * c.num_experts) : 7;
-    const size_t extra = norms + (c.qkv_bias ? 5 : 2);  // the q/k norms follow the biases
-    return {flat + t[0].offset,
-            flat + t[3].offset,
-            sparse ? nullptr : flat + t[4].offset,
-            sparse ? nullptr : flat + t[6].offset,
-            flat + t[norms].offset,
-            flat + t[norms + 1].offset,
-            c.qkv_bias ? flat + t[norms + 2].offset : nullptr,
-            c.qk_norm ? flat + t[extra].offset : nullptr,
-            c.qk_norm ? flat + t[extra + 1].offset : nullptr,
-            sparse ? flat + t[4].offset : nullptr,
-            sparse ? flat + t[5].offset : nullptr};
+    const std::string p = fmt::format("model.layers.{}.", layout.unit.layer);
+    auto at = [&](const std::string& name) -> T* {
+      const TensorSlot* slot = layout.find(p + name);
+      return slot == nullptr ? nullptr : flat + slot->offset;
+    };
+    const bool mixtral = c.family == ModelFamily::mixtral;
+    const std::string moe = mixtral ? "block_sparse_moe." : "mlp.";
+    return {at("self_attn.q_proj.weight"),
+            at("self_attn.o_proj.weight"),
+            at("mlp.gate_proj.weight"),
+            at("mlp.down_proj.weight"),
+            at("input_layernorm.weight"),
+            at("post_attention_layernorm.weight"),
+            at("self_attn.q_proj.bias"),
+            at("self_attn.q_norm.weight"),
+            at("self_attn.k_norm.weight"),
+            at(moe + "gate.weight"),
+            at(moe + (mixtral ? "experts.0.w1.weight" : "experts.0.gate_proj.weight"))};
   }
 
   // Qwen3's RMSNorm over each head of q and k, in place in the qkv rows; keeps
@@ -398,13 +417,13 @@ struct UnitKernels {
     }
   }
 
-  static void layer_forward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
-                            const float* x, float* out, UnitWorkspace& ws) {
-    const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size, I = c.intermediate_size;
+  // The attention half: x2 = x + o(attention(rope(qkv(norm_in(x))))).
+  static void attention_forward(const ModelConfig& c, const LayerWeights<const float>& w,
+                                const float* x, float* x2, UnitWorkspace& ws) {
+    const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size;
     const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
     const cpu::AttentionShape s = layer_attention_shape(c, B, T);
     const int64_t QKV = s.row_stride;
-    const LayerWeights<const float> w = layer_weights(c, layout, flat);
     const float eps = static_cast<float>(c.rms_norm_eps);
     cpu::rmsnorm_forward(ws.xn1.data(), ws.rstd1.data(), x, w.norm_in, N, C, eps);
     cpu::matmul_forward(ws.qkv.data(), ws.xn1.data(), w.qkv, N, C, QKV);
@@ -416,20 +435,41 @@ struct UnitKernels {
     cpu::rope_forward(q, ws.rope_cos.data(), ws.rope_sin.data(), B, T, H, D, QKV);
     cpu::rope_forward(k, ws.rope_cos.data(), ws.rope_sin.data(), B, T, KV, D, QKV);
     cpu::attention_forward(ws.attn.data(), ws.probs.data(), q, k, v, s);
-    std::copy(x, x + N * C, ws.x2.data());
-    cpu::matmul_forward(ws.x2.data(), ws.attn.data(), w.o, N, H * D, C, /*accumulate=*/true);
-    cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), ws.x2.data(), w.norm_post, N, C, eps);
+    std::copy(x, x + N * C, x2);
+    cpu::matmul_forward(x2, ws.attn.data(), w.o, N, H * D, C, /*accumulate=*/true);
+  }
+
+  // The MLP half: out = x2 + down(swiglu(gate_up(norm_post(x2)))), or the
+  // experts'; with no `out` (recomputation for the backward) it stops before it.
+  static void mlp_forward(const ModelConfig& c, const LayerWeights<const float>& w, const float* x2,
+                          float* out, UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.intermediate_size;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), x2, w.norm_post, N, C, eps);
     if (w.router != nullptr) {
       moe_route(c, w, ws);
       moe_experts_forward(c, w, ws);
-      if (out != nullptr) moe_combine(c, ws, out);
+      if (out != nullptr) moe_combine(c, ws, x2, out);
       return;
     }
     cpu::matmul_forward(ws.gate_up.data(), ws.xn2.data(), w.gate_up, N, C, 2 * I);
     cpu::swiglu_forward(ws.mlp.data(), ws.gate_up.data(), N, I);
-    if (out == nullptr) return;  // recomputation for the backward stops here
-    std::copy(ws.x2.begin(), ws.x2.end(), out);
+    if (out == nullptr) return;
+    std::copy(x2, x2 + N * C, out);
     cpu::matmul_forward(out, ws.mlp.data(), w.down, N, I, C, /*accumulate=*/true);
+  }
+
+  // A whole layer, or its piece: the attention's output is its x2, the
+  // MLP's input is. A whole layer keeps x2 in ws.x2. No `out`: recomputation
+  // for the backward (of the MLP, up to its last product).
+  static void layer_forward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
+                            const float* x, float* out, UnitWorkspace& ws) {
+    const LayerWeights<const float> w = layer_weights(c, layout, flat);
+    const LayerPiece piece = layout.unit.piece;
+    if (piece == LayerPiece::mlp) return mlp_forward(c, w, x, out, ws);
+    float* x2 = piece == LayerPiece::attention && out != nullptr ? out : ws.x2.data();
+    attention_forward(c, w, x, x2, ws);
+    if (piece == LayerPiece::whole) mlp_forward(c, w, ws.x2.data(), out, ws);
   }
 
   // --- mixture of experts (core/model/model.h) ---------------------------------
@@ -508,7 +548,8 @@ struct UnitKernels {
   }
 
   // out = x2 + each token's weighted expert outputs, added in expert order.
-  static void moe_combine(const ModelConfig& c, const UnitWorkspace& ws, float* out) {
+  static void moe_combine(const ModelConfig& c, const UnitWorkspace& ws, const float* x2,
+                          float* out) {
     const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, K = c.num_experts_per_tok;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
       std::vector<int64_t> order(static_cast<size_t>(K));
@@ -521,7 +562,7 @@ struct UnitKernels {
           const float* y = ws.moe_y.data() + int64_t(ws.row_of[n * K + k]) * C;
           for (int64_t i = 0; i < C; ++i) sum[i] += weight * y[i];
         }
-        for (int64_t i = 0; i < C; ++i) out[n * C + i] = ws.x2[n * C + i] + sum[i];
+        for (int64_t i = 0; i < C; ++i) out[n * C + i] = x2[n * C + i] + sum[i];
       }
     });
   }
@@ -602,21 +643,11 @@ struct UnitKernels {
                          C, E);
   }
 
-  static void layer_backward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
-                             float* grad_flat, const float* x, const float* dout, float* dx,
-                             bool recompute, const float* aux_grad, UnitWorkspace& ws) {
-    const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size, I = c.intermediate_size;
-    const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-    const cpu::AttentionShape s = layer_attention_shape(c, B, T);
-    const int64_t QKV = s.row_stride;
-    const LayerWeights<const float> w = layer_weights(c, layout, flat);
-    const LayerWeights<float> g = layer_weights(c, layout, grad_flat);
-    // Recompute the activations from the checkpointed input; the output is not needed.
-    if (recompute) layer_forward(c, layout, flat, x, nullptr, ws);
-
-    // dx starts as the residual gradient; each branch adds into it.
-    if (dx != dout) std::copy(dout, dout + N * C, dx);
-    // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))), or the experts'.
+  // Backward of the MLP half (mlp_forward): dx += its branch's d(x2).
+  static void mlp_backward(const ModelConfig& c, const LayerWeights<const float>& w,
+                           const LayerWeights<float>& g, const float* x2, const float* dout,
+                           float* dx, const float* aux_grad, UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.intermediate_size;
     if (w.router != nullptr) {
       moe_backward(c, w, g, dout, aux_grad, ws);
     } else {
@@ -627,9 +658,18 @@ struct UnitKernels {
       cpu::matmul_backward(ws.d_xn.data(), g.gate_up, ws.d_gate_up.data(), ws.xn2.data(),
                            w.gate_up, N, C, 2 * I);
     }
-    cpu::rmsnorm_backward(dx, g.norm_post, ws.d_xn.data(), ws.x2.data(), w.norm_post,
-                          ws.rstd2.data(), N, C);
-    // dx now holds d(x2). Attention branch: x2 = x + o(attention(rope(qkv(norm_in(x))))).
+    cpu::rmsnorm_backward(dx, g.norm_post, ws.d_xn.data(), x2, w.norm_post, ws.rstd2.data(), N, C);
+  }
+
+  // Backward of the attention half (attention_forward): dx holds d(x2) and
+  // gains the branch's d(x).
+  static void attention_backward(const ModelConfig& c, const LayerWeights<const float>& w,
+                                 const LayerWeights<float>& g, const float* x, float* dx,
+                                 UnitWorkspace& ws) {
+    const int64_t B = ws.B_, T = ws.T_, N = B * T, C = c.hidden_size;
+    const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+    const cpu::AttentionShape s = layer_attention_shape(c, B, T);
+    const int64_t QKV = s.row_stride;
     std::fill(ws.d_attn.begin(), ws.d_attn.end(), 0.0f);
     cpu::matmul_backward(ws.d_attn.data(), g.o, dx, ws.attn.data(), w.o, N, H * D, C);
     const float* q = ws.qkv.data();
@@ -643,6 +683,26 @@ struct UnitKernels {
     std::fill(ws.d_xn.begin(), ws.d_xn.end(), 0.0f);
     cpu::matmul_backward(ws.d_xn.data(), g.qkv, dq, ws.xn1.data(), w.qkv, N, C, QKV);
     cpu::rmsnorm_backward(dx, g.norm_in, ws.d_xn.data(), x, w.norm_in, ws.rstd1.data(), N, C);
+  }
+
+  // Backward of a whole layer or its piece. dx starts as the residual
+  // gradient, and each branch adds into it: the MLP's (whose x2 is a whole
+  // layer's ws.x2, the MLP piece's input), then the attention's.
+  static void layer_backward(const ModelConfig& c, const UnitLayout& layout, const float* flat,
+                             float* grad_flat, const float* x, const float* dout, float* dx,
+                             bool recompute, const float* aux_grad, UnitWorkspace& ws) {
+    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size;
+    const LayerWeights<const float> w = layer_weights(c, layout, flat);
+    const LayerWeights<float> g = layer_weights(c, layout, grad_flat);
+    const LayerPiece piece = layout.unit.piece;
+    // Recompute the activations from the checkpointed input; the output is not needed.
+    if (recompute) layer_forward(c, layout, flat, x, nullptr, ws);
+    if (dx != dout) std::copy(dout, dout + N * C, dx);
+    if (piece != LayerPiece::attention) {
+      const float* x2 = piece == LayerPiece::mlp ? x : ws.x2.data();
+      mlp_backward(c, w, g, x2, dout, dx, aux_grad, ws);
+    }
+    if (piece != LayerPiece::mlp) attention_backward(c, w, g, x, dx, ws);
   }
 
   // A sparse layer's forward adds its tokens to the micro-batch's statistics.
@@ -731,7 +791,8 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
       return 0.0;
     case UnitKind::decoder_layer:
       UnitKernels::layer_forward(c, layout, params.flat, input, output, ws);
-      if (batch.router != nullptr && c.layer_is_sparse(layout.unit.layer))
+      if (batch.router != nullptr && c.layer_is_sparse(layout.unit.layer) &&
+          layout.unit.piece != LayerPiece::attention)
         UnitKernels::add_router_stats(c, ws, *batch.router);
       return 0.0;
     case UnitKind::head: {

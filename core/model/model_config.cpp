@@ -218,6 +218,15 @@ int64_t ModelConfig::layer_parameter_count(int64_t layer) const {
   return layer_parameters(*this, layer, num_experts);
 }
 
+int64_t ModelConfig::attention_parameter_count() const {
+  const int64_t q = hidden_size * num_attention_heads * head_dim;
+  const int64_t kv = 2 * hidden_size * num_key_value_heads * head_dim;
+  const int64_t o = num_attention_heads * head_dim * hidden_size;
+  const int64_t biases = qkv_bias ? (num_attention_heads + 2 * num_key_value_heads) * head_dim : 0;
+  const int64_t qk_norms = qk_norm ? 2 * head_dim : 0;
+  return q + kv + o + hidden_size + biases + qk_norms;
+}
+
 int64_t ModelConfig::layer_active_parameter_count(int64_t layer) const {
   return layer_parameters(*this, layer, num_experts_per_tok);
 }
@@ -248,8 +257,17 @@ std::vector<UnitShape> model_units(const ModelConfig& config) {
   for (int64_t k = 0; k < K; ++k)
     units.push_back({UnitKind::embedding, -1, name("embedding", k), rows(k) * C, K == 1 ? -1 : k});
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    units.push_back({UnitKind::decoder_layer, i, fmt::format("layers.{}", i),
-                     config.layer_parameter_count(i)});
+    const std::string layer = fmt::format("layers.{}", i);
+    const int64_t numel = config.layer_parameter_count(i);
+    if (config.layer_pieces <= 1) {
+      units.push_back({UnitKind::decoder_layer, i, layer, numel});
+      continue;
+    }
+    const int64_t attention = config.attention_parameter_count();
+    units.push_back(
+        {UnitKind::decoder_layer, i, layer + ".attention", attention, -1, LayerPiece::attention});
+    units.push_back(
+        {UnitKind::decoder_layer, i, layer + ".mlp", numel - attention, -1, LayerPiece::mlp});
   }
   for (int64_t k = 0; k < K; ++k) {
     const int64_t lm_head = config.tie_word_embeddings ? 0 : rows(k) * C;
@@ -270,6 +288,14 @@ Status check_vocab_chunks(const ModelConfig& config) {
         "head reads the whole table; use strata.vocab_chunks 1 for a tied model",
         config.vocab_chunks, config.name));
   return Status::ok();
+}
+
+Status check_layer_pieces(const ModelConfig& config) {
+  if (config.layer_pieces == 1 || config.layer_pieces == 2) return Status::ok();
+  return Status::invalid_argument(fmt::format(
+      "strata.layer_pieces: expected 1 (whole decoder layers) or 2 (each layer's attention and "
+      "MLP as units of their own), got {}",
+      config.layer_pieces));
 }
 
 Status check_sequence_window(const ModelConfig& config, int64_t seq_len) {

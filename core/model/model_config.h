@@ -83,6 +83,11 @@ struct ModelConfig {
   // embed_tokens and of lm_head; the final norm is the first head chunk's.
   int64_t vocab_chunks = 1;
   int64_t vocab_chunk_begin(int64_t chunk) const { return chunk * vocab_size / vocab_chunks; }
+  // Not a Hugging Face key either: the units each decoder layer is cut into
+  // (strata.layer_pieces): 1, whole layers; 2, its attention (input norm,
+  // q, k, v, o and their extras) and its MLP (post-attention norm and the
+  // MLP, or the router and the experts) as units of their own.
+  int64_t layer_pieces = 1;
 
   bool is_moe() const { return num_experts > 0; }
   // Whether decoder layer `layer` has a router and experts (false for every
@@ -94,6 +99,8 @@ struct ModelConfig {
   // or the router and every expert's gate, up, down), the two norms, and the
   // q/k/v biases or q/k norms of the families that have them.
   int64_t layer_parameter_count(int64_t layer = 0) const;
+  // The attention piece's share of it: input norm, q, k, v, o, biases, q/k norms.
+  int64_t attention_parameter_count() const;
   // Parameters one token's forward reads in decoder layer `layer`: the
   // router and k experts of a sparse layer, the whole layer otherwise.
   int64_t layer_active_parameter_count(int64_t layer = 0) const;
@@ -110,17 +117,25 @@ inline constexpr int64_t kShardAlignElements = 2048;
 
 enum class UnitKind { embedding, decoder_layer, head };
 
+// The part of a decoder layer a unit holds (ModelConfig::layer_pieces).
+enum class LayerPiece { whole, attention, mlp };
+
 struct UnitShape {
   UnitKind kind = UnitKind::embedding;
   int64_t layer = -1;  // decoder layer index, -1 for embedding and head
   std::string name;    // "embedding", "layers.3", "head"; cut: "embedding.1", "head.0"
   int64_t numel = 0;   // parameters owned by the unit (the tied lm_head is the embedding's)
   int64_t chunk = -1;  // the vocabulary chunk of a cut embedding or head; -1: whole
+  LayerPiece piece = LayerPiece::whole;  // a decoder layer's: "layers.3.attention", "layers.3.mlp"
 };
 
 // The units in forward order: embedding, layers.0 .. layers.{L-1}, head; with
-// vocab_chunks K > 1, embedding.0 .. embedding.{K-1} and head.0 .. head.{K-1}.
+// vocab_chunks K > 1, embedding.0 .. embedding.{K-1} and head.0 .. head.{K-1};
+// with layer_pieces 2, layers.i.attention and layers.i.mlp for each layer.
 std::vector<UnitShape> model_units(const ModelConfig& config);
+
+// OK when config.layer_pieces is 1 or 2; the message names strata.layer_pieces.
+Status check_layer_pieces(const ModelConfig& config);
 
 // OK when config.vocab_chunks can cut this model: 1 to vocab_size chunks, and
 // an untied lm_head when more than one (a tied head reads the embedding

@@ -50,6 +50,8 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.seq_len = effective_seq_len(c, model);
   in.model.vocab_chunks = std::max<int64_t>(1, c.strata.vocab_chunks);
   in.vocab_chunks_auto = c.strata.vocab_chunks == 0;
+  in.model.layer_pieces = std::max<int64_t>(1, c.strata.layer_pieces);
+  in.layer_pieces_auto = c.strata.layer_pieces == 0;
   in.grad_accum = c.gradient_accumulation_steps;
   in.overlap_comm = c.zero.overlap_comm;
   in.reduce_scatter = c.zero.reduce_scatter;
@@ -152,6 +154,12 @@ Status validate_plan_input(const PlanInput& in) {
         "strata.vocab_chunks {}: the CUDA backend computes whole embeddings and heads only; use "
         "strata.vocab_chunks 1, or train on the CPU backend (--backend cpu)",
         in.model.vocab_chunks));
+  if (Status s = check_layer_pieces(in.model); !s) return s;
+  if (in.model.layer_pieces > 1 && in.gpu)
+    return Status::invalid_argument(fmt::format(
+        "strata.layer_pieces {}: the CUDA backend computes whole decoder layers only; use "
+        "strata.layer_pieces 1, or train on the CPU backend (--backend cpu)",
+        in.model.layer_pieces));
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));

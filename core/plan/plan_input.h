@@ -130,12 +130,17 @@ struct PlanInput {
   // device, host, NVMe (with a path known) that fits the budgets; a built
   // plan's is set.
   std::optional<tiers::Tier> activation_home;
-  // strata.vocab_chunks auto: the planner (resolve_vocab_chunks, planner.h)
+  // strata.vocab_chunks auto: the planner (resolve_unit_cuts, planner.h)
   // keeps model.vocab_chunks 1 unless the whole embedding and head keep the
   // plan from fitting its budgets and cutting them makes it fit; a resolved
   // input says what it chose and why in vocab_chunks_reason.
   bool vocab_chunks_auto = false;
   std::string vocab_chunks_reason;
+  // strata.layer_pieces auto: likewise for model.layer_pieces, tried after
+  // the vocabulary cut (it adds a saved input per layer); the choice and why
+  // in layer_pieces_reason.
+  bool layer_pieces_auto = false;
+  std::string layer_pieces_reason;
   int fetch_slots = 5;        // offload_param.buffer_count: NVMe parameter copies in host memory
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count: the streamed optimizer's
   int64_t optimizer_chunk_elements = kOptimizerChunkElements;  // streamed_chunk_elements

@@ -54,71 +54,8 @@ int64_t TierBytes::at(Tier tier) const {
   return tier == Tier::device ? device : tier == Tier::host ? host : nvme;
 }
 
-int64_t vocab_chunks_for_layers(const PlanInput& in) {
-  const ModelConfig& m = in.model;
-  if (in.gpu || m.tie_word_embeddings || m.vocab_size <= 1) return 1;
-  int64_t largest_layer = 0;
-  for (int64_t i = 0; i < m.num_hidden_layers; ++i)
-    largest_layer = std::max(largest_layer, m.layer_parameter_count(i));
-  const int64_t table = m.vocab_size * m.hidden_size;
-  if (largest_layer <= 0 || table + m.hidden_size <= largest_layer) return 1;
-  // The head's first chunk also holds the final norm.
-  return std::min(m.vocab_size, ceil_div(table + m.hidden_size, largest_layer));
-}
-
-namespace {
-
-// resolve_vocab_chunks with the plan it judged by, when it built the one it
-// chose (plan_memory returns that one rather than building it again).
-struct VocabChunksChoice {
-  PlanInput input;
-  std::optional<PlanReport> report;
-};
-
-Result<VocabChunksChoice> choose_vocab_chunks(const PlanInput& input) {
-  VocabChunksChoice choice{input, std::nullopt};
-  PlanInput& in = choice.input;
-  if (!in.vocab_chunks_auto) return choice;
-  in.vocab_chunks_auto = false;
-  in.model.vocab_chunks = 1;
-  const int64_t chunks = vocab_chunks_for_layers(in);
-  if (chunks <= 1) return choice;  // nothing to say: cutting would not shrink the largest unit
-  Result<PlanReport> whole = plan_memory(in);
-  if (!whole) return whole.status();
-  if (whole->fits) {
-    in.vocab_chunks_reason = "1 (auto: whole units fit the budgets)";
-    choice.report = std::move(*whole);
-  } else {
-    PlanInput cut = in;
-    cut.model.vocab_chunks = chunks;
-    Result<PlanReport> cut_plan = plan_memory(cut);
-    if (cut_plan && cut_plan->fits) {
-      cut.vocab_chunks_reason = fmt::format(
-          "{} (auto: whole, the embedding and the head set the working set and the plan does not "
-          "fit the budgets; cut in {}, a layer is the largest unit and it fits)",
-          chunks, chunks);
-      in = cut;
-      choice.report = std::move(*cut_plan);
-    } else {
-      in.vocab_chunks_reason = fmt::format(
-          "1 (auto: whole units do not fit the budgets, and cut in {} they do not either)", chunks);
-      choice.report = std::move(*whole);
-    }
-  }
-  choice.report->input.vocab_chunks_reason = in.vocab_chunks_reason;
-  return choice;
-}
-
-}  // namespace
-
-Result<PlanInput> resolve_vocab_chunks(const PlanInput& input) {
-  Result<VocabChunksChoice> choice = choose_vocab_chunks(input);
-  if (!choice) return choice.status();
-  return std::move(choice->input);
-}
-
 Result<TrainingPlan> plan_training(const PlanInput& given, std::string* schedule_reason) {
-  Result<PlanInput> chosen = resolve_vocab_chunks(given);
+  Result<PlanInput> chosen = resolve_unit_cuts(given);
   if (!chosen) return chosen.status();
   const PlanInput& input = *chosen;
   PlanInput resolved = input;
@@ -417,7 +354,7 @@ Result<ScheduleChoice> choose_schedule(const PlanInput& input) {
 }
 
 Result<PlanReport> plan_memory(const PlanInput& given) {
-  Result<VocabChunksChoice> chosen = choose_vocab_chunks(given);
+  Result<UnitCutsChoice> chosen = choose_unit_cuts(given);
   if (!chosen) return chosen.status();
   if (chosen->report) return std::move(*chosen->report);
   const PlanInput& input = chosen->input;
@@ -459,6 +396,10 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
                                       "layer's size)",
                                       chunks),
                           [chunks](PlanInput& p) { p.model.vocab_chunks = chunks; }});
+  // Each layer's attention and MLP fetched on their own, where a whole layer does not fit.
+  if (input.model.layer_pieces == 1 && !input.layer_pieces_auto && !input.gpu)
+    candidates.push_back({"--layer-pieces 2 (each layer's attention and MLP as units of their own)",
+                          [](PlanInput& p) { p.model.layer_pieces = 2; }});
   if (input.world_size > 1) {
     for (int stage = input.stage + 1; stage <= 3; ++stage) {
       candidates.push_back(
@@ -536,6 +477,8 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   leanest.micro_batch = 1;
   leanest.model.vocab_chunks = std::max(leanest.model.vocab_chunks, vocab_chunks_for_layers(leanest));
   leanest.vocab_chunks_auto = false;
+  if (!leanest.gpu) leanest.model.layer_pieces = 2;
+  leanest.layer_pieces_auto = false;
   Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
   const PlanReport& lean = *lean_plan;
@@ -647,11 +590,6 @@ static void format_traffic(std::ostringstream& out, const PlanReport& plan,
                        format_seconds(slowest_seconds(t)));
 }
 
-std::string vocabulary_chunks_line(const PlanInput& in) {
-  if (!in.vocab_chunks_reason.empty()) return in.vocab_chunks_reason;
-  return fmt::format("{} (given)", in.model.vocab_chunks);
-}
-
 std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
   const PlanInput& in = plan.input;
   std::ostringstream out;
@@ -677,6 +615,8 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
                             : "CPU backend (host memory stands in for the device)");
   if (in.model.vocab_chunks > 1 || !in.vocab_chunks_reason.empty())
     out << fmt::format("  vocabulary chunks: {}\n", vocabulary_chunks_line(in));
+  if (in.model.layer_pieces > 1 || !in.layer_pieces_reason.empty())
+    out << fmt::format("  layer pieces: {}\n", layer_pieces_line(in));
   out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
                      zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
                      zero_accounting ? 26 : 40, "host", "nvme");
@@ -781,6 +721,7 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["units"] = plan.units;
   j["vocab_chunks"] = {{"chunks", in.model.vocab_chunks},
                        {"reason", vocabulary_chunks_line(in)}};
+  j["layer_pieces"] = {{"pieces", in.model.layer_pieces}, {"reason", layer_pieces_line(in)}};
   j["world_size"] = in.world_size;
   j["nodes"] = in.budgets.nodes(in.world_size);
   j["ranks_per_node"] = in.budgets.node_ranks(in.world_size);

@@ -144,15 +144,25 @@ Result<TrainingPlan> plan_training(const PlanInput& input, std::string* schedule
 // The plan without suggestion search.
 Result<PlanReport> plan_memory(const PlanInput& input);
 
-// strata.vocab_chunks auto (PlanInput::vocab_chunks_auto): the input with
-// model.vocab_chunks chosen and vocab_chunks_reason set. It stays 1 unless
-// the embedding or the head is larger than every layer, the whole-unit plan
-// does not fit its budgets and the cut one (vocab_chunks_for_layers) does;
-// plan_training and plan_memory resolve it first. A given count is kept.
-Result<PlanInput> resolve_vocab_chunks(const PlanInput& input);
+// The automatic cuts of the units (PlanInput::vocab_chunks_auto,
+// layer_pieces_auto) resolved: each stays whole unless the plan without it
+// does not fit its budgets and the plan with it does. The vocabulary is
+// tried first (it adds no saved input); then each layer's attention and MLP
+// (with the vocabulary, when automatic, cut to a piece's size). A given
+// count is kept; the input says what was chosen and why in
+// vocab_chunks_reason and layer_pieces_reason. `report` is the plan the
+// choice was judged by, when the choice built the one it chose.
+struct UnitCutsChoice {
+  PlanInput input;
+  std::optional<PlanReport> report;
+};
+Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input);
+// Its input alone: plan_training and plan_memory resolve the cuts first.
+Result<PlanInput> resolve_unit_cuts(const PlanInput& input);
 // The fewest chunks that make every embedding and head chunk no larger than
-// the largest layer; 1 where that is already so, or where the model or the
-// backend cannot be cut (a tied head, the CUDA backend).
+// the largest decoder-layer unit (a whole layer, or the largest piece of one);
+// 1 where that is already so, or where the model or the backend cannot be
+// cut (a tied head, the CUDA backend).
 int64_t vocab_chunks_for_layers(const PlanInput& input);
 
 // The report of a plan already built from `input` (its buffers, traffic and
@@ -169,6 +179,8 @@ std::optional<int64_t> detect_free_bytes(const std::vector<std::string>& directo
 std::string format_plan_table(const PlanReport& plan, bool zero_accounting);
 // "2 (given)", or the automatic choice and why (PlanInput::vocab_chunks_reason).
 std::string vocabulary_chunks_line(const PlanInput& input);
+// Likewise for the layer pieces (PlanInput::layer_pieces_reason).
+std::string layer_pieces_line(const PlanInput& input);
 nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting);
 
 }  // namespace strata

@@ -134,7 +134,8 @@ void cost_collective(const TrainingPlan& plan, const HardwareProfile& hw, const 
 
 }  // namespace
 
-double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t layer) {
+double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t layer,
+                           LayerPiece piece) {
   const double N = double(B) * double(T);
   const double D = double(m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads);
   // A query sees the keys before it (all, or the sliding window's): QK^T and PV.
@@ -152,12 +153,15 @@ double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t l
       active += double(m.layer_active_parameter_count(i));
     active /= double(std::max<int64_t>(1, m.num_hidden_layers));
   }
+  const double attention_params = double(m.attention_parameter_count());
+  if (piece == LayerPiece::attention) return 2 * N * attention_params + attention;
+  if (piece == LayerPiece::mlp) return 2 * N * (active - attention_params);
   return 2 * N * active + attention;
 }
 
 double layer_backward_flops(const ModelConfig& m, int64_t B, int64_t T, bool recomputes,
-                            int64_t layer) {
-  const double forward = layer_forward_flops(m, B, T, layer);
+                            int64_t layer, LayerPiece piece) {
+  const double forward = layer_forward_flops(m, B, T, layer, piece);
   return (recomputes ? forward : 0) + 2 * forward;
 }
 
@@ -185,8 +189,8 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
     return head_flops(m, B, T) * share * thirds / 3;
   }
   const int64_t layer = unit.layer;
-  if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T, layer);
-  return layer_backward_flops(m, B, T, plan.recomputes(op.unit), layer);
+  if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T, layer, unit.piece);
+  return layer_backward_flops(m, B, T, plan.recomputes(op.unit), layer, unit.piece);
 }
 
 std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw) {

@@ -99,10 +99,13 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op);
 // forward, and the forward again when it recomputes), the head's one pass
 // (forward and backward: 3 x 2 C V per token); the embedding's count 0. A
 // layer's matmuls read its active parameters (a sparse layer's router and k
-// experts); `layer` < 0: the mean over the model's layers.
-double layer_forward_flops(const ModelConfig& model, int64_t B, int64_t T, int64_t layer = -1);
+// experts); `layer` < 0: the mean over the model's layers. A piece of a
+// layer (ModelConfig::layer_pieces) counts its own: the attention's
+// projections and attention, or the MLP's products.
+double layer_forward_flops(const ModelConfig& model, int64_t B, int64_t T, int64_t layer = -1,
+                           LayerPiece piece = LayerPiece::whole);
 double layer_backward_flops(const ModelConfig& model, int64_t B, int64_t T, bool recomputes,
-                            int64_t layer = -1);
+                            int64_t layer = -1, LayerPiece piece = LayerPiece::whole);
 double head_flops(const ModelConfig& model, int64_t B, int64_t T);
 
 struct StepPrediction {

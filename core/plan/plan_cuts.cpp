@@ -1,0 +1,125 @@
+// The automatic cuts of the units (planner.h, choose_unit_cuts): the
+// embedding and the head along the vocabulary, each decoder layer into its
+// attention and its MLP, each chosen only where it is what makes the plan fit.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "core/plan/planner.h"
+
+namespace strata {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The plan with `in`'s cuts as given.
+Result<PlanReport> plan_as_given(PlanInput in) {
+  in.vocab_chunks_auto = false;
+  in.layer_pieces_auto = false;
+  return plan_memory(in);
+}
+
+}  // namespace
+
+int64_t vocab_chunks_for_layers(const PlanInput& in) {
+  ModelConfig m = in.model;
+  if (in.gpu || m.tie_word_embeddings || m.vocab_size <= 1) return 1;
+  m.vocab_chunks = 1;
+  int64_t largest_layer = 0;
+  for (const UnitShape& unit : model_units(m))
+    if (unit.kind == UnitKind::decoder_layer) largest_layer = std::max(largest_layer, unit.numel);
+  const int64_t table = m.vocab_size * m.hidden_size;
+  if (largest_layer <= 0 || table + m.hidden_size <= largest_layer) return 1;
+  // The head's first chunk also holds the final norm.
+  return std::min(m.vocab_size, ceil_div(table + m.hidden_size, largest_layer));
+}
+
+Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
+  UnitCutsChoice choice{input, std::nullopt};
+  PlanInput& in = choice.input;
+  const bool vocab_auto = in.vocab_chunks_auto, pieces_auto = in.layer_pieces_auto;
+  in.vocab_chunks_auto = in.layer_pieces_auto = false;
+  if (vocab_auto) in.model.vocab_chunks = 1;
+  if (pieces_auto) in.model.layer_pieces = 1;
+  const int64_t chunks = vocab_auto ? vocab_chunks_for_layers(in) : 1;
+  // Nothing to say where no cut could shrink a unit: the CUDA backend
+  // computes whole units only.
+  const bool may_cut_layers = pieces_auto && !in.gpu && in.model.num_hidden_layers > 0;
+  if (chunks <= 1 && !may_cut_layers) return choice;
+  Result<PlanReport> whole = plan_as_given(in);
+  if (!whole) return whole.status();
+  PlanReport best = std::move(*whole);
+  if (chunks > 1) {
+    if (best.fits) {
+      in.vocab_chunks_reason = "1 (auto: whole units fit the budgets)";
+    } else {
+      PlanInput cut = in;
+      cut.model.vocab_chunks = chunks;
+      Result<PlanReport> cut_plan = plan_as_given(cut);
+      if (cut_plan && cut_plan->fits) {
+        cut.vocab_chunks_reason = fmt::format(
+            "{} (auto: whole, the embedding and the head set the working set and the plan does "
+            "not fit the budgets; cut in {}, a layer is the largest unit and it fits)",
+            chunks, chunks);
+        in = cut;
+        best = std::move(*cut_plan);
+      } else {
+        in.vocab_chunks_reason = fmt::format(
+            "1 (auto: whole units do not fit the budgets, and cut in {} they do not either)",
+            chunks);
+      }
+    }
+  }
+  if (may_cut_layers) {
+    if (best.fits) {
+      in.layer_pieces_reason = "1 (auto: whole layers fit the budgets)";
+    } else {
+      // Each layer's attention and MLP; an automatic vocabulary cut to a piece's size.
+      PlanInput cut = in;
+      cut.model.layer_pieces = 2;
+      if (vocab_auto) {
+        cut.model.vocab_chunks = 1;
+        cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
+      }
+      Result<PlanReport> cut_plan = plan_as_given(cut);
+      if (cut_plan && cut_plan->fits) {
+        cut.layer_pieces_reason =
+            "2 (auto: whole layers do not fit the budgets; each layer's attention and MLP as "
+            "units of their own fit)";
+        if (vocab_auto && cut.model.vocab_chunks != in.model.vocab_chunks)
+          cut.vocab_chunks_reason =
+              fmt::format("{} (auto: the embedding and the head cut to a layer piece's size)",
+                          cut.model.vocab_chunks);
+        in = cut;
+        best = std::move(*cut_plan);
+      } else {
+        in.layer_pieces_reason =
+            "1 (auto: whole layers do not fit the budgets, and in two pieces they do not either)";
+      }
+    }
+  }
+  best.input.vocab_chunks_reason = in.vocab_chunks_reason;
+  best.input.layer_pieces_reason = in.layer_pieces_reason;
+  choice.report = std::move(best);
+  return choice;
+}
+
+Result<PlanInput> resolve_unit_cuts(const PlanInput& input) {
+  Result<UnitCutsChoice> choice = choose_unit_cuts(input);
+  if (!choice) return choice.status();
+  return std::move(choice->input);
+}
+
+std::string vocabulary_chunks_line(const PlanInput& in) {
+  if (!in.vocab_chunks_reason.empty()) return in.vocab_chunks_reason;
+  return fmt::format("{} (given)", in.model.vocab_chunks);
+}
+
+std::string layer_pieces_line(const PlanInput& in) {
+  if (!in.layer_pieces_reason.empty()) return in.layer_pieces_reason;
+  return fmt::format("{} (given)", in.model.layer_pieces);
+}
+
+}  // namespace strata

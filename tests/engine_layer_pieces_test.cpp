@@ -1,0 +1,193 @@
+// The engine trains a model whose decoder layers are cut into their
+// attention and their MLP (strata.layer_pieces 2) as it trains whole layers:
+//  - every placement and both schedules give the same bits at a fixed world size;
+//  - without clipping, the pieces give the whole layers' bits, losses and
+//    weights, dense and mixture, in several homes and both schedules: the cut
+//    sums nothing another way (tests/model_gradient_test.cpp shows it unit by
+//    unit); the reported gradient norm adds each layer's sum of squares as
+//    two partial sums, within 1e-12;
+//  - with clipping, the losses and gradient norms stay within 1e-12 and the
+//    weights within 1e-6: the norm adds the layers' two partial sums of
+//    squares as two, and the clipping factor follows its last bits;
+//  - the pieces lower the parameter slots the plan sizes by its largest
+//    unit, and the run keeps to its plan (NVMe bytes, peaks);
+//  - a checkpoint resumes bitwise, and into whole layers and back; int8
+//    state, blocked per unit, is refused in one line naming the flags;
+//  - the CUDA backend and a count other than 1 or 2 are refused in one line.
+#include <gtest/gtest.h>
+
+#include "engine_test_support.h"
+
+namespace strata {
+namespace {
+
+using testing::EngineOutcome;
+using testing::EngineRun;
+
+class EngineLayerPieces : public testing::EngineRunsTest {
+ protected:
+  EngineLayerPieces() : EngineRunsTest("engine_layer_pieces") {}
+};
+
+std::vector<EngineRun> cut_placements(int world, const std::string& schedule, int64_t pieces) {
+  std::vector<EngineRun> runs = testing::every_placement(world, "fp32", schedule);
+  for (EngineRun& run : runs) {
+    run.layer_pieces = pieces;
+    run.grad_accum = 6 / world;  // the same global batch at every world size
+    run.steps = 2;
+  }
+  return runs;
+}
+
+TEST_F(EngineLayerPieces, EveryPlacementAndScheduleGivesTheSameBits) {
+  EngineOutcome one_rank;
+  for (auto [world, schedule] : {std::pair{1, "micro_batch"}, std::pair{1, "layer"},
+                                 std::pair{2, "micro_batch"}, std::pair{2, "layer"}}) {
+    std::vector<EngineRun> runs = cut_placements(world, schedule, 2);
+    const EngineOutcome reference = train(runs[0]);
+    ASSERT_EQ(reference.steps.size(), 2u) << runs[0].label();
+    ASSERT_EQ(reference.plan.units.size(), 1u + 2u * 2u + 1u) << runs[0].label();
+    const size_t stride = world == 1 ? 2 : 4;  // stage 3 with NVMe among them
+    for (size_t i = stride; i < runs.size(); i += stride)
+      testing::expect_identical(train(runs[i]), reference,
+                                runs[i].label() + " vs " + runs[0].label());
+    testing::expect_identical(train(runs.back()), reference, runs.back().label());
+    if (world == 1 && one_rank.steps.empty()) {
+      one_rank = reference;
+    } else if (world == 1) {
+      testing::expect_identical(reference, one_rank, std::string("schedule ") + schedule);
+    }
+  }
+}
+
+TEST_F(EngineLayerPieces, PiecesGiveTheWholeLayersBits) {
+  for (bool moe : {false, true}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      std::vector<EngineRun> runs = cut_placements(1, schedule, 2);
+      for (size_t i : {size_t(0), runs.size() / 2, runs.size() - 1}) {
+        EngineRun cut = runs[i];
+        cut.moe = moe;
+        cut.clipping = 0.0;
+        EngineRun whole = cut;
+        whole.layer_pieces = 1;
+        const EngineOutcome a = train(cut), b = train(whole);
+        ASSERT_EQ(a.steps.size(), 2u) << cut.label();
+        for (size_t s = 0; s < a.steps.size(); ++s)
+          EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << cut.label() << ", step " << s + 1;
+        testing::expect_steps_near(a, b, 0, 1e-12, cut.label());  // the norm as reported
+        EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, b.weights)) << cut.label();
+      }
+    }
+  }
+}
+
+TEST_F(EngineLayerPieces, WithClippingTheNormsGroupingIsAllThatDiffers) {
+  EngineRun cut = cut_placements(1, "layer", 2).back();  // stage 3, everything on NVMe
+  cut.steps = 3;
+  cut.clipping = 0.05;  // below the gradients' norm: every step is clipped
+  EngineRun whole = cut;
+  whole.layer_pieces = 1;
+  const EngineOutcome a = train(cut), b = train(whole);
+  ASSERT_EQ(a.steps.size(), 3u) << cut.label();
+  EXPECT_EQ(a.steps[0].loss, b.steps[0].loss) << cut.label();
+  EXPECT_GT(a.steps[0].grad_norm, cut.clipping) << cut.label();
+  testing::expect_steps_near(a, b, 1e-12, 1e-12, cut.label());
+  std::string worst;
+  const double error = testing::weights_relative_error(a.weights, b.weights, &worst);
+  std::printf("layer pieces against whole layers, clipped: worst weight error %.2e (%s)\n", error,
+              worst.c_str());
+  EXPECT_LT(error, 1e-6) << cut.label() << ", worst tensor " << worst;
+}
+
+TEST_F(EngineLayerPieces, PiecesLowerTheSlotsAndTheRunKeepsToThePlan) {
+  int64_t whole_slots = 0;
+  for (int64_t pieces : {1, 2}) {
+    EngineRun run = cut_placements(1, "micro_batch", pieces).back();
+    const EngineOutcome outcome = train(run);
+    ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
+    testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
+    // The fetched and gathered parameter copies and the unit gradients are
+    // sized by the largest unit: in pieces, a layer's MLP.
+    int64_t slots = 0;
+    for (const PlanBuffer& buffer : outcome.plan.buffers)
+      if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
+          buffer.role == BufferRole::gathered_unit_fp32 ||
+          buffer.role == BufferRole::nvme_parameter_copies)
+        slots += buffer.bytes;
+    ASSERT_GT(slots, 0) << run.label();
+    if (pieces == 1) {
+      whole_slots = slots;
+      continue;
+    }
+    std::printf("parameter slots: %lld bytes with whole layers, %lld in pieces\n",
+                static_cast<long long>(whole_slots), static_cast<long long>(slots));
+    EXPECT_LT(double(slots), 0.75 * double(whole_slots)) << run.label();
+  }
+}
+
+TEST_F(EngineLayerPieces, ACheckpointResumesBitwise) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun run = cut_placements(1, schedule, 2).back();  // stage 3, everything on NVMe
+    run.steps = 3;
+    expect_resumes_bitwise(run, 1);
+  }
+}
+
+TEST_F(EngineLayerPieces, ACheckpointResumesIntoWholeLayersAndBack) {
+  for (int64_t from : {2, 1}) {
+    EngineRun run = cut_placements(1, "auto", from).back();
+    run.vocab_chunks = 2;  // both cuts at once: each tensor is read where it lies
+    Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok()) << options.status().message();
+    Result<std::unique_ptr<Engine>> first = Engine::create(*options);
+    ASSERT_TRUE(first.is_ok()) << first.status().message();
+    ASSERT_TRUE((*first)->step().is_ok());
+    const std::string where = dir_.path() + "/ckpt-" + std::to_string(from);
+    Result<std::string> saved = (*first)->save_checkpoint(where);
+    ASSERT_TRUE(saved.is_ok()) << saved.status().message();
+    Result<HostModel> before = (*first)->read_model();
+    ASSERT_TRUE(before.is_ok());
+    first->reset();
+    EngineRun other = run;
+    other.layer_pieces = 3 - from;
+    other.vocab_chunks = 1;
+    Result<EngineOptions> resumed = testing::engine_options(other, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(resumed.is_ok());
+    resumed->resume_from = *saved;
+    Result<std::unique_ptr<Engine>> second = Engine::create(*resumed);
+    ASSERT_TRUE(second.is_ok()) << second.status().message();
+    Result<HostModel> after = (*second)->read_model();
+    ASSERT_TRUE(after.is_ok());
+    EXPECT_TRUE(testing::weights_bitwise_equal(*after, *before)) << other.label();
+    EXPECT_TRUE((*second)->step().is_ok()) << other.label();
+  }
+  // int8 moments are blocked per unit: another cut is refused in one line.
+  const EngineRun run = cut_placements(1, "auto", 2).back();
+  EngineRun whole = run;
+  whole.layer_pieces = 1;
+  expect_int8_resume_refused(run, whole, "pass --vocab-chunks 1 --layer-pieces 2 to resume it");
+}
+
+TEST_F(EngineLayerPieces, TheCudaBackendAndOtherCountsAreRefused) {
+  EngineRun gpu = cut_placements(1, "auto", 2)[0];
+  gpu.emulate_gpu = true;
+  Result<EngineOptions> options = testing::engine_options(gpu, dir_.path(), tokens_, seed_);
+  ASSERT_TRUE(options.is_ok());
+  Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
+  ASSERT_FALSE(engine.is_ok());
+  EXPECT_NE(engine.status().message().find("the CUDA backend computes whole decoder layers"),
+            std::string::npos)
+      << engine.status().message();
+  EngineRun three = cut_placements(1, "auto", 3)[0];
+  options = testing::engine_options(three, dir_.path(), tokens_, seed_);
+  ASSERT_TRUE(options.is_ok());
+  engine = Engine::create(*options);
+  ASSERT_FALSE(engine.is_ok());
+  EXPECT_NE(engine.status().message().find("strata.layer_pieces: expected 1 (whole decoder "
+                                           "layers) or 2"),
+            std::string::npos)
+      << engine.status().message();
+}
+
+}  // namespace
+}  // namespace strata
