@@ -292,6 +292,56 @@ TEST(TieredStoreTest, WholeShardCopiesStageThroughABoundedBlock) {
   EXPECT_EQ(store.usage(Tier::host).peak, 64u << 20);
 }
 
+// Ranges of an NVMe home, read ahead into a host copy or straight into a
+// caller's buffer, hold the home's bytes there; a range off the alignment or
+// past the shard, or of a home elsewhere, is refused in one line.
+TEST(TieredStoreTest, RangesOfAnNvmeHomeReadOnlyThoseBytes) {
+  TemporaryDirectory directory;
+  STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+  Notices notices;
+  auto opened = open_test_store(directory.path(), StoreSizes{}, notices);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  TieredStore& store = **opened;
+  std::mt19937_64 random(fresh_seed("tiers_store_ranges"));
+  const uint64_t a = store.nvme_alignment();
+  const size_t size = 9 * a;
+  const ShardKey key{3, ShardKind::param};
+  ASSERT_TRUE(store.add_shard(key, size, Tier::nvme).is_ok());
+  const std::vector<std::byte> bytes = random_bytes(size, random);
+  ASSERT_TRUE(store.write_shard(key, bytes).is_ok());
+  const std::vector<ByteRange> ranges = {{0, a}, {3 * a, 2 * a}, {8 * a, a}};
+  auto holds_ranges = [&](const std::byte* got) {
+    for (const ByteRange& r : ranges)
+      EXPECT_EQ(std::memcmp(got + r.offset, bytes.data() + r.offset, r.bytes), 0) << r.offset;
+  };
+  const uint64_t read_before = store.nvme_tier()->engine().counters().bytes_read;
+  ASSERT_TRUE(store.prefetch_ranges(key, ranges).is_ok());
+  Result<ShardView> view = store.wait(key, Tier::host);
+  ASSERT_TRUE(view.is_ok()) << view.status().message();
+  holds_ranges(view->data);
+  ASSERT_TRUE(store.release(key, Tier::host).is_ok());
+  EXPECT_EQ(store.nvme_tier()->engine().counters().bytes_read - read_before, 4 * a);
+
+  Result<HostBlock> block = store.host_tier().allocate(size, "test buffer");
+  ASSERT_TRUE(block.is_ok()) << block.status().message();
+  std::memset(block->data, 0x5a, size);
+  ASSERT_TRUE(store.read_home_ranges(key, ranges, block->data).is_ok());
+  holds_ranges(block->data);
+  EXPECT_EQ(std::to_integer<int>(block->data[a]), 0x5a);  // outside the ranges: untouched
+  store.host_tier().free(*block);
+
+  const std::vector<ByteRange> ragged = {{a / 2, a}};
+  Status refused = store.prefetch_ranges(key, ragged);
+  EXPECT_NE(refused.message().find("is not " + std::to_string(a) + "-byte aligned"),
+            std::string::npos)
+      << refused.message();
+  const std::vector<ByteRange> past = {{9 * a, a}};
+  EXPECT_FALSE(store.read_home_ranges(key, past, nullptr).is_ok());
+  ASSERT_TRUE(store.add_shard({4, ShardKind::param}, a, Tier::host).is_ok());
+  Status host_home = store.prefetch_ranges({4, ShardKind::param}, ranges);
+  EXPECT_NE(host_home.message().find("its home is host"), std::string::npos) << host_home.message();
+}
+
 TEST(TieredStoreTest, SeveralThreadsAtOnce) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);

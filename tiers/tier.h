@@ -28,6 +28,14 @@ struct ShardKey {
 };
 std::string shard_name(ShardKey key);  // "(unit 3, m)"
 
+// Part of a shard's bytes, [offset, offset + bytes): TieredStore::prefetch_ranges
+// and read_home_ranges read only these of an NVMe home.
+struct ByteRange {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  friend bool operator==(const ByteRange&, const ByteRange&) = default;
+};
+
 // TieredStore::write_shard / read_shard stage NVMe homes through one host
 // block of at most this many bytes (charged to the host budget while the call lasts).
 inline constexpr uint64_t kShardStagingBytes = uint64_t{64} << 20;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "io/swap_directory.h"
 
@@ -21,6 +22,7 @@ struct TieredStore::Copy {
   NvmeExtent nvme;
   // In flight.
   io::IoHandle io;
+  std::vector<io::IoHandle> more_io;  // prefetch_ranges: the ranges after the first
   DeviceCopy device_copy;
   std::optional<HostBlock> staging;  // NVMe <-> device goes through the host
   bool staging_to_device = false;    // load: after the NVMe read, copy staging -> device
@@ -227,6 +229,11 @@ Status TieredStore::finish(Shard& shard, Tier tier) {
   Status status;
   if (copy.io.valid()) status = copy.io.wait();
   copy.io = io::IoHandle();
+  for (io::IoHandle& more : copy.more_io) {
+    Status done = more.wait();
+    if (status && !done) status = done;
+  }
+  copy.more_io.clear();
   if (status && copy.staging_to_device) {
     copy.device_copy = device_->copy_to_device(copy.device, 0, copy.staging->data, shard.bytes);
   }
@@ -338,12 +345,8 @@ Status TieredStore::prefetch(ShardKey key, Tier to) {
     if (Status status = finish(shard, Tier::host); !status) return status;
     if (shard.at(Tier::host).present) source = Tier::host;
   }
-  if (source == shard.home) {  // a write-back to the home must land before the home is read
-    for (int tier = 0; tier < kTierCount; ++tier) {
-      if (shard.at(Tier(tier)).phase == Copy::Phase::writing) {
-        if (Status status = finish(shard, Tier(tier)); !status) return status;
-      }
-    }
+  if (source == shard.home) {
+    if (Status status = settle_writes(shard); !status) return status;
   }
   const std::string what = shard_name(key);
   const Copy& from = shard.at(source);
@@ -374,6 +377,83 @@ Status TieredStore::prefetch(ShardKey key, Tier to) {
   copy.source = source;
   copy.phase = Copy::Phase::loading;
   return Status::ok();
+}
+
+Status TieredStore::settle_writes(Shard& shard) {
+  for (int tier = 0; tier < kTierCount; ++tier) {
+    if (shard.at(Tier(tier)).phase == Copy::Phase::writing) {
+      if (Status status = finish(shard, Tier(tier)); !status) return status;
+    }
+  }
+  return Status::ok();
+}
+
+uint64_t TieredStore::nvme_alignment() const {
+  return nvme_ ? nvme_->alignment() : 1;
+}
+
+Status TieredStore::check_ranges(const Shard& shard, ShardKey key,
+                                 std::span<const ByteRange> ranges, const char* operation) const {
+  if (shard.home != Tier::nvme)
+    return Status::error(
+        fmt::format("tiers: {} {}: its home is {}; only an NVMe home is read "
+                    "in ranges",
+                    operation, shard_name(key), tier_name(shard.home)));
+  const uint64_t alignment = nvme_->alignment(), size = nvme_->rounded(shard.bytes);
+  for (const ByteRange& range : ranges) {
+    if (range.offset % alignment != 0 || range.bytes % alignment != 0 ||
+        range.offset + range.bytes > size)
+      return Status::error(fmt::format(
+          "tiers: {} {}: range [{}, {}) is not {}-byte aligned inside the shard's {} bytes",
+          operation, shard_name(key), range.offset, range.offset + range.bytes, alignment, size));
+  }
+  return Status::ok();
+}
+
+Status TieredStore::prefetch_ranges(ShardKey key, std::span<const ByteRange> ranges) {
+  if (Status status = check_tier(Tier::host, "prefetch_ranges", key); !status) return status;
+  Result<ShardHold> held = hold(key);
+  if (!held) return held.status();
+  Shard& shard = held->shard();
+  if (Status status = check_ranges(shard, key, ranges, "prefetch_ranges"); !status) return status;
+  Copy& copy = shard.at(Tier::host);
+  if (copy.present) return Status::ok();  // there already, or on its way
+  if (Status status = settle_writes(shard); !status) return status;
+  Result<HostBlock> block = host_->allocate(shard.bytes, shard_name(key));
+  if (!block) return block.status();
+  copy.host = *block;
+  copy.present = true;
+  const Copy& home = shard.at(Tier::nvme);
+  for (const ByteRange& range : ranges) {
+    io::IoHandle read =
+        nvme_->read(home.nvme, range.offset, block->data + range.offset, range.bytes);
+    if (!copy.io.valid())
+      copy.io = std::move(read);
+    else
+      copy.more_io.push_back(std::move(read));
+  }
+  copy.source = Tier::nvme;
+  copy.phase = Copy::Phase::loading;
+  return Status::ok();
+}
+
+Status TieredStore::read_home_ranges(ShardKey key, std::span<const ByteRange> ranges,
+                                     std::byte* buffer) {
+  Result<ShardHold> held = hold(key);
+  if (!held) return held.status();
+  Shard& shard = held->shard();
+  if (Status status = check_ranges(shard, key, ranges, "read_home_ranges"); !status) return status;
+  if (Status status = settle_writes(shard); !status) return status;
+  std::vector<io::IoHandle> reads;
+  for (const ByteRange& range : ranges)
+    reads.push_back(
+        nvme_->read(shard.at(Tier::nvme).nvme, range.offset, buffer + range.offset, range.bytes));
+  Status status = Status::ok();
+  for (io::IoHandle& read : reads) {
+    Status done = read.wait();
+    if (status && !done) status = done;
+  }
+  return status.with_context(fmt::format("tiers: read_home_ranges {}", shard_name(key)));
 }
 
 Result<ShardView> TieredStore::wait(ShardKey key, Tier at) {

@@ -12,7 +12,12 @@
 // that copy's bytes to the home; wait(key, from) returning ok means the home
 // holds them (for NVMe: in the page cache of the device, not yet durable).
 // release(key, at) waits for the copy's transfers and frees its bytes; changes
-// not written back are dropped. A prefetch to the device takes the host copy
+// not written back are dropped. prefetch_ranges(key, ranges) is a prefetch
+// of an NVMe-homed shard to the host that reads only `ranges` (each offset and
+// length a multiple of nvme_alignment(), inside the shard's rounded size); the
+// copy's other bytes are unspecified. read_home_ranges reads ranges of an
+// NVMe home straight into a caller's buffer, at the same offsets, and returns
+// when they are there. A prefetch to the device takes the host copy
 // when there is one (even if it was changed and not written back), else the
 // home; the source must not be changed until the new copy's wait() returns.
 // Copies in other tiers are never updated by a writeback.
@@ -96,6 +101,10 @@ class TieredStore {
   Status remove_shard(ShardKey key);
 
   Status prefetch(ShardKey key, Tier to);
+  Status prefetch_ranges(ShardKey key, std::span<const ByteRange> ranges);
+  // `buffer` (aligned to nvme_alignment()) holds the shard's bytes at their offsets.
+  Status read_home_ranges(ShardKey key, std::span<const ByteRange> ranges, std::byte* buffer);
+  uint64_t nvme_alignment() const;
   Result<ShardView> wait(ShardKey key, Tier at);
   Status writeback(ShardKey key, Tier from);
   Status release(ShardKey key, Tier at);
@@ -128,6 +137,11 @@ class TieredStore {
   Status settle_for_whole_copy(Shard& shard, ShardKey key, size_t given, const char* operation);
   void free_copy(Shard& shard, Tier tier);
   Status check_tier(Tier tier, const char* operation, ShardKey key) const;
+  // prefetch_ranges / read_home_ranges: the home is NVMe, each range aligned and inside it.
+  Status check_ranges(const Shard& shard, ShardKey key, std::span<const ByteRange> ranges,
+                      const char* operation) const;
+  // A load from the home must not overtake a write-back to it.
+  Status settle_writes(Shard& shard);
 
   std::unique_ptr<HostTier> host_;
   std::unique_ptr<DeviceTier> device_;
