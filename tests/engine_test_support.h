@@ -116,6 +116,10 @@ struct EngineRun {
   int64_t vocab_chunks = 1;              // strata.vocab_chunks (0: auto)
   int64_t vocab_size = 0;                // the model's vocabulary; 0: small_gqa_model's
   int64_t layer_pieces = 1;              // strata.layer_pieces (0: auto)
+  std::string expert_fetch = "routed";   // strata.expert_fetch
+  int64_t experts = 0;                   // a mixture's experts; 0: small_moe_model's
+  int64_t experts_per_token = 0;         // likewise its top k
+  int64_t intermediate = 0;              // intermediate_size (and an expert's); 0: the model's
   std::string label() const {
     return std::string(moe ? "moe " : "") +
            std::string(backend == kernels::BackendKind::cuda ? "cuda "
@@ -129,7 +133,8 @@ struct EngineRun {
            (gradient_home == "auto" ? "" : " gradients " + gradient_home) +
            (activation_home == "auto" ? "" : " activations " + activation_home) +
            (vocab_chunks == 1 ? "" : " vocab chunks " + std::to_string(vocab_chunks)) +
-           (layer_pieces == 1 ? "" : " layer pieces " + std::to_string(layer_pieces));
+           (layer_pieces == 1 ? "" : " layer pieces " + std::to_string(layer_pieces)) +
+           (expert_fetch == "routed" ? "" : " expert fetch " + expert_fetch);
   }
 };
 
@@ -183,6 +188,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["strata"]["layer_pieces"] =
       run.layer_pieces == 0 ? nlohmann::json("auto") : nlohmann::json(run.layer_pieces);
   j["strata"]["schedule"] = run.schedule;
+  j["strata"]["expert_fetch"] = run.expert_fetch;
   ConfigOverrides overrides;
   overrides.world_size = run.world;
   return train_config_from_json(j, "test config", overrides);
@@ -197,6 +203,12 @@ inline Result<EngineOptions> engine_options(const EngineRun& run, const std::str
   options.model = run.moe ? small_moe_model() : small_gqa_model(run.tied);
   options.model.num_hidden_layers = run.layers;
   if (run.vocab_size > 0) options.model.vocab_size = run.vocab_size;
+  if (run.experts > 0) options.model.num_experts = run.experts;
+  if (run.experts_per_token > 0) options.model.num_experts_per_tok = run.experts_per_token;
+  if (run.intermediate > 0) {
+    options.model.intermediate_size = run.intermediate;
+    if (run.moe) options.model.moe_intermediate_size = run.intermediate;
+  }
   options.config = *config;
   options.total_steps = run.steps;
   options.budgets.device_per_rank = int64_t(run.device_budget);
@@ -357,6 +369,30 @@ class EngineRunsTest : public ::testing::Test {
     EXPECT_TRUE(outcome.is_ok()) << run.label() << ": " << outcome.status().message();
     if (!outcome) return {};
     return std::move(*outcome);
+  }
+  // `runs_for(world, schedule)` at 1 and 2 ranks in both schedules: every
+  // other (at 2 ranks every fourth) placement and the last give the first's
+  // bits, whose plan has `units` units, and at 1 rank both schedules do too.
+  void expect_placements_and_schedules_identical(
+      const std::function<std::vector<EngineRun>(int, const std::string&)>& runs_for,
+      size_t units) {
+    EngineOutcome one_rank;
+    for (auto [world, schedule] : {std::pair{1, "micro_batch"}, std::pair{1, "layer"},
+                                   std::pair{2, "micro_batch"}, std::pair{2, "layer"}}) {
+      std::vector<EngineRun> runs = runs_for(world, schedule);
+      const EngineOutcome reference = train(runs[0]);
+      ASSERT_EQ(reference.steps.size(), size_t(runs[0].steps)) << runs[0].label();
+      ASSERT_EQ(reference.plan.units.size(), units) << runs[0].label();
+      const size_t stride = world == 1 ? 2 : 4;  // stage 3 with NVMe among them
+      for (size_t i = stride; i < runs.size(); i += stride)
+        expect_identical(train(runs[i]), reference, runs[i].label() + " vs " + runs[0].label());
+      expect_identical(train(runs.back()), reference, runs.back().label());
+      if (world == 1 && one_rank.steps.empty()) {
+        one_rank = reference;
+      } else if (world == 1) {
+        expect_identical(reference, one_rank, std::string("schedule ") + schedule);
+      }
+    }
   }
   // `run` with int8 moments, saved after a step and resumed with `resumed`'s
   // cut of the units: refused in one line holding `expected`.

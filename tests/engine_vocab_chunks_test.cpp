@@ -34,24 +34,9 @@ std::vector<EngineRun> chunked_placements(int world, const std::string& schedule
 }
 
 TEST_F(EngineVocabChunks, EveryPlacementAndScheduleGivesTheSameBits) {
-  EngineOutcome one_rank;
-  for (auto [world, schedule] : {std::pair{1, "micro_batch"}, std::pair{1, "layer"},
-                                 std::pair{2, "micro_batch"}, std::pair{2, "layer"}}) {
-    std::vector<EngineRun> runs = chunked_placements(world, schedule, 3);
-    const EngineOutcome reference = train(runs[0]);
-    ASSERT_EQ(reference.steps.size(), 2u) << runs[0].label();
-    ASSERT_EQ(reference.plan.units.size(), 3u + 2u + 3u) << runs[0].label();
-    const size_t stride = world == 1 ? 2 : 4;  // stage 3 with NVMe among them
-    for (size_t i = stride; i < runs.size(); i += stride)
-      testing::expect_identical(train(runs[i]), reference,
-                                runs[i].label() + " vs " + runs[0].label());
-    testing::expect_identical(train(runs.back()), reference, runs.back().label());
-    if (world == 1 && one_rank.steps.empty()) {
-      one_rank = reference;
-    } else if (world == 1) {
-      testing::expect_identical(reference, one_rank, std::string("schedule ") + schedule);
-    }
-  }
+  expect_placements_and_schedules_identical(
+      [](int world, const std::string& schedule) { return chunked_placements(world, schedule, 3); },
+      3u + 2u + 3u);
 }
 
 TEST_F(EngineVocabChunks, CutAndWholeUnitsAgree) {

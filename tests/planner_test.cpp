@@ -267,6 +267,24 @@ TEST(Planner, OffloadingParametersBelowStageThreeIsRefused) {
   EXPECT_NE(status.message().find("needs ZeRO stage 3"), std::string::npos);
 }
 
+TEST(Planner, ExpertsOnADenseFamilyOrExpertsOfNoRowsAreRefused) {
+  PlanInput in = bare(1000, 1, 2, Precision::bf16);
+  in.model.num_experts = 4;  // a llama shape with experts: nothing to compute them by
+  in.model.num_experts_per_tok = 2;
+  Status status = validate_plan_input(in);
+  ASSERT_FALSE(status.is_ok());
+  EXPECT_NE(status.message().find("num_experts 4 on a dense family (llama)"), std::string::npos)
+      << status.message();
+  in.model = *load_model_config("mixtral-8x7b");
+  EXPECT_TRUE(validate_plan_input(in).is_ok());
+  in.model.num_experts_per_tok = 9;
+  status = validate_plan_input(in);
+  ASSERT_FALSE(status.is_ok());
+  EXPECT_NE(status.message().find("1 to num_experts 8 experts per token (got 9)"),
+            std::string::npos)
+      << status.message();
+}
+
 TEST(Planner, JsonHasThePerRankModelStates) {
   PlanReport plan = *plan_memory(bare(1000000000, 1, 0, Precision::bf16));
   nlohmann::ordered_json j = plan_to_json(plan, false);

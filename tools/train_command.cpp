@@ -605,6 +605,8 @@ class TrainCommand : public Subcommand {
       fmt::print("vocabulary chunks: {}\n", vocabulary_chunks_line(plan.input));
     if (plan.input.model.layer_pieces > 1 || !plan.input.layer_pieces_reason.empty())
       fmt::print("layer pieces: {}\n", layer_pieces_line(plan.input));
+    if (!plan.expert_fetch_reason.empty())
+      fmt::print("expert fetch: {}\n", plan.expert_fetch_reason);
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }

@@ -143,6 +143,11 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "each fetched on its own, so a layer's MLP alone sets the working set) "
        "(strata.layer_pieces; default auto: whole unless cutting them is what makes the plan fit "
        "the budgets; CPU backend)"},
+      {"--expert-fetch", kZeroGroup,
+       "Mixtures of experts: routed (a sparse layer's experts are read from NVMe only when "
+       "the micro-batches' tokens are routed to them) | all (every expert with its unit) "
+       "(strata.expert_fetch; default routed: where the plan can, one rank at stage 3 with "
+       "the parameters on NVMe and --layer-pieces 2, CPU backend)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
       {"--aio-queue-depth", kIoGroup,

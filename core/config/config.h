@@ -168,6 +168,11 @@ struct StrataConfig {
   // whole, 2 its attention and its MLP; 0, auto (the default): the plan's
   // choice (PlanInput::layer_pieces_auto).
   int64_t layer_pieces = 0;
+  // Mixtures of experts: a sparse layer's experts read from NVMe only when the
+  // micro-batches' tokens are routed to them (false, "routed", the default;
+  // TrainingPlan::routed_expert_fetch says where it applies), or all of them
+  // with their unit (true, "all").
+  bool expert_fetch_all = false;
 };
 
 struct TrainConfig {
@@ -221,6 +226,7 @@ struct ConfigOverrides {
   std::optional<std::string> activation_home;  // auto | device | host | nvme
   std::optional<std::string> vocab_chunks;     // strata.vocab_chunks: auto | an integer >= 1
   std::optional<std::string> layer_pieces;     // strata.layer_pieces: auto | 1 | 2
+  std::optional<std::string> expert_fetch;     // strata.expert_fetch: routed | all
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
   // The learning-rate schedule ("scheduler"): --lr-schedule constant | warmup | linear |

@@ -4,6 +4,7 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -100,6 +101,21 @@ class CpuRankCompute final : public RankCompute {
     if (plan_.compute_bytes == 4) return Status::ok();
     kernels::cpu::widen_to_float(params, plan_.compute_type(), gathered_fp32_[size_t(slot)],
                                  plan_.units[size_t(unit)].padded_numel);
+    return Status::ok();
+  }
+  Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
+                                              const ComputeParams& params) override {
+    UnitParams p;
+    p.flat = fp32(unit, params, 0);
+    return strata::routed_experts(plan_.layout, unit, p, saved_input_at(unit - 1, micro),
+                                  workspace_);
+  }
+  Status take_gathered_range(int unit, int slot, const std::byte* params, int64_t begin,
+                             int64_t count) override {
+    if (plan_.compute_bytes == 4) return Status::ok();
+    count = std::min(count, plan_.units[size_t(unit)].padded_numel - begin);
+    kernels::cpu::widen_to_float(params + begin * plan_.compute_bytes, plan_.compute_type(),
+                                 gathered_fp32_[size_t(slot)] + begin, count);
     return Status::ok();
   }
   std::byte* saved_input(int level, int micro) override {

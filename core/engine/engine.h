@@ -50,10 +50,11 @@
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "core/optimizer/optimizer.h"
+#include "core/plan/expert_fetch.h"
 #include "core/plan/planner.h"
 #include "core/plan/training_plan.h"
-#include "io/fault_injection.h"
 #include "io/base/status.h"
+#include "io/fault_injection.h"
 #include "kernels/backend.h"
 #include "tiers/tier.h"
 
@@ -152,6 +153,11 @@ struct StepResult {
   // of a launched run once. Collectives of the previous step's updates that
   // are still running (stages 1-2) count where they fall.
   uint64_t network_bytes = 0;
+  // Routed expert fetch (TrainingPlan::routed_expert_fetch): the experts each
+  // micro-batch of the first rank here sent tokens to, per unit
+  // (core/plan/expert_fetch.h); routed_parameter_reads counts what that
+  // reads. Empty otherwise.
+  StepRouting routing;
 };
 
 // One operation as it ran, for traces.

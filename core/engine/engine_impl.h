@@ -123,6 +123,11 @@ struct Engine::Impl {
     // and load-balancing loss, taken when its head runs.
     std::vector<RouterStats> router_stats;  // (G)
     std::vector<double> micro_aux;          // (G)
+    // Routed expert fetch (core/plan/expert_fetch.h): each routed unit's
+    // experts per micro-batch (set by its forward, read by its backward) and
+    // each gather slot's experts read so far (reset by its gather).
+    StepRouting routing;
+    std::vector<std::vector<uint8_t>> experts_loaded;      // [gather slot] (E)
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
   };
@@ -205,6 +210,8 @@ struct Engine::Impl {
   void publish_params(Rank& rank, int unit, int64_t step_index);
 
   Status gather(Rank& rank, const PlanOp& op);
+  // Routed expert fetch: reads the experts op's micro-batch needs that its gather has not.
+  Status read_routed_experts(Rank& rank, const PlanOp& op, const ComputeParams& params);
   Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   // The units compute straight from the parameters' home at stages 0-2, and on

@@ -174,6 +174,12 @@ Status Engine::Impl::open_rank(Rank& rank) {
   rank.micro_loss.assign(size_t(in.grad_accum), 0.0);
   rank.micro_aux.assign(size_t(in.grad_accum), 0.0);
   rank.router_stats.assign(size_t(in.grad_accum), {});
+  rank.routing.assign(plan.units.size(), {});
+  for (int u = 0; u < int(plan.units.size()); ++u)
+    if (routes_expert_reads(plan, u))
+      rank.routing[size_t(u)].assign(size_t(in.grad_accum),
+                                     std::vector<uint8_t>(size_t(in.model.num_experts), 0));
+  rank.experts_loaded.assign(size_t(plan.gather_slots), {});
   rank.partials.assign(size_t(units()), {});
   rank.params_ready = std::make_unique<std::atomic<int64_t>[]>(size_t(units()));
   for (int u = 0; u < units(); ++u) rank.params_ready[size_t(u)] = -1;

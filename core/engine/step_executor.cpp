@@ -100,6 +100,7 @@ Result<StepResult> Engine::step() {
   im.last_read = counters.bytes_read;
   im.last_written = counters.bytes_written;
   result.network_bytes = im.network_bytes_sent() - network_at_start;
+  if (im.plan.routed_expert_fetch) result.routing = im.ranks[0]->routing;
   return result;
 }
 
@@ -147,6 +148,10 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
   const PlanOp& op = plan.ops[size_t(op_index)];
   switch (op.kind) {
     case OpKind::fetch:
+      if (routes_expert_reads(plan, op.unit))
+        return rank.store->prefetch_ranges(
+            {op.unit, ShardKind::param},
+            fetched_ahead(plan, op.unit, rank.store->nvme_alignment()));
       return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
     case OpKind::gather:
       return gather(rank, op);

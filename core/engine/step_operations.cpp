@@ -90,7 +90,40 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
+  if (routes_expert_reads(plan, op.unit))
+    rank.experts_loaded[size_t(op.slot)].assign(size_t(plan.layout.config.num_experts), 0);
   return rank.compute->take_gathered(op.unit, op.slot, target);
+}
+
+Status Engine::Impl::read_routed_experts(Rank& rank, const PlanOp& op,
+                                         const ComputeParams& params) {
+  const int u = op.unit, slot = params.gathered_slot;
+  if (slot < 0) return Status::error("routed experts without a gathered copy (plan error)");
+  std::vector<uint8_t>& needed = rank.routing[size_t(u)][size_t(op.micro)];
+  if (op.kind == OpKind::forward) {  // the backward reads what its forward routed
+    Result<std::vector<uint8_t>> routed = rank.compute->routed_experts(u, op.micro, params);
+    if (!routed) return routed.status();
+    needed = std::move(*routed);
+  }
+  const uint64_t alignment = rank.store->nvme_alignment();
+  const int64_t cb = plan.compute_bytes;
+  if ((plan.units[size_t(u)].param_numel * cb) % int64_t(alignment) != 0)
+    return Status::error(fmt::format(
+        "routed expert reads: {}'s parameters are not a whole number of {}-byte NVMe blocks; use "
+        "--expert-fetch all",
+        plan.layout.units[size_t(u)].unit.name, alignment));
+  const std::vector<tiers::ByteRange> ranges =
+      expert_reads(plan, u, needed, rank.experts_loaded[size_t(slot)], alignment);
+  if (ranges.empty()) return Status::ok();
+  std::byte* gathered = rank.gathered[size_t(slot)];
+  if (Status s = rank.store->read_home_ranges({u, ShardKind::param}, ranges, gathered); !s)
+    return s;
+  for (const tiers::ByteRange& range : ranges) {
+    Status s = rank.compute->take_gathered_range(u, slot, gathered, int64_t(range.offset) / cb,
+                                                 int64_t(range.bytes) / cb);
+    if (!s) return s;
+  }
+  return Status::ok();
 }
 
 ComputeParams Engine::Impl::unit_params(Rank& rank, StepRun& run, int op_index, int unit) {
@@ -136,6 +169,9 @@ Status Engine::Impl::forward(Rank& rank, StepRun& run, int op_index, const PlanO
   const int u = op.unit;
   const ComputeParams params = unit_params(rank, run, op_index, u);
   if (params.data == nullptr) return Status::error("no parameters for the unit (plan error)");
+  if (routes_expert_reads(plan, u)) {
+    if (Status s = read_routed_experts(rank, op, params); !s) return s;
+  }
   const UnitBatch batch = batch_of(rank, run, op.micro);
   if (u != units() - 1) return rank.compute->forward(u, op.micro, params, batch);
   ComputeParams tied;
@@ -159,6 +195,9 @@ Status Engine::Impl::backward(Rank& rank, StepRun& run, int op_index, const Plan
   const int u = op.unit;
   const ComputeParams params = unit_params(rank, run, op_index, u);
   if (params.data == nullptr) return Status::error("no parameters for the unit (plan error)");
+  if (routes_expert_reads(plan, u)) {
+    if (Status s = read_routed_experts(rank, op, params); !s) return s;
+  }
   return rank.compute->backward(u, op.micro, params, batch_of(rank, run, op.micro),
                                 plan.recomputes(u), grad_target(rank, op));
 }

@@ -269,4 +269,17 @@ Status save_host_model(const HostModel& model, const std::string& dir, DType dty
   return Status::ok();
 }
 
+ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u) {
+  const ModelConfig& c = model.config;
+  const UnitShape& unit = model.units[size_t(u)].unit;
+  if (unit.kind != UnitKind::decoder_layer || unit.piece == LayerPiece::attention ||
+      !c.layer_is_sparse(unit.layer))
+    return {};
+  for (const TensorSlot& slot : model.units[size_t(u)].tensors) {
+    if (slot.name.find(".experts.0.") == std::string::npos) continue;
+    return {slot.offset, 3 * c.moe_intermediate_size * c.hidden_size, c.num_experts};
+  }
+  return {};
+}
+
 }  // namespace strata

@@ -472,6 +472,25 @@ struct UnitKernels {
     if (piece == LayerPiece::whole) mlp_forward(c, w, ws.x2.data(), out, ws);
   }
 
+  // The routing alone, as mlp_forward computes it (a whole layer's attention first).
+  static std::vector<uint8_t> route_only(const ModelConfig& c, const UnitLayout& layout,
+                                         const float* flat, const float* x, UnitWorkspace& ws) {
+    const LayerWeights<const float> w = layer_weights(c, layout, flat);
+    const float* x2 = x;
+    if (layout.unit.piece == LayerPiece::whole) {
+      attention_forward(c, w, x, ws.x2.data(), ws);
+      x2 = ws.x2.data();
+    }
+    const int64_t N = ws.B_ * ws.T_;
+    cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), x2, w.norm_post, N, c.hidden_size,
+                         static_cast<float>(c.rms_norm_eps));
+    moe_route(c, w, ws);
+    std::vector<uint8_t> used(size_t(c.num_experts), 0);
+    for (int64_t e = 0; e < c.num_experts; ++e)
+      used[size_t(e)] = ws.expert_begin[size_t(e) + 1] > ws.expert_begin[size_t(e)];
+    return used;
+  }
+
   // --- mixture of experts (core/model/model.h) ---------------------------------
 
   // The router: probabilities (N, E), each token's top k experts by
@@ -802,6 +821,11 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
     }
   }
   return 0.0;
+}
+
+std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const UnitParams& params,
+                                    const float* input, UnitWorkspace& ws) {
+  return UnitKernels::route_only(model.config, model.units[size_t(u)], params.flat, input, ws);
 }
 
 void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params,

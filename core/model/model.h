@@ -301,6 +301,23 @@ const float* whole_tensor(const CheckpointTensor& t,
                           const std::function<const float*(int64_t)>& unit_data,
                           std::vector<float>& scratch);
 
+// The experts of a sparse layer's unit (whole, or its MLP piece): expert
+// e's gate, up and down are elements [offset + e numel, offset + (e + 1)
+// numel) of the unit's flat buffer; count 0 for any other unit.
+struct ExpertBlocks {
+  int64_t offset = 0;
+  int64_t numel = 0;
+  int64_t count = 0;
+};
+ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u);
+
+// The experts unit u (a sparse layer's, whole or its MLP piece) routes the
+// micro-batch's tokens to: [E], 1 for each expert that gets a token. The
+// same routing its unit_forward computes from `input` and `params`, which
+// it leaves in `ws` as a forward would.
+std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const UnitParams& params,
+                                    const float* input, UnitWorkspace& ws);
+
 // Checks that tokens lie in [0, V) and targets in [-inf, V): the message names `origin`.
 Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t count,
                        bool allow_negative, const std::string& origin);

@@ -290,6 +290,22 @@ Status check_vocab_chunks(const ModelConfig& config) {
   return Status::ok();
 }
 
+Status check_mixture(const ModelConfig& config) {
+  if (!config.is_moe()) return Status::ok();
+  if (config.family != ModelFamily::mixtral && config.family != ModelFamily::qwen3_moe)
+    return Status::invalid_argument(
+        fmt::format("{}: num_experts {} on a dense family ({}); a mixture of experts is mixtral or "
+                    "qwen3_moe, a dense model has num_experts 0",
+                    config.name, config.num_experts, model_family_name(config.family)));
+  if (config.moe_intermediate_size < 1 || config.num_experts_per_tok < 1 ||
+      config.num_experts_per_tok > config.num_experts)
+    return Status::invalid_argument(fmt::format(
+        "{}: a mixture needs moe_intermediate_size at least 1 (got {}) and 1 to num_experts {} "
+        "experts per token (got {})",
+        config.name, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok));
+  return Status::ok();
+}
+
 Status check_layer_pieces(const ModelConfig& config) {
   if (config.layer_pieces == 1 || config.layer_pieces == 2) return Status::ok();
   return Status::invalid_argument(fmt::format(

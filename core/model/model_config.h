@@ -134,6 +134,10 @@ struct UnitShape {
 // with layer_pieces 2, layers.i.attention and layers.i.mlp for each layer.
 std::vector<UnitShape> model_units(const ModelConfig& config);
 
+// OK for a dense model (num_experts 0), and for a mixture (mixtral or
+// qwen3_moe) with experts of at least one row and 1 to num_experts per token.
+Status check_mixture(const ModelConfig& config);
+
 // OK when config.layer_pieces is 1 or 2; the message names strata.layer_pieces.
 Status check_layer_pieces(const ModelConfig& config);
 

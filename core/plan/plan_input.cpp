@@ -52,6 +52,7 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.vocab_chunks_auto = c.strata.vocab_chunks == 0;
   in.model.layer_pieces = std::max<int64_t>(1, c.strata.layer_pieces);
   in.layer_pieces_auto = c.strata.layer_pieces == 0;
+  in.expert_fetch_all = c.strata.expert_fetch_all;
   in.grad_accum = c.gradient_accumulation_steps;
   in.overlap_comm = c.zero.overlap_comm;
   in.reduce_scatter = c.zero.reduce_scatter;
@@ -148,6 +149,7 @@ Status validate_plan_input(const PlanInput& in) {
         "micro batch ({}), sequence length ({}) and gradient accumulation ({}) must each be at "
         "least 1",
         in.micro_batch, in.seq_len, in.grad_accum));
+  if (Status s = check_mixture(in.model); !s) return s;
   if (Status s = check_vocab_chunks(in.model); !s) return s;
   if (in.model.vocab_chunks > 1 && in.gpu)
     return Status::invalid_argument(fmt::format(

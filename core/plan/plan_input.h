@@ -141,6 +141,10 @@ struct PlanInput {
   // in layer_pieces_reason.
   bool layer_pieces_auto = false;
   std::string layer_pieces_reason;
+  // strata.expert_fetch all: a sparse layer's experts move with their unit
+  // even where the plan could read only the routed ones
+  // (TrainingPlan::routed_expert_fetch).
+  bool expert_fetch_all = false;
   int fetch_slots = 5;        // offload_param.buffer_count: NVMe parameter copies in host memory
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count: the streamed optimizer's
   int64_t optimizer_chunk_elements = kOptimizerChunkElements;  // streamed_chunk_elements

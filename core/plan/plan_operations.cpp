@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "core/plan/expert_fetch.h"
 #include "core/plan/training_plan_parts.h"
 #include "io/base/sizes.h"
 
@@ -140,6 +141,12 @@ class PlanBuilder {
       if (int(i) >= P) op.deps.push_back(gather_op_[i - size_t(P)]);
       if (previous_use_[i] >= 0) op.deps.push_back(gather_op_[size_t(previous_use_[i])]);
       op.bytes = plan_.units[size_t(uses_[i].unit)].param_numel * plan_.compute_bytes;
+      if (routes_expert_reads(plan_, uses_[i].unit)) {  // the rest when routed (expert_fetch.h)
+        op.bytes = 0;
+        for (const tiers::ByteRange& range :
+             fetched_ahead(plan_, uses_[i].unit, plan_.input.nvme_alignment))
+          op.bytes += int64_t(range.bytes);
+      }
       fetch_op_[i] = add(std::move(op));
     }
   }

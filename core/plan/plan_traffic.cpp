@@ -6,6 +6,7 @@
 // StepTraffic describes.
 #include <algorithm>
 
+#include "core/plan/expert_fetch.h"
 #include "core/plan/training_plan.h"
 #include "io/base/sizes.h"
 
@@ -153,6 +154,8 @@ std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
     }
   }
   add_nvme_gradient_traffic(plan, traffic);
+  const std::vector<int64_t> experts = routed_expert_reads_per_op(plan, nullptr);  // worst case
+  for (size_t i = 0; i < plan.ops.size(); ++i) traffic[i].nvme_read += experts[i];
   if (gpu && !params_in_place) add_gathered_uploads(plan, traffic);
   return traffic;
 }

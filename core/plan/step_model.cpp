@@ -251,6 +251,10 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
                          : 0) +
                     pcie_seconds(t);
         c.resources = compute | pcie_bits(t);
+        if (t.nvme_read > 0) {  // a routed MLP piece reads its experts (core/plan/expert_fetch.h)
+          c.seconds += nvme_seconds(t);
+          c.resources |= uint32_t(Resource::nvme);
+        }
         break;
       }
       case OpKind::fetch:

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "core/plan/expert_fetch.h"
 #include "core/plan/training_plan_parts.h"
 #include "io/base/sizes.h"
 
@@ -402,6 +403,7 @@ Result<TrainingPlan> build_training_plan(const PlanInput& in) {
   plan.tied_grad_buffer = in.model.tie_word_embeddings;
   plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
   plan.streamed_optimizer = plan.homes.optimizer == Tier::nvme;
+  plan.routed_expert_fetch = plan_routes_expert_reads(in, plan.homes, plan.expert_fetch_reason);
   // In place the head adds the lm_head's gradient straight into the tied
   // embedding's home; layer-major would add every micro-batch's before the
   // embedding's own, another order of the same sum.

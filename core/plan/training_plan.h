@@ -257,6 +257,10 @@ struct TrainingPlan {
   int64_t optimizer_chunk_elements = 0;
   bool streamed_optimizer = false;   // some optimizer state is on NVMe
   std::string gradient_home_reason;  // where the gradient lives and why, one line
+  // A mixture's sparse MLP pieces read their experts from NVMe as routed
+  // (core/plan/expert_fetch.h); why or why not, one line (empty: dense).
+  bool routed_expert_fetch = false;
+  std::string expert_fetch_reason;
 
   std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
   std::vector<PlanBuffer> buffers;  // states and buffers, per rank

@@ -1,0 +1,117 @@
+// Routed expert fetch: which units read their experts as routed, the ranges
+// they read, and what a step reads for a routing (core/plan/expert_fetch.h).
+#include "core/plan/expert_fetch.h"
+
+#include "io/base/sizes.h"
+
+namespace strata {
+namespace {
+
+using tiers::ByteRange;
+
+// The compute op's gather: the one of its dependencies that gathers its unit.
+int gather_of(const TrainingPlan& plan, const PlanOp& op) {
+  for (int d : op.deps)
+    if (plan.ops[size_t(d)].kind == OpKind::gather && plan.ops[size_t(d)].unit == op.unit) return d;
+  return -1;
+}
+
+}  // namespace
+
+bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std::string& why) {
+  why.clear();
+  if (!in.model.is_moe()) return false;
+  const char* off = nullptr;
+  if (in.expert_fetch_all)
+    off = "strata.expert_fetch all";
+  else if (in.gpu)
+    off = "the CUDA backend reads whole units";
+  else if (in.stage != 3 || in.world_size != 1)
+    off = "it needs stage 3 at one rank (a gather of several ranks moves every expert)";
+  else if (homes.param != tiers::Tier::nvme)
+    off = "the parameters are not on NVMe";
+  else if (in.model.layer_pieces != 2)
+    off =
+        "the routing is known before the experts are read only when the MLP is a unit of its "
+        "own (--layer-pieces 2)";
+  if (off != nullptr) {
+    why = std::string("all: every expert moves with its unit (") + off + ")";
+    return false;
+  }
+  why =
+      "routed: a sparse layer's experts are read from NVMe only when its micro-batches' tokens "
+      "reach them (worst case counted)";
+  return true;
+}
+
+bool routes_expert_reads(const TrainingPlan& plan, int unit) {
+  return plan.routed_expert_fetch && expert_blocks(plan.layout, unit).count > 0;
+}
+
+std::vector<ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_t alignment) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  const uint64_t cb = uint64_t(plan.compute_bytes);
+  const uint64_t begin = round_up(uint64_t(experts.offset) * cb, alignment);
+  const uint64_t end =
+      uint64_t(experts.offset + experts.count * experts.numel) * cb / alignment * alignment;
+  const uint64_t size = round_up(uint64_t(plan.units[size_t(unit)].param_numel) * cb, alignment);
+  std::vector<ByteRange> ranges;
+  if (begin > 0) ranges.push_back({0, begin});
+  if (end < size) ranges.push_back({end, size - end});
+  return ranges;
+}
+
+std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
+                                    const std::vector<uint8_t>& needed,
+                                    std::vector<uint8_t>& loaded, uint64_t alignment) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  const uint64_t cb = uint64_t(plan.compute_bytes);
+  std::vector<ByteRange> ranges;
+  for (int64_t e = 0; e < experts.count; ++e) {
+    if (!needed[size_t(e)] || loaded[size_t(e)]) continue;
+    loaded[size_t(e)] = 1;
+    const uint64_t first = uint64_t(experts.offset + e * experts.numel) * cb;
+    const uint64_t begin = first / alignment * alignment;
+    const uint64_t end = round_up(first + uint64_t(experts.numel) * cb, alignment);
+    if (!ranges.empty() && ranges.back().offset + ranges.back().bytes >= begin)
+      ranges.back().bytes = end - ranges.back().offset;
+    else
+      ranges.push_back({begin, end - begin});
+  }
+  return ranges;
+}
+
+std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
+                                                const StepRouting* routing) {
+  std::vector<int64_t> bytes(plan.ops.size(), 0);
+  if (!plan.routed_expert_fetch) return bytes;
+  const uint64_t alignment = plan.input.nvme_alignment;
+  std::vector<std::vector<uint8_t>> loaded(plan.ops.size());  // by gather op
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if ((op.kind != OpKind::forward && op.kind != OpKind::backward) ||
+        !routes_expert_reads(plan, op.unit))
+      continue;
+    const int gather = gather_of(plan, op);
+    if (gather < 0) continue;
+    const size_t E = size_t(plan.layout.config.num_experts);
+    std::vector<uint8_t>& have = loaded[size_t(gather)];
+    if (have.empty()) have.assign(E, 0);
+    const std::vector<uint8_t> every(E, 1);
+    const std::vector<uint8_t>& needed =
+        routing != nullptr ? (*routing)[size_t(op.unit)][size_t(op.micro)] : every;
+    for (const ByteRange& range : expert_reads(plan, op.unit, needed, have, alignment))
+      bytes[i] += int64_t(range.bytes);
+  }
+  return bytes;
+}
+
+int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing) {
+  int64_t total = 0;
+  for (const PlanOp& op : plan.ops)
+    if (op.kind == OpKind::fetch) total += op.bytes;
+  for (int64_t b : routed_expert_reads_per_op(plan, &routing)) total += b;
+  return total;
+}
+
+}  // namespace strata

@@ -1,0 +1,60 @@
+// Routed expert fetch (TrainingPlan::routed_expert_fetch; core/README.md,
+// "Routed expert fetch"): a sparse layer's MLP piece whose parameters are
+// homed on NVMe is read in two parts. Its fetch reads ahead everything but
+// the experts (the router, the post-attention norm); each of its forward and
+// backward computations then reads the experts its micro-batch's tokens are
+// routed to that its gather has not read yet, straight into the gathered
+// copy. The plan reserves every buffer for the worst case (every expert
+// read) and its traffic counts the worst case; given a step's routing,
+// routed_parameter_reads counts what the step reads.
+//
+// Ranges are byte ranges of the unit's compute-precision parameter shard
+// (one rank: the whole unit), aligned to the NVMe alignment: an expert's
+// range is widened to whole alignment blocks, neighbouring experts read by
+// one computation are one range, and a block shared with an expert read
+// earlier is read again.
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/plan/training_plan.h"
+#include "tiers/tier.h"
+
+namespace strata {
+
+// The experts each micro-batch of a step routed tokens to, per unit:
+// routing[u][m][e] != 0 when micro-batch m sent a token to expert e of unit
+// u; empty for units that do not route their reads.
+using StepRouting = std::vector<std::vector<std::vector<uint8_t>>>;
+
+// Whether the plan can read experts as routed, and the one line why or why
+// not (TrainingPlan::expert_fetch_reason); empty for a dense model.
+bool plan_routes_expert_reads(const PlanInput& input, const StateHomes& homes, std::string& why);
+
+// Unit u's experts are read as routed: the plan routes them and u is a sparse MLP piece.
+bool routes_expert_reads(const TrainingPlan& plan, int unit);
+
+// The ranges unit u's fetch reads ahead: all but the experts.
+std::vector<tiers::ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_t alignment);
+
+// The ranges a computation reads for the `needed` experts not yet `loaded`
+// (both [E]); marks them loaded.
+std::vector<tiers::ByteRange> expert_reads(const TrainingPlan& plan, int unit,
+                                           const std::vector<uint8_t>& needed,
+                                           std::vector<uint8_t>& loaded, uint64_t alignment);
+
+// Per operation of plan.ops, the NVMe bytes its computation reads of routed
+// experts for `routing`, or for the worst case (every expert routed) when
+// null. The fetches' bytes are the ahead parts already.
+std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
+                                                const StepRouting* routing);
+
+// The parameter bytes a step reads from NVMe for `routing`: the fetches'
+// and the routed experts'.
+int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing);
+
+}  // namespace strata

@@ -1,0 +1,142 @@
+// Routed expert fetch (core/plan/expert_fetch.h): a mixture with its
+// parameters on NVMe at stage 3, one rank, the layers in pieces, reads a
+// sparse layer's experts only when its micro-batches' tokens reach them.
+// Training gives the bits of reading every expert, in both schedules, fp32
+// and bf16; the NVMe bytes each step reads are what the plan counts for that
+// step's routing, below its worst case and below what a dense model with as
+// many MLP parameters reads; the plan says why it routes or not.
+#include <gtest/gtest.h>
+
+#include "core/plan/expert_fetch.h"
+#include "engine_test_support.h"
+
+namespace strata {
+namespace {
+
+using testing::EngineOutcome;
+using testing::EngineRun;
+
+class EngineExpertFetch : public testing::EngineRunsTest {
+ protected:
+  EngineExpertFetch() : EngineRunsTest("engine_expert_fetch") {}
+};
+
+// 16 experts of 64, top 1, four tokens a micro-batch: each micro-batch
+// reaches at most 4 of a layer's 16 experts. The optimizer in host memory,
+// so every NVMe read is a parameter's.
+EngineRun routed_run(const std::string& schedule, const std::string& precision) {
+  EngineRun run;
+  run.moe = true;
+  run.experts = 16;
+  run.experts_per_token = 1;
+  run.intermediate = 64;
+  run.stage = 3;
+  run.offload_param = "nvme";
+  run.offload_optimizer = "cpu";
+  run.precision = precision;
+  run.micro_batch = 1;
+  run.seq_len = 4;
+  run.grad_accum = 3;
+  run.layer_pieces = 2;
+  run.schedule = schedule;
+  run.lr = 1e-3;
+  run.eps = 1e-6;
+  run.steps = 3;
+  return run;
+}
+
+// How many (unit, micro-batch, expert) triples a step's routing leaves out.
+int64_t unrouted(const StepRouting& routing) {
+  int64_t left = 0;
+  for (const auto& unit : routing)
+    for (const auto& micro : unit)
+      for (uint8_t used : micro) left += used == 0;
+  return left;
+}
+
+TEST_F(EngineExpertFetch, RoutedReadsGiveTheBitsOfReadingEveryExpert) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      EngineRun routed = routed_run(schedule, precision);
+      EngineRun all = routed;
+      all.expert_fetch = "all";
+      const EngineOutcome a = train(all), r = train(routed);
+      ASSERT_EQ(r.steps.size(), 3u) << routed.label();
+      EXPECT_FALSE(a.plan.routed_expert_fetch) << all.label();
+      EXPECT_TRUE(r.plan.routed_expert_fetch) << routed.label();
+      EXPECT_TRUE(a.steps[0].routing.empty());
+      ASSERT_FALSE(r.steps[0].routing.empty());
+      EXPECT_GT(unrouted(r.steps[0].routing), 0) << "every expert reached: the test shows nothing";
+      testing::expect_identical(r, a, routed.label() + " vs " + all.label());
+    }
+  }
+}
+
+TEST_F(EngineExpertFetch, NvmeReadsAreWhatThePlanCountsForTheStepsRouting) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun routed = routed_run(schedule, "bf16");
+    EngineRun all = routed;
+    all.expert_fetch = "all";
+    // A dense model with the experts' MLP parameters (less the routers').
+    EngineRun dense = all;
+    dense.moe = false;
+    dense.experts = dense.experts_per_token = 0;
+    dense.intermediate = routed.experts * routed.intermediate;
+    const EngineOutcome r = train(routed), a = train(all), d = train(dense);
+    ASSERT_EQ(r.steps.size(), 3u) << routed.label();
+    ASSERT_EQ(a.steps.size(), 3u) << all.label();
+    ASSERT_EQ(d.steps.size(), 3u) << dense.label();
+    const int64_t worst = r.plan.traffic_per_step.nvme_read;
+    EXPECT_GE(worst, a.plan.traffic_per_step.nvme_read);  // whole blocks around each expert
+    for (size_t s = 0; s < r.steps.size(); ++s) {
+      const StepResult& step = r.steps[s];
+      const int64_t counted = routed_parameter_reads(r.plan, step.routing);
+      EXPECT_EQ(int64_t(step.nvme_read_bytes), counted) << schedule << " step " << s;
+      EXPECT_LT(counted, worst) << schedule << " step " << s;
+      EXPECT_EQ(int64_t(a.steps[s].nvme_read_bytes), a.plan.traffic_per_step.nvme_read)
+          << schedule << " step " << s;
+      EXPECT_LT(step.nvme_read_bytes, d.steps[s].nvme_read_bytes) << schedule << " step " << s;
+    }
+    // Every expert routed counts the worst case.
+    StepRouting every = r.steps[0].routing;
+    for (auto& unit : every)
+      for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{1});
+    EXPECT_EQ(routed_parameter_reads(r.plan, every), worst);
+  }
+}
+
+TEST_F(EngineExpertFetch, ThePlanSaysWhyItReadsEveryExpert) {
+  auto reason = [](EngineRun run) {
+    Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
+    EXPECT_TRUE(config.is_ok()) << config.status().message();
+    PlanInput in;
+    in.model = testing::small_moe_model();
+    in.model.layer_pieces = run.layer_pieces;
+    in.stage = run.stage;
+    in.world_size = run.world;
+    in.offload_param = run.offload_param == "nvme" ? OffloadDevice::nvme : OffloadDevice::cpu;
+    in.expert_fetch_all = run.expert_fetch == "all";
+    EXPECT_EQ(config->strata.expert_fetch_all, in.expert_fetch_all);
+    std::string why;
+    const bool routes = plan_routes_expert_reads(in, state_homes(in), why);
+    return std::pair{routes, why};
+  };
+  EngineRun run = routed_run("layer", "bf16");
+  EXPECT_TRUE(reason(run).first) << reason(run).second;
+  EXPECT_NE(reason(run).second.find("routed:"), std::string::npos) << reason(run).second;
+  run.layer_pieces = 1;
+  EXPECT_NE(reason(run).second.find("--layer-pieces 2"), std::string::npos);
+  run.layer_pieces = 2;
+  run.offload_param = "cpu";
+  EXPECT_NE(reason(run).second.find("not on NVMe"), std::string::npos);
+  run.offload_param = "nvme";
+  run.world = 2;
+  EXPECT_NE(reason(run).second.find("one rank"), std::string::npos);
+  run.world = 1;
+  run.expert_fetch = "all";
+  EXPECT_NE(reason(run).second.find("strata.expert_fetch all"), std::string::npos);
+  EXPECT_FALSE(reason(run).first);
+}
+
+}  // namespace
+}  // namespace strata
