@@ -9,16 +9,22 @@ parameters and optimizer state on NVMe (`--offload-param nvme
 --offload-optimizer nvme`), 4 sequences of 128 tokens a step:
 
 - moe: a Mixtral-shaped mixture, 8 experts of 344, 2 per token (the
-  load-balancing loss in the loss);
+  load-balancing loss in the loss), whole decoder layers: every expert read
+  with its layer;
+- moe-routed: the same mixture with its layers in pieces (`--layer-pieces 2`),
+  whose sparse MLP pieces read from NVMe only the experts a micro-batch's
+  tokens reach (routed expert fetch, the default `--expert-fetch routed`);
 - dense-active: a Llama of the same active parameters (intermediate 688 = 2 x 344);
 - dense-total: a Llama of the same total parameters (intermediate 2752 = 8 x 344).
 
 Printed per model: parameters (total, active), median step time after the
 first two steps, the time relative to each dense model, NVMe bytes read and
-written per step (the engine's counters, `--metrics`), and the last loss. A
-decoder layer is one unit of the plan, so the mixture moves every expert each
-step, as the dense model of the same total parameters does (experts as plan
-pieces of their own are not built).
+written per step (the engine's counters, `--metrics`), and the last loss.
+Routed reads cut the parameters' reads only: an expert's gradient and
+optimizer state are its layer's MLP shard, read and written whole each step.
+With 512 tokens a step a layer's tokens reach every expert, so the mixture
+reads what the whole layers do; fewer tokens a micro-batch (`--micro-batch 1
+--seq-len 8 --grad-accum 4`) leave some experts idle in each.
 """
 import argparse
 import json
@@ -29,11 +35,14 @@ import subprocess
 BASE = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+MIXTRAL = dict(BASE, model_type="mixtral", intermediate_size=344, num_local_experts=8, num_experts_per_tok=2,
+               output_router_logits=True, router_aux_loss_coef=0.02)
+# name: (config, extra flags)
 MODELS = {
-    "moe": dict(BASE, model_type="mixtral", intermediate_size=344, num_local_experts=8, num_experts_per_tok=2,
-                output_router_logits=True, router_aux_loss_coef=0.02),
-    "dense-active": dict(BASE, model_type="llama", intermediate_size=688),
-    "dense-total": dict(BASE, model_type="llama", intermediate_size=2752),
+    "moe": (MIXTRAL, ["--layer-pieces", "1"]),
+    "moe-routed": (MIXTRAL, ["--layer-pieces", "2", "--expert-fetch", "routed"]),
+    "dense-active": (dict(BASE, model_type="llama", intermediate_size=688), ["--layer-pieces", "1"]),
+    "dense-total": (dict(BASE, model_type="llama", intermediate_size=2752), ["--layer-pieces", "1"]),
 }
 
 
@@ -61,6 +70,9 @@ def main():
     parser.add_argument("--strata", default="build/tools/strata")
     parser.add_argument("--out", default="build/moe-bench")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
     args = parser.parse_args()
     strata = os.path.abspath(args.strata)
     os.makedirs(args.out, exist_ok=True)
@@ -70,16 +82,18 @@ def main():
     version = subprocess.run([strata, "--version"], capture_output=True, text=True).stdout.strip()
     print(version.replace("\n", "; "))
     rows = {}
-    for name, cfg in MODELS.items():
+    print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step")
+    for name, (cfg, flags) in MODELS.items():
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(cfg, f)
         metrics = os.path.join(args.out, name + ".jsonl")
         run([strata, "train", "--model", model_dir, "--backend", "cpu", "--data", os.path.join(data, "train.bin"),
-             "--seq-len", "128", "--micro-batch", "4", "--steps", str(args.steps), "--lr", "3e-3",
+             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+             "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--lr", "3e-3",
              "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
-             "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics],
+             "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics] + flags,
             stdout=subprocess.DEVNULL)
         with open(metrics) as f:
             lines = [json.loads(line) for line in f if line.strip()]
