@@ -29,26 +29,21 @@ class EngineLayerPieces : public testing::EngineRunsTest {
   EngineLayerPieces() : EngineRunsTest("engine_layer_pieces") {}
 };
 
-std::vector<EngineRun> cut_placements(int world, const std::string& schedule, int64_t pieces) {
-  std::vector<EngineRun> runs = testing::every_placement(world, "fp32", schedule);
-  for (EngineRun& run : runs) {
-    run.layer_pieces = pieces;
-    run.grad_accum = 6 / world;  // the same global batch at every world size
-    run.steps = 2;
-  }
-  return runs;
+std::vector<EngineRun> pieces_placements(int world, const std::string& schedule, int64_t pieces) {
+  return testing::cut_placements(world, schedule,
+                                 [&](EngineRun& run) { run.layer_pieces = pieces; });
 }
 
 TEST_F(EngineLayerPieces, EveryPlacementAndScheduleGivesTheSameBits) {
   expect_placements_and_schedules_identical(
-      [](int world, const std::string& schedule) { return cut_placements(world, schedule, 2); },
+      [](int world, const std::string& schedule) { return pieces_placements(world, schedule, 2); },
       1u + 2u * 2u + 1u);
 }
 
 TEST_F(EngineLayerPieces, PiecesGiveTheWholeLayersBits) {
   for (bool moe : {false, true}) {
     for (const char* schedule : {"micro_batch", "layer"}) {
-      std::vector<EngineRun> runs = cut_placements(1, schedule, 2);
+      std::vector<EngineRun> runs = pieces_placements(1, schedule, 2);
       for (size_t i : {size_t(0), runs.size() / 2, runs.size() - 1}) {
         EngineRun cut = runs[i];
         cut.moe = moe;
@@ -67,7 +62,7 @@ TEST_F(EngineLayerPieces, PiecesGiveTheWholeLayersBits) {
 }
 
 TEST_F(EngineLayerPieces, WithClippingTheNormsGroupingIsAllThatDiffers) {
-  EngineRun cut = cut_placements(1, "layer", 2).back();  // stage 3, everything on NVMe
+  EngineRun cut = pieces_placements(1, "layer", 2).back();  // stage 3, everything on NVMe
   cut.steps = 3;
   cut.clipping = 0.05;  // below the gradients' norm: every step is clipped
   EngineRun whole = cut;
@@ -87,7 +82,7 @@ TEST_F(EngineLayerPieces, WithClippingTheNormsGroupingIsAllThatDiffers) {
 TEST_F(EngineLayerPieces, PiecesLowerTheSlotsAndTheRunKeepsToThePlan) {
   int64_t whole_slots = 0;
   for (int64_t pieces : {1, 2}) {
-    EngineRun run = cut_placements(1, "micro_batch", pieces).back();
+    EngineRun run = pieces_placements(1, "micro_batch", pieces).back();
     const EngineOutcome outcome = train(run);
     ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
     testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
@@ -112,7 +107,7 @@ TEST_F(EngineLayerPieces, PiecesLowerTheSlotsAndTheRunKeepsToThePlan) {
 
 TEST_F(EngineLayerPieces, ACheckpointResumesBitwise) {
   for (const char* schedule : {"micro_batch", "layer"}) {
-    EngineRun run = cut_placements(1, schedule, 2).back();  // stage 3, everything on NVMe
+    EngineRun run = pieces_placements(1, schedule, 2).back();  // stage 3, everything on NVMe
     run.steps = 3;
     expect_resumes_bitwise(run, 1);
   }
@@ -120,7 +115,7 @@ TEST_F(EngineLayerPieces, ACheckpointResumesBitwise) {
 
 TEST_F(EngineLayerPieces, ACheckpointResumesIntoWholeLayersAndBack) {
   for (int64_t from : {2, 1}) {
-    EngineRun run = cut_placements(1, "auto", from).back();
+    EngineRun run = pieces_placements(1, "auto", from).back();
     run.vocab_chunks = 2;  // both cuts at once: each tensor is read where it lies
     Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
     ASSERT_TRUE(options.is_ok()) << options.status().message();
@@ -147,14 +142,14 @@ TEST_F(EngineLayerPieces, ACheckpointResumesIntoWholeLayersAndBack) {
     EXPECT_TRUE((*second)->step().is_ok()) << other.label();
   }
   // int8 moments are blocked per unit: another cut is refused in one line.
-  const EngineRun run = cut_placements(1, "auto", 2).back();
+  const EngineRun run = pieces_placements(1, "auto", 2).back();
   EngineRun whole = run;
   whole.layer_pieces = 1;
   expect_int8_resume_refused(run, whole, "pass --vocab-chunks 1 --layer-pieces 2 to resume it");
 }
 
 TEST_F(EngineLayerPieces, TheCudaBackendAndOtherCountsAreRefused) {
-  EngineRun gpu = cut_placements(1, "auto", 2)[0];
+  EngineRun gpu = pieces_placements(1, "auto", 2)[0];
   gpu.emulate_gpu = true;
   Result<EngineOptions> options = testing::engine_options(gpu, dir_.path(), tokens_, seed_);
   ASSERT_TRUE(options.is_ok());
@@ -163,7 +158,7 @@ TEST_F(EngineLayerPieces, TheCudaBackendAndOtherCountsAreRefused) {
   EXPECT_NE(engine.status().message().find("the CUDA backend computes whole decoder layers"),
             std::string::npos)
       << engine.status().message();
-  EngineRun three = cut_placements(1, "auto", 3)[0];
+  EngineRun three = pieces_placements(1, "auto", 3)[0];
   options = testing::engine_options(three, dir_.path(), tokens_, seed_);
   ASSERT_TRUE(options.is_ok());
   engine = Engine::create(*options);

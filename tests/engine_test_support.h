@@ -474,4 +474,18 @@ inline std::vector<EngineRun> every_placement(int world, const std::string& prec
   return runs;
 }
 
+// every_placement in fp32 with one cut of the model (`cut` sets it: vocabulary
+// chunks, layer pieces), two steps, the same global batch (6 micro-batches)
+// at every world size.
+inline std::vector<EngineRun> cut_placements(int world, const std::string& schedule,
+                                             const std::function<void(EngineRun&)>& cut) {
+  std::vector<EngineRun> runs = every_placement(world, "fp32", schedule);
+  for (EngineRun& run : runs) {
+    cut(run);
+    run.grad_accum = 6 / world;
+    run.steps = 2;
+  }
+  return runs;
+}
+
 }  // namespace strata::testing

@@ -24,13 +24,8 @@ class EngineVocabChunks : public testing::EngineRunsTest {
 };
 
 std::vector<EngineRun> chunked_placements(int world, const std::string& schedule, int64_t chunks) {
-  std::vector<EngineRun> runs = testing::every_placement(world, "fp32", schedule);
-  for (EngineRun& run : runs) {
-    run.vocab_chunks = chunks;
-    run.grad_accum = 6 / world;  // the same global batch at every world size
-    run.steps = 2;
-  }
-  return runs;
+  return testing::cut_placements(world, schedule,
+                                 [&](EngineRun& run) { run.vocab_chunks = chunks; });
 }
 
 TEST_F(EngineVocabChunks, EveryPlacementAndScheduleGivesTheSameBits) {

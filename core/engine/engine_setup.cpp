@@ -28,9 +28,13 @@ Status Engine::Impl::initialize() {
   return Status::ok();
 }
 
-Status Engine::Impl::open_rank(Rank& rank) {
+namespace {
+
+// Rank r's store: pools of what the plan needs within the budgets, the NVMe
+// options of the config, and a swap file of its own.
+tiers::TieredStoreOptions rank_store_options(const TrainingPlan& plan, const EngineOptions& options,
+                                             int r, uint64_t engine_serial) {
   const PlanInput& in = plan.input;
-  const int r = rank.rank;
   tiers::TieredStoreOptions store;
   // The pools hold what the plan needs (plus a page per buffer of slack),
   // never more than the budgets: a budget is a limit, and the host pool is
@@ -46,8 +50,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
   store.host_capacity =
       host_budget ? std::min<uint64_t>(uint64_t(*host_budget), host_need) : host_need;
   // The CPU backend: host memory stands in for the device.
-  const bool gpu = in.gpu;
-  store.use_gpu = gpu && !options.emulate_gpu;
+  store.use_gpu = in.gpu && !options.emulate_gpu;
   store.gpu_index = options.gpu_index;
   store.pin_host = options.pin_host;
   store.notice = options.notice;
@@ -65,6 +68,15 @@ Status Engine::Impl::open_rank(Rank& rank) {
     // One file per engine and rank: engines of one process (or of several) may share a directory.
     store.nvme_file_name = fmt::format("strata-{}-{}-rank{}.swap", ::getpid(), engine_serial, r);
   }
+  return store;
+}
+
+}  // namespace
+
+Status Engine::Impl::open_rank(Rank& rank) {
+  const PlanInput& in = plan.input;
+  const int r = rank.rank;
+  const tiers::TieredStoreOptions store = rank_store_options(plan, options, r, engine_serial);
   Result<std::unique_ptr<tiers::TieredStore>> opened = tiers::TieredStore::open(store);
   if (!opened) return opened.status().with_context(fmt::format("rank {}", r));
   rank.store = std::move(*opened);
