@@ -7,6 +7,8 @@
 // many MLP parameters reads; the plan says why it routes or not.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "core/plan/expert_fetch.h"
 #include "engine_test_support.h"
 
@@ -102,6 +104,29 @@ TEST_F(EngineExpertFetch, NvmeReadsAreWhatThePlanCountsForTheStepsRouting) {
     for (auto& unit : every)
       for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{1});
     EXPECT_EQ(routed_parameter_reads(r.plan, every), worst);
+    EXPECT_EQ(worst_parameter_reads(r.plan), worst);
+    // As the metrics file records it and `strata plan --routing` reads it back.
+    std::vector<StepRouting> recorded;
+    for (const StepResult& step : r.steps) {
+      const nlohmann::json record =
+          nlohmann::json::parse(routing_to_json(r.plan, step.routing).dump());
+      Result<StepRouting> back = routing_from_json(r.plan, record, "record");
+      ASSERT_TRUE(back.is_ok()) << back.status().message();
+      EXPECT_EQ(*back, step.routing);
+      recorded.push_back(std::move(*back));
+    }
+    const RecordedReads reads = recorded_parameter_reads(r.plan, recorded);
+    EXPECT_EQ(reads.steps, 3);
+    EXPECT_EQ(reads.worst, worst);
+    EXPECT_EQ(reads.least, int64_t(std::min({r.steps[0].nvme_read_bytes, r.steps[1].nvme_read_bytes,
+                                             r.steps[2].nvme_read_bytes})));
+    nlohmann::json wrong =
+        nlohmann::json::parse(routing_to_json(r.plan, r.steps[0].routing).dump());
+    wrong.begin()->at(0) = "01";
+    Result<StepRouting> refused = routing_from_json(r.plan, wrong, "record");
+    ASSERT_FALSE(refused.is_ok());
+    EXPECT_NE(refused.status().message().find("not a string of 16 '0' and '1'"), std::string::npos)
+        << refused.status().message();
   }
 }
 

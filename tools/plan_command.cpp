@@ -85,6 +85,10 @@ class PlanCommand : public Subcommand {
                   "flags and DeepSpeed config (--json: as JSON; needs a hardware profile)");
     cmd->add_flag("--allow-approximate", allow_approximate_,
                   "--tune may also pick bf16 or int8 optimizer state (not bitwise AdamW)");
+    cmd->add_option("--routing", routing_,
+                    "A mixture's expected NVMe reads: replay each step's routing a strata train "
+                    "--metrics FILE recorded (routed expert reads) and print the parameter reads "
+                    "per step beside the worst case");
     cmd->add_option("--timeline", timeline_,
                     "Write the predicted steps as a Perfetto trace in the form of `strata train "
                     "--trace`, to open beside a measured one");
@@ -218,18 +222,26 @@ class PlanCommand : public Subcommand {
     const bool zero = accounting_ == "zero";
     std::optional<StepPrediction> prediction;
     std::optional<TrainingPlan> steps;
-    if (*hardware && plan.fits) {
+    if ((*hardware && plan.fits) || !routing_.empty()) {
       Result<TrainingPlan> built = plan_training(input);
       if (!built) return built.status();
       steps = std::move(*built);
-      prediction = predict_step(*steps, **hardware);
+      if (*hardware && plan.fits) prediction = predict_step(*steps, **hardware);
+    }
+    std::optional<RecordedReads> recorded;
+    if (!routing_.empty()) {
+      Result<RecordedReads> read = recorded_reads(*steps);
+      if (!read) return read.status();
+      recorded = *read;
     }
     if (json_) {
       nlohmann::ordered_json j = plan_to_json(plan, zero);
       if (prediction) j["prediction"] = prediction_to_json(*prediction);
+      if (recorded) j["recorded_routing"] = recorded_to_json(*recorded);
       fmt::print("{}\n", j.dump(2));
     } else {
       fmt::print("{}", format_plan_table(plan, zero));
+      if (recorded) fmt::print("{}", recorded_line(*recorded));
       if (prediction) fmt::print("{}", format_prediction(*prediction));
       if (!*hardware)
         fmt::print(
@@ -241,6 +253,36 @@ class PlanCommand : public Subcommand {
     if (prediction && !timeline_.empty())
       if (Status s = write_timeline(*steps, *prediction); !s) return s;
     return plan.fits ? 0 : 1;
+  }
+
+  // --routing FILE against this plan: the plan must read its experts as routed.
+  Result<RecordedReads> recorded_reads(const TrainingPlan& plan) const {
+    if (!plan.routed_expert_fetch)
+      return Status::invalid_argument(fmt::format(
+          "--routing {}: this plan reads every expert ({}); plan what the run trained", routing_,
+          plan.expert_fetch_reason.empty() ? "a dense model" : plan.expert_fetch_reason));
+    Result<std::vector<StepRouting>> steps = read_recorded_routing(plan, routing_);
+    if (!steps) return steps.status();
+    return recorded_parameter_reads(plan, *steps);
+  }
+
+  nlohmann::ordered_json recorded_to_json(const RecordedReads& r) const {
+    return {{"file", routing_},
+            {"steps", r.steps},
+            {"worst_parameter_read_bytes", r.worst},
+            {"mean_parameter_read_bytes", r.mean},
+            {"least_parameter_read_bytes", r.least},
+            {"most_parameter_read_bytes", r.most}};
+  }
+
+  std::string recorded_line(const RecordedReads& r) const {
+    return fmt::format(
+        "NVMe parameter reads per step with the routing {} recorded ({} steps): mean {} (least "
+        "{}, most {}), {:.1f}% of the worst case {}\n",
+        routing_, r.steps, format_bytes(double(r.mean)), format_bytes(double(r.least)),
+        format_bytes(double(r.most)),
+        100.0 * double(r.mean) / double(std::max<int64_t>(1, r.worst)),
+        format_bytes(double(r.worst)));
   }
 
   // The profile to predict with: --hardware, a fresh --probe, or this
@@ -368,6 +410,7 @@ class PlanCommand : public Subcommand {
   bool probe_ = false;
   std::string probe_out_;
   std::string timeline_;
+  std::string routing_;
   bool tune_ = false;
   bool allow_approximate_ = false;
 };

@@ -440,7 +440,7 @@ class TrainCommand : public Subcommand {
     if (!export_dtype) return usage_error(export_dtype.status().with_context("--export-dtype"));
     run.export_dtype = *export_dtype;
     if (!f_.metrics_path.empty() && run.rank0) {
-      Result<MetricsWriter> opened = MetricsWriter::open(f_.metrics_path);
+      Result<MetricsWriter> opened = MetricsWriter::open(f_.metrics_path, *run.plan);
       if (!opened) return usage_error(opened.status());
       run.metrics.emplace(std::move(*opened));
     }

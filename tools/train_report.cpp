@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "io/base/sizes.h"
@@ -63,23 +64,27 @@ std::vector<ScalarEvent> monitor_events(const StepReport& report) {
 
 // --- metrics ---------------------------------------------------------------------
 
-Result<MetricsWriter> MetricsWriter::open(const std::string& path) {
+Result<MetricsWriter> MetricsWriter::open(const std::string& path, const TrainingPlan& plan) {
   Result<std::FILE*> file = open_for_writing(path, "--metrics");
   if (!file) return file.status();
   MetricsWriter writer;
   writer.path_ = path;
   writer.file_ = *file;
+  writer.plan_ = &plan;
   return writer;
 }
 
 MetricsWriter::MetricsWriter(MetricsWriter&& other) noexcept
-    : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+    : path_(std::move(other.path_)),
+      file_(std::exchange(other.file_, nullptr)),
+      plan_(other.plan_) {}
 
 MetricsWriter& MetricsWriter::operator=(MetricsWriter&& other) noexcept {
   if (this != &other) {
     if (file_ != nullptr) std::fclose(file_);
     path_ = std::move(other.path_);
     file_ = std::exchange(other.file_, nullptr);
+    plan_ = other.plan_;
   }
   return *this;
 }
@@ -112,7 +117,39 @@ Status MetricsWriter::write(const StepReport& report) {
     j["predicted_step_time_s"] = number(*report.predicted_seconds);
     j["predicted_by"] = report.predicted_by;
   }
+  if (!r.routing.empty()) j["routing"] = routing_to_json(*plan_, r.routing);
   return write_text(file_, path_, j.dump() + "\n");
+}
+
+Result<std::vector<StepRouting>> read_recorded_routing(const TrainingPlan& plan,
+                                                       const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    return Status::not_found(fmt::format(
+        "--routing {}: cannot open it ({}); pass the --metrics file of a strata train run", path,
+        std::strerror(errno)));
+  std::vector<StepRouting> steps;
+  std::string line;
+  for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string origin = fmt::format("--routing {} line {}", path, number);
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      return Status::invalid_argument(fmt::format(
+          "{}: not a JSON object; a metrics file has one per step (a line cut short by a "
+          "stopped run can be deleted)",
+          origin));
+    if (!j.contains("routing")) continue;
+    Result<StepRouting> routing = routing_from_json(plan, j["routing"], origin);
+    if (!routing) return routing.status();
+    steps.push_back(std::move(*routing));
+  }
+  if (steps.empty())
+    return Status::invalid_argument(fmt::format(
+        "--routing {}: no step records a routing; record one with strata train --metrics on a "
+        "run that reads its experts as routed (expert fetch: routed)",
+        path));
+  return steps;
 }
 
 // --- trace -----------------------------------------------------------------------

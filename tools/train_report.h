@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/engine/engine.h"
+#include "core/plan/expert_fetch.h"
 #include "core/plan/training_plan.h"
 #include "io/base/status.h"
 #include "tools/monitors.h"
@@ -46,10 +47,12 @@ double nvme_gb_per_second(const StepResult& result);
 // trained on so far: DeepSpeed's global_samples, the data's sequence offset.
 std::vector<ScalarEvent> monitor_events(const StepReport& report);
 
-// --metrics FILE.jsonl: one object per line.
+// --metrics FILE.jsonl: one object per line; with routed expert reads each
+// step's routing too ("routing", routing_to_json), which `strata plan
+// --routing FILE` reads back (read_recorded_routing).
 class MetricsWriter {
  public:
-  static Result<MetricsWriter> open(const std::string& path);
+  static Result<MetricsWriter> open(const std::string& path, const TrainingPlan& plan);
   MetricsWriter(MetricsWriter&&) noexcept;
   MetricsWriter& operator=(MetricsWriter&&) noexcept;
   ~MetricsWriter();
@@ -59,7 +62,13 @@ class MetricsWriter {
   MetricsWriter() = default;
   std::string path_;
   std::FILE* file_ = nullptr;
+  const TrainingPlan* plan_ = nullptr;  // names the routed units; outlives the writer
 };
+
+// The routings a metrics file recorded, one per step that has one, for
+// `plan` (routing_from_json); an error names the file and line.
+Result<std::vector<StepRouting>> read_recorded_routing(const TrainingPlan& plan,
+                                                       const std::string& path);
 
 // --trace FILE.json: Chrome trace event format, one complete ("X") event per
 // operation run, pid = rank, tid = lane; readable by Perfetto and chrome://tracing.

@@ -2,6 +2,10 @@
 // they read, and what a step reads for a routing (core/plan/expert_fetch.h).
 #include "core/plan/expert_fetch.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
+
 #include "io/base/sizes.h"
 
 namespace strata {
@@ -112,6 +116,86 @@ int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& rout
     if (op.kind == OpKind::fetch) total += op.bytes;
   for (int64_t b : routed_expert_reads_per_op(plan, &routing)) total += b;
   return total;
+}
+
+int64_t worst_parameter_reads(const TrainingPlan& plan) {
+  int64_t total = 0;
+  for (const PlanOp& op : plan.ops)
+    if (op.kind == OpKind::fetch) total += op.bytes;
+  for (int64_t b : routed_expert_reads_per_op(plan, nullptr)) total += b;
+  return total;
+}
+
+nlohmann::ordered_json routing_to_json(const TrainingPlan& plan, const StepRouting& routing) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  for (size_t u = 0; u < routing.size(); ++u) {
+    if (routing[u].empty()) continue;
+    nlohmann::ordered_json micros = nlohmann::ordered_json::array();
+    for (const std::vector<uint8_t>& used : routing[u]) {
+      std::string mask(used.size(), '0');
+      for (size_t e = 0; e < used.size(); ++e)
+        if (used[e]) mask[e] = '1';
+      micros.push_back(std::move(mask));
+    }
+    out[plan.layout.units[u].unit.name] = std::move(micros);
+  }
+  return out;
+}
+
+Result<StepRouting> routing_from_json(const TrainingPlan& plan, const nlohmann::json& record,
+                                      const std::string& origin) {
+  const size_t G = size_t(plan.input.grad_accum), E = size_t(plan.layout.config.num_experts);
+  if (!record.is_object())
+    return Status::invalid_argument(fmt::format("{}: \"routing\" is not an object", origin));
+  StepRouting routing(plan.units.size());
+  size_t found = 0;
+  for (int u = 0; u < int(plan.units.size()); ++u) {
+    if (!routes_expert_reads(plan, u)) continue;
+    const std::string& name = plan.layout.units[size_t(u)].unit.name;
+    const auto it = record.find(name);
+    if (it == record.end())
+      return Status::invalid_argument(fmt::format(
+          "{}: no routing of {}; record it with a run of this model with its layers in pieces "
+          "(--layer-pieces 2)",
+          origin, name));
+    if (!it->is_array() || it->size() != G)
+      return Status::invalid_argument(fmt::format(
+          "{}: {} has {} micro-batches, the plan {}; plan with --grad-accum {} or record a run "
+          "with --grad-accum {}",
+          origin, name, it->is_array() ? it->size() : 0, G, it->is_array() ? it->size() : 0, G));
+    for (const nlohmann::json& mask : *it) {
+      const std::string text = mask.is_string() ? mask.get<std::string>() : std::string();
+      if (text.size() != E || text.find_first_not_of("01") != std::string::npos)
+        return Status::invalid_argument(fmt::format(
+            "{}: {}'s routing is not a string of {} '0' and '1' (one per expert), got {}", origin,
+            name, E, mask.dump()));
+      std::vector<uint8_t> used(E);
+      for (size_t e = 0; e < E; ++e) used[e] = text[e] == '1';
+      routing[size_t(u)].push_back(std::move(used));
+    }
+    ++found;
+  }
+  if (found != record.size())
+    return Status::invalid_argument(
+        fmt::format("{}: the record routes {} units, this plan {}; plan the model the run trained",
+                    origin, record.size(), found));
+  return routing;
+}
+
+RecordedReads recorded_parameter_reads(const TrainingPlan& plan,
+                                       const std::vector<StepRouting>& steps) {
+  RecordedReads out;
+  out.worst = worst_parameter_reads(plan);
+  int64_t sum = 0;
+  for (const StepRouting& routing : steps) {
+    const int64_t bytes = routed_parameter_reads(plan, routing);
+    out.least = out.steps == 0 ? bytes : std::min(out.least, bytes);
+    out.most = std::max(out.most, bytes);
+    sum += bytes;
+    ++out.steps;
+  }
+  out.mean = out.steps > 0 ? sum / out.steps : 0;
+  return out;
 }
 
 }  // namespace strata

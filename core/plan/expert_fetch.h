@@ -18,10 +18,12 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "core/plan/training_plan.h"
+#include "io/base/status.h"
 #include "tiers/tier.h"
 
 namespace strata {
@@ -56,5 +58,31 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
 // The parameter bytes a step reads from NVMe for `routing`: the fetches'
 // and the routed experts'.
 int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing);
+
+// The parameter bytes a step reads from NVMe when every expert is routed to.
+int64_t worst_parameter_reads(const TrainingPlan& plan);
+
+// A step's routing as the metrics file records it ("routing"): {unit name:
+// [per micro-batch a string of E characters, '1' at e when expert e got a
+// token, else '0']}, for the units that route their reads.
+nlohmann::ordered_json routing_to_json(const TrainingPlan& plan, const StepRouting& routing);
+
+// The inverse, for `plan`: the record's units must be the plan's routed
+// units, each with the plan's micro-batches and experts; errors name `origin`
+// and what to change.
+Result<StepRouting> routing_from_json(const TrainingPlan& plan, const nlohmann::json& record,
+                                      const std::string& origin);
+
+// The parameter reads of recorded steps' routings (routed_parameter_reads)
+// against the worst case: what `strata plan --routing` prints.
+struct RecordedReads {
+  int64_t steps = 0;
+  int64_t worst = 0;  // worst_parameter_reads
+  int64_t mean = 0;   // rounded down
+  int64_t least = 0;
+  int64_t most = 0;
+};
+RecordedReads recorded_parameter_reads(const TrainingPlan& plan,
+                                       const std::vector<StepRouting>& steps);
 
 }  // namespace strata

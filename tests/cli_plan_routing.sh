@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# A mixture's expected NVMe reads from a run's routing: `strata train
+# --metrics` records each step's routing when the experts are read as routed,
+# and `strata plan --routing FILE` replays it; with the optimizer in host
+# memory every NVMe read is a parameter's, so the plan's mean is the run's.
+# Refusals name what to change, in one line.
+# Usage: cli_plan_routing.sh STRATA_BINARY REPO_ROOT
+set -uo pipefail
+strata="$1"
+source "$(dirname "$0")/check_support.sh"
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$strata" demo-data --out "$dir/data" --tokens 20000 --val-tokens 2000 >/dev/null
+
+# 8 experts, top 1, 8 tokens a micro-batch: each micro-batch reaches few experts.
+cat >"$dir/moe.json" <<'JSON'
+{"model_type": "mixtral", "vocab_size": 256, "hidden_size": 48, "intermediate_size": 64,
+ "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "num_local_experts": 8, "num_experts_per_tok": 1, "output_router_logits": true,
+ "router_aux_loss_coef": 0.02}
+JSON
+base=(--model "$dir/moe.json" --backend cpu --seq-len 8 --micro-batch 1 --zero-stage 3
+  --offload-param nvme --offload-optimizer cpu --nvme-path "$dir/swap")
+shape=("${base[@]}" --grad-accum 3 --layer-pieces 2)
+"$strata" train "${shape[@]}" --data "$dir/data/train.bin" --steps 4 --hardware none \
+  --metrics "$dir/m.jsonl" >"$dir/out" 2>"$dir/err"
+check "a routed run trains" $?
+grep -q "expert fetch: routed" "$dir/out"; check "train says the experts are read as routed" $?
+
+"$strata" plan "${shape[@]}" --routing "$dir/m.jsonl" --json >"$dir/plan.json" 2>"$dir/err"
+check "strata plan --routing exits 0" $?
+python3 - "$dir/m.jsonl" "$dir/plan.json" <<'PY'
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1])]
+assert all(len(s["routing"]) == 2 for s in steps), steps[0].get("routing")
+masks = [m for s in steps for unit in s["routing"].values() for m in unit]
+assert all(len(m) == 8 and set(m) <= {"0", "1"} for m in masks), masks
+assert any("0" in m for m in masks), "every expert reached: the check shows nothing"
+read = [s["nvme_read_bytes"] for s in steps]
+r = json.load(open(sys.argv[2]))["recorded_routing"]
+assert r["steps"] == len(steps), r
+assert r["mean_parameter_read_bytes"] == sum(read) // len(read), (r, read)
+assert r["least_parameter_read_bytes"] == min(read) and r["most_parameter_read_bytes"] == max(read), (r, read)
+assert r["most_parameter_read_bytes"] < r["worst_parameter_read_bytes"], r
+PY
+check "the plan's replay of the recorded routing is the run's NVMe reads" $?
+"$strata" plan "${shape[@]}" --routing "$dir/m.jsonl" >"$dir/table" 2>"$dir/err" &&
+  grep -q "NVMe parameter reads per step with the routing .* recorded (4 steps): mean" "$dir/table"
+check "the table prints the recorded case" $?
+
+one_line_refusal() {  # NAME EXPECTED ARGS...
+  local name="$1" expected="$2"
+  shift 2
+  local err
+  err=$("$strata" plan "$@" 2>&1 >/dev/null)
+  [ $? -eq 2 ] && grep -qF -- "$expected" <<<"$err" && [ "$(echo "$err" | wc -l)" -eq 1 ]
+  check "$name" $?
+}
+one_line_refusal "another gradient accumulation is refused" "plan with --grad-accum 3" \
+  "${base[@]}" --grad-accum 2 --layer-pieces 2 --routing "$dir/m.jsonl"
+one_line_refusal "a plan that reads every expert is refused" "this plan reads every expert" \
+  "${base[@]}" --grad-accum 3 --layer-pieces 1 --routing "$dir/m.jsonl"
+one_line_refusal "a missing file is refused" "cannot open it" \
+  "${shape[@]}" --routing "$dir/none.jsonl"
+head -c 40 "$dir/m.jsonl" >"$dir/cut.jsonl"
+one_line_refusal "a line cut short is refused with its number" "cut.jsonl line 1: not a JSON object" \
+  "${shape[@]}" --routing "$dir/cut.jsonl"
+"$strata" train "${shape[@]}" --data "$dir/data/train.bin" --steps 1 --hardware none --expert-fetch all \
+  --metrics "$dir/all.jsonl" >/dev/null 2>&1
+one_line_refusal "a run that recorded no routing is refused" "no step records a routing" \
+  "${shape[@]}" --routing "$dir/all.jsonl"
+
+finish_checks
