@@ -20,6 +20,9 @@ int gather_of(const TrainingPlan& plan, const PlanOp& op) {
   return -1;
 }
 
+// The fetches' bytes and the routed experts' for `routing` (null: every expert).
+int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing);
+
 }  // namespace
 
 bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std::string& why) {
@@ -110,20 +113,24 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
   return bytes;
 }
 
-int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing) {
+namespace {
+
+int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing) {
   int64_t total = 0;
   for (const PlanOp& op : plan.ops)
     if (op.kind == OpKind::fetch) total += op.bytes;
-  for (int64_t b : routed_expert_reads_per_op(plan, &routing)) total += b;
+  for (int64_t b : routed_expert_reads_per_op(plan, routing)) total += b;
   return total;
 }
 
+}  // namespace
+
+int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing) {
+  return parameter_reads(plan, &routing);
+}
+
 int64_t worst_parameter_reads(const TrainingPlan& plan) {
-  int64_t total = 0;
-  for (const PlanOp& op : plan.ops)
-    if (op.kind == OpKind::fetch) total += op.bytes;
-  for (int64_t b : routed_expert_reads_per_op(plan, nullptr)) total += b;
-  return total;
+  return parameter_reads(plan, nullptr);
 }
 
 nlohmann::ordered_json routing_to_json(const TrainingPlan& plan, const StepRouting& routing) {
