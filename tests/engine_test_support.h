@@ -117,6 +117,7 @@ struct EngineRun {
   int64_t vocab_size = 0;                // the model's vocabulary; 0: small_gqa_model's
   int64_t layer_pieces = 1;              // strata.layer_pieces (0: auto)
   std::string expert_fetch = "routed";   // strata.expert_fetch
+  std::string expert_update = "eager";   // strata.expert_update
   int64_t experts = 0;                   // a mixture's experts; 0: small_moe_model's
   int64_t experts_per_token = 0;         // likewise its top k
   int64_t intermediate = 0;              // intermediate_size (and an expert's); 0: the model's
@@ -134,7 +135,8 @@ struct EngineRun {
            (activation_home == "auto" ? "" : " activations " + activation_home) +
            (vocab_chunks == 1 ? "" : " vocab chunks " + std::to_string(vocab_chunks)) +
            (layer_pieces == 1 ? "" : " layer pieces " + std::to_string(layer_pieces)) +
-           (expert_fetch == "routed" ? "" : " expert fetch " + expert_fetch);
+           (expert_fetch == "routed" ? "" : " expert fetch " + expert_fetch) +
+           (expert_update == "eager" ? "" : " expert update " + expert_update);
   }
 };
 
@@ -189,6 +191,7 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
       run.layer_pieces == 0 ? nlohmann::json("auto") : nlohmann::json(run.layer_pieces);
   j["strata"]["schedule"] = run.schedule;
   j["strata"]["expert_fetch"] = run.expert_fetch;
+  j["strata"]["expert_update"] = run.expert_update;
   ConfigOverrides overrides;
   overrides.world_size = run.world;
   return train_config_from_json(j, "test config", overrides);

@@ -57,6 +57,10 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
   app.add_option("--expert-fetch", o.expert_fetch,
                  "Mixtures of experts: routed (read a sparse layer's experts from NVMe only "
                  "when tokens are routed to them) | all (strata.expert_fetch; default routed)");
+  app.add_option("--expert-update", o.expert_update,
+                 "Mixtures of experts: eager (every expert's AdamW step every step) | deferred "
+                 "(an expert no token reached is stepped when next read, the same operations "
+                 "replayed) (strata.expert_update; default eager)");
 }
 
 void print_config_warnings(const TrainConfig& config) {

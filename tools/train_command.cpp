@@ -607,6 +607,8 @@ class TrainCommand : public Subcommand {
       fmt::print("layer pieces: {}\n", layer_pieces_line(plan.input));
     if (!plan.expert_fetch_reason.empty())
       fmt::print("expert fetch: {}\n", plan.expert_fetch_reason);
+    if (!plan.expert_update_reason.empty())
+      fmt::print("expert update: {}\n", plan.expert_update_reason);
     fmt::print("budgets: {}\n", run.budgets.note);
     std::fflush(stdout);
   }

@@ -148,6 +148,12 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "the micro-batches' tokens are routed to them) | all (every expert with its unit) "
        "(strata.expert_fetch; default routed: where the plan can, one rank at stage 3 with "
        "the parameters on NVMe and --layer-pieces 2, CPU backend)"},
+      {"--expert-update", kZeroGroup,
+       "Mixtures of experts: eager (every expert takes its AdamW step every step) | deferred "
+       "(an expert no token reached is stepped only when its parameters are next read, "
+       "checkpointed or exported, its missed steps replayed exactly: fewer NVMe bytes when "
+       "routing is sparse) (strata.expert_update; default eager; needs routed expert reads "
+       "and the optimizer on NVMe)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
       {"--aio-queue-depth", kIoGroup,

@@ -293,6 +293,9 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   std::string expert_fetch;
   if (in.optional_choice("expert_fetch", expert_fetch, {"routed", "all"}))
     out.expert_fetch_all = expert_fetch == "all";
+  std::string expert_update;
+  if (in.optional_choice("expert_update", expert_update, {"eager", "deferred"}))
+    out.expert_update_deferred = expert_update == "deferred";
   int world_size = 1;
   if (in.optional_int("world_size", world_size, 1)) out.world_size = world_size;
   std::string precision;
@@ -716,6 +719,13 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
           fmt::format("--expert-fetch: expected routed or all, got '{}'", given));
     config.strata.expert_fetch_all = given == "all";
   }
+  if (overrides.expert_update) {
+    const std::string& given = *overrides.expert_update;
+    if (given != "eager" && given != "deferred")
+      return Status::invalid_argument(
+          fmt::format("--expert-update: expected eager or deferred, got '{}'", given));
+    config.strata.expert_update_deferred = given == "deferred";
+  }
   if (overrides.seq_len) {
     if (*overrides.seq_len < 1) return Status::invalid_argument(fmt::format("--seq-len: expected an integer >= 1, got {}", *overrides.seq_len));
     config.strata.seq_len = *overrides.seq_len;
@@ -807,6 +817,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"vocab_chunks", c.strata.vocab_chunks == 0 ? json("auto") : json(c.strata.vocab_chunks)},
       {"layer_pieces", c.strata.layer_pieces == 0 ? json("auto") : json(c.strata.layer_pieces)},
       {"expert_fetch", c.strata.expert_fetch_all ? "all" : "routed"},
+      {"expert_update", c.strata.expert_update_deferred ? "deferred" : "eager"},
   };
   json out = json::object();
   out["train_batch_size"] = c.train_batch_size;

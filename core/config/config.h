@@ -173,6 +173,12 @@ struct StrataConfig {
   // TrainingPlan::routed_expert_fetch says where it applies), or all of them
   // with their unit (true, "all").
   bool expert_fetch_all = false;
+  // Mixtures of experts read as routed with their optimizer state on NVMe:
+  // an expert no token reached in a step has its update deferred and
+  // replayed exactly before its parameters are next read (true,
+  // "deferred"; TrainingPlan::deferred_expert_updates says where it
+  // applies), or every expert updated every step (false, "eager", the default).
+  bool expert_update_deferred = false;
 };
 
 struct TrainConfig {
@@ -227,6 +233,7 @@ struct ConfigOverrides {
   std::optional<std::string> vocab_chunks;     // strata.vocab_chunks: auto | an integer >= 1
   std::optional<std::string> layer_pieces;     // strata.layer_pieces: auto | 1 | 2
   std::optional<std::string> expert_fetch;     // strata.expert_fetch: routed | all
+  std::optional<std::string> expert_update;    // strata.expert_update: eager | deferred
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8
   std::optional<std::string> gradient_home;          // auto | host | host_bf16 | nvme
   // The learning-rate schedule ("scheduler"): --lr-schedule constant | warmup | linear |

@@ -358,7 +358,9 @@ Result<std::string> Engine::save_checkpoint(const std::string& root, int keep) {
   if (im.poisoned)
     return Status::error("engine: an earlier step failed (" + im.poison_reason + "); not saving");
   // Several processes agree on it first (save_in_processes).
-  const Status finished = finish();
+  Status finished = finish();
+  // Deferred expert updates: every expert's state as the eager update leaves it.
+  if (finished) finished = im.apply_deferred_updates();
   if (!finished && !im.process_mode()) return finished;
   std::vector<int64_t> unit_offsets;
   int64_t total = 0;
@@ -478,6 +480,7 @@ Status Engine::read_unit_parameters(int unit, float* flat) {
     const int64_t stored = master ? p.optimizer_numel : p.param_numel;
     std::vector<std::byte> bytes(size_t(stored) * 4);
     Status read = finish();
+    if (read) read = im.apply_deferred_updates();
     if (read) read = rank.store->read_shard(key, bytes);
     if (Status s =
             im.agree(read, "another rank failed to read its parameters (its own error says why)");
@@ -489,6 +492,7 @@ Status Engine::read_unit_parameters(int unit, float* flat) {
                                  comm::DataType::fp32);
   }
   if (Status s = finish(); !s) return s;
+  if (Status s = im.apply_deferred_updates(); !s) return s;
   for (int r = 0; r < ranks; ++r) {
     Impl::Rank& rank = *im.ranks[size_t(r)];
     const int64_t offset = im.plan.optimizer_offset(unit, r);

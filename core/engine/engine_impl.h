@@ -15,9 +15,6 @@
 //                          (cpu_rank_compute.cpp, gpu_rank_compute.cpp)
 #pragma once
 
-#include "core/engine/engine.h"
-
-
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -29,6 +26,7 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -37,13 +35,14 @@
 #include "comm/communicator.h"
 #include "comm/nccl_comm.h"
 #include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/engine/engine.h"
 #include "core/engine/gpu_rank.h"
 #include "core/engine/lane_executor.h"
 #include "core/engine/rank_buffers.h"
 #include "core/engine/rank_compute.h"
 #include "core/optimizer/streamed_optimizer.h"
 #include "core/plan/planner.h"
-#include "core/checkpoint/safetensors.h"
 #include "io/base/sizes.h"
 #include "kernels/cpu/grad_norm.h"
 #include "kernels/cpu/simd.h"
@@ -128,6 +127,13 @@ struct Engine::Impl {
     // each gather slot's experts read so far (reset by its gather).
     StepRouting routing;
     std::vector<std::vector<uint8_t>> experts_loaded;      // [gather slot] (E)
+    // Deferred expert updates (core/plan/expert_update.h): the experts that
+    // wait for their steps, and those steps' decisions by Adam's t. Guarded
+    // by streamed_mutex, which also makes the compute lane's replays and the
+    // optimizer lane's updates take turns with the streamed pass.
+    ExpertUpdateLedger deferred;
+    std::map<int64_t, StepDecision> deferred_decisions;
+    std::mutex streamed_mutex;
     std::vector<kernels::cpu::GradNormPartial> partials;   // (units) over this rank's slice
     std::unique_ptr<std::atomic<int64_t>[]> params_ready;  // per unit: last step whose update is in
   };
@@ -251,6 +257,17 @@ struct Engine::Impl {
   // Then starts reading the state of this step's next update on the lane.
   Status update_streamed(Rank& rank, const UnitUpdate& update, const PlanOp& op,
                          ShardKind master_kind);
+  // Deferred expert updates (core/plan/expert_update.h): a deferring unit's
+  // update steps its router, norm and the experts its step's tokens reached;
+  // the others wait (their gradients are zero).
+  Status update_deferring(Rank& rank, const UnitUpdate& update, const PlanOp& op,
+                          ShardKind master_kind);
+  // The waiting experts `due` of `unit` take their missed steps (the caller
+  // holds rank.streamed_mutex and took them from the ledger).
+  Status replay_deferred(Rank& rank, int unit, const std::vector<DeferredSteps>& due);
+  // Every waiting expert of every rank takes its missed steps (before the
+  // state is checkpointed or read); the lanes are idle.
+  Status apply_deferred_updates();
   Status sync(Rank& rank, const PlanOp& op);
   // A saved input to its home, and back to its device slot.
   Status spill(Rank& rank, const PlanOp& op);

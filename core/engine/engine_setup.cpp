@@ -169,6 +169,9 @@ Status Engine::Impl::open_rank(Rank& rank) {
     streamed.chunk_elements = plan.optimizer_chunk_elements;
     streamed.state_type = plan.state_type();
     streamed.grads_in_store = plan.homes.grad == tiers::Tier::nvme;
+    // Deferred expert updates carry the separate compute copy in their windows.
+    if (plan.deferred_expert_updates && plan.homes.separate_master)
+      streamed.copy_bytes = plan.compute_bytes;
     Result<std::unique_ptr<StreamedOptimizer>> created = StreamedOptimizer::create(s, streamed);
     if (!created) return created.status().with_context(fmt::format("rank {}", r));
     rank.streamed = std::move(*created);
@@ -192,6 +195,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
       rank.routing[size_t(u)].assign(size_t(in.grad_accum),
                                      std::vector<uint8_t>(size_t(in.model.num_experts), 0));
   rank.experts_loaded.assign(size_t(plan.gather_slots), {});
+  rank.deferred = ExpertUpdateLedger(plan);
   rank.partials.assign(size_t(units()), {});
   rank.params_ready = std::make_unique<std::atomic<int64_t>[]>(size_t(units()));
   for (int u = 0; u < units(); ++u) rank.params_ready[size_t(u)] = -1;

@@ -105,6 +105,11 @@ Status Engine::Impl::read_routed_experts(Rank& rank, const PlanOp& op,
     if (!routed) return routed.status();
     needed = std::move(*routed);
   }
+  if (op.kind == OpKind::forward && defers_expert_updates(plan, u)) {
+    // Experts whose steps wait take them before their parameters are read.
+    std::lock_guard lock(rank.streamed_mutex);
+    if (Status s = replay_deferred(rank, u, rank.deferred.take_due(u, needed)); !s) return s;
+  }
   const uint64_t alignment = rank.store->nvme_alignment();
   const int64_t cb = plan.compute_bytes;
   if ((plan.units[size_t(u)].param_numel * cb) % int64_t(alignment) != 0)
@@ -464,7 +469,9 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     update.copy_home = plan.new_params_staged() ? tiers::Tier::host : plan.homes.param;
   }
   Status updated = Status::ok();
-  if (plan.homes.optimizer == tiers::Tier::nvme) {
+  if (defers_expert_updates(plan, u)) {
+    updated = update_deferring(rank, update, op, master_key.kind);
+  } else if (plan.homes.optimizer == tiers::Tier::nvme) {
     updated = update_streamed(rank, update, op, master_key.kind);
   } else {
     shard.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
@@ -497,13 +504,94 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const
   StreamedOptimizerUnit next;
   for (size_t i = size_t(&op - plan.ops.data()) + 1; i < plan.ops.size(); ++i) {
     if (plan.ops[i].kind != OpKind::optimizer) continue;
+    if (defers_expert_updates(plan, plan.ops[i].unit)) break;  // its windows are not chunks
     next.unit = plan.ops[i].unit;
     next.shard.numel = plan.units[size_t(next.unit)].optimizer_numel;
     next.master_kind = master_kind;
     break;
   }
+  std::lock_guard lock(rank.streamed_mutex);
   return rank.streamed->step(*rank.optimizer, update.decision, {&streamed, 1},
                              {&next, next.shard.numel > 0 ? size_t{1} : size_t{0}});
+}
+
+Status Engine::Impl::update_deferring(Rank& rank, const UnitUpdate& update, const PlanOp& op,
+                                      ShardKind master_kind) {
+  const int u = op.unit;
+  const size_t E = size_t(plan.layout.config.num_experts);
+  std::vector<uint8_t> active(E, 0);
+  for (const std::vector<uint8_t>& micro : rank.routing[size_t(u)])
+    for (size_t e = 0; e < E; ++e) active[e] |= micro[e];
+  StreamedOptimizerUnit streamed;
+  streamed.unit = u;
+  streamed.shard = update.shard;
+  streamed.master_kind = master_kind;
+  const UnitPlacement& p = plan.units[size_t(u)];
+  streamed.grad_offset = p.grad_numel == p.padded_numel ? plan.optimizer_offset(u, rank.rank) : 0;
+  const std::vector<ElementRange> ranges = expert_update_ranges(plan, u, active, true);
+  std::vector<RangeUpdate> updates;
+  for (const ElementRange& range : ranges) updates.push_back({range, {update.decision}});
+  std::lock_guard lock(rank.streamed_mutex);
+  // The experts the step reached took their missed steps in its forwards;
+  // the others miss this one.
+  rank.deferred_decisions[update.decision.step] = update.decision;
+  rank.deferred.defer_idle(u, active, update.decision.step);
+  Status status = rank.streamed->step_ranges(*rank.optimizer, streamed,
+                                             update_windows(plan, u, ranges), updates, false);
+  // Decisions no expert waits on any more.
+  const int64_t oldest = rank.deferred.oldest_waited();
+  std::erase_if(rank.deferred_decisions,
+                [&](const auto& entry) { return oldest == 0 || entry.first < oldest; });
+  return status;
+}
+
+Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<DeferredSteps>& due) {
+  if (due.empty()) return Status::ok();
+  std::vector<RangeUpdate> updates;
+  std::vector<uint8_t> chosen(size_t(plan.layout.config.num_experts), 0);
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  for (const DeferredSteps& d : due) {
+    RangeUpdate update;
+    update.elements = {experts.offset + d.expert * experts.numel,
+                       experts.offset + (d.expert + 1) * experts.numel};
+    for (int64_t t = d.first; t <= d.last; ++t) {
+      const auto found = rank.deferred_decisions.find(t);
+      if (found == rank.deferred_decisions.end())
+        return Status::error(fmt::format(
+            "deferred expert updates: {} expert {} waits on step {}, which was not kept (engine "
+            "error)",
+            plan.layout.units[size_t(unit)].unit.name, d.expert, t));
+      update.decisions.push_back(found->second);
+    }
+    updates.push_back(std::move(update));
+    chosen[size_t(d.expert)] = 1;
+  }
+  StreamedOptimizerUnit streamed;
+  streamed.unit = unit;
+  kernels::cpu::AdamWShard& shard = streamed.shard;
+  shard.numel = plan.units[size_t(unit)].optimizer_numel;
+  shard.segments = rank.segments[size_t(unit)];
+  shard.state_type = plan.state_type();
+  shard.copy_type = compute_type();
+  streamed.master_kind = plan.homes.separate_master ? ShardKind::master : ShardKind::param;
+  const std::vector<ElementRange> windows =
+      update_windows(plan, unit, expert_update_ranges(plan, unit, chosen, false));
+  return rank.streamed->step_ranges(*rank.optimizer, streamed, windows, updates, true)
+      .with_context(fmt::format("replaying the missed steps of {}'s experts",
+                                plan.layout.units[size_t(unit)].unit.name));
+}
+
+Status Engine::Impl::apply_deferred_updates() {
+  if (!plan.deferred_expert_updates) return Status::ok();
+  for (auto& rank : ranks) {
+    std::lock_guard lock(rank->streamed_mutex);
+    for (int u = 0; u < units(); ++u) {
+      if (!defers_expert_updates(plan, u)) continue;
+      if (Status s = replay_deferred(*rank, u, rank->deferred.take_all(u)); !s) return s;
+    }
+    rank->deferred_decisions.clear();
+  }
+  return Status::ok();
 }
 
 Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {

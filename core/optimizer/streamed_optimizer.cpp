@@ -35,9 +35,22 @@ int64_t blocks_before(std::span<const ShardSegment> segments, int64_t at) {
 
 }  // namespace
 
+namespace {
+
+// Bytes of one element of an item: master, m, v, the stored gradient, the copy.
+uint64_t element_bytes(const StreamedOptimizerOptions& options) {
+  return uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0) +
+                  options.copy_bytes);
+}
+
+// A replay's gradient: zeros, as many elements as one update takes at a time.
+constexpr int64_t kZeroGradientElements = 4096;
+const float kZeroGradient[kZeroGradientElements] = {};
+
+}  // namespace
+
 uint64_t StreamedOptimizer::host_buffer_bytes(const StreamedOptimizerOptions& options) {
-  return uint64_t(options.buffer_count) * uint64_t(options.chunk_elements) *
-         uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0));
+  return uint64_t(options.buffer_count) * uint64_t(options.chunk_elements) * element_bytes(options);
 }
 
 Result<std::unique_ptr<StreamedOptimizer>> StreamedOptimizer::create(
@@ -52,9 +65,7 @@ Result<std::unique_ptr<StreamedOptimizer>> StreamedOptimizer::create(
         options.chunk_elements, granule, compact ? "the compact moments" : "fp32"));
   tiers::StreamedPassOptions pass_options;
   pass_options.buffer_count = options.buffer_count;
-  pass_options.buffer_bytes =
-      uint64_t(options.chunk_elements) *
-      uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0));
+  pass_options.buffer_bytes = uint64_t(options.chunk_elements) * element_bytes(options);
   Result<std::unique_ptr<tiers::StreamedPass>> pass =
       tiers::StreamedPass::create(store, pass_options);
   if (!pass) return pass.status().with_context("streamed optimizer");
@@ -164,6 +175,93 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepDecision& d
   std::vector<StreamItem> next_items;
   chunk_items(next, false, nullptr, &next_items, options_.buffer_count);
   return pass_->run(items, update_chunk, next_items).with_context("streamed optimizer step");
+}
+
+Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const StreamedOptimizerUnit& unit,
+                                      std::span<const ElementRange> windows,
+                                      std::span<const RangeUpdate> ranges, bool zero_gradient) {
+  const kernels::cpu::AdamWShard& whole = unit.shard;
+  if (whole.state_type != options_.state_type ||
+      options_.state_type == kernels::cpu::AdamWStateType::int8)
+    return Status::error(fmt::format(
+        "streamed optimizer: a ranged update of unit {} over {} state (fp32 or bf16 only)",
+        unit.unit, kernels::cpu::adamw_state_type_name(whole.state_type)));
+  const bool grads = !zero_gradient && options_.grads_in_store;
+  if (!zero_gradient && !grads && whole.grad == nullptr)
+    return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
+  const uint64_t mb = uint64_t(moment_bytes(options_.state_type));
+  const uint64_t cb = uint64_t(options_.copy_bytes);
+  std::vector<StreamItem> items;
+  for (const ElementRange& w : windows) {
+    const uint64_t begin = uint64_t(w.begin), n = uint64_t(w.end - w.begin);
+    StreamItem item;
+    item.pieces.push_back(StreamPiece{{unit.unit, unit.master_kind}, begin * 4, n * 4});
+    for (ShardKind kind : {ShardKind::m, ShardKind::v})
+      item.pieces.push_back(StreamPiece{{unit.unit, kind}, begin * mb, n * mb});
+    if (grads) {
+      StreamPiece grad{
+          {unit.unit, ShardKind::grad}, uint64_t(unit.grad_offset) * 4 + begin * 4, n * 4};
+      grad.write = false;
+      item.pieces.push_back(grad);
+    }
+    if (cb > 0)
+      item.pieces.push_back(StreamPiece{{unit.unit, ShardKind::param}, begin * cb, n * cb});
+    items.push_back(std::move(item));
+  }
+  const kernels::cpu::ElementType copy_type = whole.copy_type;
+  std::vector<ShardSegment> segments;
+  // Elements [begin, end) of window w, its pieces at `pieces`, take `decisions`.
+  auto update = [&](const ElementRange& w, std::span<std::byte* const> pieces, int64_t begin,
+                    int64_t end, std::span<const StepDecision> decisions) -> Status {
+    segments.clear();
+    for (const ShardSegment& segment : whole.segments) {
+      const int64_t from = std::max(segment.begin, begin), stop = std::min(segment.end, end);
+      if (from < stop) segments.push_back({from - begin, stop - begin, segment.group});
+    }
+    const int64_t at = begin - w.begin;  // into the window's pieces
+    kernels::cpu::AdamWShard part = whole;
+    part.numel = end - begin;
+    part.master = reinterpret_cast<float*>(pieces[0]) + at;
+    part.exp_avg = pieces[1] + at * int64_t(mb);
+    part.exp_avg_sq = pieces[2] + at * int64_t(mb);
+    part.exp_avg_scale = part.exp_avg_sq_scale = nullptr;
+    if (zero_gradient) {
+      part.grad = kZeroGradient;
+      part.grad_type = kernels::cpu::ElementType::f32;
+    } else if (grads) {
+      part.grad = pieces[3] + at * 4;
+      part.grad_type = kernels::cpu::ElementType::f32;
+    } else {
+      part.grad = offset_elements(whole.grad, begin, whole.grad_type);
+    }
+    if (cb > 0)
+      part.copy = pieces[grads ? 4 : 3] + at * int64_t(cb);
+    else if (whole.copy != nullptr)
+      part.copy = offset_elements(whole.copy, begin, copy_type);
+    part.segments = segments;
+    for (const StepDecision& decision : decisions) {
+      if (!decision.apply) continue;
+      if (Status s = optimizer.update_shard(decision, part); !s)
+        return s.with_context(fmt::format("unit {} elements [{}, {}), step {}", unit.unit, begin,
+                                          end, decision.step));
+    }
+    return Status::ok();
+  };
+  auto visit = [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+    const ElementRange& w = windows[index];
+    for (const RangeUpdate& range : ranges) {
+      const int64_t begin = std::max(range.elements.begin, w.begin);
+      const int64_t end = std::min(range.elements.end, w.end);
+      // A zero gradient is read in pieces of the zeros there are; the kernel
+      // works element by element, so the pieces give the bits of one pass.
+      const int64_t step = zero_gradient ? kZeroGradientElements : end - begin;
+      for (int64_t at = begin; at < end; at += step)
+        if (Status s = update(w, pieces, at, std::min(end, at + step), range.decisions); !s)
+          return s;
+    }
+    return Status::ok();
+  };
+  return pass_->run(items, visit).with_context("streamed optimizer ranged update");
 }
 
 }  // namespace strata

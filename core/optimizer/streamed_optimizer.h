@@ -21,8 +21,8 @@
 // 4096 elements, a chunk's blocks are a contiguous run of the unit's.
 //
 // Host memory: buffer_count buffers of chunk_elements * (4 + 2 x the moment's
-// bytes, + 4 when the gradients come from the store) bytes (12 for fp32
-// state), charged to
+// bytes, + 4 when the gradients come from the store, + copy_bytes) bytes (12
+// for fp32 state), charged to
 // the host tier at create() (the planner's host staging for the streamed
 // optimizer). Completion: step() returns once every updated chunk is written
 // back; on an error the message names the unit, chunk and shard, and chunks
@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "core/optimizer/optimizer.h"
+#include "core/plan/expert_update.h"
 #include "core/plan/plan_input.h"
 #include "io/base/status.h"
 #include "kernels/cpu/adamw_shard.h"
@@ -50,6 +51,16 @@ struct StreamedOptimizerOptions {
   kernels::cpu::AdamWStateType state_type = kernels::cpu::AdamWStateType::f32;
   // The gradients are (unit, grad) shards homed on NVMe, read with each chunk.
   bool grads_in_store = false;
+  // Bytes per element of the compute-precision copy that ranged updates
+  // (step_ranges) carry as a piece of their windows; 0 when they carry none.
+  int64_t copy_bytes = 0;
+};
+
+// Some elements of a unit and the decisions they take, in order (a ranged
+// update, step_ranges).
+struct RangeUpdate {
+  ElementRange elements;
+  std::vector<StepDecision> decisions;
 };
 
 // One unit's update as the step sees it: which unit, its shard update and
@@ -94,6 +105,20 @@ class StreamedOptimizer {
   Status step(const Optimizer& optimizer, const StepDecision& decision,
               std::span<const StreamedOptimizerUnit> units,
               std::span<const StreamedOptimizerUnit> next = {});
+
+  // A ranged update of one unit (deferred expert updates,
+  // core/plan/expert_update.h): the pass visits `windows` (whole blocks of
+  // the I/O alignment, each within one chunk: update_windows) and each of
+  // `ranges` (inside the windows) takes its decisions in order, with the
+  // unit's gradient (the shard's, or the store's read with the window), or
+  // with a zero gradient when `zero_gradient` (a replay of missed steps).
+  // With options' copy_bytes, the unit's (unit, param) shard is a read and
+  // written piece of each window and the copy is written into it; elements
+  // of a window outside every range are written back as they were read.
+  // Not for int8 state (its blocks' scales cross the ranges).
+  Status step_ranges(const Optimizer& optimizer, const StreamedOptimizerUnit& unit,
+                     std::span<const ElementRange> windows, std::span<const RangeUpdate> ranges,
+                     bool zero_gradient);
 
   const tiers::StreamedPassStats& last_step() const { return pass_->last_run(); }
   // The pass and its buffers, for other chunked walks over the same shards

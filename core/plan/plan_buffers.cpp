@@ -209,9 +209,11 @@ class BufferListing {
     add(R::nvme_parameter_copies, O::store,
         fmt::format("NVMe parameter copies ({} x largest shard)", plan.fetch_slots), Tier::host,
         compute, plan.fetch_slots, largest_shard);
-    // Per element: master, m, v (and the gradient, read from NVMe).
+    // Per element: master, m, v (and the gradient, read from NVMe; and the
+    // separate compute copy where expert updates are deferred, expert_update.h).
     const int64_t chunk_bytes =
-        4 + 2 * plan.moment_bytes() + (plan.homes.grad == Tier::nvme ? 4 : 0);
+        4 + 2 * plan.moment_bytes() + (plan.homes.grad == Tier::nvme ? 4 : 0) +
+        (plan.deferred_expert_updates && plan.homes.separate_master ? cb : 0);
     if (plan.streamed_optimizer && chunk_bytes == 12)
       add(R::optimizer_stream, O::store,
           fmt::format("streamed optimizer buffers ({} x {} elements x 12 B)", in.optimizer_buffers,

@@ -53,6 +53,7 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.model.layer_pieces = std::max<int64_t>(1, c.strata.layer_pieces);
   in.layer_pieces_auto = c.strata.layer_pieces == 0;
   in.expert_fetch_all = c.strata.expert_fetch_all;
+  in.expert_update_deferred = c.strata.expert_update_deferred;
   in.grad_accum = c.gradient_accumulation_steps;
   in.overlap_comm = c.zero.overlap_comm;
   in.reduce_scatter = c.zero.reduce_scatter;

@@ -145,6 +145,11 @@ struct PlanInput {
   // even where the plan could read only the routed ones
   // (TrainingPlan::routed_expert_fetch).
   bool expert_fetch_all = false;
+  // strata.expert_update deferred: where experts are read as routed and
+  // their optimizer state streams from NVMe, an expert no token reached in a
+  // step is not updated until its parameters are next read, then replayed
+  // exactly (TrainingPlan::deferred_expert_updates, core/plan/expert_update.h).
+  bool expert_update_deferred = false;
   int fetch_slots = 5;        // offload_param.buffer_count: NVMe parameter copies in host memory
   int optimizer_buffers = 4;  // offload_optimizer.buffer_count: the streamed optimizer's
   int64_t optimizer_chunk_elements = kOptimizerChunkElements;  // streamed_chunk_elements

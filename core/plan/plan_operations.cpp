@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "core/plan/expert_fetch.h"
+#include "core/plan/expert_update.h"
 #include "core/plan/training_plan_parts.h"
 #include "io/base/sizes.h"
 
@@ -174,6 +175,16 @@ class PlanBuilder {
     PlanOp optimizer = make_op(OpKind::optimizer, Lane::optimizer, u);
     optimizer.deps = std::move(deps);
     const int64_t n = plan_.units[size_t(u)].optimizer_numel;
+    if (defers_expert_updates(plan_, u)) {
+      // Deferred expert updates (expert_update.h): the worst case, every
+      // element's window, with the compute copy read and written in it
+      // instead of a writeback.
+      const std::vector<uint8_t> every(size_t(in_.model.num_experts), 1);
+      const WindowBytes bytes = window_bytes(
+          plan_, update_windows(plan_, u, expert_update_ranges(plan_, u, every, true)), false);
+      optimizer.bytes = bytes.read + bytes.written;
+      return add(std::move(optimizer));
+    }
     // Read and written: the fp32 master, m and v as stored, chunk by chunk,
     // each piece rounded to the I/O alignment (int8's last piece may be short).
     if (plan_.homes.optimizer == Tier::nvme) {

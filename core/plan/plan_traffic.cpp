@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "core/plan/expert_fetch.h"
+#include "core/plan/expert_update.h"
 #include "core/plan/training_plan.h"
 #include "io/base/sizes.h"
 
@@ -156,6 +157,11 @@ std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
   add_nvme_gradient_traffic(plan, traffic);
   const std::vector<int64_t> experts = routed_expert_reads_per_op(plan, nullptr);  // worst case
   for (size_t i = 0; i < plan.ops.size(); ++i) traffic[i].nvme_read += experts[i];
+  const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);  // worst case
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    traffic[i].nvme_read += replays[i].read;
+    traffic[i].nvme_written += replays[i].written;
+  }
   if (gpu && !params_in_place) add_gathered_uploads(plan, traffic);
   return traffic;
 }

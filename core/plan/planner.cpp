@@ -163,6 +163,7 @@ PlanReport training_plan_report(const PlanInput& in, TrainingPlan built) {
   const StateHomes homes = built.homes;
   plan.gradient_home_reason = built.gradient_home_reason;
   plan.expert_fetch_reason = built.expert_fetch_reason;
+  plan.expert_update_reason = built.expert_update_reason;
   plan.traffic = plan_traffic(in, built, sizes);
   plan.homes = homes;
   for (const PlanBuffer& b : plan.buffers) {
@@ -620,6 +621,8 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
     out << fmt::format("  layer pieces: {}\n", layer_pieces_line(in));
   if (!plan.expert_fetch_reason.empty())
     out << fmt::format("  expert fetch: {}\n", plan.expert_fetch_reason);
+  if (!plan.expert_update_reason.empty())
+    out << fmt::format("  expert update: {}\n", plan.expert_update_reason);
   out << fmt::format("\nper rank ({} accounting){:>{}}{:>14}{:>14}\n",
                      zero_accounting ? "ZeRO paper's 2+2+12 bytes" : "strata's", "device",
                      zero_accounting ? 26 : 40, "host", "nvme");
@@ -740,6 +743,7 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["gradient_bf16"] = plan.homes.grad_bf16;
   j["gradient_home_reason"] = plan.gradient_home_reason;
   if (!plan.expert_fetch_reason.empty()) j["expert_fetch"] = plan.expert_fetch_reason;
+  if (!plan.expert_update_reason.empty()) j["expert_update"] = plan.expert_update_reason;
   j["accounting"] = zero_accounting ? "zero" : "strata";
   j["per_rank"] = tiers(zero_accounting ? plan.model_states_zero : plan.model_states);
   j["per_rank"]["states"] = lines(zero_accounting ? plan.states_zero : plan.states);

@@ -116,6 +116,8 @@ struct PlanReport {
   StateHomes homes;                    // where each kind of state lives (the gradient's resolved)
   std::string gradient_home_reason;    // the gradient's home and why, one line
   std::string expert_fetch_reason;     // a mixture's: experts read as routed or all, and why
+  std::string
+      expert_update_reason;  // a mixture's: idle experts' updates deferred or eager, and why
   std::vector<StateLine> states;       // strata's accounting
   std::vector<StateLine> states_zero;  // the ZeRO paper's accounting
   TierBytes model_states;              // sum of `states`

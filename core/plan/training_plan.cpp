@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/plan/expert_fetch.h"
+#include "core/plan/expert_update.h"
 #include "core/plan/training_plan_parts.h"
 #include "io/base/sizes.h"
 
@@ -404,6 +405,8 @@ Result<TrainingPlan> build_training_plan(const PlanInput& in) {
   plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
   plan.streamed_optimizer = plan.homes.optimizer == Tier::nvme;
   plan.routed_expert_fetch = plan_routes_expert_reads(in, plan.homes, plan.expert_fetch_reason);
+  plan.deferred_expert_updates = plan_defers_expert_updates(
+      in, plan.homes, plan.routed_expert_fetch, plan.expert_update_reason);
   // In place the head adds the lm_head's gradient straight into the tied
   // embedding's home; layer-major would add every micro-batch's before the
   // embedding's own, another order of the same sum.
@@ -427,6 +430,10 @@ Result<TrainingPlan> build_training_plan(const PlanInput& in) {
   // pieces of bf16 or int8 stay on the I/O alignment (and int8 blocks whole).
   if (in.optimizer_state != OptimizerStateDtype::fp32)
     plan.optimizer_chunk_elements = round_up(plan.optimizer_chunk_elements, int64_t{4096});
+  // Deferred expert updates: windows of whole nvme_alignment-element blocks, within a chunk.
+  if (plan.deferred_expert_updates)
+    plan.optimizer_chunk_elements =
+        round_up(plan.optimizer_chunk_elements, int64_t(in.nvme_alignment));
   if (in.optimizer_state == OptimizerStateDtype::int8) {
     for (int u = 0; u < int(plan.units.size()); ++u)
       for (int r = 0; r < (in.stage == 0 ? 1 : in.world_size); ++r)

@@ -261,6 +261,11 @@ struct TrainingPlan {
   // (core/plan/expert_fetch.h); why or why not, one line (empty: dense).
   bool routed_expert_fetch = false;
   std::string expert_fetch_reason;
+  // Deferred expert updates (core/plan/expert_update.h): a routed unit's
+  // idle experts wait for their AdamW steps until next read; why or why not,
+  // one line (empty: dense).
+  bool deferred_expert_updates = false;
+  std::string expert_update_reason;
 
   std::vector<PlanOp> ops;          // one step of one rank, in an order every lane can follow
   std::vector<PlanBuffer> buffers;  // states and buffers, per rank

@@ -1,0 +1,216 @@
+// Deferred expert updates: where they apply, the ranges and windows a
+// ranged update moves, the ledger of waiting experts and a step's bytes
+// (core/plan/expert_update.h).
+#include "core/plan/expert_update.h"
+
+#include <algorithm>
+
+#include "io/base/sizes.h"
+
+namespace strata {
+namespace {
+
+using tiers::Tier;
+
+void join(std::vector<ElementRange>& ranges, ElementRange next) {
+  if (next.begin >= next.end) return;
+  if (!ranges.empty() && ranges.back().end >= next.begin)
+    ranges.back().end = std::max(ranges.back().end, next.end);
+  else
+    ranges.push_back(next);
+}
+
+// The first forward of each deferring unit in the step, by op index.
+std::vector<uint8_t> first_forwards(const TrainingPlan& plan) {
+  std::vector<uint8_t> first(plan.ops.size(), 0);
+  std::vector<uint8_t> seen(plan.units.size(), 0);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if (op.kind != OpKind::forward || !defers_expert_updates(plan, op.unit)) continue;
+    if (seen[size_t(op.unit)]) continue;
+    seen[size_t(op.unit)] = 1;
+    first[i] = 1;
+  }
+  return first;
+}
+
+std::vector<uint8_t> chosen_of(const std::vector<DeferredSteps>& due, size_t experts) {
+  std::vector<uint8_t> chosen(experts, 0);
+  for (const DeferredSteps& d : due) chosen[size_t(d.expert)] = 1;
+  return chosen;
+}
+
+}  // namespace
+
+bool plan_defers_expert_updates(const PlanInput& in, const StateHomes& homes, bool routed,
+                                std::string& why) {
+  why.clear();
+  if (!in.model.is_moe()) return false;
+  const char* off = nullptr;
+  if (!in.expert_update_deferred)
+    off = "strata.expert_update eager";
+  else if (!routed)
+    off = "the experts are not read as routed (see expert fetch)";
+  else if (homes.optimizer != Tier::nvme)
+    off = "the optimizer state is not on NVMe";
+  else if (in.optimizer_state == OptimizerStateDtype::int8)
+    off = "int8 moments are scaled per block, and blocks cross experts";
+  if (off != nullptr) {
+    why = std::string("eager: every expert takes its AdamW step every step (") + off + ")";
+    return false;
+  }
+  why =
+      "deferred: an expert no token reached is stepped when next read, its missed steps "
+      "replayed exactly (worst case counted: every expert replayed and updated)";
+  return true;
+}
+
+bool defers_expert_updates(const TrainingPlan& plan, int unit) {
+  return plan.deferred_expert_updates && routes_expert_reads(plan, unit);
+}
+
+std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int unit,
+                                               const std::vector<uint8_t>& chosen, bool with_rest) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  const int64_t numel = plan.units[size_t(unit)].optimizer_numel;
+  const int64_t experts_end = experts.offset + experts.count * experts.numel;
+  std::vector<ElementRange> ranges;
+  if (with_rest) join(ranges, {0, experts.offset});
+  for (int64_t e = 0; e < experts.count; ++e)
+    if (chosen[size_t(e)])
+      join(ranges, {experts.offset + e * experts.numel, experts.offset + (e + 1) * experts.numel});
+  if (with_rest) join(ranges, {experts_end, numel});
+  return ranges;
+}
+
+std::vector<ElementRange> update_windows(const TrainingPlan& plan, int unit,
+                                         const std::vector<ElementRange>& ranges) {
+  const int64_t block = int64_t(plan.input.nvme_alignment);
+  const int64_t chunk = plan.optimizer_chunk_elements;
+  const int64_t numel = plan.units[size_t(unit)].optimizer_numel;
+  std::vector<ElementRange> widened;
+  for (const ElementRange& r : ranges)
+    join(widened, {r.begin / block * block, std::min(round_up(r.end, block), numel)});
+  std::vector<ElementRange> windows;
+  for (const ElementRange& w : widened) {
+    for (int64_t at = w.begin; at < w.end;) {
+      const int64_t stop = std::min(w.end, (at / chunk + 1) * chunk);
+      windows.push_back({at, stop});
+      at = stop;
+    }
+  }
+  return windows;
+}
+
+WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRange>& windows,
+                         bool with_gradient) {
+  const int64_t alignment = int64_t(plan.input.nvme_alignment);
+  const int64_t copy = plan.homes.separate_master ? plan.compute_bytes : 0;
+  WindowBytes bytes;
+  for (const ElementRange& w : windows) {
+    const int64_t n = w.end - w.begin;
+    int64_t state = round_up(n * 4, alignment) + 2 * round_up(n * plan.moment_bytes(), alignment);
+    if (copy > 0) state += round_up(n * copy, alignment);
+    bytes.read += state;
+    bytes.written += state;
+    if (with_gradient && plan.homes.grad == Tier::nvme) bytes.read += round_up(n * 4, alignment);
+  }
+  return bytes;
+}
+
+ExpertUpdateLedger::ExpertUpdateLedger(const TrainingPlan& plan) {
+  waiting_.resize(plan.units.size());
+  for (int u = 0; u < int(plan.units.size()); ++u)
+    if (defers_expert_updates(plan, u))
+      waiting_[size_t(u)].assign(size_t(plan.layout.config.num_experts), DeferredSteps{});
+}
+
+std::vector<DeferredSteps> ExpertUpdateLedger::take_due(int unit,
+                                                        const std::vector<uint8_t>& needed) {
+  std::vector<DeferredSteps> due;
+  std::vector<DeferredSteps>& experts = waiting_[size_t(unit)];
+  for (size_t e = 0; e < experts.size(); ++e) {
+    if (!needed[e] || experts[e].first == 0) continue;
+    due.push_back({int(e), experts[e].first, experts[e].last});
+    experts[e] = DeferredSteps{};
+  }
+  return due;
+}
+
+std::vector<DeferredSteps> ExpertUpdateLedger::take_all(int unit) {
+  return take_due(unit, std::vector<uint8_t>(waiting_[size_t(unit)].size(), 1));
+}
+
+void ExpertUpdateLedger::defer_idle(int unit, const std::vector<uint8_t>& active, int64_t step) {
+  std::vector<DeferredSteps>& experts = waiting_[size_t(unit)];
+  for (size_t e = 0; e < experts.size(); ++e) {
+    if (active[e]) continue;
+    if (experts[e].first == 0) experts[e] = {int(e), step, step};
+    experts[e].last = step;
+  }
+}
+
+int64_t ExpertUpdateLedger::oldest_waited() const {
+  int64_t oldest = 0;
+  for (const auto& experts : waiting_)
+    for (const DeferredSteps& d : experts)
+      if (d.first != 0 && (oldest == 0 || d.first < oldest)) oldest = d.first;
+  return oldest;
+}
+
+std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan) {
+  std::vector<WindowBytes> bytes(plan.ops.size());
+  if (!plan.deferred_expert_updates) return bytes;
+  const std::vector<uint8_t> first = first_forwards(plan);
+  const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    if (!first[i]) continue;
+    const int u = plan.ops[i].unit;
+    bytes[i] = window_bytes(
+        plan, update_windows(plan, u, expert_update_ranges(plan, u, every, false)), false);
+  }
+  return bytes;
+}
+
+WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
+                                     ExpertUpdateLedger& ledger) {
+  const StepTraffic worst = plan.traffic_per_step;
+  WindowBytes step{worst.nvme_read, worst.nvme_written};
+  // The routed parameter reads of this routing instead of the worst case's.
+  step.read += routed_parameter_reads(plan, routing) - worst_parameter_reads(plan);
+  const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);
+  const size_t E = size_t(plan.layout.config.num_experts);
+  const std::vector<uint8_t> every(E, 1);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if (!defers_expert_updates(plan, op.unit)) continue;
+    const int u = op.unit;
+    if (op.kind == OpKind::forward) {
+      step.read -= replays[i].read;
+      step.written -= replays[i].written;
+      const std::vector<DeferredSteps> due =
+          ledger.take_due(u, routing[size_t(u)][size_t(op.micro)]);
+      if (due.empty()) continue;
+      const WindowBytes replayed = window_bytes(
+          plan, update_windows(plan, u, expert_update_ranges(plan, u, chosen_of(due, E), false)),
+          false);
+      step.read += replayed.read;
+      step.written += replayed.written;
+    } else if (op.kind == OpKind::optimizer) {
+      std::vector<uint8_t> active(E, 0);
+      for (const std::vector<uint8_t>& micro : routing[size_t(u)])
+        for (size_t e = 0; e < E; ++e) active[e] |= micro[e];
+      const WindowBytes all = window_bytes(
+          plan, update_windows(plan, u, expert_update_ranges(plan, u, every, true)), true);
+      const WindowBytes updated = window_bytes(
+          plan, update_windows(plan, u, expert_update_ranges(plan, u, active, true)), true);
+      step.read += updated.read - all.read;
+      step.written += updated.written - all.written;
+      // Counting needs only whether an expert waits: each step is marked as step 1.
+      ledger.defer_idle(u, active, 1);
+    }
+  }
+  return step;
+}
+
+}  // namespace strata

@@ -1,0 +1,119 @@
+// Deferred expert updates (TrainingPlan::deferred_expert_updates;
+// core/README.md, "Deferred expert updates"). Where a mixture's experts are
+// read as routed (core/plan/expert_fetch.h) and its optimizer state streams
+// from NVMe, strata.expert_update deferred steps only part of a sparse MLP
+// piece each step: its router and norm, and the experts its micro-batches'
+// tokens reached. An expert no token reached has a zero gradient; its AdamW
+// step (moments decay, weight decay, the bias-corrected update) waits, and
+// the steps it missed are replayed, the same kernel on the same elements
+// with the same decisions in the same order, before its parameters are next
+// read (the forward that routes a token to it), checkpointed or exported. So
+// the bits are those of the eager update, and an expert's state crosses the
+// drive once per run of idle steps instead of once per step.
+//
+// The unit of a transfer is a window: whole blocks of nvme_alignment
+// elements (every piece, fp32 master, bf16 or fp32 moments, the compute
+// copy and the gradient, starts on the NVMe alignment), at most one
+// optimizer chunk. Its master, m, v and compute-precision copy (where
+// separate) are read and written whole, so the elements of a neighbour that
+// share a block travel unchanged; on the optimizer's pass the gradient is
+// read with them when its home is NVMe. The plan's traffic counts the worst
+// step: every expert replayed at its unit's first forward and every element
+// updated by its optimizer operation. ExpertUpdateLedger keeps which steps
+// each expert waits on; deferred_step_nvme_bytes counts a step's bytes for
+// its routing with the same ledger the engine keeps.
+//
+// Pure functions; the ledger is a value (not thread-safe: the engine guards it).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/plan/expert_fetch.h"
+#include "core/plan/training_plan.h"
+
+namespace strata {
+
+// Elements [begin, end) of a unit's optimizer range.
+struct ElementRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  bool operator==(const ElementRange&) const = default;
+};
+
+// Whether the plan defers idle experts' updates, and the one line why or why
+// not (TrainingPlan::expert_update_reason); empty for a dense model. `routed`:
+// the plan reads experts as routed.
+bool plan_defers_expert_updates(const PlanInput& input, const StateHomes& homes, bool routed,
+                                std::string& why);
+
+// Unit u's idle experts wait: the plan defers and u routes its expert reads.
+bool defers_expert_updates(const TrainingPlan& plan, int unit);
+
+// Unit u's element ranges of the `chosen` experts ([E], != 0 chosen) and,
+// with `with_rest`, of everything in u that is not an expert; sorted,
+// neighbours joined.
+std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int unit,
+                                               const std::vector<uint8_t>& chosen, bool with_rest);
+
+// The windows a ranged update of unit u reads and writes for `ranges`:
+// each range widened to whole blocks of nvme_alignment elements, overlaps
+// joined, cut at multiples of the optimizer chunk.
+std::vector<ElementRange> update_windows(const TrainingPlan& plan, int unit,
+                                         const std::vector<ElementRange>& ranges);
+
+// The NVMe bytes of a ranged update over `windows`, read and written alike
+// (master, m, v and the separate compute copy), and the gradient's reads
+// when `with_gradient` and its home is NVMe.
+struct WindowBytes {
+  int64_t read = 0;
+  int64_t written = 0;
+};
+WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRange>& windows,
+                         bool with_gradient);
+
+// One expert's missed steps: Adam's t of the first and last applied step it
+// did not take (every applied step between them included).
+struct DeferredSteps {
+  int expert = 0;
+  int64_t first = 0;
+  int64_t last = 0;
+};
+
+// Which experts of which units wait, and since when.
+class ExpertUpdateLedger {
+ public:
+  ExpertUpdateLedger() = default;
+  explicit ExpertUpdateLedger(const TrainingPlan& plan);
+
+  // A forward of `unit` routes tokens to `needed` ([E]): the experts among
+  // them that wait, which must be replayed now; they wait no more.
+  std::vector<DeferredSteps> take_due(int unit, const std::vector<uint8_t>& needed);
+  // Every waiting expert of `unit` (a checkpoint, an export, a read of the weights).
+  std::vector<DeferredSteps> take_all(int unit);
+  // Applied step `step` updates `unit`: the experts not `active` ([E]) miss it.
+  void defer_idle(int unit, const std::vector<uint8_t>& active, int64_t step);
+  // The oldest step any expert waits on; 0 when none waits.
+  int64_t oldest_waited() const;
+
+ private:
+  // [unit][expert]: the steps it missed, first 0 when none.
+  std::vector<std::vector<DeferredSteps>> waiting_;
+};
+
+// The NVMe bytes one step of a plan that defers expert updates moves for its
+// routing: the plan's traffic with the deferring units' worst case (every
+// expert replayed and updated) replaced by what `routing` replays and
+// updates, and its routed parameter reads by `routing`'s. Advances `ledger`
+// (the experts that waited before the step) past the step, taken as applied.
+WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
+                                     ExpertUpdateLedger& ledger);
+
+// Per operation of plan.ops, the worst case of the replays: on the first
+// forward of each deferring unit in the step, every expert. (A deferring
+// unit's optimizer operation counts its worst case, every element, in its
+// own bytes.)
+std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan);
+
+}  // namespace strata

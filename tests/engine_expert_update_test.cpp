@@ -1,0 +1,206 @@
+// Deferred expert updates (core/plan/expert_update.h): a mixture read as
+// routed with its optimizer state on NVMe steps an expert no token reached
+// only when its parameters are next read, checkpointed or exported, replaying
+// the steps it missed. Training gives the eager update's bits (both schedules,
+// fp32 and bf16, fp32 and bf16 moments, gradients in host memory or on NVMe,
+// a changing learning rate, the optimizer during backward); a run's NVMe
+// bytes are what the ledger counts for its steps' routings, each step at
+// most the plan's worst case, and fewer than the eager run's; a checkpoint resumes
+// bitwise; the plan says why it defers or not.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "core/plan/expert_update.h"
+#include "engine_test_support.h"
+
+namespace strata {
+namespace {
+
+using testing::EngineOutcome;
+using testing::EngineRun;
+
+class EngineExpertUpdate : public testing::EngineRunsTest {
+ protected:
+  EngineExpertUpdate() : EngineRunsTest("engine_expert_update") {}
+};
+
+// 16 experts of 64, top 1, four tokens a micro-batch, two micro-batches a
+// step: a step reaches at most 8 of a layer's 16 experts, so most wait for
+// a step or more. Parameters and optimizer on NVMe, stage 3, pieces 2.
+EngineRun deferred_run(const std::string& schedule, const std::string& precision) {
+  EngineRun run;
+  run.moe = true;
+  run.experts = 16;
+  run.experts_per_token = 1;
+  run.intermediate = 64;
+  run.stage = 3;
+  run.offload_param = "nvme";
+  run.offload_optimizer = "nvme";
+  run.precision = precision;
+  run.micro_batch = 1;
+  run.seq_len = 4;
+  run.grad_accum = 2;
+  run.layer_pieces = 2;
+  run.schedule = schedule;
+  run.expert_update = "deferred";
+  run.lr = 1e-3;
+  run.eps = 1e-6;
+  run.steps = 4;
+  return run;
+}
+
+// The experts of some routed unit that no micro-batch of two steps in a row reached.
+int64_t idle_twice(const EngineOutcome& outcome) {
+  int64_t idle = 0;
+  for (size_t s = 1; s < outcome.steps.size(); ++s) {
+    const StepRouting& a = outcome.steps[s - 1].routing;
+    const StepRouting& b = outcome.steps[s].routing;
+    for (size_t u = 0; u < a.size(); ++u) {
+      if (a[u].empty()) continue;
+      for (size_t e = 0; e < a[u][0].size(); ++e) {
+        bool reached = false;
+        for (const auto& micro : a[u]) reached = reached || micro[e];
+        for (const auto& micro : b[u]) reached = reached || micro[e];
+        idle += !reached;
+      }
+    }
+  }
+  return idle;
+}
+
+TEST_F(EngineExpertUpdate, DeferredUpdatesGiveTheEagerBits) {
+  struct Variant {
+    const char* schedule;
+    const char* precision;
+    const char* state;
+    const char* gradients;
+    const char* scheduler;
+    double clipping;
+  };
+  for (const Variant v : {Variant{"micro_batch", "fp32", "fp32", "auto", "", 1.0},
+                          Variant{"layer", "fp32", "fp32", "nvme", "WarmupDecayLR", 1.0},
+                          Variant{"micro_batch", "bf16", "bf16", "nvme", "", 0.0},
+                          Variant{"layer", "bf16", "fp32", "host", "WarmupLR", 1.0},
+                          Variant{"layer", "bf16", "bf16", "host_bf16", "", 0.0}}) {
+    EngineRun deferred = deferred_run(v.schedule, v.precision);
+    deferred.state_dtype = v.state;
+    deferred.gradient_home = v.gradients;
+    deferred.scheduler = v.scheduler;
+    deferred.clipping = v.clipping;
+    EngineRun eager = deferred;
+    eager.expert_update = "eager";
+    const EngineOutcome e = train(eager), d = train(deferred);
+    ASSERT_EQ(d.steps.size(), 4u) << deferred.label();
+    EXPECT_FALSE(e.plan.deferred_expert_updates) << eager.label();
+    ASSERT_TRUE(d.plan.deferred_expert_updates)
+        << deferred.label() << ": " << d.plan.expert_update_reason;
+    EXPECT_GT(idle_twice(d), 0) << "no expert waited two steps: the test shows little";
+    testing::expect_identical(d, e, deferred.label() + " vs eager");
+    for (size_t s = 0; s < d.steps.size(); ++s)
+      EXPECT_EQ(d.steps[s].lr, e.steps[s].lr) << deferred.label() << " step " << s + 1;
+  }
+}
+
+TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    for (const char* gradients : {"host", "nvme"}) {
+      EngineRun deferred = deferred_run(schedule, "bf16");
+      deferred.gradient_home = gradients;
+      deferred.steps = 5;
+      EngineRun eager = deferred;
+      eager.expert_update = "eager";
+      const EngineOutcome d = train(deferred), e = train(eager);
+      ASSERT_EQ(d.steps.size(), 5u) << deferred.label();
+      ASSERT_EQ(e.steps.size(), 5u) << eager.label();
+      const TrainingPlan& plan = d.plan;
+      // The deferring units' optimizer carries the copy: no writeback of them.
+      for (const PlanOp& op : plan.ops)
+        if (op.kind == OpKind::writeback) EXPECT_FALSE(defers_expert_updates(plan, op.unit));
+      // A step's updates run beside the next step's forward, so the bytes
+      // are compared over the run (after finish()), each step's counted
+      // within the plan's worst case.
+      ExpertUpdateLedger ledger(plan);
+      int64_t read = 0, written = 0;
+      for (size_t s = 0; s < d.steps.size(); ++s) {
+        const WindowBytes counted = deferred_step_nvme_bytes(plan, d.steps[s].routing, ledger);
+        const std::string at = deferred.label() + " step " + std::to_string(s + 1);
+        EXPECT_LE(counted.read, plan.traffic_per_step.nvme_read) << at;
+        EXPECT_LE(counted.written, plan.traffic_per_step.nvme_written) << at;
+        read += counted.read;
+        written += counted.written;
+      }
+      EXPECT_EQ(int64_t(d.nvme_read), read) << deferred.label();
+      EXPECT_EQ(int64_t(d.nvme_written), written) << deferred.label();
+      // The eager run moves its plan's bytes, its routed reads as its routings say.
+      int64_t eager_read = 0;
+      for (const StepResult& step : e.steps)
+        eager_read += e.plan.traffic_per_step.nvme_read - worst_parameter_reads(e.plan) +
+                      routed_parameter_reads(e.plan, step.routing);
+      EXPECT_EQ(int64_t(e.nvme_read), eager_read) << eager.label();
+      EXPECT_EQ(int64_t(e.nvme_written), e.plan.traffic_per_step.nvme_written * 5) << eager.label();
+      const uint64_t deferred_total = d.nvme_read + d.nvme_written;
+      const uint64_t eager_total = e.nvme_read + e.nvme_written;
+      EXPECT_LT(deferred_total, eager_total) << deferred.label();
+      // Every expert waiting and then routed to in one step is the worst case.
+      ExpertUpdateLedger waiting(plan);
+      StepRouting none = d.steps[0].routing, every = d.steps[0].routing;
+      for (auto& unit : none)
+        for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{0});
+      for (auto& unit : every)
+        for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{1});
+      (void)deferred_step_nvme_bytes(plan, none, waiting);
+      const WindowBytes worst = deferred_step_nvme_bytes(plan, every, waiting);
+      EXPECT_EQ(worst.read, plan.traffic_per_step.nvme_read) << deferred.label();
+      EXPECT_EQ(worst.written, plan.traffic_per_step.nvme_written) << deferred.label();
+    }
+  }
+}
+
+TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun run = deferred_run(schedule, "bf16");
+    run.state_dtype = "bf16";
+    expect_resumes_bitwise(run, 2);
+    run.expert_update = "eager";
+    expect_resumes_bitwise(run, 2);
+  }
+}
+
+TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
+  auto reason = [](const EngineRun& run) {
+    Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
+    EXPECT_TRUE(config.is_ok()) << config.status().message();
+    PlanInput in = plan_input_from_config(*config, testing::small_moe_model());
+    in.model.layer_pieces = run.layer_pieces;
+    in.layer_pieces_auto = false;
+    EXPECT_EQ(in.expert_update_deferred, run.expert_update == "deferred");
+    std::string fetch, update;
+    const StateHomes homes = state_homes(in);
+    const bool routed = plan_routes_expert_reads(in, homes, fetch);
+    const bool defers = plan_defers_expert_updates(in, homes, routed, update);
+    return std::pair{defers, update};
+  };
+  EngineRun run = deferred_run("layer", "bf16");
+  EXPECT_TRUE(reason(run).first) << reason(run).second;
+  EXPECT_NE(reason(run).second.find("deferred:"), std::string::npos) << reason(run).second;
+  run.expert_update = "eager";
+  EXPECT_NE(reason(run).second.find("strata.expert_update eager"), std::string::npos);
+  run.expert_update = "deferred";
+  run.layer_pieces = 1;
+  EXPECT_NE(reason(run).second.find("not read as routed"), std::string::npos);
+  run.layer_pieces = 2;
+  run.offload_optimizer = "cpu";
+  EXPECT_NE(reason(run).second.find("not on NVMe"), std::string::npos);
+  run.offload_optimizer = "nvme";
+  run.state_dtype = "int8";
+  EXPECT_NE(reason(run).second.find("int8"), std::string::npos);
+  EXPECT_FALSE(reason(run).first);
+  PlanInput dense;
+  std::string why = "stale";
+  EXPECT_FALSE(plan_defers_expert_updates(dense, state_homes(dense), false, why));
+  EXPECT_TRUE(why.empty());
+}
+
+}  // namespace
+}  // namespace strata
