@@ -2,29 +2,34 @@
 """A small mixture of experts against two dense models, everything on NVMe.
 
   benches/moe_step_bench.py [--strata build/tools/strata] [--out build/moe-bench] [--steps 12]
+                            [--micro-batch 4 --seq-len 128 --grad-accum 1] [--experts 8 --top-k 2]
 
-Three models of the same attention (hidden 256, 4 layers, 8 heads, byte
+Models of the same attention (hidden 256, 4 layers, 8 heads, byte
 vocabulary) trained side by side in one command on the CPU backend, stage 3,
 parameters and optimizer state on NVMe (`--offload-param nvme
---offload-optimizer nvme`), 4 sequences of 128 tokens a step:
+--offload-optimizer nvme`), 4 sequences of 128 tokens a step by default:
 
-- moe: a Mixtral-shaped mixture, 8 experts of 344, 2 per token (the
-  load-balancing loss in the loss), whole decoder layers: every expert read
-  with its layer;
+- moe: a Mixtral-shaped mixture, E experts of 344 (8 by default), k per token
+  (2; the load-balancing loss in the loss), whole decoder layers: every
+  expert read with its layer;
 - moe-routed: the same mixture with its layers in pieces (`--layer-pieces 2`),
   whose sparse MLP pieces read from NVMe only the experts a micro-batch's
   tokens reach (routed expert fetch, the default `--expert-fetch routed`);
-- dense-active: a Llama of the same active parameters (intermediate 688 = 2 x 344);
-- dense-total: a Llama of the same total parameters (intermediate 2752 = 8 x 344).
+- moe-deferred: moe-routed whose optimizer steps an expert no token reached
+  only when it is next read, replaying its missed steps
+  (`--expert-update deferred`): the bits of moe-routed;
+- dense-active: a Llama of the same active parameters (intermediate k x 344);
+- dense-total: a Llama of the same total parameters (intermediate E x 344).
 
 Printed per model: parameters (total, active), median step time after the
 first two steps, the time relative to each dense model, NVMe bytes read and
 written per step (the engine's counters, `--metrics`), and the last loss.
-Routed reads cut the parameters' reads only: an expert's gradient and
-optimizer state are its layer's MLP shard, read and written whole each step.
+Routed reads cut the parameters' reads only: with the eager update an
+expert's gradient and optimizer state are read and written whole each step.
 With 512 tokens a step a layer's tokens reach every expert, so the mixture
-reads what the whole layers do; fewer tokens a micro-batch (`--micro-batch 1
---seq-len 8 --grad-accum 4`) leave some experts idle in each.
+moves what the whole layers do; fewer tokens a micro-batch (`--micro-batch 1
+--seq-len 8 --grad-accum 4`) and more experts (`--experts 32 --top-k 1`)
+leave experts idle for steps, which deferred updates skip.
 """
 import argparse
 import json
@@ -35,15 +40,20 @@ import subprocess
 BASE = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
-MIXTRAL = dict(BASE, model_type="mixtral", intermediate_size=344, num_local_experts=8, num_experts_per_tok=2,
-               output_router_logits=True, router_aux_loss_coef=0.02)
-# name: (config, extra flags)
-MODELS = {
-    "moe": (MIXTRAL, ["--layer-pieces", "1"]),
-    "moe-routed": (MIXTRAL, ["--layer-pieces", "2", "--expert-fetch", "routed"]),
-    "dense-active": (dict(BASE, model_type="llama", intermediate_size=688), ["--layer-pieces", "1"]),
-    "dense-total": (dict(BASE, model_type="llama", intermediate_size=2752), ["--layer-pieces", "1"]),
-}
+
+
+def models(experts, top_k):
+    """name: (config, extra flags)."""
+    mixtral = dict(BASE, model_type="mixtral", intermediate_size=344, num_local_experts=experts,
+                   num_experts_per_tok=top_k, output_router_logits=True, router_aux_loss_coef=0.02)
+    routed = ["--layer-pieces", "2", "--expert-fetch", "routed"]
+    return {
+        "moe": (mixtral, ["--layer-pieces", "1"]),
+        "moe-routed": (mixtral, routed),
+        "moe-deferred": (mixtral, routed + ["--expert-update", "deferred"]),
+        "dense-active": (dict(BASE, model_type="llama", intermediate_size=top_k * 344), ["--layer-pieces", "1"]),
+        "dense-total": (dict(BASE, model_type="llama", intermediate_size=experts * 344), ["--layer-pieces", "1"]),
+    }
 
 
 def run(cmd, **kw):
@@ -73,6 +83,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
     args = parser.parse_args()
     strata = os.path.abspath(args.strata)
     os.makedirs(args.out, exist_ok=True)
@@ -82,8 +94,9 @@ def main():
     version = subprocess.run([strata, "--version"], capture_output=True, text=True).stdout.strip()
     print(version.replace("\n", "; "))
     rows = {}
-    print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step")
-    for name, (cfg, flags) in MODELS.items():
+    print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step; "
+          f"{args.experts} experts, {args.top_k} per token")
+    for name, (cfg, flags) in models(args.experts, args.top_k).items():
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
         with open(os.path.join(model_dir, "config.json"), "w") as f:

@@ -3,7 +3,9 @@
 # --metrics` records each step's routing when the experts are read as routed,
 # and `strata plan --routing FILE` replays it; with the optimizer in host
 # memory every NVMe read is a parameter's, so the plan's mean is the run's.
-# Refusals name what to change, in one line.
+# With the optimizer on NVMe and --expert-update deferred, the replay counts
+# fewer bytes per step than the eager update's. Refusals name what to change,
+# in one line.
 # Usage: cli_plan_routing.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -48,6 +50,38 @@ check "the plan's replay of the recorded routing is the run's NVMe reads" $?
   grep -q "NVMe parameter reads per step with the routing .* recorded (4 steps): mean" "$dir/table"
 check "the table prints the recorded case" $?
 
+# Deferred expert updates: with the optimizer on NVMe an expert no token
+# reached waits for its steps; the replay of the routing counts fewer bytes
+# per step than the eager update's, and a worst step that replays every expert.
+deferred=(--model "$dir/moe.json" --backend cpu --seq-len 8 --micro-batch 1 --zero-stage 3
+  --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --grad-accum 3
+  --layer-pieces 2)
+"$strata" train "${deferred[@]}" --expert-update deferred --data "$dir/data/train.bin" --steps 4 \
+  --hardware none --metrics "$dir/d.jsonl" >"$dir/dout" 2>"$dir/err"
+check "a run with deferred expert updates trains" $?
+grep -q "expert update: deferred" "$dir/dout"; check "train says the updates are deferred" $?
+"$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" --json \
+  >"$dir/dplan.json" 2>"$dir/err" &&
+  "$strata" plan "${deferred[@]}" --routing "$dir/d.jsonl" --json >"$dir/eplan.json" 2>"$dir/err"
+check "strata plan --routing replays both updates" $?
+python3 - "$dir/dplan.json" "$dir/eplan.json" <<'PY'
+import json, sys
+d, e = (json.load(open(f)) for f in sys.argv[1:3])
+assert d["expert_update"].startswith("deferred:"), d["expert_update"]
+assert e["expert_update"].startswith("eager:"), e["expert_update"]
+rd, re_ = d["recorded_routing"], e["recorded_routing"]
+assert rd["mean_parameter_read_bytes"] == re_["mean_parameter_read_bytes"], (rd, re_)
+moved = lambda r: r["mean_nvme_read_bytes"] + r["mean_nvme_written_bytes"]
+assert moved(rd) < moved(re_), (rd, re_)
+assert rd["worst_nvme_written_bytes"] > re_["worst_nvme_written_bytes"], (rd, re_)
+assert rd["most_nvme_read_bytes"] <= rd["worst_nvme_read_bytes"], rd
+assert rd["most_nvme_written_bytes"] <= rd["worst_nvme_written_bytes"], rd
+PY
+check "deferred updates move fewer bytes for the recorded routing" $?
+"$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" >"$dir/dtable" \
+  2>"$dir/err" && grep -q "NVMe per step with that routing and deferred expert updates" "$dir/dtable"
+check "the table prints the deferred case" $?
+
 one_line_refusal() {  # NAME EXPECTED ARGS...
   local name="$1" expected="$2"
   shift 2
@@ -69,5 +103,7 @@ one_line_refusal "a line cut short is refused with its number" "cut.jsonl line 1
   --metrics "$dir/all.jsonl" >/dev/null 2>&1
 one_line_refusal "a run that recorded no routing is refused" "no step records a routing" \
   "${shape[@]}" --routing "$dir/all.jsonl"
+one_line_refusal "an unknown --expert-update is refused" "--expert-update: expected eager or deferred" \
+  "${deferred[@]}" --expert-update sometimes
 
 finish_checks

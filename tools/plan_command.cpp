@@ -13,6 +13,7 @@
 #include "core/config/config.h"
 #include "core/engine/engine.h"
 #include "core/model/model_config.h"
+#include "core/plan/expert_update.h"
 #include "core/plan/planner.h"
 #include "core/plan/step_model.h"
 #include "core/plan/training_plan.h"
@@ -88,7 +89,8 @@ class PlanCommand : public Subcommand {
     cmd->add_option("--routing", routing_,
                     "A mixture's expected NVMe reads: replay each step's routing a strata train "
                     "--metrics FILE recorded (routed expert reads) and print the parameter reads "
-                    "per step beside the worst case");
+                    "and the NVMe bytes per step (with --expert-update deferred, the missed "
+                    "steps replayed as the run would) beside the worst case");
     cmd->add_option("--timeline", timeline_,
                     "Write the predicted steps as a Perfetto trace in the form of `strata train "
                     "--trace`, to open beside a measured one");
@@ -229,19 +231,21 @@ class PlanCommand : public Subcommand {
       if (*hardware && plan.fits) prediction = predict_step(*steps, **hardware);
     }
     std::optional<RecordedReads> recorded;
+    std::optional<RecordedStepBytes> recorded_steps;
     if (!routing_.empty()) {
-      Result<RecordedReads> read = recorded_reads(*steps);
+      Result<std::pair<RecordedReads, RecordedStepBytes>> read = recorded_reads(*steps);
       if (!read) return read.status();
-      recorded = *read;
+      recorded = read->first;
+      recorded_steps = read->second;
     }
     if (json_) {
       nlohmann::ordered_json j = plan_to_json(plan, zero);
       if (prediction) j["prediction"] = prediction_to_json(*prediction);
-      if (recorded) j["recorded_routing"] = recorded_to_json(*recorded);
+      if (recorded) j["recorded_routing"] = recorded_to_json(*recorded, *recorded_steps);
       fmt::print("{}\n", j.dump(2));
     } else {
       fmt::print("{}", format_plan_table(plan, zero));
-      if (recorded) fmt::print("{}", recorded_line(*recorded));
+      if (recorded) fmt::print("{}", recorded_line(*recorded, *recorded_steps, *steps));
       if (prediction) fmt::print("{}", format_prediction(*prediction));
       if (!*hardware)
         fmt::print(
@@ -256,33 +260,49 @@ class PlanCommand : public Subcommand {
   }
 
   // --routing FILE against this plan: the plan must read its experts as routed.
-  Result<RecordedReads> recorded_reads(const TrainingPlan& plan) const {
+  Result<std::pair<RecordedReads, RecordedStepBytes>> recorded_reads(
+      const TrainingPlan& plan) const {
     if (!plan.routed_expert_fetch)
       return Status::invalid_argument(fmt::format(
           "--routing {}: this plan reads every expert ({}); plan what the run trained", routing_,
           plan.expert_fetch_reason.empty() ? "a dense model" : plan.expert_fetch_reason));
     Result<std::vector<StepRouting>> steps = read_recorded_routing(plan, routing_);
     if (!steps) return steps.status();
-    return recorded_parameter_reads(plan, *steps);
+    return std::pair{recorded_parameter_reads(plan, *steps), recorded_step_bytes(plan, *steps)};
   }
 
-  nlohmann::ordered_json recorded_to_json(const RecordedReads& r) const {
+  nlohmann::ordered_json recorded_to_json(const RecordedReads& r,
+                                          const RecordedStepBytes& s) const {
     return {{"file", routing_},
             {"steps", r.steps},
             {"worst_parameter_read_bytes", r.worst},
             {"mean_parameter_read_bytes", r.mean},
             {"least_parameter_read_bytes", r.least},
-            {"most_parameter_read_bytes", r.most}};
+            {"most_parameter_read_bytes", r.most},
+            {"mean_nvme_read_bytes", s.read_mean},
+            {"mean_nvme_written_bytes", s.written_mean},
+            {"most_nvme_read_bytes", s.read_most},
+            {"most_nvme_written_bytes", s.written_most},
+            {"worst_nvme_read_bytes", s.worst_read},
+            {"worst_nvme_written_bytes", s.worst_written}};
   }
 
-  std::string recorded_line(const RecordedReads& r) const {
+  std::string recorded_line(const RecordedReads& r, const RecordedStepBytes& s,
+                            const TrainingPlan& plan) const {
     return fmt::format(
-        "NVMe parameter reads per step with the routing {} recorded ({} steps): mean {} (least "
-        "{}, most {}), {:.1f}% of the worst case {}\n",
-        routing_, r.steps, format_bytes(double(r.mean)), format_bytes(double(r.least)),
-        format_bytes(double(r.most)),
-        100.0 * double(r.mean) / double(std::max<int64_t>(1, r.worst)),
-        format_bytes(double(r.worst)));
+               "NVMe parameter reads per step with the routing {} recorded ({} steps): mean {} "
+               "(least {}, most {}), {:.1f}% of the worst case {}\n",
+               routing_, r.steps, format_bytes(double(r.mean)), format_bytes(double(r.least)),
+               format_bytes(double(r.most)),
+               100.0 * double(r.mean) / double(std::max<int64_t>(1, r.worst)),
+               format_bytes(double(r.worst))) +
+           fmt::format(
+               "NVMe per step with that routing{}: read mean {} (most {}), written mean {} (most "
+               "{}); the worst step {} / {}\n",
+               plan.deferred_expert_updates ? " and deferred expert updates" : "",
+               format_bytes(double(s.read_mean)), format_bytes(double(s.read_most)),
+               format_bytes(double(s.written_mean)), format_bytes(double(s.written_most)),
+               format_bytes(double(s.worst_read)), format_bytes(double(s.worst_written)));
   }
 
   // The profile to predict with: --hardware, a fresh --probe, or this

@@ -213,4 +213,29 @@ WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting
   return step;
 }
 
+RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,
+                                      const std::vector<StepRouting>& steps) {
+  RecordedStepBytes out;
+  out.worst_read = plan.traffic_per_step.nvme_read;
+  out.worst_written = plan.traffic_per_step.nvme_written;
+  ExpertUpdateLedger ledger(plan);
+  int64_t read = 0, written = 0;
+  for (const StepRouting& routing : steps) {
+    WindowBytes step{
+        out.worst_read - worst_parameter_reads(plan) + routed_parameter_reads(plan, routing),
+        out.worst_written};
+    if (plan.deferred_expert_updates) step = deferred_step_nvme_bytes(plan, routing, ledger);
+    read += step.read;
+    written += step.written;
+    out.read_most = std::max(out.read_most, step.read);
+    out.written_most = std::max(out.written_most, step.written);
+    ++out.steps;
+  }
+  if (out.steps > 0) {
+    out.read_mean = read / out.steps;
+    out.written_mean = written / out.steps;
+  }
+  return out;
+}
+
 }  // namespace strata

@@ -110,6 +110,22 @@ class ExpertUpdateLedger {
 WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
                                      ExpertUpdateLedger& ledger);
 
+// A step's NVMe bytes, read and written, replayed from recorded routings in
+// their order (deferred_step_nvme_bytes where the plan defers; else the
+// plan's traffic with its routed parameter reads those of the routing):
+// what `strata plan --routing` prints beside the parameter reads.
+struct RecordedStepBytes {
+  int64_t steps = 0;
+  int64_t read_mean = 0;  // rounded down
+  int64_t written_mean = 0;
+  int64_t read_most = 0;
+  int64_t written_most = 0;
+  int64_t worst_read = 0;  // the plan's worst step: traffic_per_step
+  int64_t worst_written = 0;
+};
+RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,
+                                      const std::vector<StepRouting>& steps);
+
 // Per operation of plan.ops, the worst case of the replays: on the first
 // forward of each deferring unit in the step, every expert. (A deferring
 // unit's optimizer operation counts its worst case, every element, in its
