@@ -2,7 +2,8 @@
 // streamed chunk by chunk, gives bitwise the same master, m, v and compute
 // copy as Optimizer::update_shard over the same state in memory, for units of
 // any size, parameter groups that cross chunk boundaries, clipping, and
-// several steps; an I/O fault mid-step is an error naming the unit.
+// several steps; an I/O fault mid-step is an error naming the unit. Ranged
+// updates and replays of missed steps give the whole steps' bits.
 #include "core/optimizer/streamed_optimizer.h"
 
 #include <gtest/gtest.h>
@@ -209,6 +210,102 @@ TEST_F(StreamedOptimizerTest, AnIoFaultIsAnErrorNamingTheUnit) {
             std::string::npos)
       << status.message();
   EXPECT_NE(status.message().find("(write-back)"), std::string::npos) << status.message();
+}
+
+// Ranged updates (deferred expert updates, core/plan/expert_update.h): two
+// steps that update only some ranges, whose other elements have a zero
+// gradient, then those elements replayed with both steps' decisions and a
+// zero gradient, leave master, m, v and the compute copy (a piece of each
+// window) bitwise as two whole steps do.
+TEST_F(StreamedOptimizerTest, RangedUpdatesAndReplaysGiveTheWholeStepsBits) {
+  const uint64_t seed = tiers::testing::fresh_seed("RangedUpdatesAndReplays");
+  std::mt19937_64 random(seed);
+  std::normal_distribution<float> normal;
+  UnitState unit;
+  unit.numel = 5 * 4096 + 1 + int64_t(random() % 4000);
+  for (int64_t i = 0; i < unit.numel; ++i) {
+    unit.master.push_back(normal(random));
+    unit.m.push_back(0.01f * normal(random));
+    unit.v.push_back(1e-4f * std::fabs(normal(random)));
+  }
+  unit.copy.assign(size_t(unit.numel), 0);
+  unit.segments = {{0, 7000, ParamGroup::no_decay}, {7000, unit.numel, ParamGroup::decay}};
+  ASSERT_TRUE(StreamedOptimizer::add_unit_state(*store_, 0, unit.numel, Tier::nvme).is_ok());
+  ASSERT_TRUE(
+      store_->add_shard({0, ShardKind::param}, uint64_t(unit.numel) * 2, Tier::nvme).is_ok());
+  ASSERT_TRUE(store_->write_shard({0, ShardKind::master}, as_bytes(unit.master)).is_ok());
+  ASSERT_TRUE(store_->write_shard({0, ShardKind::m}, as_bytes(unit.m)).is_ok());
+  ASSERT_TRUE(store_->write_shard({0, ShardKind::v}, as_bytes(unit.v)).is_ok());
+  std::vector<std::byte> zeros(size_t(unit.numel) * 2);
+  ASSERT_TRUE(store_->write_shard({0, ShardKind::param}, zeros).is_ok());
+  // Updated every step, and idle (a zero gradient) in both steps.
+  const std::vector<ElementRange> active = {{0, 3000}, {9000, 15000}, {20000, unit.numel}};
+  const std::vector<ElementRange> idle = {{3000, 9000}, {15000, 20000}};
+  // Whole 4096-element blocks, cut at the 8192-element chunks.
+  auto windows_of = [&](const std::vector<ElementRange>& ranges) {
+    std::vector<ElementRange> widened, windows;
+    for (const ElementRange& r : ranges) {
+      const ElementRange w{r.begin / 4096 * 4096,
+                           std::min(unit.numel, (r.end + 4095) / 4096 * 4096)};
+      if (!widened.empty() && widened.back().end >= w.begin)
+        widened.back().end = std::max(widened.back().end, w.end);
+      else
+        widened.push_back(w);
+    }
+    for (const ElementRange& w : widened)
+      for (int64_t at = w.begin; at < w.end; at = std::min(w.end, (at / 8192 + 1) * 8192))
+        windows.push_back({at, std::min(w.end, (at / 8192 + 1) * 8192)});
+    return windows;
+  };
+  auto streamed = StreamedOptimizer::create(
+      *store_, {.chunk_elements = 8192, .buffer_count = 3, .copy_bytes = 2});
+  ASSERT_TRUE(streamed.is_ok()) << streamed.status().message();
+  Result<Optimizer> created = Optimizer::create(options_with_clipping());
+  ASSERT_TRUE(created.is_ok()) << created.status().message();
+  Optimizer& optimizer = *created;
+  StreamedOptimizerUnit ranged;
+  ranged.unit = 0;
+  ranged.shard.numel = unit.numel;
+  ranged.shard.segments = unit.segments;
+  ranged.shard.grad_type = ElementType::bf16;
+  ranged.shard.copy_type = ElementType::bf16;
+  std::vector<StepDecision> decisions;
+  for (int step = 0; step < 2; ++step) {
+    unit.grad.assign(size_t(unit.numel), 0);
+    for (const ElementRange& r : active)
+      for (int64_t i = r.begin; i < r.end; ++i)
+        unit.grad[size_t(i)] = to_bf16(0.1f * normal(random));
+    units_ = {unit};
+    decisions.push_back(begin(optimizer, units_));
+    std::vector<RangeUpdate> updates;
+    for (const ElementRange& r : active) updates.push_back({r, {decisions.back()}});
+    ranged.shard.grad = unit.grad.data();
+    Status status = (*streamed)->step_ranges(optimizer, ranged, windows_of(active), updates, false);
+    ASSERT_TRUE(status.is_ok()) << status.message();
+    reference_step(optimizer, decisions.back());
+    unit = units_[0];
+  }
+  std::vector<RangeUpdate> replays;
+  for (const ElementRange& r : idle) replays.push_back({r, decisions});
+  ranged.shard.grad = nullptr;
+  Status status = (*streamed)->step_ranges(optimizer, ranged, windows_of(idle), replays, true);
+  ASSERT_TRUE(status.is_ok()) << status.message();
+  std::vector<std::byte> copy(size_t(unit.numel) * 2);
+  ASSERT_TRUE(store_->read_shard({0, ShardKind::param}, copy).is_ok());
+  std::vector<uint16_t> copy_values(size_t(unit.numel));
+  std::memcpy(copy_values.data(), copy.data(), copy.size());
+  expect_state_matches({copy_values});
+  // A fault mid-replay is an error naming the ranged update and the item.
+  injector_->add({.op = io::RingOp::kRead,
+                  .nth_call = injector_->calls(io::RingOp::kRead) + 2,
+                  .kind = io::FaultKind::kError,
+                  .error_number = EIO});
+  status = (*streamed)->step_ranges(optimizer, ranged, windows_of(idle), replays, true);
+  ASSERT_FALSE(status.is_ok());
+  EXPECT_NE(status.message().find("streamed optimizer ranged update: streamed pass: item"),
+            std::string::npos)
+      << status.message();
+  EXPECT_EQ(status.message().find('\n'), std::string::npos);
 }
 
 TEST_F(StreamedOptimizerTest, ChunksMustBeIoAligned) {

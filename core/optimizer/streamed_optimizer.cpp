@@ -33,19 +33,18 @@ int64_t blocks_before(std::span<const ShardSegment> segments, int64_t at) {
   return int8_block_count(before, at);
 }
 
-}  // namespace
-
-namespace {
-
 // Bytes of one element of an item: master, m, v, the stored gradient, the copy.
 uint64_t element_bytes(const StreamedOptimizerOptions& options) {
   return uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0) +
                   options.copy_bytes);
 }
 
-// A replay's gradient: zeros, as many elements as one update takes at a time.
-constexpr int64_t kZeroGradientElements = 4096;
-const float kZeroGradient[kZeroGradientElements] = {};
+// A replay's gradient: zeros, as many elements as one update takes at a time
+// (a default chunk). Zero-initialised and not const, so it lives in .bss, not
+// in the binary: its pages are the system's zero page until written, and
+// nothing writes them (the kernels read gradients only).
+constexpr int64_t kZeroGradientElements = kOptimizerChunkElements;
+float zero_gradients[kZeroGradientElements];
 
 }  // namespace
 
@@ -226,7 +225,7 @@ Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const Streamed
     part.exp_avg_sq = pieces[2] + at * int64_t(mb);
     part.exp_avg_scale = part.exp_avg_sq_scale = nullptr;
     if (zero_gradient) {
-      part.grad = kZeroGradient;
+      part.grad = zero_gradients;
       part.grad_type = kernels::cpu::ElementType::f32;
     } else if (grads) {
       part.grad = pieces[3] + at * 4;
