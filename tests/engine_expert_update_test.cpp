@@ -4,7 +4,8 @@
 // the steps it missed. Training gives the eager update's bits (both schedules,
 // fp32 and bf16, fp32 and bf16 moments, gradients in host memory or on NVMe,
 // a changing learning rate, the optimizer during backward); a run's NVMe
-// bytes are what the ledger counts for its steps' routings, each step at
+// bytes (a gradient on NVMe in windows too) are what the ledger counts for
+// its steps' routings, each step at
 // most the plan's worst case, and fewer than the eager run's; a checkpoint resumes
 // bitwise; the plan says why it defers or not.
 #include <gtest/gtest.h>

@@ -295,7 +295,7 @@ TEST(TieredStoreTest, WholeShardCopiesStageThroughABoundedBlock) {
 // Ranges of an NVMe home, read ahead into a host copy or straight into a
 // caller's buffer, hold the home's bytes there; a range off the alignment or
 // past the shard, or of a home elsewhere, is refused in one line.
-TEST(TieredStoreTest, RangesOfAnNvmeHomeReadOnlyThoseBytes) {
+TEST(TieredStoreTest, RangesOfAnNvmeHomeReadAndWriteOnlyThoseBytes) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
   Notices notices;
@@ -329,6 +329,26 @@ TEST(TieredStoreTest, RangesOfAnNvmeHomeReadOnlyThoseBytes) {
   holds_ranges(block->data);
   EXPECT_EQ(std::to_integer<int>(block->data[a]), 0x5a);  // outside the ranges: untouched
   store.host_tier().free(*block);
+
+  // Written in ranges: those bytes change, the rest of the home keeps its own.
+  Result<HostBlock> source = store.host_tier().allocate(size, "test source");
+  ASSERT_TRUE(source.is_ok()) << source.status().message();
+  const std::vector<std::byte> fresh = random_bytes(size, random);
+  std::memcpy(source->data, fresh.data(), size);
+  const uint64_t written_before = store.nvme_tier()->engine().counters().bytes_written;
+  ASSERT_TRUE(store.write_home_ranges(key, ranges, source->data).is_ok());
+  EXPECT_EQ(store.nvme_tier()->engine().counters().bytes_written - written_before, 4 * a);
+  store.host_tier().free(*source);
+  std::vector<std::byte> back(size);
+  ASSERT_TRUE(store.read_shard(key, back).is_ok());
+  for (uint64_t block = 0; block < 9; ++block) {
+    const bool in_range = block == 0 || block == 3 || block == 4 || block == 8;
+    const std::byte* expected = (in_range ? fresh : bytes).data() + block * a;
+    EXPECT_EQ(std::memcmp(back.data() + block * a, expected, a), 0) << "block " << block;
+  }
+  Status ragged_write = store.write_home_ranges(key, std::vector<ByteRange>{{a / 2, a}}, nullptr);
+  EXPECT_NE(ragged_write.message().find("write_home_ranges"), std::string::npos)
+      << ragged_write.message();
 
   const std::vector<ByteRange> ragged = {{a / 2, a}};
   Status refused = store.prefetch_ranges(key, ragged);

@@ -396,7 +396,7 @@ Status TieredStore::check_ranges(const Shard& shard, ShardKey key,
                                  std::span<const ByteRange> ranges, const char* operation) const {
   if (shard.home != Tier::nvme)
     return Status::error(
-        fmt::format("tiers: {} {}: its home is {}; only an NVMe home is read "
+        fmt::format("tiers: {} {}: its home is {}; only an NVMe home is read or written "
                     "in ranges",
                     operation, shard_name(key), tier_name(shard.home)));
   const uint64_t alignment = nvme_->alignment(), size = nvme_->rounded(shard.bytes);
@@ -454,6 +454,28 @@ Status TieredStore::read_home_ranges(ShardKey key, std::span<const ByteRange> ra
     if (status && !done) status = done;
   }
   return status.with_context(fmt::format("tiers: read_home_ranges {}", shard_name(key)));
+}
+
+Status TieredStore::write_home_ranges(ShardKey key, std::span<const ByteRange> ranges,
+                                      const std::byte* buffer) {
+  Result<ShardHold> held = hold(key);
+  if (!held) return held.status();
+  Shard& shard = held->shard();
+  if (Status status = check_ranges(shard, key, ranges, "write_home_ranges"); !status) return status;
+  // Transfers in flight read or write the home: let them end first.
+  for (int tier = 0; tier < kTierCount; ++tier) {
+    if (Status status = finish(shard, Tier(tier)); !status) return status;
+  }
+  std::vector<io::IoHandle> writes;
+  for (const ByteRange& range : ranges)
+    writes.push_back(
+        nvme_->write(shard.at(Tier::nvme).nvme, range.offset, buffer + range.offset, range.bytes));
+  Status status = Status::ok();
+  for (io::IoHandle& write : writes) {
+    Status done = write.wait();
+    if (status && !done) status = done;
+  }
+  return status.with_context(fmt::format("tiers: write_home_ranges {}", shard_name(key)));
 }
 
 Result<ShardView> TieredStore::wait(ShardKey key, Tier at) {

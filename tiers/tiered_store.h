@@ -104,6 +104,11 @@ class TieredStore {
   Status prefetch_ranges(ShardKey key, std::span<const ByteRange> ranges);
   // `buffer` (aligned to nvme_alignment()) holds the shard's bytes at their offsets.
   Status read_home_ranges(ShardKey key, std::span<const ByteRange> ranges, std::byte* buffer);
+  // The other way: the ranges of `buffer` (aligned, the shard's bytes at
+  // their offsets) into the NVMe home, once the shard's transfers in flight
+  // have ended; the rest of the home keeps its bytes. Synchronous.
+  Status write_home_ranges(ShardKey key, std::span<const ByteRange> ranges,
+                           const std::byte* buffer);
   uint64_t nvme_alignment() const;
   Result<ShardView> wait(ShardKey key, Tier at);
   Status writeback(ShardKey key, Tier from);

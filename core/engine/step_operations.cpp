@@ -339,11 +339,23 @@ Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int6
   }
   // NVMe: the sum so far is read back and added to (acc + reduced, as in
   // memory), then written; the last micro-batch's sum is final: its norm first.
+  // A deferring unit's moves in the windows of the experts touched so far
+  // (expert_update.h): elsewhere the sum is zero.
+  const bool windows = moves_gradient_windows(plan, u);
   const std::span<std::byte> bytes(reinterpret_cast<std::byte*>(reduced), size_t(count) * 4);
   if (!first) {
     const std::span<std::byte> stored(reinterpret_cast<std::byte*>(rank.grad_staging),
                                       size_t(count) * 4);
-    if (Status s = rank.store->read_shard(key, stored); !s) return s;
+    if (windows) {
+      std::memset(stored.data(), 0, stored.size());
+      if (Status s = rank.store->read_home_ranges(
+              key, gradient_windows(plan, u, touched_through(rank.routing, u, micro - 1)),
+              stored.data());
+          !s)
+        return s;
+    } else if (Status s = rank.store->read_shard(key, stored); !s) {
+      return s;
+    }
     if (Status s = accumulate_on_host(rank.grad_staging, reduced, count, false); !s) return s;
     std::memcpy(reduced, rank.grad_staging, size_t(count) * 4);
   }
@@ -355,7 +367,11 @@ Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int6
     if (!partial) return partial.status();
     rank.partials[size_t(u)] = *partial;
   }
-  return rank.store->write_shard(key, bytes);
+  if (!windows) return rank.store->write_shard(key, bytes);
+  if (reinterpret_cast<uintptr_t>(reduced) % rank.store->nvme_alignment() != 0)
+    return Status::error("a gradient written in windows is not NVMe-aligned (plan error)");
+  return rank.store->write_home_ranges(
+      key, gradient_windows(plan, u, touched_through(rank.routing, u, micro)), bytes.data());
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {

@@ -118,6 +118,27 @@ WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRang
   return bytes;
 }
 
+bool moves_gradient_windows(const TrainingPlan& plan, int unit) {
+  return plan.homes.grad == Tier::nvme && defers_expert_updates(plan, unit);
+}
+
+std::vector<tiers::ByteRange> gradient_windows(const TrainingPlan& plan, int unit,
+                                               const std::vector<uint8_t>& touched) {
+  std::vector<tiers::ByteRange> ranges;
+  for (const ElementRange& w :
+       update_windows(plan, unit, expert_update_ranges(plan, unit, touched, true)))
+    ranges.push_back({uint64_t(w.begin) * 4, uint64_t(w.end - w.begin) * 4});
+  return ranges;
+}
+
+std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int micro) {
+  const std::vector<std::vector<uint8_t>>& micros = routing[size_t(unit)];
+  std::vector<uint8_t> touched(micros.empty() ? 0 : micros[0].size(), 0);
+  for (int m = 0; m <= micro; ++m)
+    for (size_t e = 0; e < touched.size(); ++e) touched[e] |= micros[size_t(m)][e];
+  return touched;
+}
+
 ExpertUpdateLedger::ExpertUpdateLedger(const TrainingPlan& plan) {
   waiting_.resize(plan.units.size());
   for (int u = 0; u < int(plan.units.size()); ++u)
@@ -185,7 +206,25 @@ WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting
     const PlanOp& op = plan.ops[i];
     if (!defers_expert_updates(plan, op.unit)) continue;
     const int u = op.unit;
-    if (op.kind == OpKind::forward) {
+    if (op.kind == OpKind::reduce && moves_gradient_windows(plan, u)) {
+      // The worst case wrote (and from the second micro-batch on, in the
+      // micro-batch order, read back) the whole gradient.
+      const PlanInput& in = plan.input;
+      const bool last = op.micro == in.grad_accum - 1;
+      if (plan.layer_major() && !last) continue;
+      const int64_t whole =
+          round_up(plan.units[size_t(u)].grad_numel * 4, int64_t(in.nvme_alignment));
+      auto bytes = [](const std::vector<tiers::ByteRange>& ranges) {
+        int64_t sum = 0;
+        for (const tiers::ByteRange& r : ranges) sum += int64_t(r.bytes);
+        return sum;
+      };
+      step.written +=
+          bytes(gradient_windows(plan, u, touched_through(routing, u, op.micro))) - whole;
+      if (op.micro > 0 && !plan.layer_major())
+        step.read +=
+            bytes(gradient_windows(plan, u, touched_through(routing, u, op.micro - 1))) - whole;
+    } else if (op.kind == OpKind::forward) {
       step.read -= replays[i].read;
       step.written -= replays[i].written;
       const std::vector<DeferredSteps> due =

@@ -17,7 +17,8 @@
 // optimizer chunk. Its master, m, v and compute-precision copy (where
 // separate) are read and written whole, so the elements of a neighbour that
 // share a block travel unchanged; on the optimizer's pass the gradient is
-// read with them when its home is NVMe. The plan's traffic counts the worst
+// read with them when its home is NVMe (written by the reductions in the
+// same windows, gradient_windows). The plan's traffic counts the worst
 // step: every expert replayed at its unit's first forward and every element
 // updated by its optimizer operation. ExpertUpdateLedger keeps which steps
 // each expert waits on; deferred_step_nvme_bytes counts a step's bytes for
@@ -62,6 +63,18 @@ std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int uni
 // joined, cut at multiples of the optimizer chunk.
 std::vector<ElementRange> update_windows(const TrainingPlan& plan, int unit,
                                          const std::vector<ElementRange>& ranges);
+
+// A deferring unit's gradient homed on NVMe moves in windows too: each
+// micro-batch's sum is written in the windows of what is not an expert and
+// of the experts `touched` ([E]) by the step's micro-batches so far, and read
+// back in the previous micro-batch's; the rest of the stored gradient is
+// stale, and its sum zero (the host buffer holds zeros there). The last
+// micro-batch's windows are the optimizer's. Byte ranges of the fp32 shard.
+bool moves_gradient_windows(const TrainingPlan& plan, int unit);
+std::vector<tiers::ByteRange> gradient_windows(const TrainingPlan& plan, int unit,
+                                               const std::vector<uint8_t>& touched);
+// The experts of unit u that micro-batches 0..micro of `routing` reached.
+std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int micro);
 
 // The NVMe bytes of a ranged update over `windows`, read and written alike
 // (master, m, v and the separate compute copy), and the gradient's reads
