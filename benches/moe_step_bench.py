@@ -3,6 +3,7 @@
 
   benches/moe_step_bench.py [--strata build/tools/strata] [--out build/moe-bench] [--steps 12]
                             [--micro-batch 4 --seq-len 128 --grad-accum 1] [--experts 8 --top-k 2]
+                            [--gradient-home auto|host|nvme]
 
 Models of the same attention (hidden 256, 4 layers, 8 heads, byte
 vocabulary) trained side by side in one command on the CPU backend, stage 3,
@@ -85,6 +86,8 @@ def main():
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--gradient-home", default="auto",
+                        help="strata train --gradient-home for every model (auto, host, nvme)")
     args = parser.parse_args()
     strata = os.path.abspath(args.strata)
     os.makedirs(args.out, exist_ok=True)
@@ -95,7 +98,7 @@ def main():
     print(version.replace("\n", "; "))
     rows = {}
     print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step; "
-          f"{args.experts} experts, {args.top_k} per token")
+          f"{args.experts} experts, {args.top_k} per token; gradients {args.gradient_home}")
     for name, (cfg, flags) in models(args.experts, args.top_k).items():
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
@@ -106,7 +109,8 @@ def main():
              "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
              "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--lr", "3e-3",
              "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
-             "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics] + flags,
+             "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics,
+             "--gradient-home", args.gradient_home] + flags,
             stdout=subprocess.DEVNULL)
         with open(metrics) as f:
             lines = [json.loads(line) for line in f if line.strip()]

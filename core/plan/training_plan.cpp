@@ -492,14 +492,17 @@ std::string format_training_plan(const TrainingPlan& plan) {
   out += "units:";
   for (size_t u = 0; u < plan.layout.units.size(); ++u)
     out += fmt::format(" {}={}", u, plan.layout.units[u].unit.name);
-  out += "\n\n   #  operation                  lane           bytes  after\n";
+  // The operation column as wide as its longest label (a piece's name is long).
+  size_t width = 26;
+  for (const PlanOp& op : plan.ops) width = std::max(width, op_label(plan, op).size());
+  out += fmt::format("\n\n   #  {:<{}} lane           bytes  after\n", "operation", width);
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
     std::string deps;
     for (int d : op.deps) deps += (deps.empty() ? "" : ", ") + std::to_string(d);
     out +=
-        fmt::format("{:>4}  {:<26} {:<9} {:>10}  {}\n", i, op_label(plan, op), lane_name(op.lane),
-                    op.bytes > 0 ? format_bytes(uint64_t(op.bytes)) : "", deps);
+        fmt::format("{:>4}  {:<{}} {:<9} {:>10}  {}\n", i, op_label(plan, op), width,
+                    lane_name(op.lane), op.bytes > 0 ? format_bytes(uint64_t(op.bytes)) : "", deps);
   }
   out += "\nMemory per rank (peak, every buffer allocated before the first step):\n";
   for (const PlanBuffer& b : plan.buffers)
