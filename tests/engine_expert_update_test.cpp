@@ -168,6 +168,38 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
   }
 }
 
+// A checkpoint holds no deferred step: saved while experts wait, it resumes
+// under the eager update to the eager run's losses and weights, bitwise.
+TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesUnderTheEagerUpdate) {
+  EngineRun deferred = deferred_run("layer", "bf16");
+  EngineRun eager = deferred;
+  eager.expert_update = "eager";
+  const EngineOutcome straight = train(eager);
+  ASSERT_EQ(straight.steps.size(), 4u);
+  Result<EngineOptions> options = testing::engine_options(deferred, dir_.path(), tokens_, seed_);
+  ASSERT_TRUE(options.is_ok()) << options.status().message();
+  Result<std::unique_ptr<Engine>> first = Engine::create(*options);
+  ASSERT_TRUE(first.is_ok()) << first.status().message();
+  ASSERT_TRUE((*first)->plan().deferred_expert_updates);
+  for (int s = 0; s < 2; ++s) ASSERT_TRUE((*first)->step().is_ok());
+  Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/deferred-ckpt");
+  ASSERT_TRUE(saved.is_ok()) << saved.status().message();
+  first->reset();
+  Result<EngineOptions> resumed = testing::engine_options(eager, dir_.path(), tokens_, seed_);
+  ASSERT_TRUE(resumed.is_ok()) << resumed.status().message();
+  resumed->resume_from = *saved;
+  Result<std::unique_ptr<Engine>> second = Engine::create(*resumed);
+  ASSERT_TRUE(second.is_ok()) << second.status().message();
+  for (size_t s = 2; s < straight.steps.size(); ++s) {
+    Result<StepResult> step = (*second)->step();
+    ASSERT_TRUE(step.is_ok()) << step.status().message();
+    EXPECT_EQ(step->loss, straight.steps[s].loss) << "step " << s + 1;
+  }
+  Result<HostModel> weights = (*second)->read_model();
+  ASSERT_TRUE(weights.is_ok()) << weights.status().message();
+  EXPECT_TRUE(testing::weights_bitwise_equal(*weights, straight.weights));
+}
+
 TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
   auto reason = [](const EngineRun& run) {
     Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
