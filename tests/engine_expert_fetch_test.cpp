@@ -27,22 +27,9 @@ class EngineExpertFetch : public testing::EngineRunsTest {
 // reaches at most 4 of a layer's 16 experts. The optimizer in host memory,
 // so every NVMe read is a parameter's.
 EngineRun routed_run(const std::string& schedule, const std::string& precision) {
-  EngineRun run;
-  run.moe = true;
-  run.experts = 16;
-  run.experts_per_token = 1;
-  run.intermediate = 64;
-  run.stage = 3;
-  run.offload_param = "nvme";
+  EngineRun run = testing::routed_moe_run(schedule, precision);
   run.offload_optimizer = "cpu";
-  run.precision = precision;
-  run.micro_batch = 1;
-  run.seq_len = 4;
   run.grad_accum = 3;
-  run.layer_pieces = 2;
-  run.schedule = schedule;
-  run.lr = 1e-3;
-  run.eps = 1e-6;
   run.steps = 3;
   return run;
 }

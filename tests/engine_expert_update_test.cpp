@@ -30,23 +30,10 @@ class EngineExpertUpdate : public testing::EngineRunsTest {
 // step: a step reaches at most 8 of a layer's 16 experts, so most wait for
 // a step or more. Parameters and optimizer on NVMe, stage 3, pieces 2.
 EngineRun deferred_run(const std::string& schedule, const std::string& precision) {
-  EngineRun run;
-  run.moe = true;
-  run.experts = 16;
-  run.experts_per_token = 1;
-  run.intermediate = 64;
-  run.stage = 3;
-  run.offload_param = "nvme";
+  EngineRun run = testing::routed_moe_run(schedule, precision);
   run.offload_optimizer = "nvme";
-  run.precision = precision;
-  run.micro_batch = 1;
-  run.seq_len = 4;
   run.grad_accum = 2;
-  run.layer_pieces = 2;
-  run.schedule = schedule;
   run.expert_update = "deferred";
-  run.lr = 1e-3;
-  run.eps = 1e-6;
   run.steps = 4;
   return run;
 }
@@ -174,30 +161,7 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesUnderTheEagerUpdate
   EngineRun deferred = deferred_run("layer", "bf16");
   EngineRun eager = deferred;
   eager.expert_update = "eager";
-  const EngineOutcome straight = train(eager);
-  ASSERT_EQ(straight.steps.size(), 4u);
-  Result<EngineOptions> options = testing::engine_options(deferred, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(options.is_ok()) << options.status().message();
-  Result<std::unique_ptr<Engine>> first = Engine::create(*options);
-  ASSERT_TRUE(first.is_ok()) << first.status().message();
-  ASSERT_TRUE((*first)->plan().deferred_expert_updates);
-  for (int s = 0; s < 2; ++s) ASSERT_TRUE((*first)->step().is_ok());
-  Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/deferred-ckpt");
-  ASSERT_TRUE(saved.is_ok()) << saved.status().message();
-  first->reset();
-  Result<EngineOptions> resumed = testing::engine_options(eager, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(resumed.is_ok()) << resumed.status().message();
-  resumed->resume_from = *saved;
-  Result<std::unique_ptr<Engine>> second = Engine::create(*resumed);
-  ASSERT_TRUE(second.is_ok()) << second.status().message();
-  for (size_t s = 2; s < straight.steps.size(); ++s) {
-    Result<StepResult> step = (*second)->step();
-    ASSERT_TRUE(step.is_ok()) << step.status().message();
-    EXPECT_EQ(step->loss, straight.steps[s].loss) << "step " << s + 1;
-  }
-  Result<HostModel> weights = (*second)->read_model();
-  ASSERT_TRUE(weights.is_ok()) << weights.status().message();
-  EXPECT_TRUE(testing::weights_bitwise_equal(*weights, straight.weights));
+  expect_resumes_bitwise(deferred, 2, eager);
 }
 
 TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {

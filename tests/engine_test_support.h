@@ -418,10 +418,12 @@ class EngineRunsTest : public ::testing::Test {
         << refused.status().message();
     EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
   }
-  // `run` saved after `save_after` steps and resumed in a new engine gives
-  // the straight run's remaining losses and final weights bitwise.
-  void expect_resumes_bitwise(const EngineRun& run, int save_after) {
-    const EngineOutcome straight = train(run);
+  // `run` saved after `save_after` steps and resumed in a new engine (with
+  // `resumed`'s settings when given) gives the straight run's (`resumed`'s)
+  // remaining losses and final weights bitwise.
+  void expect_resumes_bitwise(const EngineRun& run, int save_after,
+                              const std::optional<EngineRun>& resumed = std::nullopt) {
+    const EngineOutcome straight = train(resumed.value_or(run));
     Result<EngineOptions> options = engine_options(run, dir_.path(), tokens_, seed_);
     ASSERT_TRUE(options.is_ok()) << options.status().message();
     Result<std::unique_ptr<Engine>> first = Engine::create(*options);
@@ -430,6 +432,8 @@ class EngineRunsTest : public ::testing::Test {
     Result<std::string> saved = (*first)->save_checkpoint(dir_.path() + "/resume-ckpt");
     ASSERT_TRUE(saved.is_ok()) << run.label() << ": " << saved.status().message();
     first->reset();
+    if (resumed) options = engine_options(*resumed, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok()) << options.status().message();
     options->resume_from = *saved;
     Result<std::unique_ptr<Engine>> second = Engine::create(*options);
     ASSERT_TRUE(second.is_ok()) << run.label() << ": " << second.status().message();
@@ -448,6 +452,27 @@ class EngineRunsTest : public ::testing::Test {
   uint64_t seed_ = 0;
   std::shared_ptr<std::vector<int32_t>> tokens_;
 };
+
+// A mixture whose micro-batches reach few experts, its experts read as routed:
+// 16 experts of 64, top 1, 1 x 4 tokens a micro-batch; the parameters on
+// NVMe at stage 3, the layers in pieces; fp32 state, Adam's eps 1e-6.
+inline EngineRun routed_moe_run(const std::string& schedule, const std::string& precision) {
+  EngineRun run;
+  run.moe = true;
+  run.experts = 16;
+  run.experts_per_token = 1;
+  run.intermediate = 64;
+  run.stage = 3;
+  run.offload_param = "nvme";
+  run.precision = precision;
+  run.micro_batch = 1;
+  run.seq_len = 4;
+  run.layer_pieces = 2;
+  run.schedule = schedule;
+  run.lr = 1e-3;
+  run.eps = 1e-6;
+  return run;
+}
 
 // Every valid (stage, offload_param, offload_optimizer): parameter offload needs stage 3.
 // At more than one rank the two schedules sum gradients in different orders

@@ -39,6 +39,15 @@ struct TieredStore::Shard {
 
 namespace {
 
+// Waits for every transfer (none is left running) and returns the first failure.
+Status wait_for_all(std::vector<io::IoHandle>& transfers) {
+  Status status = Status::ok();
+  for (io::IoHandle& transfer : transfers) {
+    Status done = transfer.wait();
+    if (status && !done) status = done;
+  }
+  return status;
+}
 
 void print_notice(const std::string& line) {
   std::fprintf(stderr, "strata: %s\n", line.c_str());
@@ -448,12 +457,8 @@ Status TieredStore::read_home_ranges(ShardKey key, std::span<const ByteRange> ra
   for (const ByteRange& range : ranges)
     reads.push_back(
         nvme_->read(shard.at(Tier::nvme).nvme, range.offset, buffer + range.offset, range.bytes));
-  Status status = Status::ok();
-  for (io::IoHandle& read : reads) {
-    Status done = read.wait();
-    if (status && !done) status = done;
-  }
-  return status.with_context(fmt::format("tiers: read_home_ranges {}", shard_name(key)));
+  return wait_for_all(reads).with_context(
+      fmt::format("tiers: read_home_ranges {}", shard_name(key)));
 }
 
 Status TieredStore::write_home_ranges(ShardKey key, std::span<const ByteRange> ranges,
@@ -470,12 +475,8 @@ Status TieredStore::write_home_ranges(ShardKey key, std::span<const ByteRange> r
   for (const ByteRange& range : ranges)
     writes.push_back(
         nvme_->write(shard.at(Tier::nvme).nvme, range.offset, buffer + range.offset, range.bytes));
-  Status status = Status::ok();
-  for (io::IoHandle& write : writes) {
-    Status done = write.wait();
-    if (status && !done) status = done;
-  }
-  return status.with_context(fmt::format("tiers: write_home_ranges {}", shard_name(key)));
+  return wait_for_all(writes).with_context(
+      fmt::format("tiers: write_home_ranges {}", shard_name(key)));
 }
 
 Result<ShardView> TieredStore::wait(ShardKey key, Tier at) {
