@@ -550,6 +550,11 @@ Status Engine::Impl::update_deferring(Rank& rank, const UnitUpdate& update, cons
   std::lock_guard lock(rank.streamed_mutex);
   // The experts the step reached took their missed steps in its forwards;
   // the others miss this one.
+  if (!rank.deferred.take_due(u, active).empty())
+    return Status::error(fmt::format(
+        "deferred expert updates: an expert of {} was routed to with its steps still waiting "
+        "(engine error)",
+        plan.layout.units[size_t(u)].unit.name));
   rank.deferred_decisions[update.decision.step] = update.decision;
   rank.deferred.defer_idle(u, active, update.decision.step);
   Status status = rank.streamed->step_ranges(*rank.optimizer, streamed,
