@@ -534,10 +534,8 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const
 Status Engine::Impl::update_deferring(Rank& rank, const UnitUpdate& update, const PlanOp& op,
                                       ShardKind master_kind) {
   const int u = op.unit;
-  const size_t E = size_t(plan.layout.config.num_experts);
-  std::vector<uint8_t> active(E, 0);
-  for (const std::vector<uint8_t>& micro : rank.routing[size_t(u)])
-    for (size_t e = 0; e < E; ++e) active[e] |= micro[e];
+  const std::vector<uint8_t> active =
+      touched_through(rank.routing, u, int(plan.input.grad_accum) - 1);
   StreamedOptimizerUnit streamed;
   streamed.unit = u;
   streamed.shard = update.shard;

@@ -33,6 +33,16 @@ int64_t blocks_before(std::span<const ShardSegment> segments, int64_t at) {
   return int8_block_count(before, at);
 }
 
+// `segments` cut to elements [begin, end), into `within`, relative to begin.
+void segments_within(std::span<const ShardSegment> segments, int64_t begin, int64_t end,
+                     std::vector<ShardSegment>& within) {
+  within.clear();
+  for (const ShardSegment& segment : segments) {
+    const int64_t from = std::max(segment.begin, begin), stop = std::min(segment.end, end);
+    if (from < stop) within.push_back({from - begin, stop - begin, segment.group});
+  }
+}
+
 // Bytes of one element of an item: master, m, v, the stored gradient, the copy.
 uint64_t element_bytes(const StreamedOptimizerOptions& options) {
   return uint64_t(4 + 2 * moment_bytes(options.state_type) + (options.grads_in_store ? 4 : 0) +
@@ -140,13 +150,7 @@ Status StreamedOptimizer::step(const Optimizer& optimizer, const StepDecision& d
     const StreamedOptimizerUnit& unit = units[chunk.unit];
     const kernels::cpu::AdamWShard& whole = unit.shard;
     const int64_t end = chunk.begin + chunk.numel;
-    segments.clear();
-    for (const ShardSegment& segment : whole.segments) {
-      const int64_t begin = std::max(segment.begin, chunk.begin);
-      const int64_t stop = std::min(segment.end, end);
-      if (begin < stop)
-        segments.push_back({begin - chunk.begin, stop - chunk.begin, segment.group});
-    }
+    segments_within(whole.segments, chunk.begin, end, segments);
     // The chunk as a shard of its own: its state in the pass's buffers, its
     // part of the gradient (or the store's, a fourth piece), copy and scales.
     kernels::cpu::AdamWShard part = whole;
@@ -212,11 +216,7 @@ Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const Streamed
   // Elements [begin, end) of window w, its pieces at `pieces`, take `decisions`.
   auto update = [&](const ElementRange& w, std::span<std::byte* const> pieces, int64_t begin,
                     int64_t end, std::span<const StepDecision> decisions) -> Status {
-    segments.clear();
-    for (const ShardSegment& segment : whole.segments) {
-      const int64_t from = std::max(segment.begin, begin), stop = std::min(segment.end, end);
-      if (from < stop) segments.push_back({from - begin, stop - begin, segment.group});
-    }
+    segments_within(whole.segments, begin, end, segments);
     const int64_t at = begin - w.begin;  // into the window's pieces
     kernels::cpu::AdamWShard part = whole;
     part.numel = end - begin;

@@ -236,9 +236,8 @@ WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting
       step.read += replayed.read;
       step.written += replayed.written;
     } else if (op.kind == OpKind::optimizer) {
-      std::vector<uint8_t> active(E, 0);
-      for (const std::vector<uint8_t>& micro : routing[size_t(u)])
-        for (size_t e = 0; e < E; ++e) active[e] |= micro[e];
+      const std::vector<uint8_t> active =
+          touched_through(routing, u, int(plan.input.grad_accum) - 1);
       const WindowBytes all = window_bytes(
           plan, update_windows(plan, u, expert_update_ranges(plan, u, every, true)), true);
       const WindowBytes updated = window_bytes(
