@@ -3,7 +3,7 @@
 
   benches/moe_step_bench.py [--strata build/tools/strata] [--out build/moe-bench] [--steps 12]
                             [--micro-batch 4 --seq-len 128 --grad-accum 1] [--experts 8 --top-k 2]
-                            [--gradient-home auto|host|nvme]
+                            [--gradient-home auto|host|nvme] [--offload-optimizer nvme|cpu]
 
 Models of the same attention (hidden 256, 4 layers, 8 heads, byte
 vocabulary) trained side by side in one command on the CPU backend, stage 3,
@@ -31,6 +31,9 @@ With 512 tokens a step a layer's tokens reach every expert, so the mixture
 moves what the whole layers do; fewer tokens a micro-batch (`--micro-batch 1
 --seq-len 8 --grad-accum 4`) and more experts (`--experts 32 --top-k 1`)
 leave experts idle for steps, which deferred updates skip.
+`--offload-optimizer cpu` keeps every model's optimizer state in host
+memory (the parameters stay on NVMe): then an eager step writes every
+expert's parameters, and a deferred one only the windows it stepped.
 """
 import argparse
 import json
@@ -88,6 +91,8 @@ def main():
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--gradient-home", default="auto",
                         help="strata train --gradient-home for every model (auto, host, nvme)")
+    parser.add_argument("--offload-optimizer", default="nvme", choices=["nvme", "cpu"],
+                        help="home of every model's optimizer state (nvme, or cpu: host memory)")
     args = parser.parse_args()
     strata = os.path.abspath(args.strata)
     os.makedirs(args.out, exist_ok=True)
@@ -98,7 +103,8 @@ def main():
     print(version.replace("\n", "; "))
     rows = {}
     print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step; "
-          f"{args.experts} experts, {args.top_k} per token; gradients {args.gradient_home}")
+          f"{args.experts} experts, {args.top_k} per token; gradients {args.gradient_home}; "
+          f"optimizer state {'on NVMe' if args.offload_optimizer == 'nvme' else 'in host memory'}")
     for name, (cfg, flags) in models(args.experts, args.top_k).items():
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
@@ -108,7 +114,7 @@ def main():
         run([strata, "train", "--model", model_dir, "--backend", "cpu", "--data", os.path.join(data, "train.bin"),
              "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
              "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--lr", "3e-3",
-             "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+             "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", args.offload_optimizer,
              "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics,
              "--gradient-home", args.gradient_home] + flags,
             stdout=subprocess.DEVNULL)

@@ -1,9 +1,10 @@
 // Deferred expert updates (core/plan/expert_update.h): a mixture read as
-// routed with its optimizer state on NVMe steps an expert no token reached
-// only when its parameters are next read, checkpointed or exported, replaying
-// the steps it missed. Training gives the eager update's bits (both schedules,
-// fp32 and bf16, fp32 and bf16 moments, gradients in host memory or on NVMe,
-// a changing learning rate, the optimizer during backward); a run's NVMe
+// routed steps an expert no token reached only when its parameters are next
+// read, checkpointed or exported, replaying the steps it missed. Training
+// gives the eager update's bits (both schedules, fp32 and bf16, fp32 and bf16
+// moments, gradients in host memory or on NVMe, the optimizer state on NVMe
+// or in host memory, a changing learning rate, the optimizer during
+// backward); a run's NVMe
 // bytes (a gradient on NVMe in windows too) are what the ledger counts for
 // its steps' routings, each step at
 // most the plan's worst case, and fewer than the eager run's; a checkpoint resumes
@@ -65,17 +66,22 @@ TEST_F(EngineExpertUpdate, DeferredUpdatesGiveTheEagerBits) {
     const char* gradients;
     const char* scheduler;
     double clipping;
+    const char* optimizer = "nvme";  // offload_optimizer: the state's home
   };
   for (const Variant v : {Variant{"micro_batch", "fp32", "fp32", "auto", "", 1.0},
                           Variant{"layer", "fp32", "fp32", "nvme", "WarmupDecayLR", 1.0},
                           Variant{"micro_batch", "bf16", "bf16", "nvme", "", 0.0},
                           Variant{"layer", "bf16", "fp32", "host", "WarmupLR", 1.0},
-                          Variant{"layer", "bf16", "bf16", "host_bf16", "", 0.0}}) {
+                          Variant{"layer", "bf16", "bf16", "host_bf16", "", 0.0},
+                          Variant{"micro_batch", "bf16", "fp32", "auto", "WarmupLR", 1.0, "cpu"},
+                          Variant{"layer", "fp32", "bf16", "host_bf16", "", 0.0, "cpu"},
+                          Variant{"layer", "bf16", "fp32", "auto", "", 1.0, "none"}}) {
     EngineRun deferred = deferred_run(v.schedule, v.precision);
     deferred.state_dtype = v.state;
     deferred.gradient_home = v.gradients;
     deferred.scheduler = v.scheduler;
     deferred.clipping = v.clipping;
+    deferred.offload_optimizer = v.optimizer;
     EngineRun eager = deferred;
     eager.expert_update = "eager";
     const EngineOutcome e = train(eager), d = train(deferred);
@@ -92,9 +98,14 @@ TEST_F(EngineExpertUpdate, DeferredUpdatesGiveTheEagerBits) {
 
 TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
   for (const char* schedule : {"micro_batch", "layer"}) {
-    for (const char* gradients : {"host", "nvme"}) {
+    // Gradients in host memory or on NVMe; the last, the optimizer state in host memory.
+    for (const char* gradients : {"host", "nvme", "host, state in host memory"}) {
       EngineRun deferred = deferred_run(schedule, "bf16");
-      deferred.gradient_home = gradients;
+      if (gradients == std::string("host, state in host memory")) {
+        deferred.offload_optimizer = "cpu";
+      } else {
+        deferred.gradient_home = gradients;
+      }
       deferred.steps = 5;
       EngineRun eager = deferred;
       eager.expert_update = "eager";
@@ -103,8 +114,11 @@ TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
       ASSERT_EQ(e.steps.size(), 5u) << eager.label();
       const TrainingPlan& plan = d.plan;
       // The deferring units' optimizer carries the copy: no writeback of them.
-      for (const PlanOp& op : plan.ops)
-        if (op.kind == OpKind::writeback) EXPECT_FALSE(defers_expert_updates(plan, op.unit));
+      for (const PlanOp& op : plan.ops) {
+        if (op.kind == OpKind::writeback) {
+          EXPECT_FALSE(defers_expert_updates(plan, op.unit));
+        }
+      }
       // A step's updates run beside the next step's forward, so the bytes
       // are compared over the run (after finish()), each step's counted
       // within the plan's worst case.
@@ -153,6 +167,9 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
     run.expert_update = "eager";
     expect_resumes_bitwise(run, 2);
   }
+  EngineRun in_host = deferred_run("layer", "bf16");
+  in_host.offload_optimizer = "cpu";
+  expect_resumes_bitwise(in_host, 2);
 }
 
 // A checkpoint holds no deferred step: saved while experts wait, it resumes
@@ -175,7 +192,7 @@ TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
     std::string fetch, update;
     const StateHomes homes = state_homes(in);
     const bool routed = plan_routes_expert_reads(in, homes, fetch);
-    const bool defers = plan_defers_expert_updates(in, homes, routed, update);
+    const bool defers = plan_defers_expert_updates(in, routed, update);
     return std::pair{defers, update};
   };
   EngineRun run = deferred_run("layer", "bf16");
@@ -187,15 +204,17 @@ TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
   run.layer_pieces = 1;
   EXPECT_NE(reason(run).second.find("not read as routed"), std::string::npos);
   run.layer_pieces = 2;
-  run.offload_optimizer = "cpu";
-  EXPECT_NE(reason(run).second.find("not on NVMe"), std::string::npos);
+  for (const char* home : {"cpu", "none"}) {  // the state in host memory defers too
+    run.offload_optimizer = home;
+    EXPECT_TRUE(reason(run).first) << home << ": " << reason(run).second;
+  }
   run.offload_optimizer = "nvme";
   run.state_dtype = "int8";
   EXPECT_NE(reason(run).second.find("int8"), std::string::npos);
   EXPECT_FALSE(reason(run).first);
   PlanInput dense;
   std::string why = "stale";
-  EXPECT_FALSE(plan_defers_expert_updates(dense, state_homes(dense), false, why));
+  EXPECT_FALSE(plan_defers_expert_updates(dense, false, why));
   EXPECT_TRUE(why.empty());
 }
 

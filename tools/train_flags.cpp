@@ -153,7 +153,7 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "(an expert no token reached is stepped only when its parameters are next read, "
        "checkpointed or exported, its missed steps replayed exactly: fewer NVMe bytes when "
        "routing is sparse) (strata.expert_update; default eager; needs routed expert reads "
-       "and the optimizer on NVMe)"},
+       "and fp32 or bf16 moments)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
       {"--aio-queue-depth", kIoGroup,

@@ -259,12 +259,24 @@ struct Engine::Impl {
                          ShardKind master_kind);
   // Deferred expert updates (core/plan/expert_update.h): a deferring unit's
   // update steps its router, norm and the experts its step's tokens reached;
-  // the others wait (their gradients are zero).
+  // the others wait (their gradients are zero). `update`'s master, m and v
+  // point at the state where it lives in host memory.
   Status update_deferring(Rank& rank, const UnitUpdate& update, const PlanOp& op,
                           ShardKind master_kind);
   // The waiting experts `due` of `unit` take their missed steps (the caller
-  // holds rank.streamed_mutex and took them from the ledger).
-  Status replay_deferred(Rank& rank, int unit, const std::vector<DeferredSteps>& due);
+  // holds rank.streamed_mutex and took them from the ledger). With the state
+  // in host memory the copy's windows are put together in `staging`
+  // (NVMe-aligned, room for the unit's parameters at their offsets).
+  Status replay_deferred(Rank& rank, int unit, const std::vector<DeferredSteps>& due,
+                         std::byte* staging);
+  // A ranged update of state in host memory: `updates` applied to `shard`
+  // (master, m, v and gradient in place), then the copy's `windows` filled
+  // in `staging` from the master rounded (the stepped elements by the
+  // kernel) and written to the parameters' NVMe home.
+  Status update_ranges_in_host(Rank& rank, int unit, kernels::cpu::AdamWShard shard,
+                               const std::vector<ElementRange>& windows,
+                               const std::vector<RangeUpdate>& updates, bool zero_gradient,
+                               std::byte* staging);
   // Every waiting expert of every rank takes its missed steps (before the
   // state is checkpointed or read); the lanes are idle.
   Status apply_deferred_updates();

@@ -107,8 +107,13 @@ Status Engine::Impl::read_routed_experts(Rank& rank, const PlanOp& op,
   }
   if (op.kind == OpKind::forward && defers_expert_updates(plan, u)) {
     // Experts whose steps wait take them before their parameters are read.
+    // With the state in host memory the copy's windows are put together in
+    // the gathered copy, which the read below then fills.
     std::lock_guard lock(rank.streamed_mutex);
-    if (Status s = replay_deferred(rank, u, rank.deferred.take_due(u, needed)); !s) return s;
+    if (Status s = replay_deferred(rank, u, rank.deferred.take_due(u, needed),
+                                   rank.gathered[size_t(slot)]);
+        !s)
+      return s;
   }
   const uint64_t alignment = rank.store->nvme_alignment();
   const int64_t cb = plan.compute_bytes;
@@ -484,15 +489,18 @@ Status Engine::Impl::optimize(Rank& rank, StepRun& run, const PlanOp& op) {
     shard.copy = plan.new_params_staged() ? rank.param_out : param_home;
     update.copy_home = plan.new_params_staged() ? tiers::Tier::host : plan.homes.param;
   }
+  // On NVMe the streamed optimizer brings master, m and v chunk by chunk.
+  if (plan.homes.optimizer != tiers::Tier::nvme) {
+    shard.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
+    shard.exp_avg = home_data(rank, {u, ShardKind::m});
+    shard.exp_avg_sq = home_data(rank, {u, ShardKind::v});
+  }
   Status updated = Status::ok();
   if (defers_expert_updates(plan, u)) {
     updated = update_deferring(rank, update, op, master_key.kind);
   } else if (plan.homes.optimizer == tiers::Tier::nvme) {
     updated = update_streamed(rank, update, op, master_key.kind);
   } else {
-    shard.master = reinterpret_cast<float*>(home_data(rank, master_key)) + master_offset;
-    shard.exp_avg = home_data(rank, {u, ShardKind::m});
-    shard.exp_avg_sq = home_data(rank, {u, ShardKind::v});
     updated = rank.compute->update(plan.homes.optimizer, update);
   }
   if (!updated) return updated;
@@ -555,8 +563,11 @@ Status Engine::Impl::update_deferring(Rank& rank, const UnitUpdate& update, cons
         plan.layout.units[size_t(u)].unit.name));
   rank.deferred_decisions[update.decision.step] = update.decision;
   rank.deferred.defer_idle(u, active, update.decision.step);
-  Status status = rank.streamed->step_ranges(*rank.optimizer, streamed,
-                                             update_windows(plan, u, ranges), updates, false);
+  const std::vector<ElementRange> windows = update_windows(plan, u, ranges);
+  Status status =
+      plan.homes.optimizer == tiers::Tier::nvme
+          ? rank.streamed->step_ranges(*rank.optimizer, streamed, windows, updates, false)
+          : update_ranges_in_host(rank, u, update.shard, windows, updates, false, rank.param_out);
   // Decisions no expert waits on any more.
   const int64_t oldest = rank.deferred.oldest_waited();
   std::erase_if(rank.deferred_decisions,
@@ -564,7 +575,29 @@ Status Engine::Impl::update_deferring(Rank& rank, const UnitUpdate& update, cons
   return status;
 }
 
-Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<DeferredSteps>& due) {
+Status Engine::Impl::update_ranges_in_host(Rank& rank, int unit, kernels::cpu::AdamWShard shard,
+                                           const std::vector<ElementRange>& windows,
+                                           const std::vector<RangeUpdate>& updates,
+                                           bool zero_gradient, std::byte* staging) {
+  // Every element of the copy as stored is its master rounded; the stepped
+  // ones are then written by the kernel, as the eager update writes them.
+  const int64_t cb = plan.compute_bytes;
+  for (const ElementRange& w : windows)
+    narrow(shard.master + w.begin, compute_type(), staging + w.begin * cb, w.end - w.begin);
+  shard.copy = staging;
+  for (const RangeUpdate& range : updates)
+    if (Status s = update_elements(*rank.optimizer, shard, range.elements.begin, range.elements.end,
+                                   range.decisions, zero_gradient);
+        !s)
+      return s.with_context(fmt::format("{} elements [{}, {})",
+                                        plan.layout.units[size_t(unit)].unit.name,
+                                        range.elements.begin, range.elements.end));
+  return rank.store->write_home_ranges({unit, ShardKind::param}, byte_windows(windows, cb),
+                                       staging);
+}
+
+Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<DeferredSteps>& due,
+                                     std::byte* staging) {
   if (due.empty()) return Status::ok();
   std::vector<RangeUpdate> updates;
   std::vector<uint8_t> chosen(size_t(plan.layout.config.num_experts), 0);
@@ -595,9 +628,17 @@ Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<Def
   streamed.master_kind = plan.homes.separate_master ? ShardKind::master : ShardKind::param;
   const std::vector<ElementRange> windows =
       update_windows(plan, unit, expert_update_ranges(plan, unit, chosen, false));
-  return rank.streamed->step_ranges(*rank.optimizer, streamed, windows, updates, true)
-      .with_context(fmt::format("replaying the missed steps of {}'s experts",
-                                plan.layout.units[size_t(unit)].unit.name));
+  Status status = Status::ok();
+  if (plan.homes.optimizer == tiers::Tier::nvme) {
+    status = rank.streamed->step_ranges(*rank.optimizer, streamed, windows, updates, true);
+  } else {
+    shard.master = reinterpret_cast<float*>(home_data(rank, {unit, streamed.master_kind}));
+    shard.exp_avg = home_data(rank, {unit, ShardKind::m});
+    shard.exp_avg_sq = home_data(rank, {unit, ShardKind::v});
+    status = update_ranges_in_host(rank, unit, shard, windows, updates, true, staging);
+  }
+  return status.with_context(fmt::format("replaying the missed steps of {}'s experts",
+                                         plan.layout.units[size_t(unit)].unit.name));
 }
 
 Status Engine::Impl::apply_deferred_updates() {
@@ -606,7 +647,8 @@ Status Engine::Impl::apply_deferred_updates() {
     std::lock_guard lock(rank->streamed_mutex);
     for (int u = 0; u < units(); ++u) {
       if (!defers_expert_updates(plan, u)) continue;
-      if (Status s = replay_deferred(*rank, u, rank->deferred.take_all(u)); !s) return s;
+      if (Status s = replay_deferred(*rank, u, rank->deferred.take_all(u), rank->param_out); !s)
+        return s;
     }
     rank->deferred_decisions.clear();
   }

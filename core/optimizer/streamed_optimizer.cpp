@@ -211,56 +211,77 @@ Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const Streamed
       item.pieces.push_back(StreamPiece{{unit.unit, ShardKind::param}, begin * cb, n * cb});
     items.push_back(std::move(item));
   }
-  const kernels::cpu::ElementType copy_type = whole.copy_type;
   std::vector<ShardSegment> segments;
-  // Elements [begin, end) of window w, its pieces at `pieces`, take `decisions`.
-  auto update = [&](const ElementRange& w, std::span<std::byte* const> pieces, int64_t begin,
-                    int64_t end, std::span<const StepDecision> decisions) -> Status {
-    segments_within(whole.segments, begin, end, segments);
-    const int64_t at = begin - w.begin;  // into the window's pieces
-    kernels::cpu::AdamWShard part = whole;
-    part.numel = end - begin;
-    part.master = reinterpret_cast<float*>(pieces[0]) + at;
-    part.exp_avg = pieces[1] + at * int64_t(mb);
-    part.exp_avg_sq = pieces[2] + at * int64_t(mb);
-    part.exp_avg_scale = part.exp_avg_sq_scale = nullptr;
-    if (zero_gradient) {
-      part.grad = zero_gradients;
-      part.grad_type = kernels::cpu::ElementType::f32;
-    } else if (grads) {
-      part.grad = pieces[3] + at * 4;
-      part.grad_type = kernels::cpu::ElementType::f32;
-    } else {
-      part.grad = offset_elements(whole.grad, begin, whole.grad_type);
+  auto visit = [&](size_t index, std::span<std::byte* const> pieces) -> Status {
+    // The window as a shard of its own, its state in the pass's pieces.
+    const ElementRange& w = windows[index];
+    kernels::cpu::AdamWShard window = whole;
+    window.numel = w.end - w.begin;
+    window.master = reinterpret_cast<float*>(pieces[0]);
+    window.exp_avg = pieces[1];
+    window.exp_avg_sq = pieces[2];
+    if (grads) {
+      window.grad = pieces[3];
+      window.grad_type = kernels::cpu::ElementType::f32;
+    } else if (!zero_gradient) {
+      window.grad = offset_elements(whole.grad, w.begin, whole.grad_type);
     }
     if (cb > 0)
-      part.copy = pieces[grads ? 4 : 3] + at * int64_t(cb);
+      window.copy = pieces[grads ? 4 : 3];
     else if (whole.copy != nullptr)
-      part.copy = offset_elements(whole.copy, begin, copy_type);
-    part.segments = segments;
-    for (const StepDecision& decision : decisions) {
-      if (!decision.apply) continue;
-      if (Status s = optimizer.update_shard(decision, part); !s)
-        return s.with_context(fmt::format("unit {} elements [{}, {}), step {}", unit.unit, begin,
-                                          end, decision.step));
-    }
-    return Status::ok();
-  };
-  auto visit = [&](size_t index, std::span<std::byte* const> pieces) -> Status {
-    const ElementRange& w = windows[index];
+      window.copy = offset_elements(whole.copy, w.begin, whole.copy_type);
+    segments_within(whole.segments, w.begin, w.end, segments);
+    window.segments = segments;
     for (const RangeUpdate& range : ranges) {
       const int64_t begin = std::max(range.elements.begin, w.begin);
       const int64_t end = std::min(range.elements.end, w.end);
-      // A zero gradient is read in pieces of the zeros there are; the kernel
-      // works element by element, so the pieces give the bits of one pass.
-      const int64_t step = zero_gradient ? kZeroGradientElements : end - begin;
-      for (int64_t at = begin; at < end; at += step)
-        if (Status s = update(w, pieces, at, std::min(end, at + step), range.decisions); !s)
-          return s;
+      if (begin >= end) continue;
+      if (Status s = update_elements(optimizer, window, begin - w.begin, end - w.begin,
+                                     range.decisions, zero_gradient);
+          !s)
+        return s.with_context(fmt::format("unit {} elements [{}, {})", unit.unit, begin, end));
     }
     return Status::ok();
   };
   return pass_->run(items, visit).with_context("streamed optimizer ranged update");
+}
+
+Status update_elements(const Optimizer& optimizer, const kernels::cpu::AdamWShard& shard,
+                       int64_t begin, int64_t end, std::span<const StepDecision> decisions,
+                       bool zero_gradient) {
+  if (shard.state_type == kernels::cpu::AdamWStateType::int8)
+    return Status::error("a ranged update of int8 moments (their blocks cross the ranges)");
+  if (!zero_gradient && shard.grad == nullptr)
+    return Status::error("a ranged update without a gradient");
+  const int64_t mb = moment_bytes(shard.state_type);
+  std::vector<ShardSegment> segments;
+  // A zero gradient is read in pieces of the zeros there are; the kernel works
+  // element by element, so the pieces give the bits of one pass.
+  const int64_t piece = zero_gradient ? kZeroGradientElements : end - begin;
+  for (int64_t at = begin; at < end; at += piece) {
+    const int64_t stop = std::min(end, at + piece);
+    segments_within(shard.segments, at, stop, segments);
+    kernels::cpu::AdamWShard part = shard;
+    part.numel = stop - at;
+    part.master = shard.master + at;
+    part.exp_avg = static_cast<std::byte*>(shard.exp_avg) + at * mb;
+    part.exp_avg_sq = static_cast<std::byte*>(shard.exp_avg_sq) + at * mb;
+    part.exp_avg_scale = part.exp_avg_sq_scale = nullptr;
+    if (zero_gradient) {
+      part.grad = zero_gradients;
+      part.grad_type = kernels::cpu::ElementType::f32;
+    } else {
+      part.grad = offset_elements(shard.grad, at, shard.grad_type);
+    }
+    if (shard.copy != nullptr) part.copy = offset_elements(shard.copy, at, shard.copy_type);
+    part.segments = segments;
+    for (const StepDecision& decision : decisions) {
+      if (!decision.apply) continue;
+      if (Status s = optimizer.update_shard(decision, part); !s)
+        return s.with_context(fmt::format("step {}", decision.step));
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace strata

@@ -83,6 +83,15 @@ struct StreamedOptimizerUnit {
   int64_t grad_offset = 0;
 };
 
+// Elements [begin, end) of `shard` (its master, moments, gradient and copy
+// in host memory, each from element 0; fp32 or bf16 moments) take
+// `decisions` in order, with the shard's gradient, or with a zero one when
+// `zero_gradient` (a replay of missed steps). step_ranges applies it to each
+// window; the engine applies it to state that lives in host memory.
+Status update_elements(const Optimizer& optimizer, const kernels::cpu::AdamWShard& shard,
+                       int64_t begin, int64_t end, std::span<const StepDecision> decisions,
+                       bool zero_gradient);
+
 class StreamedOptimizer {
  public:
   static Result<std::unique_ptr<StreamedOptimizer>> create(tiers::TieredStore& store,

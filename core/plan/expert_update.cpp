@@ -42,8 +42,7 @@ std::vector<uint8_t> chosen_of(const std::vector<DeferredSteps>& due, size_t exp
 
 }  // namespace
 
-bool plan_defers_expert_updates(const PlanInput& in, const StateHomes& homes, bool routed,
-                                std::string& why) {
+bool plan_defers_expert_updates(const PlanInput& in, bool routed, std::string& why) {
   why.clear();
   if (!in.model.is_moe()) return false;
   const char* off = nullptr;
@@ -51,8 +50,6 @@ bool plan_defers_expert_updates(const PlanInput& in, const StateHomes& homes, bo
     off = "strata.expert_update eager";
   else if (!routed)
     off = "the experts are not read as routed (see expert fetch)";
-  else if (homes.optimizer != Tier::nvme)
-    off = "the optimizer state is not on NVMe";
   else if (in.optimizer_state == OptimizerStateDtype::int8)
     off = "int8 moments are scaled per block, and blocks cross experts";
   if (off != nullptr) {
@@ -106,11 +103,17 @@ WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRang
                          bool with_gradient) {
   const int64_t alignment = int64_t(plan.input.nvme_alignment);
   const int64_t copy = plan.homes.separate_master ? plan.compute_bytes : 0;
+  const bool state_on_nvme = plan.homes.optimizer == Tier::nvme;
   WindowBytes bytes;
   for (const ElementRange& w : windows) {
     const int64_t n = w.end - w.begin;
-    int64_t state = round_up(n * 4, alignment) + 2 * round_up(n * plan.moment_bytes(), alignment);
-    if (copy > 0) state += round_up(n * copy, alignment);
+    const int64_t copy_bytes = copy > 0 ? round_up(n * copy, alignment) : 0;
+    if (!state_on_nvme) {  // stepped in host memory: the copy is written
+      bytes.written += copy_bytes;
+      continue;
+    }
+    const int64_t state =
+        round_up(n * 4, alignment) + 2 * round_up(n * plan.moment_bytes(), alignment) + copy_bytes;
     bytes.read += state;
     bytes.written += state;
     if (with_gradient && plan.homes.grad == Tier::nvme) bytes.read += round_up(n * 4, alignment);
@@ -118,17 +121,29 @@ WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRang
   return bytes;
 }
 
+WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit) {
+  const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
+  return window_bytes(
+      plan, update_windows(plan, unit, expert_update_ranges(plan, unit, every, true)), false);
+}
+
 bool moves_gradient_windows(const TrainingPlan& plan, int unit) {
   return plan.homes.grad == Tier::nvme && defers_expert_updates(plan, unit);
 }
 
+std::vector<tiers::ByteRange> byte_windows(const std::vector<ElementRange>& windows,
+                                           int64_t element_bytes) {
+  std::vector<tiers::ByteRange> ranges;
+  for (const ElementRange& w : windows)
+    ranges.push_back(
+        {uint64_t(w.begin * element_bytes), uint64_t((w.end - w.begin) * element_bytes)});
+  return ranges;
+}
+
 std::vector<tiers::ByteRange> gradient_windows(const TrainingPlan& plan, int unit,
                                                const std::vector<uint8_t>& touched) {
-  std::vector<tiers::ByteRange> ranges;
-  for (const ElementRange& w :
-       update_windows(plan, unit, expert_update_ranges(plan, unit, touched, true)))
-    ranges.push_back({uint64_t(w.begin) * 4, uint64_t(w.end - w.begin) * 4});
-  return ranges;
+  return byte_windows(update_windows(plan, unit, expert_update_ranges(plan, unit, touched, true)),
+                      4);
 }
 
 std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int micro) {

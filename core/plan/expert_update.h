@@ -1,28 +1,35 @@
 // Deferred expert updates (TrainingPlan::deferred_expert_updates;
 // core/README.md, "Deferred expert updates"). Where a mixture's experts are
-// read as routed (core/plan/expert_fetch.h) and its optimizer state streams
-// from NVMe, strata.expert_update deferred steps only part of a sparse MLP
-// piece each step: its router and norm, and the experts its micro-batches'
-// tokens reached. An expert no token reached has a zero gradient; its AdamW
-// step (moments decay, weight decay, the bias-corrected update) waits, and
-// the steps it missed are replayed, the same kernel on the same elements
-// with the same decisions in the same order, before its parameters are next
-// read (the forward that routes a token to it), checkpointed or exported. So
-// the bits are those of the eager update, and an expert's state crosses the
-// drive once per run of idle steps instead of once per step.
+// read as routed (core/plan/expert_fetch.h), strata.expert_update deferred
+// steps only part of a sparse MLP piece each step: its router and norm, and
+// the experts its micro-batches' tokens reached. An expert no token reached
+// has a zero gradient; its AdamW step (moments decay, weight decay, the
+// bias-corrected update) waits, and the steps it missed are replayed, the
+// same kernel on the same elements with the same decisions in the same
+// order, before its parameters are next read (the forward that routes a
+// token to it), checkpointed or exported. So the bits are those of the
+// eager update, and an expert's state (on NVMe) or copy crosses the drive
+// once per run of idle steps instead of once per step.
 //
 // The unit of a transfer is a window: whole blocks of nvme_alignment
 // elements (every piece, fp32 master, bf16 or fp32 moments, the compute
 // copy and the gradient, starts on the NVMe alignment), at most one
-// optimizer chunk. Its master, m, v and compute-precision copy (where
-// separate) are read and written whole, so the elements of a neighbour that
-// share a block travel unchanged; on the optimizer's pass the gradient is
-// read with them when its home is NVMe (written by the reductions in the
-// same windows, gradient_windows). The plan's traffic counts the worst
-// step: every expert replayed at its unit's first forward and every element
-// updated by its optimizer operation. ExpertUpdateLedger keeps which steps
-// each expert waits on; deferred_step_nvme_bytes counts a step's bytes for
-// its routing with the same ledger the engine keeps.
+// optimizer chunk.
+//  - Optimizer state on NVMe: a window's master, m, v and compute-precision
+//    copy are read and written whole, so the elements of a neighbour that
+//    share a block travel unchanged; on the optimizer's pass the gradient is
+//    read with them when its home is NVMe (written by the reductions in the
+//    same windows, gradient_windows).
+//  - Optimizer state in host memory: the state is stepped where it lives and
+//    only the copy's windows are written, filled from the master rounded to
+//    the compute precision. That is the copy's every element as stored:
+//    every parameter strata writes is its master rounded, at
+//    initialisation, by the kernel's copy and on resume. Nothing is read.
+// The plan's traffic counts the worst step: every expert replayed at its
+// unit's first forward and every element updated by its optimizer
+// operation. ExpertUpdateLedger keeps which steps each expert waits on;
+// deferred_step_nvme_bytes counts a step's bytes for its routing with the
+// same ledger the engine keeps.
 //
 // Pure functions; the ledger is a value (not thread-safe: the engine guards it).
 #pragma once
@@ -46,8 +53,7 @@ struct ElementRange {
 // Whether the plan defers idle experts' updates, and the one line why or why
 // not (TrainingPlan::expert_update_reason); empty for a dense model. `routed`:
 // the plan reads experts as routed.
-bool plan_defers_expert_updates(const PlanInput& input, const StateHomes& homes, bool routed,
-                                std::string& why);
+bool plan_defers_expert_updates(const PlanInput& input, bool routed, std::string& why);
 
 // Unit u's idle experts wait: the plan defers and u routes its expert reads.
 bool defers_expert_updates(const TrainingPlan& plan, int unit);
@@ -64,6 +70,10 @@ std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int uni
 std::vector<ElementRange> update_windows(const TrainingPlan& plan, int unit,
                                          const std::vector<ElementRange>& ranges);
 
+// Element windows as byte ranges of a shard of `element_bytes` per element.
+std::vector<tiers::ByteRange> byte_windows(const std::vector<ElementRange>& windows,
+                                           int64_t element_bytes);
+
 // A deferring unit's gradient homed on NVMe moves in windows too: each
 // micro-batch's sum is written in the windows of what is not an expert and
 // of the experts `touched` ([E]) by the step's micro-batches so far, and read
@@ -76,15 +86,19 @@ std::vector<tiers::ByteRange> gradient_windows(const TrainingPlan& plan, int uni
 // The experts of unit u that micro-batches 0..micro of `routing` reached.
 std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int micro);
 
-// The NVMe bytes of a ranged update over `windows`, read and written alike
-// (master, m, v and the separate compute copy), and the gradient's reads
-// when `with_gradient` and its home is NVMe.
+// The NVMe bytes of a ranged update over `windows`: with the optimizer
+// state on NVMe, read and written alike (master, m, v and the separate
+// compute copy), and the gradient's reads when `with_gradient` and its home
+// is NVMe; with the state in host memory, the copy's writes alone.
 struct WindowBytes {
   int64_t read = 0;
   int64_t written = 0;
 };
 WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRange>& windows,
                          bool with_gradient);
+// The worst case of a deferring unit's optimizer operation: every element's
+// window (the compute copy in them; such a unit has no writeback).
+WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit);
 
 // One expert's missed steps: Adam's t of the first and last applied step it
 // did not take (every applied step between them included).

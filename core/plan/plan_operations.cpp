@@ -177,11 +177,9 @@ class PlanBuilder {
     const int64_t n = plan_.units[size_t(u)].optimizer_numel;
     if (defers_expert_updates(plan_, u)) {
       // Deferred expert updates (expert_update.h): the worst case, every
-      // element's window, with the compute copy read and written in it
-      // instead of a writeback.
-      const std::vector<uint8_t> every(size_t(in_.model.num_experts), 1);
-      const WindowBytes bytes = window_bytes(
-          plan_, update_windows(plan_, u, expert_update_ranges(plan_, u, every, true)), false);
+      // element's window, with the compute copy written in it (and read,
+      // with the state on NVMe) instead of a writeback.
+      const WindowBytes bytes = worst_update_bytes(plan_, u);
       optimizer.bytes = bytes.read + bytes.written;
       return add(std::move(optimizer));
     }

@@ -112,7 +112,11 @@ std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
         t.nvme_written += op.bytes;
         break;
       case OpKind::optimizer:
-        if (plan.streamed_optimizer) {
+        if (defers_expert_updates(plan, op.unit)) {
+          const WindowBytes worst = worst_update_bytes(plan, op.unit);
+          t.nvme_read += worst.read;
+          t.nvme_written += worst.written;
+        } else if (plan.streamed_optimizer) {
           t.nvme_read += op.bytes / 2;
           t.nvme_written += op.bytes / 2;
         }

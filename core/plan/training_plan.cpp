@@ -405,8 +405,8 @@ Result<TrainingPlan> build_training_plan(const PlanInput& in) {
   plan.fetch_slots = in.stage == 3 && in.offload_param == OffloadDevice::nvme ? in.fetch_slots : 0;
   plan.streamed_optimizer = plan.homes.optimizer == Tier::nvme;
   plan.routed_expert_fetch = plan_routes_expert_reads(in, plan.homes, plan.expert_fetch_reason);
-  plan.deferred_expert_updates = plan_defers_expert_updates(
-      in, plan.homes, plan.routed_expert_fetch, plan.expert_update_reason);
+  plan.deferred_expert_updates =
+      plan_defers_expert_updates(in, plan.routed_expert_fetch, plan.expert_update_reason);
   // In place the head adds the lm_head's gradient straight into the tied
   // embedding's home; layer-major would add every micro-batch's before the
   // embedding's own, another order of the same sum.
