@@ -16,7 +16,10 @@
 // backend; a run with its state on the GPU resumed from a checkpoint gives
 // the straight run bitwise; the device peak stays within the plan and the
 // budget; compact optimizer state (bf16, int8) in GPU memory stays close to
-// the CPU backend with that format and resumes bitwise.
+// the CPU backend with that format and resumes bitwise; decoder layers cut
+// into their attention and MLP (strata.layer_pieces 2) give the whole
+// layers' bits on the GPU in both schedules and stay close to the CPU
+// backend's pieces, within the plan's device peak.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -471,6 +474,31 @@ TEST_F(CudaEngine, LayerMajorAndSpilledActivationsAreBitwiseTheMicroBatchOrder) 
               << run.label();
         }
       }
+    }
+  }
+}
+
+TEST_F(CudaEngine, LayerPiecesGiveTheWholeLayersBitsAndStayCloseToTheCpuBackend) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      EngineRun cut = offloaded_placements(1, precision).back();  // everything on NVMe
+      cut.layer_pieces = 2;
+      cut.clipping = 0.0;  // the norm's two partial sums a layer would change clipping's bits
+      cut.grad_accum = 2;
+      cut.steps = 3;
+      cut.schedule = schedule;
+      EngineRun whole = cut;
+      whole.layer_pieces = 1;
+      const EngineOutcome a = train(cut), b = train(whole);
+      ASSERT_EQ(a.steps.size(), 3u) << cut.label();
+      for (size_t s = 0; s < a.steps.size(); ++s)
+        EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << cut.label() << ", step " << s + 1;
+      EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, b.weights)) << cut.label();
+      EXPECT_LE(a.rank_usage[0].peak, a.plan.peak(tiers::Tier::device) + (1 << 20)) << cut.label();
+      if (std::string(precision) != "fp32") continue;
+      EngineRun cpu = cut;
+      cpu.backend = kernels::BackendKind::cpu;
+      expect_close(a, train(cpu), 1e-5, 1e-4, cut.label() + " against the CPU backend");
     }
   }
 }

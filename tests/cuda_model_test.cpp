@@ -4,7 +4,10 @@
 // attention tiles, tied and untied heads; and on each other family: qwen2's
 // q/k/v biases (random, not zero), qwen3's per-head q/k norms with a head_dim
 // unrelated to hidden / heads, mistral with a window that holds the sequence
-// (a shorter one is refused by CudaUnits::create, naming --seq-len).
+// (a shorter one is refused by CudaUnits::create, naming --seq-len); and
+// with each decoder layer cut into its attention and its MLP
+// (strata.layer_pieces 2), each a unit of its own, against the CPU
+// backend's pieces (which give its whole layers' bits).
 //
 // GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
 // runs: the same fused qkv and gate/up products as core/model/model.cpp's
@@ -164,6 +167,7 @@ struct ModelCase {
   bool tied;
   DType type;
   ModelFamily family = ModelFamily::llama;
+  int64_t layer_pieces = 1;
 };
 
 class CudaModel : public CudaTestWithParam<ModelCase> {};
@@ -172,7 +176,8 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   const ModelCase param = GetParam();
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const ModelConfig config = family_config(param.tied, param.family);
+  ModelConfig config = family_config(param.tied, param.family);
+  config.layer_pieces = param.layer_pieces;
   HostModel model = make_host_model(config);
   init_host_model(model, seed, /*init_std=*/0.05f);
   randomize_vectors(model, seed + 1);
@@ -223,10 +228,15 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{false, DType::bf16, ModelFamily::qwen2},
                       ModelCase{false, DType::f32, ModelFamily::qwen3},
                       ModelCase{true, DType::bf16, ModelFamily::qwen3},
-                      ModelCase{false, DType::f32, ModelFamily::mistral}),
+                      ModelCase{false, DType::f32, ModelFamily::mistral},
+                      ModelCase{false, DType::f32, ModelFamily::llama, 2},
+                      ModelCase{true, DType::bf16, ModelFamily::llama, 2},
+                      ModelCase{false, DType::f32, ModelFamily::qwen2, 2},
+                      ModelCase{false, DType::f32, ModelFamily::qwen3, 2}),
     [](const auto& info) {
-      return fmt::format("{}_{}_{}", model_family_name(info.param.family),
-                         info.param.tied ? "tied" : "untied", type_label(info.param.type));
+      return fmt::format("{}_{}_{}{}", model_family_name(info.param.family),
+                         info.param.tied ? "tied" : "untied", type_label(info.param.type),
+                         info.param.layer_pieces > 1 ? "_pieces" : "");
     });
 
 class CudaModelWindow : public CudaTest {};

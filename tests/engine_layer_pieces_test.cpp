@@ -13,7 +13,9 @@
 //    unit, and the run keeps to its plan (NVMe bytes, peaks);
 //  - a checkpoint resumes bitwise, and into whole layers and back; int8
 //    state, blocked per unit, is refused in one line naming the flags;
-//  - the CUDA backend and a count other than 1 or 2 are refused in one line.
+//  - on the CUDA backend's data paths (emulated) the pieces give the whole
+//    layers' bits too, and the run keeps to its plan;
+//  - a count other than 1 or 2 is refused in one line.
 #include <gtest/gtest.h>
 
 #include "engine_test_support.h"
@@ -148,20 +150,34 @@ TEST_F(EngineLayerPieces, ACheckpointResumesIntoWholeLayersAndBack) {
   expect_int8_resume_refused(run, whole, "pass --vocab-chunks 1 --layer-pieces 2 to resume it");
 }
 
-TEST_F(EngineLayerPieces, TheCudaBackendAndOtherCountsAreRefused) {
-  EngineRun gpu = pieces_placements(1, "auto", 2)[0];
-  gpu.emulate_gpu = true;
-  Result<EngineOptions> options = testing::engine_options(gpu, dir_.path(), tokens_, seed_);
+// The CUDA backend's data paths (EngineOptions::emulate_gpu: plans for a
+// GPU, device buffers in host memory, computed by the CPU units) carry the
+// pieces as they carry whole layers.
+TEST_F(EngineLayerPieces, OnTheGpuPathsPiecesGiveTheWholeLayersBits) {
+  std::vector<EngineRun> runs = pieces_placements(1, "layer", 2);
+  for (size_t i : {size_t(0), runs.size() - 1}) {
+    EngineRun cut = runs[i];
+    cut.emulate_gpu = true;
+    cut.clipping = 0.0;
+    EngineRun whole = cut;
+    whole.layer_pieces = 1;
+    const EngineOutcome a = train(cut), b = train(whole);
+    ASSERT_EQ(a.steps.size(), 2u) << cut.label();
+    EXPECT_TRUE(a.plan.input.gpu) << cut.label();
+    EXPECT_GT(a.plan.units.size(), b.plan.units.size()) << cut.label();
+    for (size_t s = 0; s < a.steps.size(); ++s)
+      EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << cut.label() << ", step " << s + 1;
+    EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, b.weights)) << cut.label();
+    if (i == runs.size() - 1)  // everything on NVMe
+      testing::expect_run_keeps_to_its_plan(a, uint64_t(cut.steps), cut.label());
+  }
+}
+
+TEST_F(EngineLayerPieces, OtherCountsAreRefused) {
+  EngineRun three = pieces_placements(1, "auto", 3)[0];
+  Result<EngineOptions> options = testing::engine_options(three, dir_.path(), tokens_, seed_);
   ASSERT_TRUE(options.is_ok());
   Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
-  ASSERT_FALSE(engine.is_ok());
-  EXPECT_NE(engine.status().message().find("the CUDA backend computes whole decoder layers"),
-            std::string::npos)
-      << engine.status().message();
-  EngineRun three = pieces_placements(1, "auto", 3)[0];
-  options = testing::engine_options(three, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(options.is_ok());
-  engine = Engine::create(*options);
   ASSERT_FALSE(engine.is_ok());
   EXPECT_NE(engine.status().message().find("strata.layer_pieces: expected 1 (whole decoder "
                                            "layers) or 2"),

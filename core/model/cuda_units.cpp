@@ -218,28 +218,6 @@ void* CudaUnits::at(void* flat, int64_t offset) const {
   return static_cast<char*>(flat) + offset * int64_t(cuda::dtype_size(type_));
 }
 
-namespace {
-
-// Layer tensors in core/model/model.cpp's order: q k v o gate up down norm_in norm_post,
-// then the q/k/v biases (qwen2) and the q/k norms (qwen3); -1 where the family has none.
-struct LayerOffsets {
-  int64_t qkv, o, gate_up, down, norm_in, norm_post;
-  int64_t qkv_bias = -1, q_norm = -1, k_norm = -1;
-};
-LayerOffsets layer_offsets(const ModelConfig& c, const UnitLayout& unit) {
-  const auto& t = unit.tensors;
-  LayerOffsets o{t[0].offset, t[3].offset, t[4].offset, t[6].offset, t[7].offset, t[8].offset};
-  const size_t norms = c.qkv_bias ? 12 : 9;
-  if (c.qkv_bias) o.qkv_bias = t[9].offset;
-  if (c.qk_norm) {
-    o.q_norm = t[norms].offset;
-    o.k_norm = t[norms + 1].offset;
-  }
-  return o;
-}
-
-}  // namespace
-
 // Every call below returns its first failure; STRATA_CHECK keeps that short (a function
 // cannot return from its caller).
 #define STRATA_CHECK(expression)                                 \
@@ -298,14 +276,38 @@ Status CudaUnits::qk_norm_backward(const void* w, float* g, int64_t q_norm, int6
   return Status::ok();
 }
 
-Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* out,
-                                cudaStream_t stream) {
+// A decoder layer's tensors, or those of its piece (UnitShape::piece), by
+// name as core/model/model.cpp lays them out; -1 where the family or the
+// piece has none. q, k, v are adjacent (one fused product), and so are gate
+// and up, and the q/k/v biases (qwen2).
+CudaUnits::LayerOffsets CudaUnits::layer_offsets(const UnitLayout& unit) {
+  const std::string p = fmt::format("model.layers.{}.", unit.unit.layer);
+  auto at = [&](const char* name) -> int64_t {
+    const TensorSlot* slot = unit.find(p + name);
+    return slot == nullptr ? -1 : slot->offset;
+  };
+  LayerOffsets o;
+  o.qkv = at("self_attn.q_proj.weight");
+  o.o = at("self_attn.o_proj.weight");
+  o.gate_up = at("mlp.gate_proj.weight");
+  o.down = at("mlp.down_proj.weight");
+  o.norm_in = at("input_layernorm.weight");
+  o.norm_post = at("post_attention_layernorm.weight");
+  o.qkv_bias = at("self_attn.q_proj.bias");
+  o.q_norm = at("self_attn.q_norm.weight");
+  o.k_norm = at("self_attn.k_norm.weight");
+  return o;
+}
+
+// The attention of a layer (whole or its piece):
+// x2 = x + o(attention(rope(qkv(norm_in(x))))).
+Status CudaUnits::attention_forward(const LayerOffsets& o, const void* w, const void* x, void* x2,
+                                    cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
+  const int64_t N = B_ * T_, C = c.hidden_size;
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
   const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
   const int64_t QKV = s.row_stride;
-  const LayerOffsets o = layer_offsets(c, layout_.units[size_t(u)]);
   const float eps = static_cast<float>(c.rms_norm_eps);
   Buffers& b = *b_;
   STRATA_CHECK(
@@ -322,42 +324,59 @@ Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* o
   // Residuals are added by accumulating products into a copy of the input.
   const int64_t row_bytes = C * int64_t(cuda::dtype_size(type_));
   STRATA_CHECK(cuda::check_cuda(
-      cudaMemcpyAsync(b.x2, x, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
+      cudaMemcpyAsync(x2, x, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
       "copying the residual"));
-  STRATA_CHECK(matmuls_.forward(b.x2, b.attn, at(w, o.o), N, H * D, C, type_, true, stream));
+  return matmuls_.forward(x2, b.attn, at(w, o.o), N, H * D, C, type_, true, stream);
+}
+
+// The MLP of a layer (whole or its piece): out = x2 + down(swiglu(gate_up(norm_post(x2)))).
+// No `out`: recomputation for the backward, which stops before the last product.
+Status CudaUnits::mlp_forward(const LayerOffsets& o, const void* w, const void* x2, void* out,
+                              cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Buffers& b = *b_;
   STRATA_CHECK(
-      cuda::rmsnorm_forward(b.xn2, b.rstd2, b.x2, at(w, o.norm_post), N, C, eps, type_, stream));
+      cuda::rmsnorm_forward(b.xn2, b.rstd2, x2, at(w, o.norm_post), N, C, eps, type_, stream));
   STRATA_CHECK(
       matmuls_.forward(b.gate_up, b.xn2, at(w, o.gate_up), N, C, 2 * I, type_, false, stream));
   STRATA_CHECK(cuda::swiglu_forward(b.mlp, b.gate_up, N, I, type_, stream));
-  if (out == nullptr) return Status::ok();  // recomputation for the backward stops here
+  if (out == nullptr) return Status::ok();
+  const int64_t row_bytes = C * int64_t(cuda::dtype_size(type_));
   STRATA_CHECK(cuda::check_cuda(
-      cudaMemcpyAsync(out, b.x2, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
+      cudaMemcpyAsync(out, x2, size_t(N * row_bytes), cudaMemcpyDeviceToDevice, stream),
       "copying the residual"));
   return matmuls_.forward(out, b.mlp, at(w, o.down), N, I, C, type_, true, stream);
 }
 
-Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void* x,
-                                 const void* dout, void* dx, bool recompute, cudaStream_t stream) {
+// A whole layer, or its piece (as core/model/model.cpp computes them): the
+// attention piece's output is its x2, the MLP piece's input is. A whole
+// layer keeps x2 in b.x2. No `out`: recomputation for the backward.
+Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* out,
+                                cudaStream_t stream) {
+  const UnitLayout& unit = layout_.units[size_t(u)];
+  const LayerOffsets o = layer_offsets(unit);
+  const LayerPiece piece = unit.unit.piece;
+  if (piece == LayerPiece::mlp) return mlp_forward(o, w, x, out, stream);
+  void* x2 = piece == LayerPiece::attention && out != nullptr ? out : b_->x2;
+  STRATA_CHECK(attention_forward(o, w, x, x2, stream));
+  if (piece == LayerPiece::whole) return mlp_forward(o, w, b_->x2, out, stream);
+  return Status::ok();
+}
+
+// The MLP's backward: its parameters' gradients +=, and d(x2) += through
+// norm_post into dx (which holds the residual gradient already).
+Status CudaUnits::mlp_backward(const LayerOffsets& o, const void* w, float* g, const void* x2,
+                               const void* dout, void* dx, cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-  const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
-  const int64_t QKV = s.row_stride;
-  const LayerOffsets o = layer_offsets(c, layout_.units[size_t(u)]);
   const size_t ts = cuda::dtype_size(type_);
   Buffers& b = *b_;
-  if (recompute) STRATA_CHECK(layer_forward(u, w, x, nullptr, stream));
-  // dx starts as the residual gradient; each branch adds into it.
-  if (dx != dout)
-    STRATA_CHECK(cuda::check_cuda(
-        cudaMemcpyAsync(dx, dout, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
-        "copying the residual gradient"));
   auto zero = [&](void* buffer, int64_t elements) {
     return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
                             "zeroing a gradient buffer");
   };
-  // MLP branch: out = x2 + down(swiglu(gate_up(norm_post(x2)))).
   STRATA_CHECK(zero(b.d_mlp, N * I));
   STRATA_CHECK(
       matmuls_.backward(b.d_mlp, g + o.down, dout, b.mlp, at(w, o.down), N, I, C, type_, stream));
@@ -365,10 +384,25 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
   STRATA_CHECK(zero(b.d_xn, N * C));
   STRATA_CHECK(matmuls_.backward(b.d_xn, g + o.gate_up, b.d_gate_up, b.xn2, at(w, o.gate_up), N, C,
                                  2 * I, type_, stream));
-  STRATA_CHECK(cuda::rmsnorm_backward(dx, g + o.norm_post, b.d_xn, b.x2, at(w, o.norm_post),
-                                      b.rstd2, N, C, type_, b.scratch, size_t(b.scratch_bytes),
-                                      stream));
-  // dx now holds d(x2). Attention branch: x2 = x + o(attention(rope(qkv(norm_in(x))))).
+  return cuda::rmsnorm_backward(dx, g + o.norm_post, b.d_xn, x2, at(w, o.norm_post), b.rstd2, N, C,
+                                type_, b.scratch, size_t(b.scratch_bytes), stream);
+}
+
+// The attention's backward: dx holds d(x2) on entry; its parameters'
+// gradients +=, and d(x) += through norm_in into dx.
+Status CudaUnits::attention_backward(const LayerOffsets& o, const void* w, float* g, const void* x,
+                                     void* dx, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+  const cuda::AttentionShape s = layer_attention_shape(c, B_, T_);
+  const int64_t QKV = s.row_stride;
+  const size_t ts = cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  auto zero = [&](void* buffer, int64_t elements) {
+    return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
+                            "zeroing a gradient buffer");
+  };
   STRATA_CHECK(zero(b.d_attn, N * H * D));
   STRATA_CHECK(
       matmuls_.backward(b.d_attn, g + o.o, dx, b.attn, at(w, o.o), N, H * D, C, type_, stream));
@@ -386,6 +420,27 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
       matmuls_.backward(b.d_xn, g + o.qkv, b.d_qkv, b.xn1, at(w, o.qkv), N, C, QKV, type_, stream));
   return cuda::rmsnorm_backward(dx, g + o.norm_in, b.d_xn, x, at(w, o.norm_in), b.rstd1, N, C,
                                 type_, b.scratch, size_t(b.scratch_bytes), stream);
+}
+
+// Backward of a whole layer or its piece. dx starts as the residual
+// gradient, and each branch adds into it: the MLP's (whose x2 is a whole
+// layer's b.x2, the MLP piece's input), then the attention's.
+Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void* x,
+                                 const void* dout, void* dx, bool recompute, cudaStream_t stream) {
+  const UnitLayout& unit = layout_.units[size_t(u)];
+  const LayerOffsets o = layer_offsets(unit);
+  const LayerPiece piece = unit.unit.piece;
+  const size_t ts = cuda::dtype_size(type_);
+  const int64_t N = B_ * T_, C = layout_.config.hidden_size;
+  if (recompute) STRATA_CHECK(layer_forward(u, w, x, nullptr, stream));
+  if (dx != dout)
+    STRATA_CHECK(cuda::check_cuda(
+        cudaMemcpyAsync(dx, dout, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
+        "copying the residual gradient"));
+  if (piece != LayerPiece::attention)
+    STRATA_CHECK(mlp_backward(o, w, g, piece == LayerPiece::mlp ? x : b_->x2, dout, dx, stream));
+  if (piece != LayerPiece::mlp) STRATA_CHECK(attention_backward(o, w, g, x, dx, stream));
+  return Status::ok();
 }
 
 Status CudaUnits::forward(int64_t u, const void* params, const CudaUnitBatch& batch,

@@ -6,7 +6,10 @@
 // (qkv, gate/up), built from kernels/cuda/ops.h and kernels/cuda/matmul.h, and
 // the families' features: q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3).
 // Mistral's sliding window is computed only where it holds the whole sequence
-// (create refuses a longer sequence, naming the window and --seq-len).
+// (create refuses a longer sequence, naming the window and --seq-len). A
+// decoder layer may be cut into its attention and its MLP
+// (ModelConfig::layer_pieces), each a unit computing what that half of the
+// whole layer computes, in the same order.
 //
 // Contract. Every call enqueues work on `stream` and returns at once; every
 // pointer is a device pointer. Parameters and activations are in the compute
@@ -92,10 +95,28 @@ class CudaUnits {
   struct Buffers;
   CudaUnits(const ModelLayout& layout, int64_t B, int64_t T, kernels::cuda::DType type,
             kernels::cuda::Matmuls& matmuls);
+  // A decoder layer's tensors (or its piece's) in its flat buffer, in
+  // elements; -1 where the family or the piece has none.
+  struct LayerOffsets {
+    int64_t qkv = -1, o = -1, gate_up = -1, down = -1, norm_in = -1, norm_post = -1;
+    int64_t qkv_bias = -1, q_norm = -1, k_norm = -1;
+  };
+  static LayerOffsets layer_offsets(const UnitLayout& unit);
+  // A whole layer or its piece (UnitShape::piece), as the CPU units compute them.
   Status layer_forward(int64_t u, const void* params, const void* x, void* out,
                        cudaStream_t stream);
   Status layer_backward(int64_t u, const void* params, float* grads, const void* x,
                         const void* dout, void* dx, bool recompute, cudaStream_t stream);
+  // The two halves of a layer: x2 = x + attention; out = x2 + MLP (no `out`:
+  // recomputation for the backward). Their backwards add into dx.
+  Status attention_forward(const LayerOffsets& o, const void* w, const void* x, void* x2,
+                           cudaStream_t stream);
+  Status mlp_forward(const LayerOffsets& o, const void* w, const void* x2, void* out,
+                     cudaStream_t stream);
+  Status attention_backward(const LayerOffsets& o, const void* w, float* g, const void* x, void* dx,
+                            cudaStream_t stream);
+  Status mlp_backward(const LayerOffsets& o, const void* w, float* g, const void* x2,
+                      const void* dout, void* dx, cudaStream_t stream);
   // Qwen3's RMSNorm on each head of q and k, in place in the qkv rows (the inputs
   // and rstd kept), and its backward in place in d_qkv; the norms' flat offsets.
   Status qk_norm_forward(const void* params, int64_t q_norm, int64_t k_norm, cudaStream_t stream);

@@ -44,9 +44,9 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
   if (vocab_auto) in.model.vocab_chunks = 1;
   if (pieces_auto) in.model.layer_pieces = 1;
   const int64_t chunks = vocab_auto ? vocab_chunks_for_layers(in) : 1;
-  // Nothing to say where no cut could shrink a unit: the CUDA backend
-  // computes whole units only.
-  const bool may_cut_layers = pieces_auto && !in.gpu && in.model.num_hidden_layers > 0;
+  // Nothing to say where no cut could shrink a unit (the CUDA backend
+  // computes whole embeddings and heads only; both backends cut layers).
+  const bool may_cut_layers = pieces_auto && in.model.num_hidden_layers > 0;
   if (chunks <= 1 && !may_cut_layers) return choice;
   Result<PlanReport> whole = plan_as_given(in);
   if (!whole) return whole.status();

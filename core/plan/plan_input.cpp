@@ -158,11 +158,6 @@ Status validate_plan_input(const PlanInput& in) {
         "strata.vocab_chunks 1, or train on the CPU backend (--backend cpu)",
         in.model.vocab_chunks));
   if (Status s = check_layer_pieces(in.model); !s) return s;
-  if (in.model.layer_pieces > 1 && in.gpu)
-    return Status::invalid_argument(fmt::format(
-        "strata.layer_pieces {}: the CUDA backend computes whole decoder layers only; use "
-        "strata.layer_pieces 1, or train on the CPU backend (--backend cpu)",
-        in.model.layer_pieces));
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));
