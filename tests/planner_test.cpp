@@ -378,7 +378,7 @@ TEST(PlannerVocabChunks, AutoCutsOnlyWhereThatIsWhatFits) {
 // strata.layer_pieces auto: whole layers unless they are what keeps the plan
 // from fitting and each layer's attention and MLP as units of their own
 // make it fit; a given count is kept and told the one that fits; the CUDA
-// backend keeps whole layers.
+// backend chooses by its own plan the same way.
 TEST(PlannerLayerPieces, AutoCutsLayersOnlyWhereThatIsWhatFits) {
   PlanInput in = all_on_nvme("wide layers", 512, 2048);
   Result<PlanReport> whole = plan_memory(in);
@@ -419,13 +419,23 @@ TEST(PlannerLayerPieces, AutoCutsLayersOnlyWhereThatIsWhatFits) {
   ASSERT_TRUE(chosen.is_ok());
   EXPECT_EQ(chosen->layout.config.layer_pieces, 1);
 
-  PlanInput gpu = in;  // the CUDA backend computes whole layers: nothing to choose
+  // The CUDA backend cuts its layers too, by its own device accounting.
+  PlanInput gpu = in;
   gpu.gpu = true;
-  gpu.budgets.device_per_rank = (whole_device + cut_device) / 2;
+  gpu.layer_pieces_auto = false;
+  PlanInput gpu_cut = gpu;
+  gpu_cut.model.layer_pieces = 2;
+  Result<PlanReport> gpu_whole = plan_memory(gpu), gpu_pieces = plan_memory(gpu_cut);
+  ASSERT_TRUE(gpu_whole.is_ok() && gpu_pieces.is_ok());
+  ASSERT_LT(gpu_pieces->total_per_rank.device, gpu_whole->total_per_rank.device);
+  gpu.layer_pieces_auto = true;
+  gpu.budgets.device_per_rank =
+      (gpu_whole->total_per_rank.device + gpu_pieces->total_per_rank.device) / 2;
   Result<PlanInput> resolved = resolve_unit_cuts(gpu);
   ASSERT_TRUE(resolved.is_ok());
-  EXPECT_EQ(resolved->model.layer_pieces, 1);
-  EXPECT_TRUE(resolved->layer_pieces_reason.empty());
+  EXPECT_EQ(resolved->model.layer_pieces, 2);
+  EXPECT_NE(resolved->layer_pieces_reason.find("2 (auto:"), std::string::npos)
+      << resolved->layer_pieces_reason;
 
   PlanInput given = in;  // a count given is kept, and the suggestion names the one that fits
   given.layer_pieces_auto = false;
