@@ -19,7 +19,9 @@
 // the CPU backend with that format and resumes bitwise; decoder layers cut
 // into their attention and MLP (strata.layer_pieces 2) give the whole
 // layers' bits on the GPU in both schedules and stay close to the CPU
-// backend's pieces, within the plan's device peak.
+// backend's pieces, within the plan's device peak; the embedding and head cut
+// along the vocabulary stay close to whole units and to the CPU backend's
+// chunks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -500,6 +502,29 @@ TEST_F(CudaEngine, LayerPiecesGiveTheWholeLayersBitsAndStayCloseToTheCpuBackend)
       cpu.backend = kernels::BackendKind::cpu;
       expect_close(a, train(cpu), 1e-5, 1e-4, cut.label() + " against the CPU backend");
     }
+  }
+}
+
+TEST_F(CudaEngine, VocabChunksStayCloseToWholeUnitsAndTheCpuBackend) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun cut = offloaded_placements(1, "fp32").back();  // everything on NVMe
+    cut.vocab_chunks = 3;
+    cut.grad_accum = 2;
+    cut.steps = 3;
+    cut.lr = 1e-3;
+    cut.eps = 1e-6;
+    cut.schedule = schedule;
+    EngineRun whole = cut;
+    whole.vocab_chunks = 1;
+    EngineRun cpu = cut;
+    cpu.backend = kernels::BackendKind::cpu;
+    const EngineOutcome a = train(cut);
+    ASSERT_EQ(a.steps.size(), 3u) << cut.label();
+    // The products are cut in other shapes (cuBLAS may pick other algorithms)
+    // and the head's input gradient sums over the chunks: fp32 rounding apart.
+    expect_close(a, train(whole), 1e-5, 1e-4, cut.label() + " against whole units");
+    expect_close(a, train(cpu), 1e-5, 1e-4, cut.label() + " against the CPU backend");
+    EXPECT_LE(a.rank_usage[0].peak, a.plan.peak(tiers::Tier::device) + (1 << 20)) << cut.label();
   }
 }
 

@@ -114,6 +114,37 @@ TEST_F(CudaKernels, EmbeddingMatchesCpuBitwise) {
   EXPECT_EQ(download(*d_dweight, V * C, DType::f32), cpu_dweight);
 }
 
+// A vocabulary chunk's rows (strata.vocab_chunks): only tokens in [begin, end)
+// are set or add to their row, as the CPU kernels do, bit for bit.
+TEST_F(CudaKernels, EmbeddingRowsOfAChunkMatchCpuBitwise) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t V = 50, C = 70, N = 300, begin = 17, end = 33, rows = end - begin;
+  const auto weight = random_floats(rows * C, rng_);
+  const auto tokens = random_tokens(N, V, rng_);
+  const auto dout = random_floats(N * C, rng_);
+  const auto before = random_floats(N * C, rng_);  // the rows of other chunks stay
+  const auto prefill = random_floats(rows * C, rng_);
+
+  auto d_weight = upload(weight, DType::f32);
+  auto d_tokens = upload_raw(tokens);
+  auto d_out = upload(before, DType::f32);
+  expect_ok(cuda::embedding_forward_rows(d_out->get(), static_cast<int32_t*>(d_tokens->get()),
+                                         d_weight->get(), N, C, begin, end, DType::f32, nullptr));
+  std::vector<float> cpu_out = before;
+  cpu::embedding_forward_rows(cpu_out.data(), tokens.data(), weight.data(), N, C, begin, end);
+  EXPECT_EQ(download(*d_out, N * C, DType::f32), cpu_out);
+
+  auto d_dout = upload(dout, DType::f32);
+  auto d_dweight = upload(prefill, DType::f32);
+  DeviceBuffer scratch(cuda::embedding_backward_scratch_bytes(N, V));
+  expect_ok(cuda::embedding_backward_rows(
+      d_dweight->f32(), d_dout->get(), static_cast<int32_t*>(d_tokens->get()), N, C, V, begin, end,
+      DType::f32, scratch.get(), scratch.bytes(), nullptr));
+  std::vector<float> cpu_dweight = prefill;
+  cpu::embedding_backward_rows(cpu_dweight.data(), dout.data(), tokens.data(), N, C, begin, end);
+  EXPECT_EQ(download(*d_dweight, rows * C, DType::f32), cpu_dweight);
+}
+
 TEST_P(CudaKernelsLowPrecision, Embedding) {
   SCOPED_TRACE("seed " + std::to_string(seed_));
   const int64_t V = 64, C = 96, N = 500;

@@ -7,7 +7,9 @@
 // (a shorter one is refused by CudaUnits::create, naming --seq-len); and
 // with each decoder layer cut into its attention and its MLP
 // (strata.layer_pieces 2), each a unit of its own, against the CPU
-// backend's pieces (which give its whole layers' bits).
+// backend's pieces (which give its whole layers' bits); and with the
+// embedding and the head cut along the vocabulary (strata.vocab_chunks),
+// against the CPU backend's chunks.
 //
 // GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
 // runs: the same fused qkv and gate/up products as core/model/model.cpp's
@@ -112,6 +114,7 @@ class GpuUnits {
     for (auto& in : units_in_) in = buffer(N * C, type);
     grad_ = buffer(N * C, type);
     losses_ = buffer(N, DType::f32);
+    if (c.vocab_chunks > 1) head_logits_ = buffer(N * c.vocab_size, type);
   }
 
   // One micro-batch, as core/model/model.cpp's model_forward_backward: returns the
@@ -124,6 +127,7 @@ class GpuUnits {
     batch.tokens = static_cast<const int32_t*>(d_tokens->get());
     batch.targets = static_cast<const int32_t*>(d_targets->get());
     batch.loss_scale = loss_scale;
+    if (head_logits_) batch.head_logits = head_logits_->get();
     const int64_t units = static_cast<int64_t>(layout_.units.size());
     const int64_t head = units - 1, N = B_ * T_;
     const bool tied = layout_.config.tie_word_embeddings;
@@ -160,7 +164,7 @@ class GpuUnits {
   std::unique_ptr<DeviceBuffer> workspace_;
   std::unique_ptr<CudaUnits> units_;
   std::vector<std::unique_ptr<DeviceBuffer>> params_, grads_, units_in_;
-  std::unique_ptr<DeviceBuffer> grad_, losses_;
+  std::unique_ptr<DeviceBuffer> grad_, losses_, head_logits_;
 };
 
 struct ModelCase {
@@ -168,6 +172,7 @@ struct ModelCase {
   DType type;
   ModelFamily family = ModelFamily::llama;
   int64_t layer_pieces = 1;
+  int64_t vocab_chunks = 1;
 };
 
 class CudaModel : public CudaTestWithParam<ModelCase> {};
@@ -178,6 +183,7 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   ModelConfig config = family_config(param.tied, param.family);
   config.layer_pieces = param.layer_pieces;
+  config.vocab_chunks = param.vocab_chunks;
   HostModel model = make_host_model(config);
   init_host_model(model, seed, /*init_std=*/0.05f);
   randomize_vectors(model, seed + 1);
@@ -232,11 +238,14 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{false, DType::f32, ModelFamily::llama, 2},
                       ModelCase{true, DType::bf16, ModelFamily::llama, 2},
                       ModelCase{false, DType::f32, ModelFamily::qwen2, 2},
-                      ModelCase{false, DType::f32, ModelFamily::qwen3, 2}),
+                      ModelCase{false, DType::f32, ModelFamily::qwen3, 2},
+                      ModelCase{false, DType::f32, ModelFamily::llama, 1, 3},
+                      ModelCase{false, DType::bf16, ModelFamily::llama, 2, 2}),
     [](const auto& info) {
       return fmt::format("{}_{}_{}{}", model_family_name(info.param.family),
                          info.param.tied ? "tied" : "untied", type_label(info.param.type),
-                         info.param.layer_pieces > 1 ? "_pieces" : "");
+                         std::string(info.param.layer_pieces > 1 ? "_pieces" : "") +
+                             (info.param.vocab_chunks > 1 ? "_chunks" : ""));
     });
 
 class CudaModelWindow : public CudaTest {};

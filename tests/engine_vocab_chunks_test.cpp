@@ -6,7 +6,8 @@
 // head's input gradient sums over the chunks in another order:
 // tests/model_vocab_chunks_test.cpp bounds it); the
 // chunks lower the plan's peak and the run stays inside it, NVMe bytes are the
-// plan's; a checkpoint resumes bitwise, and into another cut.
+// plan's; a checkpoint resumes bitwise, and into another cut; the CUDA
+// backend's data paths (emulated) give the same agreement.
 #include <gtest/gtest.h>
 
 #include "engine_test_support.h"
@@ -59,6 +60,34 @@ TEST_F(EngineVocabChunks, CutAndWholeUnitsAgree) {
     // gradient is near eps its last bits move the update, so the weights get
     // a looser tolerance than the losses.
     EXPECT_LT(error, 1e-4) << run.label() << ", worst tensor " << worst;
+  }
+  EXPECT_TRUE(kernels::cpu::select_gemm_kernel(fast).is_ok());
+}
+
+// The CUDA backend's data paths (EngineOptions::emulate_gpu: plans for a
+// GPU, the logits store in its device tier, computed by the CPU units) carry
+// the chunks as the CPU backend does: against whole units, as above.
+TEST_F(EngineVocabChunks, OnTheGpuPathsCutAndWholeUnitsAgree) {
+  const kernels::cpu::GemmKernel fast = kernels::cpu::gemm_info().library_kernel;
+  ASSERT_TRUE(kernels::cpu::select_gemm_kernel(kernels::cpu::GemmKernel::reference).is_ok());
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun whole = chunked_placements(1, schedule, 1).back();  // stage 3, everything on NVMe
+    whole.emulate_gpu = true;
+    whole.grad_accum = 2;
+    whole.eps = 1e-6;
+    const EngineOutcome reference = train(whole);
+    EngineRun run = whole;
+    run.vocab_chunks = 3;
+    const EngineOutcome cut = train(run);
+    ASSERT_EQ(cut.steps.size(), 2u) << run.label();
+    EXPECT_TRUE(cut.plan.input.gpu) << run.label();
+    EXPECT_NE(cut.plan.buffer(BufferRole::gpu_head_logits), nullptr) << run.label();
+    EXPECT_EQ(cut.steps[0].loss, reference.steps[0].loss) << run.label();
+    testing::expect_steps_near(cut, reference, 1e-6, 1e-6, run.label());
+    std::string worst;
+    EXPECT_LT(testing::weights_relative_error(cut.weights, reference.weights, &worst), 1e-4)
+        << run.label() << ", worst tensor " << worst;
+    testing::expect_run_keeps_to_its_plan(cut, uint64_t(run.steps), run.label());
   }
   EXPECT_TRUE(kernels::cpu::select_gemm_kernel(fast).is_ok());
 }
@@ -132,7 +161,7 @@ TEST_F(EngineVocabChunks, ACheckpointResumesIntoAnotherCut) {
   expect_int8_resume_refused(run, whole, "pass --vocab-chunks 3 --layer-pieces 1 to resume it");
 }
 
-TEST_F(EngineVocabChunks, ModelsAndBackendsThatCannotBeCutAreRefused) {
+TEST_F(EngineVocabChunks, ModelsThatCannotBeCutAreRefused) {
   EngineRun tied = chunked_placements(1, "auto", 2)[0];
   tied.tied = true;
   Result<EngineOptions> options = testing::engine_options(tied, dir_.path(), tokens_, seed_);
@@ -140,15 +169,6 @@ TEST_F(EngineVocabChunks, ModelsAndBackendsThatCannotBeCutAreRefused) {
   Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
   ASSERT_FALSE(engine.is_ok());
   EXPECT_NE(engine.status().message().find("tie_word_embeddings"), std::string::npos)
-      << engine.status().message();
-  EngineRun gpu = chunked_placements(1, "auto", 2)[0];
-  gpu.emulate_gpu = true;
-  options = testing::engine_options(gpu, dir_.path(), tokens_, seed_);
-  ASSERT_TRUE(options.is_ok());
-  engine = Engine::create(*options);
-  ASSERT_FALSE(engine.is_ok());
-  EXPECT_NE(engine.status().message().find("the CUDA backend computes whole embeddings"),
-            std::string::npos)
       << engine.status().message();
   EngineRun too_many = chunked_placements(1, "auto", 97)[0];
   options = testing::engine_options(too_many, dir_.path(), tokens_, seed_);

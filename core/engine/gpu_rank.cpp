@@ -110,6 +110,8 @@ struct CudaGpuRank::Impl {
   // input
   std::vector<std::byte*> saved_input_copies;
   std::vector<std::byte*> activation_grads;  // [activation copies] (N, C) compute type
+  // [activation copies] (N, V) compute type: a vocabulary-cut head's logits; none for a whole head
+  std::vector<std::byte*> head_logits;
   std::byte* saved_input(int unit, int micro) const {
     const TrainingPlan::SavedInputPlace place = plan.saved_input_place(unit, micro);
     return saved_input_copies[size_t(place.copy)] + place.level * N * C * type_bytes;
@@ -212,6 +214,7 @@ struct CudaGpuRank::Impl {
     b.tokens = tokens + int64_t(micro) * N;
     b.targets = targets + int64_t(micro) * N;
     b.loss_scale = loss_scale;
+    if (!head_logits.empty()) b.head_logits = head_logits[size_t(plan.activation_copy(micro))];
     return b;
   }
   int64_t unit_bytes(int unit) const { return plan.units[size_t(unit)].padded_numel * type_bytes; }
@@ -463,6 +466,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   g.new_params = b.at(R::gpu_new_parameters);
   g.saved_input_copies = b.all_as<std::byte>(R::gpu_saved_inputs);
   g.activation_grads = b.all_as<std::byte>(R::gpu_activation_gradient);
+  g.head_logits = b.all_as<std::byte>(R::gpu_head_logits);
   g.tokens = b.as<int32_t>(R::gpu_tokens_and_targets);
   g.targets = g.tokens + g.N * in.grad_accum;
   g.losses = b.as<float>(R::gpu_token_losses);

@@ -33,6 +33,8 @@ class EmulatedGpuRank final : public GpuRank {
     tokens_.resize(size_t(N_ * plan.input.grad_accum));
     targets_.resize(tokens_.size());
     for (auto& w : widened_) w.resize(size_t(largest_padded));
+    if (plan.input.model.vocab_chunks > 1)
+      head_logits_.resize(size_t(copies) * size_t(N_ * plan.input.model.vocab_size));
     if (!plan.gpu_grads_in_place()) {
       grads_.resize(size_t(largest_padded));
       if (plan.gpu_grads_summed_on_device()) grad_sum_.resize(size_t(largest_padded));
@@ -193,6 +195,9 @@ class EmulatedGpuRank final : public GpuRank {
     b.B = plan_.input.micro_batch;
     b.T = plan_.input.seq_len;
     b.loss_scale = loss_scale;
+    if (!head_logits_.empty())
+      b.head_logits = head_logits_.data() +
+                      int64_t(plan_.activation_copy(micro)) * N_ * plan_.input.model.vocab_size;
     return b;
   }
   // Unit `unit`'s compute-precision parameters in fp32 (buffer `which`).
@@ -207,6 +212,7 @@ class EmulatedGpuRank final : public GpuRank {
   int64_t N_;
   UnitWorkspace ws_;
   std::vector<float> saved_inputs_, activation_grad_;
+  std::vector<float> head_logits_;  // [activation copies] (N, V): a vocabulary-cut head's
   std::vector<int32_t> tokens_, targets_;
   std::vector<float> widened_[2];
   std::vector<float> grads_, tied_grads_;

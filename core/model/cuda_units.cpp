@@ -446,13 +446,17 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
 Status CudaUnits::forward(int64_t u, const void* params, const CudaUnitBatch& batch,
                           const void* input, void* output, cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
-  switch (layout_.units[size_t(u)].unit.kind) {
+  const UnitShape& unit = layout_.units[size_t(u)].unit;
+  switch (unit.kind) {
     case UnitKind::embedding:
+      if (unit.chunk >= 0) return vocab_chunk_forward(u, params, batch, input, output, stream);
       return cuda::embedding_forward(output, batch.tokens, params, B_ * T_, c.hidden_size, type_,
                                      stream);
     case UnitKind::decoder_layer:
       return layer_forward(u, params, input, output, stream);
     case UnitKind::head:
+      if (unit.chunk >= 0 && unit.chunk < c.vocab_chunks - 1)
+        return vocab_chunk_forward(u, params, batch, input, output, stream);
       break;
   }
   return Status::error("CudaUnits::forward: the head runs in head_forward_backward");
@@ -462,14 +466,19 @@ Status CudaUnits::backward(int64_t u, const void* params, const CudaUnitBatch& b
                            const void* input, const void* doutput, void* dinput, float* grads,
                            bool recompute, cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
-  switch (layout_.units[size_t(u)].unit.kind) {
+  const UnitShape& unit = layout_.units[size_t(u)].unit;
+  switch (unit.kind) {
     case UnitKind::embedding:
+      if (unit.chunk >= 0)
+        return vocab_chunk_backward(u, params, batch, input, doutput, dinput, grads, stream);
       return cuda::embedding_backward(grads, doutput, batch.tokens, B_ * T_, c.hidden_size,
                                       c.vocab_size, type_, b_->scratch, size_t(b_->scratch_bytes),
                                       stream);
     case UnitKind::decoder_layer:
       return layer_backward(u, params, grads, input, doutput, dinput, recompute, stream);
     case UnitKind::head:
+      if (unit.chunk >= 0 && unit.chunk < c.vocab_chunks - 1)
+        return vocab_chunk_backward(u, params, batch, input, doutput, dinput, grads, stream);
       break;
   }
   return Status::error("CudaUnits::backward: the head runs in head_forward_backward");
@@ -480,6 +489,8 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
                                         float* grads, float* tied_grads, float* losses,
                                         cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
+  if (c.vocab_chunks > 1)
+    return head_chunks_pass(params, batch, input, dinput, grads, losses, stream);
   const int64_t N = B_ * T_, C = c.hidden_size, V = c.vocab_size;
   const UnitLayout& head = layout_.units.back();
   const bool tied = c.tie_word_embeddings;
@@ -510,6 +521,154 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
                                 "zeroing the head's input gradient"));
   return cuda::rmsnorm_backward(dinput, d_norm, b.d_xn, input, norm, b.head_rstd, N, C, type_,
                                 b.scratch, size_t(b.scratch_bytes), stream);
+}
+
+// --- vocabulary chunks (core/model/vocab_chunks.cpp's twins) -----------------------
+
+Status CudaUnits::move_logit_rows(void* blocks, int64_t first, int64_t rows, bool gather,
+                                  cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_;
+  const size_t ts = cuda::dtype_size(type_), pitch = size_t(c.vocab_size) * ts;
+  for (int64_t k = 0; k < c.vocab_chunks; ++k) {
+    const int64_t begin = c.vocab_chunk_begin(k), width = c.vocab_chunk_begin(k + 1) - begin;
+    void* chunk_rows = at(blocks, N * begin + first * width);
+    void* full = at(b_->logits, begin);
+    const size_t bytes = size_t(width) * ts;
+    const cudaError_t e = gather
+                              ? cudaMemcpy2DAsync(full, pitch, chunk_rows, bytes, bytes,
+                                                  size_t(rows), cudaMemcpyDeviceToDevice, stream)
+                              : cudaMemcpy2DAsync(chunk_rows, bytes, full, pitch, bytes,
+                                                  size_t(rows), cudaMemcpyDeviceToDevice, stream);
+    STRATA_CHECK(cuda::check_cuda(e, "moving a vocabulary chunk's logits"));
+  }
+  return Status::ok();
+}
+
+Status CudaUnits::vocab_chunk_forward(int64_t u, const void* params, const CudaUnitBatch& batch,
+                                      const void* input, void* output, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const UnitLayout& layout = layout_.units[size_t(u)];
+  const int64_t k = layout.unit.chunk, N = B_ * T_, C = c.hidden_size;
+  const int64_t begin = c.vocab_chunk_begin(k), end = c.vocab_chunk_begin(k + 1);
+  const size_t bytes = size_t(N * C) * cuda::dtype_size(type_);
+  if (layout.unit.kind == UnitKind::embedding) {
+    // The input (none for the first chunk: zeros) with the chunk's tokens' rows set.
+    if (input == nullptr)
+      STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(output, 0, bytes, stream),
+                                    "zeroing the embedding's output"));
+    else if (input != output)
+      STRATA_CHECK(
+          cuda::check_cuda(cudaMemcpyAsync(output, input, bytes, cudaMemcpyDeviceToDevice, stream),
+                           "copying the embedding's rows"));
+    return cuda::embedding_forward_rows(output, batch.tokens, at(params, layout.tensors[0].offset),
+                                        N, C, begin, end, type_, stream);
+  }
+  // A head chunk but the last: the output is the normed rows; its logits block.
+  if (batch.head_logits == nullptr)
+    return Status::error("CudaUnits: a vocabulary-cut head needs the logits store (engine error)");
+  if (k == 0) {
+    const TensorSlot* norm = layout.find("model.norm.weight");
+    STRATA_CHECK(cuda::rmsnorm_forward(output, b_->head_rstd, input, at(params, norm->offset), N, C,
+                                       static_cast<float>(c.rms_norm_eps), type_, stream));
+  } else if (input != output) {
+    STRATA_CHECK(
+        cuda::check_cuda(cudaMemcpyAsync(output, input, bytes, cudaMemcpyDeviceToDevice, stream),
+                         "copying the normed rows"));
+  }
+  const TensorSlot* lm_head = lm_head_slot(layout);
+  return matmuls_.forward(at(batch.head_logits, N * begin), output, at(params, lm_head->offset), N,
+                          C, end - begin, type_, false, stream);
+}
+
+Status CudaUnits::vocab_chunk_backward(int64_t u, const void* params, const CudaUnitBatch& batch,
+                                       const void* input, const void* doutput, void* dinput,
+                                       float* grads, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const UnitLayout& layout = layout_.units[size_t(u)];
+  const int64_t k = layout.unit.chunk, N = B_ * T_, C = c.hidden_size;
+  const int64_t begin = c.vocab_chunk_begin(k), end = c.vocab_chunk_begin(k + 1);
+  const size_t bytes = size_t(N * C) * cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  if (layout.unit.kind == UnitKind::embedding) {
+    // Its rows' gradients; the gradient passes on to the chunk before.
+    STRATA_CHECK(cuda::embedding_backward_rows(grads + layout.tensors[0].offset, doutput,
+                                               batch.tokens, N, C, c.vocab_size, begin, end, type_,
+                                               b.scratch, size_t(b.scratch_bytes), stream));
+    if (dinput == nullptr || dinput == doutput) return Status::ok();
+    return cuda::check_cuda(
+        cudaMemcpyAsync(dinput, doutput, bytes, cudaMemcpyDeviceToDevice, stream),
+        "passing the embedding's gradient on");
+  }
+  // A head chunk but the last: its block's product added to the gradient of
+  // the normed rows that doutput carries; the first chunk takes it through
+  // the final norm.
+  if (batch.head_logits == nullptr)
+    return Status::error("CudaUnits: a vocabulary-cut head needs the logits store (engine error)");
+  const TensorSlot* lm_head = lm_head_slot(layout);
+  const TensorSlot* norm = k == 0 ? layout.find("model.norm.weight") : nullptr;
+  const void* xn = input;
+  if (norm != nullptr) {
+    STRATA_CHECK(cuda::rmsnorm_forward(b.head_xn, b.head_rstd, input, at(params, norm->offset), N,
+                                       C, static_cast<float>(c.rms_norm_eps), type_, stream));
+    xn = b.head_xn;
+  }
+  STRATA_CHECK(
+      cuda::check_cuda(cudaMemcpyAsync(b.d_xn, doutput, bytes, cudaMemcpyDeviceToDevice, stream),
+                       "copying the normed rows' gradient"));
+  const int64_t width = end - begin;
+  const void* block = at(batch.head_logits, N * begin);
+  for (int64_t first = 0; first < N; first += b.head_rows) {
+    const int64_t rows = std::min(b.head_rows, N - first);
+    STRATA_CHECK(matmuls_.backward(at(b.d_xn, first * C), grads + lm_head->offset,
+                                   at(block, first * width), at(xn, first * C),
+                                   at(params, lm_head->offset), rows, C, width, type_, stream));
+  }
+  if (norm == nullptr)
+    return cuda::check_cuda(
+        cudaMemcpyAsync(dinput, b.d_xn, bytes, cudaMemcpyDeviceToDevice, stream),
+        "passing the normed rows' gradient on");
+  STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(dinput, 0, bytes, stream),
+                                "zeroing the head's input gradient"));
+  return cuda::rmsnorm_backward(dinput, grads + norm->offset, b.d_xn, input,
+                                at(params, norm->offset), b.head_rstd, N, C, type_, b.scratch,
+                                size_t(b.scratch_bytes), stream);
+}
+
+Status CudaUnits::head_chunks_pass(const void* params, const CudaUnitBatch& batch,
+                                   const void* input, void* dinput, float* grads, float* losses,
+                                   cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const UnitLayout& layout = layout_.units.back();
+  const int64_t N = B_ * T_, C = c.hidden_size, V = c.vocab_size;
+  const int64_t begin = c.vocab_chunk_begin(c.vocab_chunks - 1), width = V - begin;
+  if (batch.head_logits == nullptr)
+    return Status::error("CudaUnits: a vocabulary-cut head needs the logits store (engine error)");
+  const TensorSlot* lm_head = lm_head_slot(layout);
+  const void* weight = at(params, lm_head->offset);
+  void* block = at(batch.head_logits, N * begin);
+  const size_t ts = cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  // Its block, then the loss over the whole rows, a block of rows at a time,
+  // as the whole head: each row's logits gathered from every chunk's block,
+  // turned into their gradient and scattered back; its block's backward.
+  STRATA_CHECK(matmuls_.forward(block, input, weight, N, C, width, type_, false, stream));
+  STRATA_CHECK(cuda::check_cuda(cudaMemsetAsync(b.d_xn, 0, size_t(N * C) * ts, stream),
+                                "zeroing the head's gradient"));
+  for (int64_t first = 0; first < N; first += b.head_rows) {
+    const int64_t rows = std::min(b.head_rows, N - first);
+    STRATA_CHECK(move_logit_rows(batch.head_logits, first, rows, true, stream));
+    STRATA_CHECK(cuda::cross_entropy_forward_backward(losses + first, b.logits, b.logits,
+                                                      batch.targets + first, batch.loss_scale, rows,
+                                                      V, type_, stream));
+    STRATA_CHECK(move_logit_rows(batch.head_logits, first, rows, false, stream));
+    STRATA_CHECK(matmuls_.backward(at(b.d_xn, first * C), grads + lm_head->offset,
+                                   at(block, first * width), at(input, first * C), weight, rows, C,
+                                   width, type_, stream));
+  }
+  return cuda::check_cuda(
+      cudaMemcpyAsync(dinput, b.d_xn, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
+      "passing the normed rows' gradient on");
 }
 
 #undef STRATA_CHECK

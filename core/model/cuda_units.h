@@ -9,7 +9,12 @@
 // (create refuses a longer sequence, naming the window and --seq-len). A
 // decoder layer may be cut into its attention and its MLP
 // (ModelConfig::layer_pieces), each a unit computing what that half of the
-// whole layer computes, in the same order.
+// whole layer computes, in the same order. The embedding and the head may be
+// cut along the vocabulary (ModelConfig::vocab_chunks), each chunk a unit
+// computing what core/model/vocab_chunks.h's does: embedding chunks set
+// their tokens' rows, head chunks write their block of the logits
+// (CudaUnitBatch::head_logits), the last chunk's pass takes the loss over
+// the whole rows, and every chunk's backward reads its block.
 //
 // Contract. Every call enqueues work on `stream` and returns at once; every
 // pointer is a device pointer. Parameters and activations are in the compute
@@ -58,6 +63,11 @@ struct CudaUnitBatch {
   const int32_t* tokens = nullptr;   // (B*T), in [0, V)
   const int32_t* targets = nullptr;  // (B*T), < 0 ignored
   float loss_scale = 1.0f;           // d(objective)/d(each token's loss)
+  // A head cut along the vocabulary (ModelConfig::vocab_chunks > 1): this
+  // micro-batch's logits of the compute type, (N, V) chunk after chunk, each
+  // chunk's (N, rows) block, as UnitBatch::head_logits on the CPU. Null for
+  // a whole head; a cut one needs it.
+  void* head_logits = nullptr;
 };
 
 class CudaUnits {
@@ -71,8 +81,9 @@ class CudaUnits {
   CudaUnits(const CudaUnits&) = delete;
   CudaUnits& operator=(const CudaUnits&) = delete;
 
-  // Forward of the embedding or a decoder layer: output (B*T, C) from input
-  // (B*T, C) (unused by the embedding). params: the unit's flat (padded_numel).
+  // Forward of the embedding or a decoder layer (or a vocabulary chunk of the
+  // embedding or head but the head's last): output (B*T, C) from input
+  // (B*T, C) (unused by the whole embedding). params: the unit's flat (padded_numel).
   Status forward(int64_t u, const void* params, const CudaUnitBatch& batch, const void* input,
                  void* output, cudaStream_t stream);
 
@@ -83,7 +94,9 @@ class CudaUnits {
                   const void* doutput, void* dinput, float* grads, bool recompute,
                   cudaStream_t stream);
 
-  // The head's forward and backward in one pass over blocks of logits.
+  // The head's forward and backward in one pass over blocks of logits (a
+  // vocabulary-cut head's last chunk: input and dinput are the normed rows
+  // and their gradient, the loss over every chunk's block).
   // params: the head's flat; tied_embedding: unit 0's flat when the model is
   // tied (its gradient goes to tied_grads, +=), else null. losses (B*T) fp32 =,
   // dinput (B*T, C) =, grads (head padded_numel) +=.
@@ -125,6 +138,18 @@ class CudaUnits {
   // Strided copy of `heads` heads per token between (B*T, pitch) buffers (pitches in elements).
   Status copy_heads(void* to, int64_t to_pitch, const void* from, int64_t from_pitch, int64_t heads,
                     cudaStream_t stream) const;
+  // A vocabulary chunk of the embedding or the head (core/model/vocab_chunks.h).
+  Status vocab_chunk_forward(int64_t u, const void* params, const CudaUnitBatch& batch,
+                             const void* input, void* output, cudaStream_t stream);
+  Status vocab_chunk_backward(int64_t u, const void* params, const CudaUnitBatch& batch,
+                              const void* input, const void* doutput, void* dinput, float* grads,
+                              cudaStream_t stream);
+  Status head_chunks_pass(const void* params, const CudaUnitBatch& batch, const void* input,
+                          void* dinput, float* grads, float* losses, cudaStream_t stream);
+  // Rows [first, first + rows) of the whole logits between the chunks' blocks
+  // and the (rows, V) logits buffer: gathered, or scattered back.
+  Status move_logit_rows(void* blocks, int64_t first, int64_t rows, bool gather,
+                         cudaStream_t stream);
   // Element `offset` of a flat buffer of the compute type.
   const void* at(const void* flat, int64_t offset) const;
   void* at(void* flat, int64_t offset) const;

@@ -158,6 +158,10 @@ class BufferListing {
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);
     add(R::gpu_token_losses, O::gpu, "per-token losses", Tier::device, f32, 1, N);
+    // A vocabulary-cut head's logits live from its chunks' forwards to their backwards.
+    if (in.model.vocab_chunks > 1)
+      add(R::gpu_head_logits, O::gpu, copies_name("logits of the vocabulary-cut head"),
+          Tier::device, compute, copies, N * in.model.vocab_size);
     add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
         kGpuMatmulWorkspaceBytes);
     add_spill_buffers(compute, cb);

@@ -25,7 +25,7 @@ Result<PlanReport> plan_as_given(PlanInput in) {
 
 int64_t vocab_chunks_for_layers(const PlanInput& in) {
   ModelConfig m = in.model;
-  if (in.gpu || m.tie_word_embeddings || m.vocab_size <= 1) return 1;
+  if (m.tie_word_embeddings || m.vocab_size <= 1) return 1;
   m.vocab_chunks = 1;
   int64_t largest_layer = 0;
   for (const UnitShape& unit : model_units(m))
@@ -44,8 +44,7 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
   if (vocab_auto) in.model.vocab_chunks = 1;
   if (pieces_auto) in.model.layer_pieces = 1;
   const int64_t chunks = vocab_auto ? vocab_chunks_for_layers(in) : 1;
-  // Nothing to say where no cut could shrink a unit (the CUDA backend
-  // computes whole embeddings and heads only; both backends cut layers).
+  // Nothing to say where no cut could shrink a unit.
   const bool may_cut_layers = pieces_auto && in.model.num_hidden_layers > 0;
   if (chunks <= 1 && !may_cut_layers) return choice;
   Result<PlanReport> whole = plan_as_given(in);

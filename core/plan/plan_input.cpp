@@ -152,11 +152,6 @@ Status validate_plan_input(const PlanInput& in) {
         in.micro_batch, in.seq_len, in.grad_accum));
   if (Status s = check_mixture(in.model); !s) return s;
   if (Status s = check_vocab_chunks(in.model); !s) return s;
-  if (in.model.vocab_chunks > 1 && in.gpu)
-    return Status::invalid_argument(fmt::format(
-        "strata.vocab_chunks {}: the CUDA backend computes whole embeddings and heads only; use "
-        "strata.vocab_chunks 1, or train on the CPU backend (--backend cpu)",
-        in.model.vocab_chunks));
   if (Status s = check_layer_pieces(in.model); !s) return s;
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(

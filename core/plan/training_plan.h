@@ -176,8 +176,9 @@ enum class BufferRole {
   gpu_activation_gradient,  // [activation copies] (B*T, C) compute precision
   gpu_tokens_and_targets,   // (2, G, B*T) int32
   gpu_token_losses,         // (B*T) fp32
-  gpu_matmul_workspace,     // bytes, cuBLASLt's
-  gpu_unit_working_set,     // bytes, CudaUnits' working set
+  gpu_head_logits,       // [activation copies] (B*T, V) compute precision: a vocabulary-cut head's
+  gpu_matmul_workspace,  // bytes, cuBLASLt's
+  gpu_unit_working_set,  // bytes, CudaUnits' working set
   // Taken by the store and the streamed optimizer from the host budget.
   nvme_parameter_copies,  // [fetch_slots] (largest shard) compute precision
   optimizer_stream,       // [optimizer buffers] (chunk) fp32 master, then m and v as stored

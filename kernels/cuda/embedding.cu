@@ -13,13 +13,16 @@ using namespace detail;
 
 constexpr int kThreads = 256;
 
+// Rows of tokens in [begin, end) from weight's rows (token - begin); the others untouched.
 template <typename T>
 __global__ void embedding_forward_kernel(T* out,                 // (N, C)
                                          const int32_t* tokens,  // (N)
-                                         const T* weight,        // (V, C)
-                                         int64_t N, int64_t C) {
+                                         const T* weight,        // (end - begin, C)
+                                         int64_t N, int64_t C, int64_t begin, int64_t end) {
   const int64_t n = blockIdx.x;
-  const T* row = weight + static_cast<int64_t>(tokens[n]) * C;
+  const int64_t token = tokens[n];
+  if (token < begin || token >= end) return;
+  const T* row = weight + (token - begin) * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) out[n * C + c] = row[c];
 }
 
@@ -35,23 +38,26 @@ __global__ void embedding_sort_input_kernel(int32_t* keys,          // (N)
 
 // blockIdx.x: a position in sorted order (only the first of each token works),
 // blockIdx.y: a chunk of kThreads columns.
+// Tokens in [begin, end) only, into dweight's row (token - begin).
 template <typename T>
-__global__ void embedding_backward_kernel(float* dweight,                // (V, C), +=
+__global__ void embedding_backward_kernel(float* dweight,                // (end - begin, C), +=
                                           const T* dout,                 // (N, C)
                                           const int32_t* sorted_tokens,  // (N)
                                           const int32_t* sorted_rows,    // (N)
-                                          int64_t N, int64_t C) {
+                                          int64_t N, int64_t C, int64_t begin, int64_t end) {
   const int64_t first = blockIdx.x;
   const int32_t token = sorted_tokens[first];
   if (first > 0 && sorted_tokens[first - 1] == token) return;
+  if (token < begin || token >= end) return;
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   // Added one row at a time into the running value, as the CPU backend does.
-  float sum = dweight[static_cast<int64_t>(token) * C + c];
+  float* into = dweight + (static_cast<int64_t>(token) - begin) * C + c;
+  float sum = *into;
   for (int64_t p = first; p < N && sorted_tokens[p] == token; ++p) {
     sum += to_float(dout[static_cast<int64_t>(sorted_rows[p]) * C + c]);
   }
-  dweight[static_cast<int64_t>(token) * C + c] = sum;
+  *into = sum;
 }
 
 int key_bits(int64_t V) {
@@ -77,15 +83,21 @@ std::size_t sort_temp_bytes(int64_t N, int64_t V) {
 
 Status embedding_forward(void* out, const int32_t* tokens, const void* weight, int64_t N, int64_t C,
                          DType type, cudaStream_t stream) {
-  const std::string shape = shape_text({{"N", N}, {"C", C}});
-  if (N < 0 || C <= 0 || N > INT32_MAX) {
+  return embedding_forward_rows(out, tokens, weight, N, C, 0, INT32_MAX, type, stream);
+}
+
+Status embedding_forward_rows(void* out, const int32_t* tokens, const void* weight, int64_t N,
+                              int64_t C, int64_t begin, int64_t end, DType type,
+                              cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"begin", begin}, {"end", end}});
+  if (N < 0 || C <= 0 || N > INT32_MAX || begin < 0 || end < begin) {
     return argument_error("embedding_forward", type, shape, "bad shape");
   }
   if (N == 0) return Status::ok();
   return dispatch_type(type, [&](auto tag) {
     using T = decltype(tag);
     embedding_forward_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
-        static_cast<T*>(out), tokens, static_cast<const T*>(weight), N, C);
+        static_cast<T*>(out), tokens, static_cast<const T*>(weight), N, C, begin, end);
     return check_launch("embedding_forward", type, shape);
   });
 }
@@ -98,8 +110,17 @@ std::size_t embedding_backward_scratch_bytes(int64_t N, int64_t V) {
 Status embedding_backward(float* dweight, const void* dout, const int32_t* tokens, int64_t N,
                           int64_t C, int64_t V, DType type, void* scratch,
                           std::size_t scratch_bytes, cudaStream_t stream) {
-  const std::string shape = shape_text({{"N", N}, {"C", C}, {"V", V}});
-  if (N < 0 || C <= 0 || V <= 0 || N > INT32_MAX || C > int64_t{kThreads} * 65535) {
+  return embedding_backward_rows(dweight, dout, tokens, N, C, V, 0, V, type, scratch, scratch_bytes,
+                                 stream);
+}
+
+Status embedding_backward_rows(float* dweight, const void* dout, const int32_t* tokens, int64_t N,
+                               int64_t C, int64_t V, int64_t begin, int64_t end, DType type,
+                               void* scratch, std::size_t scratch_bytes, cudaStream_t stream) {
+  const std::string shape =
+      shape_text({{"N", N}, {"C", C}, {"V", V}, {"begin", begin}, {"end", end}});
+  if (N < 0 || C <= 0 || V <= 0 || N > INT32_MAX || C > int64_t{kThreads} * 65535 || begin < 0 ||
+      end < begin || end > V) {
     return argument_error("embedding_backward", type, shape, "bad shape");
   }
   if (N == 0) return Status::ok();
@@ -131,7 +152,7 @@ Status embedding_backward(float* dweight, const void* dout, const int32_t* token
     using T = decltype(tag);
     const dim3 grid(static_cast<unsigned>(N), blocks_for(C, kThreads));
     embedding_backward_kernel<T><<<grid, kThreads, 0, stream>>>(
-        dweight, static_cast<const T*>(dout), sorted_keys, sorted_rows, N, C);
+        dweight, static_cast<const T*>(dout), sorted_keys, sorted_rows, N, C, begin, end);
     return check_launch("embedding_backward", type, shape);
   });
 }

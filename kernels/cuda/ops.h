@@ -62,6 +62,14 @@ Status embedding_forward(void* out,              // (N, C) of type, =
                          const void* weight,     // (V, C) of type
                          int64_t N, int64_t C, DType type, cudaStream_t stream);
 
+// A vocabulary chunk's rows (strata.vocab_chunks): the rows of the tokens in
+// [begin, end) set from weight's row (token - begin); the others untouched.
+Status embedding_forward_rows(void* out,              // (N, C) of type
+                              const int32_t* tokens,  // (N)
+                              const void* weight,     // (end - begin, C) of type
+                              int64_t N, int64_t C, int64_t begin, int64_t end, DType type,
+                              cudaStream_t stream);
+
 std::size_t embedding_backward_scratch_bytes(int64_t N, int64_t V);
 
 // Deterministic: every token's rows are added into dweight in increasing row
@@ -73,6 +81,15 @@ Status embedding_backward(float* dweight,         // (V, C), +=
                           int64_t N, int64_t C, int64_t V, DType type,
                           void* scratch,  // embedding_backward_scratch_bytes(N, V)
                           std::size_t scratch_bytes, cudaStream_t stream);
+// The same for a vocabulary chunk: only tokens in [begin, end) of the
+// vocabulary's V, each into dweight's row (token - begin).
+Status embedding_backward_rows(float* dweight,         // (end - begin, C), +=
+                               const void* dout,       // (N, C) of type
+                               const int32_t* tokens,  // (N), in [0, V)
+                               int64_t N, int64_t C, int64_t V, int64_t begin, int64_t end,
+                               DType type,
+                               void* scratch,  // embedding_backward_scratch_bytes(N, V)
+                               std::size_t scratch_bytes, cudaStream_t stream);
 
 // --- RMSNorm (kernels/cuda/rmsnorm.cu) -----------------------------------------------
 
