@@ -1,7 +1,7 @@
 // The engine computes the same mathematics wherever the bytes live: every
 // stage x offload_param x offload_optimizer gives bitwise-identical losses and
 // weights at a fixed world size and schedule; 2 and 3 ranks agree with one
-// within 1e-6;
+// within 1e-6 of each tensor's norm (Adam's eps 1e-4, see below);
 // overlap_comm and reduce_scatter change timing only; gradient accumulation
 // 2 x B matches 1 x 2B.
 #include <gtest/gtest.h>
@@ -34,12 +34,17 @@ TEST_F(EngineEquivalence, EveryPlacementIsBitwiseIdenticalAtEachWorldSize) {
     // Adam divides each element's gradient by its own magnitude plus eps: an
     // element whose gradient is a near-total cancellation (|g| near 1e-8, where
     // the summation order of ranks and micro-batches decides even its sign)
-    // moves by up to lr either way. eps 1e-6 damps those, so what is compared
-    // is the engine's arithmetic (tests/engine_ref.py does the same).
+    // moves by up to lr either way. Near g = 0 the update is lr g / eps, so
+    // a rounding difference dg between two orders moves the weight by
+    // lr dg / eps: dg reaches 2e-9 on these models (a sum of terms near 1e-2
+    // with 2^-24 each), 2e-6 of a weight at eps 1e-6, as much as the whole
+    // tolerance below on one element. At eps 1e-4 it is 2e-8, and what is
+    // compared is the engine's arithmetic: a gradient that is wrong still
+    // moves its update, linearly below eps and by its sign above.
     for (EngineRun& run : runs) {
       run.grad_accum = 6 / world;
       run.lr = 1e-3;
-      run.eps = 1e-6;
+      run.eps = 1e-4;
       run.steps = 2;
     }
     const EngineOutcome reference = train(runs[0]);

@@ -2,7 +2,7 @@
 // 5 experts, top 2, the load-balancing loss in the loss) as it trains a dense
 // model: every placement gives the same bits at a fixed world size and
 // schedule, both schedules the same bits at one rank, 2 and 3 ranks agree
-// with one within the dense engine's 1e-6; NVMe bytes are the plan's; a
+// with one within the dense engine's 1e-6 (at its eps, 1e-4); NVMe bytes are the plan's; a
 // checkpoint resumes bitwise; the
 // step reports the load-balancing loss, the mean over the global batch's
 // micro-batches, and the loss includes it times the coefficient.
@@ -29,7 +29,7 @@ std::vector<EngineRun> moe_placements(int world, const std::string& schedule) {
     run.moe = true;
     run.grad_accum = 6 / world;  // the same global batch at every world size
     run.lr = 1e-3;
-    run.eps = 1e-6;  // as engine_equivalence_test: near-cancelled gradients damped
+    run.eps = 1e-4;  // as engine_equivalence_test: a near-cancelled gradient's update damped
     run.steps = 2;
   }
   return runs;
