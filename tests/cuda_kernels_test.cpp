@@ -4,6 +4,9 @@
 //  - bf16 and fp16 against a float64 reference, at most twice the error of
 //    PyTorch's low-precision version as emulated in tests/cuda_test_support.h
 //    (each reference below says where PyTorch rounds);
+//  - the mixture-of-experts kernels in fp32 against float64 (the same experts,
+//    probabilities and weights to fp32 rounding) and, where the CPU backend's
+//    loops (core/model/model.cpp) have no exponential, bitwise equal to them;
 //  - AdamW bitwise equal to the CPU kernel, with fp32, bf16 and int8 moments
 //    (int8: codes and scales); the gradient norm equal to the CPU
 //    one to float64 rounding; argument errors naming the kernel and the shape.
@@ -16,9 +19,13 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "core/model/model.h"
 #include "core/optimizer/optimizer.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bias.h"
@@ -519,6 +526,516 @@ TEST_P(CudaKernelsLowPrecision, CrossEntropy) {
   expect_within_twice_emulated(download(d_losses, N, DType::f32), losses_fp32, losses, "losses");
   expect_within_twice_emulated(download(*d_logits, N * V, type()),
                                map_round(dlogits, rounding_to(type())), dlogits, "dlogits");
+}
+
+// --- mixture of experts ---------------------------------------------------------------
+
+template <typename T>
+std::vector<T> download_raw(const void* data, size_t n) {
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<T> values(n);
+  EXPECT_EQ(cudaMemcpy(values.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return values;
+}
+
+// Router logits in `type` whose probabilities lie well apart, so that fp32 and
+// float64 rank them alike: a token's experts take the ranks of a random
+// permutation, 0.25 apart with +-0.05 of jitter (after rounding to bf16 still
+// over 0.08 apart). Every third token has exact ties, its largest logit copied
+// to the second and its K-th to the (K+1)-th, which the GPU and the reference
+// must both break to the lower index.
+std::vector<float> moe_logits(int64_t N, int64_t E, int64_t K, DType type, std::mt19937& rng) {
+  std::normal_distribution<float> base(0.0f, 2.0f);
+  std::uniform_real_distribution<float> jitter(-0.05f, 0.05f);
+  std::vector<float> logits(N * E);
+  std::vector<int64_t> by_rank(E);  // the expert of each rank, the largest first
+  for (int64_t n = 0; n < N; ++n) {
+    float* logit = logits.data() + n * E;
+    std::iota(by_rank.begin(), by_rank.end(), int64_t{0});
+    std::shuffle(by_rank.begin(), by_rank.end(), rng);
+    const float top = base(rng);
+    for (int64_t r = 0; r < E; ++r)
+      logit[by_rank[r]] = round_to(top - 0.25f * r + jitter(rng), type);
+    if (n % 3 == 0 && E > 1) {
+      logit[by_rank[1]] = logit[by_rank[0]];
+      if (K < E) logit[by_rank[K]] = logit[by_rank[K - 1]];
+    }
+  }
+  return logits;
+}
+
+// The router in float64: softmax, each token's K largest probabilities (ties
+// to the lower index) in descending order, their weights (divided by their
+// sum when norm_topk_prob).
+struct MoeRouteReference {
+  std::vector<double> probs;        // (N, E)
+  std::vector<int32_t> top_expert;  // (N, K)
+  std::vector<double> top_weight;   // (N, K)
+};
+MoeRouteReference moe_route_reference(const std::vector<float>& logits, int64_t N, int64_t E,
+                                      int64_t K, bool norm_topk_prob) {
+  MoeRouteReference ref{std::vector<double>(N * E), std::vector<int32_t>(N * K),
+                        std::vector<double>(N * K)};
+  for (int64_t n = 0; n < N; ++n) {
+    const float* logit = logits.data() + n * E;
+    double* p = ref.probs.data() + n * E;
+    const double top = *std::max_element(logit, logit + E);
+    double sum = 0.0;
+    for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(logit[e] - top);
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    int32_t* chosen = ref.top_expert.data() + n * K;
+    double* weight = ref.top_weight.data() + n * K;
+    double total = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (std::find(chosen, chosen + k, int32_t(e)) != chosen + k) continue;
+        if (best < 0 || p[e] > p[best]) best = e;
+      }
+      chosen[k] = int32_t(best);
+      weight[k] = p[best];
+      total += weight[k];
+    }
+    if (norm_topk_prob) {
+      for (int64_t k = 0; k < K; ++k) weight[k] /= total;
+    }
+  }
+  return ref;
+}
+
+// A routed batch as the kernels after the router take it: the float64
+// router's probabilities and weights in fp32, its experts, and the N K routed
+// rows grouped by expert (by token within an expert) by the function both
+// backends group them with (group_routed_rows, core/model/model.h).
+struct MoeRouting {
+  std::vector<float> probs;         // (N, E)
+  std::vector<int32_t> top_expert;  // (N, K)
+  std::vector<float> top_weight;    // (N, K)
+  std::vector<int32_t> row_of;      // (N, K): the row of token n's k-th slot
+  std::vector<int32_t> row_token;   // (N K): the token of each row
+};
+MoeRouting moe_routing(int64_t N, int64_t E, int64_t K, bool norm_topk_prob, std::mt19937& rng) {
+  const MoeRouteReference ref =
+      moe_route_reference(moe_logits(N, E, K, DType::f32, rng), N, E, K, norm_topk_prob);
+  MoeRouting routing{std::vector<float>(ref.probs.begin(), ref.probs.end()), ref.top_expert,
+                     std::vector<float>(ref.top_weight.begin(), ref.top_weight.end()),
+                     std::vector<int32_t>(N * K), std::vector<int32_t>(N * K)};
+  std::vector<int64_t> expert_begin(size_t(E + 1));
+  group_routed_rows(routing.top_expert.data(), N, K, E, expert_begin.data(), routing.row_of.data(),
+                    routing.row_token.data());
+  return routing;
+}
+
+// Token n's slots in increasing order of their experts.
+std::vector<int64_t> slots_by_expert(const MoeRouting& routing, int64_t n, int64_t K) {
+  std::vector<int64_t> order(K);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  const int32_t* chosen = routing.top_expert.data() + n * K;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+  return order;
+}
+
+// The CPU backend's loops in fp32 (core/model/model.cpp: moe_combine and
+// moe_backward), which the kernels repeat operation for operation: on the
+// same inputs the GPU's fp32 results are these bits.
+std::vector<float> moe_combine_cpu(const std::vector<float>& x2, const std::vector<float>& y,
+                                   const MoeRouting& routing, int64_t N, int64_t C, int64_t K) {
+  std::vector<float> out(N * C), sum(C);
+  for (int64_t n = 0; n < N; ++n) {
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (const int64_t k : slots_by_expert(routing, n, K)) {
+      const float weight = routing.top_weight[n * K + k];
+      const float* row = y.data() + int64_t(routing.row_of[n * K + k]) * C;
+      for (int64_t i = 0; i < C; ++i) sum[i] += weight * row[i];
+    }
+    for (int64_t i = 0; i < C; ++i) out[n * C + i] = x2[n * C + i] + sum[i];
+  }
+  return out;
+}
+
+std::vector<float> moe_row_grads_cpu(const std::vector<float>& dout, const MoeRouting& routing,
+                                     int64_t N, int64_t C, int64_t K) {
+  std::vector<float> rows(N * K * C);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) {
+      const float weight = routing.top_weight[n * K + k];
+      float* row = rows.data() + int64_t(routing.row_of[n * K + k]) * C;
+      for (int64_t i = 0; i < C; ++i) row[i] = weight * dout[n * C + i];
+    }
+  }
+  return rows;
+}
+
+std::vector<float> moe_router_backward_cpu(const MoeRouting& routing,
+                                           const std::vector<float>& d_top_weight,
+                                           const float* aux_grad, int64_t N, int64_t E, int64_t K,
+                                           bool norm_topk_prob) {
+  std::vector<float> d_logits(N * E);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* p = routing.probs.data() + n * E;
+    float* dp = d_logits.data() + n * E;
+    for (int64_t e = 0; e < E; ++e) dp[e] = aux_grad != nullptr ? aux_grad[e] : 0.0f;
+    const float* weight = routing.top_weight.data() + n * K;
+    const float* dw = d_top_weight.data() + n * K;
+    const int32_t* chosen = routing.top_expert.data() + n * K;
+    if (norm_topk_prob) {
+      float total = 0.0f, dot = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        total += p[chosen[k]];
+        dot += dw[k] * weight[k];
+      }
+      for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += (dw[k] - dot) / total;
+    } else {
+      for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += dw[k];
+    }
+    double dot = 0.0;
+    for (int64_t e = 0; e < E; ++e) dot += double(p[e]) * dp[e];
+    for (int64_t e = 0; e < E; ++e) dp[e] = p[e] * (dp[e] - float(dot));
+  }
+  return d_logits;
+}
+
+std::vector<float> moe_sum_rows_cpu(const std::vector<float>& d_rows, const MoeRouting& routing,
+                                    int64_t N, int64_t C, int64_t K) {
+  std::vector<float> dx(N * C, 0.0f);
+  for (int64_t n = 0; n < N; ++n) {
+    for (const int64_t k : slots_by_expert(routing, n, K)) {
+      const float* row = d_rows.data() + int64_t(routing.row_of[n * K + k]) * C;
+      for (int64_t i = 0; i < C; ++i) dx[n * C + i] += row[i];
+    }
+  }
+  return dx;
+}
+
+// Float64 references with Hugging Face's roundings in a low-precision model
+// (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): the routing weights cast to
+// the type [round]; each expert's rows times their weight [round];
+// index_add_ into a zero tensor of the type, expert by expert [round each
+// add]; the residual add [round].
+std::vector<double> moe_combine_reference(const std::vector<float>& x2, const std::vector<float>& y,
+                                          const MoeRouting& routing, int64_t N, int64_t C,
+                                          int64_t K, const Round& round) {
+  std::vector<double> out(N * C);
+  for (int64_t n = 0; n < N; ++n) {
+    const std::vector<int64_t> order = slots_by_expert(routing, n, K);
+    for (int64_t i = 0; i < C; ++i) {
+      double sum = 0.0;
+      for (const int64_t k : order) {
+        const double weight = round(routing.top_weight[n * K + k]);
+        sum = round(sum + round(weight * y[int64_t(routing.row_of[n * K + k]) * C + i]));
+      }
+      out[n * C + i] = round(x2[n * C + i] + sum);
+    }
+  }
+  return out;
+}
+
+// Autograd through that product: d weight = the sum over C of
+// round(dout * y), in fp32 and rounded [a tensor of the type]; the rows'
+// gradient dout * round(weight) [round].
+struct MoeWeightBackwardReference {
+  std::vector<double> d_top_weight;  // (N, K)
+  std::vector<double> d_rows;        // (N K, C)
+};
+MoeWeightBackwardReference moe_weight_backward_reference(const std::vector<float>& dout,
+                                                         const std::vector<float>& y,
+                                                         const MoeRouting& routing, int64_t N,
+                                                         int64_t C, int64_t K, const Round& round) {
+  MoeWeightBackwardReference ref{std::vector<double>(N * K), std::vector<double>(N * K * C)};
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t row = routing.row_of[n * K + k];
+      const double weight = round(routing.top_weight[n * K + k]);
+      double dot = 0.0;
+      for (int64_t i = 0; i < C; ++i) {
+        dot += round(double{dout[n * C + i]} * y[row * C + i]);
+        ref.d_rows[row * C + i] = round(dout[n * C + i] * weight);
+      }
+      ref.d_top_weight[n * K + k] = round(dot);
+    }
+  }
+  return ref;
+}
+
+// The router's backward runs in fp32 in Hugging Face (softmax(dtype=float),
+// top k and renormalisation), its result cast to the logits' type [round].
+std::vector<double> moe_router_backward_reference(const MoeRouting& routing,
+                                                  const std::vector<float>& d_top_weight,
+                                                  const float* aux_grad, int64_t N, int64_t E,
+                                                  int64_t K, bool norm_topk_prob,
+                                                  const Round& round) {
+  std::vector<double> d_logits(N * E);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* p = routing.probs.data() + n * E;
+    double* dp = d_logits.data() + n * E;  // d p, then overwritten by d logits
+    const float* weight = routing.top_weight.data() + n * K;
+    const float* dw = d_top_weight.data() + n * K;
+    const int32_t* chosen = routing.top_expert.data() + n * K;
+    for (int64_t e = 0; e < E; ++e) dp[e] = aux_grad != nullptr ? aux_grad[e] : 0.0;
+    double total = 0.0, dot = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      total += p[chosen[k]];
+      dot += double{dw[k]} * weight[k];
+    }
+    for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += norm_topk_prob ? (dw[k] - dot) / total : dw[k];
+    double p_dot_dp = 0.0;
+    for (int64_t e = 0; e < E; ++e) p_dot_dp += p[e] * dp[e];
+    for (int64_t e = 0; e < E; ++e) dp[e] = round(p[e] * (dp[e] - p_dot_dp));
+  }
+  return d_logits;
+}
+
+// Autograd of the rows' gather: their gradients index-added into the
+// input's gradient of the type, expert by expert [round each add].
+std::vector<double> moe_sum_rows_reference(const std::vector<float>& d_rows,
+                                           const MoeRouting& routing, int64_t N, int64_t C,
+                                           int64_t K, const Round& round) {
+  std::vector<double> dx(N * C);
+  for (int64_t n = 0; n < N; ++n) {
+    const std::vector<int64_t> order = slots_by_expert(routing, n, K);
+    for (int64_t i = 0; i < C; ++i) {
+      double sum = 0.0;
+      for (const int64_t k : order) {
+        sum = round(sum + d_rows[int64_t(routing.row_of[n * K + k]) * C + i]);
+      }
+      dx[n * C + i] = sum;
+    }
+  }
+  return dx;
+}
+
+std::vector<float> moe_gather(const std::vector<float>& x, const MoeRouting& routing, int64_t C) {
+  std::vector<float> rows(routing.row_token.size() * C);
+  for (size_t r = 0; r < routing.row_token.size(); ++r) {
+    std::copy_n(x.begin() + int64_t(routing.row_token[r]) * C, C, rows.begin() + int64_t(r) * C);
+  }
+  return rows;
+}
+
+// fp32 results of a few roundings (and expf's 2 ulp) against float64.
+constexpr double kMoeFp32Tolerance = 1e-6;
+
+std::string moe_case(int64_t E, int64_t K, bool norm_topk_prob) {
+  return "E=" + std::to_string(E) + " K=" + std::to_string(K) +
+         (norm_topk_prob ? " norm_topk_prob" : "");
+}
+
+// fp32 routing against float64: the same experts in the same order (ties to
+// the lower index), the probabilities and weights to fp32 rounding; the
+// probabilities' sums in token order in float64, as the host adds them: the
+// same bits.
+TEST_F(CudaKernels, MoeRouteMatchesFloat64) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37;
+  for (const auto& [E, K] : {std::pair<int64_t, int64_t>{12, 3}, {7, 2}, {7, 7}, {64, 8}}) {
+    for (const bool norm : {false, true}) {
+      SCOPED_TRACE(moe_case(E, K, norm));
+      const auto logits = moe_logits(N, E, K, DType::f32, rng_);
+      const MoeRouteReference ref = moe_route_reference(logits, N, E, K, norm);
+      auto d_logits = upload(logits, DType::f32);
+      DeviceBuffer d_probs(N * E * 4), d_expert(N * K * 4), d_weight(N * K * 4), d_sums(E * 8);
+      expect_ok(cuda::moe_route(d_probs.f32(), static_cast<int32_t*>(d_expert.get()),
+                                d_weight.f32(), d_logits->get(), N, E, K, norm, DType::f32,
+                                nullptr));
+      expect_ok(
+          cuda::moe_prob_sums(static_cast<double*>(d_sums.get()), d_probs.f32(), N, E, nullptr));
+      const std::vector<float> probs = download(d_probs, N * E, DType::f32);
+      EXPECT_EQ(download_raw<int32_t>(d_expert.get(), N * K), ref.top_expert);
+      EXPECT_LE(relative_error(probs, ref.probs), kMoeFp32Tolerance) << "probs";
+      EXPECT_LE(relative_error(download(d_weight, N * K, DType::f32), ref.top_weight),
+                kMoeFp32Tolerance)
+          << "top_weight";
+      std::vector<double> sums(E, 0.0);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t e = 0; e < E; ++e) sums[e] += probs[n * E + e];
+      EXPECT_EQ(download_raw<double>(d_sums.get(), E), sums);
+    }
+  }
+}
+
+// The rows around the experts in fp32: the gather exact; the combine and the
+// rows' sum the CPU backend's bits, and within fp32 rounding of float64.
+TEST_F(CudaKernels, MoeGatherCombineAndSumRowsMatchCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37, C = 45;
+  for (const auto& [E, K] : {std::pair<int64_t, int64_t>{12, 3}, {7, 2}}) {
+    SCOPED_TRACE(moe_case(E, K, true));
+    const int64_t R = N * K;
+    const MoeRouting routing = moe_routing(N, E, K, true, rng_);
+    const auto x = random_floats(N * C, rng_), x2 = random_floats(N * C, rng_);
+    const auto y = random_floats(R * C, rng_), d_rows = random_floats(R * C, rng_);
+    auto d_expert = upload_raw(routing.top_expert), d_row_of = upload_raw(routing.row_of);
+    auto d_row_token = upload_raw(routing.row_token),
+         d_weight = upload(routing.top_weight, DType::f32);
+    auto d_x = upload(x, DType::f32), d_x2 = upload(x2, DType::f32), d_y = upload(y, DType::f32);
+    auto d_d_rows = upload(d_rows, DType::f32);
+    DeviceBuffer d_gathered(R * C * 4), d_out(N * C * 4), d_dx(N * C * 4);
+    const auto* expert = static_cast<const int32_t*>(d_expert->get());
+    const auto* row_of = static_cast<const int32_t*>(d_row_of->get());
+    expect_ok(cuda::moe_gather_rows(d_gathered.get(), d_x->get(),
+                                    static_cast<const int32_t*>(d_row_token->get()), R, N, C,
+                                    DType::f32, nullptr));
+    expect_ok(cuda::moe_combine(d_out.get(), d_x2->get(), d_y->get(), expert, row_of,
+                                d_weight->f32(), N, C, K, DType::f32, nullptr));
+    expect_ok(cuda::moe_sum_rows(d_dx.get(), d_d_rows->get(), expert, row_of, N, C, K, DType::f32,
+                                 nullptr));
+    EXPECT_EQ(download(d_gathered, R * C, DType::f32), moe_gather(x, routing, C));
+    const std::vector<float> out = download(d_out, N * C, DType::f32);
+    const std::vector<float> dx = download(d_dx, N * C, DType::f32);
+    EXPECT_EQ(out, moe_combine_cpu(x2, y, routing, N, C, K));
+    EXPECT_EQ(dx, moe_sum_rows_cpu(d_rows, routing, N, C, K));
+    EXPECT_LE(relative_error(out, moe_combine_reference(x2, y, routing, N, C, K, exact())),
+              kFp32Tolerance);
+    EXPECT_LE(relative_error(dx, moe_sum_rows_reference(d_rows, routing, N, C, K, exact())),
+              kFp32Tolerance);
+  }
+}
+
+// The backward of the weights and the router in fp32: d_top_weight within
+// fp32 rounding of float64 (its float64 sum runs in another order than the
+// CPU's); the rows' gradients, written over the outputs, and the logits'
+// gradient the CPU backend's bits, with and without renormalisation and the
+// load-balancing loss's gradient.
+TEST_F(CudaKernels, MoeBackwardMatchesCpu) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37, C = 45;
+  for (const auto& [E, K] : {std::pair<int64_t, int64_t>{12, 3}, {7, 2}}) {
+    for (const bool norm : {false, true}) {
+      SCOPED_TRACE(moe_case(E, K, norm));
+      const int64_t R = N * K;
+      const MoeRouting routing = moe_routing(N, E, K, norm, rng_);
+      const auto dout = random_floats(N * C, rng_), y = random_floats(R * C, rng_);
+      const auto d_top_weight = random_floats(N * K, rng_), aux = random_floats(E, rng_, 0.1f);
+      auto d_expert = upload_raw(routing.top_expert), d_row_of = upload_raw(routing.row_of);
+      auto d_probs = upload(routing.probs, DType::f32);
+      auto d_weight = upload(routing.top_weight, DType::f32);
+      auto d_dout = upload(dout, DType::f32), d_y = upload(y, DType::f32);
+      auto d_dw_in = upload(d_top_weight, DType::f32), d_aux = upload(aux, DType::f32);
+      DeviceBuffer d_dw(N * K * 4), d_logits(N * E * 4);
+      const auto* expert = static_cast<const int32_t*>(d_expert->get());
+
+      expect_ok(cuda::moe_weight_backward(d_dw.f32(), d_y->get(), d_dout->get(),
+                                          static_cast<const int32_t*>(d_row_of->get()),
+                                          d_weight->f32(), N, C, K, DType::f32, nullptr));
+      const MoeWeightBackwardReference ref =
+          moe_weight_backward_reference(dout, y, routing, N, C, K, exact());
+      EXPECT_LE(relative_error(download(d_dw, N * K, DType::f32), ref.d_top_weight),
+                kMoeFp32Tolerance);
+      EXPECT_EQ(download(*d_y, R * C, DType::f32), moe_row_grads_cpu(dout, routing, N, C, K));
+
+      for (const bool with_aux : {false, true}) {
+        SCOPED_TRACE(with_aux ? "aux_grad" : "no aux_grad");
+        const float* aux_host = with_aux ? aux.data() : nullptr;
+        expect_ok(cuda::moe_router_backward(d_logits.get(), d_probs->f32(), expert, d_weight->f32(),
+                                            d_dw_in->f32(), with_aux ? d_aux->f32() : nullptr, N, E,
+                                            K, norm, DType::f32, nullptr));
+        const std::vector<float> d_logits_gpu = download(d_logits, N * E, DType::f32);
+        EXPECT_EQ(d_logits_gpu,
+                  moe_router_backward_cpu(routing, d_top_weight, aux_host, N, E, K, norm));
+        EXPECT_LE(relative_error(d_logits_gpu,
+                                 moe_router_backward_reference(routing, d_top_weight, aux_host, N,
+                                                               E, K, norm, exact())),
+                  kFp32Tolerance);
+      }
+    }
+  }
+}
+
+// Routing from logits of the type: the softmax is fp32 arithmetic on values
+// exact in the type, as PyTorch's softmax(dtype=float), so the same experts
+// and fp32 rounding of float64.
+TEST_P(CudaKernelsLowPrecision, MoeRoute) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37;
+  for (const auto& [E, K] : {std::pair<int64_t, int64_t>{12, 3}, {7, 2}}) {
+    for (const bool norm : {false, true}) {
+      SCOPED_TRACE(moe_case(E, K, norm));
+      const auto logits = moe_logits(N, E, K, type(), rng_);
+      const MoeRouteReference ref = moe_route_reference(logits, N, E, K, norm);
+      auto d_logits = upload(logits, type());
+      DeviceBuffer d_probs(N * E * 4), d_expert(N * K * 4), d_weight(N * K * 4);
+      expect_ok(cuda::moe_route(d_probs.f32(), static_cast<int32_t*>(d_expert.get()),
+                                d_weight.f32(), d_logits->get(), N, E, K, norm, type(), nullptr));
+      EXPECT_EQ(download_raw<int32_t>(d_expert.get(), N * K), ref.top_expert);
+      EXPECT_LE(relative_error(download(d_probs, N * E, DType::f32), ref.probs), kMoeFp32Tolerance)
+          << "probs";
+      EXPECT_LE(relative_error(download(d_weight, N * K, DType::f32), ref.top_weight),
+                kMoeFp32Tolerance)
+          << "top_weight";
+    }
+  }
+}
+
+// The rows around the experts and the backwards in the type, against the
+// float64 references above and their emulated PyTorch versions.
+TEST_P(CudaKernelsLowPrecision, MoeRowsAndBackward) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37, C = 45;
+  const Round round = rounding_to(type());
+  for (const auto& [E, K] : {std::pair<int64_t, int64_t>{12, 3}, {7, 2}}) {
+    for (const bool norm : {false, true}) {
+      SCOPED_TRACE(moe_case(E, K, norm));
+      const int64_t R = N * K;
+      const MoeRouting routing = moe_routing(N, E, K, norm, rng_);
+      const auto x = random(N * C), x2 = random(N * C), y = random(R * C);
+      const auto dout = random(N * C), d_rows = random(R * C);
+      const auto d_top_weight = random_floats(N * K, rng_), aux = random_floats(E, rng_, 0.1f);
+      auto d_expert = upload_raw(routing.top_expert), d_row_of = upload_raw(routing.row_of);
+      auto d_row_token = upload_raw(routing.row_token);
+      auto d_probs = upload(routing.probs, DType::f32);
+      auto d_weight = upload(routing.top_weight, DType::f32);
+      auto d_x = upload(x, type()), d_x2 = upload(x2, type()), d_y = upload(y, type());
+      auto d_dout = upload(dout, type()), d_d_rows = upload(d_rows, type());
+      auto d_dw_in = upload(d_top_weight, DType::f32), d_aux = upload(aux, DType::f32);
+      DeviceBuffer d_gathered(R * C * 2), d_out(N * C * 2), d_dx(N * C * 2), d_dw(N * K * 4);
+      DeviceBuffer d_logits(N * E * 2);
+      const auto* expert = static_cast<const int32_t*>(d_expert->get());
+      const auto* row_of = static_cast<const int32_t*>(d_row_of->get());
+
+      // A gather is exact in PyTorch too.
+      expect_ok(cuda::moe_gather_rows(d_gathered.get(), d_x->get(),
+                                      static_cast<const int32_t*>(d_row_token->get()), R, N, C,
+                                      type(), nullptr));
+      EXPECT_EQ(download(d_gathered, R * C, type()), moe_gather(x, routing, C));
+
+      expect_ok(cuda::moe_combine(d_out.get(), d_x2->get(), d_y->get(), expert, row_of,
+                                  d_weight->f32(), N, C, K, type(), nullptr));
+      expect_within_twice_emulated(download(d_out, N * C, type()),
+                                   moe_combine_reference(x2, y, routing, N, C, K, round),
+                                   moe_combine_reference(x2, y, routing, N, C, K, exact()), "out");
+
+      expect_ok(cuda::moe_weight_backward(d_dw.f32(), d_y->get(), d_dout->get(), row_of,
+                                          d_weight->f32(), N, C, K, type(), nullptr));
+      const MoeWeightBackwardReference exact_ref =
+          moe_weight_backward_reference(dout, y, routing, N, C, K, exact());
+      const MoeWeightBackwardReference emulated =
+          moe_weight_backward_reference(dout, y, routing, N, C, K, round);
+      expect_within_twice_emulated(download(d_dw, N * K, DType::f32), emulated.d_top_weight,
+                                   exact_ref.d_top_weight, "d_top_weight");
+      expect_within_twice_emulated(download(*d_y, R * C, type()), emulated.d_rows, exact_ref.d_rows,
+                                   "the rows' gradients");
+
+      for (const bool with_aux : {false, true}) {
+        SCOPED_TRACE(with_aux ? "aux_grad" : "no aux_grad");
+        const float* aux_host = with_aux ? aux.data() : nullptr;
+        expect_ok(cuda::moe_router_backward(d_logits.get(), d_probs->f32(), expert, d_weight->f32(),
+                                            d_dw_in->f32(), with_aux ? d_aux->f32() : nullptr, N, E,
+                                            K, norm, type(), nullptr));
+        expect_within_twice_emulated(
+            download(d_logits, N * E, type()),
+            moe_router_backward_reference(routing, d_top_weight, aux_host, N, E, K, norm, round),
+            moe_router_backward_reference(routing, d_top_weight, aux_host, N, E, K, norm, exact()),
+            "d_logits");
+      }
+
+      expect_ok(cuda::moe_sum_rows(d_dx.get(), d_d_rows->get(), expert, row_of, N, C, K, type(),
+                                   nullptr));
+      expect_within_twice_emulated(download(d_dx, N * C, type()),
+                                   moe_sum_rows_reference(d_rows, routing, N, C, K, round),
+                                   moe_sum_rows_reference(d_rows, routing, N, C, K, exact()), "dx");
+    }
+  }
 }
 
 // --- residual add and casts -----------------------------------------------------------
@@ -1030,6 +1547,49 @@ TEST(CudaKernelErrors, NameTheKernelTypeAndShape) {
   ASSERT_FALSE(scratch.is_ok());
   EXPECT_NE(scratch.message().find("rmsnorm_backward<fp32> (N=64 C=128)"), std::string::npos)
       << scratch.message();
+}
+
+// A token's top k must lie in [1, min(E, kMoeMaxTopK)] ([1, kMoeMaxTopK] where
+// the call has no E); checked before any CUDA call.
+TEST(CudaKernelErrors, MoeRefusesATopKOutsideItsRange) {
+  const Status above_experts =
+      cuda::moe_route(nullptr, nullptr, nullptr, nullptr, 37, 12, 13, true, DType::bf16, nullptr);
+  ASSERT_FALSE(above_experts.is_ok());
+  EXPECT_NE(above_experts.message().find("moe_route<bf16> (N=37 E=12 K=13): K outside [1, 12]"),
+            std::string::npos)
+      << above_experts.message();
+
+  const Status above_limit = cuda::moe_route(nullptr, nullptr, nullptr, nullptr, 37, 64,
+                                             cuda::kMoeMaxTopK + 1, false, DType::f32, nullptr);
+  ASSERT_FALSE(above_limit.is_ok());
+  EXPECT_NE(above_limit.message().find("moe_route<fp32> (N=37 E=64 K=33): K outside [1, 32]"),
+            std::string::npos)
+      << above_limit.message();
+
+  const Status none = cuda::moe_router_backward(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                nullptr, 37, 12, 0, false, DType::f32, nullptr);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_NE(none.message().find("moe_router_backward<fp32> (N=37 E=12 K=0)"), std::string::npos)
+      << none.message();
+
+  const Status combine = cuda::moe_combine(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 37,
+                                           45, cuda::kMoeMaxTopK + 1, DType::f16, nullptr);
+  ASSERT_FALSE(combine.is_ok());
+  EXPECT_NE(combine.message().find("moe_combine<fp16> (N=37 C=45 K=33): K outside [1, 32]"),
+            std::string::npos)
+      << combine.message();
+
+  const Status weights = cuda::moe_weight_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 37,
+                                                   45, 0, DType::bf16, nullptr);
+  ASSERT_FALSE(weights.is_ok());
+  EXPECT_NE(weights.message().find("moe_weight_backward<bf16> (N=37 C=45 K=0)"), std::string::npos)
+      << weights.message();
+
+  const Status sum_rows =
+      cuda::moe_sum_rows(nullptr, nullptr, nullptr, nullptr, 37, 45, 0, DType::bf16, nullptr);
+  ASSERT_FALSE(sum_rows.is_ok());
+  EXPECT_NE(sum_rows.message().find("moe_sum_rows<bf16> (N=37 C=45 K=0)"), std::string::npos)
+      << sum_rows.message();
 }
 
 }  // namespace

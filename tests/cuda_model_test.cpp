@@ -9,7 +9,12 @@
 // (strata.layer_pieces 2), each a unit of its own, against the CPU
 // backend's pieces (which give its whole layers' bits); and with the
 // embedding and the head cut along the vocabulary (strata.vocab_chunks),
-// against the CPU backend's chunks.
+// against the CPU backend's chunks; and on the two mixtures of experts
+// (mixtral: 7 experts, top 2 renormalised; qwen3_moe: 12 experts, top 3 as
+// weighed, a dense layer among sparse ones), whole and in pieces, with
+// their load-balancing gradient, the routers scaled up so that no token's
+// choice is within rounding of a tie (the same routing is checked: every
+// expert's token count).
 //
 // GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
 // runs: the same fused qkv and gate/up products as core/model/model.cpp's
@@ -70,7 +75,39 @@ ModelConfig family_config(bool tied, ModelFamily family) {
     c.head_dim = 48;  // 4 x 48 = 192 != hidden 128
   }
   if (family == ModelFamily::mistral) c.sliding_window = 64;
+  if (family == ModelFamily::mixtral) {  // 7 experts, top 2 renormalised, Mistral's attention
+    c.sliding_window = 64;
+    c.moe_intermediate_size = 72;
+    c.num_experts = 7;
+    c.num_experts_per_tok = 2;
+    c.norm_topk_prob = true;
+    c.output_router_logits = true;
+    c.router_aux_loss_coef = 0.3;
+  }
+  if (family == ModelFamily::qwen3_moe) {  // 12 experts, top 3 as weighed, a dense layer 0
+    c.qk_norm = true;
+    c.head_dim = 48;
+    c.num_hidden_layers = 3;
+    c.moe_intermediate_size = 40;
+    c.num_experts = 12;
+    c.num_experts_per_tok = 3;
+    c.norm_topk_prob = false;
+    c.mlp_only_layers = {0};
+    c.output_router_logits = true;
+    c.router_aux_loss_coef = 0.3;
+  }
   return c;
+}
+
+// A mixture's routers scaled up, so that no token's k-th and (k+1)-th
+// probabilities are near enough for fp32 rounding (or the GPU's exp) to
+// swap them: a different choice would be a different function, not an error.
+void sharpen_routers(HostModel& model) {
+  for (const NamedTensor& t : checkpoint_tensors(model.layout)) {
+    if (!t.slot->name.ends_with("gate.weight")) continue;
+    float* p = model.params[t.unit].data() + t.slot->offset;
+    for (int64_t i = 0; i < t.slot->numel; ++i) p[i] *= 40.0f;
+  }
 }
 
 // Random values in every 1-D tensor: biases well away from zero, norms near one.
@@ -118,9 +155,11 @@ class GpuUnits {
   }
 
   // One micro-batch, as core/model/model.cpp's model_forward_backward: returns the
-  // sum of token losses; gradients accumulate into grads().
+  // sum of token losses; gradients accumulate into grads(). A mixture's
+  // statistics go to router() and its load-balancing gradient follows
+  // aux_loss_scale.
   double forward_backward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets,
-                          float loss_scale) {
+                          float loss_scale, float aux_loss_scale = 0.0f) {
     if (!units_) return 0.0;
     auto d_tokens = upload_raw(tokens), d_targets = upload_raw(targets);
     CudaUnitBatch batch;
@@ -128,6 +167,10 @@ class GpuUnits {
     batch.targets = static_cast<const int32_t*>(d_targets->get());
     batch.loss_scale = loss_scale;
     if (head_logits_) batch.head_logits = head_logits_->get();
+    if (layout_.config.is_moe()) {
+      batch.router = &router_;
+      batch.aux_loss_scale = aux_loss_scale;
+    }
     const int64_t units = static_cast<int64_t>(layout_.units.size());
     const int64_t head = units - 1, N = B_ * T_;
     const bool tied = layout_.config.tie_word_embeddings;
@@ -153,6 +196,7 @@ class GpuUnits {
   std::vector<float> grads(size_t u) const {
     return download(*grads_[u], layout_.units[u].padded_numel, DType::f32);
   }
+  const RouterStats& router() const { return router_; }
 
  private:
   std::unique_ptr<DeviceBuffer> buffer(int64_t n, DType type) {
@@ -165,6 +209,7 @@ class GpuUnits {
   std::unique_ptr<CudaUnits> units_;
   std::vector<std::unique_ptr<DeviceBuffer>> params_, grads_, units_in_;
   std::unique_ptr<DeviceBuffer> grad_, losses_, head_logits_;
+  RouterStats router_;
 };
 
 struct ModelCase {
@@ -187,6 +232,7 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   HostModel model = make_host_model(config);
   init_host_model(model, seed, /*init_std=*/0.05f);
   randomize_vectors(model, seed + 1);
+  if (config.is_moe()) sharpen_routers(model);
   const int64_t B = 2, T = 37, N = B * T;
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(config.vocab_size - 1));
@@ -202,10 +248,18 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   // fp16 trains with a loss scale (its gradients would sink into subnormals
   // otherwise); the GPU's gradients are divided by it before the comparison.
   const float fp16_loss_scale = param.type == DType::f16 ? 1024.0f : 1.0f;
-  const double gpu_loss = gpu.forward_backward(tokens, targets, loss_scale * fp16_loss_scale);
+  // A mixture's load-balancing term weighs as much as a token's loss.
+  const float aux_loss_scale = config.is_moe() ? 0.5f : 0.0f;
+  const double gpu_loss = gpu.forward_backward(tokens, targets, loss_scale * fp16_loss_scale,
+                                               aux_loss_scale * fp16_loss_scale);
 
   UnitWorkspace ws(config, B, T);
   UnitBatch batch{tokens.data(), targets.data(), B, T, loss_scale};
+  RouterStats router;
+  if (config.is_moe()) {
+    batch.router = &router;
+    batch.aux_loss_scale = aux_loss_scale;
+  }
   const Result<double> cpu_loss = model_forward_backward(model, batch, ws);
   ASSERT_TRUE(cpu_loss.is_ok()) << cpu_loss.status().message();
 
@@ -213,6 +267,12 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   const double loss_tolerance = fp32 ? kCudaFp32Tolerance : 1e-2;
   const double grad_tolerance = fp32 ? kCudaFp32Tolerance : 1e-1;
   EXPECT_NEAR(gpu_loss, *cpu_loss, loss_tolerance * std::abs(*cpu_loss));
+  if (config.is_moe()) {
+    // The same routing: every expert's token count, and the load-balancing loss.
+    EXPECT_EQ(gpu.router().assigned, router.assigned);
+    EXPECT_EQ(gpu.router().rows, router.rows);
+    EXPECT_NEAR(gpu.router().aux_loss(), router.aux_loss(), loss_tolerance * router.aux_loss());
+  }
   for (size_t u = 0; u < model.layout.units.size(); ++u) {
     std::vector<float> gpu_grads = gpu.grads(u);
     for (float& g : gpu_grads) g /= fp16_loss_scale;
@@ -240,7 +300,13 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{false, DType::f32, ModelFamily::qwen2, 2},
                       ModelCase{false, DType::f32, ModelFamily::qwen3, 2},
                       ModelCase{false, DType::f32, ModelFamily::llama, 1, 3},
-                      ModelCase{false, DType::bf16, ModelFamily::llama, 2, 2}),
+                      ModelCase{false, DType::bf16, ModelFamily::llama, 2, 2},
+                      ModelCase{false, DType::f32, ModelFamily::mixtral},
+                      ModelCase{false, DType::bf16, ModelFamily::mixtral},
+                      ModelCase{false, DType::f32, ModelFamily::qwen3_moe},
+                      ModelCase{true, DType::bf16, ModelFamily::qwen3_moe},
+                      ModelCase{false, DType::f32, ModelFamily::mixtral, 2},
+                      ModelCase{false, DType::f32, ModelFamily::qwen3_moe, 2, 2}),
     [](const auto& info) {
       return fmt::format("{}_{}_{}{}", model_family_name(info.param.family),
                          info.param.tied ? "tied" : "untied", type_label(info.param.type),

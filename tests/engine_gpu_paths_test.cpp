@@ -10,11 +10,11 @@
 // The arithmetic is then the CPU backend's, so every placement whose
 // gradients pass through host memory must give the CPU backend's losses,
 // gradient norms and weights bitwise, at 1, 2 and 3 ranks, in fp32, bf16,
-// tied, with a bf16 gradient reduction and with the optimizer running during
-// backward; placements whose gradients accumulate in place (one rank,
-// optimizer on the GPU) accumulate inside the backward, so they agree with
-// each other bitwise and with the CPU backend closely. A run with its state
-// on the GPU resumes bitwise.
+// tied, with a bf16 gradient reduction, with the optimizer running during
+// backward and for a mixture of experts (its router statistics in host memory); placements whose
+// gradients accumulate in place (one rank, optimizer on the GPU) accumulate inside the backward, so
+// they agree with each other bitwise and with the CPU backend closely. A run with its state on the
+// GPU resumes bitwise.
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -126,6 +126,32 @@ TEST_F(EngineGpuPaths, Bf16GradientReductionRoundsAsOnTheCpuBackend) {
     }
     expect_cpu_backend_results(runs);
   }
+}
+
+TEST_F(EngineGpuPaths, AMixtureOfExpertsGivesTheCpuBackendsResults) {
+  // The router's statistics stay in host memory beside a GPU: each sparse
+  // layer's forward adds to them and the backwards take the load-balancing
+  // gradient from them, through GpuRank's calls as through the CPU's.
+  for (int world : {1, 2}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      std::vector<EngineRun> runs = placements(world, "fp32", schedule);
+      for (EngineRun& run : runs) {
+        run.moe = true;
+        run.steps = 2;
+        run.grad_accum = 2;
+        run.lr = 1e-3;
+      }
+      expect_cpu_backend_results(runs);
+    }
+  }
+  // A sparse layer in pieces, its MLP piece routing on its own.
+  std::vector<EngineRun> pieces = placements(1, "bf16");
+  for (EngineRun& run : pieces) {
+    run.moe = true;
+    run.steps = 2;
+    run.layer_pieces = 2;
+  }
+  expect_cpu_backend_results(pieces);
 }
 
 TEST_F(EngineGpuPaths, StateOnTheGpuResumesBitwise) {

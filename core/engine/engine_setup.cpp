@@ -145,12 +145,6 @@ Status Engine::Impl::open_rank(Rank& rank) {
   }
   // What the rank computes with: a GPU (its working set is the plan's
   // buffers of owner gpu), or the CPU over the rank's buffers above.
-  if (in.gpu && plan.layout.config.is_moe()) {
-    return Status::error(fmt::format(
-        "{}: mixture-of-experts layers have no CUDA kernels yet; train with --backend cpu "
-        "(strata plan sizes the GPU run)",
-        plan.layout.config.name));
-  }
   if (in.gpu) {
     Result<std::unique_ptr<GpuRank>> created =
         options.emulate_gpu

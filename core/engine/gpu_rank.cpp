@@ -42,12 +42,11 @@ class CudaGpuRank final : public GpuRank {
   explicit CudaGpuRank(std::unique_ptr<Impl> impl);
   ~CudaGpuRank() override;
 
-  Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
-                 const int32_t* targets) override;
+  Status forward(int unit, int micro, const std::byte* params, const UnitBatch& batch) override;
   Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
-                      float loss_scale, const GradTarget& target) override;
-  Status backward(int unit, int micro, const std::byte* params, bool recompute,
-                  const GradTarget& target) override;
+                      const UnitBatch& batch, const GradTarget& target) override;
+  Status backward(int unit, int micro, const std::byte* params, const UnitBatch& batch,
+                  bool recompute, const GradTarget& target) override;
   std::byte* saved_input(int level, int micro) override;
   Status saved_input_to_host(void* host, const void* device, int64_t bytes) override;
   Status saved_input_to_device(void* device, const void* host, int64_t bytes) override;
@@ -203,17 +202,21 @@ struct CudaGpuRank::Impl {
   // Enqueues the upload of micro-batch `micro`'s ids (before the embedding's forward).
   Status upload_ids(int micro, const int32_t* tokens, const int32_t* targets);
   // The head on device parameters; losses summed on the host.
-  Result<double> run_head(int micro, const void* params, const void* tied_params, float loss_scale,
-                          float* grads, float* tied_grads);
+  Result<double> run_head(int micro, const void* params, const void* tied_params,
+                          const UnitBatch& host, float* grads, float* tied_grads);
   Status zero(float* grads, int64_t numel) {
     return cuda::check_cuda(cudaMemsetAsync(grads, 0, size_t(numel) * 4, compute),
                             "zeroing a unit gradient");
   }
-  CudaUnitBatch batch(int micro, float loss_scale) const {
+  // Micro-batch `micro` as the device holds it, with the host's loss scale
+  // and router statistics.
+  CudaUnitBatch batch(int micro, const UnitBatch& host) const {
     CudaUnitBatch b;
     b.tokens = tokens + int64_t(micro) * N;
     b.targets = targets + int64_t(micro) * N;
-    b.loss_scale = loss_scale;
+    b.loss_scale = host.loss_scale;
+    b.router = host.router;
+    b.aux_loss_scale = host.aux_loss_scale;
     if (!head_logits.empty()) b.head_logits = head_logits[size_t(plan.activation_copy(micro))];
     return b;
   }
@@ -486,18 +489,17 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   return std::unique_ptr<GpuRank>(new CudaGpuRank(std::move(impl)));
 }
 
-Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
-                            const int32_t* targets) {
+Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const UnitBatch& batch) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   if (unit == 0) {
-    if (Status s = g.upload_ids(micro, tokens, targets); !s) return s;
+    if (Status s = g.upload_ids(micro, batch.tokens, batch.targets); !s) return s;
   }
   int slot = -1;
   Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
   if (!device_params) return device_params.status();
   const void* input = unit == 0 ? nullptr : g.saved_input(unit - 1, micro);
-  Status status = g.units->forward(unit, *device_params, g.batch(micro, 1.0f), input,
+  Status status = g.units->forward(unit, *device_params, g.batch(micro, batch), input,
                                    g.saved_input(unit, micro), g.compute);
   if (slot < 0) return status;
   Status released = g.computed_with(slot);
@@ -505,7 +507,7 @@ Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const 
 }
 
 Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::byte* tied_params,
-                                 float loss_scale, const GradTarget& target) {
+                                 const UnitBatch& batch, const GradTarget& target) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   const int head = int(g.plan.units.size()) - 1;
@@ -551,7 +553,7 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
   }
   Result<double> loss = status;
   if (status) {
-    loss = g.run_head(micro, *device_params, *device_tied, loss_scale, device_grads,
+    loss = g.run_head(micro, *device_params, *device_tied, batch, device_grads,
                       tied_params != nullptr ? device_tied_grads : nullptr);
     status = loss.status();
   }
@@ -580,9 +582,9 @@ Status CudaGpuRank::Impl::upload_ids(int micro, const int32_t* host_tokens,
 }
 
 Result<double> CudaGpuRank::Impl::run_head(int micro, const void* params, const void* tied_params,
-                                           float loss_scale, float* grads, float* tied_grads) {
+                                           const UnitBatch& host, float* grads, float* tied_grads) {
   const int head = int(plan.units.size()) - 1;
-  Status status = units->head_forward_backward(params, tied_params, batch(micro, loss_scale),
+  Status status = units->head_forward_backward(params, tied_params, batch(micro, host),
                                                saved_input(head - 1, micro), activation_grad(micro),
                                                grads, tied_grads, losses, compute);
   // To pageable memory, the copy returns once it (and the work before it) is done.
@@ -685,8 +687,8 @@ Status CudaGpuRank::accumulate(float* device, const float* host, int64_t numel, 
   return g.side_wait("waiting for reduced gradients to reach the GPU");
 }
 
-Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool recompute,
-                             const GradTarget& target) {
+Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, const UnitBatch& batch,
+                             bool recompute, const GradTarget& target) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
   const int64_t numel = g.plan.units[size_t(unit)].padded_numel;
@@ -717,7 +719,7 @@ Status CudaGpuRank::backward(int unit, int micro, const std::byte* params, bool 
   void* dy = g.activation_grad(micro);
   void* dinput = unit == 0 ? nullptr : dy;
   if (status)
-    status = g.units->backward(unit, *device_params, g.batch(micro, 1.0f), input, dy, dinput,
+    status = g.units->backward(unit, *device_params, g.batch(micro, batch), input, dy, dinput,
                                device_grads, recompute, g.compute);
   if (status && !g.grads_in_place) status = g.deliver(device_grads, target, numel, buffer);
   if (slot < 0) return status;

@@ -70,20 +70,22 @@ class GpuRank {
   // Forward of the embedding or a decoder layer of micro-batch `micro`.
   // params: the whole unit (padded_numel) in compute precision: its device
   // home when the plan's parameters are in place, else host memory.
-  // The embedding's forward also uploads the micro-batch's tokens and targets (B*T each).
-  virtual Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
-                         const int32_t* targets) = 0;
+  // batch (here and below): the micro-batch in host memory; the embedding's
+  // forward also uploads its tokens and targets (B*T each). A mixture's
+  // router statistics (UnitBatch::router) stay in host memory, where its
+  // sparse layers' forwards add to them.
+  virtual Status forward(int unit, int micro, const std::byte* params, const UnitBatch& batch) = 0;
 
   // The head's forward and backward: returns the sum of the token losses.
   // tied_params: unit 0 (the embedding) in a tied model, else null. `target`
   // (here and in backward): where the gradient goes (core/engine/rank_compute.h).
   virtual Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
-                              float loss_scale, const GradTarget& target) = 0;
+                              const UnitBatch& batch, const GradTarget& target) = 0;
 
   // Backward of the embedding or a decoder layer. recompute false: the layer's
   // activations are those of its forward (the last layer before the head).
-  virtual Status backward(int unit, int micro, const std::byte* params, bool recompute,
-                          const GradTarget& target) = 0;
+  virtual Status backward(int unit, int micro, const std::byte* params, const UnitBatch& batch,
+                          bool recompute, const GradTarget& target) = 0;
 
   // Level `level` (unit `level`'s output) of micro-batch `micro`, in device
   // memory (TrainingPlan::saved_input_place), for the engine to spill and restore.

@@ -17,15 +17,15 @@ class GpuRankCompute final : public RankCompute {
   // The embedding's forward also takes the micro-batch's tokens and targets to the GPU.
   Status forward(int unit, int micro, const ComputeParams& params,
                  const UnitBatch& batch) override {
-    return gpu_->forward(unit, micro, params.data, batch.tokens, batch.targets);
+    return gpu_->forward(unit, micro, params.data, batch);
   }
   Result<double> head(int micro, const ComputeParams& params, const ComputeParams& tied,
                       const UnitBatch& batch, const GradTarget& target) override {
-    return gpu_->head(micro, params.data, tied.data, batch.loss_scale, target);
+    return gpu_->head(micro, params.data, tied.data, batch, target);
   }
-  Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch&,
+  Status backward(int unit, int micro, const ComputeParams& params, const UnitBatch& batch,
                   bool recompute, const GradTarget& target) override {
-    return gpu_->backward(unit, micro, params.data, recompute, target);
+    return gpu_->backward(unit, micro, params.data, batch, recompute, target);
   }
 
   // A gathered unit is uploaded by the first computation that reads it, in

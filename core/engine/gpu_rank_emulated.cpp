@@ -46,21 +46,21 @@ class EmulatedGpuRank final : public GpuRank {
       new_params_.resize(size_t(largest_optimizer * plan.compute_bytes));
   }
 
-  Status forward(int unit, int micro, const std::byte* params, const int32_t* tokens,
-                 const int32_t* targets) override {
+  Status forward(int unit, int micro, const std::byte* params, const UnitBatch& host) override {
     if (unit == 0) {
-      std::memcpy(tokens_.data() + micro * N_, tokens, size_t(N_) * 4);
-      std::memcpy(targets_.data() + micro * N_, targets, size_t(N_) * 4);
+      std::memcpy(tokens_.data() + micro * N_, host.tokens, size_t(N_) * 4);
+      std::memcpy(targets_.data() + micro * N_, host.targets, size_t(N_) * 4);
     }
     UnitParams p;
     p.flat = widen(unit, params, 0);
     const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
-    unit_forward(plan_.layout, unit, p, batch(micro, 1.0f), input, saved_input_at(unit, micro), ws_);
+    unit_forward(plan_.layout, unit, p, batch(micro, host), input, saved_input_at(unit, micro),
+                 ws_);
     return Status::ok();
   }
 
   Result<double> head(int micro, const std::byte* params, const std::byte* tied_params,
-                      float loss_scale, const GradTarget& target) override {
+                      const UnitBatch& host, const GradTarget& target) override {
     const int head = int(plan_.units.size()) - 1;
     UnitParams p;
     p.flat = widen(head, params, 0);
@@ -84,14 +84,14 @@ class EmulatedGpuRank final : public GpuRank {
       }
     }
     const double loss =
-        head_forward_backward(plan_.layout, p, batch(micro, loss_scale),
-                              saved_input_at(head - 1, micro), activation_grad(micro), g, ws_);
+        head_forward_backward(plan_.layout, p, batch(micro, host), saved_input_at(head - 1, micro),
+                              activation_grad(micro), g, ws_);
     if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return loss;
   }
 
-  Status backward(int unit, int micro, const std::byte* params, bool recompute,
-                  const GradTarget& target) override {
+  Status backward(int unit, int micro, const std::byte* params, const UnitBatch& host,
+                  bool recompute, const GradTarget& target) override {
     const int64_t numel = plan_.units[size_t(unit)].padded_numel;
     const bool embedding = plan_.layout.units[size_t(unit)].unit.kind == UnitKind::embedding;
     if (params == nullptr && !embedding)
@@ -111,7 +111,7 @@ class EmulatedGpuRank final : public GpuRank {
     }
     const float* input = unit == 0 ? nullptr : saved_input_at(unit - 1, micro);
     float* dy = activation_grad(micro);
-    unit_backward(plan_.layout, unit, p, batch(micro, 1.0f), input, dy, unit == 0 ? nullptr : dy, g,
+    unit_backward(plan_.layout, unit, p, batch(micro, host), input, dy, unit == 0 ? nullptr : dy, g,
                   ws_, recompute);
     if (!plan_.gpu_grads_in_place()) send(g.flat, numel, target);
     return Status::ok();
@@ -188,13 +188,18 @@ class EmulatedGpuRank final : public GpuRank {
   float* tied_grads(int copy) {
     return tied_grads_.data() + int64_t(copy) * plan_.units[0].padded_numel;
   }
-  UnitBatch batch(int micro, float loss_scale) {
+  // The micro-batch as the device holds it: its ids, the head's logits
+  // store; the loss scale and a mixture's router statistics (host memory on
+  // a GPU too) are the engine's.
+  UnitBatch batch(int micro, const UnitBatch& host) {
     UnitBatch b;
     b.tokens = tokens_.data() + micro * N_;
     b.targets = targets_.data() + micro * N_;
     b.B = plan_.input.micro_batch;
     b.T = plan_.input.seq_len;
-    b.loss_scale = loss_scale;
+    b.loss_scale = host.loss_scale;
+    b.router = host.router;
+    b.aux_loss_scale = host.aux_loss_scale;
     if (!head_logits_.empty())
       b.head_logits = head_logits_.data() +
                       int64_t(plan_.activation_copy(micro)) * N_ * plan_.input.model.vocab_size;

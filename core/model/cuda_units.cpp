@@ -35,6 +35,8 @@ constexpr int64_t kAlign = 256;
 struct WorkspaceShape {
   int64_t N, C, I, H, KV, D, QKV, V, B, T, ts, head_rows, scratch;
   int64_t qk_norm;  // 1 with per-head q/k norms (qwen3), else 0: their buffers are empty
+  int64_t moe;      // 1 with sparse layers, else 0: their buffers are empty
+  int64_t E, K, R, IE;  // experts, experts per token, routed rows N K, an expert's intermediate
   std::vector<int64_t> sizes() const {
     const int64_t most_heads = std::max(H, KV);
     return {
@@ -66,6 +68,22 @@ struct WorkspaceShape {
         qk_norm * N * KV * 4,               // k_rstd
         qk_norm * N * most_heads * D * ts,  // heads: (N * heads, D) contiguous
         qk_norm * N * most_heads * D * ts,  // d_heads
+        moe * N * E * ts,                   // router logits, then their gradient
+        moe * N * E * 4,                    // router probabilities
+        moe * N * K * 4,                    // top_expert
+        moe * N * K * 4,                    // top_weight
+        moe * N * K * 4,                    // d_top_weight
+        moe * N * K * 4,                    // row_of
+        moe * R * 4,                        // row_token
+        moe * E * 4,                        // aux_grad
+        moe * E * 8,                        // prob_sums
+        moe * R * C * ts,                   // moe_x: the routed rows' inputs
+        moe * R * 2 * IE * ts,              // moe_gate_up
+        moe * R * IE * ts,                  // moe_act: SwiGLU's output
+        moe * R * C * ts,                   // moe_y: the experts' outputs, then their gradient
+        moe * R * C * ts,                   // d_moe_x
+        moe * R * 2 * IE * ts,              // d_moe_gate_up
+        moe * R * IE * ts,                  // d_moe_act
     };
   }
 };
@@ -85,6 +103,11 @@ WorkspaceShape workspace_shape(const ModelConfig& c, int64_t B, int64_t T, int t
   s.ts = ts;
   s.head_rows = cuda_head_rows(c, B, T, ts);
   s.qk_norm = c.qk_norm ? 1 : 0;
+  s.moe = c.sparse_layer_count() > 0 ? 1 : 0;
+  s.E = c.num_experts;
+  s.K = c.num_experts_per_tok;
+  s.R = s.N * s.K;
+  s.IE = c.moe_intermediate_size;
   s.scratch = int64_t(std::max(cuda::rmsnorm_backward_scratch_bytes(s.N, s.C),
                                cuda::embedding_backward_scratch_bytes(s.N, s.V)));
   if (c.qk_norm)
@@ -99,17 +122,6 @@ int64_t cuda_unit_workspace_bytes(const ModelConfig& config, int64_t B, int64_t 
   int64_t total = 0;
   for (int64_t size : workspace_shape(config, B, T, type_bytes).sizes())
     total += round_up(size, kAlign);
-  if (config.sparse_layer_count() > 0) {
-    // The GPU has no expert kernels yet (the engine refuses a mixture there);
-    // a plan for one counts the routed rows as the CPU's units hold them:
-    // inputs, outputs and their gradients (C each), gate_up and its gradient
-    // (2 I), SwiGLU's output and its gradient (I), and the router's fp32
-    // probabilities and gradient with the rows' indices and weights.
-    const int64_t N = B * T, rows = N * config.num_experts_per_tok;
-    const int64_t C = config.hidden_size, I = config.moe_intermediate_size;
-    total += round_up(rows * (3 * C + 6 * I) * type_bytes, kAlign) +
-             round_up(2 * N * config.num_experts * 4 + rows * 20, kAlign);
-  }
   return total;
 }
 
@@ -132,6 +144,24 @@ struct CudaUnits::Buffers {
   float *q_rstd, *k_rstd;
   void *heads, *d_heads;
   int64_t head_rows;
+  // Sparse layers (core/model/model.h): the router's logits (then their
+  // gradient) and probabilities, each token's experts, weights and the
+  // weights' gradient, the grouped rows (row_of, row_token), the
+  // load-balancing gradient and the probabilities' sums; the routed rows'
+  // activations and gradients. The grouping is computed on the host, from
+  // the routing of the last forward: its copies stay here for the backward.
+  void* router_logits;
+  float* probs;
+  int32_t* top_expert;
+  float *top_weight, *d_top_weight;
+  int32_t *row_of, *row_token;
+  float* aux_grad;
+  double* prob_sums;
+  void *moe_x, *moe_gate_up, *moe_act, *moe_y, *d_moe_x, *d_moe_gate_up, *d_moe_act;
+  std::vector<int32_t> host_top_expert, host_row_of, host_row_token;
+  std::vector<int64_t> expert_begin;  // (E + 1)
+  std::vector<double> host_prob_sums;
+  std::vector<float> host_aux_grad;
 };
 
 CudaUnits::CudaUnits(const ModelLayout& layout, int64_t B, int64_t T, cuda::DType type,
@@ -153,6 +183,10 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
     return Status::error(fmt::format(
         "head_dim {} is above the CUDA attention kernel's 128; use the CPU backend", c.head_dim));
   if (Status s = check_sequence_window(c, T); !s) return s;
+  if (shape.moe != 0 && shape.K > cuda::kMoeMaxTopK)
+    return Status::error(fmt::format(
+        "num_experts_per_tok {} is above the CUDA routing kernels' {}; use the CPU backend",
+        shape.K, cuda::kMoeMaxTopK));
   std::unique_ptr<CudaUnits> units(new CudaUnits(layout, B, T, type, matmuls));
   auto b = std::make_unique<Buffers>();
   std::vector<std::byte*> at;
@@ -192,6 +226,29 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
   b->heads = at[i++];
   b->d_heads = at[i++];
   b->head_rows = shape.head_rows;
+  b->router_logits = at[i++];
+  b->probs = reinterpret_cast<float*>(at[i++]);
+  b->top_expert = reinterpret_cast<int32_t*>(at[i++]);
+  b->top_weight = reinterpret_cast<float*>(at[i++]);
+  b->d_top_weight = reinterpret_cast<float*>(at[i++]);
+  b->row_of = reinterpret_cast<int32_t*>(at[i++]);
+  b->row_token = reinterpret_cast<int32_t*>(at[i++]);
+  b->aux_grad = reinterpret_cast<float*>(at[i++]);
+  b->prob_sums = reinterpret_cast<double*>(at[i++]);
+  b->moe_x = at[i++];
+  b->moe_gate_up = at[i++];
+  b->moe_act = at[i++];
+  b->moe_y = at[i++];
+  b->d_moe_x = at[i++];
+  b->d_moe_gate_up = at[i++];
+  b->d_moe_act = at[i++];
+  if (shape.moe != 0) {
+    b->host_top_expert.resize(size_t(shape.N * shape.K));
+    b->host_row_of.resize(size_t(shape.N * shape.K));
+    b->host_row_token.resize(size_t(shape.R));
+    b->expert_begin.resize(size_t(shape.E + 1));
+    b->host_prob_sums.resize(size_t(shape.E));
+  }
 
   // RoPE tables as the CPU backend's.
   const int64_t D = c.head_dim;
@@ -296,6 +353,10 @@ CudaUnits::LayerOffsets CudaUnits::layer_offsets(const UnitLayout& unit) {
   o.qkv_bias = at("self_attn.q_proj.bias");
   o.q_norm = at("self_attn.q_norm.weight");
   o.k_norm = at("self_attn.k_norm.weight");
+  // A sparse layer, under either family's names (mixtral's, qwen3_moe's).
+  o.router = std::max(at("block_sparse_moe.gate.weight"), at("mlp.gate.weight"));
+  o.experts =
+      std::max(at("block_sparse_moe.experts.0.w1.weight"), at("mlp.experts.0.gate_proj.weight"));
   return o;
 }
 
@@ -339,6 +400,7 @@ Status CudaUnits::mlp_forward(const LayerOffsets& o, const void* w, const void* 
   Buffers& b = *b_;
   STRATA_CHECK(
       cuda::rmsnorm_forward(b.xn2, b.rstd2, x2, at(w, o.norm_post), N, C, eps, type_, stream));
+  if (o.router >= 0) return moe_forward(o, w, x2, out, stream);
   STRATA_CHECK(
       matmuls_.forward(b.gate_up, b.xn2, at(w, o.gate_up), N, C, 2 * I, type_, false, stream));
   STRATA_CHECK(cuda::swiglu_forward(b.mlp, b.gate_up, N, I, type_, stream));
@@ -368,11 +430,17 @@ Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* o
 // The MLP's backward: its parameters' gradients +=, and d(x2) += through
 // norm_post into dx (which holds the residual gradient already).
 Status CudaUnits::mlp_backward(const LayerOffsets& o, const void* w, float* g, const void* x2,
-                               const void* dout, void* dx, cudaStream_t stream) {
+                               const void* dout, void* dx, const float* aux_grad,
+                               cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size, I = c.intermediate_size;
   const size_t ts = cuda::dtype_size(type_);
   Buffers& b = *b_;
+  if (o.router >= 0) {
+    STRATA_CHECK(moe_backward(o, w, g, dout, aux_grad, stream));
+    return cuda::rmsnorm_backward(dx, g + o.norm_post, b.d_xn, x2, at(w, o.norm_post), b.rstd2, N,
+                                  C, type_, b.scratch, size_t(b.scratch_bytes), stream);
+  }
   auto zero = [&](void* buffer, int64_t elements) {
     return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
                             "zeroing a gradient buffer");
@@ -426,7 +494,8 @@ Status CudaUnits::attention_backward(const LayerOffsets& o, const void* w, float
 // gradient, and each branch adds into it: the MLP's (whose x2 is a whole
 // layer's b.x2, the MLP piece's input), then the attention's.
 Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void* x,
-                                 const void* dout, void* dx, bool recompute, cudaStream_t stream) {
+                                 const void* dout, void* dx, bool recompute, const float* aux_grad,
+                                 cudaStream_t stream) {
   const UnitLayout& unit = layout_.units[size_t(u)];
   const LayerOffsets o = layer_offsets(unit);
   const LayerPiece piece = unit.unit.piece;
@@ -438,7 +507,8 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
         cudaMemcpyAsync(dx, dout, size_t(N * C) * ts, cudaMemcpyDeviceToDevice, stream),
         "copying the residual gradient"));
   if (piece != LayerPiece::attention)
-    STRATA_CHECK(mlp_backward(o, w, g, piece == LayerPiece::mlp ? x : b_->x2, dout, dx, stream));
+    STRATA_CHECK(
+        mlp_backward(o, w, g, piece == LayerPiece::mlp ? x : b_->x2, dout, dx, aux_grad, stream));
   if (piece != LayerPiece::mlp) STRATA_CHECK(attention_backward(o, w, g, x, dx, stream));
   return Status::ok();
 }
@@ -449,11 +519,17 @@ Status CudaUnits::forward(int64_t u, const void* params, const CudaUnitBatch& ba
   const UnitShape& unit = layout_.units[size_t(u)].unit;
   switch (unit.kind) {
     case UnitKind::embedding:
+      // The first embedding unit starts the micro-batch's router statistics.
+      if (batch.router != nullptr && unit.chunk <= 0) batch.router->reset(c.num_experts);
       if (unit.chunk >= 0) return vocab_chunk_forward(u, params, batch, input, output, stream);
       return cuda::embedding_forward(output, batch.tokens, params, B_ * T_, c.hidden_size, type_,
                                      stream);
     case UnitKind::decoder_layer:
-      return layer_forward(u, params, input, output, stream);
+      STRATA_CHECK(layer_forward(u, params, input, output, stream));
+      if (batch.router != nullptr && c.layer_is_sparse(unit.layer) &&
+          unit.piece != LayerPiece::attention)
+        return add_router_stats(*batch.router, stream);
+      return Status::ok();
     case UnitKind::head:
       if (unit.chunk >= 0 && unit.chunk < c.vocab_chunks - 1)
         return vocab_chunk_forward(u, params, batch, input, output, stream);
@@ -474,8 +550,15 @@ Status CudaUnits::backward(int64_t u, const void* params, const CudaUnitBatch& b
       return cuda::embedding_backward(grads, doutput, batch.tokens, B_ * T_, c.hidden_size,
                                       c.vocab_size, type_, b_->scratch, size_t(b_->scratch_bytes),
                                       stream);
-    case UnitKind::decoder_layer:
-      return layer_backward(u, params, grads, input, doutput, dinput, recompute, stream);
+    case UnitKind::decoder_layer: {
+      const float* aux_grad = nullptr;
+      if (c.layer_is_sparse(unit.layer) && unit.piece != LayerPiece::attention) {
+        Result<const float*> uploaded = upload_aux_grad(batch, stream);
+        if (!uploaded) return uploaded.status();
+        aux_grad = *uploaded;
+      }
+      return layer_backward(u, params, grads, input, doutput, dinput, recompute, aux_grad, stream);
+    }
     case UnitKind::head:
       if (unit.chunk >= 0 && unit.chunk < c.vocab_chunks - 1)
         return vocab_chunk_backward(u, params, batch, input, doutput, dinput, grads, stream);
@@ -521,6 +604,124 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
                                 "zeroing the head's input gradient"));
   return cuda::rmsnorm_backward(dinput, d_norm, b.d_xn, input, norm, b.head_rstd, N, C, type_,
                                 b.scratch, size_t(b.scratch_bytes), stream);
+}
+
+// --- mixture of experts (core/model/model.cpp's UnitKernels twins) -----------------
+
+Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* x2, void* out,
+                              cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
+  const int64_t I = c.moe_intermediate_size, R = N * K;
+  Buffers& b = *b_;
+  // The router (its logits in the compute type, as transformers' gate), then
+  // each token's experts and weights.
+  STRATA_CHECK(
+      matmuls_.forward(b.router_logits, b.xn2, at(w, o.router), N, C, E, type_, false, stream));
+  STRATA_CHECK(cuda::moe_route(b.probs, b.top_expert, b.top_weight, b.router_logits, N, E, K,
+                               c.norm_topk_prob, type_, stream));
+  // The rows grouped by expert on the host: each expert's product needs its
+  // row count there. The copies down and up keep the stream's order.
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), b.top_expert,
+                                                size_t(N * K) * 4, cudaMemcpyDeviceToHost, stream),
+                                "reading the routing"));
+  STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
+  group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
+                    b.host_row_token.data());
+  // The host copies stay until the next routing, which waits for the stream
+  // (so for these uploads) before it replaces them.
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_of, b.host_row_of.data(), size_t(N * K) * 4,
+                                                cudaMemcpyHostToDevice, stream),
+                                "uploading the routed rows"));
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_token, b.host_row_token.data(), size_t(R) * 4,
+                                                cudaMemcpyHostToDevice, stream),
+                                "uploading the routed rows"));
+  STRATA_CHECK(cuda::moe_gather_rows(b.moe_x, b.xn2, b.row_token, R, N, C, type_, stream));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
+    if (n == 0) continue;
+    const int64_t gate_up = o.experts + e * 3 * I * C, down = gate_up + 2 * I * C;
+    STRATA_CHECK(matmuls_.forward(at(b.moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
+                                  at(w, gate_up), n, C, 2 * I, type_, false, stream));
+    STRATA_CHECK(cuda::swiglu_forward(at(b.moe_act, r0 * I), at(b.moe_gate_up, r0 * 2 * I), n, I,
+                                      type_, stream));
+    STRATA_CHECK(matmuls_.forward(at(b.moe_y, r0 * C), at(b.moe_act, r0 * I), at(w, down), n, I, C,
+                                  type_, false, stream));
+  }
+  if (out == nullptr) return Status::ok();
+  return cuda::moe_combine(out, x2, b.moe_y, b.top_expert, b.row_of, b.top_weight, N, C, K, type_,
+                           stream);
+}
+
+Status CudaUnits::moe_backward(const LayerOffsets& o, const void* w, float* g, const void* dout,
+                               const float* aux_grad, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
+  const int64_t I = c.moe_intermediate_size, R = N * K;
+  const size_t ts = cuda::dtype_size(type_);
+  Buffers& b = *b_;
+  auto zero = [&](void* buffer, int64_t elements) {
+    return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
+                            "zeroing a gradient buffer");
+  };
+  // The weights' gradient; the experts' outputs become their gradient.
+  STRATA_CHECK(cuda::moe_weight_backward(b.d_top_weight, b.moe_y, dout, b.row_of, b.top_weight, N,
+                                         C, K, type_, stream));
+  STRATA_CHECK(zero(b.d_moe_act, R * I));
+  STRATA_CHECK(zero(b.d_moe_x, R * C));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
+    if (n == 0) continue;  // its gradient stays as it was: zero from this micro-batch
+    const int64_t gate_up = o.experts + e * 3 * I * C, down = gate_up + 2 * I * C;
+    STRATA_CHECK(matmuls_.backward(at(b.d_moe_act, r0 * I), g + down, at(b.moe_y, r0 * C),
+                                   at(b.moe_act, r0 * I), at(w, down), n, I, C, type_, stream));
+    STRATA_CHECK(cuda::swiglu_backward(at(b.d_moe_gate_up, r0 * 2 * I), at(b.d_moe_act, r0 * I),
+                                       at(b.moe_gate_up, r0 * 2 * I), n, I, type_, stream));
+    STRATA_CHECK(matmuls_.backward(at(b.d_moe_x, r0 * C), g + gate_up,
+                                   at(b.d_moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
+                                   at(w, gate_up), n, C, 2 * I, type_, stream));
+  }
+  // The router: the logits' gradient (in the logits' buffer), then d(xn2):
+  // the rows' input gradients in expert order, plus the router's product.
+  STRATA_CHECK(cuda::moe_router_backward(b.router_logits, b.probs, b.top_expert, b.top_weight,
+                                         b.d_top_weight, aux_grad, N, E, K, c.norm_topk_prob, type_,
+                                         stream));
+  STRATA_CHECK(
+      cuda::moe_sum_rows(b.d_xn, b.d_moe_x, b.top_expert, b.row_of, N, C, K, type_, stream));
+  return matmuls_.backward(b.d_xn, g + o.router, b.router_logits, b.xn2, at(w, o.router), N, C, E,
+                           type_, stream);
+}
+
+Status CudaUnits::add_router_stats(RouterStats& stats, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, E = c.num_experts;
+  Buffers& b = *b_;
+  STRATA_CHECK(cuda::moe_prob_sums(b.prob_sums, b.probs, N, E, stream));
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_prob_sums.data(), b.prob_sums, size_t(E) * 8,
+                                                cudaMemcpyDeviceToHost, stream),
+                                "reading the router's statistics"));
+  STRATA_CHECK(
+      cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the router's statistics"));
+  stats.add(b.expert_begin.data(), b.host_prob_sums.data(), N);
+  return Status::ok();
+}
+
+Result<const float*> CudaUnits::upload_aux_grad(const CudaUnitBatch& batch, cudaStream_t stream) {
+  UnitBatch host;
+  host.router = batch.router;
+  host.aux_loss_scale = batch.aux_loss_scale;
+  std::vector<float> aux_grad = router_aux_grad(layout_.config, host);
+  if (aux_grad.empty()) return static_cast<const float*>(nullptr);
+  // The last upload (and every kernel that read it) is done before its host
+  // copy and its device buffer are replaced.
+  STRATA_CHECK(
+      cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the last sparse layer"));
+  b_->host_aux_grad = std::move(aux_grad);
+  STRATA_CHECK(cuda::check_cuda(
+      cudaMemcpyAsync(b_->aux_grad, b_->host_aux_grad.data(), b_->host_aux_grad.size() * 4,
+                      cudaMemcpyHostToDevice, stream),
+      "uploading the load-balancing gradient"));
+  return static_cast<const float*>(b_->aux_grad);
 }
 
 // --- vocabulary chunks (core/model/vocab_chunks.cpp's twins) -----------------------

@@ -14,10 +14,16 @@
 // computing what core/model/vocab_chunks.h's does: embedding chunks set
 // their tokens' rows, head chunks write their block of the logits
 // (CudaUnitBatch::head_logits), the last chunk's pass takes the loss over
-// the whole rows, and every chunk's backward reads its block.
+// the whole rows, and every chunk's backward reads its block. A mixture's
+// sparse layers (mixtral, qwen3_moe) route, run each expert over its rows
+// and add the weighted outputs as core/model/model.h defines, with the
+// router statistics in host memory (CudaUnitBatch::router).
 //
-// Contract. Every call enqueues work on `stream` and returns at once; every
-// pointer is a device pointer. Parameters and activations are in the compute
+// Contract. Every call enqueues work on `stream` and returns at once, but
+// for a sparse layer: its forward waits for the stream to group the routed
+// rows on the host (each expert's product needs its row count) and to add
+// the router statistics, its backward to upload the load-balancing
+// gradient. Every pointer is a device pointer. Parameters and activations are in the compute
 // type (bf16, fp16, or fp32 for testing); parameter gradients are fp32.
 // A CudaUnits object is the working set of one (model, B, T, type): the
 // activations of one decoder layer, the backward's scratch and the head's
@@ -68,6 +74,12 @@ struct CudaUnitBatch {
   // chunk's (N, rows) block, as UnitBatch::head_logits on the CPU. Null for
   // a whole head; a cut one needs it.
   void* head_logits = nullptr;
+  // A mixture of experts (core/model/model.h, UnitBatch::router and
+  // aux_loss_scale): the micro-batch's router statistics in host memory,
+  // which the embedding's forward resets and each sparse layer's forward
+  // adds to, and d(objective)/d(its load-balancing loss) for the backwards.
+  RouterStats* router = nullptr;
+  float aux_loss_scale = 0.0f;
 };
 
 class CudaUnits {
@@ -113,13 +125,17 @@ class CudaUnits {
   struct LayerOffsets {
     int64_t qkv = -1, o = -1, gate_up = -1, down = -1, norm_in = -1, norm_post = -1;
     int64_t qkv_bias = -1, q_norm = -1, k_norm = -1;
+    // A sparse layer's router (E, C) and experts (expert e's gate and up
+    // (2 I, C) at experts + e 3 I C, its down (C, I) after them).
+    int64_t router = -1, experts = -1;
   };
   static LayerOffsets layer_offsets(const UnitLayout& unit);
   // A whole layer or its piece (UnitShape::piece), as the CPU units compute them.
   Status layer_forward(int64_t u, const void* params, const void* x, void* out,
                        cudaStream_t stream);
   Status layer_backward(int64_t u, const void* params, float* grads, const void* x,
-                        const void* dout, void* dx, bool recompute, cudaStream_t stream);
+                        const void* dout, void* dx, bool recompute, const float* aux_grad,
+                        cudaStream_t stream);
   // The two halves of a layer: x2 = x + attention; out = x2 + MLP (no `out`:
   // recomputation for the backward). Their backwards add into dx.
   Status attention_forward(const LayerOffsets& o, const void* w, const void* x, void* x2,
@@ -129,7 +145,21 @@ class CudaUnits {
   Status attention_backward(const LayerOffsets& o, const void* w, float* g, const void* x, void* dx,
                             cudaStream_t stream);
   Status mlp_backward(const LayerOffsets& o, const void* w, float* g, const void* x2,
-                      const void* dout, void* dx, cudaStream_t stream);
+                      const void* dout, void* dx, const float* aux_grad, cudaStream_t stream);
+  // A sparse layer's MLP from xn2 (its norm's output): the routing (grouped
+  // on the host, which waits for the stream), each expert over its rows, and
+  // with `out`, out = x2 + the weighted sum. Its backward leaves d(xn2) in
+  // d_xn; aux_grad: the load-balancing gradient (E) on the device, or null.
+  Status moe_forward(const LayerOffsets& o, const void* w, const void* x2, void* out,
+                     cudaStream_t stream);
+  Status moe_backward(const LayerOffsets& o, const void* w, float* g, const void* dout,
+                      const float* aux_grad, cudaStream_t stream);
+  // After a sparse layer's forward: its probabilities' sums added to the
+  // micro-batch's statistics with the grouping's counts (waits for the stream).
+  Status add_router_stats(RouterStats& stats, cudaStream_t stream);
+  // The load-balancing gradient of `batch` for a sparse layer's backward,
+  // uploaded: the device pointer, or null when the batch takes none.
+  Result<const float*> upload_aux_grad(const CudaUnitBatch& batch, cudaStream_t stream);
   // Qwen3's RMSNorm on each head of q and k, in place in the qkv rows (the inputs
   // and rstd kept), and its backward in place in d_qkv; the norms' flat offsets.
   Status qk_norm_forward(const void* params, int64_t q_norm, int64_t k_norm, cudaStream_t stream);

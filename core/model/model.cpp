@@ -153,6 +153,14 @@ void RouterStats::reset(int64_t experts) {
   rows = 0;
 }
 
+void RouterStats::add(const int64_t* expert_begin, const double* prob_sums, int64_t N) {
+  for (size_t e = 0; e < assigned.size(); ++e) {
+    assigned[e] += double(expert_begin[e + 1] - expert_begin[e]);
+    prob_sum[e] += prob_sums[e];
+  }
+  rows += double(N);
+}
+
 double RouterStats::aux_loss() const {
   if (rows <= 0) return 0.0;
   double sum = 0.0;
@@ -527,15 +535,8 @@ struct UnitKernels {
         }
       }
     });
-    std::fill(ws.expert_begin.begin(), ws.expert_begin.end(), 0);
-    for (int64_t i = 0; i < N * K; ++i) ++ws.expert_begin[size_t(ws.top_expert[i]) + 1];
-    for (int64_t e = 0; e < E; ++e) ws.expert_begin[e + 1] += ws.expert_begin[e];
-    std::vector<int64_t> next(ws.expert_begin.begin(), ws.expert_begin.end() - 1);
-    for (int64_t i = 0; i < N * K; ++i) {
-      const int64_t row = next[size_t(ws.top_expert[i])]++;
-      ws.row_of[i] = int32_t(row);
-      ws.row_token[row] = int32_t(i / K);
-    }
+    group_routed_rows(ws.top_expert.data(), N, K, E, ws.expert_begin.data(), ws.row_of.data(),
+                      ws.row_token.data());
   }
 
   // Each expert over its rows: moe_x (the rows' inputs), gate_up, SwiGLU, y.
@@ -727,13 +728,10 @@ struct UnitKernels {
   // A sparse layer's forward adds its tokens to the micro-batch's statistics.
   static void add_router_stats(const ModelConfig& c, const UnitWorkspace& ws, RouterStats& stats) {
     const int64_t N = ws.B_ * ws.T_, E = c.num_experts;
-    for (int64_t e = 0; e < E; ++e) {
-      stats.assigned[size_t(e)] += double(ws.expert_begin[e + 1] - ws.expert_begin[e]);
-      double sum = 0.0;
-      for (int64_t n = 0; n < N; ++n) sum += ws.router_probs[n * E + e];
-      stats.prob_sum[size_t(e)] += sum;
-    }
-    stats.rows += double(N);
+    std::vector<double> sums(size_t(E), 0.0);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t n = 0; n < N; ++n) sums[size_t(e)] += ws.router_probs[n * E + e];
+    stats.add(ws.expert_begin.data(), sums.data(), N);
   }
 
   // The head over rows [begin, begin + rows): logits into ws.logits.
@@ -823,6 +821,30 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
   return 0.0;
 }
 
+void group_routed_rows(const int32_t* top_expert, int64_t N, int64_t K, int64_t E,
+                       int64_t* expert_begin, int32_t* row_of, int32_t* row_token) {
+  std::fill(expert_begin, expert_begin + E + 1, 0);
+  for (int64_t i = 0; i < N * K; ++i) ++expert_begin[top_expert[i] + 1];
+  for (int64_t e = 0; e < E; ++e) expert_begin[e + 1] += expert_begin[e];
+  std::vector<int64_t> next(expert_begin, expert_begin + E);
+  for (int64_t i = 0; i < N * K; ++i) {
+    const int64_t row = next[size_t(top_expert[i])]++;
+    row_of[i] = int32_t(row);
+    row_token[row] = int32_t(i / K);
+  }
+}
+
+std::vector<float> router_aux_grad(const ModelConfig& c, const UnitBatch& batch) {
+  std::vector<float> aux_grad;
+  if (batch.router == nullptr || batch.aux_loss_scale == 0.0f || batch.router->rows <= 0)
+    return aux_grad;
+  const RouterStats& stats = *batch.router;
+  for (double a : stats.assigned)
+    aux_grad.push_back(float(double(batch.aux_loss_scale) * double(c.num_experts) * a /
+                             (stats.rows * stats.rows)));
+  return aux_grad;
+}
+
 std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const UnitParams& params,
                                     const float* input, UnitWorkspace& ws) {
   return UnitKernels::route_only(model.config, model.units[size_t(u)], params.flat, input, ws);
@@ -843,14 +865,7 @@ void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params
       cpu::embedding_backward(grads.flat, doutput, batch.tokens, N, c.hidden_size);
       return;
     case UnitKind::decoder_layer: {
-      // The load-balancing loss's gradient to each probability: scale E a_e / R^2.
-      std::vector<float> aux_grad;
-      if (batch.router != nullptr && batch.aux_loss_scale != 0.0f && batch.router->rows > 0) {
-        const RouterStats& stats = *batch.router;
-        for (double a : stats.assigned)
-          aux_grad.push_back(float(double(batch.aux_loss_scale) * double(c.num_experts) * a /
-                                   (stats.rows * stats.rows)));
-      }
+      const std::vector<float> aux_grad = router_aux_grad(c, batch);
       UnitKernels::layer_backward(c, layout, params.flat, grads.flat, input, doutput, dinput,
                                   recompute, aux_grad.empty() ? nullptr : aux_grad.data(), ws);
       return;

@@ -132,6 +132,10 @@ struct RouterStats {
   std::vector<double> prob_sum;  // (E) router probabilities summed over tokens and layers
   double rows = 0;               // tokens times sparse layers forwarded
   void reset(int64_t experts);
+  // A sparse layer's forward over N tokens: expert_begin (E + 1) of its
+  // grouped rows (group_routed_rows), prob_sums (E) its probabilities summed
+  // over the tokens.
+  void add(const int64_t* expert_begin, const double* prob_sums, int64_t N);
   // E sum_e (assigned_e / rows) (prob_sum_e / rows); 0 before any sparse layer.
   double aux_loss() const;
 };
@@ -317,6 +321,19 @@ ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u);
 // it leaves in `ws` as a forward would.
 std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const UnitParams& params,
                                     const float* input, UnitWorkspace& ws);
+
+// A sparse layer's N K routed rows grouped by expert (by token within an
+// expert), from each token's K chosen experts top_expert (N, K) in [0, E):
+// expert_begin (E + 1) where each expert's rows begin, row_of (N, K) the
+// row of token n's k-th slot, row_token (N K) the token of each row. Both
+// backends group this way (the CUDA backend on the host).
+void group_routed_rows(const int32_t* top_expert, int64_t N, int64_t K, int64_t E,
+                       int64_t* expert_begin, int32_t* row_of, int32_t* row_token);
+
+// The load-balancing loss's gradient to each router probability of a
+// sparse layer, scale E a_e / R^2 (RouterStats): (E), or empty when the
+// batch takes none (no statistics, or aux_loss_scale 0).
+std::vector<float> router_aux_grad(const ModelConfig& config, const UnitBatch& batch);
 
 // Checks that tokens lie in [0, V) and targets in [-inf, V): the message names `origin`.
 Status check_token_ids(const ModelConfig& config, const int32_t* ids, int64_t count,

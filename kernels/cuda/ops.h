@@ -182,6 +182,83 @@ Status swiglu_backward(void* dgate_up,       // (N, 2*I) of type, =
                        const void* gate_up,  // (N, 2*I) of type
                        int64_t N, int64_t I, DType type, cudaStream_t stream);
 
+// --- mixture of experts (kernels/cuda/moe.cu) -----------------------------------------
+//
+// A sparse layer's routing and the per-token parts around the experts'
+// products, as core/model/model.h defines them (the experts' products are
+// matrix products, kernels/cuda/matmul.h, over each expert's rows). The host
+// groups the routed rows by expert (group_routed_rows, core/model/model.h):
+// row_of (N, K) gives the row of token n's k-th slot, row_token (N K) the
+// token of each row. Every kernel below keeps the CPU backend's order of
+// operations, but for expf's rounding in the router and the float64 sum
+// behind each weight's gradient (a block reduction); one thread or one block
+// per token, no atomics. K is at most kMoeMaxTopK.
+
+constexpr int64_t kMoeMaxTopK = 32;
+
+// probs = softmax(logits) in fp32 (exponentials against the row's maximum,
+// their sum in float64); each token's k largest probabilities in descending
+// order, ties to the lower index; the weights are those probabilities,
+// divided by their (fp32, slot-order) sum when norm_topk_prob.
+Status moe_route(float* probs,         // (N, E) fp32, =
+                 int32_t* top_expert,  // (N, K), =
+                 float* top_weight,    // (N, K) fp32, =
+                 const void* logits,   // (N, E) of type
+                 int64_t N, int64_t E, int64_t K, bool norm_topk_prob, DType type,
+                 cudaStream_t stream);
+
+// sums[e] = the sum over tokens n (in order, float64) of probs[n, e]; zeros for N = 0.
+Status moe_prob_sums(double* sums,        // (E), =
+                     const float* probs,  // (N, E) fp32
+                     int64_t N, int64_t E, cudaStream_t stream);
+
+// rows[r] = x[row_token[r]]: each routed row's input.
+Status moe_gather_rows(void* rows,                // (R, C) of type, =
+                       const void* x,             // (N, C) of type
+                       const int32_t* row_token,  // (R), in [0, N)
+                       int64_t R, int64_t N, int64_t C, DType type, cudaStream_t stream);
+
+// out[n] = x2[n] + s, s the fp32 sum over token n's slots in increasing
+// order of their experts of top_weight * y[row_of]: one rounding per element.
+Status moe_combine(void* out,                  // (N, C) of type, =
+                   const void* x2,             // (N, C) of type
+                   const void* y,              // (R, C) of type: the experts' outputs
+                   const int32_t* top_expert,  // (N, K)
+                   const int32_t* row_of,      // (N, K)
+                   const float* top_weight,    // (N, K) fp32
+                   int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream);
+
+// The weights' gradient d_top_weight[n, k] = dout[n] . y[row_of[n, k]]
+// (summed in float64, stored as fp32), then each row's output gradient in place: y[row] =
+// top_weight * dout[n], rounded to type.
+Status moe_weight_backward(float* d_top_weight,      // (N, K) fp32, =
+                           void* y,                  // (R, C) of type: outputs in, gradients out
+                           const void* dout,         // (N, C) of type
+                           const int32_t* row_of,    // (N, K)
+                           const float* top_weight,  // (N, K) fp32
+                           int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream);
+
+// The router's backward to its logits: dp_e = aux_grad[e] (0 when null)
+// plus, for each slot k in order, d_top_weight's share (through the
+// renormalisation when norm_topk_prob); d_logits = p (dp - p . dp), the dot in
+// float64.
+Status moe_router_backward(void* d_logits,             // (N, E) of type, =
+                           const float* probs,         // (N, E) fp32
+                           const int32_t* top_expert,  // (N, K)
+                           const float* top_weight,    // (N, K) fp32
+                           const float* d_top_weight,  // (N, K) fp32
+                           const float* aux_grad,      // (E) fp32, or null
+                           int64_t N, int64_t E, int64_t K, bool norm_topk_prob, DType type,
+                           cudaStream_t stream);
+
+// dx[n] = the fp32 sum over token n's slots in increasing order of their
+// experts of d_rows[row_of], one rounding per element.
+Status moe_sum_rows(void* dx,                   // (N, C) of type, =
+                    const void* d_rows,         // (R, C) of type
+                    const int32_t* top_expert,  // (N, K)
+                    const int32_t* row_of,      // (N, K)
+                    int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream);
+
 // --- softmax cross-entropy (kernels/cuda/cross_entropy.cu) ---------------------------
 
 // As Hugging Face's loss: logits upcast to fp32. A target below 0 is ignored

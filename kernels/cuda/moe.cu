@@ -1,0 +1,393 @@
+// A sparse (mixture-of-experts) layer's per-token kernels on the GPU: the
+// router's softmax and top k, each routed row's input, the weighted combine
+// of the experts' outputs, and their backwards (ops.h). The experts' own
+// products are matrix products (kernels/cuda/matmul.h) over each expert's rows.
+//
+// Every kernel performs the CPU backend's floating-point operations in its
+// order (core/model/model.cpp: moe_route, moe_combine, moe_backward): a
+// token's slots in increasing order of their experts, the softmax's sum and
+// the router's dot in float64 in expert order, and __fmul_rn where a product
+// feeds a sum, so that nvcc contracts no multiply-add (the CPU build has
+// none). fp32 results are therefore the CPU's bits except for expf's rounding
+// (the router) and the order of the float64 sum behind each weight's
+// gradient (a block reduction, then rounded to fp32).
+//
+// One thread per token where a token's work is a short serial loop over its
+// experts (routing, the router's backward), one thread per expert for the
+// probability sums, one block per token or per slot where the work spans a
+// row of C. No atomics: the results are the same bits on every run.
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda/common.cuh"
+
+namespace strata::kernels::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kThreads = 256;
+static_assert(kThreads >= kMoeMaxTopK, "one thread per slot orders a token's slots");
+
+// --- routing ----------------------------------------------------------------------
+
+// Whether expert e is among the first k picks.
+__device__ __forceinline__ bool already_chosen(const int32_t* chosen, int64_t k, int64_t e) {
+  for (int64_t j = 0; j < k; ++j) {
+    if (chosen[j] == e) return true;
+  }
+  return false;
+}
+
+template <typename T>
+__global__ void moe_route_kernel(float* probs,         // (N, E), =
+                                 int32_t* top_expert,  // (N, K), =
+                                 float* top_weight,    // (N, K), =
+                                 const T* logits,      // (N, E)
+                                 int64_t N, int64_t E, int64_t K, bool norm_topk_prob) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const T* logit = logits + n * E;
+  float* p = probs + n * E;
+  float top = to_float(logit[0]);
+  for (int64_t e = 1; e < E; ++e) {
+    const float x = to_float(logit[e]);
+    if (top < x) top = x;  // std::max_element's comparison
+  }
+  double sum = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    p[e] = expf(to_float(logit[e]) - top);
+    sum += p[e];
+  }
+  for (int64_t e = 0; e < E; ++e) p[e] = static_cast<float>(p[e] / sum);
+
+  int32_t chosen[kMoeMaxTopK];
+  float weight[kMoeMaxTopK];
+  for (int64_t k = 0; k < K; ++k) {  // the k-th largest of the ones not chosen yet
+    int64_t best = -1;
+    float best_p = 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      // The CPU's test (not chosen, and the first or strictly larger: ties
+      // to the lower index), its cheap half first.
+      if (best >= 0 && !(p[e] > best_p)) continue;
+      if (already_chosen(chosen, k, e)) continue;
+      best = e;
+      best_p = p[e];
+    }
+    chosen[k] = static_cast<int32_t>(best);
+    weight[k] = best_p;
+  }
+  if (norm_topk_prob) {
+    float total = 0.0f;
+    for (int64_t k = 0; k < K; ++k) total += weight[k];
+    for (int64_t k = 0; k < K; ++k) weight[k] /= total;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    top_expert[n * K + k] = chosen[k];
+    top_weight[n * K + k] = weight[k];
+  }
+}
+
+__global__ void moe_prob_sums_kernel(double* sums,        // (E), =
+                                     const float* probs,  // (N, E)
+                                     int64_t N, int64_t E) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  double sum = 0.0;
+  for (int64_t n = 0; n < N; ++n) sum += probs[n * E + e];
+  sums[e] = sum;
+}
+
+// --- the rows around the experts ----------------------------------------------------
+
+template <typename T>
+__global__ void moe_gather_rows_kernel(T* rows,                   // (R, C), =
+                                       const T* x,                // (N, C)
+                                       const int32_t* row_token,  // (R)
+                                       int64_t R, int64_t C) {
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= R * C) return;
+  const int64_t r = index / C, i = index % C;
+  rows[index] = x[static_cast<int64_t>(row_token[r]) * C + i];
+}
+
+// Token n's slots in increasing order of their experts (equal experts, which
+// routing never gives, in slot order): slot k goes to the position that counts
+// the slots before it in that order. Fills rows (and weights, unless null) in
+// shared memory for the whole block.
+__device__ __forceinline__ void slots_by_expert(int64_t* rows,              // (K), =
+                                                float* weights,             // (K), =, or null
+                                                const int32_t* top_expert,  // (K): token n's
+                                                const int32_t* row_of,      // (K): token n's
+                                                const float* top_weight,    // (K): token n's
+                                                int64_t K) {
+  if (threadIdx.x < K) {
+    const int64_t k = threadIdx.x;
+    const int32_t expert = top_expert[k];
+    int64_t position = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      if (top_expert[j] < expert || (top_expert[j] == expert && j < k)) ++position;
+    }
+    rows[position] = row_of[k];
+    if (weights != nullptr) weights[position] = top_weight[k];
+  }
+  __syncthreads();
+}
+
+template <typename T>
+__global__ void moe_combine_kernel(T* out,                     // (N, C), =
+                                   const T* x2,                // (N, C)
+                                   const T* y,                 // (R, C)
+                                   const int32_t* top_expert,  // (N, K)
+                                   const int32_t* row_of,      // (N, K)
+                                   const float* top_weight,    // (N, K)
+                                   int64_t C, int64_t K) {
+  __shared__ int64_t rows[kMoeMaxTopK];
+  __shared__ float weights[kMoeMaxTopK];
+  const int64_t n = blockIdx.x;
+  slots_by_expert(rows, weights, top_expert + n * K, row_of + n * K, top_weight + n * K, K);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < K; ++j) sum += __fmul_rn(weights[j], to_float(y[rows[j] * C + i]));
+    out[n * C + i] = from_float<T>(to_float(x2[n * C + i]) + sum);
+  }
+}
+
+template <typename T>
+__global__ void moe_sum_rows_kernel(T* dx,                      // (N, C), =
+                                    const T* d_rows,            // (R, C)
+                                    const int32_t* top_expert,  // (N, K)
+                                    const int32_t* row_of,      // (N, K)
+                                    int64_t C, int64_t K) {
+  __shared__ int64_t rows[kMoeMaxTopK];
+  const int64_t n = blockIdx.x;
+  slots_by_expert(rows, nullptr, top_expert + n * K, row_of + n * K, nullptr, K);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < K; ++j) sum += to_float(d_rows[rows[j] * C + i]);
+    dx[n * C + i] = from_float<T>(sum);
+  }
+}
+
+// --- backward of the weights and the router -------------------------------------------
+
+// Sum over the block in float64 (blockDim.x a multiple of 32); every thread
+// gets the result. Called once per block: `shared` is not reused.
+__device__ __forceinline__ double block_sum_double(double x, double* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = lane < warps ? shared[lane] : 0.0;
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// One block per slot (n, k). Each element of the slot's row is read and then
+// overwritten by the one thread that owns it, and no other slot shares the
+// row, so the gradient may replace the output in place.
+template <typename T>
+__global__ void moe_weight_backward_kernel(float* d_top_weight,      // (N, K), =
+                                           T* y,                     // (R, C): in, then =
+                                           const T* dout,            // (N, C)
+                                           const int32_t* row_of,    // (N, K)
+                                           const float* top_weight,  // (N, K)
+                                           int64_t C, int64_t K) {
+  __shared__ double reduce[32];
+  const int64_t slot = blockIdx.x, n = slot / K;
+  T* row = y + static_cast<int64_t>(row_of[slot]) * C;
+  const T* dy = dout + n * C;
+  const float weight = top_weight[slot];
+  double dot = 0.0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float grad = to_float(dy[i]);
+    dot += static_cast<double>(grad) * to_float(row[i]);  // exact in float64
+    row[i] = from_float<T>(weight * grad);
+  }
+  dot = block_sum_double(dot, reduce);
+  if (threadIdx.x == 0) d_top_weight[slot] = static_cast<float>(dot);
+}
+
+// d p_e of one token: the load-balancing loss's share, then the share of
+// every slot that chose e, in slot order, as the CPU adds them into its row.
+__device__ __forceinline__ float router_prob_grad(int64_t e, const float* aux_grad,  // (E)
+                                                  const int32_t* chosen,             // (K)
+                                                  const float* slot_grad,            // (K)
+                                                  int64_t K) {
+  float grad = aux_grad != nullptr ? aux_grad[e] : 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    if (chosen[k] == e) grad += slot_grad[k];
+  }
+  return grad;
+}
+
+template <typename T>
+__global__ void moe_router_backward_kernel(T* d_logits,                // (N, E), =
+                                           const float* probs,         // (N, E)
+                                           const int32_t* top_expert,  // (N, K)
+                                           const float* top_weight,    // (N, K)
+                                           const float* d_top_weight,  // (N, K)
+                                           const float* aux_grad,      // (E), or null
+                                           int64_t N, int64_t E, int64_t K, bool norm_topk_prob) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const float* p = probs + n * E;
+  const int32_t* chosen = top_expert + n * K;
+  const float* weight = top_weight + n * K;
+  const float* dw = d_top_weight + n * K;
+  // Each slot's addition to d p[chosen[k]]; no (N, E) scratch holds d p.
+  float slot_grad[kMoeMaxTopK];
+  if (norm_topk_prob) {  // weight_k = p_k / S: d p_k = (dw_k - sum_j dw_j weight_j) / S
+    float total = 0.0f, dot = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      total += p[chosen[k]];
+      dot += __fmul_rn(dw[k], weight[k]);
+    }
+    for (int64_t k = 0; k < K; ++k) slot_grad[k] = (dw[k] - dot) / total;
+  } else {
+    for (int64_t k = 0; k < K; ++k) slot_grad[k] = dw[k];
+  }
+  double dot = 0.0;  // p . d p; each product exact in float64
+  for (int64_t e = 0; e < E; ++e) {
+    dot += static_cast<double>(p[e]) * router_prob_grad(e, aux_grad, chosen, slot_grad, K);
+  }
+  const float p_dot_dp = static_cast<float>(dot);
+  for (int64_t e = 0; e < E; ++e) {
+    const float dp = router_prob_grad(e, aux_grad, chosen, slot_grad, K);
+    d_logits[n * E + e] = from_float<T>(p[e] * (dp - p_dot_dp));
+  }
+}
+
+// --- argument checks --------------------------------------------------------------------
+
+// OK when 1 <= K <= limit, else the refusal naming the bound.
+Status check_top_k(const char* kernel, DType type, const std::string& shape, int64_t K,
+                   int64_t limit) {
+  if (K >= 1 && K <= limit) return Status::ok();
+  const std::string what =
+      "K outside [1, " + std::to_string(limit) +
+      "] (at least 1, at most E and kMoeMaxTopK = " + std::to_string(kMoeMaxTopK) + ")";
+  return argument_error(kernel, type, shape, what.c_str());
+}
+
+}  // namespace
+
+Status moe_route(float* probs, int32_t* top_expert, float* top_weight, const void* logits,
+                 int64_t N, int64_t E, int64_t K, bool norm_topk_prob, DType type,
+                 cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"E", E}, {"K", K}});
+  if (N < 0 || E <= 0) return argument_error("moe_route", type, shape, "bad shape");
+  if (Status status = check_top_k("moe_route", type, shape, K, std::min(E, kMoeMaxTopK));
+      !status.is_ok()) {
+    return status;
+  }
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_route_kernel<T><<<blocks_for(N, kThreads), kThreads, 0, stream>>>(
+        probs, top_expert, top_weight, static_cast<const T*>(logits), N, E, K, norm_topk_prob);
+    return check_launch("moe_route", type, shape);
+  });
+}
+
+Status moe_prob_sums(double* sums, const float* probs, int64_t N, int64_t E, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"E", E}});
+  if (N < 0 || E <= 0) return argument_error("moe_prob_sums", DType::f32, shape, "bad shape");
+  // No early return for N == 0: the sums are then zeros, and still written.
+  moe_prob_sums_kernel<<<blocks_for(E, kThreads), kThreads, 0, stream>>>(sums, probs, N, E);
+  return check_launch("moe_prob_sums", DType::f32, shape);
+}
+
+Status moe_gather_rows(void* rows, const void* x, const int32_t* row_token, int64_t R, int64_t N,
+                       int64_t C, DType type, cudaStream_t stream) {
+  const std::string shape = shape_text({{"R", R}, {"N", N}, {"C", C}});
+  if (R < 0 || N < 0 || C <= 0 || (R > 0 && N == 0)) {
+    return argument_error("moe_gather_rows", type, shape, "bad shape");
+  }
+  if (R == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_gather_rows_kernel<T><<<blocks_for(R * C, kThreads), kThreads, 0, stream>>>(
+        static_cast<T*>(rows), static_cast<const T*>(x), row_token, R, C);
+    return check_launch("moe_gather_rows", type, shape);
+  });
+}
+
+Status moe_combine(void* out, const void* x2, const void* y, const int32_t* top_expert,
+                   const int32_t* row_of, const float* top_weight, int64_t N, int64_t C, int64_t K,
+                   DType type, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
+  if (N < 0 || C <= 0 || N > INT32_MAX) {
+    return argument_error("moe_combine", type, shape, "bad shape");
+  }
+  if (Status status = check_top_k("moe_combine", type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+    return status;
+  }
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_combine_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        static_cast<T*>(out), static_cast<const T*>(x2), static_cast<const T*>(y), top_expert,
+        row_of, top_weight, C, K);
+    return check_launch("moe_combine", type, shape);
+  });
+}
+
+Status moe_weight_backward(float* d_top_weight, void* y, const void* dout, const int32_t* row_of,
+                           const float* top_weight, int64_t N, int64_t C, int64_t K, DType type,
+                           cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
+  if (N < 0 || C <= 0) return argument_error("moe_weight_backward", type, shape, "bad shape");
+  if (Status status = check_top_k("moe_weight_backward", type, shape, K, kMoeMaxTopK);
+      !status.is_ok()) {
+    return status;
+  }
+  if (N > INT32_MAX / K) return argument_error("moe_weight_backward", type, shape, "bad shape");
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_weight_backward_kernel<T><<<static_cast<unsigned>(N * K), kThreads, 0, stream>>>(
+        d_top_weight, static_cast<T*>(y), static_cast<const T*>(dout), row_of, top_weight, C, K);
+    return check_launch("moe_weight_backward", type, shape);
+  });
+}
+
+Status moe_router_backward(void* d_logits, const float* probs, const int32_t* top_expert,
+                           const float* top_weight, const float* d_top_weight,
+                           const float* aux_grad, int64_t N, int64_t E, int64_t K,
+                           bool norm_topk_prob, DType type, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"E", E}, {"K", K}});
+  if (N < 0 || E <= 0) return argument_error("moe_router_backward", type, shape, "bad shape");
+  if (Status status = check_top_k("moe_router_backward", type, shape, K, std::min(E, kMoeMaxTopK));
+      !status.is_ok()) {
+    return status;
+  }
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_router_backward_kernel<T><<<blocks_for(N, kThreads), kThreads, 0, stream>>>(
+        static_cast<T*>(d_logits), probs, top_expert, top_weight, d_top_weight, aux_grad, N, E, K,
+        norm_topk_prob);
+    return check_launch("moe_router_backward", type, shape);
+  });
+}
+
+Status moe_sum_rows(void* dx, const void* d_rows, const int32_t* top_expert, const int32_t* row_of,
+                    int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
+  if (N < 0 || C <= 0 || N > INT32_MAX) {
+    return argument_error("moe_sum_rows", type, shape, "bad shape");
+  }
+  if (Status status = check_top_k("moe_sum_rows", type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+    return status;
+  }
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_sum_rows_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        static_cast<T*>(dx), static_cast<const T*>(d_rows), top_expert, row_of, C, K);
+    return check_launch("moe_sum_rows", type, shape);
+  });
+}
+
+}  // namespace strata::kernels::cuda
