@@ -77,6 +77,18 @@ __device__ __forceinline__ float block_sum(float x, float* shared) {
   return warp_sum(x);
 }
 
+// The same in float64, called once per block (`shared`, 32 doubles, is not
+// reused); every thread gets the result.
+__device__ __forceinline__ double block_sum_double(double x, double* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = lane < warps ? shared[lane] : 0.0;
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
 // Calls launch(T{}) with T the element type of `type` (float, bf16 or f16).
 template <typename Launch>
 Status dispatch_type(DType type, Launch&& launch) {

@@ -12,16 +12,6 @@ using namespace detail;
 constexpr int kThreads = 256;
 constexpr int64_t kChunk = kThreads * 32;
 
-__device__ __forceinline__ double block_sum_double(double x, double* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  if (lane == 0) shared[warp] = x;
-  __syncthreads();
-  x = lane < warps ? shared[lane] : 0.0;
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 template <typename T>
 __global__ void grad_norm_chunk_kernel(double* chunk_sums,    // (chunks)
                                        int32_t* chunk_flags,  // (chunks)

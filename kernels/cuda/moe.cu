@@ -171,18 +171,6 @@ __global__ void moe_sum_rows_kernel(T* dx,                      // (N, C), =
 
 // --- backward of the weights and the router -------------------------------------------
 
-// Sum over the block in float64 (blockDim.x a multiple of 32); every thread
-// gets the result. Called once per block: `shared` is not reused.
-__device__ __forceinline__ double block_sum_double(double x, double* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  if (lane == 0) shared[warp] = x;
-  __syncthreads();
-  x = lane < warps ? shared[lane] : 0.0;
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 // One block per slot (n, k). Each element of the slot's row is read and then
 // overwritten by the one thread that owns it, and no other slot shares the
 // row, so the gradient may replace the output in place.
