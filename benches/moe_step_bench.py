@@ -4,6 +4,7 @@
   benches/moe_step_bench.py [--strata build/tools/strata] [--out build/moe-bench] [--steps 12]
                             [--micro-batch 4 --seq-len 128 --grad-accum 1] [--experts 8 --top-k 2]
                             [--gradient-home auto|host|nvme] [--offload-optimizer nvme|cpu]
+                            [--backend cpu|cuda]
 
 Models of the same attention (hidden 256, 4 layers, 8 heads, byte
 vocabulary) trained side by side in one command on the CPU backend, stage 3,
@@ -34,6 +35,8 @@ leave experts idle for steps, which deferred updates skip.
 `--offload-optimizer cpu` keeps every model's optimizer state in host
 memory (the parameters stay on NVMe): then an eager step writes every
 expert's parameters, and a deferred one only the windows it stepped.
+`--backend cuda` trains on the GPU: routed reads and deferred updates are
+the CPU backend's, so there the rows are moe and the two dense models.
 """
 import argparse
 import json
@@ -93,6 +96,8 @@ def main():
                         help="strata train --gradient-home for every model (auto, host, nvme)")
     parser.add_argument("--offload-optimizer", default="nvme", choices=["nvme", "cpu"],
                         help="home of every model's optimizer state (nvme, or cpu: host memory)")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
+                        help="strata train --backend for every model (cuda: moe and the dense rows)")
     args = parser.parse_args()
     strata = os.path.abspath(args.strata)
     os.makedirs(args.out, exist_ok=True)
@@ -104,14 +109,17 @@ def main():
     rows = {}
     print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step; "
           f"{args.experts} experts, {args.top_k} per token; gradients {args.gradient_home}; "
-          f"optimizer state {'on NVMe' if args.offload_optimizer == 'nvme' else 'in host memory'}")
+          f"optimizer state {'on NVMe' if args.offload_optimizer == 'nvme' else 'in host memory'}; "
+          f"backend {args.backend}")
     for name, (cfg, flags) in models(args.experts, args.top_k).items():
+        if args.backend == "cuda" and name in ("moe-routed", "moe-deferred"):
+            continue  # the GPU reads every expert with its unit: these would be moe in pieces
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(cfg, f)
         metrics = os.path.join(args.out, name + ".jsonl")
-        run([strata, "train", "--model", model_dir, "--backend", "cpu", "--data", os.path.join(data, "train.bin"),
+        run([strata, "train", "--model", model_dir, "--backend", args.backend, "--data", os.path.join(data, "train.bin"),
              "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
              "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--lr", "3e-3",
              "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", args.offload_optimizer,
