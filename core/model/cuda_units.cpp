@@ -528,7 +528,7 @@ Status CudaUnits::forward(int64_t u, const void* params, const CudaUnitBatch& ba
       STRATA_CHECK(layer_forward(u, params, input, output, stream));
       if (batch.router != nullptr && c.layer_is_sparse(unit.layer) &&
           unit.piece != LayerPiece::attention)
-        return add_router_stats(*batch.router, stream);
+        add_router_stats(*batch.router);
       return Status::ok();
     case UnitKind::head:
       if (unit.chunk >= 0 && unit.chunk < c.vocab_chunks - 1)
@@ -621,10 +621,15 @@ Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* 
   STRATA_CHECK(cuda::moe_route(b.probs, b.top_expert, b.top_weight, b.router_logits, N, E, K,
                                c.norm_topk_prob, type_, stream));
   // The rows grouped by expert on the host: each expert's product needs its
-  // row count there. The copies down and up keep the stream's order.
+  // row count there. The probabilities' sums (the router statistics') come
+  // down in the same wait. The copies down and up keep the stream's order.
+  STRATA_CHECK(cuda::moe_prob_sums(b.prob_sums, b.probs, N, E, stream));
   STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), b.top_expert,
                                                 size_t(N * K) * 4, cudaMemcpyDeviceToHost, stream),
                                 "reading the routing"));
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_prob_sums.data(), b.prob_sums, size_t(E) * 8,
+                                                cudaMemcpyDeviceToHost, stream),
+                                "reading the router's statistics"));
   STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
   group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
                     b.host_row_token.data());
@@ -692,18 +697,9 @@ Status CudaUnits::moe_backward(const LayerOffsets& o, const void* w, float* g, c
                            type_, stream);
 }
 
-Status CudaUnits::add_router_stats(RouterStats& stats, cudaStream_t stream) {
-  const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, E = c.num_experts;
-  Buffers& b = *b_;
-  STRATA_CHECK(cuda::moe_prob_sums(b.prob_sums, b.probs, N, E, stream));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_prob_sums.data(), b.prob_sums, size_t(E) * 8,
-                                                cudaMemcpyDeviceToHost, stream),
-                                "reading the router's statistics"));
-  STRATA_CHECK(
-      cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the router's statistics"));
-  stats.add(b.expert_begin.data(), b.host_prob_sums.data(), N);
-  return Status::ok();
+void CudaUnits::add_router_stats(RouterStats& stats) const {
+  const Buffers& b = *b_;
+  stats.add(b.expert_begin.data(), b.host_prob_sums.data(), B_ * T_);
 }
 
 Result<const float*> CudaUnits::upload_aux_grad(const CudaUnitBatch& batch, cudaStream_t stream) {

@@ -20,9 +20,9 @@
 // router statistics in host memory (CudaUnitBatch::router).
 //
 // Contract. Every call enqueues work on `stream` and returns at once, but
-// for a sparse layer: its forward waits for the stream to group the routed
-// rows on the host (each expert's product needs its row count) and to add
-// the router statistics, its backward to upload the load-balancing
+// for a sparse layer: its forward waits for the stream once, to group the
+// routed rows on the host (each expert's product needs its row count) and
+// take the router statistics, its backward to upload the load-balancing
 // gradient. Every pointer is a device pointer. Parameters and activations are in the compute
 // type (bf16, fp16, or fp32 for testing); parameter gradients are fp32.
 // A CudaUnits object is the working set of one (model, B, T, type): the
@@ -154,9 +154,9 @@ class CudaUnits {
                      cudaStream_t stream);
   Status moe_backward(const LayerOffsets& o, const void* w, float* g, const void* dout,
                       const float* aux_grad, cudaStream_t stream);
-  // After a sparse layer's forward: its probabilities' sums added to the
-  // micro-batch's statistics with the grouping's counts (waits for the stream).
-  Status add_router_stats(RouterStats& stats, cudaStream_t stream);
+  // After a sparse layer's forward: its routing's counts and probabilities'
+  // sums (in host memory since the routing) added to the micro-batch's statistics.
+  void add_router_stats(RouterStats& stats) const;
   // The load-balancing gradient of `batch` for a sparse layer's backward,
   // uploaded: the device pointer, or null when the batch takes none.
   Result<const float*> upload_aux_grad(const CudaUnitBatch& batch, cudaStream_t stream);
