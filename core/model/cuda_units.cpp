@@ -708,15 +708,21 @@ Result<const float*> CudaUnits::upload_aux_grad(const CudaUnitBatch& batch, cuda
   host.aux_loss_scale = batch.aux_loss_scale;
   std::vector<float> aux_grad = router_aux_grad(layout_.config, host);
   if (aux_grad.empty()) return static_cast<const float*>(nullptr);
+  // The micro-batch's other sparse layers take the same gradient: the device has it.
+  if (aux_grad == b_->host_aux_grad) return static_cast<const float*>(b_->aux_grad);
   // The last upload (and every kernel that read it) is done before its host
   // copy and its device buffer are replaced.
   STRATA_CHECK(
       cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the last sparse layer"));
   b_->host_aux_grad = std::move(aux_grad);
-  STRATA_CHECK(cuda::check_cuda(
+  Status uploaded = cuda::check_cuda(
       cudaMemcpyAsync(b_->aux_grad, b_->host_aux_grad.data(), b_->host_aux_grad.size() * 4,
                       cudaMemcpyHostToDevice, stream),
-      "uploading the load-balancing gradient"));
+      "uploading the load-balancing gradient");
+  if (!uploaded) {
+    b_->host_aux_grad.clear();  // the device's copy is unknown
+    return uploaded;
+  }
   return static_cast<const float*>(b_->aux_grad);
 }
 

@@ -23,9 +23,9 @@
 // for a sparse layer: its forward waits for the stream once, to group the
 // routed rows on the host (each expert's product needs its row count) and
 // take the router statistics, its backward to upload the load-balancing
-// gradient. Every pointer is a device pointer. Parameters and activations are in the compute
-// type (bf16, fp16, or fp32 for testing); parameter gradients are fp32.
-// A CudaUnits object is the working set of one (model, B, T, type): the
+// gradient when it is not the one the device holds already. Every pointer is a device pointer.
+// Parameters and activations are in the compute type (bf16, fp16, or fp32 for testing); parameter
+// gradients are fp32. A CudaUnits object is the working set of one (model, B, T, type): the
 // activations of one decoder layer, the backward's scratch and the head's
 // logits, laid out in one block of device memory that the caller allocates
 // (from a budgeted device tier) with cuda_unit_workspace_bytes bytes. Like the
