@@ -1,8 +1,8 @@
 // Deferred expert updates (core/plan/expert_update.h): a mixture read as
 // routed steps an expert no token reached only when its parameters are next
 // read, checkpointed or exported, replaying the steps it missed. Training
-// gives the eager update's bits (both schedules, fp32 and bf16, fp32 and bf16
-// moments, gradients in host memory or on NVMe, the optimizer state on NVMe
+// gives the eager update's bits (both schedules, fp32 and bf16, fp32, bf16
+// and int8 moments, gradients in host memory or on NVMe, the optimizer state on NVMe
 // or in host memory, a changing learning rate, the optimizer during
 // backward); a run's NVMe
 // bytes (a gradient on NVMe in windows too) are what the ledger counts for
@@ -67,21 +67,31 @@ TEST_F(EngineExpertUpdate, DeferredUpdatesGiveTheEagerBits) {
     const char* scheduler;
     double clipping;
     const char* optimizer = "nvme";  // offload_optimizer: the state's home
+    // An expert's intermediate size; 38 makes each expert 28.5 int8 blocks,
+    // so neighbours share a block (stepped every step) and some have an
+    // extra one (waiting_range).
+    int64_t intermediate = 64;
   };
-  for (const Variant v : {Variant{"micro_batch", "fp32", "fp32", "auto", "", 1.0},
-                          Variant{"layer", "fp32", "fp32", "nvme", "WarmupDecayLR", 1.0},
-                          Variant{"micro_batch", "bf16", "bf16", "nvme", "", 0.0},
-                          Variant{"layer", "bf16", "fp32", "host", "WarmupLR", 1.0},
-                          Variant{"layer", "bf16", "bf16", "host_bf16", "", 0.0},
-                          Variant{"micro_batch", "bf16", "fp32", "auto", "WarmupLR", 1.0, "cpu"},
-                          Variant{"layer", "fp32", "bf16", "host_bf16", "", 0.0, "cpu"},
-                          Variant{"layer", "bf16", "fp32", "auto", "", 1.0, "none"}}) {
+  for (const Variant v :
+       {Variant{"micro_batch", "fp32", "fp32", "auto", "", 1.0},
+        Variant{"layer", "fp32", "fp32", "nvme", "WarmupDecayLR", 1.0},
+        Variant{"micro_batch", "bf16", "bf16", "nvme", "", 0.0},
+        Variant{"layer", "bf16", "fp32", "host", "WarmupLR", 1.0},
+        Variant{"layer", "bf16", "bf16", "host_bf16", "", 0.0},
+        Variant{"micro_batch", "bf16", "fp32", "auto", "WarmupLR", 1.0, "cpu"},
+        Variant{"layer", "fp32", "bf16", "host_bf16", "", 0.0, "cpu"},
+        Variant{"layer", "bf16", "fp32", "auto", "", 1.0, "none"},
+        Variant{"micro_batch", "bf16", "int8", "nvme", "WarmupLR", 1.0, "nvme", 38},
+        Variant{"layer", "fp32", "int8", "host", "", 0.0, "nvme", 64},
+        Variant{"layer", "bf16", "int8", "auto", "", 1.0, "cpu", 38},
+        Variant{"micro_batch", "fp32", "int8", "auto", "", 1.0, "none", 38}}) {
     EngineRun deferred = deferred_run(v.schedule, v.precision);
     deferred.state_dtype = v.state;
     deferred.gradient_home = v.gradients;
     deferred.scheduler = v.scheduler;
     deferred.clipping = v.clipping;
     deferred.offload_optimizer = v.optimizer;
+    deferred.intermediate = v.intermediate;
     EngineRun eager = deferred;
     eager.expert_update = "eager";
     const EngineOutcome e = train(eager), d = train(deferred);
@@ -98,11 +108,17 @@ TEST_F(EngineExpertUpdate, DeferredUpdatesGiveTheEagerBits) {
 
 TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
   for (const char* schedule : {"micro_batch", "layer"}) {
-    // Gradients in host memory or on NVMe; the last, the optimizer state in host memory.
-    for (const char* gradients : {"host", "nvme", "host, state in host memory"}) {
+    // Gradients in host memory or on NVMe; then the optimizer state in host
+    // memory; then int8 moments, experts sharing blocks.
+    for (const char* gradients :
+         {"host", "nvme", "host, state in host memory", "nvme, int8 moments"}) {
       EngineRun deferred = deferred_run(schedule, "bf16");
       if (gradients == std::string("host, state in host memory")) {
         deferred.offload_optimizer = "cpu";
+      } else if (gradients == std::string("nvme, int8 moments")) {
+        deferred.gradient_home = "nvme";
+        deferred.state_dtype = "int8";
+        deferred.intermediate = 38;
       } else {
         deferred.gradient_home = gradients;
       }
@@ -170,6 +186,10 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
   EngineRun in_host = deferred_run("layer", "bf16");
   in_host.offload_optimizer = "cpu";
   expect_resumes_bitwise(in_host, 2);
+  EngineRun int8 = deferred_run("micro_batch", "bf16");
+  int8.state_dtype = "int8";
+  int8.intermediate = 38;
+  expect_resumes_bitwise(int8, 2);
 }
 
 // A checkpoint holds no deferred step: saved while experts wait, it resumes
@@ -179,6 +199,69 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesUnderTheEagerUpdate
   EngineRun eager = deferred;
   eager.expert_update = "eager";
   expect_resumes_bitwise(deferred, 2, eager);
+}
+
+// With int8 moments an expert waits in the int8 blocks wholly inside it; the
+// rest (router, norm, blocks neighbours share) is stepped every step, so
+// every element is in exactly one of the two, and each piece starts on a block.
+TEST_F(EngineExpertUpdate, Int8ExpertsWaitInWholeBlocks) {
+  for (const int64_t intermediate : {38, 64, 1}) {
+    EngineRun run = deferred_run("layer", "bf16");
+    run.state_dtype = "int8";
+    run.intermediate = intermediate;
+    Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
+    ASSERT_TRUE(config.is_ok()) << config.status().message();
+    ModelConfig model = testing::small_moe_model();
+    model.num_experts = run.experts;
+    model.num_experts_per_tok = run.experts_per_token;
+    model.intermediate_size = model.moe_intermediate_size = intermediate;
+    PlanInput in = plan_input_from_config(*config, model);
+    in.model.layer_pieces = 2;
+    in.layer_pieces_auto = false;
+    Result<TrainingPlan> plan = build_training_plan(in);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
+    const size_t E = size_t(model.num_experts);
+    int routed = 0;
+    for (int u = 0; u < int(plan->units.size()); ++u) {
+      if (!defers_expert_updates(*plan, u)) continue;
+      ++routed;
+      const ExpertBlocks experts = expert_blocks(plan->layout, u);
+      const int64_t numel = plan->units[size_t(u)].optimizer_numel;
+      std::vector<int> covered(size_t(numel), 0);
+      for (const ElementRange& r : expert_update_ranges(*plan, u, std::vector<uint8_t>(E, 0), true))
+        for (int64_t i = r.begin; i < r.end; ++i) ++covered[size_t(i)];
+      int64_t waiting = 0;
+      for (size_t e = 0; e < E; ++e) {
+        const ElementRange w = waiting_range(*plan, u, int64_t(e));
+        const int64_t begin = experts.offset + int64_t(e) * experts.numel;
+        EXPECT_EQ(w.begin % 256, 0) << intermediate << " expert " << e;
+        EXPECT_EQ(w.end % 256, 0) << intermediate << " expert " << e;
+        EXPECT_GE(w.begin, begin);
+        EXPECT_LE(w.end, begin + experts.numel);
+        // Every block wholly inside the expert waits.
+        EXPECT_LT(w.begin - begin, 256) << intermediate << " expert " << e;
+        EXPECT_LT(begin + experts.numel - w.end, 256) << intermediate << " expert " << e;
+        std::vector<uint8_t> one(E, 0);
+        one[e] = 1;
+        const std::vector<ElementRange> alone = expert_update_ranges(*plan, u, one, false);
+        if (w.begin == w.end) {
+          EXPECT_TRUE(alone.empty());
+        } else {
+          EXPECT_EQ(alone, (std::vector<ElementRange>{w}));
+        }
+        for (int64_t i = w.begin; i < w.end; ++i) ++covered[size_t(i)];
+        waiting += w.end - w.begin;
+      }
+      EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), numel) << intermediate;
+      if (intermediate == 1) {  // 192-element experts: no block is wholly inside one
+        EXPECT_EQ(waiting, 0) << intermediate;
+      } else {
+        EXPECT_GT(waiting, 0) << intermediate;
+      }
+    }
+    EXPECT_EQ(routed, 2) << intermediate;
+  }
 }
 
 TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
@@ -209,9 +292,8 @@ TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
     EXPECT_TRUE(reason(run).first) << home << ": " << reason(run).second;
   }
   run.offload_optimizer = "nvme";
-  run.state_dtype = "int8";
-  EXPECT_NE(reason(run).second.find("int8"), std::string::npos);
-  EXPECT_FALSE(reason(run).first);
+  run.state_dtype = "int8";  // whole int8 blocks wait (waiting_range)
+  EXPECT_TRUE(reason(run).first) << reason(run).second;
   PlanInput dense;
   std::string why = "stale";
   EXPECT_FALSE(plan_defers_expert_updates(dense, false, why));

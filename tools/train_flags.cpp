@@ -152,8 +152,8 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "Mixtures of experts: eager (every expert takes its AdamW step every step) | deferred "
        "(an expert no token reached is stepped only when its parameters are next read, "
        "checkpointed or exported, its missed steps replayed exactly: fewer NVMe bytes when "
-       "routing is sparse) (strata.expert_update; default eager; needs routed expert reads "
-       "and fp32 or bf16 moments)"},
+       "routing is sparse; int8 moments: an expert's whole 256-element blocks) "
+       "(strata.expert_update; default eager; needs routed expert reads)"},
       {"--aio-block-size", kIoGroup,
        "Bytes per NVMe request, e.g. 1M (aio.block_size; default 1M)"},
       {"--aio-queue-depth", kIoGroup,

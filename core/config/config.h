@@ -173,11 +173,12 @@ struct StrataConfig {
   // TrainingPlan::routed_expert_fetch says where it applies), or all of them
   // with their unit (true, "all").
   bool expert_fetch_all = false;
-  // Mixtures of experts read as routed (fp32 or bf16 moments): an expert no
-  // token reached in a step has its update deferred and replayed exactly
-  // before its parameters are next read (true, "deferred";
-  // TrainingPlan::deferred_expert_updates says where it applies), or every
-  // expert updated every step (false, "eager", the default).
+  // Mixtures of experts read as routed: an expert no token reached in a
+  // step has its update deferred (with int8 moments its whole blocks,
+  // core/plan/expert_update.h) and replayed exactly before its parameters
+  // are next read (true, "deferred"; TrainingPlan::deferred_expert_updates
+  // says where it applies), or every expert updated every step (false,
+  // "eager", the default).
   bool expert_update_deferred = false;
 };
 

@@ -601,11 +601,10 @@ Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<Def
   if (due.empty()) return Status::ok();
   std::vector<RangeUpdate> updates;
   std::vector<uint8_t> chosen(size_t(plan.layout.config.num_experts), 0);
-  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   for (const DeferredSteps& d : due) {
     RangeUpdate update;
-    update.elements = {experts.offset + d.expert * experts.numel,
-                       experts.offset + (d.expert + 1) * experts.numel};
+    update.elements = waiting_range(plan, unit, d.expert);
+    if (update.elements.begin == update.elements.end) continue;  // stepped every step
     for (int64_t t = d.first; t <= d.last; ++t) {
       const auto found = rank.deferred_decisions.find(t);
       if (found == rank.deferred_decisions.end())
@@ -618,6 +617,7 @@ Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<Def
     updates.push_back(std::move(update));
     chosen[size_t(d.expert)] = 1;
   }
+  if (updates.empty()) return Status::ok();
   StreamedOptimizerUnit streamed;
   streamed.unit = unit;
   kernels::cpu::AdamWShard& shard = streamed.shard;
@@ -625,6 +625,8 @@ Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<Def
   shard.segments = rank.segments[size_t(unit)];
   shard.state_type = plan.state_type();
   shard.copy_type = compute_type();
+  shard.exp_avg_scale = rank.m_scales.empty() ? nullptr : rank.m_scales[size_t(unit)];
+  shard.exp_avg_sq_scale = rank.v_scales.empty() ? nullptr : rank.v_scales[size_t(unit)];
   streamed.master_kind = plan.homes.separate_master ? ShardKind::master : ShardKind::param;
   const std::vector<ElementRange> windows =
       update_windows(plan, unit, expert_update_ranges(plan, unit, chosen, false));

@@ -184,11 +184,19 @@ Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const Streamed
                                       std::span<const ElementRange> windows,
                                       std::span<const RangeUpdate> ranges, bool zero_gradient) {
   const kernels::cpu::AdamWShard& whole = unit.shard;
-  if (whole.state_type != options_.state_type ||
-      options_.state_type == kernels::cpu::AdamWStateType::int8)
-    return Status::error(fmt::format(
-        "streamed optimizer: a ranged update of unit {} over {} state (fp32 or bf16 only)",
-        unit.unit, kernels::cpu::adamw_state_type_name(whole.state_type)));
+  if (whole.state_type != options_.state_type)
+    return Status::error(
+        fmt::format("streamed optimizer: a ranged update of unit {} over {} state in a pass over "
+                    "{} state",
+                    unit.unit, kernels::cpu::adamw_state_type_name(whole.state_type),
+                    kernels::cpu::adamw_state_type_name(options_.state_type)));
+  const bool int8 = options_.state_type == kernels::cpu::AdamWStateType::int8;
+  for (const ElementRange& w : windows)
+    if (int8 && w.begin % kernels::cpu::kAdamWInt8Block != 0)
+      return Status::error(fmt::format(
+          "streamed optimizer: a ranged update of unit {}'s int8 moments in a window from "
+          "element {}, not a whole block (plan error)",
+          unit.unit, w.begin));
   const bool grads = !zero_gradient && options_.grads_in_store;
   if (!zero_gradient && !grads && whole.grad == nullptr)
     return Status::error(fmt::format("streamed optimizer: unit {} has no gradient", unit.unit));
@@ -220,6 +228,11 @@ Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const Streamed
     window.master = reinterpret_cast<float*>(pieces[0]);
     window.exp_avg = pieces[1];
     window.exp_avg_sq = pieces[2];
+    if (int8) {  // the window starts on a block: its scales are a run of the unit's
+      const int64_t first = blocks_before(whole.segments, w.begin);
+      window.exp_avg_scale = whole.exp_avg_scale + first;
+      window.exp_avg_sq_scale = whole.exp_avg_sq_scale + first;
+    }
     if (grads) {
       window.grad = pieces[3];
       window.grad_type = kernels::cpu::ElementType::f32;
@@ -249,8 +262,15 @@ Status StreamedOptimizer::step_ranges(const Optimizer& optimizer, const Streamed
 Status update_elements(const Optimizer& optimizer, const kernels::cpu::AdamWShard& shard,
                        int64_t begin, int64_t end, std::span<const StepDecision> decisions,
                        bool zero_gradient) {
-  if (shard.state_type == kernels::cpu::AdamWStateType::int8)
-    return Status::error("a ranged update of int8 moments (their blocks cross the ranges)");
+  const bool int8 = shard.state_type == kernels::cpu::AdamWStateType::int8;
+  const int64_t block = kernels::cpu::kAdamWInt8Block;
+  if (int8 && (begin % block != 0 || (end % block != 0 && end != shard.numel)))
+    return Status::error(fmt::format(
+        "a ranged update of int8 moments over elements [{}, {}), not whole {}-element blocks "
+        "(plan error)",
+        begin, end, block));
+  if (int8 && (shard.exp_avg_scale == nullptr || shard.exp_avg_sq_scale == nullptr))
+    return Status::error("a ranged update of int8 moments without their scales");
   if (!zero_gradient && shard.grad == nullptr)
     return Status::error("a ranged update without a gradient");
   const int64_t mb = moment_bytes(shard.state_type);
@@ -266,7 +286,13 @@ Status update_elements(const Optimizer& optimizer, const kernels::cpu::AdamWShar
     part.master = shard.master + at;
     part.exp_avg = static_cast<std::byte*>(shard.exp_avg) + at * mb;
     part.exp_avg_sq = static_cast<std::byte*>(shard.exp_avg_sq) + at * mb;
-    part.exp_avg_scale = part.exp_avg_sq_scale = nullptr;
+    // Both ends on block boundaries and `at` a multiple of 256: the part's
+    // blocks are the shard's, and its scales a run of the shard's.
+    if (int8) {
+      const int64_t first = blocks_before(shard.segments, at);
+      part.exp_avg_scale = shard.exp_avg_scale + first;
+      part.exp_avg_sq_scale = shard.exp_avg_sq_scale + first;
+    }
     if (zero_gradient) {
       part.grad = zero_gradients;
       part.grad_type = kernels::cpu::ElementType::f32;

@@ -84,10 +84,13 @@ struct StreamedOptimizerUnit {
 };
 
 // Elements [begin, end) of `shard` (its master, moments, gradient and copy
-// in host memory, each from element 0; fp32 or bf16 moments) take
-// `decisions` in order, with the shard's gradient, or with a zero one when
-// `zero_gradient` (a replay of missed steps). step_ranges applies it to each
-// window; the engine applies it to state that lives in host memory.
+// in host memory, each from element 0; int8 scales, the shard's whole run)
+// take `decisions` in order, with the shard's gradient, or with a zero one
+// when `zero_gradient` (a replay of missed steps). step_ranges applies it to
+// each window; the engine applies it to state that lives in host memory.
+// int8 moments are stepped in whole blocks (a block's scale is the largest
+// of its elements): `begin` must be a multiple of 256 and `end` one or the
+// shard's end, so the range's blocks are the shard's; else an error.
 Status update_elements(const Optimizer& optimizer, const kernels::cpu::AdamWShard& shard,
                        int64_t begin, int64_t end, std::span<const StepDecision> decisions,
                        bool zero_gradient);
@@ -124,7 +127,8 @@ class StreamedOptimizer {
   // With options' copy_bytes, the unit's (unit, param) shard is a read and
   // written piece of each window and the copy is written into it; elements
   // of a window outside every range are written back as they were read.
-  // Not for int8 state (its blocks' scales cross the ranges).
+  // int8 state: windows start on a 256-element block, ranges are whole
+  // blocks (update_elements); the scales are the shard's, in host memory.
   Status step_ranges(const Optimizer& optimizer, const StreamedOptimizerUnit& unit,
                      std::span<const ElementRange> windows, std::span<const RangeUpdate> ranges,
                      bool zero_gradient);

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "io/base/sizes.h"
+#include "kernels/cpu/adamw_shard.h"
 
 namespace strata {
 namespace {
@@ -50,8 +51,6 @@ bool plan_defers_expert_updates(const PlanInput& in, bool routed, std::string& w
     off = "strata.expert_update eager";
   else if (!routed)
     off = "the experts are not read as routed (see expert fetch)";
-  else if (in.optimizer_state == OptimizerStateDtype::int8)
-    off = "int8 moments are scaled per block, and blocks cross experts";
   if (off != nullptr) {
     why = std::string("eager: every expert takes its AdamW step every step (") + off + ")";
     return false;
@@ -66,17 +65,32 @@ bool defers_expert_updates(const TrainingPlan& plan, int unit) {
   return plan.deferred_expert_updates && routes_expert_reads(plan, unit);
 }
 
+ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  const int64_t begin = experts.offset + expert * experts.numel;
+  const int64_t end = begin + experts.numel;
+  if (plan.input.optimizer_state != OptimizerStateDtype::int8) return {begin, end};
+  // An expert's tensors all decay (2-D), so no parameter group ends inside
+  // it and its int8 blocks are the 256-element windows of the unit's range.
+  const int64_t block = kernels::cpu::kAdamWInt8Block;
+  const int64_t first = round_up(begin, block), last = end / block * block;
+  return first < last ? ElementRange{first, last} : ElementRange{first, first};
+}
+
 std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int unit,
                                                const std::vector<uint8_t>& chosen, bool with_rest) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   const int64_t numel = plan.units[size_t(unit)].optimizer_numel;
-  const int64_t experts_end = experts.offset + experts.count * experts.numel;
   std::vector<ElementRange> ranges;
-  if (with_rest) join(ranges, {0, experts.offset});
-  for (int64_t e = 0; e < experts.count; ++e)
-    if (chosen[size_t(e)])
-      join(ranges, {experts.offset + e * experts.numel, experts.offset + (e + 1) * experts.numel});
-  if (with_rest) join(ranges, {experts_end, numel});
+  int64_t rest = 0;  // where the part that never waits resumes
+  for (int64_t e = 0; e < experts.count; ++e) {
+    const ElementRange waits = waiting_range(plan, unit, e);
+    if (waits.begin == waits.end) continue;
+    if (with_rest) join(ranges, {rest, waits.begin});
+    if (chosen[size_t(e)]) join(ranges, waits);
+    rest = waits.end;
+  }
+  if (with_rest) join(ranges, {rest, numel});
   return ranges;
 }
 

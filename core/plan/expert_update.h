@@ -11,9 +11,16 @@
 // eager update, and an expert's state (on NVMe) or copy crosses the drive
 // once per run of idle steps instead of once per step.
 //
+// With int8 moments an expert's step waits for the int8 blocks wholly
+// inside it only (waiting_range): a block's scale is the largest of its 256
+// elements, so a block shared with a neighbour is stepped every step with
+// the router and norm, an idle expert's part of it with a zero gradient,
+// as the eager update steps it. Blocks are independent, so the waiting
+// blocks' replay gives the eager bits too. The scales stay in host memory.
+//
 // The unit of a transfer is a window: whole blocks of nvme_alignment
-// elements (every piece, fp32 master, bf16 or fp32 moments, the compute
-// copy and the gradient, starts on the NVMe alignment), at most one
+// elements (every piece, fp32 master, fp32, bf16 or int8 moments, the
+// compute copy and the gradient, starts on the NVMe alignment), at most one
 // optimizer chunk.
 //  - Optimizer state on NVMe: a window's master, m, v and compute-precision
 //    copy are read and written whole, so the elements of a neighbour that
@@ -58,9 +65,16 @@ bool plan_defers_expert_updates(const PlanInput& input, bool routed, std::string
 // Unit u's idle experts wait: the plan defers and u routes its expert reads.
 bool defers_expert_updates(const TrainingPlan& plan, int unit);
 
-// Unit u's element ranges of the `chosen` experts ([E], != 0 chosen) and,
-// with `with_rest`, of everything in u that is not an expert; sorted,
-// neighbours joined.
+// The elements of expert `expert` of unit u whose step may wait: the whole
+// expert; with int8 moments the 256-element int8 blocks wholly inside it (a
+// block's scale is the largest of its elements, so a block shared with a
+// neighbour is stepped every step, with the part that never waits). Empty
+// (begin == end) when no block is wholly inside.
+ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert);
+
+// Unit u's element ranges of the `chosen` experts' waiting ranges ([E],
+// != 0 chosen) and, with `with_rest`, of everything in u that never waits;
+// sorted, neighbours joined.
 std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int unit,
                                                const std::vector<uint8_t>& chosen, bool with_rest);
 
