@@ -4,7 +4,7 @@
   benches/moe_step_bench.py [--strata build/tools/strata] [--out build/moe-bench] [--steps 12]
                             [--micro-batch 4 --seq-len 128 --grad-accum 1] [--experts 8 --top-k 2]
                             [--gradient-home auto|host|nvme] [--offload-optimizer nvme|cpu]
-                            [--backend cpu|cuda]
+                            [--optimizer-state fp32|bf16|int8] [--backend cpu|cuda]
 
 Models of the same attention (hidden 256, 4 layers, 8 heads, byte
 vocabulary) trained side by side in one command on the CPU backend, stage 3,
@@ -35,7 +35,9 @@ leave experts idle for steps, which deferred updates skip.
 `--offload-optimizer cpu` keeps every model's optimizer state in host
 memory (the parameters stay on NVMe): then an eager step writes every
 expert's parameters, and a deferred one only the windows it stepped.
-`--backend cuda` trains on the GPU: routed reads and deferred updates are
+`--optimizer-state` stores every model's moments in fp32 (the default), bf16
+or int8 (`--optimizer-state-dtype`); with int8 the deferred update waits in
+whole 256-element blocks of an expert. `--backend cuda` trains on the GPU: routed reads and deferred updates are
 the CPU backend's, so there the rows are moe and the two dense models.
 """
 import argparse
@@ -96,6 +98,8 @@ def main():
                         help="strata train --gradient-home for every model (auto, host, nvme)")
     parser.add_argument("--offload-optimizer", default="nvme", choices=["nvme", "cpu"],
                         help="home of every model's optimizer state (nvme, or cpu: host memory)")
+    parser.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "int8"],
+                        help="every model's Adam moments (--optimizer-state-dtype)")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
                         help="strata train --backend for every model (cuda: moe and the dense rows)")
     args = parser.parse_args()
@@ -109,7 +113,8 @@ def main():
     rows = {}
     print(f"{args.micro_batch} x {args.seq_len} tokens a micro-batch, {args.grad_accum} a step; "
           f"{args.experts} experts, {args.top_k} per token; gradients {args.gradient_home}; "
-          f"optimizer state {'on NVMe' if args.offload_optimizer == 'nvme' else 'in host memory'}; "
+          f"optimizer state {'on NVMe' if args.offload_optimizer == 'nvme' else 'in host memory'}, "
+          f"{args.optimizer_state} moments; "
           f"backend {args.backend}")
     for name, (cfg, flags) in models(args.experts, args.top_k).items():
         if args.backend == "cuda" and name in ("moe-routed", "moe-deferred"):
@@ -124,7 +129,7 @@ def main():
              "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--lr", "3e-3",
              "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", args.offload_optimizer,
              "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics,
-             "--gradient-home", args.gradient_home] + flags,
+             "--gradient-home", args.gradient_home, "--optimizer-state-dtype", args.optimizer_state] + flags,
             stdout=subprocess.DEVNULL)
         with open(metrics) as f:
             lines = [json.loads(line) for line in f if line.strip()]
