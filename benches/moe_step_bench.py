@@ -37,8 +37,9 @@ memory (the parameters stay on NVMe): then an eager step writes every
 expert's parameters, and a deferred one only the windows it stepped.
 `--optimizer-state` stores every model's moments in fp32 (the default), bf16
 or int8 (`--optimizer-state-dtype`); with int8 the deferred update waits in
-whole 256-element blocks of an expert. `--backend cuda` trains on the GPU: routed reads and deferred updates are
-the CPU backend's, so there the rows are moe and the two dense models.
+whole 256-element blocks of an expert. `--backend cuda` trains every model
+on the GPU: the mixture routes there, and with the optimizer state off the
+GPU (here always) its updates defer on the CPU as on the CPU backend.
 """
 import argparse
 import json
@@ -117,8 +118,6 @@ def main():
           f"{args.optimizer_state} moments; "
           f"backend {args.backend}")
     for name, (cfg, flags) in models(args.experts, args.top_k).items():
-        if args.backend == "cuda" and name in ("moe-routed", "moe-deferred"):
-            continue  # the GPU reads every expert with its unit: these would be moe in pieces
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
         with open(os.path.join(model_dir, "config.json"), "w") as f:

@@ -21,7 +21,8 @@
 // layers' bits on the GPU in both schedules and stay close to the CPU
 // backend's pieces, within the plan's device peak; the embedding and head cut
 // along the vocabulary stay close to whole units and to the CPU backend's
-// chunks.
+// chunks; a mixture's routed expert reads and deferred expert updates give
+// the bits of reading and updating every expert.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include <string>
 
 #include "core/engine/engine.h"
+#include "core/plan/expert_fetch.h"
 #include "core/plan/training_plan.h"
 #include "engine_test_support.h"
 #include "kernels/backend.h"
@@ -501,6 +503,43 @@ TEST_F(CudaEngine, LayerPiecesGiveTheWholeLayersBitsAndStayCloseToTheCpuBackend)
       EngineRun cpu = cut;
       cpu.backend = kernels::BackendKind::cpu;
       expect_close(a, train(cpu), 1e-5, 1e-4, cut.label() + " against the CPU backend");
+    }
+  }
+}
+
+// A mixture with its parameters on NVMe in layer pieces reads a sparse MLP
+// piece's experts as routed on the GPU too (route() on the upload of the
+// norm and router, the experts read and added to that upload): the bits of
+// reading every expert with its unit, each step's NVMe reads what the plan
+// counts for its routing; deferred updates (the optimizer on the CPU) give
+// the eager update's bits.
+TEST_F(CudaEngine, RoutedExpertReadsAndDeferredUpdatesGiveTheBitsOfReadingEveryExpert) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      EngineRun routed = testing::routed_moe_run(schedule, precision);
+      routed.backend = kernels::BackendKind::cuda;
+      routed.device_budget = 512ull << 20;
+      routed.offload_optimizer = "cpu";
+      routed.grad_accum = 2;
+      routed.steps = 3;
+      EngineRun all = routed;
+      all.expert_fetch = "all";
+      const EngineOutcome r = train(routed), a = train(all);
+      ASSERT_EQ(r.steps.size(), 3u) << routed.label();
+      ASSERT_TRUE(r.plan.routed_expert_fetch) << r.plan.expert_fetch_reason;
+      testing::expect_identical(r, a, routed.label() + " vs " + all.label());
+      for (size_t s = 0; s < r.steps.size(); ++s)
+        EXPECT_EQ(int64_t(r.steps[s].nvme_read_bytes),
+                  routed_parameter_reads(r.plan, r.steps[s].routing))
+            << routed.label() << ", step " << s + 1;
+      EngineRun deferred = routed;
+      deferred.expert_update = "deferred";
+      deferred.steps = 4;
+      EngineRun eager = deferred;
+      eager.expert_update = "eager";
+      const EngineOutcome d = train(deferred), e = train(eager);
+      ASSERT_TRUE(d.plan.deferred_expert_updates) << d.plan.expert_update_reason;
+      testing::expect_identical(d, e, deferred.label() + " vs " + eager.label());
     }
   }
 }

@@ -14,7 +14,8 @@
 // weighed, a dense layer among sparse ones), whole and in pieces, with
 // their load-balancing gradient, the routers scaled up so that no token's
 // choice is within rounding of a tie (the same routing is checked: every
-// expert's token count).
+// expert's token count; in layer pieces, each sparse MLP piece's route(),
+// the routed expert fetch's routing, against the CPU's routed_experts).
 //
 // GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
 // runs: the same fused qkv and gate/up products as core/model/model.cpp's
@@ -196,6 +197,36 @@ class GpuUnits {
   std::vector<float> grads(size_t u) const {
     return download(*grads_[u], layout_.units[u].padded_numel, DType::f32);
   }
+
+  // After a forward_backward: each sparse MLP piece's route() (routed
+  // expert fetch) over its input of that pass picks the experts the CPU's
+  // routed_experts picks from the same input.
+  void expect_routes_as_the_cpu(const HostModel& model, DType type) {
+    const ModelConfig& c = layout_.config;
+    const int64_t N = B_ * T_;
+    UnitWorkspace ws(c, B_, T_);
+    int routed = 0;
+    for (size_t u = 1; u + 1 < layout_.units.size(); ++u) {
+      if (layout_.units[u].unit.piece != LayerPiece::mlp ||
+          expert_blocks(layout_, int64_t(u)).count == 0)
+        continue;
+      ++routed;
+      std::vector<uint8_t> used(size_t(c.num_experts), 7);
+      expect_ok(units_->route(int64_t(u), params_[u]->get(), units_in_[u - 1]->get(), used.data(),
+                              nullptr));
+      const std::vector<float> input = download(*units_in_[u - 1], size_t(N * c.hidden_size), type);
+      UnitParams p;
+      p.flat = model.params[u].data();
+      EXPECT_EQ(used, routed_experts(layout_, int64_t(u), p, input.data(), ws))
+          << layout_.units[u].unit.name;
+    }
+    EXPECT_GT(routed, 0);
+    // A unit that is not a sparse MLP piece is refused.
+    std::vector<uint8_t> used(size_t(c.num_experts));
+    const Status refused =
+        units_->route(1, params_[1]->get(), units_in_[0]->get(), used.data(), nullptr);
+    EXPECT_FALSE(refused.is_ok());
+  }
   const RouterStats& router() const { return router_; }
 
  private:
@@ -273,6 +304,7 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
     EXPECT_EQ(gpu.router().rows, router.rows);
     EXPECT_NEAR(gpu.router().aux_loss(), router.aux_loss(), loss_tolerance * router.aux_loss());
   }
+  if (config.is_moe() && config.layer_pieces == 2) gpu.expect_routes_as_the_cpu(model, param.type);
   for (size_t u = 0; u < model.layout.units.size(); ++u) {
     std::vector<float> gpu_grads = gpu.grads(u);
     for (float& g : gpu_grads) g /= fp16_loss_scale;
@@ -306,6 +338,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{false, DType::f32, ModelFamily::qwen3_moe},
                       ModelCase{true, DType::bf16, ModelFamily::qwen3_moe},
                       ModelCase{false, DType::f32, ModelFamily::mixtral, 2},
+                      ModelCase{false, DType::bf16, ModelFamily::mixtral, 2},
                       ModelCase{false, DType::f32, ModelFamily::qwen3_moe, 2, 2}),
     [](const auto& info) {
       return fmt::format("{}_{}_{}{}", model_family_name(info.param.family),

@@ -17,10 +17,12 @@
 // GPU resumes bitwise.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
 #include "core/engine/engine.h"
+#include "core/plan/expert_fetch.h"
 #include "engine_test_support.h"
 
 namespace strata {
@@ -152,6 +154,67 @@ TEST_F(EngineGpuPaths, AMixtureOfExpertsGivesTheCpuBackendsResults) {
     run.layer_pieces = 2;
   }
   expect_cpu_backend_results(pieces);
+}
+
+// Routed expert reads through GpuRank: the routing computed from the
+// upload of the norm and router, the experts read from NVMe then taken by
+// that upload. The bits are the CPU backend's, the NVMe bytes each step
+// reads those the plan counts for its routing; deferred updates (the
+// optimizer on the CPU) give the eager bits.
+TEST_F(EngineGpuPaths, RoutedExpertReadsAndDeferredUpdatesGiveTheCpuBackendsResults) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun routed = testing::routed_moe_run(schedule, "bf16");
+    routed.offload_optimizer = "cpu";
+    routed.grad_accum = 3;
+    routed.steps = 3;
+    routed.emulate_gpu = true;
+    EngineRun cpu = routed;
+    cpu.emulate_gpu = false;
+    const EngineOutcome g = train(routed), c = train(cpu);
+    ASSERT_EQ(g.steps.size(), 3u) << routed.label();
+    ASSERT_TRUE(g.plan.input.gpu) << routed.label();
+    ASSERT_TRUE(g.plan.routed_expert_fetch) << routed.label() << ": " << g.plan.expert_fetch_reason;
+    testing::expect_identical(g, c, routed.label() + " vs the CPU backend");
+    bool some_left_out = false;
+    for (size_t s = 0; s < g.steps.size(); ++s) {
+      EXPECT_EQ(g.steps[s].routing, c.steps[s].routing) << routed.label() << " step " << s + 1;
+      EXPECT_EQ(int64_t(g.steps[s].nvme_read_bytes),
+                routed_parameter_reads(g.plan, g.steps[s].routing))
+          << routed.label() << " step " << s + 1;
+      for (const auto& unit : g.steps[s].routing)
+        for (const auto& micro : unit)
+          some_left_out = some_left_out || std::count(micro.begin(), micro.end(), 0) > 0;
+    }
+    EXPECT_TRUE(some_left_out) << "every expert reached: the test shows nothing";
+
+    for (const char* optimizer : {"nvme", "cpu"}) {
+      EngineRun deferred = routed;
+      deferred.offload_optimizer = optimizer;
+      deferred.grad_accum = 2;
+      deferred.steps = 4;
+      deferred.expert_update = "deferred";
+      EngineRun eager = deferred;
+      eager.expert_update = "eager";
+      eager.emulate_gpu = false;
+      const EngineOutcome d = train(deferred), e = train(eager);
+      ASSERT_EQ(d.steps.size(), 4u) << deferred.label();
+      ASSERT_TRUE(d.plan.deferred_expert_updates)
+          << deferred.label() << ": " << d.plan.expert_update_reason;
+      testing::expect_identical(d, e, deferred.label() + " vs the CPU backend's eager update");
+    }
+  }
+  // The optimizer on the GPU steps every element: no deferral there.
+  EngineRun on_gpu = testing::routed_moe_run("layer", "bf16");
+  on_gpu.offload_optimizer = "none";
+  on_gpu.expert_update = "deferred";
+  on_gpu.emulate_gpu = true;
+  on_gpu.steps = 2;
+  const EngineOutcome o = train(on_gpu);
+  ASSERT_EQ(o.steps.size(), 2u) << on_gpu.label();
+  EXPECT_TRUE(o.plan.routed_expert_fetch) << o.plan.expert_fetch_reason;
+  EXPECT_FALSE(o.plan.deferred_expert_updates);
+  EXPECT_NE(o.plan.expert_update_reason.find("optimizer state is on the GPU"), std::string::npos)
+      << o.plan.expert_update_reason;
 }
 
 TEST_F(EngineGpuPaths, StateOnTheGpuResumesBitwise) {

@@ -147,7 +147,7 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "Mixtures of experts: routed (a sparse layer's experts are read from NVMe only when "
        "the micro-batches' tokens are routed to them) | all (every expert with its unit) "
        "(strata.expert_fetch; default routed: where the plan can, one rank at stage 3 with "
-       "the parameters on NVMe and --layer-pieces 2, CPU backend)"},
+       "the parameters on NVMe and --layer-pieces 2)"},
       {"--expert-update", kZeroGroup,
        "Mixtures of experts: eager (every expert takes its AdamW step every step) | deferred "
        "(an expert no token reached is stepped only when its parameters are next read, "

@@ -5,6 +5,7 @@
 #if STRATA_HAS_CUDA
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 #include <string>
@@ -47,6 +48,10 @@ class CudaGpuRank final : public GpuRank {
                       const UnitBatch& batch, const GradTarget& target) override;
   Status backward(int unit, int micro, const std::byte* params, const UnitBatch& batch,
                   bool recompute, const GradTarget& target) override;
+  Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
+                                              const std::byte* params) override;
+  Status take_gathered_range(int unit, const std::byte* params, int64_t begin,
+                             int64_t count) override;
   std::byte* saved_input(int level, int micro) override;
   Status saved_input_to_host(void* host, const void* device, int64_t bytes) override;
   Status saved_input_to_device(void* device, const void* host, int64_t bytes) override;
@@ -504,6 +509,42 @@ Status CudaGpuRank::forward(int unit, int micro, const std::byte* params, const 
   if (slot < 0) return status;
   Status released = g.computed_with(slot);
   return status ? released : status;
+}
+
+Result<std::vector<uint8_t>> CudaGpuRank::routed_experts(int unit, int micro,
+                                                         const std::byte* params) {
+  Impl& g = *impl_;
+  if (Status s = g.select(); !s) return s;
+  int slot = -1;
+  Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
+  if (!device_params) return device_params.status();
+  std::vector<uint8_t> used(size_t(g.plan.layout.config.num_experts), 0);
+  Status status =
+      g.units->route(unit, *device_params, g.saved_input(unit - 1, micro), used.data(), g.compute);
+  if (slot < 0) return status ? Result<std::vector<uint8_t>>(std::move(used)) : status;
+  Status released = g.computed_with(slot);
+  if (!status) return status;
+  if (!released) return released;
+  return used;
+}
+
+Status CudaGpuRank::take_gathered_range(int unit, const std::byte* params, int64_t begin,
+                                        int64_t count) {
+  Impl& g = *impl_;
+  if (g.params_in_place) return Status::ok();
+  std::byte* device = nullptr;
+  {
+    std::lock_guard lock(g.slot_mutex);
+    for (int k = 0; k < kGpuParamSlots; ++k)
+      if (g.slot_source[size_t(k)] == params && g.slot_unit[size_t(k)] == unit)
+        device = g.param_slots[size_t(k)];
+  }
+  if (device == nullptr) return Status::ok();  // the next computation uploads it whole
+  count = std::min(count, g.plan.units[size_t(unit)].padded_numel - begin);
+  const int64_t offset = begin * g.type_bytes;
+  // On the compute stream, so the computations enqueued after it read it.
+  return g.copy(device + offset, params + offset, count * g.type_bytes, cudaMemcpyHostToDevice,
+                "taking the routed experts");
 }
 
 Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::byte* tied_params,

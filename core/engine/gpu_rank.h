@@ -87,6 +87,23 @@ class GpuRank {
   virtual Status backward(int unit, int micro, const std::byte* params, const UnitBatch& batch,
                           bool recompute, const GradTarget& target) = 0;
 
+  // Routed expert fetch (core/plan/expert_fetch.h): the experts sparse MLP
+  // piece `unit` routes micro-batch `micro`'s tokens to ([E], 1 for each
+  // expert that gets a token): its norm and router over its saved input on
+  // the GPU, the routing downloaded (waits for the compute stream). Reads
+  // only the norm and the router of `params` (host memory, uploaded as a
+  // forward uploads it; the experts may not have arrived there yet).
+  virtual Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
+                                                      const std::byte* params) = 0;
+  // Elements [begin, begin + count) of `params` (host memory, compute
+  // precision) changed since a computation uploaded them for `unit` (the
+  // experts read since its routing): the upload still on the device takes
+  // them, before the work enqueued after this returns; none there, nothing
+  // to do (the next computation uploads the whole unit). Done with `params`
+  // when it returns.
+  virtual Status take_gathered_range(int unit, const std::byte* params, int64_t begin,
+                                     int64_t count) = 0;
+
   // Level `level` (unit `level`'s output) of micro-batch `micro`, in device
   // memory (TrainingPlan::saved_input_place), for the engine to spill and restore.
   virtual std::byte* saved_input(int level, int micro) = 0;

@@ -34,6 +34,14 @@ class GpuRankCompute final : public RankCompute {
     gpu_->forget_uploads(params);
     return Status::ok();
   }
+  Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
+                                              const ComputeParams& params) override {
+    return gpu_->routed_experts(unit, micro, params.data);
+  }
+  Status take_gathered_range(int unit, int, const std::byte* params, int64_t begin,
+                             int64_t count) override {
+    return gpu_->take_gathered_range(unit, params, begin, count);
+  }
   std::byte* saved_input(int level, int micro) override { return gpu_->saved_input(level, micro); }
   Status saved_input_to_host(void* host, const void* device, int64_t bytes) override {
     return gpu_->saved_input_to_host(host, device, bytes);

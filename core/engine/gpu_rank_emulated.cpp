@@ -117,6 +117,17 @@ class EmulatedGpuRank final : public GpuRank {
     return Status::ok();
   }
 
+  Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
+                                              const std::byte* params) override {
+    UnitParams p;
+    p.flat = widen(unit, params, 0);
+    return strata::routed_experts(plan_.layout, unit, p, saved_input_at(unit - 1, micro), ws_);
+  }
+  // Nothing is uploaded: the next computation widens the host copy whole.
+  Status take_gathered_range(int, const std::byte*, int64_t, int64_t) override {
+    return Status::ok();
+  }
+
   std::byte* saved_input(int level, int micro) override {
     return reinterpret_cast<std::byte*>(saved_input_at(level, micro));
   }

@@ -141,21 +141,16 @@ class RankCompute {
   // Unit `unit`'s compute-precision parameters have arrived in gather slot
   // `slot` (`params`, host memory); a computation reads them next.
   virtual Status take_gathered(int unit, int slot, const std::byte* params) = 0;
-  // Routed expert fetch (core/plan/expert_fetch.h), the CPU backend's: the
-  // experts sparse MLP piece `unit` routes micro-batch `micro` to
-  // (routed_experts, core/model/model.h), from its gathered parameters; and
+  // Routed expert fetch (core/plan/expert_fetch.h): the experts sparse MLP
+  // piece `unit` routes micro-batch `micro` to (routed_experts,
+  // core/model/model.h), from its gathered parameters, of which only the
+  // norm and the router are read (the experts may not have arrived); and
   // elements [begin, begin + count) of gather slot `slot` changed after
   // take_gathered (the experts read since), to be taken likewise.
   virtual Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
-                                                      const ComputeParams& params) {
-    (void)unit, (void)micro, (void)params;
-    return Status::error("routed expert reads are the CPU backend's (plan error)");
-  }
+                                                      const ComputeParams& params) = 0;
   virtual Status take_gathered_range(int unit, int slot, const std::byte* params, int64_t begin,
-                                     int64_t count) {
-    (void)unit, (void)slot, (void)params, (void)begin, (void)count;
-    return Status::error("routed expert reads are the CPU backend's (plan error)");
-  }
+                                     int64_t count) = 0;
   // Waits until the gradient last sent to host slot `slot` is there.
   virtual Status gradients_ready(int slot) = 0;
   // Waits until every piece of work enqueued so far has run.

@@ -1,8 +1,10 @@
 #include "core/model/cuda_units.h"
-#include "io/base/sizes.h"
 
 #include <algorithm>
 #include <vector>
+
+#include "core/model/cuda_units_buffers.h"
+#include "io/base/sizes.h"
 
 namespace strata {
 namespace {
@@ -129,41 +131,6 @@ int64_t cuda_grad_norm_scratch_bytes(int64_t numel) {
   return int64_t(cuda::grad_norm_scratch_bytes(numel));
 }
 
-struct CudaUnits::Buffers {
-  void *xn1, *qkv, *attn, *x2, *xn2, *gate_up, *mlp;
-  float *rstd1, *lse, *rstd2;
-  void *d_mlp, *d_gate_up, *d_xn, *d_attn, *d_qkv;
-  float* delta;
-  void* head_xn;
-  float* head_rstd;
-  void* logits;
-  void* scratch;
-  int64_t scratch_bytes;
-  float *cos, *sin;
-  void *q_raw, *k_raw;
-  float *q_rstd, *k_rstd;
-  void *heads, *d_heads;
-  int64_t head_rows;
-  // Sparse layers (core/model/model.h): the router's logits (then their
-  // gradient) and probabilities, each token's experts, weights and the
-  // weights' gradient, the grouped rows (row_of, row_token), the
-  // load-balancing gradient and the probabilities' sums; the routed rows'
-  // activations and gradients. The grouping is computed on the host, from
-  // the routing of the last forward: its copies stay here for the backward.
-  void* router_logits;
-  float* probs;
-  int32_t* top_expert;
-  float *top_weight, *d_top_weight;
-  int32_t *row_of, *row_token;
-  float* aux_grad;
-  double* prob_sums;
-  void *moe_x, *moe_gate_up, *moe_act, *moe_y, *d_moe_x, *d_moe_gate_up, *d_moe_act;
-  std::vector<int32_t> host_top_expert, host_row_of, host_row_token;
-  std::vector<int64_t> expert_begin;  // (E + 1)
-  std::vector<double> host_prob_sums;
-  std::vector<float> host_aux_grad;
-};
-
 CudaUnits::CudaUnits(const ModelLayout& layout, int64_t B, int64_t T, cuda::DType type,
                      cuda::Matmuls& matmuls)
     : layout_(layout), B_(B), T_(T), type_(type), matmuls_(matmuls) {}
@@ -274,13 +241,6 @@ const void* CudaUnits::at(const void* flat, int64_t offset) const {
 void* CudaUnits::at(void* flat, int64_t offset) const {
   return static_cast<char*>(flat) + offset * int64_t(cuda::dtype_size(type_));
 }
-
-// Every call below returns its first failure; STRATA_CHECK keeps that short (a function
-// cannot return from its caller).
-#define STRATA_CHECK(expression)                                 \
-  do {                                                           \
-    if (Status status_ = (expression); !status_) return status_; \
-  } while (false)
 
 // (N * heads, D) contiguous <-> the first heads * D elements of each (N, row_stride) row,
 // as strided device copies.
@@ -604,126 +564,6 @@ Status CudaUnits::head_forward_backward(const void* params, const void* tied_emb
                                 "zeroing the head's input gradient"));
   return cuda::rmsnorm_backward(dinput, d_norm, b.d_xn, input, norm, b.head_rstd, N, C, type_,
                                 b.scratch, size_t(b.scratch_bytes), stream);
-}
-
-// --- mixture of experts (core/model/model.cpp's UnitKernels twins) -----------------
-
-Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* x2, void* out,
-                              cudaStream_t stream) {
-  const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
-  const int64_t I = c.moe_intermediate_size, R = N * K;
-  Buffers& b = *b_;
-  // The router (its logits in the compute type, as transformers' gate), then
-  // each token's experts and weights.
-  STRATA_CHECK(
-      matmuls_.forward(b.router_logits, b.xn2, at(w, o.router), N, C, E, type_, false, stream));
-  STRATA_CHECK(cuda::moe_route(b.probs, b.top_expert, b.top_weight, b.router_logits, N, E, K,
-                               c.norm_topk_prob, type_, stream));
-  // The rows grouped by expert on the host: each expert's product needs its
-  // row count there. The probabilities' sums (the router statistics') come
-  // down in the same wait. The copies down and up keep the stream's order.
-  STRATA_CHECK(cuda::moe_prob_sums(b.prob_sums, b.probs, N, E, stream));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), b.top_expert,
-                                                size_t(N * K) * 4, cudaMemcpyDeviceToHost, stream),
-                                "reading the routing"));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_prob_sums.data(), b.prob_sums, size_t(E) * 8,
-                                                cudaMemcpyDeviceToHost, stream),
-                                "reading the router's statistics"));
-  STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
-  group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
-                    b.host_row_token.data());
-  // The host copies stay until the next routing, which waits for the stream
-  // (so for these uploads) before it replaces them.
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_of, b.host_row_of.data(), size_t(N * K) * 4,
-                                                cudaMemcpyHostToDevice, stream),
-                                "uploading the routed rows"));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_token, b.host_row_token.data(), size_t(R) * 4,
-                                                cudaMemcpyHostToDevice, stream),
-                                "uploading the routed rows"));
-  STRATA_CHECK(cuda::moe_gather_rows(b.moe_x, b.xn2, b.row_token, R, N, C, type_, stream));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
-    if (n == 0) continue;
-    const int64_t gate_up = o.experts + e * 3 * I * C, down = gate_up + 2 * I * C;
-    STRATA_CHECK(matmuls_.forward(at(b.moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
-                                  at(w, gate_up), n, C, 2 * I, type_, false, stream));
-    STRATA_CHECK(cuda::swiglu_forward(at(b.moe_act, r0 * I), at(b.moe_gate_up, r0 * 2 * I), n, I,
-                                      type_, stream));
-    STRATA_CHECK(matmuls_.forward(at(b.moe_y, r0 * C), at(b.moe_act, r0 * I), at(w, down), n, I, C,
-                                  type_, false, stream));
-  }
-  if (out == nullptr) return Status::ok();
-  return cuda::moe_combine(out, x2, b.moe_y, b.top_expert, b.row_of, b.top_weight, N, C, K, type_,
-                           stream);
-}
-
-Status CudaUnits::moe_backward(const LayerOffsets& o, const void* w, float* g, const void* dout,
-                               const float* aux_grad, cudaStream_t stream) {
-  const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
-  const int64_t I = c.moe_intermediate_size, R = N * K;
-  const size_t ts = cuda::dtype_size(type_);
-  Buffers& b = *b_;
-  auto zero = [&](void* buffer, int64_t elements) {
-    return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
-                            "zeroing a gradient buffer");
-  };
-  // The weights' gradient; the experts' outputs become their gradient.
-  STRATA_CHECK(cuda::moe_weight_backward(b.d_top_weight, b.moe_y, dout, b.row_of, b.top_weight, N,
-                                         C, K, type_, stream));
-  STRATA_CHECK(zero(b.d_moe_act, R * I));
-  STRATA_CHECK(zero(b.d_moe_x, R * C));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
-    if (n == 0) continue;  // its gradient stays as it was: zero from this micro-batch
-    const int64_t gate_up = o.experts + e * 3 * I * C, down = gate_up + 2 * I * C;
-    STRATA_CHECK(matmuls_.backward(at(b.d_moe_act, r0 * I), g + down, at(b.moe_y, r0 * C),
-                                   at(b.moe_act, r0 * I), at(w, down), n, I, C, type_, stream));
-    STRATA_CHECK(cuda::swiglu_backward(at(b.d_moe_gate_up, r0 * 2 * I), at(b.d_moe_act, r0 * I),
-                                       at(b.moe_gate_up, r0 * 2 * I), n, I, type_, stream));
-    STRATA_CHECK(matmuls_.backward(at(b.d_moe_x, r0 * C), g + gate_up,
-                                   at(b.d_moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
-                                   at(w, gate_up), n, C, 2 * I, type_, stream));
-  }
-  // The router: the logits' gradient (in the logits' buffer), then d(xn2):
-  // the rows' input gradients in expert order, plus the router's product.
-  STRATA_CHECK(cuda::moe_router_backward(b.router_logits, b.probs, b.top_expert, b.top_weight,
-                                         b.d_top_weight, aux_grad, N, E, K, c.norm_topk_prob, type_,
-                                         stream));
-  STRATA_CHECK(
-      cuda::moe_sum_rows(b.d_xn, b.d_moe_x, b.top_expert, b.row_of, N, C, K, type_, stream));
-  return matmuls_.backward(b.d_xn, g + o.router, b.router_logits, b.xn2, at(w, o.router), N, C, E,
-                           type_, stream);
-}
-
-void CudaUnits::add_router_stats(RouterStats& stats) const {
-  const Buffers& b = *b_;
-  stats.add(b.expert_begin.data(), b.host_prob_sums.data(), B_ * T_);
-}
-
-Result<const float*> CudaUnits::upload_aux_grad(const CudaUnitBatch& batch, cudaStream_t stream) {
-  UnitBatch host;
-  host.router = batch.router;
-  host.aux_loss_scale = batch.aux_loss_scale;
-  std::vector<float> aux_grad = router_aux_grad(layout_.config, host);
-  if (aux_grad.empty()) return static_cast<const float*>(nullptr);
-  // The micro-batch's other sparse layers take the same gradient: the device has it.
-  if (aux_grad == b_->host_aux_grad) return static_cast<const float*>(b_->aux_grad);
-  // The last upload (and every kernel that read it) is done before its host
-  // copy and its device buffer are replaced.
-  STRATA_CHECK(
-      cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the last sparse layer"));
-  b_->host_aux_grad = std::move(aux_grad);
-  Status uploaded = cuda::check_cuda(
-      cudaMemcpyAsync(b_->aux_grad, b_->host_aux_grad.data(), b_->host_aux_grad.size() * 4,
-                      cudaMemcpyHostToDevice, stream),
-      "uploading the load-balancing gradient");
-  if (!uploaded) {
-    b_->host_aux_grad.clear();  // the device's copy is unknown
-    return uploaded;
-  }
-  return static_cast<const float*>(b_->aux_grad);
 }
 
 // --- vocabulary chunks (core/model/vocab_chunks.cpp's twins) -----------------------

@@ -23,7 +23,8 @@
 // for a sparse layer: its forward waits for the stream once, to group the
 // routed rows on the host (each expert's product needs its row count) and
 // take the router statistics, its backward to upload the load-balancing
-// gradient when it is not the one the device holds already. Every pointer is a device pointer.
+// gradient when it is not the one the device holds already; route (routed
+// expert fetch) waits for the stream too. Every pointer is a device pointer.
 // Parameters and activations are in the compute type (bf16, fp16, or fp32 for testing); parameter
 // gradients are fp32. A CudaUnits object is the working set of one (model, B, T, type): the
 // activations of one decoder layer, the backward's scratch and the head's
@@ -115,6 +116,15 @@ class CudaUnits {
   Status head_forward_backward(const void* params, const void* tied_embedding,
                                const CudaUnitBatch& batch, const void* input, void* dinput,
                                float* grads, float* tied_grads, float* losses, cudaStream_t stream);
+
+  // Routed expert fetch: the experts a sparse layer's MLP piece `u` routes
+  // `input`'s tokens to, as its forward routes them (the post-attention norm,
+  // the router in the compute type, moe_route): used[e] = 1 when expert e
+  // gets a token, else 0 (E, host memory). Reads only the norm and the
+  // router of `params`. Waits for the stream (the routing comes down); the
+  // forward that follows recomputes it.
+  Status route(int64_t u, const void* params, const void* input, uint8_t* used,
+               cudaStream_t stream);
 
  private:
   struct Buffers;

@@ -31,8 +31,6 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
   const char* off = nullptr;
   if (in.expert_fetch_all)
     off = "strata.expert_fetch all";
-  else if (in.gpu)
-    off = "the CUDA backend reads whole units";
   else if (in.stage != 3 || in.world_size != 1)
     off = "it needs stage 3 at one rank (a gather of several ranks moves every expert)";
   else if (homes.param != tiers::Tier::nvme)

@@ -51,6 +51,8 @@ bool plan_defers_expert_updates(const PlanInput& in, bool routed, std::string& w
     off = "strata.expert_update eager";
   else if (!routed)
     off = "the experts are not read as routed (see expert fetch)";
+  else if (in.gpu && in.offload_optimizer == OffloadDevice::none)
+    off = "the optimizer state is on the GPU, whose update steps every element";
   if (off != nullptr) {
     why = std::string("eager: every expert takes its AdamW step every step (") + off + ")";
     return false;
