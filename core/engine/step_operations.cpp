@@ -45,6 +45,28 @@ void accumulate_one_rank_sum(float* accumulator, const float* unreduced, int64_t
                     });
 }
 
+// The same sum where only `ranges` (sorted, within [0, numel)) of
+// `unreduced` may be other than +0: a routed unit's gradient outside the
+// experts its micro-batch reached (expert_update_ranges), which its backward
+// never touched in the zeroed slot. Elsewhere accumulator + (0.0f + +0) is
+// the accumulator, bit for bit (it is never -0: 0.0f + x is not, and a
+// rounded-to-nearest sum is -0 only of two -0), so those elements are
+// skipped, or set to +0 (0.0f + +0) on the first micro-batch.
+void accumulate_one_rank_sum_in(float* accumulator, const float* unreduced, int64_t numel,
+                                const std::vector<ElementRange>& ranges, bool first) {
+  int64_t at = 0;
+  auto zero_until = [&](int64_t end) {
+    if (first && end > at) std::fill(accumulator + at, accumulator + end, 0.0f);
+  };
+  for (const ElementRange& r : ranges) {
+    const int64_t begin = std::min(r.begin, numel), end = std::min(r.end, numel);
+    zero_until(begin);
+    accumulate_one_rank_sum(accumulator + begin, unreduced + begin, end - begin, first);
+    at = std::max(at, end);
+  }
+  zero_until(numel);
+}
+
 // The same sum in place, where the accumulation is not a pass over host memory.
 void one_rank_sum_in_place(float* values, int64_t numel) {
   accumulate_one_rank_sum(values, values, numel, true);
@@ -255,6 +277,16 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     const int64_t count = plan.input.stage >= 2 ? p.shard_numel : p.padded_numel;
     const bool host_memory = !plan.input.gpu || plan.homes.grad != tiers::Tier::device;
     if (host_memory && !plan.homes.grad_bf16 && plan.homes.grad != tiers::Tier::nvme) {
+      if (routes_expert_reads(plan, u)) {
+        // Zero but where the buffer's micro-batches sent tokens: this one's,
+        // or every one's so far when the GPU summed them.
+        const std::vector<uint8_t> reached = summed_on_device
+                                                 ? touched_through(rank.routing, u, op.micro)
+                                                 : rank.routing[size_t(u)][size_t(op.micro)];
+        accumulate_one_rank_sum_in(grad_home(rank, u), buffer, count,
+                                   expert_update_ranges(plan, u, reached, true), first);
+        return Status::ok();
+      }
       accumulate_one_rank_sum(grad_home(rank, u), buffer, count, first);
       return Status::ok();
     }
