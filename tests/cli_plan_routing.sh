@@ -4,8 +4,9 @@
 # and `strata plan --routing FILE` replays it; with the optimizer in host
 # memory every NVMe read is a parameter's, so the plan's mean is the run's.
 # With the optimizer on NVMe and --expert-update deferred, the replay counts
-# fewer bytes per step than the eager update's. Refusals name what to change,
-# in one line.
+# fewer bytes per step than the eager update's; with a hardware profile the
+# step-time model predicts each recorded step from its own bytes, below the
+# worst case. Refusals name what to change, in one line.
 # Usage: cli_plan_routing.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -81,6 +82,32 @@ check "deferred updates move fewer bytes for the recorded routing" $?
 "$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" >"$dir/dtable" \
   2>"$dir/err" && grep -q "NVMe per step with that routing and deferred expert updates" "$dir/dtable"
 check "the table prints the deferred case" $?
+
+# With a hardware profile the step-time model predicts each recorded step with
+# its own bytes: on average below the worst case's prediction.
+# (This machine's probe, measured once: a CPU plan takes a CPU profile.)
+"$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" \
+  --probe --probe-out "$dir/probe.json" --json >"$dir/hplan.json" 2>"$dir/err"
+probed=$?
+[ $probed -eq 0 ] || cat "$dir/err"
+check "strata plan --routing --probe exits 0" $probed
+python3 - "$dir/hplan.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+worst = p["prediction"]["step_seconds"]
+s = p["recorded_routing"]["predicted_seconds_per_step"]
+# (Each recorded step moves fewer bytes than the worst case; its simulated
+# step is not bound to be shorter, as a list schedule's need not be when
+# operations shorten, so only the mean is held below it.)
+assert 0 < s["least"] <= s["mean"] <= s["most"], (s, worst)
+assert s["mean"] < worst, (s, worst)
+PY
+check "the recorded routing's predicted step is shorter than the worst case's" $?
+"$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" \
+  --hardware "$dir/probe.json" >"$dir/htable" 2>"$dir/err" &&
+  grep -q "^predicted with that routing: .* per step on average (least .*, most .*) over 4 steps" \
+    "$dir/htable"
+check "the table prints the recorded routing's prediction" $?
 
 one_line_refusal() {  # NAME EXPECTED ARGS...
   local name="$1" expected="$2"

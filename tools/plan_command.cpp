@@ -90,7 +90,8 @@ class PlanCommand : public Subcommand {
                     "A mixture's expected NVMe reads: replay each step's routing a strata train "
                     "--metrics FILE recorded (routed expert reads) and print the parameter reads "
                     "and the NVMe bytes per step (with --expert-update deferred, the missed "
-                    "steps replayed as the run would) beside the worst case");
+                    "steps replayed as the run would) beside the worst case; with a hardware "
+                    "profile, each recorded step's predicted time too");
     cmd->add_option("--timeline", timeline_,
                     "Write the predicted steps as a Perfetto trace in the form of `strata train "
                     "--trace`, to open beside a measured one");
@@ -218,36 +219,58 @@ class PlanCommand : public Subcommand {
         if (Status s = write_timeline(*steps, *prediction); !s) return s;
       return 0;
     }
+    return report(input, *hardware);
+  }
+
+  // The plan's table or JSON, with the recorded routing's replay and the
+  // step-time prediction where asked for; 1 when the plan does not fit.
+  Result<int> report(const PlanInput& input, const std::optional<HardwareProfile>& hardware) {
     Result<PlanReport> planned = plan_with_suggestion(input);
     if (!planned.is_ok()) return planned.status();
     const PlanReport& plan = *planned;
     const bool zero = accounting_ == "zero";
     std::optional<StepPrediction> prediction;
     std::optional<TrainingPlan> steps;
-    if ((*hardware && plan.fits) || !routing_.empty()) {
+    if ((hardware && plan.fits) || !routing_.empty()) {
       Result<TrainingPlan> built = plan_training(input);
       if (!built) return built.status();
       steps = std::move(*built);
-      if (*hardware && plan.fits) prediction = predict_step(*steps, **hardware);
+      if (hardware && plan.fits) prediction = predict_step(*steps, *hardware);
     }
     std::optional<RecordedReads> recorded;
     std::optional<RecordedStepBytes> recorded_steps;
+    std::optional<RecordedPrediction> recorded_prediction;
     if (!routing_.empty()) {
-      Result<std::pair<RecordedReads, RecordedStepBytes>> read = recorded_reads(*steps);
-      if (!read) return read.status();
-      recorded = read->first;
-      recorded_steps = read->second;
+      Result<std::vector<StepRouting>> routings = recorded_routings(*steps);
+      if (!routings) return routings.status();
+      recorded = recorded_parameter_reads(*steps, *routings);
+      recorded_steps = recorded_step_bytes(*steps, *routings);
+      if (prediction) recorded_prediction = predict_recorded(*steps, *hardware, *routings);
     }
     if (json_) {
       nlohmann::ordered_json j = plan_to_json(plan, zero);
       if (prediction) j["prediction"] = prediction_to_json(*prediction);
-      if (recorded) j["recorded_routing"] = recorded_to_json(*recorded, *recorded_steps);
+      if (recorded) {
+        j["recorded_routing"] = recorded_to_json(*recorded, *recorded_steps);
+        if (recorded_prediction)
+          j["recorded_routing"]["predicted_seconds_per_step"] = {
+              {"mean", recorded_prediction->mean},
+              {"least", recorded_prediction->least},
+              {"most", recorded_prediction->most}};
+      }
       fmt::print("{}\n", j.dump(2));
     } else {
       fmt::print("{}", format_plan_table(plan, zero));
       if (recorded) fmt::print("{}", recorded_line(*recorded, *recorded_steps, *steps));
       if (prediction) fmt::print("{}", format_prediction(*prediction));
-      if (!*hardware)
+      if (recorded_prediction)
+        fmt::print(
+            "predicted with that routing: {} per step on average (least {}, most {}) over {} "
+            "steps, each the step-time model's steady step with that step's NVMe bytes and "
+            "AdamW elements; the worst case above\n",
+            seconds_text(recorded_prediction->mean), seconds_text(recorded_prediction->least),
+            seconds_text(recorded_prediction->most), recorded_prediction->steps);
+      if (!hardware)
         fmt::print(
             "(no step-time prediction: --probe measures this machine, --hardware "
             "PRESET|FILE names one)\n");
@@ -260,15 +283,37 @@ class PlanCommand : public Subcommand {
   }
 
   // --routing FILE against this plan: the plan must read its experts as routed.
-  Result<std::pair<RecordedReads, RecordedStepBytes>> recorded_reads(
-      const TrainingPlan& plan) const {
+  Result<std::vector<StepRouting>> recorded_routings(const TrainingPlan& plan) const {
     if (!plan.routed_expert_fetch)
       return Status::invalid_argument(fmt::format(
           "--routing {}: this plan reads every expert ({}); plan what the run trained", routing_,
           plan.expert_fetch_reason.empty() ? "a dense model" : plan.expert_fetch_reason));
-    Result<std::vector<StepRouting>> steps = read_recorded_routing(plan, routing_);
-    if (!steps) return steps.status();
-    return std::pair{recorded_parameter_reads(plan, *steps), recorded_step_bytes(plan, *steps)};
+    return read_recorded_routing(plan, routing_);
+  }
+
+  // The step-time model's steady step for each recorded step's routing (its
+  // bytes and AdamW elements, routed_step), the ledger of waiting experts
+  // carried from step to step as the run carried it.
+  struct RecordedPrediction {
+    int64_t steps = 0;
+    double mean = 0, least = 0, most = 0;
+  };
+  static RecordedPrediction predict_recorded(const TrainingPlan& plan,
+                                             const HardwareProfile& hardware,
+                                             const std::vector<StepRouting>& routings) {
+    RecordedPrediction out;
+    ExpertUpdateLedger ledger(plan);
+    double sum = 0;
+    for (const StepRouting& routing : routings) {
+      const RoutedStep step = routed_step(plan, routing, ledger, out.steps + 1);
+      const double seconds = predict_step(plan, hardware, &step).steady_seconds;
+      out.least = out.steps == 0 ? seconds : std::min(out.least, seconds);
+      out.most = std::max(out.most, seconds);
+      sum += seconds;
+      ++out.steps;
+    }
+    if (out.steps > 0) out.mean = sum / double(out.steps);
+    return out;
   }
 
   nlohmann::ordered_json recorded_to_json(const RecordedReads& r,

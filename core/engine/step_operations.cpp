@@ -277,7 +277,7 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
     const int64_t count = plan.input.stage >= 2 ? p.shard_numel : p.padded_numel;
     const bool host_memory = !plan.input.gpu || plan.homes.grad != tiers::Tier::device;
     if (host_memory && !plan.homes.grad_bf16 && plan.homes.grad != tiers::Tier::nvme) {
-      if (routes_expert_reads(plan, u)) {
+      if (sums_routed_gradients(plan, u)) {
         // Zero but where the buffer's micro-batches sent tokens: this one's,
         // or every one's so far when the GPU summed them.
         const std::vector<uint8_t> reached = summed_on_device

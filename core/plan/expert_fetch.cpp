@@ -53,6 +53,13 @@ bool routes_expert_reads(const TrainingPlan& plan, int unit) {
   return plan.routed_expert_fetch && expert_blocks(plan.layout, unit).count > 0;
 }
 
+bool sums_routed_gradients(const TrainingPlan& plan, int unit) {
+  const PlanInput& in = plan.input;
+  const bool host_memory = !in.gpu || plan.homes.grad != tiers::Tier::device;
+  return routes_expert_reads(plan, unit) && in.world_size == 1 && !in.reduce_in_bf16 &&
+         host_memory && !plan.homes.grad_bf16 && plan.homes.grad != tiers::Tier::nvme;
+}
+
 std::vector<ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_t alignment) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   const uint64_t cb = uint64_t(plan.compute_bytes);

@@ -40,6 +40,12 @@ bool plan_routes_expert_reads(const PlanInput& input, const StateHomes& homes, s
 // Unit u's experts are read as routed: the plan routes them and u is a sparse MLP piece.
 bool routes_expert_reads(const TrainingPlan& plan, int unit);
 
+// Unit u's micro-batch gradients are added into their accumulator only
+// where the micro-batch's tokens went (the experts they reached and what is
+// not an expert; elsewhere the gradient is +0): u reads its experts as
+// routed, one rank reduces in fp32 and the accumulator is fp32 host memory.
+bool sums_routed_gradients(const TrainingPlan& plan, int unit);
+
 // The ranges unit u's fetch reads ahead: all but the experts.
 std::vector<tiers::ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_t alignment);
 

@@ -224,12 +224,32 @@ std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan) 
   return bytes;
 }
 
-WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
-                                     ExpertUpdateLedger& ledger) {
-  const StepTraffic worst = plan.traffic_per_step;
-  WindowBytes step{worst.nvme_read, worst.nvme_written};
-  // The routed parameter reads of this routing instead of the worst case's.
-  step.read += routed_parameter_reads(plan, routing) - worst_parameter_reads(plan);
+RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
+                       ExpertUpdateLedger& ledger, int64_t step) {
+  RoutedStep out;
+  out.traffic = traffic_per_op(plan);
+  out.adamw_elements.assign(plan.ops.size(), -1);
+  out.summed_elements.assign(plan.ops.size(), -1);
+  std::vector<StepTraffic>& traffic = out.traffic;
+  if (!plan.routed_expert_fetch) return out;
+  auto elements = [](const std::vector<ElementRange>& ranges) {
+    int64_t sum = 0;
+    for (const ElementRange& r : ranges) sum += r.end - r.begin;
+    return sum;
+  };
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if (op.kind != OpKind::reduce || !sums_routed_gradients(plan, op.unit)) continue;
+    const std::vector<uint8_t> reached = plan.gpu_grads_summed_on_device()
+                                             ? touched_through(routing, op.unit, op.micro)
+                                             : routing[size_t(op.unit)][size_t(op.micro)];
+    out.summed_elements[i] = elements(expert_update_ranges(plan, op.unit, reached, true));
+  }
+  // The routed computations' expert reads of this routing instead of the worst case's.
+  const std::vector<int64_t> worst = routed_expert_reads_per_op(plan, nullptr);
+  const std::vector<int64_t> routed = routed_expert_reads_per_op(plan, &routing);
+  for (size_t i = 0; i < plan.ops.size(); ++i) traffic[i].nvme_read += routed[i] - worst[i];
+  if (!plan.deferred_expert_updates) return out;
   const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);
   const size_t E = size_t(plan.layout.config.num_experts);
   const std::vector<uint8_t> every(E, 1);
@@ -237,6 +257,7 @@ WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting
     const PlanOp& op = plan.ops[i];
     if (!defers_expert_updates(plan, op.unit)) continue;
     const int u = op.unit;
+    StepTraffic& t = traffic[i];
     if (op.kind == OpKind::reduce && moves_gradient_windows(plan, u)) {
       // The worst case wrote (and from the second micro-batch on, in the
       // micro-batch order, read back) the whole gradient.
@@ -250,22 +271,28 @@ WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting
         for (const tiers::ByteRange& r : ranges) sum += int64_t(r.bytes);
         return sum;
       };
-      step.written +=
+      t.nvme_written +=
           bytes(gradient_windows(plan, u, touched_through(routing, u, op.micro))) - whole;
       if (op.micro > 0 && !plan.layer_major())
-        step.read +=
+        t.nvme_read +=
             bytes(gradient_windows(plan, u, touched_through(routing, u, op.micro - 1))) - whole;
     } else if (op.kind == OpKind::forward) {
-      step.read -= replays[i].read;
-      step.written -= replays[i].written;
+      t.nvme_read -= replays[i].read;
+      t.nvme_written -= replays[i].written;
       const std::vector<DeferredSteps> due =
           ledger.take_due(u, routing[size_t(u)][size_t(op.micro)]);
       if (due.empty()) continue;
       const WindowBytes replayed = window_bytes(
           plan, update_windows(plan, u, expert_update_ranges(plan, u, chosen_of(due, E), false)),
           false);
-      step.read += replayed.read;
-      step.written += replayed.written;
+      t.nvme_read += replayed.read;
+      t.nvme_written += replayed.written;
+      int64_t& replays_elements = out.adamw_elements[i];
+      replays_elements = 0;
+      for (const DeferredSteps& d : due) {
+        const ElementRange w = waiting_range(plan, u, d.expert);
+        replays_elements += (w.end - w.begin) * (d.last - d.first + 1);
+      }
     } else if (op.kind == OpKind::optimizer) {
       const std::vector<uint8_t> active =
           touched_through(routing, u, int(plan.input.grad_accum) - 1);
@@ -273,13 +300,20 @@ WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting
           plan, update_windows(plan, u, expert_update_ranges(plan, u, every, true)), true);
       const WindowBytes updated = window_bytes(
           plan, update_windows(plan, u, expert_update_ranges(plan, u, active, true)), true);
-      step.read += updated.read - all.read;
-      step.written += updated.written - all.written;
-      // Counting needs only whether an expert waits: each step is marked as step 1.
-      ledger.defer_idle(u, active, 1);
+      t.nvme_read += updated.read - all.read;
+      t.nvme_written += updated.written - all.written;
+      out.adamw_elements[i] = elements(expert_update_ranges(plan, u, active, true));
+      ledger.defer_idle(u, active, step);
     }
   }
-  return step;
+  return out;
+}
+
+WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
+                                     ExpertUpdateLedger& ledger) {
+  // The bytes need only whether an expert waits: each step is marked as step 1.
+  const StepTraffic step = total_traffic(routed_step(plan, routing, ledger, 1).traffic);
+  return {step.nvme_read, step.nvme_written};
 }
 
 RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,

@@ -143,11 +143,33 @@ class ExpertUpdateLedger {
   std::vector<std::vector<DeferredSteps>> waiting_;
 };
 
+// One step of a plan that reads experts as routed, for its routing, per
+// operation of plan.ops: what the step-time model costs a recorded step
+// with (predict_step).
+struct RoutedStep {
+  // traffic_per_op's worst case with each computation's expert reads
+  // `routing`'s and, where the plan defers, the deferring units' replays,
+  // optimizer windows and gradient windows what `routing` replays, updates
+  // and writes.
+  std::vector<StepTraffic> traffic;
+  // The elements AdamW steps, where the routing decides them: a deferring
+  // unit's optimizer operation, its ranges' elements; a forward that
+  // replays, each replayed expert's elements times the steps it missed; -1
+  // elsewhere (the plan's own count).
+  std::vector<int64_t> adamw_elements;
+  // The gradient elements a reduce adds into the accumulator where only the
+  // experts its micro-batch (or, summed on the GPU, micro-batches) reached
+  // are added (sums_routed_gradients); -1 elsewhere (the whole unit).
+  std::vector<int64_t> summed_elements;
+};
+// Advances `ledger` (the experts that waited before the step) past the step,
+// taken as applied step `step` (Adam's t, so that replays count the steps
+// each expert missed).
+RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
+                       ExpertUpdateLedger& ledger, int64_t step);
+
 // The NVMe bytes one step of a plan that defers expert updates moves for its
-// routing: the plan's traffic with the deferring units' worst case (every
-// expert replayed and updated) replaced by what `routing` replays and
-// updates, and its routed parameter reads by `routing`'s. Advances `ledger`
-// (the experts that waited before the step) past the step, taken as applied.
+// routing: routed_step's traffic summed.
 WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
                                      ExpertUpdateLedger& ledger);
 

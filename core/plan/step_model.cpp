@@ -193,8 +193,62 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
   return layer_backward_flops(m, B, T, plan.recomputes(op.unit), layer, unit.piece);
 }
 
-std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw) {
-  const std::vector<StepTraffic> traffic = traffic_per_op(plan);
+namespace {
+
+// Per operation, the elements a deferring unit's worst-case replays step
+// (every expert's one missed step, at its unit's first forward:
+// deferred_replay_bytes_per_op's operations); -1 elsewhere.
+std::vector<int64_t> worst_replay_elements(const TrainingPlan& plan) {
+  std::vector<int64_t> out(plan.ops.size(), -1);
+  if (!plan.deferred_expert_updates) return out;
+  const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);
+  const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    if (replays[i].read + replays[i].written == 0) continue;
+    int64_t& elements = out[i] = 0;
+    for (const ElementRange& r : expert_update_ranges(plan, plan.ops[i].unit, every, false))
+      elements += r.end - r.begin;
+  }
+  return out;
+}
+
+// A forward's or backward's seconds for its FLOPs (on the CPU backend at
+// the probe's measured rate for its kind of unit, the rank's share of the
+// cores) and, for the embedding, its activations' traffic.
+double compute_seconds(const TrainingPlan& plan, const HardwareProfile& hw, const PlanOp& op,
+                       double unit_share) {
+  const PlanInput& in = plan.input;
+  const double flops = operation_flops(plan, op);
+  double rate = hw.matmul_flops(in.gpu ? in.precision : Precision::fp32);
+  if (!in.gpu) {
+    const bool is_head = plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::head;
+    const double measured = is_head                      ? hw.head_gflops
+                            : op.kind == OpKind::forward ? hw.layer_forward_gflops
+                                                         : hw.layer_backward_gflops;
+    if (measured > 0) rate = measured * 1e9;
+    rate *= unit_share;
+  }
+  // The embedding and the element-wise work move (B*T, C) activations a few times.
+  const double activations = double(plan.tokens_per_micro) * double(in.model.hidden_size) * 4;
+  return (rate > 0 ? flops / rate : 0) +
+         (plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::embedding
+              ? seconds_for(3 * activations, hw.memory_gbps, 0)
+              : 0);
+}
+
+}  // namespace
+
+std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw,
+                                    const RoutedStep* routed) {
+  std::vector<StepTraffic> own;
+  if (routed == nullptr) own = traffic_per_op(plan);
+  const std::vector<StepTraffic>& traffic = routed != nullptr ? routed->traffic : own;
+  // Elements AdamW steps where the routing decides them (-1: the plan's count).
+  const std::vector<int64_t> worst_replays =
+      routed == nullptr ? worst_replay_elements(plan) : std::vector<int64_t>();
+  auto adamw_elements = [&](size_t i) {
+    return routed != nullptr ? routed->adamw_elements[i] : worst_replays[i];
+  };
   const PlanInput& in = plan.input;
   const bool gpu = in.gpu;
   const uint32_t compute = uint32_t(gpu ? Resource::device : Resource::cores);
@@ -233,28 +287,19 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
     switch (op.kind) {
       case OpKind::forward:
       case OpKind::backward: {
-        const double flops = operation_flops(plan, op);
-        double rate = hw.matmul_flops(gpu ? in.precision : Precision::fp32);
-        if (!gpu) {
-          const bool is_head = plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::head;
-          const double measured = is_head                      ? hw.head_gflops
-                                  : op.kind == OpKind::forward ? hw.layer_forward_gflops
-                                                               : hw.layer_backward_gflops;
-          if (measured > 0) rate = measured * 1e9;
-          rate *= unit_share;
-        }
-        // The embedding and the element-wise work move (B*T, C) activations a few times.
-        const double activations = double(plan.tokens_per_micro) * double(in.model.hidden_size) * 4;
-        c.seconds = (rate > 0 ? flops / rate : 0) +
-                    (plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::embedding
-                         ? seconds_for(3 * activations, hw.memory_gbps, 0)
-                         : 0) +
-                    pcie_seconds(t);
+        c.seconds = compute_seconds(plan, hw, op, unit_share) + pcie_seconds(t);
         c.resources = compute | pcie_bits(t);
-        if (t.nvme_read > 0) {  // a routed MLP piece reads its experts (core/plan/expert_fetch.h)
+        // A routed MLP piece reads its experts (core/plan/expert_fetch.h) and
+        // replays the missed steps of those that waited (expert_update.h):
+        // their windows through NVMe, AdamW over their elements once a step
+        // missed, on the compute lane's cores.
+        if (t.nvme_read > 0 || t.nvme_written > 0) {
           c.seconds += nvme_seconds(t);
           c.resources |= uint32_t(Resource::nvme);
         }
+        if (const int64_t replayed = adamw_elements(i);
+            replayed > 0 && hw.adamw_params_per_second(in.optimizer_state) > 0)
+          c.seconds += double(replayed) / hw.adamw_params_per_second(in.optimizer_state);
         break;
       }
       case OpKind::fetch:
@@ -286,8 +331,14 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         break;
       }
       case OpKind::reduce: {
-        // The micro-batch's gradient added into the accumulator: read both, write one.
-        const double accumulate = 3.0 * double(p->grad_numel) * (plan.homes.grad_bf16 ? 2 : 4);
+        // The micro-batch's gradient added into the accumulator: read both,
+        // write one; a routed unit's only where its tokens went, the rest
+        // set to zero on the first micro-batch (sums_routed_gradients).
+        const int64_t summed = routed != nullptr ? routed->summed_elements[i] : -1;
+        const double accumulate =
+            summed < 0 ? 3.0 * double(p->grad_numel) * (plan.homes.grad_bf16 ? 2 : 4)
+                       : 3.0 * double(summed) * 4 +
+                             (op.micro == 0 ? double(p->grad_numel - summed) * 4 : 0);
         // Summed once per step, only the last micro-batch's reduce (of the
         // sum) reaches the accumulator; summed in host memory, every
         // micro-batch's gradient is first added to the sum (the whole unit).
@@ -304,7 +355,9 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
         break;
       }
       case OpKind::optimizer: {
-        const double params = double(p->optimizer_numel);
+        // A deferring unit steps only its updated ranges (expert_update.h).
+        const double params =
+            double(adamw_elements(i) >= 0 ? adamw_elements(i) : p->optimizer_numel);
         const bool on_gpu = gpu && plan.homes.optimizer == tiers::Tier::device;
         // On a GPU AdamW is memory-bound: master, m, v, gradient read, three written.
         const double update =
@@ -354,11 +407,12 @@ std::vector<SimOp> step_graph(const TrainingPlan& plan, const std::vector<OpCost
 
 // ---------------------------------------------------------------- prediction
 
-StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw) {
+StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw,
+                            const RoutedStep* routed) {
   constexpr int kSteps = 4;  // the cold step, then steady ones
   StepPrediction out;
   out.hardware = hw.name;
-  const std::vector<OpCost> costs = cost_operations(plan, hw);
+  const std::vector<OpCost> costs = cost_operations(plan, hw, routed);
   out.simulation = simulate_steps(step_graph(plan, costs), kLaneCount, exchange_op(plan), kSteps);
   const Simulation& sim = out.simulation;
   out.cold_seconds = sim.step_seconds(0);
@@ -394,7 +448,7 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw)
     const double peak = hw.matmul_flops(plan.input.precision) / hw.matmul_efficiency;
     out.mfu = flops / (peak * out.steady_seconds);
   }
-  out.traffic = plan.traffic_per_step;
+  out.traffic = routed != nullptr ? total_traffic(routed->traffic) : plan.traffic_per_step;
   out.nvme_unknown = hw.nvme.empty() && out.traffic.nvme_read + out.traffic.nvme_written > 0;
   out.inter_node_unknown = hw.inter_node_gbps <= 0 && out.traffic.inter_node > 0;
   double rated = 0;
@@ -408,16 +462,12 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw)
   return out;
 }
 
-namespace {
-
 std::string seconds_text(double s) {
   if (s >= 60) return fmt::format("{:.1f} min", s / 60);
   if (s >= 1) return fmt::format("{:.2f} s", s);
   if (s >= 1e-3) return fmt::format("{:.1f} ms", s * 1e3);
   return fmt::format("{:.0f} us", s * 1e6);
 }
-
-}  // namespace
 
 std::string format_prediction(const StepPrediction& p) {
   std::string out = fmt::format("predicted on {}: {} per step ({} the first), {:.0f} tokens/s",

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "core/plan/expert_update.h"
 #include "core/plan/hardware_profile.h"
 #include "core/plan/training_plan.h"
 
@@ -89,7 +90,12 @@ struct Simulation {
 Simulation simulate_steps(const std::vector<SimOp>& ops, int lanes, int release_op, int steps);
 
 // The cost of each of plan.ops on `hardware`.
-std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hardware);
+// `routed`: a mixture's step for its recorded routing (routed_step,
+// core/plan/expert_update.h): its bytes per operation and the elements its
+// AdamW steps where the routing decides them; null: the plan's worst case
+// (traffic_per_op: every expert read, replayed and updated).
+std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hardware,
+                                    const RoutedStep* routed = nullptr);
 // The plan's operations with their costs, lanes, dependencies and waits across steps.
 std::vector<SimOp> step_graph(const TrainingPlan& plan, const std::vector<OpCost>& costs);
 // FLOPs of one compute operation (forward or backward of a unit, one micro-batch).
@@ -127,7 +133,13 @@ struct StepPrediction {
   Simulation simulation;              // three steps, for a timeline
 };
 
-StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hardware);
+// `routed` as cost_operations takes it: each step of the simulation is that
+// step; StepPrediction::traffic is then its sums.
+StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hardware,
+                            const RoutedStep* routed = nullptr);
+
+// Seconds as `strata plan` prints them: "1.2 min", "3.45 s", "297.3 ms", "80 us".
+std::string seconds_text(double seconds);
 
 // The lines `strata plan` prints, and its JSON.
 std::string format_prediction(const StepPrediction& prediction);
