@@ -6,8 +6,10 @@
 // parameter gradients accumulate over micro-batches and an input read by
 // several products (the residual stream, q/k/v) collects all of them.
 //
-// sgemm parallelises inside each call; call these from one thread at a time
-// (not from inside TBB tasks), so the two thread pools do not nest.
+// sgemm parallelises inside each call as TBB tasks (gemm.h), so these may be
+// called from several threads and from inside TBB tasks; a product's bits
+// depend on its shape and the configured thread count, not on what runs
+// beside it.
 #pragma once
 
 #include <cstdint>
