@@ -244,6 +244,58 @@ TEST(Planner, ABudgetThatOverflowsNamesTheTierAndSuggestsTheSmallestChange) {
   EXPECT_EQ(ranks.suggestion, "--stage 1");
 }
 
+// When even everything on NVMe leaves the device short, the line names what
+// no placement or rank count shrinks: the largest unit's slots and
+// gradients, whole on every rank; and what would, where it is built.
+TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
+  PlanInput in;
+  in.model = *load_model_config("qwen3-235b-a22b");
+  in.precision = Precision::bf16;
+  in.gpu = true;
+  in.stage = 3;
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.nvme_path_known = true;
+  in.budgets.device_per_rank = 24LL << 30;
+  in.budgets.host_per_node = 1LL << 40;
+  in.budgets.nvme_per_node = 8LL << 40;
+  const PlanReport plan = *plan_with_suggestion(in);
+  ASSERT_FALSE(plan.fits);
+  EXPECT_EQ(plan.suggestion.rfind("none: ", 0), 0u) << plan.suggestion;
+  EXPECT_NE(plan.suggestion.find("sized by the largest unit, layers.0 (2.49B parameters)"),
+            std::string::npos)
+      << plan.suggestion;
+  EXPECT_NE(plan.suggestion.find("experts stay together in its MLP piece"), std::string::npos)
+      << plan.suggestion;
+  EXPECT_EQ(plan.suggestion.find("more nodes"), std::string::npos) << plan.suggestion;
+  // A dense model asked for in whole layers that fit in pieces: say so (the
+  // GPT-3-shaped Llama of 172B at 1 x 1024 tokens on 24 GB, its vocabulary
+  // in two chunks).
+  PlanInput dense = in;
+  ModelConfig& m = dense.model;
+  m = *load_model_config("llama3-8b");
+  m.hidden_size = 12288;
+  m.intermediate_size = 36864;
+  m.num_hidden_layers = 100;
+  m.num_attention_heads = 96;
+  m.num_key_value_heads = 8;
+  m.head_dim = 128;
+  m.vocab_size = 128256;
+  m.tie_word_embeddings = false;
+  m.layer_pieces = 1;
+  m.vocab_chunks = 2;
+  dense.layer_pieces_auto = false;
+  dense.vocab_chunks_auto = false;
+  dense.micro_batch = 1;
+  dense.seq_len = 1024;
+  dense.budgets.host_per_node = 256LL << 30;
+  const PlanReport whole = *plan_with_suggestion(dense);
+  ASSERT_FALSE(whole.fits);
+  EXPECT_NE(whole.suggestion.find("--layer-pieces 2 (the layers were asked for whole"),
+            std::string::npos)
+      << whole.suggestion;
+}
+
 TEST(Planner, ShardSizesAreTheModelLayoutsOwn) {
   for (const char* preset : {"tiny", "small", "llama3.2-1b"}) {
     for (int world : {1, 3, 8}) {

@@ -155,6 +155,12 @@ PlanReport training_plan_report(const PlanInput& in, TrainingPlan built) {
   plan.padded_elements = sizes.padded;
   plan.largest_unit_elements = sizes.largest_unit;
   plan.units = sizes.units;
+  int64_t largest = -1;
+  for (const UnitLayout& unit : built.layout.units) {
+    if (unit.padded_numel <= largest) continue;
+    largest = unit.padded_numel;
+    plan.largest_unit = unit.unit.name;
+  }
 
   const int w = in.world_size;
   const int node_ranks = in.budgets.node_ranks(w);
@@ -487,9 +493,36 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   const PlanReport& lean = *lean_plan;
   plan.suggestion = fmt::format(
       "none: even ZeRO stage 3 with everything on NVMe and micro batch 1 needs {} device per rank, "
-      "{} host and {} NVMe on the node; add memory or disk, or spread the ranks over more nodes",
+      "{} host and {} NVMe on the node; ",
       format_bytes(double(lean.verdicts[0].need)), format_bytes(double(lean.verdicts[1].need)),
       format_bytes(double(lean.verdicts[2].need)));
+  if (lean.verdicts[0].fits()) {
+    plan.suggestion += "add memory or disk, or spread the ranks over more nodes";
+    return planned;
+  }
+  // More ranks shard the state, not a gathered unit: the device's working
+  // set is the largest unit's, whole on every rank.
+  bool pieces_fit = false;  // whole layers were asked for, and pieces would fit the device
+  if (!input.layer_pieces_auto && leanest.model.layer_pieces < 2) {
+    PlanInput cut = leanest;
+    cut.model.layer_pieces = 2;
+    Result<PlanReport> in_pieces = plan_memory(cut);
+    pieces_fit = in_pieces && in_pieces->verdicts[0].fits();
+  }
+  const char* smaller =
+      pieces_fit ? ", or --layer-pieces 2 (the layers were asked for whole; in pieces the device "
+                   "has room)"
+      : input.model.is_moe()
+          ? " (a sparse layer's experts stay together in its MLP piece: cutting them into groups "
+            "is not built)"
+          : " (a layer's MLP stays one piece: cutting it along its intermediate dimension is not "
+            "built)";
+  plan.suggestion += fmt::format(
+      "{} of the device's need is its parameter slots and unit gradients, sized by the largest "
+      "unit, {} ({:.2f}B parameters), whole on every rank at any rank count: a device with more "
+      "memory{}",
+      format_bytes(double(lean.device_staging_bytes)), lean.largest_unit,
+      double(lean.largest_unit_elements) / 1e9, smaller);
   return planned;
 }
 

@@ -111,6 +111,7 @@ struct PlanReport {
   int64_t shard_elements = 0;   // this rank's padded shard, summed over units
   int64_t padded_elements = 0;  // every unit padded to a multiple of world_size shards
   int64_t largest_unit_elements = 0;
+  std::string largest_unit;  // its name ("layers.3.mlp"); the first of the largest
   int units = 0;
 
   StateHomes homes;                    // where each kind of state lives (the gradient's resolved)
