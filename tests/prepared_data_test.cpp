@@ -105,7 +105,9 @@ TEST(PreparedData, ASentencePieceChatTargetsTheReplyThroughTheNormalizer) {
   const uint32_t bos = *llama2.token_id("<s>"), eos = *llama2.token_id("</s>");
   int eos_targets = 0;
   for (size_t i = 0; i < stream.tokens.size(); ++i) {
-    if (stream.tokens[i] == bos) EXPECT_EQ(stream.mask[i], 0) << others;
+    if (stream.tokens[i] == bos) {
+      EXPECT_EQ(stream.mask[i], 0) << others;
+    }
     if (stream.tokens[i] == eos) eos_targets += stream.mask[i];
   }
   EXPECT_EQ(eos_targets, 2) << targets;
