@@ -179,6 +179,13 @@ struct CudaGpuRank::Impl {
   // The unit's parameters on the device: `params` in place, else uploaded
   // into a slot (*slot; -1 when in place).
   Result<const std::byte*> unit_params(int unit, const std::byte* params, int* slot);
+  // The slot still holding `unit` uploaded from `params`, or -1.
+  int uploaded_slot(int unit, const std::byte* params) {
+    std::lock_guard lock(slot_mutex);
+    for (int k = 0; k < kGpuParamSlots; ++k)
+      if (slot_source[size_t(k)] == params && slot_unit[size_t(k)] == unit) return k;
+    return -1;
+  }
   // A side call's copy, in stream order after the computation enqueued so far; done on return.
   Status copy(void* to, const void* from, int64_t bytes, cudaMemcpyKind kind, const char* where) {
     std::lock_guard lock(side);
@@ -296,15 +303,10 @@ Result<const std::byte*> CudaGpuRank::Impl::unit_params(int unit, const std::byt
                                                         int* slot) {
   *slot = -1;
   if (params_in_place) return params;
-  {
-    // Still there from an earlier computation: the compute stream is already past its upload.
-    std::lock_guard lock(slot_mutex);
-    for (int k = 0; k < kGpuParamSlots; ++k) {
-      if (slot_source[size_t(k)] == params && slot_unit[size_t(k)] == unit) {
-        *slot = k;
-        return param_slots[size_t(k)];
-      }
-    }
+  // Still there from an earlier computation: the compute stream is already past its upload.
+  if (const int k = uploaded_slot(unit, params); k >= 0) {
+    *slot = k;
+    return param_slots[size_t(k)];
   }
   Result<int> taken = upload(params, unit_bytes(unit));
   if (!taken) return taken.status();
@@ -532,14 +534,9 @@ Status CudaGpuRank::take_gathered_range(int unit, const std::byte* params, int64
                                         int64_t count) {
   Impl& g = *impl_;
   if (g.params_in_place) return Status::ok();
-  std::byte* device = nullptr;
-  {
-    std::lock_guard lock(g.slot_mutex);
-    for (int k = 0; k < kGpuParamSlots; ++k)
-      if (g.slot_source[size_t(k)] == params && g.slot_unit[size_t(k)] == unit)
-        device = g.param_slots[size_t(k)];
-  }
-  if (device == nullptr) return Status::ok();  // the next computation uploads it whole
+  const int k = g.uploaded_slot(unit, params);
+  if (k < 0) return Status::ok();  // the next computation uploads it whole
+  std::byte* device = g.param_slots[size_t(k)];
   count = std::min(count, g.plan.units[size_t(unit)].padded_numel - begin);
   const int64_t offset = begin * g.type_bytes;
   // On the compute stream, so the computations enqueued after it read it.

@@ -35,6 +35,12 @@ std::vector<uint8_t> first_forwards(const TrainingPlan& plan) {
   return first;
 }
 
+int64_t elements_in(const std::vector<ElementRange>& ranges) {
+  int64_t sum = 0;
+  for (const ElementRange& r : ranges) sum += r.end - r.begin;
+  return sum;
+}
+
 std::vector<uint8_t> chosen_of(const std::vector<DeferredSteps>& due, size_t experts) {
   std::vector<uint8_t> chosen(experts, 0);
   for (const DeferredSteps& d : due) chosen[size_t(d.expert)] = 1;
@@ -232,18 +238,13 @@ RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
   out.summed_elements.assign(plan.ops.size(), -1);
   std::vector<StepTraffic>& traffic = out.traffic;
   if (!plan.routed_expert_fetch) return out;
-  auto elements = [](const std::vector<ElementRange>& ranges) {
-    int64_t sum = 0;
-    for (const ElementRange& r : ranges) sum += r.end - r.begin;
-    return sum;
-  };
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
     if (op.kind != OpKind::reduce || !sums_routed_gradients(plan, op.unit)) continue;
     const std::vector<uint8_t> reached = plan.gpu_grads_summed_on_device()
                                              ? touched_through(routing, op.unit, op.micro)
                                              : routing[size_t(op.unit)][size_t(op.micro)];
-    out.summed_elements[i] = elements(expert_update_ranges(plan, op.unit, reached, true));
+    out.summed_elements[i] = elements_in(expert_update_ranges(plan, op.unit, reached, true));
   }
   // The routed computations' expert reads of this routing instead of the worst case's.
   const std::vector<int64_t> worst = routed_expert_reads_per_op(plan, nullptr);
@@ -302,11 +303,22 @@ RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
           plan, update_windows(plan, u, expert_update_ranges(plan, u, active, true)), true);
       t.nvme_read += updated.read - all.read;
       t.nvme_written += updated.written - all.written;
-      out.adamw_elements[i] = elements(expert_update_ranges(plan, u, active, true));
+      out.adamw_elements[i] = elements_in(expert_update_ranges(plan, u, active, true));
       ledger.defer_idle(u, active, step);
     }
   }
   return out;
+}
+
+std::vector<int64_t> deferred_replay_elements_per_op(const TrainingPlan& plan) {
+  std::vector<int64_t> elements(plan.ops.size(), -1);
+  if (!plan.deferred_expert_updates) return elements;
+  const std::vector<uint8_t> first = first_forwards(plan);
+  const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
+  for (size_t i = 0; i < plan.ops.size(); ++i)
+    if (first[i])
+      elements[i] = elements_in(expert_update_ranges(plan, plan.ops[i].unit, every, false));
+  return elements;
 }
 
 WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,

@@ -194,5 +194,8 @@ RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,
 // unit's optimizer operation counts its worst case, every element, in its
 // own bytes.)
 std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan);
+// The elements those worst-case replays step (every expert's waiting range,
+// one missed step each) on the same operations; -1 elsewhere.
+std::vector<int64_t> deferred_replay_elements_per_op(const TrainingPlan& plan);
 
 }  // namespace strata

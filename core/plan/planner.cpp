@@ -23,6 +23,7 @@ struct Sizes {
   int64_t shard = 0;
   int64_t padded = 0;
   int64_t largest_unit = 0;  // padded elements
+  std::string largest_name;  // the first unit of that size
   int units = 0;
 };
 
@@ -34,7 +35,10 @@ Sizes compute_sizes(const PlanInput& in) {
     s.parameters += unit.numel;
     s.shard += shard;
     s.padded += shard * in.world_size;
-    s.largest_unit = std::max(s.largest_unit, shard * in.world_size);
+    if (shard * in.world_size > s.largest_unit) {
+      s.largest_unit = shard * in.world_size;
+      s.largest_name = unit.name;
+    }
     ++s.units;
   }
   return s;
@@ -154,13 +158,8 @@ PlanReport training_plan_report(const PlanInput& in, TrainingPlan built) {
   plan.shard_elements = sizes.shard;
   plan.padded_elements = sizes.padded;
   plan.largest_unit_elements = sizes.largest_unit;
+  plan.largest_unit = sizes.largest_name;
   plan.units = sizes.units;
-  int64_t largest = -1;
-  for (const UnitLayout& unit : built.layout.units) {
-    if (unit.padded_numel <= largest) continue;
-    largest = unit.padded_numel;
-    plan.largest_unit = unit.unit.name;
-  }
 
   const int w = in.world_size;
   const int node_ranks = in.budgets.node_ranks(w);

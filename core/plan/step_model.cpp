@@ -195,23 +195,6 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
 
 namespace {
 
-// Per operation, the elements a deferring unit's worst-case replays step
-// (every expert's one missed step, at its unit's first forward:
-// deferred_replay_bytes_per_op's operations); -1 elsewhere.
-std::vector<int64_t> worst_replay_elements(const TrainingPlan& plan) {
-  std::vector<int64_t> out(plan.ops.size(), -1);
-  if (!plan.deferred_expert_updates) return out;
-  const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);
-  const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
-  for (size_t i = 0; i < plan.ops.size(); ++i) {
-    if (replays[i].read + replays[i].written == 0) continue;
-    int64_t& elements = out[i] = 0;
-    for (const ElementRange& r : expert_update_ranges(plan, plan.ops[i].unit, every, false))
-      elements += r.end - r.begin;
-  }
-  return out;
-}
-
 // A forward's or backward's seconds for its FLOPs (on the CPU backend at
 // the probe's measured rate for its kind of unit, the rank's share of the
 // cores) and, for the embedding, its activations' traffic.
@@ -245,7 +228,7 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
   const std::vector<StepTraffic>& traffic = routed != nullptr ? routed->traffic : own;
   // Elements AdamW steps where the routing decides them (-1: the plan's count).
   const std::vector<int64_t> worst_replays =
-      routed == nullptr ? worst_replay_elements(plan) : std::vector<int64_t>();
+      routed == nullptr ? deferred_replay_elements_per_op(plan) : std::vector<int64_t>();
   auto adamw_elements = [&](size_t i) {
     return routed != nullptr ? routed->adamw_elements[i] : worst_replays[i];
   };
