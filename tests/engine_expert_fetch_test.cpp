@@ -11,6 +11,7 @@
 
 #include "core/plan/expert_fetch.h"
 #include "engine_test_support.h"
+#include "io/base/sizes.h"
 
 namespace strata {
 namespace {
@@ -41,6 +42,50 @@ int64_t unrouted(const StepRouting& routing) {
     for (const auto& micro : unit)
       for (uint8_t used : micro) left += used == 0;
   return left;
+}
+
+// Reads ahead: some backward's fetch depends on its forwards and reads their
+// experts, and the computations it serves then read none (worst case: the
+// fetch reads the whole unit, a block shared by the rest and an expert once).
+void expect_backwards_read_ahead(const TrainingPlan& plan, const std::string& label) {
+  const std::vector<int64_t> experts = routed_expert_reads_per_op(plan, nullptr);
+  const uint64_t alignment = plan.input.nvme_alignment;
+  int ahead = 0;
+  for (int i = 0; i < int(plan.ops.size()); ++i) {
+    const PlanOp& fetch = plan.ops[size_t(i)];
+    const std::vector<int> micros = micros_read_ahead(plan, i);
+    if (micros.empty()) continue;
+    ++ahead;
+    const int64_t whole = round_up(plan.units[size_t(fetch.unit)].param_numel * plan.compute_bytes,
+                                   int64_t(alignment));
+    EXPECT_EQ(fetch.bytes + experts[size_t(i)], whole) << label << ": " << fetch.text();
+    std::vector<uint8_t> none(size_t(plan.layout.config.num_experts), 0);
+    std::vector<tiers::ByteRange> rest = fetch_ranges(plan, fetch.unit, none, alignment);
+    int64_t rest_bytes = 0;
+    for (const tiers::ByteRange& r : rest) rest_bytes += int64_t(r.bytes);
+    EXPECT_EQ(rest_bytes, fetch.bytes) << label;
+    // The computations of its gather: backwards of those micro-batches, reading nothing.
+    for (int c = i + 1; c < int(plan.ops.size()); ++c) {
+      const PlanOp& op = plan.ops[size_t(c)];
+      if (op.kind != OpKind::gather ||
+          std::find(op.deps.begin(), op.deps.end(), i) == op.deps.end())
+        continue;
+      int served = 0;
+      for (int k = c + 1; k < int(plan.ops.size()); ++k) {
+        const PlanOp& compute = plan.ops[size_t(k)];
+        if (std::find(compute.deps.begin(), compute.deps.end(), c) == compute.deps.end() ||
+            (compute.kind != OpKind::forward && compute.kind != OpKind::backward))
+          continue;
+        ++served;
+        EXPECT_EQ(compute.kind, OpKind::backward) << label << ": " << compute.text();
+        EXPECT_NE(std::find(micros.begin(), micros.end(), compute.micro), micros.end()) << label;
+        EXPECT_EQ(experts[size_t(k)], 0) << label << ": " << compute.text();
+      }
+      EXPECT_EQ(served, int(micros.size())) << label << ": " << fetch.text();
+    }
+    for (int d : fetch.deps) EXPECT_LT(d, i) << label;
+  }
+  EXPECT_GT(ahead, 0) << label << ": no fetch reads ahead, the test shows nothing";
 }
 
 TEST_F(EngineExpertFetch, RoutedReadsGiveTheBitsOfReadingEveryExpert) {
@@ -77,6 +122,7 @@ TEST_F(EngineExpertFetch, NvmeReadsAreWhatThePlanCountsForTheStepsRouting) {
     ASSERT_EQ(d.steps.size(), 3u) << dense.label();
     const int64_t worst = r.plan.traffic_per_step.nvme_read;
     EXPECT_GE(worst, a.plan.traffic_per_step.nvme_read);  // whole blocks around each expert
+    expect_backwards_read_ahead(r.plan, schedule);
     for (size_t s = 0; s < r.steps.size(); ++s) {
       const StepResult& step = r.steps[s];
       const int64_t counted = routed_parameter_reads(r.plan, step.routing);

@@ -151,7 +151,8 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
       if (routes_expert_reads(plan, op.unit))
         return rank.store->prefetch_ranges(
             {op.unit, ShardKind::param},
-            fetched_ahead(plan, op.unit, rank.store->nvme_alignment()));
+            fetch_ranges(plan, op.unit, experts_read_ahead(plan, op_index, &rank.routing),
+                         rank.store->nvme_alignment()));
       return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
     case OpKind::gather:
       return gather(rank, op);

@@ -112,8 +112,12 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
-  if (routes_expert_reads(plan, op.unit))
+  if (routes_expert_reads(plan, op.unit)) {  // the experts its fetch read ahead are in
     rank.experts_loaded[size_t(op.slot)].assign(size_t(plan.layout.config.num_experts), 0);
+    for (int d : op.deps)
+      if (plan.ops[size_t(d)].kind == OpKind::fetch && plan.ops[size_t(d)].unit == op.unit)
+        rank.experts_loaded[size_t(op.slot)] = experts_read_ahead(plan, d, &rank.routing);
+  }
   return rank.compute->take_gathered(op.unit, op.slot, target);
 }
 

@@ -73,6 +73,47 @@ std::vector<ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_
   return ranges;
 }
 
+std::vector<int> micros_read_ahead(const TrainingPlan& plan, int fetch) {
+  const PlanOp& op = plan.ops[size_t(fetch)];
+  std::vector<int> micros;
+  if (op.kind != OpKind::fetch || !routes_expert_reads(plan, op.unit)) return micros;
+  for (int d : op.deps) {
+    const PlanOp& dep = plan.ops[size_t(d)];
+    if (dep.kind == OpKind::forward && dep.unit == op.unit) micros.push_back(dep.micro);
+  }
+  return micros;
+}
+
+std::vector<uint8_t> experts_read_ahead(const TrainingPlan& plan, int fetch,
+                                        const StepRouting* routing) {
+  const int u = plan.ops[size_t(fetch)].unit;
+  std::vector<uint8_t> experts(size_t(std::max<int64_t>(plan.layout.config.num_experts, 0)), 0);
+  for (int m : micros_read_ahead(plan, fetch))
+    for (size_t e = 0; e < experts.size(); ++e)
+      experts[e] |= routing == nullptr || (*routing)[size_t(u)][size_t(m)][e] != 0;
+  return experts;
+}
+
+std::vector<ByteRange> fetch_ranges(const TrainingPlan& plan, int unit,
+                                    const std::vector<uint8_t>& experts, uint64_t alignment) {
+  std::vector<ByteRange> ranges = fetched_ahead(plan, unit, alignment);
+  std::vector<uint8_t> loaded(experts.size(), 0);
+  for (const ByteRange& r : expert_reads(plan, unit, experts, loaded, alignment))
+    ranges.push_back(r);
+  std::sort(ranges.begin(), ranges.end(),
+            [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::vector<ByteRange> merged;
+  for (const ByteRange& r : ranges) {
+    if (!merged.empty() && merged.back().offset + merged.back().bytes >= r.offset)
+      merged.back().bytes =
+          std::max(merged.back().offset + merged.back().bytes, r.offset + r.bytes) -
+          merged.back().offset;
+    else
+      merged.push_back(r);
+  }
+  return merged;
+}
+
 std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
                                     const std::vector<uint8_t>& needed,
                                     std::vector<uint8_t>& loaded, uint64_t alignment) {
@@ -101,6 +142,18 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
   std::vector<std::vector<uint8_t>> loaded(plan.ops.size());  // by gather op
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
+    if (op.kind == OpKind::gather && routes_expert_reads(plan, op.unit)) {
+      // What its fetch read ahead is loaded (gather marks it; Engine::gather).
+      for (int d : op.deps)
+        if (plan.ops[size_t(d)].kind == OpKind::fetch && plan.ops[size_t(d)].unit == op.unit)
+          loaded[i] = experts_read_ahead(plan, d, routing);
+    }
+    if (op.kind == OpKind::fetch && !micros_read_ahead(plan, int(i)).empty()) {
+      const std::vector<uint8_t> ahead = experts_read_ahead(plan, int(i), routing);
+      for (const ByteRange& range : fetch_ranges(plan, op.unit, ahead, alignment))
+        bytes[i] += int64_t(range.bytes);
+      bytes[i] -= op.bytes;  // fetched_ahead's, counted by the fetch itself
+    }
     if ((op.kind != OpKind::forward && op.kind != OpKind::backward) ||
         !routes_expert_reads(plan, op.unit))
       continue;

@@ -4,7 +4,8 @@
 // the experts (the router, the post-attention norm); each of its forward and
 // backward computations then reads the experts its micro-batch's tokens are
 // routed to that its gather has not read yet, straight into the gathered
-// copy. The plan reserves every buffer for the worst case (every expert
+// copy, except where the fetch of a backward reads them ahead (below). The
+// plan reserves every buffer for the worst case (every expert
 // read) and its traffic counts the worst case; given a step's routing,
 // routed_parameter_reads counts what the step reads.
 //
@@ -49,15 +50,34 @@ bool sums_routed_gradients(const TrainingPlan& plan, int unit);
 // The ranges unit u's fetch reads ahead: all but the experts.
 std::vector<tiers::ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_t alignment);
 
+// Reads ahead: a fetch for a backward whose forwards came before it in plan
+// order depends on those forwards and reads, besides the rest, the experts
+// they routed to. The micro-batches whose routing fetch operation `fetch`
+// reads ahead (those of the forwards it depends on); empty when it reads
+// only the rest.
+std::vector<int> micros_read_ahead(const TrainingPlan& plan, int fetch);
+
+// The experts fetch operation `fetch` reads ahead for `routing` ([unit]
+// [micro][E]; null: every expert): the union over micros_read_ahead, [E],
+// all 0 when it reads none.
+std::vector<uint8_t> experts_read_ahead(const TrainingPlan& plan, int fetch,
+                                        const StepRouting* routing);
+
+// The ranges unit u's fetch reads: fetched_ahead and the `experts` ([E])
+// read ahead, merged (a block the two share is read once).
+std::vector<tiers::ByteRange> fetch_ranges(const TrainingPlan& plan, int unit,
+                                           const std::vector<uint8_t>& experts, uint64_t alignment);
+
 // The ranges a computation reads for the `needed` experts not yet `loaded`
 // (both [E]); marks them loaded.
 std::vector<tiers::ByteRange> expert_reads(const TrainingPlan& plan, int unit,
                                            const std::vector<uint8_t>& needed,
                                            std::vector<uint8_t>& loaded, uint64_t alignment);
 
-// Per operation of plan.ops, the NVMe bytes its computation reads of routed
-// experts for `routing`, or for the worst case (every expert routed) when
-// null. The fetches' bytes are the ahead parts already.
+// Per operation of plan.ops, the NVMe bytes it reads of routed experts for
+// `routing`, or for the worst case (every expert routed) when null: a
+// computation's reads, and a fetch's reads ahead beyond its own bytes (the
+// fetches' bytes are the rest, fetched_ahead).
 std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
                                                 const StepRouting* routing);
 

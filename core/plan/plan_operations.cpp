@@ -116,6 +116,10 @@ class PlanBuilder {
     fetch_op_.assign(uses_.size(), -1);
     release_op_.assign(uses_.size(), -1);
     compute_op_.assign(compute_.size(), -1);
+    forward_of_.assign(size_t(in_.grad_accum), std::vector<size_t>(plan_.units.size(), 0));
+    for (size_t c = 0; c < compute_.size(); ++c)
+      if (compute_[c].kind == OpKind::forward)
+        forward_of_[size_t(compute_[c].micro)][size_t(compute_[c].unit)] = c;
     // The previous use of the same unit: its host copy must be gone before the
     // next fetch of that shard (a shard has one copy per tier).
     previous_use_.assign(uses_.size(), -1);
@@ -143,6 +147,7 @@ class PlanBuilder {
       if (previous_use_[i] >= 0) op.deps.push_back(gather_op_[size_t(previous_use_[i])]);
       op.bytes = plan_.units[size_t(uses_[i].unit)].param_numel * plan_.compute_bytes;
       if (routes_expert_reads(plan_, uses_[i].unit)) {  // the rest when routed (expert_fetch.h)
+        read_ahead(uses_[i], op.deps);
         op.bytes = 0;
         for (const tiers::ByteRange& range :
              fetched_ahead(plan_, uses_[i].unit, plan_.input.nvme_alignment))
@@ -150,6 +155,19 @@ class PlanBuilder {
       }
       fetch_op_[i] = add(std::move(op));
     }
+  }
+
+  // Reads ahead (expert_fetch.h): a backward use whose forwards are in the
+  // plan already has its fetch depend on them, to read their experts too.
+  void read_ahead(const Use& use, std::vector<int>& deps) const {
+    std::vector<int> forwards;
+    for (size_t c = use.first; c <= use.last; ++c) {
+      if (compute_[c].kind != OpKind::backward) return;
+      const int forward = compute_op_[forward_of_[size_t(compute_[c].micro)][size_t(use.unit)]];
+      if (forward < 0) return;
+      forwards.push_back(forward);
+    }
+    deps.insert(deps.end(), forwards.begin(), forwards.end());
   }
 
   // gather(i) reuses the slot of use i - K, free once that use's last compute op released it.
@@ -360,6 +378,7 @@ class PlanBuilder {
   std::vector<std::vector<size_t>> compute_uses_;                      // per compute op: its uses
   std::vector<int> gather_op_, fetch_op_, release_op_, previous_use_;  // per use
   std::vector<int> compute_op_;                                        // per compute op
+  std::vector<std::vector<size_t>> forward_of_;  // [micro][unit]: its forward's compute op
   std::vector<int> spill_op_, restore_op_;  // per spilled level and micro-batch (level_index)
   size_t next_gather_ = 0, next_fetch_ = 0;
   int decide_index_ = -1;
