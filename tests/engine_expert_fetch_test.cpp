@@ -44,7 +44,7 @@ int64_t unrouted(const StepRouting& routing) {
   return left;
 }
 
-// Reads ahead: some backward's fetch depends on its forwards and reads their
+// Reads ahead: every backward's fetch depends on its forwards and reads their
 // experts, and the computations it serves then read none (worst case: the
 // fetch reads the whole unit, a block shared by the rest and an expert once).
 void expect_backwards_read_ahead(const TrainingPlan& plan, const std::string& label) {
@@ -85,6 +85,22 @@ void expect_backwards_read_ahead(const TrainingPlan& plan, const std::string& la
     }
     for (int d : fetch.deps) EXPECT_LT(d, i) << label;
   }
+  // Every backward's fetch reads ahead, and every routed gather waits for its fetch.
+  int backward_fetches = 0;
+  for (int i = 0; i < int(plan.ops.size()); ++i) {
+    const PlanOp& op = plan.ops[size_t(i)];
+    if (op.kind != OpKind::gather || !routes_expert_reads(plan, op.unit)) continue;
+    int fetches = 0;
+    for (int d : op.deps) fetches += plan.ops[size_t(d)].kind == OpKind::fetch;
+    EXPECT_EQ(fetches, 1) << label << ": " << op.text();
+    for (const PlanOp& compute : plan.ops)
+      if (compute.kind == OpKind::backward &&
+          std::find(compute.deps.begin(), compute.deps.end(), i) != compute.deps.end()) {
+        ++backward_fetches;
+        break;
+      }
+  }
+  EXPECT_EQ(ahead, backward_fetches) << label;
   EXPECT_GT(ahead, 0) << label << ": no fetch reads ahead, the test shows nothing";
 }
 

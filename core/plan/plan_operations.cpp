@@ -133,6 +133,8 @@ class PlanBuilder {
   bool fetch_ready(size_t i) const {
     const int P = plan_.fetch_slots;
     if (int(i) >= P && gather_op_[i - size_t(P)] < 0) return false;  // its slot is still taken
+    // Reads ahead: a routed backward's fetch waits for its forwards (below).
+    if (routes_expert_reads(plan_, uses_[i].unit) && !forwards_emitted(uses_[i])) return false;
     return previous_use_[i] < 0 || gather_op_[size_t(previous_use_[i])] >= 0;
   }
 
@@ -157,17 +159,22 @@ class PlanBuilder {
     }
   }
 
-  // Reads ahead (expert_fetch.h): a backward use whose forwards are in the
-  // plan already has its fetch depend on them, to read their experts too.
+  // Reads ahead (expert_fetch.h): a routed backward use's fetch is emitted
+  // once its forwards are (fetch_ready) and depends on them, to read their
+  // experts with the rest. Later fetches wait behind it: fetches go in use
+  // order.
+  bool forwards_emitted(const Use& use) const {
+    for (size_t c = use.first; c <= use.last; ++c) {
+      if (compute_[c].kind != OpKind::backward) return true;
+      if (compute_op_[forward_of_[size_t(compute_[c].micro)][size_t(use.unit)]] < 0) return false;
+    }
+    return true;
+  }
   void read_ahead(const Use& use, std::vector<int>& deps) const {
-    std::vector<int> forwards;
     for (size_t c = use.first; c <= use.last; ++c) {
       if (compute_[c].kind != OpKind::backward) return;
-      const int forward = compute_op_[forward_of_[size_t(compute_[c].micro)][size_t(use.unit)]];
-      if (forward < 0) return;
-      forwards.push_back(forward);
+      deps.push_back(compute_op_[forward_of_[size_t(compute_[c].micro)][size_t(use.unit)]]);
     }
-    deps.insert(deps.end(), forwards.begin(), forwards.end());
   }
 
   // gather(i) reuses the slot of use i - K, free once that use's last compute op released it.
@@ -251,6 +258,7 @@ class PlanBuilder {
     if (cu.kind == OpKind::backward && plan_.spills(cu.unit - 1))
       op.deps.push_back(restore_op_[level_index(cu.unit - 1, cu.micro)]);
     compute_op_[c] = add(std::move(op));
+    if (stage3_ && in_.offload_param == OffloadDevice::nvme) emit_fetches();  // reads ahead
     emit_spill_or_restore(c);
     if (stage3_) {
       // The uses that end here give their slots back.
