@@ -150,4 +150,21 @@ check "loss mask: half the targets counted" $?
 [ $? -eq 1 ] && grep -q "masked out" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
 check "a mask with nothing to learn is refused in one line" $?
 
+# The small mixture preset, as the README's "Mixtures of experts" tries it:
+# parameters and optimizer state on NVMe, the layers in pieces, routed reads
+# and deferred updates; the loss falls and the load-balancing loss is reported.
+"$strata" train --model small-moe --backend cpu --seq-len 64 --micro-batch 4 --steps 30 --lr 3e-3 \
+  --zero-stage 3 --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap-moe" \
+  --layer-pieces 2 --expert-update deferred --data "$dir/data/train.bin" --hardware none \
+  --metrics "$dir/moe.jsonl" >"$dir/moe.out" 2>"$dir/err"
+check "the small-moe preset trains with everything on NVMe" $?
+grep -q "expert fetch: routed" "$dir/moe.out" && grep -q "expert update: deferred" "$dir/moe.out"
+check "small-moe: routed reads and deferred updates" $?
+python3 -c "
+import json,sys
+l=[json.loads(x) for x in open(sys.argv[1])]
+assert len(l)==30 and all(x['aux_loss']>0 for x in l), l[0]
+assert l[-1]['loss'] < l[0]['loss'] - 1.5, (l[0]['loss'], l[-1]['loss'])" "$dir/moe.jsonl"
+check "small-moe: the loss falls, the load-balancing loss reported" $?
+
 finish_checks

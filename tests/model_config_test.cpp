@@ -227,6 +227,16 @@ TEST(ModelConfig, MixturePresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(config("qwen3-235b-a22b").parameter_count(), 235093634560LL);
   EXPECT_EQ(config("qwen3-235b-a22b").active_parameter_count(), 22190763520LL);
   EXPECT_EQ(config("llama3-8b").active_parameter_count(), config("llama3-8b").parameter_count());
+  // small-moe, by hand: a layer is two norms (256 each), q 256 x 8 x 32, k
+  // and v 256 x 4 x 32, o 256 x 256, q and k norms (32 each), the router
+  // 16 x 256 and 16 experts of 3 x 256 x 256; four layers, the untied
+  // embedding and head (256 x 256 each) and the final norm.
+  const int64_t expert = 3 * 256 * 256;
+  const int64_t layer = 2 * 256 + 256 * 256 + 2 * 256 * 128 + 256 * 256 + 2 * 32 + 16 * 256;
+  const int64_t outside = 2 * 256 * 256 + 256;
+  EXPECT_EQ(config("small-moe").parameter_count(), 4 * (layer + 16 * expert) + outside);
+  EXPECT_EQ(config("small-moe").active_parameter_count(), 4 * (layer + 2 * expert) + outside);
+  EXPECT_EQ(config("small-moe").parameter_count(), 13519360);
 }
 
 TEST(ModelConfig, MixturesAreReadAndWrittenBackAsThemselves) {

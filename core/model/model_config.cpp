@@ -139,6 +139,14 @@ const std::vector<Preset>& presets() {
                  qwen3_moe(make(151936, 2048, 6144, 48, 32, 4, 40960, 1000000.0, false), 768)});
     p.push_back({"qwen3-235b-a22b", "Qwen3 235B-A22B (128 experts, 8 active)",
                  qwen3_moe(make(151936, 4096, 12288, 94, 64, 4, 40960, 1000000.0, false), 1536)});
+    ModelConfig small_moe = qwen3_moe(make(256, 256, 688, 4, 8, 4, 2048, 10000.0, false), 256);
+    small_moe.head_dim = 32;  // the small preset's heads
+    small_moe.num_experts = 16;
+    small_moe.num_experts_per_tok = 2;
+    p.push_back({"small-moe",
+                 "CPU demo mixture of experts (Qwen3-MoE), byte vocabulary, 16 experts, 2 active, "
+                 "~13.5M parameters (~2.5M active)",
+                 small_moe});
     for (auto& preset : p) preset.config.name = preset.name;
     return p;
   }();
