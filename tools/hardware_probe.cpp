@@ -172,11 +172,19 @@ std::string unit_shapes(const ProbeOptions& o) {
 }
 
 Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
-  // The model's layers (up to 8, at most 1 GiB of them with their gradients)
-  // and the head at the run's shapes, made smaller where they would not fit a
-  // quick probe: at most 4096 tokens, a vocabulary of at most 64 MiB of fp32
-  // per matrix, a layer of at most 256 MiB. The layers run one after another,
-  // as in a step, so each finds the caches holding the one before it, not itself.
+  // The model's layers (up to 8, at most 3/4 of the memory, 1 GiB by
+  // default, with their gradients) and the head at the run's shapes, made
+  // smaller where they would not fit a quick probe: at most 4096 tokens, a
+  // vocabulary of at most 64 MiB of fp32 per matrix (and at most 1/16 of the
+  // memory: the embedding, the head and their gradients take 1/4), a layer of
+  // at most 256 MiB (and at most 3/8 of the memory). The layers run one after
+  // another, as in a step, so each finds the caches holding the one before
+  // it, not itself.
+  const int64_t memory =
+      std::clamp<int64_t>(options.memory_bytes > 0 ? options.memory_bytes : int64_t(1) << 30,
+                          int64_t(64) << 20, int64_t(1) << 30);
+  const int64_t vocab_matrix = std::min<int64_t>(int64_t(64) << 20, memory / 16);
+  const int64_t layer_limit = std::min<int64_t>(int64_t(256) << 20, memory * 3 / 8);
   ModelConfig m = options.model;
   // The largest layer (a mixture's sparse layers hold every expert).
   auto largest_layer = [](const ModelConfig& c) {
@@ -186,17 +194,17 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
     return most;
   };
   const int64_t layer_bytes = std::max<int64_t>(1, largest_layer(m) * 8);
-  m.num_hidden_layers = std::clamp<int64_t>((int64_t(1) << 30) / layer_bytes, 1,
+  m.num_hidden_layers = std::clamp<int64_t>(memory * 3 / 4 / layer_bytes, 1,
                                             std::min<int64_t>(8, m.num_hidden_layers));
   const int64_t T = std::min<int64_t>(options.seq_len, 4096);
   const int64_t B = std::clamp<int64_t>(4096 / std::max<int64_t>(T, 1), 1, options.micro_batch);
   std::string scaled;
-  if (m.vocab_size * m.hidden_size * 4 > (int64_t(64) << 20)) {
-    m.vocab_size = std::max<int64_t>(256, (int64_t(64) << 20) / (4 * m.hidden_size));
+  if (m.vocab_size * m.hidden_size * 4 > vocab_matrix) {
+    m.vocab_size = std::max<int64_t>(256, vocab_matrix / (4 * m.hidden_size));
     scaled += fmt::format(", vocabulary {}", m.vocab_size);
   }
-  if (largest_layer(m) * 4 > (int64_t(256) << 20)) {
-    const double shrink = std::sqrt(double(int64_t(256) << 20) / double(largest_layer(m) * 4));
+  if (largest_layer(m) * 4 > layer_limit) {
+    const double shrink = std::sqrt(double(layer_limit) / double(largest_layer(m) * 4));
     const int64_t D = m.head_dim > 0 ? m.head_dim : m.hidden_size / m.num_attention_heads;
     m.num_attention_heads = std::max<int64_t>(1, int64_t(double(m.num_attention_heads) * shrink));
     m.num_key_value_heads = std::clamp<int64_t>(m.num_key_value_heads, 1, m.num_attention_heads);
@@ -285,10 +293,11 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   p.matmul_tflops_fp32 = p.layer_forward_gflops / 1e3;
   say(options,
       fmt::format(
-          "units at B={} T={}{} ({} layer{} in turn): layer forward {:.1f} GFLOP/s, backward "
-          "{:.1f} GFLOP/s (recomputing), head {:.1f} GFLOP/s; per rank with 2, 3, 4 ranks at "
-          "once {:.0f}%, {:.0f}%, {:.0f}%",
-          B, T, scaled, layers, layers > 1 ? "s" : "", p.layer_forward_gflops,
+          "units at B={} T={}{} ({} layer{} in turn, {:.0f} MiB with their gradients): layer "
+          "forward {:.1f} GFLOP/s, backward {:.1f} GFLOP/s (recomputing), head {:.1f} GFLOP/s; "
+          "per rank with 2, 3, 4 ranks at once {:.0f}%, {:.0f}%, {:.0f}%",
+          B, T, scaled, layers, layers > 1 ? "s" : "",
+          double(m.parameter_count() * 8) / double(1 << 20), p.layer_forward_gflops,
           p.layer_backward_gflops, p.head_gflops, 100 * p.rank_shares[1], 100 * p.rank_shares[2],
           100 * p.rank_shares[3]));
   return Status::ok();

@@ -30,6 +30,10 @@ struct ProbeOptions {
   int64_t seq_len = 128;
   std::vector<std::string> nvme_paths;  // empty: the profile has no NVMe drive
   bool short_probe = false;
+  // The units' parameters and gradients take at most this many bytes (0: 1
+  // GiB): `strata train` gives its probe half the run's planned memory, so
+  // that a first run peaks no higher than the runs after it.
+  int64_t memory_bytes = 0;
   bool gpu = false;  // the CUDA backend: the first GPU instead of the CPU's units
   std::function<void(const std::string&)> progress;  // one line per measurement
 };

@@ -286,6 +286,9 @@ class TrainCommand : public Subcommand {
       options.seq_len = run.plan->input.seq_len;
       if (uses_nvme) options.nvme_paths = run.nvme_paths;
       options.short_probe = true;
+      // Half the run's own memory, so the probe does not set the run's peak.
+      options.memory_bytes =
+          (run.plan->peak(tiers::Tier::host) + run.plan->peak(tiers::Tier::device)) / 2;
       const std::string path = cached_profile_path();
       Result<HardwareProfile> cached = Status::not_found("no cached probe");
       if (std::filesystem::exists(path)) {
