@@ -84,18 +84,40 @@ check "deferred updates move fewer bytes for the recorded routing" $?
 check "the table prints the deferred case" $?
 
 # With a hardware profile the step-time model predicts each recorded step with
-# its own bytes: on average below the worst case's prediction.
-# (This machine's probe, measured once: a CPU plan takes a CPU profile.)
+# its own bytes: on average below the worst case's prediction. This machine's
+# probe must work (a CPU plan takes a CPU profile); the comparison runs on
+# that profile with fixed figures (NVMe at 50 us a request), because a probe
+# measured while other tests run can find a drive slow to answer, and a
+# routed step reads its experts in more, smaller requests than the worst
+# case's whole ranges: at 5 ms a request the recorded routing's mean is
+# predicted 7% above the worst case (measured with this test's run).
 "$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" \
   --probe --probe-out "$dir/probe.json" --json >"$dir/hplan.json" 2>"$dir/err"
 probed=$?
 [ $probed -eq 0 ] || cat "$dir/err"
 check "strata plan --routing --probe exits 0" $probed
+python3 - "$dir/probe.json" "$dir/fixed.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+p["name"] = "fixed figures"
+p["compute"]["matmul_tflops"]["fp32"] = 0.02
+p["compute"]["memory_gbps"] = p["host"]["memcpy_gbps"] = 20.0
+u = p["cpu_units"]
+u["layer_forward_gflops"] = u["layer_backward_gflops"] = u["head_gflops"] = 20.0
+u["rank_shares"] = [1.0, 0.5, 0.34, 0.25]
+p["host"]["adamw_mparams_per_s"] = {"fp32": 2000.0, "bf16": 3000.0, "int8": 3000.0}
+p["nvme"] = [{"read_gbps": 2.0, "write_gbps": 2.0, "latency_us": 50.0}]
+json.dump(p, open(sys.argv[2], "w"))
+PY
+"$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" \
+  --hardware "$dir/fixed.json" --json >"$dir/hplan.json" 2>"$dir/err"
+check "strata plan --routing --hardware exits 0" $?
 python3 - "$dir/hplan.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
 worst = p["prediction"]["step_seconds"]
 s = p["recorded_routing"]["predicted_seconds_per_step"]
+print(f"predicted with the recorded routing {s}, worst case {worst}")
 # (Each recorded step moves fewer bytes than the worst case; its simulated
 # step is not bound to be shorter, as a list schedule's need not be when
 # operations shorten, so only the mean is held below it.)
