@@ -77,8 +77,26 @@ assert moved(rd) < moved(re_), (rd, re_)
 assert rd["worst_nvme_written_bytes"] > re_["worst_nvme_written_bytes"], (rd, re_)
 assert rd["most_nvme_read_bytes"] <= rd["worst_nvme_read_bytes"], rd
 assert rd["most_nvme_written_bytes"] <= rd["worst_nvme_written_bytes"], rd
+# Each plan replays the routing under the other update too: the other plan's own figures.
+keys = [k for k in rd if k.endswith("nvme_read_bytes") or k.endswith("nvme_written_bytes")]
+for plan, other, name in ((re_, rd, "deferred"), (rd, re_, "eager")):
+    o = plan["other_expert_update"]
+    assert o["expert_update"] == name and o["changes_plan"] and o["fits"], o
+    assert all(o[k] == other[k] for k in keys), (o, other)
 PY
 check "deferred updates move fewer bytes for the recorded routing" $?
+"$strata" plan "${deferred[@]}" --routing "$dir/d.jsonl" >"$dir/etable" 2>"$dir/err" &&
+  grep -q "with --expert-update deferred instead: NVMe per step read mean .*% of this plan's" \
+    "$dir/etable"
+check "the eager plan's table prints what deferred updates would move" $?
+# Where the flag would change nothing the plan says so, with the reason.
+if ! "$strata" --version | grep -q "CUDA backend: not built"; then
+  "$strata" plan --model "$dir/moe.json" --backend cuda --seq-len 8 --micro-batch 1 \
+    --zero-stage 3 --offload-param nvme --offload-optimizer none --nvme-path "$dir/swap" \
+    --grad-accum 3 --layer-pieces 2 --routing "$dir/d.jsonl" >"$dir/gtable" 2>"$dir/err" && grep -q "^--expert-update deferred would not change this \
+plan: eager: .*(the optimizer state is on the GPU" "$dir/gtable"
+  check "a GPU-homed optimizer: the other update would change nothing, and why" $?
+fi
 "$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" >"$dir/dtable" \
   2>"$dir/err" && grep -q "NVMe per step with that routing and deferred expert updates" "$dir/dtable"
 check "the table prints the deferred case" $?

@@ -90,8 +90,9 @@ class PlanCommand : public Subcommand {
                     "A mixture's expected NVMe reads: replay each step's routing a strata train "
                     "--metrics FILE recorded (routed expert reads) and print the parameter reads "
                     "and the NVMe bytes per step (with --expert-update deferred, the missed "
-                    "steps replayed as the run would) beside the worst case; with a hardware "
-                    "profile, each recorded step's predicted time too");
+                    "steps replayed as the run would) beside the worst case, and the same "
+                    "under the other --expert-update; with a hardware profile, each recorded "
+                    "step's predicted time too");
     cmd->add_option("--timeline", timeline_,
                     "Write the predicted steps as a Perfetto trace in the form of `strata train "
                     "--trace`, to open beside a measured one");
@@ -240,12 +241,16 @@ class PlanCommand : public Subcommand {
     std::optional<RecordedReads> recorded;
     std::optional<RecordedStepBytes> recorded_steps;
     std::optional<RecordedPrediction> recorded_prediction;
+    std::optional<OtherUpdate> other;
     if (!routing_.empty()) {
       Result<std::vector<StepRouting>> routings = recorded_routings(*steps);
       if (!routings) return routings.status();
       recorded = recorded_parameter_reads(*steps, *routings);
       recorded_steps = recorded_step_bytes(*steps, *routings);
       if (prediction) recorded_prediction = predict_recorded(*steps, *hardware, *routings);
+      Result<OtherUpdate> flipped = other_update(input, *steps, hardware, *routings);
+      if (!flipped) return flipped.status();
+      other = std::move(*flipped);
     }
     if (json_) {
       nlohmann::ordered_json j = plan_to_json(plan, zero);
@@ -253,10 +258,9 @@ class PlanCommand : public Subcommand {
       if (recorded) {
         j["recorded_routing"] = recorded_to_json(*recorded, *recorded_steps);
         if (recorded_prediction)
-          j["recorded_routing"]["predicted_seconds_per_step"] = {
-              {"mean", recorded_prediction->mean},
-              {"least", recorded_prediction->least},
-              {"most", recorded_prediction->most}};
+          j["recorded_routing"]["predicted_seconds_per_step"] =
+              prediction_range_json(*recorded_prediction);
+        j["recorded_routing"]["other_expert_update"] = other_update_json(*other);
       }
       fmt::print("{}\n", j.dump(2));
     } else {
@@ -270,6 +274,7 @@ class PlanCommand : public Subcommand {
             "AdamW elements; the worst case above\n",
             seconds_text(recorded_prediction->mean), seconds_text(recorded_prediction->least),
             seconds_text(recorded_prediction->most), recorded_prediction->steps);
+      if (other) fmt::print("{}", other_update_line(*other, *recorded_steps, recorded_prediction));
       if (!hardware)
         fmt::print(
             "(no step-time prediction: --probe measures this machine, --hardware "
@@ -314,6 +319,93 @@ class PlanCommand : public Subcommand {
     }
     if (out.steps > 0) out.mean = sum / double(out.steps);
     return out;
+  }
+
+  static nlohmann::ordered_json prediction_range_json(const RecordedPrediction& p) {
+    return {{"mean", p.mean}, {"least", p.least}, {"most", p.most}};
+  }
+
+  // The recorded routing replayed under the other expert update
+  // (--expert-update flipped, everything else as given): the bytes and time
+  // a user weighing the choice needs beside this plan's, from the same
+  // replay. `why` is set instead when the flip would not change the plan
+  // (the other plan's one line), or cuts its units otherwise.
+  struct OtherUpdate {
+    std::string name;  // the flag's value: "deferred" or "eager"
+    std::string why;
+    bool fits = false;
+    RecordedStepBytes bytes;
+    std::optional<RecordedPrediction> prediction;
+  };
+  static Result<OtherUpdate> other_update(const PlanInput& input, const TrainingPlan& plan,
+                                          const std::optional<HardwareProfile>& hardware,
+                                          const std::vector<StepRouting>& routings) {
+    OtherUpdate out;
+    PlanInput flipped = input;
+    flipped.expert_update_deferred = !input.expert_update_deferred;
+    out.name = flipped.expert_update_deferred ? "deferred" : "eager";
+    Result<TrainingPlan> built = plan_training(flipped);
+    if (!built) return built.status();
+    if (built->deferred_expert_updates == plan.deferred_expert_updates) {
+      out.why = built->expert_update_reason;
+      return out;
+    }
+    const auto names = [](const TrainingPlan& p) {
+      std::vector<std::string> n;
+      for (const UnitLayout& unit : p.layout.units) n.push_back(unit.unit.name);
+      return n;
+    };
+    if (names(*built) != names(plan)) {
+      out.why = "its plan cuts the units otherwise, so the recorded routing is not its own";
+      return out;
+    }
+    Result<PlanReport> memory = plan_memory(flipped);
+    if (!memory) return memory.status();
+    out.fits = memory->fits;
+    out.bytes = recorded_step_bytes(*built, routings);
+    if (hardware && out.fits) out.prediction = predict_recorded(*built, *hardware, routings);
+    return out;
+  }
+
+  static nlohmann::ordered_json other_update_json(const OtherUpdate& o) {
+    nlohmann::ordered_json j = {{"expert_update", o.name}, {"changes_plan", o.why.empty()}};
+    if (!o.why.empty()) {
+      j["reason"] = o.why;
+      return j;
+    }
+    j["fits"] = o.fits;
+    j["mean_nvme_read_bytes"] = o.bytes.read_mean;
+    j["mean_nvme_written_bytes"] = o.bytes.written_mean;
+    j["most_nvme_read_bytes"] = o.bytes.read_most;
+    j["most_nvme_written_bytes"] = o.bytes.written_most;
+    j["worst_nvme_read_bytes"] = o.bytes.worst_read;
+    j["worst_nvme_written_bytes"] = o.bytes.worst_written;
+    if (o.prediction) j["predicted_seconds_per_step"] = prediction_range_json(*o.prediction);
+    return j;
+  }
+
+  static std::string other_update_line(const OtherUpdate& o, const RecordedStepBytes& mine,
+                                       const std::optional<RecordedPrediction>& my_time) {
+    if (!o.why.empty())
+      return fmt::format("--expert-update {} would not change this plan: {}\n", o.name, o.why);
+    const int64_t moved = mine.read_mean + mine.written_mean;
+    std::string line = fmt::format(
+        "with --expert-update {} instead: NVMe per step read mean {} (most {}), written mean {} "
+        "(most {}), {:.1f}% of this plan's bytes; the worst step {} / {}",
+        o.name, format_bytes(double(o.bytes.read_mean)), format_bytes(double(o.bytes.read_most)),
+        format_bytes(double(o.bytes.written_mean)), format_bytes(double(o.bytes.written_most)),
+        100.0 * double(o.bytes.read_mean + o.bytes.written_mean) /
+            double(std::max<int64_t>(1, moved)),
+        format_bytes(double(o.bytes.worst_read)), format_bytes(double(o.bytes.worst_written)));
+    if (!o.fits)
+      line += fmt::format(
+          "; that plan does not fit the budgets (strata plan --expert-update {} says what "
+          "does)",
+          o.name);
+    else if (o.prediction && my_time)
+      line += fmt::format("; predicted {} per step on average against this plan's {}",
+                          seconds_text(o.prediction->mean), seconds_text(my_time->mean));
+    return line + "\n";
   }
 
   nlohmann::ordered_json recorded_to_json(const RecordedReads& r,
