@@ -106,9 +106,12 @@ check "the table prints the deferred case" $?
 # probe must work (a CPU plan takes a CPU profile); the comparison runs on
 # that profile with fixed figures (NVMe at 50 us a request), because a probe
 # measured while other tests run can find a drive slow to answer, and a
-# routed step reads its experts in more, smaller requests than the worst
-# case's whole ranges: at 5 ms a request the recorded routing's mean is
-# predicted 7% above the worst case (measured with this test's run).
+# routed step reads its experts in more reads on the compute lane than the
+# worst case (each micro-batch's forward reads the experts new to it, where
+# the worst case's first forward reads them all), each costing the drive's
+# latency there: at 5 ms a request the recorded routing's mean is
+# predicted 7% above the worst case (measured with this test's run), as the
+# engine would wait for those reads too.
 "$strata" plan "${deferred[@]}" --expert-update deferred --routing "$dir/d.jsonl" \
   --probe --probe-out "$dir/probe.json" --json >"$dir/hplan.json" 2>"$dir/err"
 probed=$?
