@@ -268,6 +268,23 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   EXPECT_NE(plan.suggestion.find("experts stay together in its MLP piece"), std::string::npos)
       << plan.suggestion;
   EXPECT_EQ(plan.suggestion.find("more nodes"), std::string::npos) << plan.suggestion;
+  // On the CPU backend groups of experts are built: the line names the
+  // fewest that give the device room, and with them it has.
+  PlanInput cpu = in;
+  cpu.gpu = false;
+  cpu.seq_len = 256;  // each group keeps its input: short sequences, so that some count fits
+  const PlanReport grouped = *plan_with_suggestion(cpu);
+  ASSERT_FALSE(grouped.fits);
+  const size_t at = grouped.suggestion.find(", or --expert-groups ");
+  ASSERT_NE(at, std::string::npos) << grouped.suggestion;
+  PlanInput cut = cpu;
+  cut.stage = 3;
+  cut.micro_batch = 1;
+  cut.model.layer_pieces = 2;
+  cut.model.expert_groups = std::stoll(grouped.suggestion.substr(at + 21));
+  cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
+  EXPECT_GT(cut.model.expert_groups, 1);
+  EXPECT_TRUE(plan_memory(cut)->verdicts[0].fits()) << grouped.suggestion;
   // A dense model asked for in whole layers that fit in pieces: say so (the
   // GPT-3-shaped Llama of 172B at 1 x 1024 tokens on 24 GB, its vocabulary
   // in two chunks).

@@ -54,6 +54,10 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
                  "Units each decoder layer is cut into: auto | 1 (whole) | 2 (its attention and "
                  "its MLP, each fetched on its own) (strata.layer_pieces; default auto: whole "
                  "unless cutting them is what makes the plan fit)");
+  app.add_option("--expert-groups", o.expert_groups,
+                 "Mixtures of experts in layer pieces: the pieces a sparse layer's MLP is cut "
+                 "into: 1 (one piece) | G > 1 (its router and G groups of experts, each fetched "
+                 "on its own) (strata.expert_groups; default 1; CPU backend)");
   app.add_option("--expert-fetch", o.expert_fetch,
                  "Mixtures of experts: routed (read a sparse layer's experts from NVMe only "
                  "when tokens are routed to them) | all (strata.expert_fetch; default routed)");

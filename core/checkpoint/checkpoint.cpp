@@ -365,6 +365,19 @@ int64_t stored_layer_pieces(const nlohmann::json& units) {
   return 1;
 }
 
+int64_t stored_expert_groups(const nlohmann::json& units) {
+  int64_t groups = 0;
+  std::string layer;  // the first sparse layer's name, "layers.i."
+  for (const nlohmann::json& unit : units.is_array() ? units : nlohmann::json::array()) {
+    const std::string name = unit.is_object() ? unit.value("name", std::string()) : "";
+    const size_t at = name.find(".experts.");
+    if (at == std::string::npos) continue;
+    if (layer.empty()) layer = name.substr(0, at + 1);
+    if (name.starts_with(layer)) ++groups;
+  }
+  return std::max<int64_t>(1, groups);
+}
+
 Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
                          uint64_t max_shard_bytes) {
   Result<CheckpointReader> reader = CheckpointReader::open(checkpoint);
@@ -374,6 +387,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   const nlohmann::json& units = reader->state["units"];
   config->vocab_chunks = stored_vocab_chunks(units);  // a cut run stored its chunks as units
   config->layer_pieces = stored_layer_pieces(units);  // and its layers' pieces
+  config->expert_groups = stored_expert_groups(units);  // and its sparse layers' groups
   const ModelLayout layout = model_layout(*config, 1);
   if (!units.is_array() || units.size() != layout.units.size())
     return Status::corruption(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,

@@ -116,6 +116,9 @@ int64_t stored_vocab_chunks(const nlohmann::json& units);
 // The layer pieces (strata.layer_pieces) of that run: 2 when it stored its
 // layers as layers.i.attention and layers.i.mlp, else 1.
 int64_t stored_layer_pieces(const nlohmann::json& units);
+// The groups of experts a sparse layer was stored in (ModelConfig::expert_groups):
+// its "layers.i.experts.g" units, 1 when there are none.
+int64_t stored_expert_groups(const nlohmann::json& units);
 
 // Streams a checkpoint's fp32 weights into a Hugging Face directory
 // (config.json + safetensors, sharded above max_shard_bytes with an index),

@@ -48,6 +48,7 @@ class CpuRankCompute final : public RankCompute {
         widened_(buffers.all_as<float>(BufferRole::widened_params)),
         activation_grads_(buffers.all_as<float>(BufferRole::activation_gradient)),
         head_logits_(buffers.all_as<float>(BufferRole::head_logits)),
+        expert_chains_(buffers.all_as<float>(BufferRole::expert_chain)),
         saved_inputs_(buffers.all_as<float>(BufferRole::saved_inputs)),
         activation_elements_(plan.tokens_per_micro * plan.input.model.hidden_size) {}
 
@@ -167,10 +168,16 @@ class CpuRankCompute final : public RankCompute {
     const TrainingPlan::SavedInputPlace place = plan_.saved_input_place(unit, micro);
     return saved_inputs_[size_t(place.copy)] + place.level * activation_elements_;
   }
-  // A vocabulary-cut head's chunks share the micro-batch's logits (UnitBatch::head_logits).
+  // A vocabulary-cut head's chunks share the micro-batch's logits
+  // (UnitBatch::head_logits), a sparse layer's expert groups its chain
+  // (UnitBatch::experts).
   UnitBatch with_logits(const UnitBatch& batch, int micro) const {
     UnitBatch b = batch;
-    if (!head_logits_.empty()) b.head_logits = head_logits_[size_t(plan_.activation_copy(micro))];
+    const size_t copy = size_t(plan_.activation_copy(micro));
+    if (!head_logits_.empty()) b.head_logits = head_logits_[copy];
+    if (!expert_chains_.empty())
+      b.experts =
+          expert_chain_view(plan_.input.model, plan_.tokens_per_micro, expert_chains_[copy]);
     return b;
   }
   float* activation_grad(int micro) const {
@@ -187,6 +194,7 @@ class CpuRankCompute final : public RankCompute {
   std::vector<float*> widened_;           // [2] (largest padded), below fp32 at stages 0-2
   std::vector<float*> activation_grads_;  // [activation copies] (B*T, C)
   std::vector<float*> head_logits_;       // [activation copies] (B*T, V); none for a whole head
+  std::vector<float*> expert_chains_;     // [activation copies] ExpertChain; none uncut
   // [saved-input copies] (saved-input levels, B*T, C): each unit's output, the next's input
   std::vector<float*> saved_inputs_;
   int64_t activation_elements_ = 0;  // B*T*C

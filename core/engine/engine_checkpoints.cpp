@@ -46,11 +46,12 @@ Status check_data_order(const SequenceOrder& stored, const SequenceOrder& here) 
 }
 
 // The checkpoint's layout: this model with the cuts its units were stored
-// in (strata.vocab_chunks, strata.layer_pieces).
+// in (strata.vocab_chunks, strata.layer_pieces, strata.expert_groups).
 ModelLayout stored_layout(const nlohmann::json& stored, const ModelLayout& layout) {
   ModelConfig config = layout.config;
   config.vocab_chunks = stored_vocab_chunks(stored);
   config.layer_pieces = stored_layer_pieces(stored);
+  config.expert_groups = stored_expert_groups(stored);
   return model_layout(config, 1);
 }
 
@@ -84,12 +85,19 @@ Status check_stored_units(const nlohmann::json& stored, const ModelLayout& their
     return Status::ok();
   const ModelConfig& t = theirs.config;
   const ModelConfig& o = ours.config;
+  if (t.expert_groups == 1 && o.expert_groups == 1)
+    return Status::error(fmt::format(
+        "the checkpoint's int8 optimizer state is blocked per unit of its cut (strata.vocab_chunks "
+        "{}, strata.layer_pieces {}), and this run's is {} and {}; pass --vocab-chunks {} "
+        "--layer-pieces {} to resume it",
+        t.vocab_chunks, t.layer_pieces, o.vocab_chunks, o.layer_pieces, t.vocab_chunks,
+        t.layer_pieces));
   return Status::error(fmt::format(
       "the checkpoint's int8 optimizer state is blocked per unit of its cut (strata.vocab_chunks "
-      "{}, strata.layer_pieces {}), and this run's is {} and {}; pass --vocab-chunks {} "
-      "--layer-pieces {} to resume it",
-      t.vocab_chunks, t.layer_pieces, o.vocab_chunks, o.layer_pieces, t.vocab_chunks,
-      t.layer_pieces));
+      "{}, strata.layer_pieces {}, strata.expert_groups {}), and this run's is {}, {} and {}; "
+      "pass --vocab-chunks {} --layer-pieces {} --expert-groups {} to resume it",
+      t.vocab_chunks, t.layer_pieces, t.expert_groups, o.vocab_chunks, o.layer_pieces,
+      o.expert_groups, t.vocab_chunks, t.layer_pieces, t.expert_groups));
 }
 
 // Where each tensor of the checkpoint's layout starts in its state files, in

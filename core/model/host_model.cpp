@@ -173,6 +173,13 @@ void own_head_logits(const ModelConfig& config, UnitBatch& batch, std::vector<fl
   batch.head_logits = own.data();
 }
 
+// A mixture cut into expert groups: its chain, when the caller gave none.
+void own_expert_chain(const ModelConfig& config, UnitBatch& batch, std::vector<float>& own) {
+  if (config.expert_groups <= 1 || !batch.experts.empty()) return;
+  own.resize(size_t(expert_chain_floats(config, batch.B * batch.T)));
+  batch.experts = expert_chain_view(config, batch.B * batch.T, own.data());
+}
+
 }  // namespace
 
 Result<double> model_forward(const HostModel& model, const UnitBatch& given, UnitWorkspace& ws,
@@ -183,6 +190,8 @@ Result<double> model_forward(const HostModel& model, const UnitBatch& given, Uni
   if (model.layout.config.is_moe() && batch.router == nullptr) batch.router = &own;
   std::vector<float> own_logits;
   own_head_logits(model.layout.config, batch, own_logits);
+  std::vector<float> own_chain;
+  own_expert_chain(model.layout.config, batch, own_chain);
   std::vector<std::vector<float>> inputs;
   return forward_all(model, batch, ws, inputs, logits);
 }
@@ -196,6 +205,8 @@ Result<double> model_forward_backward(HostModel& model, const UnitBatch& given, 
   if (batch.targets == nullptr) return Status::error("model_forward_backward needs targets");
   std::vector<float> own_logits;
   own_head_logits(model.layout.config, batch, own_logits);
+  std::vector<float> own_chain;
+  own_expert_chain(model.layout.config, batch, own_chain);
   const ModelLayout& layout = model.layout;
   const int64_t units = static_cast<int64_t>(layout.units.size());
   // Forward through the last layer keeping unit inputs; the head runs forward and
@@ -273,11 +284,15 @@ ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u) {
   const ModelConfig& c = model.config;
   const UnitShape& unit = model.units[size_t(u)].unit;
   if (unit.kind != UnitKind::decoder_layer || unit.piece == LayerPiece::attention ||
-      !c.layer_is_sparse(unit.layer))
+      unit.piece == LayerPiece::router || !c.layer_is_sparse(unit.layer))
     return {};
+  const bool group = unit.piece == LayerPiece::experts;
+  const int64_t first = group ? c.expert_group_begin(unit.expert_group) : 0;
+  const int64_t end = group ? c.expert_group_begin(unit.expert_group + 1) : c.num_experts;
+  const std::string first_name = fmt::format(".experts.{}.", first);
   for (const TensorSlot& slot : model.units[size_t(u)].tensors) {
-    if (slot.name.find(".experts.0.") == std::string::npos) continue;
-    return {slot.offset, 3 * c.moe_intermediate_size * c.hidden_size, c.num_experts};
+    if (slot.name.find(first_name) == std::string::npos) continue;
+    return {slot.offset, 3 * c.moe_intermediate_size * c.hidden_size, end - first, first};
   }
   return {};
 }

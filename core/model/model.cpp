@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/model/moe_kernels.h"
 #include "core/model/vocab_chunks.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/bias.h"
@@ -39,17 +40,21 @@ void add_slot(UnitLayout& layout, std::string name, std::vector<int64_t> shape) 
 
 // A sparse layer's router and experts under the released checkpoints' names,
 // each also readable from transformers 5's fused tensors.
-void add_expert_slots(UnitLayout& layout, const ModelConfig& c, const std::string& p) {
+// The router with `router`, and experts [first, end).
+void add_expert_slots(UnitLayout& layout, const ModelConfig& c, const std::string& p, bool router,
+                      int64_t first, int64_t end) {
   const int64_t C = c.hidden_size, I = c.moe_intermediate_size, E = c.num_experts;
   const bool mixtral = c.family == ModelFamily::mixtral;
   const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
-  add_slot(layout, moe + "gate.weight", {E, C});
-  if (mixtral) {
-    layout.tensors.back().fused_name = p + "mlp.gate.weight";
-    layout.tensors.back().fused_shape = {E, C};
+  if (router) {
+    add_slot(layout, moe + "gate.weight", {E, C});
+    if (mixtral) {
+      layout.tensors.back().fused_name = p + "mlp.gate.weight";
+      layout.tensors.back().fused_shape = {E, C};
+    }
   }
   const std::string gate_up = p + "mlp.experts.gate_up_proj", down = p + "mlp.experts.down_proj";
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = first; e < end; ++e) {
     const std::string x = fmt::format("{}experts.{}.", moe, e);
     add_slot(layout, x + (mixtral ? "w1.weight" : "gate_proj.weight"), {I, C});
     layout.tensors.back().fused_name = gate_up;
@@ -68,12 +73,23 @@ void add_expert_slots(UnitLayout& layout, const ModelConfig& c, const std::strin
 
 // A decoder layer's tensors, or those of its piece (UnitShape::piece): the
 // attention's q, k, v, o, input norm and the families' extras; the MLP's
-// projections (or router and experts) and post-attention norm. A whole
+// projections (or router and experts) and post-attention norm; cut into
+// expert groups, the router and the norm, or a group's experts. A whole
 // layer keeps the order it always had.
 void add_layer_slots(UnitLayout& layout, const ModelConfig& c, const UnitShape& unit) {
   const int64_t C = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads;
   const std::string p = fmt::format("model.layers.{}.", unit.layer);
+  if (unit.piece == LayerPiece::router) {
+    add_expert_slots(layout, c, p, true, 0, 0);
+    add_slot(layout, p + "post_attention_layernorm.weight", {C});
+    return;
+  }
+  if (unit.piece == LayerPiece::experts) {
+    add_expert_slots(layout, c, p, false, c.expert_group_begin(unit.expert_group),
+                     c.expert_group_begin(unit.expert_group + 1));
+    return;
+  }
   const bool attention = unit.piece != LayerPiece::mlp, mlp = unit.piece != LayerPiece::attention;
   if (attention) {
     // q, k, v adjacent: one fused projection of (H + 2 KV) D rows; gate, up likewise.
@@ -84,7 +100,7 @@ void add_layer_slots(UnitLayout& layout, const ModelConfig& c, const UnitShape& 
   }
   if (mlp) {
     if (c.layer_is_sparse(unit.layer)) {
-      add_expert_slots(layout, c, p);
+      add_expert_slots(layout, c, p, true, 0, c.num_experts);
     } else {
       add_slot(layout, p + "mlp.gate_proj.weight", {I, C});
       add_slot(layout, p + "mlp.up_proj.weight", {I, C});
@@ -455,9 +471,9 @@ struct UnitKernels {
     const float eps = static_cast<float>(c.rms_norm_eps);
     cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), x2, w.norm_post, N, C, eps);
     if (w.router != nullptr) {
-      moe_route(c, w, ws);
-      moe_experts_forward(c, w, ws);
-      if (out != nullptr) moe_combine(c, ws, x2, out);
+      MoeKernels::route(c, w.router, ws.xn2.data(), ws);
+      MoeKernels::experts_forward(c, w.experts, 0, c.num_experts, ws.xn2.data(), ws);
+      if (out != nullptr) MoeKernels::combine(c, ws, x2, out);
       return;
     }
     cpu::matmul_forward(ws.gate_up.data(), ws.xn2.data(), w.gate_up, N, C, 2 * I);
@@ -483,6 +499,9 @@ struct UnitKernels {
   // The routing alone, as mlp_forward computes it (a whole layer's attention first).
   static std::vector<uint8_t> route_only(const ModelConfig& c, const UnitLayout& layout,
                                          const float* flat, const float* x, UnitWorkspace& ws) {
+    // A piece of experts routes by its router piece's recorded choice: every expert may be read.
+    if (layout.unit.piece == LayerPiece::experts)
+      return std::vector<uint8_t>(size_t(c.num_experts), 1);
     const LayerWeights<const float> w = layer_weights(c, layout, flat);
     const float* x2 = x;
     if (layout.unit.piece == LayerPiece::whole) {
@@ -492,175 +511,11 @@ struct UnitKernels {
     const int64_t N = ws.B_ * ws.T_;
     cpu::rmsnorm_forward(ws.xn2.data(), ws.rstd2.data(), x2, w.norm_post, N, c.hidden_size,
                          static_cast<float>(c.rms_norm_eps));
-    moe_route(c, w, ws);
+    MoeKernels::route(c, w.router, ws.xn2.data(), ws);
     std::vector<uint8_t> used(size_t(c.num_experts), 0);
     for (int64_t e = 0; e < c.num_experts; ++e)
       used[size_t(e)] = ws.expert_begin[size_t(e) + 1] > ws.expert_begin[size_t(e)];
     return used;
-  }
-
-  // --- mixture of experts (core/model/model.h) ---------------------------------
-
-  // The router: probabilities (N, E), each token's top k experts by
-  // probability (ties to the lower index) and weights, and the routed rows
-  // grouped by expert (by token within an expert).
-  static void moe_route(const ModelConfig& c, const LayerWeights<const float>& w,
-                        UnitWorkspace& ws) {
-    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, E = c.num_experts;
-    const int64_t K = c.num_experts_per_tok;
-    float* probs = ws.router_probs.data();
-    cpu::matmul_forward(probs, ws.xn2.data(), w.router, N, C, E);
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 64), [&](const auto& range) {
-      for (int64_t n = range.begin(); n < range.end(); ++n) {
-        float* p = probs + n * E;
-        const float top = *std::max_element(p, p + E);
-        double sum = 0.0;
-        for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
-        for (int64_t e = 0; e < E; ++e) p[e] = float(p[e] / sum);
-        int32_t* chosen = ws.top_expert.data() + n * K;
-        float* weight = ws.top_weight.data() + n * K;
-        for (int64_t k = 0; k < K; ++k) {  // the k-th largest of the ones not chosen yet
-          int64_t best = -1;
-          for (int64_t e = 0; e < E; ++e) {
-            if (std::find(chosen, chosen + k, int32_t(e)) != chosen + k) continue;
-            if (best < 0 || p[e] > p[best]) best = e;
-          }
-          chosen[k] = int32_t(best);
-          weight[k] = p[best];
-        }
-        if (c.norm_topk_prob) {
-          float total = 0.0f;
-          for (int64_t k = 0; k < K; ++k) total += weight[k];
-          for (int64_t k = 0; k < K; ++k) weight[k] /= total;
-        }
-      }
-    });
-    group_routed_rows(ws.top_expert.data(), N, K, E, ws.expert_begin.data(), ws.row_of.data(),
-                      ws.row_token.data());
-  }
-
-  // Each expert over its rows: moe_x (the rows' inputs), gate_up, SwiGLU, y.
-  static void moe_experts_forward(const ModelConfig& c, const LayerWeights<const float>& w,
-                                  UnitWorkspace& ws) {
-    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.moe_intermediate_size;
-    const int64_t rows = N * c.num_experts_per_tok;
-    tbb::parallel_for(int64_t(0), rows, [&](int64_t r) {
-      const float* x = ws.xn2.data() + int64_t(ws.row_token[r]) * C;
-      std::copy(x, x + C, ws.moe_x.data() + r * C);
-    });
-    for (int64_t e = 0; e < c.num_experts; ++e) {
-      const int64_t r0 = ws.expert_begin[e], n = ws.expert_begin[e + 1] - r0;
-      if (n == 0) continue;
-      const float* gate_up = w.experts + e * 3 * I * C;
-      cpu::matmul_forward(ws.moe_gate_up.data() + r0 * 2 * I, ws.moe_x.data() + r0 * C, gate_up, n,
-                          C, 2 * I);
-      cpu::swiglu_forward(ws.moe_act.data() + r0 * I, ws.moe_gate_up.data() + r0 * 2 * I, n, I);
-      cpu::matmul_forward(ws.moe_y.data() + r0 * C, ws.moe_act.data() + r0 * I,
-                          gate_up + 2 * I * C, n, I, C);
-    }
-  }
-
-  // A token's k slots in the order of their experts' indices.
-  static void slots_by_expert(const UnitWorkspace& ws, int64_t n, int64_t K, int64_t* order) {
-    for (int64_t k = 0; k < K; ++k) order[k] = k;
-    const int32_t* chosen = ws.top_expert.data() + n * K;
-    std::sort(order, order + K, [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
-  }
-
-  // out = x2 + each token's weighted expert outputs, added in expert order.
-  static void moe_combine(const ModelConfig& c, const UnitWorkspace& ws, const float* x2,
-                          float* out) {
-    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, K = c.num_experts_per_tok;
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
-      std::vector<int64_t> order(static_cast<size_t>(K));
-      std::vector<float> sum(static_cast<size_t>(C));
-      for (int64_t n = range.begin(); n < range.end(); ++n) {
-        slots_by_expert(ws, n, K, order.data());
-        std::fill(sum.begin(), sum.end(), 0.0f);
-        for (int64_t k : order) {
-          const float weight = ws.top_weight[n * K + k];
-          const float* y = ws.moe_y.data() + int64_t(ws.row_of[n * K + k]) * C;
-          for (int64_t i = 0; i < C; ++i) sum[i] += weight * y[i];
-        }
-        for (int64_t i = 0; i < C; ++i) out[n * C + i] = x2[n * C + i] + sum[i];
-      }
-    });
-  }
-
-  // Backward of the experts and the router: d_xn = d(xn2) from dout (N, C);
-  // aux_grad (E): d(objective)/d(each router probability) of the
-  // load-balancing loss, or null.
-  static void moe_backward(const ModelConfig& c, const LayerWeights<const float>& w,
-                           const LayerWeights<float>& g, const float* dout, const float* aux_grad,
-                           UnitWorkspace& ws) {
-    const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.moe_intermediate_size;
-    const int64_t E = c.num_experts, K = c.num_experts_per_tok;
-    // d(weight) = dout . y; then y's rows become their gradient, weight * dout.
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
-      for (int64_t n = range.begin(); n < range.end(); ++n) {
-        for (int64_t k = 0; k < K; ++k) {
-          float* y = ws.moe_y.data() + int64_t(ws.row_of[n * K + k]) * C;
-          const float weight = ws.top_weight[n * K + k];
-          double dot = 0.0;
-          for (int64_t i = 0; i < C; ++i) {
-            dot += double(dout[n * C + i]) * y[i];
-            y[i] = weight * dout[n * C + i];
-          }
-          ws.d_top_weight[n * K + k] = float(dot);
-        }
-      }
-    });
-    std::fill(ws.d_moe_act.begin(), ws.d_moe_act.end(), 0.0f);
-    std::fill(ws.d_moe_x.begin(), ws.d_moe_x.end(), 0.0f);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = ws.expert_begin[e], n = ws.expert_begin[e + 1] - r0;
-      if (n == 0) continue;  // its gradient stays as it was: zero from this micro-batch
-      const float* gate_up = w.experts + e * 3 * I * C;
-      float* d_gate_up = g.experts + e * 3 * I * C;
-      cpu::matmul_backward(ws.d_moe_act.data() + r0 * I, d_gate_up + 2 * I * C,
-                           ws.moe_y.data() + r0 * C, ws.moe_act.data() + r0 * I,
-                           gate_up + 2 * I * C, n, I, C);
-      cpu::swiglu_backward(ws.d_moe_gate_up.data() + r0 * 2 * I, ws.d_moe_act.data() + r0 * I,
-                           ws.moe_gate_up.data() + r0 * 2 * I, n, I);
-      cpu::matmul_backward(ws.d_moe_x.data() + r0 * C, d_gate_up, ws.d_moe_gate_up.data() + r0 * 2 * I,
-                           ws.moe_x.data() + r0 * C, gate_up, n, C, 2 * I);
-    }
-    // The router: through the weights (renormalised or not) and the
-    // load-balancing loss to the probabilities, then the softmax.
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 16), [&](const auto& range) {
-      std::vector<int64_t> order(static_cast<size_t>(K));
-      for (int64_t n = range.begin(); n < range.end(); ++n) {
-        const float* p = ws.router_probs.data() + n * E;
-        float* dp = ws.d_router.data() + n * E;
-        for (int64_t e = 0; e < E; ++e) dp[e] = aux_grad != nullptr ? aux_grad[e] : 0.0f;
-        const float* weight = ws.top_weight.data() + n * K;
-        const float* dw = ws.d_top_weight.data() + n * K;
-        const int32_t* chosen = ws.top_expert.data() + n * K;
-        if (c.norm_topk_prob) {  // weight_k = p_k / S: d p_k = (dw_k - sum_j dw_j weight_j) / S
-          float total = 0.0f, dot = 0.0f;
-          for (int64_t k = 0; k < K; ++k) {
-            total += p[chosen[k]];
-            dot += dw[k] * weight[k];
-          }
-          for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += (dw[k] - dot) / total;
-        } else {
-          for (int64_t k = 0; k < K; ++k) dp[chosen[k]] += dw[k];
-        }
-        double dot = 0.0;
-        for (int64_t e = 0; e < E; ++e) dot += double(p[e]) * dp[e];
-        for (int64_t e = 0; e < E; ++e) dp[e] = p[e] * (dp[e] - float(dot));
-        // d(xn2) of the token: its rows' input gradients, in expert order.
-        slots_by_expert(ws, n, K, order.data());
-        float* dxn = ws.d_xn.data() + n * C;
-        std::fill(dxn, dxn + C, 0.0f);
-        for (int64_t k : order) {
-          const float* dxr = ws.d_moe_x.data() + int64_t(ws.row_of[n * K + k]) * C;
-          for (int64_t i = 0; i < C; ++i) dxn[i] += dxr[i];
-        }
-      }
-    });
-    cpu::matmul_backward(ws.d_xn.data(), g.router, ws.d_router.data(), ws.xn2.data(), w.router, N,
-                         C, E);
   }
 
   // Backward of the MLP half (mlp_forward): dx += its branch's d(x2).
@@ -669,7 +524,8 @@ struct UnitKernels {
                            float* dx, const float* aux_grad, UnitWorkspace& ws) {
     const int64_t N = ws.B_ * ws.T_, C = c.hidden_size, I = c.intermediate_size;
     if (w.router != nullptr) {
-      moe_backward(c, w, g, dout, aux_grad, ws);
+      MoeKernels::backward(c, w.router, w.experts, g.router, g.experts, ws.xn2.data(), dout,
+                           aux_grad, ws);
     } else {
       std::fill(ws.d_mlp.begin(), ws.d_mlp.end(), 0.0f);
       cpu::matmul_backward(ws.d_mlp.data(), g.down, dout, ws.mlp.data(), w.down, N, I, C);
@@ -723,15 +579,6 @@ struct UnitKernels {
       mlp_backward(c, w, g, x2, dout, dx, aux_grad, ws);
     }
     if (piece != LayerPiece::mlp) attention_backward(c, w, g, x, dx, ws);
-  }
-
-  // A sparse layer's forward adds its tokens to the micro-batch's statistics.
-  static void add_router_stats(const ModelConfig& c, const UnitWorkspace& ws, RouterStats& stats) {
-    const int64_t N = ws.B_ * ws.T_, E = c.num_experts;
-    std::vector<double> sums(size_t(E), 0.0);
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t n = 0; n < N; ++n) sums[size_t(e)] += ws.router_probs[n * E + e];
-    stats.add(ws.expert_begin.data(), sums.data(), N);
   }
 
   // The head over rows [begin, begin + rows): logits into ws.logits.
@@ -794,6 +641,75 @@ struct UnitKernels {
   }
 };
 
+namespace {
+
+// A sparse layer cut into expert groups (moe_kernels.h): its router piece's
+// and its pieces of experts' weights and chain.
+int64_t sparse_index(const ModelConfig& c, int64_t layer) {
+  int64_t index = 0;
+  for (int64_t i = 0; i < layer; ++i) index += c.layer_is_sparse(i) ? 1 : 0;
+  return index;
+}
+struct ExpertPiece {
+  const float* router = nullptr;  // router piece: the router (E, C) and the post-attention norm
+  const float* norm = nullptr;
+  int64_t router_offset = 0, norm_offset = 0;
+  ExpertBlocks experts;  // piece of experts
+  bool last = false;     // the layer's last group
+  int64_t sparse = 0;    // the layer's index among the sparse layers
+};
+ExpertPiece expert_piece(const ModelLayout& model, int64_t u, const float* flat) {
+  const ModelConfig& c = model.config;
+  const UnitLayout& layout = model.units[size_t(u)];
+  ExpertPiece piece;
+  piece.sparse = sparse_index(c, layout.unit.layer);
+  if (layout.unit.piece == LayerPiece::experts) {
+    piece.experts = expert_blocks(model, u);
+    piece.last = layout.unit.expert_group == c.expert_groups - 1;
+    return piece;
+  }
+  piece.router_offset = layout.tensors[0].offset;  // the router, then the norm (add_layer_slots)
+  piece.norm_offset = layout.tensors[1].offset;
+  piece.router = flat + piece.router_offset;
+  piece.norm = flat + piece.norm_offset;
+  return piece;
+}
+void expert_router_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
+                           const UnitBatch& batch, const float* input, float* output,
+                           UnitWorkspace& ws) {
+  const ExpertPiece p = expert_piece(model, u, params.flat);
+  MoeKernels::router_forward(model.config, p.router, p.norm, input, output, p.sparse, batch.experts,
+                             ws);
+}
+
+void expert_group_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
+                          const UnitBatch& batch, const float* input, float* output,
+                          UnitWorkspace& ws) {
+  const ExpertPiece p = expert_piece(model, u, params.flat);
+  MoeKernels::group_forward(model.config, params.flat + p.experts.offset, p.experts.first,
+                            p.experts.first + p.experts.count, p.last, input, output, p.sparse,
+                            batch.experts, ws);
+}
+
+void expert_piece_backward(const ModelLayout& model, int64_t u, const UnitParams& params,
+                           const UnitBatch& batch, const float* input, const float* doutput,
+                           float* dinput, const UnitGrads& grads, UnitWorkspace& ws) {
+  const ModelConfig& c = model.config;
+  const ExpertPiece p = expert_piece(model, u, params.flat);
+  if (model.units[size_t(u)].unit.piece == LayerPiece::experts) {
+    MoeKernels::group_backward(c, params.flat + p.experts.offset, grads.flat + p.experts.offset,
+                               p.experts.first, p.experts.first + p.experts.count, p.last, input,
+                               doutput, dinput, p.sparse, batch.experts, ws);
+    return;
+  }
+  const std::vector<float> aux_grad = router_aux_grad(c, batch);
+  MoeKernels::router_backward(c, p.router, p.norm, grads.flat + p.router_offset,
+                              grads.flat + p.norm_offset, input, doutput, dinput,
+                              aux_grad.empty() ? nullptr : aux_grad.data(), batch.experts, ws);
+}
+
+}  // namespace
+
 double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
                     const UnitBatch& batch, const float* input, float* output, UnitWorkspace& ws) {
   const ModelConfig& c = model.config;
@@ -807,10 +723,17 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
       if (batch.router != nullptr) batch.router->reset(c.num_experts);
       return 0.0;
     case UnitKind::decoder_layer:
-      UnitKernels::layer_forward(c, layout, params.flat, input, output, ws);
+      if (layout.unit.piece == LayerPiece::experts) {
+        expert_group_forward(model, u, params, batch, input, output, ws);
+        return 0.0;
+      }
+      if (layout.unit.piece == LayerPiece::router)
+        expert_router_forward(model, u, params, batch, input, output, ws);
+      else
+        UnitKernels::layer_forward(c, layout, params.flat, input, output, ws);
       if (batch.router != nullptr && c.layer_is_sparse(layout.unit.layer) &&
           layout.unit.piece != LayerPiece::attention)
-        UnitKernels::add_router_stats(c, ws, *batch.router);
+        MoeKernels::add_router_stats(c, ws, *batch.router);
       return 0.0;
     case UnitKind::head: {
       const float* lm_head =
@@ -865,6 +788,10 @@ void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params
       cpu::embedding_backward(grads.flat, doutput, batch.tokens, N, c.hidden_size);
       return;
     case UnitKind::decoder_layer: {
+      if (layout.unit.piece == LayerPiece::router || layout.unit.piece == LayerPiece::experts) {
+        expert_piece_backward(model, u, params, batch, input, doutput, dinput, grads, ws);
+        return;
+      }
       const std::vector<float> aux_grad = router_aux_grad(c, batch);
       UnitKernels::layer_backward(c, layout, params.flat, grads.flat, input, doutput, dinput,
                                   recompute, aux_grad.empty() ? nullptr : aux_grad.data(), ws);

@@ -140,6 +140,30 @@ struct RouterStats {
   double aux_loss() const;
 };
 
+// What the pieces of a sparse layer cut into expert groups
+// (ModelConfig::expert_groups > 1) hand each other within one micro-batch:
+// views of one buffer of expert_chain_floats(config, N) floats (int32 and
+// float alike 4 bytes). The pieces of a layer run in plan order for a
+// micro-batch (router, experts.0 .. experts.{G-1}; backwards the other way)
+// and a micro-batch's layers one after another, so one chain per kept
+// micro-batch serves every layer.
+struct ExpertChain {
+  // (N, C): in the forward the layer's residual x2 (from the router piece to
+  // the last group); in the backward the layer's output gradient (from the
+  // last group to the others and the router piece).
+  float* rows = nullptr;
+  float* sum = nullptr;       // (N, C): the weighted expert outputs added so far (forward)
+  float* d_weight = nullptr;  // (N, K): each slot's weight's gradient (the groups' backwards)
+  // (sparse layers, N, K): each token's k experts and weights, written by
+  // the router piece's forward and read by its groups' forwards and
+  // backwards (the router's backward computes them again, the same bits).
+  int32_t* top_expert = nullptr;
+  float* top_weight = nullptr;
+  bool empty() const { return rows == nullptr; }
+};
+int64_t expert_chain_floats(const ModelConfig& config, int64_t N);
+ExpertChain expert_chain_view(const ModelConfig& config, int64_t N, float* buffer);
+
 // One micro-batch: B sequences of T tokens.
 struct UnitBatch {
   const int32_t* tokens = nullptr;   // (B, T), inputs of the embedding unit, in [0, V)
@@ -166,6 +190,9 @@ struct UnitBatch {
   // turns every block into the logits' gradient, which the other chunks'
   // backwards read. Null for a whole head; a cut one needs it.
   float* head_logits = nullptr;
+  // A mixture cut into expert groups: the micro-batch's chain (ExpertChain);
+  // empty otherwise, where a cut one needs it.
+  ExpertChain experts = {};
 };
 
 // Scratch for the forward and backward of any unit at one (B, T).
@@ -180,6 +207,7 @@ class UnitWorkspace {
  private:
   friend struct UnitKernels;
   friend struct VocabChunkKernels;
+  friend struct MoeKernels;
   int64_t B_, T_;
   std::vector<float> rope_cos, rope_sin;  // (T, D/2)
   // Decoder layer activations (N = B*T), recomputed in the backward.
@@ -305,13 +333,15 @@ const float* whole_tensor(const CheckpointTensor& t,
                           const std::function<const float*(int64_t)>& unit_data,
                           std::vector<float>& scratch);
 
-// The experts of a sparse layer's unit (whole, or its MLP piece): expert
-// e's gate, up and down are elements [offset + e numel, offset + (e + 1)
-// numel) of the unit's flat buffer; count 0 for any other unit.
+// The experts of a sparse layer's unit (whole, its MLP piece, or a piece of
+// experts): its expert e (the layer's expert first + e) has its gate, up
+// and down at elements [offset + e numel, offset + (e + 1) numel) of the
+// unit's flat buffer; count 0 for any other unit (a router piece too).
 struct ExpertBlocks {
   int64_t offset = 0;
   int64_t numel = 0;
   int64_t count = 0;
+  int64_t first = 0;  // the layer's index of the unit's expert 0
 };
 ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u);
 

@@ -274,8 +274,19 @@ std::vector<UnitShape> model_units(const ModelConfig& config) {
     const int64_t attention = config.attention_parameter_count();
     units.push_back(
         {UnitKind::decoder_layer, i, layer + ".attention", attention, -1, LayerPiece::attention});
-    units.push_back(
-        {UnitKind::decoder_layer, i, layer + ".mlp", numel - attention, -1, LayerPiece::mlp});
+    if (config.expert_groups <= 1 || !config.layer_is_sparse(i)) {
+      units.push_back(
+          {UnitKind::decoder_layer, i, layer + ".mlp", numel - attention, -1, LayerPiece::mlp});
+      continue;
+    }
+    const int64_t expert = 3 * C * config.moe_intermediate_size;
+    units.push_back({UnitKind::decoder_layer, i, layer + ".router", config.num_experts * C + C, -1,
+                     LayerPiece::router});
+    for (int64_t g = 0; g < config.expert_groups; ++g) {
+      const int64_t experts = config.expert_group_begin(g + 1) - config.expert_group_begin(g);
+      units.push_back({UnitKind::decoder_layer, i, fmt::format("{}.experts.{}", layer, g),
+                       experts * expert, -1, LayerPiece::experts, g});
+    }
   }
   for (int64_t k = 0; k < K; ++k) {
     const int64_t lm_head = config.tie_word_embeddings ? 0 : rows(k) * C;
@@ -320,6 +331,20 @@ Status check_layer_pieces(const ModelConfig& config) {
       "strata.layer_pieces: expected 1 (whole decoder layers) or 2 (each layer's attention and "
       "MLP as units of their own), got {}",
       config.layer_pieces));
+}
+
+Status check_expert_groups(const ModelConfig& config) {
+  if (config.expert_groups == 1) return Status::ok();
+  if (config.expert_groups < 1 || !config.is_moe() || config.expert_groups > config.num_experts)
+    return Status::invalid_argument(fmt::format(
+        "strata.expert_groups {}: expected 1, or 2 to the {} experts of a mixture's sparse layer",
+        config.expert_groups, config.num_experts));
+  if (config.layer_pieces != 2)
+    return Status::invalid_argument(fmt::format(
+        "strata.expert_groups {}: the groups cut a sparse layer's MLP piece, so the layers must "
+        "be in pieces; add --layer-pieces 2",
+        config.expert_groups));
+  return Status::ok();
 }
 
 Status check_sequence_window(const ModelConfig& config, int64_t seq_len) {

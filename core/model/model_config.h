@@ -88,6 +88,13 @@ struct ModelConfig {
   // q, k, v, o and their extras) and its MLP (post-attention norm and the
   // MLP, or the router and the experts) as units of their own.
   int64_t layer_pieces = 1;
+  // Not a Hugging Face key either: the pieces a sparse layer's MLP is cut
+  // into when the layer is in pieces (strata.expert_groups): 1, one MLP
+  // piece; G > 1, a router piece (the post-attention norm and the router)
+  // and G pieces of experts, group g holding experts [expert_group_begin(g),
+  // expert_group_begin(g + 1)). Dense layers keep their MLP piece.
+  int64_t expert_groups = 1;
+  int64_t expert_group_begin(int64_t group) const { return group * num_experts / expert_groups; }
 
   bool is_moe() const { return num_experts > 0; }
   // Whether decoder layer `layer` has a router and experts (false for every
@@ -118,7 +125,9 @@ inline constexpr int64_t kShardAlignElements = 2048;
 enum class UnitKind { embedding, decoder_layer, head };
 
 // The part of a decoder layer a unit holds (ModelConfig::layer_pieces).
-enum class LayerPiece { whole, attention, mlp };
+// (ModelConfig::expert_groups cuts a sparse layer's MLP into a router and
+// groups of experts.)
+enum class LayerPiece { whole, attention, mlp, router, experts };
 
 struct UnitShape {
   UnitKind kind = UnitKind::embedding;
@@ -127,11 +136,15 @@ struct UnitShape {
   int64_t numel = 0;   // parameters owned by the unit (the tied lm_head is the embedding's)
   int64_t chunk = -1;  // the vocabulary chunk of a cut embedding or head; -1: whole
   LayerPiece piece = LayerPiece::whole;  // a decoder layer's: "layers.3.attention", "layers.3.mlp"
+  // A sparse layer's piece of experts: its group ("layers.3.experts.1"); -1 otherwise.
+  int64_t expert_group = -1;
 };
 
 // The units in forward order: embedding, layers.0 .. layers.{L-1}, head; with
 // vocab_chunks K > 1, embedding.0 .. embedding.{K-1} and head.0 .. head.{K-1};
-// with layer_pieces 2, layers.i.attention and layers.i.mlp for each layer.
+// with layer_pieces 2, layers.i.attention and layers.i.mlp for each layer;
+// with expert_groups G > 1 a sparse layer's MLP is layers.i.router and
+// layers.i.experts.0 .. layers.i.experts.{G-1}.
 std::vector<UnitShape> model_units(const ModelConfig& config);
 
 // OK for a dense model (num_experts 0), and for a mixture (mixtral or
@@ -140,6 +153,10 @@ Status check_mixture(const ModelConfig& config);
 
 // OK when config.layer_pieces is 1 or 2; the message names strata.layer_pieces.
 Status check_layer_pieces(const ModelConfig& config);
+
+// OK when config.expert_groups is 1, or 2 to num_experts for a mixture in
+// layer pieces; the message names strata.expert_groups.
+Status check_expert_groups(const ModelConfig& config);
 
 // OK when config.vocab_chunks can cut this model: 1 to vocab_size chunks, and
 // an untied lm_head when more than one (a tied head reads the embedding

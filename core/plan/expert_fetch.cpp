@@ -39,6 +39,8 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
     off =
         "the routing is known before the experts are read only when the MLP is a unit of its "
         "own (--layer-pieces 2)";
+  else if (in.model.expert_groups > 1)
+    off = "each group of experts is read whole: routed reads of groups are not built";
   if (off != nullptr) {
     why = std::string("all: every expert moves with its unit (") + off + ")";
     return false;

@@ -52,6 +52,13 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.vocab_chunks_auto = c.strata.vocab_chunks == 0;
   in.model.layer_pieces = std::max<int64_t>(1, c.strata.layer_pieces);
   in.layer_pieces_auto = c.strata.layer_pieces == 0;
+  in.model.expert_groups = c.strata.expert_groups;
+  if (in.model.expert_groups > 1 && in.layer_pieces_auto && model.is_moe()) {
+    // The groups cut a sparse layer's MLP piece: the layers are in pieces.
+    in.model.layer_pieces = 2;
+    in.layer_pieces_auto = false;
+    in.layer_pieces_reason = "2 (strata.expert_groups cuts each sparse layer's MLP piece)";
+  }
   in.expert_fetch_all = c.strata.expert_fetch_all;
   in.expert_update_deferred = c.strata.expert_update_deferred;
   in.grad_accum = c.gradient_accumulation_steps;
@@ -153,6 +160,13 @@ Status validate_plan_input(const PlanInput& in) {
   if (Status s = check_mixture(in.model); !s) return s;
   if (Status s = check_vocab_chunks(in.model); !s) return s;
   if (Status s = check_layer_pieces(in.model); !s) return s;
+  if (Status s = check_expert_groups(in.model); !s) return s;
+  if (in.model.expert_groups > 1 && in.gpu)
+    return Status::invalid_argument(fmt::format(
+        "strata.expert_groups {}: a sparse layer cut into groups of experts runs on the CPU "
+        "backend (the CUDA backend's router and expert pieces are not built); use --backend cpu "
+        "or --expert-groups 1",
+        in.model.expert_groups));
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));

@@ -131,6 +131,7 @@ BufferKind buffer_kind(BufferRole role) {
     case BufferRole::saved_inputs:
     case BufferRole::activation_gradient:
     case BufferRole::head_logits:
+    case BufferRole::expert_chain:
     case BufferRole::tokens_and_targets:
     case BufferRole::gpu_saved_inputs:
     case BufferRole::gpu_activation_gradient:
@@ -373,6 +374,53 @@ Result<PlanReport> plan_memory(const PlanInput& given) {
   return plan;
 }
 
+// The end of the "none" line when the device is short even with
+// everything on NVMe: what sets its need and what would shrink it.
+static std::string device_short_line(const PlanInput& input, const PlanInput& leanest,
+                                     const PlanReport& lean) {
+  // More ranks shard the state, not a gathered unit: the device's working
+  // set is the largest unit's, whole on every rank.
+  bool pieces_fit = false;  // whole layers were asked for, and pieces would fit the device
+  if (!input.layer_pieces_auto && leanest.model.layer_pieces < 2) {
+    PlanInput cut = leanest;
+    cut.model.layer_pieces = 2;
+    Result<PlanReport> in_pieces = plan_memory(cut);
+    pieces_fit = in_pieces && in_pieces->verdicts[0].fits();
+  }
+  // A mixture on the CPU backend: the fewest groups of experts that fit.
+  int64_t groups_fit = 0;
+  if (!pieces_fit && input.model.is_moe() && !input.gpu)
+    for (int64_t g = std::max<int64_t>(2, 2 * leanest.model.expert_groups);
+         groups_fit == 0 && g <= 2 * input.model.num_experts; g *= 2) {
+      PlanInput cut = leanest;
+      cut.model.layer_pieces = 2;
+      cut.model.expert_groups = std::min(g, input.model.num_experts);
+      cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
+      Result<PlanReport> in_groups = plan_memory(cut);
+      if (in_groups && in_groups->verdicts[0].fits()) groups_fit = cut.model.expert_groups;
+    }
+  const std::string smaller =
+      pieces_fit ? ", or --layer-pieces 2 (the layers were asked for whole; in pieces the device "
+                   "has room)"
+      : groups_fit > 0 ? fmt::format(
+                             ", or --expert-groups {} (each sparse layer's experts in that many "
+                             "pieces: the device has room)",
+                             groups_fit)
+      : input.model.is_moe()
+          ? std::string(input.gpu ? " (a sparse layer's experts stay together in its MLP piece "
+                                    "on the CUDA backend: groups of experts, --expert-groups, run "
+                                    "on the CPU backend)"
+                                  : "")
+          : " (a layer's MLP stays one piece: cutting it along its intermediate dimension is not "
+            "built)";
+  return fmt::format(
+      "{} of the device's need is its parameter slots and unit gradients, sized by the largest "
+      "unit, {} ({:.2f}B parameters), whole on every rank at any rank count: a device with more "
+      "memory{}",
+      format_bytes(double(lean.device_staging_bytes)), lean.largest_unit,
+      double(lean.largest_unit_elements) / 1e9, smaller);
+}
+
 Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   Result<PlanReport> planned = plan_memory(input);
   if (!planned || planned->fits) return planned;
@@ -499,29 +547,7 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
     plan.suggestion += "add memory or disk, or spread the ranks over more nodes";
     return planned;
   }
-  // More ranks shard the state, not a gathered unit: the device's working
-  // set is the largest unit's, whole on every rank.
-  bool pieces_fit = false;  // whole layers were asked for, and pieces would fit the device
-  if (!input.layer_pieces_auto && leanest.model.layer_pieces < 2) {
-    PlanInput cut = leanest;
-    cut.model.layer_pieces = 2;
-    Result<PlanReport> in_pieces = plan_memory(cut);
-    pieces_fit = in_pieces && in_pieces->verdicts[0].fits();
-  }
-  const char* smaller =
-      pieces_fit ? ", or --layer-pieces 2 (the layers were asked for whole; in pieces the device "
-                   "has room)"
-      : input.model.is_moe()
-          ? " (a sparse layer's experts stay together in its MLP piece: cutting them into groups "
-            "is not built)"
-          : " (a layer's MLP stays one piece: cutting it along its intermediate dimension is not "
-            "built)";
-  plan.suggestion += fmt::format(
-      "{} of the device's need is its parameter slots and unit gradients, sized by the largest "
-      "unit, {} ({:.2f}B parameters), whole on every rank at any rank count: a device with more "
-      "memory{}",
-      format_bytes(double(lean.device_staging_bytes)), lean.largest_unit,
-      double(lean.largest_unit_elements) / 1e9, smaller);
+  plan.suggestion += device_short_line(input, leanest, lean);
   return planned;
 }
 

@@ -156,6 +156,14 @@ double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t l
   const double attention_params = double(m.attention_parameter_count());
   if (piece == LayerPiece::attention) return 2 * N * attention_params + attention;
   if (piece == LayerPiece::mlp) return 2 * N * (active - attention_params);
+  // Cut into expert groups: the router piece's product, and a group's share
+  // of the k experts a token reads (its experts over the layer's, taken as
+  // equal groups).
+  const double router_params = double(m.num_experts * m.hidden_size + m.hidden_size);
+  if (piece == LayerPiece::router) return 2 * N * router_params;
+  if (piece == LayerPiece::experts)
+    return 2 * N * (active - attention_params - router_params) /
+           double(std::max<int64_t>(1, m.expert_groups));
   return 2 * N * active + attention;
 }
 

@@ -121,6 +121,8 @@ const char* buffer_role_name(BufferRole role) {
       return "activation_gradient";
     case BufferRole::head_logits:
       return "head_logits";
+    case BufferRole::expert_chain:
+      return "expert_chain";
     case BufferRole::activation_spill:
       return "activation_spill";
     case BufferRole::activation_staging:

@@ -161,6 +161,7 @@ enum class BufferRole {
                           // inputs
   activation_gradient,    // [activation copies] (B*T, C) fp32
   head_logits,            // [activation copies] (B*T, V) fp32: a vocabulary-cut head's logits
+  expert_chain,           // [activation copies] (expert_chain_floats): expert groups' ExpertChain
   unit_working_set,       // bytes the CPU UnitWorkspace allocates itself, charged here
   new_parameters,         // (largest optimizer range) compute precision, staged
   nccl_staging,           // [2] (largest padded) fp32: send, receive

@@ -1,0 +1,162 @@
+// The engine trains a mixture whose sparse layers' MLP pieces are cut into
+// a router piece and groups of experts (strata.expert_groups) as it trains
+// the MLP pieces whole:
+//  - top 2: every group count, placement and both schedules, at one and two
+//    ranks, give the uncut run's bits, losses and weights (the groups add
+//    the same products in the same order; tests/model_expert_groups_test.cpp
+//    shows it unit by unit);
+//  - top 3: the first loss bitwise, the losses and gradient norms within
+//    1e-6 and the weights within 1e-4 over three steps (each token's rows'
+//    gradients are summed in another order, core/README.md "Expert
+//    groups"; AdamW divides each gradient by its own magnitude, so near eps
+//    its last bits move the update, as with the vocabulary chunks);
+//  - the groups lower the parameter slots the plan sizes by its largest
+//    unit, and the run keeps to its plan (NVMe bytes, peaks);
+//  - a checkpoint resumes bitwise, and from groups into the whole MLP piece
+//    and back; int8 state, blocked per unit, is refused in one line naming
+//    the flags;
+//  - the CUDA backend, whole layers and a count above the experts are
+//    refused in one line.
+#include <gtest/gtest.h>
+
+#include "engine_test_support.h"
+
+namespace strata {
+namespace {
+
+using testing::EngineOutcome;
+using testing::EngineRun;
+
+class EngineExpertGroups : public testing::EngineRunsTest {
+ protected:
+  EngineExpertGroups() : EngineRunsTest("engine_expert_groups") {}
+
+  // The refusal of `run`'s engine, one line holding `expected`.
+  void expect_refused(const EngineRun& run, const std::string& expected) {
+    Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok()) << options.status().message();
+    Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
+    ASSERT_FALSE(engine.is_ok()) << run.label();
+    EXPECT_NE(engine.status().message().find(expected), std::string::npos)
+        << engine.status().message();
+    EXPECT_EQ(engine.status().message().find('\n'), std::string::npos);
+  }
+};
+
+// The mixture (5 experts, top 2) in layer pieces, its MLP pieces cut into `groups`.
+std::vector<EngineRun> groups_placements(int world, const std::string& schedule, int64_t groups) {
+  return testing::cut_placements(world, schedule, [&](EngineRun& run) {
+    run.moe = true;
+    run.layer_pieces = 2;
+    run.expert_groups = groups;
+    run.clipping = 0.0;
+  });
+}
+
+void expect_same_bits(const EngineOutcome& a, const EngineOutcome& b, const std::string& label) {
+  ASSERT_EQ(a.steps.size(), b.steps.size()) << label;
+  for (size_t s = 0; s < a.steps.size(); ++s)
+    EXPECT_EQ(a.steps[s].loss, b.steps[s].loss) << label << ", step " << s + 1;
+  testing::expect_steps_near(a, b, 0, 1e-12, label);  // the norm adds more partial sums
+  EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, b.weights)) << label;
+}
+
+TEST_F(EngineExpertGroups, TopTwoGivesTheUncutBitsEverywhere) {
+  for (int world : {1, 2}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      std::vector<EngineRun> runs = groups_placements(world, schedule, 2);
+      const std::vector<size_t> picked =
+          world == 1 ? std::vector<size_t>{0, runs.size() / 2, runs.size() - 1}
+                     : std::vector<size_t>{runs.size() - 1};
+      for (size_t i : picked) {
+        for (int64_t groups : {2, 5}) {
+          EngineRun cut = runs[i];
+          cut.expert_groups = groups;
+          EngineRun whole = cut;
+          whole.expert_groups = 1;
+          const EngineOutcome a = train(cut), b = train(whole);
+          EXPECT_GT(a.plan.units.size(), b.plan.units.size()) << cut.label();
+          expect_same_bits(a, b, cut.label());
+        }
+      }
+    }
+  }
+}
+
+TEST_F(EngineExpertGroups, TopThreeStaysWithinTolerance) {
+  EngineRun cut = groups_placements(1, "layer", 3).back();  // stage 3, everything on NVMe
+  cut.experts_per_token = 3;
+  cut.steps = 3;
+  EngineRun whole = cut;
+  whole.expert_groups = 1;
+  const EngineOutcome a = train(cut), b = train(whole);
+  ASSERT_EQ(a.steps.size(), 3u) << cut.label();
+  EXPECT_EQ(a.steps[0].loss, b.steps[0].loss) << cut.label();  // the first forward is bitwise
+  testing::expect_steps_near(a, b, 1e-6, 1e-6, cut.label());
+  std::string worst;
+  const double error = testing::weights_relative_error(a.weights, b.weights, &worst);
+  std::printf("expert groups against the MLP piece, top 3: worst weight error %.2e (%s)\n", error,
+              worst.c_str());
+  EXPECT_LT(error, 1e-4) << cut.label() << ", worst tensor " << worst;
+}
+
+TEST_F(EngineExpertGroups, GroupsLowerTheSlotsAndTheRunKeepsToThePlan) {
+  int64_t whole_slots = 0;
+  for (int64_t groups : {1, 5}) {
+    EngineRun run = groups_placements(1, "micro_batch", groups).back();
+    run.intermediate = 96;  // experts large enough to set the largest unit
+    // Every expert read with its unit (the uncut run would read as routed,
+    // fewer bytes than the plan's worst case when an expert gets no token).
+    run.expert_fetch = "all";
+    const EngineOutcome outcome = train(run);
+    ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
+    testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
+    int64_t slots = 0;
+    for (const PlanBuffer& buffer : outcome.plan.buffers)
+      if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
+          buffer.role == BufferRole::gathered_unit_fp32 ||
+          buffer.role == BufferRole::nvme_parameter_copies)
+        slots += buffer.bytes;
+    ASSERT_GT(slots, 0) << run.label();
+    if (groups == 1) {
+      whole_slots = slots;
+      continue;
+    }
+    std::printf("parameter slots: %lld bytes with whole MLP pieces, %lld in groups\n",
+                static_cast<long long>(whole_slots), static_cast<long long>(slots));
+    EXPECT_LT(double(slots), 0.75 * double(whole_slots)) << run.label();
+  }
+}
+
+TEST_F(EngineExpertGroups, ACheckpointResumesBitwiseAndAcrossTheCut) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun run = groups_placements(1, schedule, 2).back();  // stage 3, everything on NVMe
+    run.steps = 3;
+    expect_resumes_bitwise(run, 1);
+    EngineRun whole = run;
+    whole.expert_groups = 1;
+    expect_resumes_bitwise(run, 1, whole);  // saved in groups, resumed whole
+    expect_resumes_bitwise(whole, 2, run);  // and the other way
+  }
+  const EngineRun run = groups_placements(1, "auto", 2).back();
+  EngineRun whole = run;
+  whole.expert_groups = 1;
+  expect_int8_resume_refused(
+      run, whole, "pass --vocab-chunks 1 --layer-pieces 2 --expert-groups 2 to resume it");
+}
+
+TEST_F(EngineExpertGroups, WhatIsNotBuiltIsRefused) {
+  EngineRun gpu = groups_placements(1, "auto", 2).back();
+  gpu.emulate_gpu = true;
+  expect_refused(gpu,
+                 "runs on the CPU backend (the CUDA backend's router and expert pieces are "
+                 "not built); use --backend cpu or --expert-groups 1");
+  EngineRun whole_layers = groups_placements(1, "auto", 2).back();
+  whole_layers.layer_pieces = 1;
+  expect_refused(whole_layers, "the layers must be in pieces; add --layer-pieces 2");
+  EngineRun too_many = groups_placements(1, "auto", 6).back();
+  expect_refused(too_many, "strata.expert_groups 6: expected 1, or 2 to the 5 experts");
+}
+
+}  // namespace
+}  // namespace strata
