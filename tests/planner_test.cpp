@@ -275,16 +275,23 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   cpu.seq_len = 256;  // each group keeps its input: short sequences, so that some count fits
   const PlanReport grouped = *plan_with_suggestion(cpu);
   ASSERT_FALSE(grouped.fits);
-  const size_t at = grouped.suggestion.find(", or --expert-groups ");
+  // (asked for whole layers, it names the pieces the groups need too)
+  const std::string named = ", or --layer-pieces 2 --expert-groups ";
+  const size_t at = grouped.suggestion.find(named);
   ASSERT_NE(at, std::string::npos) << grouped.suggestion;
   PlanInput cut = cpu;
   cut.stage = 3;
   cut.micro_batch = 1;
   cut.model.layer_pieces = 2;
-  cut.model.expert_groups = std::stoll(grouped.suggestion.substr(at + 21));
+  cut.model.expert_groups = std::stoll(grouped.suggestion.substr(at + named.size()));
   cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
   EXPECT_GT(cut.model.expert_groups, 1);
   EXPECT_TRUE(plan_memory(cut)->verdicts[0].fits()) << grouped.suggestion;
+  cut.model.expert_groups -= 1;  // the fewest: one group fewer does not fit
+  cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
+  if (cut.model.expert_groups > 1) {
+    EXPECT_FALSE(plan_memory(cut)->verdicts[0].fits());
+  }
   // A dense model asked for in whole layers that fit in pieces: say so (the
   // GPT-3-shaped Llama of 172B at 1 x 1024 tokens on 24 GB, its vocabulary
   // in two chunks).

@@ -116,6 +116,32 @@ std::string vocabulary_chunks_line(const PlanInput& in) {
   return fmt::format("{} (given)", in.model.vocab_chunks);
 }
 
+int64_t expert_groups_that_fit(const PlanInput& leanest) {
+  // More groups shrink the slots but add saved inputs (one per group), so
+  // the need is not monotone in the count: double it until one fits, then
+  // try each count between the last two.
+  const int64_t E = leanest.model.num_experts, given = leanest.model.expert_groups;
+  auto fits_in = [&](int64_t groups) {
+    PlanInput cut = leanest;
+    cut.model.layer_pieces = 2;
+    cut.model.expert_groups = groups;
+    cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
+    Result<PlanReport> in_groups = plan_memory(cut);
+    return in_groups && in_groups->verdicts[0].fits();
+  };
+  int64_t fit = 0, below = given;  // below: the largest count tried that does not fit
+  for (int64_t g = std::min(E, 2 * given); g > below; g = std::min(E, 2 * g)) {
+    if (fits_in(g)) {
+      fit = g;
+      break;
+    }
+    below = g;
+  }
+  for (int64_t g = below + 1; fit > 0 && g < fit; ++g)
+    if (fits_in(g)) fit = g;
+  return fit;
+}
+
 std::string layer_pieces_line(const PlanInput& in) {
   if (!in.layer_pieces_reason.empty()) return in.layer_pieces_reason;
   return fmt::format("{} (given)", in.model.layer_pieces);

@@ -388,24 +388,17 @@ static std::string device_short_line(const PlanInput& input, const PlanInput& le
     pieces_fit = in_pieces && in_pieces->verdicts[0].fits();
   }
   // A mixture on the CPU backend: the fewest groups of experts that fit.
-  int64_t groups_fit = 0;
-  if (!pieces_fit && input.model.is_moe() && !input.gpu)
-    for (int64_t g = std::max<int64_t>(2, 2 * leanest.model.expert_groups);
-         groups_fit == 0 && g <= 2 * input.model.num_experts; g *= 2) {
-      PlanInput cut = leanest;
-      cut.model.layer_pieces = 2;
-      cut.model.expert_groups = std::min(g, input.model.num_experts);
-      cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
-      Result<PlanReport> in_groups = plan_memory(cut);
-      if (in_groups && in_groups->verdicts[0].fits()) groups_fit = cut.model.expert_groups;
-    }
+  const int64_t groups_fit =
+      !pieces_fit && input.model.is_moe() && !input.gpu ? expert_groups_that_fit(leanest) : 0;
   const std::string smaller =
       pieces_fit ? ", or --layer-pieces 2 (the layers were asked for whole; in pieces the device "
                    "has room)"
-      : groups_fit > 0 ? fmt::format(
-                             ", or --expert-groups {} (each sparse layer's experts in that many "
-                             "pieces: the device has room)",
-                             groups_fit)
+      : groups_fit > 0
+          ? fmt::format(
+                ", or {}--expert-groups {} (each sparse layer's experts in that many "
+                "pieces: the device has room)",
+                input.model.layer_pieces < 2 && !input.layer_pieces_auto ? "--layer-pieces 2 " : "",
+                groups_fit)
       : input.model.is_moe()
           ? std::string(input.gpu ? " (a sparse layer's experts stay together in its MLP piece "
                                     "on the CUDA backend: groups of experts, --expert-groups, run "

@@ -198,7 +198,10 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
   }
   const int64_t layer = unit.layer;
   if (op.kind == OpKind::forward) return layer_forward_flops(m, B, T, layer, unit.piece);
-  return layer_backward_flops(m, B, T, plan.recomputes(op.unit), layer, unit.piece);
+  // A router piece and a piece of experts recompute their forward always (moe_kernels.h).
+  const bool recomputes = plan.recomputes(op.unit) || unit.piece == LayerPiece::router ||
+                          unit.piece == LayerPiece::experts;
+  return layer_backward_flops(m, B, T, recomputes, layer, unit.piece);
 }
 
 namespace {
