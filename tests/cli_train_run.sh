@@ -53,7 +53,12 @@ for l in lines:
     assert math.isfinite(l["loss"]) and l["grad_norm"] > 0 and l["step_time_s"] > 0 and l["tokens_per_s"] > 0
     assert l["tokens"] == 2 * 2 * 32 and l["loss_tokens"] == 128 and l["lr"] == 3e-3
     assert l["skipped"] is False and "loss_scale" not in l
-assert all(l["nvme_read_bytes"] > 0 and l["nvme_written_bytes"] > 0 for l in lines[1:])
+# Each step's bytes are the transfers completed while it ran: a write behind
+# a step's end (the optimizer's last windows) counts in the next step, so
+# under load one step can show none written and the next twice as much.
+assert all(l["nvme_read_bytes"] + l["nvme_written_bytes"] > 0 for l in lines[1:]), lines
+assert sum(l["nvme_read_bytes"] for l in lines[1:]) > 0, lines
+assert sum(l["nvme_written_bytes"] for l in lines[1:]) > 0, lines
 assert lines[-1]["loss"] < lines[0]["loss"] - 0.5, (lines[0]["loss"], lines[-1]["loss"])
 assert [l["step"] for l in lines if "eval_loss" in l] == [6, 12]
 # The validation loss falls from the untrained model's (the step-1 loss, about
