@@ -267,6 +267,13 @@ class UnitWorkspace {
 // normed rows' gradient sums over the chunks in another order (chunk K-1
 // first, the whole head's sum in vocabulary order), within the bound that
 // core/README.md ("vocabulary chunks") derives.
+// Cut into expert groups (ModelConfig::expert_groups), a sparse layer's
+// router piece outputs the normed rows of its input, each piece of experts
+// passes them on and the last outputs the layer's output; backward, each
+// piece of experts passes on the normed rows' gradient with its experts'
+// part added, and the router piece turns it into its input's gradient.
+// They hand the rest over in UnitBatch::experts, which a cut layer needs
+// (core/model/moe_kernels.h).
 double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
                     const UnitBatch& batch, const float* input, float* output, UnitWorkspace& ws);
 
