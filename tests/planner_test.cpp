@@ -287,6 +287,22 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
   EXPECT_GT(cut.model.expert_groups, 1);
   EXPECT_TRUE(plan_memory(cut)->verdicts[0].fits()) << grouped.suggestion;
+  // Left to the plan (strata.expert_groups auto, the other cuts auto too),
+  // the same count is chosen, and said why.
+  PlanInput chosen = cpu;
+  chosen.vocab_chunks_auto = chosen.layer_pieces_auto = chosen.expert_groups_auto = true;
+  const PlanReport automatic = *plan_memory(chosen);
+  EXPECT_TRUE(automatic.fits);
+  EXPECT_EQ(automatic.input.model.expert_groups, cut.model.expert_groups);
+  EXPECT_EQ(automatic.input.model.layer_pieces, 2);
+  EXPECT_EQ(automatic.input.expert_groups_reason.rfind(
+                std::to_string(cut.model.expert_groups) + " (auto: the plan does not fit", 0),
+            0u)
+      << automatic.input.expert_groups_reason;
+  PlanInput roomy = chosen;  // with room for one piece, none is cut
+  roomy.budgets.device_per_rank = 1LL << 40;
+  const PlanReport one = *plan_memory(roomy);
+  EXPECT_EQ(one.input.model.expert_groups, 1);
   cut.model.expert_groups -= 1;  // the fewest: one group fewer does not fit
   cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
   if (cut.model.expert_groups > 1) {

@@ -56,8 +56,9 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
                  "unless cutting them is what makes the plan fit)");
   app.add_option("--expert-groups", o.expert_groups,
                  "Mixtures of experts in layer pieces: the pieces a sparse layer's MLP is cut "
-                 "into: 1 (one piece) | G > 1 (its router and G groups of experts, each fetched "
-                 "on its own) (strata.expert_groups; default 1; CPU backend)");
+                 "into: auto | 1 (one piece) | G > 1 (its router and G groups of experts, each "
+                 "fetched on its own) (strata.expert_groups; default auto: one piece unless "
+                 "groups are what makes the plan fit; CPU backend)");
   app.add_option("--expert-fetch", o.expert_fetch,
                  "Mixtures of experts: routed (read a sparse layer's experts from NVMe only "
                  "when tokens are routed to them) | all (strata.expert_fetch; default routed)");

@@ -608,6 +608,8 @@ class TrainCommand : public Subcommand {
       fmt::print("vocabulary chunks: {}\n", vocabulary_chunks_line(plan.input));
     if (plan.input.model.layer_pieces > 1 || !plan.input.layer_pieces_reason.empty())
       fmt::print("layer pieces: {}\n", layer_pieces_line(plan.input));
+    if (plan.input.model.expert_groups > 1 || !plan.input.expert_groups_reason.empty())
+      fmt::print("expert groups: {}\n", expert_groups_line(plan.input));
     if (!plan.expert_fetch_reason.empty())
       fmt::print("expert fetch: {}\n", plan.expert_fetch_reason);
     if (!plan.expert_update_reason.empty())

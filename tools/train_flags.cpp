@@ -145,9 +145,11 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "the budgets; CPU backend)"},
       {"--expert-groups", kZeroGroup,
        "Mixtures of experts with --layer-pieces 2: the pieces a sparse layer's MLP is cut "
-       "into: 1 (one piece) | G > 1 (its router and G groups of experts, each fetched on its "
-       "own, so a group of experts sets the working set, not the whole layer's) "
-       "(strata.expert_groups; default 1; CPU backend; every expert read with its group)"},
+       "into: auto | 1 (one piece) | G > 1 (its router and G groups of experts, each fetched on "
+       "its own, so a group of experts sets the working set, not the whole layer's) "
+       "(strata.expert_groups; default auto: one piece unless groups are what makes the plan "
+       "fit the budgets, then the fewest that do; CPU backend; every expert read with its "
+       "group)"},
       {"--expert-fetch", kZeroGroup,
        "Mixtures of experts: routed (a sparse layer's experts are read from NVMe only when "
        "the micro-batches' tokens are routed to them) | all (every expert with its unit) "

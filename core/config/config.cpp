@@ -290,7 +290,7 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   if (in.optional_int("seq_len", seq_len, 1)) out.seq_len = seq_len;
   in.optional_int("vocab_chunks", out.vocab_chunks, 1);  // "auto" counts as not given: 0
   in.optional_int("layer_pieces", out.layer_pieces, 1);  // likewise
-  in.optional_int("expert_groups", out.expert_groups, 1);
+  in.optional_int("expert_groups", out.expert_groups, 1);  // likewise
   std::string expert_fetch;
   if (in.optional_choice("expert_fetch", expert_fetch, {"routed", "all"}))
     out.expert_fetch_all = expert_fetch == "all";
@@ -714,10 +714,14 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
     config.strata.layer_pieces = given == "auto" ? 0 : given == "1" ? 1 : 2;
   }
   if (overrides.expert_groups) {
-    if (*overrides.expert_groups < 1)
-      return Status::invalid_argument(fmt::format(
-          "--expert-groups: expected an integer >= 1, got {}", *overrides.expert_groups));
-    config.strata.expert_groups = *overrides.expert_groups;
+    const std::string& given = *overrides.expert_groups;
+    int64_t groups = 0;
+    const auto [end, error] = std::from_chars(given.data(), given.data() + given.size(), groups);
+    if (given != "auto" &&
+        (error != std::errc() || end != given.data() + given.size() || groups < 1))
+      return Status::invalid_argument(
+          fmt::format("--expert-groups: expected auto or an integer >= 1, got '{}'", given));
+    config.strata.expert_groups = given == "auto" ? 0 : groups;
   }
   if (overrides.expert_fetch) {
     const std::string& given = *overrides.expert_fetch;
@@ -823,7 +827,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"activation_home", activation_home_name(c.strata.activation_home)},
       {"vocab_chunks", c.strata.vocab_chunks == 0 ? json("auto") : json(c.strata.vocab_chunks)},
       {"layer_pieces", c.strata.layer_pieces == 0 ? json("auto") : json(c.strata.layer_pieces)},
-      {"expert_groups", c.strata.expert_groups},
+      {"expert_groups", c.strata.expert_groups == 0 ? json("auto") : json(c.strata.expert_groups)},
       {"expert_fetch", c.strata.expert_fetch_all ? "all" : "routed"},
       {"expert_update", c.strata.expert_update_deferred ? "deferred" : "eager"},
   };

@@ -169,9 +169,10 @@ struct StrataConfig {
   // choice (PlanInput::layer_pieces_auto).
   int64_t layer_pieces = 0;
   // Mixtures of experts in layer pieces: the pieces a sparse layer's MLP is
-  // cut into (ModelConfig::expert_groups): 1, one MLP piece (the default);
-  // G > 1, a router piece and G pieces of experts.
-  int64_t expert_groups = 1;
+  // cut into (ModelConfig::expert_groups): 1, one MLP piece; G > 1, a router
+  // piece and G pieces of experts; 0, auto (the default): the plan's choice
+  // (PlanInput::expert_groups_auto).
+  int64_t expert_groups = 0;
   // Mixtures of experts: a sparse layer's experts read from NVMe only when the
   // micro-batches' tokens are routed to them (false, "routed", the default;
   // TrainingPlan::routed_expert_fetch says where it applies), or all of them
@@ -237,7 +238,7 @@ struct ConfigOverrides {
   std::optional<std::string> activation_home;  // auto | device | host | nvme
   std::optional<std::string> vocab_chunks;     // strata.vocab_chunks: auto | an integer >= 1
   std::optional<std::string> layer_pieces;     // strata.layer_pieces: auto | 1 | 2
-  std::optional<int64_t> expert_groups;        // strata.expert_groups: an integer >= 1
+  std::optional<std::string> expert_groups;    // strata.expert_groups: auto | an integer >= 1
   std::optional<std::string> expert_fetch;     // strata.expert_fetch: routed | all
   std::optional<std::string> expert_update;    // strata.expert_update: eager | deferred
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8

@@ -18,7 +18,38 @@ int64_t ceil_div(int64_t a, int64_t b) {
 Result<PlanReport> plan_as_given(PlanInput in) {
   in.vocab_chunks_auto = false;
   in.layer_pieces_auto = false;
+  in.expert_groups_auto = false;
   return plan_memory(in);
+}
+
+// The fewest groups of experts (more than `in`'s, layers in pieces) for
+// which `fits` holds, 0 when none up to the experts does. More groups
+// shrink the slots but add saved inputs (one per group), so the need is not
+// monotone in the count: double it until one fits, then try each count
+// between the last two.
+template <typename Fits>
+int64_t fewest_groups(const PlanInput& in, bool cut_vocab, const Fits& fits) {
+  const int64_t E = in.model.num_experts, given = in.model.expert_groups;
+  auto fits_in = [&](int64_t groups) {
+    PlanInput cut = in;
+    cut.model.layer_pieces = 2;
+    cut.model.expert_groups = groups;
+    if (cut_vocab)
+      cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
+    Result<PlanReport> in_groups = plan_as_given(cut);
+    return in_groups && fits(*in_groups);
+  };
+  int64_t fit = 0, below = given;  // below: the largest count tried that does not fit
+  for (int64_t g = std::min(E, 2 * given); g > below; g = std::min(E, 2 * g)) {
+    if (fits_in(g)) {
+      fit = g;
+      break;
+    }
+    below = g;
+  }
+  for (int64_t g = below + 1; fit > 0 && g < fit; ++g)
+    if (fits_in(g)) fit = g;
+  return fit;
 }
 
 }  // namespace
@@ -40,13 +71,14 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
   UnitCutsChoice choice{input, std::nullopt};
   PlanInput& in = choice.input;
   const bool vocab_auto = in.vocab_chunks_auto, pieces_auto = in.layer_pieces_auto;
-  in.vocab_chunks_auto = in.layer_pieces_auto = false;
+  const bool may_group = in.expert_groups_auto && in.model.is_moe() && !in.gpu;
+  in.vocab_chunks_auto = in.layer_pieces_auto = in.expert_groups_auto = false;
   if (vocab_auto) in.model.vocab_chunks = 1;
   if (pieces_auto) in.model.layer_pieces = 1;
   const int64_t chunks = vocab_auto ? vocab_chunks_for_layers(in) : 1;
   // Nothing to say where no cut could shrink a unit.
   const bool may_cut_layers = pieces_auto && in.model.num_hidden_layers > 0;
-  if (chunks <= 1 && !may_cut_layers) return choice;
+  if (chunks <= 1 && !may_cut_layers && !may_group) return choice;
   Result<PlanReport> whole = plan_as_given(in);
   if (!whole) return whole.status();
   PlanReport best = std::move(*whole);
@@ -99,8 +131,49 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
       }
     }
   }
+  if (may_group) {
+    if (best.fits) {
+      in.expert_groups_reason = "1 (auto: each sparse layer's MLP as one piece fits the budgets)";
+    } else if (in.model.layer_pieces < 2 && !pieces_auto) {
+      in.expert_groups_reason =
+          "1 (auto: the plan does not fit the budgets, and groups of experts need "
+          "--layer-pieces 2)";
+    } else {
+      // The layers in pieces, the vocabulary (when automatic) cut to a group's size.
+      PlanInput base = in;
+      base.model.layer_pieces = 2;
+      const int64_t groups =
+          fewest_groups(base, vocab_auto, [](const PlanReport& p) { return p.fits; });
+      if (groups > 0) {
+        PlanInput cut = base;
+        cut.model.expert_groups = groups;
+        if (vocab_auto)
+          cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
+        Result<PlanReport> cut_plan = plan_as_given(cut);
+        if (!cut_plan) return cut_plan.status();
+        cut.expert_groups_reason = fmt::format(
+            "{} (auto: the plan does not fit the budgets with each sparse layer's MLP as one "
+            "piece; its router and {} groups of experts, the fewest that fit)",
+            groups, groups);
+        if (in.model.layer_pieces < 2)
+          cut.layer_pieces_reason = "2 (auto: the groups of experts cut each layer's MLP piece)";
+        if (cut.model.vocab_chunks != in.model.vocab_chunks)
+          cut.vocab_chunks_reason =
+              fmt::format("{} (auto: the embedding and the head cut to a group's size)",
+                          cut.model.vocab_chunks);
+        in = cut;
+        best = std::move(*cut_plan);
+      } else {
+        in.expert_groups_reason = fmt::format(
+            "1 (auto: the plan does not fit the budgets, and with the experts in groups of any "
+            "count up to {} it does not either)",
+            in.model.num_experts);
+      }
+    }
+  }
   best.input.vocab_chunks_reason = in.vocab_chunks_reason;
   best.input.layer_pieces_reason = in.layer_pieces_reason;
+  best.input.expert_groups_reason = in.expert_groups_reason;
   choice.report = std::move(best);
   return choice;
 }
@@ -117,29 +190,12 @@ std::string vocabulary_chunks_line(const PlanInput& in) {
 }
 
 int64_t expert_groups_that_fit(const PlanInput& leanest) {
-  // More groups shrink the slots but add saved inputs (one per group), so
-  // the need is not monotone in the count: double it until one fits, then
-  // try each count between the last two.
-  const int64_t E = leanest.model.num_experts, given = leanest.model.expert_groups;
-  auto fits_in = [&](int64_t groups) {
-    PlanInput cut = leanest;
-    cut.model.layer_pieces = 2;
-    cut.model.expert_groups = groups;
-    cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
-    Result<PlanReport> in_groups = plan_memory(cut);
-    return in_groups && in_groups->verdicts[0].fits();
-  };
-  int64_t fit = 0, below = given;  // below: the largest count tried that does not fit
-  for (int64_t g = std::min(E, 2 * given); g > below; g = std::min(E, 2 * g)) {
-    if (fits_in(g)) {
-      fit = g;
-      break;
-    }
-    below = g;
-  }
-  for (int64_t g = below + 1; fit > 0 && g < fit; ++g)
-    if (fits_in(g)) fit = g;
-  return fit;
+  return fewest_groups(leanest, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+}
+
+std::string expert_groups_line(const PlanInput& in) {
+  if (!in.expert_groups_reason.empty()) return in.expert_groups_reason;
+  return fmt::format("{} (given)", in.model.expert_groups);
 }
 
 std::string layer_pieces_line(const PlanInput& in) {

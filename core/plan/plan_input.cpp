@@ -52,7 +52,8 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.vocab_chunks_auto = c.strata.vocab_chunks == 0;
   in.model.layer_pieces = std::max<int64_t>(1, c.strata.layer_pieces);
   in.layer_pieces_auto = c.strata.layer_pieces == 0;
-  in.model.expert_groups = c.strata.expert_groups;
+  in.model.expert_groups = std::max<int64_t>(1, c.strata.expert_groups);
+  in.expert_groups_auto = c.strata.expert_groups == 0 && model.is_moe() && !target.gpu;
   if (in.model.expert_groups > 1 && in.layer_pieces_auto && model.is_moe()) {
     // The groups cut a sparse layer's MLP piece: the layers are in pieces.
     in.model.layer_pieces = 2;

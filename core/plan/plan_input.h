@@ -141,6 +141,11 @@ struct PlanInput {
   // in layer_pieces_reason.
   bool layer_pieces_auto = false;
   std::string layer_pieces_reason;
+  // strata.expert_groups auto (a mixture on the CPU backend): likewise for
+  // model.expert_groups, tried last, with the layers in pieces: the fewest
+  // groups that make the plan fit; the choice and why in expert_groups_reason.
+  bool expert_groups_auto = false;
+  std::string expert_groups_reason;
   // strata.expert_fetch all: a sparse layer's experts move with their unit
   // even where the plan could read only the routed ones
   // (TrainingPlan::routed_expert_fetch).

@@ -528,6 +528,7 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   leanest.vocab_chunks_auto = false;
   if (!leanest.gpu) leanest.model.layer_pieces = 2;
   leanest.layer_pieces_auto = false;
+  leanest.expert_groups_auto = false;
   Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
   const PlanReport& lean = *lean_plan;
@@ -671,6 +672,8 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
     out << fmt::format("  vocabulary chunks: {}\n", vocabulary_chunks_line(in));
   if (in.model.layer_pieces > 1 || !in.layer_pieces_reason.empty())
     out << fmt::format("  layer pieces: {}\n", layer_pieces_line(in));
+  if (in.model.expert_groups > 1 || !in.expert_groups_reason.empty())
+    out << fmt::format("  expert groups: {}\n", expert_groups_line(in));
   if (!plan.expert_fetch_reason.empty())
     out << fmt::format("  expert fetch: {}\n", plan.expert_fetch_reason);
   if (!plan.expert_update_reason.empty())
@@ -780,6 +783,8 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["vocab_chunks"] = {{"chunks", in.model.vocab_chunks},
                        {"reason", vocabulary_chunks_line(in)}};
   j["layer_pieces"] = {{"pieces", in.model.layer_pieces}, {"reason", layer_pieces_line(in)}};
+  if (in.model.is_moe())
+    j["expert_groups"] = {{"groups", in.model.expert_groups}, {"reason", expert_groups_line(in)}};
   j["world_size"] = in.world_size;
   j["nodes"] = in.budgets.nodes(in.world_size);
   j["ranks_per_node"] = in.budgets.node_ranks(in.world_size);

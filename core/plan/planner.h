@@ -185,6 +185,8 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting);
 std::string vocabulary_chunks_line(const PlanInput& input);
 // Likewise for the layer pieces (PlanInput::layer_pieces_reason).
 std::string layer_pieces_line(const PlanInput& input);
+// Likewise for the groups of experts (PlanInput::expert_groups_reason).
+std::string expert_groups_line(const PlanInput& input);
 // The fewest groups of experts (ModelConfig::expert_groups, more than
 // `leanest`'s) with which its plan, in layer pieces, fits the device's
 // budget; 0 when no count up to the experts does.
