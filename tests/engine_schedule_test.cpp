@@ -53,6 +53,11 @@ class EngineSchedule : public testing::EngineRunsTest {
   }
 
   static constexpr double kNearRelative = 1e-4;
+  // The weights: AdamW divides each gradient by its own magnitude, so an
+  // element whose gradient is near zero, and of another sign in the other
+  // sum order, moves by up to 2 lr in a step where the other does not (seen:
+  // 1.03e-4 for model.embed_tokens.weight at 2 ranks, STRATA_TEST_SEED=221621802401404826).
+  static constexpr double kNearWeights = 2e-4;
 
   static void expect_near(const EngineOutcome& a, const EngineOutcome& b, const std::string& what) {
     ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
@@ -65,7 +70,7 @@ class EngineSchedule : public testing::EngineRunsTest {
           << what << ", step " << s + 1;
     }
     std::string where;
-    EXPECT_LE(testing::weights_relative_error(a.weights, b.weights, &where), kNearRelative)
+    EXPECT_LE(testing::weights_relative_error(a.weights, b.weights, &where), kNearWeights)
         << what << " (" << where << ")";
   }
 };
