@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "core/plan/planner.h"
 
@@ -23,13 +24,19 @@ Result<PlanReport> plan_as_given(PlanInput in) {
 }
 
 // The fewest groups of experts (more than `in`'s, layers in pieces) for
-// which `fits` holds, 0 when none up to the experts does. More groups
+// which `fits` holds: that input and its plan; none when no count up to the
+// experts does. More groups
 // shrink the slots but add saved inputs (one per group), so the need is not
 // monotone in the count: double it until one fits, then try each count
 // between the last two.
+struct GroupsFit {
+  PlanInput input;
+  PlanReport report;
+};
 template <typename Fits>
-int64_t fewest_groups(const PlanInput& in, bool cut_vocab, const Fits& fits) {
+std::optional<GroupsFit> fewest_groups(const PlanInput& in, bool cut_vocab, const Fits& fits) {
   const int64_t E = in.model.num_experts, given = in.model.expert_groups;
+  std::optional<GroupsFit> fit;
   auto fits_in = [&](int64_t groups) {
     PlanInput cut = in;
     cut.model.layer_pieces = 2;
@@ -37,18 +44,17 @@ int64_t fewest_groups(const PlanInput& in, bool cut_vocab, const Fits& fits) {
     if (cut_vocab)
       cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
     Result<PlanReport> in_groups = plan_as_given(cut);
-    return in_groups && fits(*in_groups);
+    if (!in_groups || !fits(*in_groups)) return false;
+    fit = GroupsFit{std::move(cut), std::move(*in_groups)};
+    return true;
   };
-  int64_t fit = 0, below = given;  // below: the largest count tried that does not fit
+  int64_t below = given;  // the largest count tried that does not fit
   for (int64_t g = std::min(E, 2 * given); g > below; g = std::min(E, 2 * g)) {
-    if (fits_in(g)) {
-      fit = g;
-      break;
-    }
+    if (fits_in(g)) break;
     below = g;
   }
-  for (int64_t g = below + 1; fit > 0 && g < fit; ++g)
-    if (fits_in(g)) fit = g;
+  for (int64_t g = below + 1; fit && g < fit->input.model.expert_groups; ++g)
+    if (fits_in(g)) break;
   return fit;
 }
 
@@ -142,15 +148,11 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
       // The layers in pieces, the vocabulary (when automatic) cut to a group's size.
       PlanInput base = in;
       base.model.layer_pieces = 2;
-      const int64_t groups =
+      std::optional<GroupsFit> fit =
           fewest_groups(base, vocab_auto, [](const PlanReport& p) { return p.fits; });
-      if (groups > 0) {
-        PlanInput cut = base;
-        cut.model.expert_groups = groups;
-        if (vocab_auto)
-          cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
-        Result<PlanReport> cut_plan = plan_as_given(cut);
-        if (!cut_plan) return cut_plan.status();
+      if (fit) {
+        PlanInput& cut = fit->input;
+        const int64_t groups = cut.model.expert_groups;
         cut.expert_groups_reason = fmt::format(
             "{} (auto: the plan does not fit the budgets with each sparse layer's MLP as one "
             "piece; its router and {} groups of experts, the fewest that fit)",
@@ -162,7 +164,7 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
               fmt::format("{} (auto: the embedding and the head cut to a group's size)",
                           cut.model.vocab_chunks);
         in = cut;
-        best = std::move(*cut_plan);
+        best = std::move(fit->report);
       } else {
         in.expert_groups_reason = fmt::format(
             "1 (auto: the plan does not fit the budgets, and with the experts in groups of any "
@@ -190,7 +192,9 @@ std::string vocabulary_chunks_line(const PlanInput& in) {
 }
 
 int64_t expert_groups_that_fit(const PlanInput& leanest) {
-  return fewest_groups(leanest, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  const std::optional<GroupsFit> fit =
+      fewest_groups(leanest, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  return fit ? fit->input.model.expert_groups : 0;
 }
 
 std::string expert_groups_line(const PlanInput& in) {
