@@ -253,9 +253,12 @@ python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert (d["nodes"], d["r
 check "--world-size with --gpus-per-node gives the nodes" $?
 
 # Pieces smaller than a layer (the README's figures): a GPT-3-shaped Llama of
-# 172B parameters plans to fit one 24 GB GPU in bf16 at 1 x 1024 tokens with
-# everything on NVMe once `auto` cuts its layers and vocabulary, and does not
-# in whole units; the mixtures' presets fit one 80 GB GPU.
+# 172B parameters plans to fit one 24 GB GPU in bf16 at 1 x 4096 tokens with
+# everything on NVMe once `auto` cuts its layers and vocabulary (the saved
+# inputs spilled to host memory), and does not in whole units; at 1 x 2048
+# tokens whole layers fit once their saved inputs are spilled, and do not
+# with the saved inputs kept on the device; the mixtures' presets fit one 80
+# GB GPU.
 if [ "$backend" = cuda ]; then
   gpt3="$nvme_dir"
   echo '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 12288,
@@ -263,15 +266,23 @@ if [ "$backend" = cuda ]; then
     "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": false}' >"$gpt3/gpt3-172b.json"
   gpt3_flags=(--model "$gpt3/gpt3-172b.json" --backend cuda --precision bf16 --stage 3
-              --offload-param nvme --offload-optimizer nvme --micro-batch 1 --seq-len 1024
+              --offload-param nvme --offload-optimizer nvme --micro-batch 1
               --device-mem-limit 24G --host-mem-limit 256G --nvme-limit 8T --nvme-path "$gpt3")
-  out=$("$strata" plan "${gpt3_flags[@]}")
+  out=$("$strata" plan "${gpt3_flags[@]}" --seq-len 4096)
   [ $? -eq 0 ] && grep -q "^  vocabulary chunks: 2 (auto" <<<"$out" &&
-    grep -q "^  layer pieces: 2 (auto" <<<"$out" && grep -q "^  verdict: fits" <<<"$out"
+    grep -q "^  layer pieces: 2 (auto" <<<"$out" && grep -q "^  verdict: fits" <<<"$out" &&
+    grep -q "^schedule: micro_batch: .*, saved inputs in host memory (the device has no room" <<<"$out"
   check "a 172B GPT-3-shaped Llama fits one 24 GB GPU in pieces" $?
-  out=$("$strata" plan "${gpt3_flags[@]}" --layer-pieces 1 --vocab-chunks 1)
+  out=$("$strata" plan "${gpt3_flags[@]}" --seq-len 4096 --layer-pieces 1 --vocab-chunks 1)
   [ $? -eq 1 ] && grep -q "^  device  needs .*: DOES NOT FIT" <<<"$out"
   check "the same in whole units does not fit" $?
+  out=$("$strata" plan "${gpt3_flags[@]}" --seq-len 2048 --layer-pieces 1)
+  [ $? -eq 0 ] && grep -q "^  saved inputs spilled (99 levels) " <<<"$out" &&
+    grep -q "^  verdict: fits" <<<"$out"
+  check "at 2048 tokens whole layers fit with their saved inputs spilled" $?
+  out=$("$strata" plan "${gpt3_flags[@]}" --seq-len 2048 --layer-pieces 1 --activation-home device)
+  [ $? -eq 1 ] && grep -q "smallest change that fits: --activation-home host" <<<"$out"
+  check "kept on the device they do not, and the plan says where they would fit" $?
   for preset in qwen3-30b-a3b mixtral-8x7b; do
     out=$("$strata" plan --model $preset --backend cuda --precision bf16 --stage 3 --offload-param cpu \
           --offload-optimizer nvme --device-mem-limit 80G --host-mem-limit 256G --nvme-limit 4T \

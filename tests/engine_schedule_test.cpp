@@ -493,11 +493,77 @@ TEST_F(EngineSchedule, SpilledActivationsAreBitwiseAndMoveWhatThePlanSays) {
   }
 }
 
+// The micro-batch order spills as well, at one micro-batch (where both
+// orders are the same) or several (one micro-batch's levels out at a time):
+// the same bits as with the saved inputs kept, and on NVMe as many bytes as
+// the plan says.
+TEST_F(EngineSchedule, TheMicroBatchOrderSpillsItsSavedInputsBitwise) {
+  for (bool gpu : {false, true}) {
+    for (int accumulation : {1, 3}) {
+      for (const char* home : {"nvme", "host"}) {
+        if (!gpu && std::string(home) == "host") continue;  // the CPU's host home keeps them
+        EngineRun run;
+        run.layers = 5;
+        run.emulate_gpu = gpu;
+        run.stage = 3;
+        run.offload_param = "cpu";
+        run.offload_optimizer = "cpu";
+        run.grad_accum = accumulation;
+        run.steps = 2;
+        run.schedule = "micro_batch";
+        run.activation_home = "device";
+        const EngineOutcome kept = train(run);
+        run.activation_home = home;
+        const EngineOutcome spilled = train(run);
+        const TrainingPlan& plan = spilled.plan;
+        ASSERT_EQ(plan.input.schedule, Schedule::micro_batch) << run.label();
+        ASSERT_TRUE(plan.activations_spilled()) << run.label();
+        EXPECT_FALSE(kept.plan.activations_spilled()) << run.label();
+        testing::expect_identical(spilled, kept, run.label());
+        // Levels 0-3 of 6 (embedding, 5 layers) go out and come back, each
+        // micro-batch's once, through one copy per level.
+        EXPECT_EQ(plan.spilled_levels(), 4);
+        EXPECT_EQ(plan.buffer(BufferRole::activation_spill)->copies, 4) << run.label();
+        if (std::string(home) == "nvme") {
+          const int64_t bytes = 4 * accumulation * plan.saved_input_transfer_bytes();
+          EXPECT_EQ(plan.traffic_per_step.nvme_written, bytes);
+          EXPECT_EQ(plan.traffic_per_step.nvme_read, bytes);
+          EXPECT_EQ(spilled.nvme_written, uint64_t(bytes) * 2) << run.label();
+          EXPECT_EQ(spilled.nvme_read, uint64_t(bytes) * 2) << run.label();
+        }
+      }
+    }
+  }
+  // Left to the plan, a step whose saved inputs do not fit the device budget
+  // spills them (a GPU's to its host memory first), with the same bits.
+  EngineRun run;
+  run.layers = 5;
+  run.emulate_gpu = true;
+  run.stage = 3;
+  run.offload_param = "nvme";
+  run.offload_optimizer = "nvme";
+  run.grad_accum = 1;
+  run.steps = 2;
+  const EngineOutcome roomy = train(run);
+  EXPECT_FALSE(roomy.plan.activations_spilled());
+  const PlanBuffer* saved = roomy.plan.buffer(BufferRole::gpu_saved_inputs);
+  ASSERT_NE(saved, nullptr);
+  run.device_budget = uint64_t(roomy.plan.peak(tiers::Tier::device) - saved->bytes / 2);
+  const EngineOutcome tight = train(run);
+  EXPECT_EQ(tight.plan.activation_home(), tiers::Tier::host);
+  EXPECT_TRUE(tight.plan.activations_spilled());
+  EXPECT_LE(tight.plan.peak(tiers::Tier::device), int64_t(run.device_budget));
+  testing::expect_identical(tight, roomy, run.label());
+}
+
 // The spilled plan's shape: two levels of device slots whatever the depth,
 // each spill before the forward that overwrites its slot, each restore after
-// the last read of its slot and before the backward that needs it.
+// the last read of its slot and before the backward that needs it; in the
+// micro-batch order one micro-batch at a time.
 TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
-  for (bool gpu : {false, true}) {
+  for (auto [gpu, schedule] :
+       {std::pair{false, Schedule::layer}, std::pair{true, Schedule::layer},
+        std::pair{false, Schedule::micro_batch}, std::pair{true, Schedule::micro_batch}}) {
     PlanInput in;
     in.model = testing::small_gqa_model();
     in.model.num_hidden_layers = 6;
@@ -508,7 +574,7 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
     in.micro_batch = 2;
     in.seq_len = 16;
     in.grad_accum = 5;
-    in.schedule = Schedule::layer;
+    in.schedule = schedule;
     in.activation_home = tiers::Tier::device;
     Result<TrainingPlan> kept = build_training_plan(in);
     ASSERT_TRUE(kept.is_ok()) << kept.status().message();
@@ -517,6 +583,7 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
     ASSERT_TRUE(built.is_ok()) << built.status().message();
     const TrainingPlan& plan = *built;
     const int G = 5, head = int(plan.units.size()) - 1;
+    const int copies = schedule == Schedule::layer ? G : 1;  // of a level, in the device and out
     ASSERT_EQ(plan.spilled_levels(), head - 2);
     const BufferRole slots_role =
         gpu ? BufferRole::gpu_saved_inputs : BufferRole::saved_inputs;
@@ -524,13 +591,13 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
     const PlanBuffer* spilled = plan.buffer(BufferRole::activation_spill);
     ASSERT_NE(slots, nullptr);
     ASSERT_NE(spilled, nullptr);
-    EXPECT_EQ(slots->copies, 2 * G);
+    EXPECT_EQ(slots->copies, 2 * copies);
     EXPECT_EQ(spilled->tier, tiers::Tier::nvme);
-    EXPECT_EQ(spilled->copies, (head - 2) * G);
+    EXPECT_EQ(spilled->copies, (head - 2) * copies);
     EXPECT_EQ(plan.buffer(BufferRole::activation_staging) != nullptr, gpu);
     EXPECT_LT(plan.peak(tiers::Tier::device), kept->peak(tiers::Tier::device));
     EXPECT_EQ(kept->buffer(slots_role)->bytes - slots->bytes,
-              int64_t(head - 2) * G * plan.saved_input_bytes());
+              int64_t(head - 2) * copies * plan.saved_input_bytes());
 
     // Index the operations.
     auto find = [&](OpKind kind, int unit, int micro) {
@@ -567,8 +634,16 @@ TEST(SpilledActivations, SlotsAreReusedOnlyOnceTheirLevelIsOut) {
         EXPECT_TRUE(depends(restore, last_reader)) << k << " " << m;
         EXPECT_TRUE(depends(restore, spill));
         EXPECT_TRUE(depends(find(OpKind::backward, k + 1, m), restore)) << k << " " << m;
-        // A whole unit of micro-batches ahead: before the backward of unit k + 2 begins.
-        EXPECT_LT(restore, find(OpKind::backward, k + 2, G - 1));
+        // A unit ahead: before the backward of unit k + 2 begins (layer-major:
+        // a whole unit of micro-batches ahead).
+        EXPECT_LT(restore, find(OpKind::backward, k + 2, schedule == Schedule::layer ? G - 1 : m));
+        // The micro-batch order's micro-batches share a level's copies: the
+        // next one's spill comes after this one's restore on the one
+        // activations lane, and its forward after this one's backward.
+        if (schedule == Schedule::micro_batch && m + 1 < G) {
+          EXPECT_LT(restore, find(OpKind::spill, k, m + 1)) << k << " " << m;
+          EXPECT_LT(find(OpKind::backward, k + 1, m), find(OpKind::forward, k, m + 1));
+        }
       }
     }
     // What the home costs: the checkpoints through NVMe and, on a GPU, over PCIe.

@@ -2,13 +2,14 @@
 // bytes per parameter (strata's) and the ZeRO paper's (2 + 2 + 12 bytes).
 #include "core/plan/planner.h"
 
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include "core/config/config.h"
 #include "core/model/model.h"
+#include "core/plan/plan_input.h"
 #include "io/base/sizes.h"
 
 namespace strata {
@@ -309,8 +310,8 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
     EXPECT_FALSE(plan_memory(cut)->verdicts[0].fits());
   }
   // A dense model asked for in whole layers that fit in pieces: say so (the
-  // GPT-3-shaped Llama of 172B at 1 x 1024 tokens on 24 GB, its vocabulary
-  // in two chunks).
+  // GPT-3-shaped Llama of 172B at 1 x 4096 tokens on 24 GB, its vocabulary
+  // in two chunks, its saved inputs spilled to host memory).
   PlanInput dense = in;
   ModelConfig& m = dense.model;
   m = *load_model_config("llama3-8b");
@@ -327,7 +328,7 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   dense.layer_pieces_auto = false;
   dense.vocab_chunks_auto = false;
   dense.micro_batch = 1;
-  dense.seq_len = 1024;
+  dense.seq_len = 4096;
   dense.budgets.host_per_node = 256LL << 30;
   const PlanReport whole = *plan_with_suggestion(dense);
   ASSERT_FALSE(whole.fits);
@@ -405,6 +406,85 @@ PlanInput all_on_nvme(const char* name, int64_t vocab, int64_t intermediate) {
   in.gradient_home = GradientHome::nvme;
   in.nvme_path_known = true;
   return in;
+}
+
+// strata.activation_home auto in the micro-batch order, at one micro-batch:
+// the saved inputs stay on the device while they fit, go to the first home
+// that fits when they do not (on a GPU host memory, then NVMe), and the
+// schedule's reason says where and why; a home given is kept, and one that
+// does not fit is told the home that does.
+TEST(PlannerSchedule, SavedInputsThatDoNotFitTheDeviceAreSpilledAndSaidSo) {
+  PlanInput in = all_on_nvme("long sequences", 512, 512);
+  in.model.num_hidden_layers = 8;
+  in.model.max_position_embeddings = 4096;
+  in.seq_len = 4096;
+  in.gpu = true;
+  in.precision = Precision::bf16;
+  in.schedule = Schedule::auto_choice;
+  in.grad_accum = 1;
+  const PlanReport roomy = *plan_memory(in);
+  ASSERT_TRUE(roomy.fits);
+  EXPECT_EQ(roomy.input.activation_home, Tier::device);
+  EXPECT_EQ(roomy.schedule.reason,
+            "micro_batch: one micro-batch per step, where both orders are the same");
+  int64_t saved = 0;
+  for (const PlanBuffer& b : roomy.buffers)
+    if (b.role == BufferRole::gpu_saved_inputs) saved = b.bytes;
+  ASSERT_GT(saved, 0);
+  // Room on the device for half the saved inputs: host memory, over PCIe.
+  in.budgets.device_per_rank = roomy.total_per_rank.device - saved / 2;
+  const PlanReport spilled = *plan_memory(in);
+  ASSERT_TRUE(spilled.fits);
+  EXPECT_EQ(spilled.input.schedule, Schedule::micro_batch);
+  EXPECT_EQ(spilled.input.activation_home, Tier::host);
+  EXPECT_EQ(spilled.schedule.reason,
+            "micro_batch: one micro-batch per step, where both orders are the same, saved inputs "
+            "in host memory (the device has no room for them)");
+  Result<TrainingPlan> plan = plan_training(in);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  EXPECT_TRUE(plan->activations_spilled());
+  // (two levels stay on the device, the rest in host memory)
+  EXPECT_EQ(plan->buffer(BufferRole::gpu_saved_inputs)->copies, 2);
+  EXPECT_EQ(plan->buffer(BufferRole::activation_spill)->tier, Tier::host);
+  // No host memory to spare for them: NVMe.
+  in.budgets.host_per_node = spilled.total_per_rank.host - saved / 2;
+  const PlanReport on_nvme = *plan_memory(in);
+  ASSERT_TRUE(on_nvme.fits);
+  EXPECT_EQ(on_nvme.input.activation_home, Tier::nvme);
+  EXPECT_NE(on_nvme.schedule.reason.find(", saved inputs on NVMe (the device has no room"),
+            std::string::npos)
+      << on_nvme.schedule.reason;
+  // Given the device, they do not fit; the plan says which home does.
+  in.budgets.host_per_node.reset();
+  in.activation_home = Tier::device;
+  const PlanReport given = *plan_with_suggestion(in);
+  EXPECT_FALSE(given.fits);
+  EXPECT_EQ(given.suggestion, "--activation-home host");
+  in.activation_home = Tier::host;
+  const PlanReport host = *plan_memory(in);
+  EXPECT_TRUE(host.fits);
+  EXPECT_NE(host.schedule.reason.find(", saved inputs in host memory (given)"), std::string::npos)
+      << host.schedule.reason;
+}
+
+// DeepSpeed's activation_checkpointing.cpu_checkpointing asks for the saved
+// inputs in host memory, unless strata.activation_home says otherwise.
+TEST(PlannerSchedule, CpuCheckpointingMeansTheHostHome) {
+  const ModelConfig model = model_of_size(100'000'000);
+  auto home = [&](const char* json) {
+    Result<TrainConfig> config =
+        train_config_from_json(nlohmann::json::parse(json), "test config", {});
+    EXPECT_TRUE(config.is_ok()) << config.status().message();
+    return plan_input_from_config(*config, model, {.gpu = true}).activation_home;
+  };
+  EXPECT_EQ(home(R"({"train_micro_batch_size_per_gpu": 1})"), std::nullopt);
+  EXPECT_EQ(home(R"({"train_micro_batch_size_per_gpu": 1,
+                     "activation_checkpointing": {"cpu_checkpointing": true}})"),
+            Tier::host);
+  EXPECT_EQ(home(R"({"train_micro_batch_size_per_gpu": 1,
+                     "activation_checkpointing": {"cpu_checkpointing": true},
+                     "strata": {"activation_home": "device"}})"),
+            Tier::device);
 }
 
 // strata.vocab_chunks auto: whole units unless the embedding and the head

@@ -603,7 +603,8 @@ class TrainCommand : public Subcommand {
     }
     if (!run.eval_mask.empty())
       fmt::print("eval loss mask: {} (found next to --eval-data)\n", loss_mask_path(f_.eval_path));
-    if (plan.input.grad_accum > 1) fmt::print("schedule: {}\n", run.schedule_reason);
+    if (plan.input.grad_accum > 1 || plan.activation_home() != tiers::Tier::device)
+      fmt::print("schedule: {}\n", run.schedule_reason);
     if (plan.input.model.vocab_chunks > 1 || !plan.input.vocab_chunks_reason.empty())
       fmt::print("vocabulary chunks: {}\n", vocabulary_chunks_line(plan.input));
     if (plan.input.model.layer_pieces > 1 || !plan.input.layer_pieces_reason.empty())

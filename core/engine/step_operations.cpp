@@ -722,7 +722,7 @@ Status Engine::Impl::sync(Rank& rank, const PlanOp& op) {
 // The NVMe offsets are multiples of the transfer, which is a multiple of the
 // tier's alignment (checked when the rank opened).
 Status Engine::Impl::spill(Rank& rank, const PlanOp& op) {
-  const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
+  const size_t copy = size_t(plan.spill_copy(op.unit, op.micro));
   const std::byte* slot = rank.compute->saved_input(op.unit, op.micro);
   Status status = Status::ok();
   if (!rank.spill_extent) {
@@ -747,7 +747,7 @@ Status Engine::Impl::spill(Rank& rank, const PlanOp& op) {
 }
 
 Status Engine::Impl::restore(Rank& rank, const PlanOp& op) {
-  const size_t copy = size_t(op.unit) * size_t(plan.input.grad_accum) + size_t(op.micro);
+  const size_t copy = size_t(plan.spill_copy(op.unit, op.micro));
   std::byte* slot = rank.compute->saved_input(op.unit, op.micro);
   Status status = Status::ok();
   if (!rank.spill_extent) {

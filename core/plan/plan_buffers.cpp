@@ -293,15 +293,18 @@ class BufferListing {
   const bool scatter_output;
 
   // Spilled inputs: the levels below the last two, one copy per
-  // micro-batch each, in their home (host memory or NVMe; the engine rank
-  // moves them), and on a GPU with NVMe one host staging copy between the two.
+  // activation copy each (TrainingPlan::spill_copy), in their home (host
+  // memory or NVMe; the engine rank moves them), and on a GPU with NVMe one
+  // host staging copy between the two.
   void add_spill_buffers(BufferElement element, int64_t element_bytes) {
     const int levels = plan.spilled_levels();
     if (levels == 0) return;
-    const int G = int(in.grad_accum);
+    const int copies = plan.activation_copies();
     add(R::activation_spill, O::rank,
-        fmt::format("saved inputs spilled ({} levels x {} micro-batches)", levels, G),
-        plan.activation_home(), element, levels * G, slot_elements(element_bytes));
+        copies > 1
+            ? fmt::format("saved inputs spilled ({} levels x {} micro-batches)", levels, copies)
+            : fmt::format("saved inputs spilled ({} levels)", levels),
+        plan.activation_home(), element, levels * copies, slot_elements(element_bytes));
     if (in.gpu && plan.activation_home() == Tier::nvme)
       add(R::activation_staging, O::rank, "saved input on its way to or from NVMe", Tier::host,
           element, 1, slot_elements(element_bytes));
@@ -324,7 +327,8 @@ class BufferListing {
     return plan.saved_input_transfer_bytes() / element_bytes;
   }
   std::string slots_name() const {
-    return fmt::format("saved-input slots (2 levels x {} micro-batches)", in.grad_accum);
+    return copies == 1 ? std::string("saved-input slots (2 levels)")
+                       : fmt::format("saved-input slots (2 levels x {} micro-batches)", copies);
   }
 
   // "activation gradient (8 micro-batches)" in the layer-major schedule.

@@ -74,6 +74,11 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.nccl_staging = target.nccl_staging;
   in.schedule = c.strata.schedule;
   in.activation_home = activation_tier(c.strata.activation_home);
+  // DeepSpeed's activation_checkpointing.cpu_checkpointing keeps the
+  // checkpoints (strata's saved inputs) in host memory; strata.activation_home
+  // decides when given.
+  if (!in.activation_home && c.activation_checkpointing.cpu_checkpointing)
+    in.activation_home = tiers::Tier::host;
   in.fetch_slots = c.zero.offload_param.buffer_count;
   in.optimizer_buffers = c.zero.offload_optimizer.buffer_count;
   in.optimizer_chunk_elements = streamed_chunk_elements(c.zero.sub_group_size);

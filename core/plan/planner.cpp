@@ -63,8 +63,7 @@ Result<TrainingPlan> plan_training(const PlanInput& given, std::string* schedule
   if (!chosen) return chosen.status();
   const PlanInput& input = *chosen;
   PlanInput resolved = input;
-  const bool layer_may_keep = input.schedule != Schedule::micro_batch && input.grad_accum > 1;
-  if (input.schedule == Schedule::auto_choice || (layer_may_keep && !input.activation_home)) {
+  if (input.schedule == Schedule::auto_choice || !input.activation_home) {
     Result<ScheduleChoice> choice = choose_schedule(input);
     if (!choice) return choice.status();
     resolved.schedule = choice->schedule;
@@ -227,18 +226,15 @@ Result<PlanReport> plan_memory_fixed(const PlanInput& in) {
 
 // One schedule's option: its plan with the first activation home that fits
 // (device, host, then NVMe where a path is known), or the device's when none
-// does. Only the layer-major order keeps more than one micro-batch's; the
-// micro-batch order's stay in the device tier (on the CPU backend, host
-// memory when that is the home asked for).
+// does. Either order spills its saved inputs out of the device when their
+// home is NVMe, or host memory on a GPU (TrainingPlan::activations_spilled);
+// only the layer-major order keeps more than one micro-batch's.
 Result<std::pair<ScheduleOption, PlanReport>> schedule_option(const PlanInput& in,
                                                               Schedule schedule) {
-  const bool keeps = schedule == Schedule::layer && in.grad_accum > 1;
   const bool nvme_known = in.nvme_path_known || in.offload_param == OffloadDevice::nvme ||
                           in.offload_optimizer == OffloadDevice::nvme;
   std::vector<Tier> homes;
-  if (!keeps)
-    homes = {in.activation_home == Tier::host && !in.gpu ? Tier::host : Tier::device};
-  else if (in.activation_home)
+  if (in.activation_home)
     homes = {*in.activation_home};
   else if (nvme_known)
     homes = {Tier::device, Tier::host, Tier::nvme};
@@ -304,14 +300,17 @@ Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
     plans.push_back(std::move(option->second));
   }
   size_t pick = 0;
+  bool home_said = false;  // the reason names where the saved inputs are
   if (!unavailable.empty()) {
     choice.reason = "micro_batch: " + unavailable;
   } else if (in.schedule != Schedule::auto_choice) {
     pick = in.schedule == Schedule::layer && plans.size() > 1 ? 1 : 0;
     choice.reason = fmt::format("{} (given)", schedule_name(in.schedule));
-    if (pick == 1 && in.grad_accum > 1)
+    if (pick == 1 && in.grad_accum > 1) {
       choice.reason +=
           fmt::format(", saved inputs {}", kept_where(choice.options[1].activation_home));
+      home_said = true;
+    }
   } else if (plans.size() < 2 || in.grad_accum == 1) {
     choice.reason = "micro_batch: one micro-batch per step, where both orders are the same";
   } else {
@@ -325,9 +324,12 @@ Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
           format_bytes(double(kept)), in.grad_accum);
     } else if (layer.fits && !micro.fits) {
       pick = 1;
-      choice.reason = "layer: the micro-batch order does not fit";
+      choice.reason = fmt::format("layer: the micro-batch order does not fit (saved inputs {})",
+                                  kept_where(layer.activation_home));
+      home_said = true;
     } else if (layer.slowest_seconds < micro.slowest_seconds) {
       pick = 1;
+      home_said = true;
       choice.reason = fmt::format(
           "layer: it moves {} per step where the micro-batch order moves {}, for {} more "
           "activations{}",
@@ -348,6 +350,12 @@ Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
                     slowest_bytes(layer.traffic), format_bytes(double(kept)));
     }
   }
+  // Saved inputs out of the device in the order chosen (spilled, or kept in
+  // host memory on the CPU backend): said, as what the plan costs.
+  if (!home_said && choice.options[pick].activation_home != Tier::device)
+    choice.reason +=
+        fmt::format(", saved inputs {} ({})", kept_where(choice.options[pick].activation_home),
+                    in.activation_home ? "given" : "the device has no room for them");
   choice.schedule = choice.options[pick].schedule;
   choice.activation_home = choice.options[pick].activation_home;
   PlanReport plan = std::move(plans[pick]);
@@ -425,9 +433,9 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   };
   std::vector<Candidate> candidates;
   const std::string nvme_hint = input.nvme_path_known ? "" : " --nvme-path DIR";
-  // The layer-major order's activations, asked for, may be what does not fit:
-  // in another home (when one was given), or not kept at all.
-  if (plan.schedule.schedule == Schedule::layer && input.grad_accum > 1 && input.activation_home) {
+  // The saved inputs, in the home asked for, may be what does not fit: in
+  // another home, or (the layer-major order's) not kept at all.
+  if (input.activation_home) {
     for (Tier home : {Tier::host, Tier::nvme}) {
       if (home == *input.activation_home) continue;
       candidates.push_back({fmt::format("--activation-home {}{}", tier_name(home),
@@ -529,6 +537,7 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   if (!leanest.gpu) leanest.model.layer_pieces = 2;
   leanest.layer_pieces_auto = false;
   leanest.expert_groups_auto = false;
+  leanest.activation_home.reset();  // the first home that fits
   Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
   const PlanReport& lean = *lean_plan;

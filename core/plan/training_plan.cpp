@@ -478,15 +478,17 @@ std::string format_training_plan(const TrainingPlan& plan) {
       offload_device_name(in.offload_param), offload_device_name(in.offload_optimizer),
       precision_name(in.precision), in.overlap_comm ? "" : ", collectives on the compute lane");
   out += fmt::format("schedule {}", schedule_name(in.schedule));
+  const std::string kept_of =
+      plan.activation_copies() > 1
+          ? fmt::format("activations of {} micro-batches", plan.activation_copies())
+          : std::string("activations");
   if (plan.spilled_levels() > 0)
     out += fmt::format(
-        ": activations of {} micro-batches in device slots of 2 levels, {} levels spilled to {} "
-        "and restored a unit ahead of their backward",
-        plan.activation_copies(), plan.spilled_levels(), tiers::tier_name(plan.activation_home()));
+        ": {} in device slots of 2 levels, {} levels spilled to {} and restored a unit ahead of "
+        "their backward",
+        kept_of, plan.spilled_levels(), tiers::tier_name(plan.activation_home()));
   else if (plan.activations_spilled())
-    out +=
-        fmt::format(": activations of {} micro-batches in device slots of 2 levels (all of them)",
-                    plan.activation_copies());
+    out += fmt::format(": {} in device slots of 2 levels (all of them)", kept_of);
   else if (plan.activation_copies() > 1)
     out +=
         fmt::format(": activations of {} micro-batches kept in {} memory", plan.activation_copies(),

@@ -32,8 +32,10 @@
 // the head for 0..G-1, then backward of the last layer for 0..G-1, ... down to
 // the embedding; every micro-batch's unit inputs, activation gradient (and a
 // tied embedding's gradient) are kept to its backward, one copy per
-// micro-batch (activation_copies), the unit inputs in their home
-// (activation_home; spilled out of the device and restored: activations_spilled).
+// micro-batch (activation_copies). The unit inputs are in their home
+// (activation_home) in either order: kept out of the device, they are
+// spilled after their forward and restored ahead of their backward
+// (activations_spilled).
 // Either way a unit meets its micro-batches
 // in order, and each micro-batch's gradient is reduced after its backward and
 // added to the accumulator in that order: the same sums in the same order,
@@ -285,19 +287,19 @@ struct TrainingPlan {
   // micro-batch m uses copy activation_copy(m).
   int activation_copies() const { return layer_major() ? int(input.grad_accum) : 1; }
   int activation_copy(int micro) const { return layer_major() ? micro : 0; }
-  // Layer-major saved inputs kept out of the device: with activation_home NVMe
-  // (either backend) or host (the CUDA backend) and more than one
-  // micro-batch. Then the device holds two levels of slots, one per
-  // micro-batch each: level k (unit k's output, unit k+1's input) of
-  // micro-batch m sits in slot (k mod 2) x G + m. The forward of unit k+2
-  // would overwrite it, so a `spill` writes it out first (levels below
-  // units - 3; the last two levels stay), and a `restore` brings it back
-  // once the slot's later level has been read by its backward (or the head),
-  // a whole unit of micro-batches ahead of the backward that reads it.
+  // Saved inputs kept out of the device: with activation_home NVMe (either
+  // backend) or host (the CUDA backend), in either schedule and at any
+  // number of micro-batches. Then the device holds two levels of slots, one
+  // per activation copy each: level k (unit k's output, unit k+1's input) of
+  // micro-batch m sits in slot (k mod 2) x copies + activation_copy(m). The
+  // forward of unit k+2 would overwrite it, so a `spill` writes it out first
+  // (levels below units - 3; the last two levels stay), and a `restore`
+  // brings it back once the slot's later level has been read by its
+  // backward (or the head), a unit ahead of the backward that reads it (a
+  // whole unit of micro-batches ahead in the layer-major order).
   bool activations_spilled() const {
-    return layer_major() && input.grad_accum > 1 &&
-           (activation_home() == tiers::Tier::nvme ||
-            (input.gpu && activation_home() == tiers::Tier::host));
+    return activation_home() == tiers::Tier::nvme ||
+           (input.gpu && activation_home() == tiers::Tier::host);
   }
   int spilled_levels() const {
     return activations_spilled() ? std::max(0, int(units.size()) - 3) : 0;
@@ -305,7 +307,7 @@ struct TrainingPlan {
   bool spills(int level) const { return level >= 0 && level < spilled_levels(); }
   // The saved-inputs buffer: copies of levels of (B*T, C) each.
   int saved_input_copies() const {
-    return activations_spilled() ? 2 * int(input.grad_accum) : activation_copies();
+    return activations_spilled() ? 2 * activation_copies() : activation_copies();
   }
   int64_t saved_input_levels() const {
     return activations_spilled() ? 1 : int64_t(units.size()) - 1;
@@ -316,8 +318,14 @@ struct TrainingPlan {
     int64_t level = 0;
   };
   SavedInputPlace saved_input_place(int level, int micro) const {
-    if (activations_spilled()) return {(level % 2) * int(input.grad_accum) + micro, 0};
+    if (activations_spilled())
+      return {(level % 2) * activation_copies() + activation_copy(micro), 0};
     return {activation_copy(micro), level};
+  }
+  // Where level `level` of micro-batch `micro` goes when spilled: its copy
+  // of the activation_spill buffer (one per spilled level and activation copy).
+  int spill_copy(int level, int micro) const {
+    return level * activation_copies() + activation_copy(micro);
   }
   // Bytes of one saved input, (B*T, C) in their element type (fp32
   // on the CPU backend, the compute precision on the GPU's), and of one spill
