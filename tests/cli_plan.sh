@@ -153,6 +153,20 @@ grep -q "^schedule layer: activations of 3 micro-batches in device slots of 2 le
   grep -q "spill(embedding) mb 2 .*activations" <<<"$out" &&
   grep -q "saved inputs spilled" <<<"$out"
 check "--activation-home nvme: spills and restores on the activations lane" $?
+out=$("$strata" plan --model tiny --ops --stage 3 --offload-param nvme --offload-optimizer nvme \
+      --nvme-path . --micro-batch 1 --activation-home nvme 2>&1)
+grep -q "^schedule micro_batch: activations in device slots of 2 levels, 1 level spilled to nvme" <<<"$out" &&
+  [ "$(grep -c " spill(" <<<"$out")" = "$(grep -c " restore(" <<<"$out")" ] &&
+  grep -q "spill(embedding) mb 0 .*activations" <<<"$out" &&
+  grep -q "saved inputs spilled (1 level)" <<<"$out"
+check "one micro-batch spills and restores too" $?
+config=$(mktemp)
+printf '{"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {"cpu_checkpointing": true}}' \
+  >"$config"
+out=$("$strata" plan --model tiny --config "$config" --backend cuda 2>&1)
+grep -q "^schedule: micro_batch: .*, saved inputs in host memory (given)" <<<"$out"
+check "DeepSpeed's cpu_checkpointing keeps the saved inputs in host memory" $?
+rm -f "$config"
 # Given a home that does not fit, the smallest change is another home.
 out=$("$strata" plan --model small --backend cpu --grad-accum 16 --micro-batch 8 --seq-len 256 \
       --device-mem-limit 200M --host-mem-limit 150M --stage 3 --offload-param nvme \

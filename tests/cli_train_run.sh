@@ -155,6 +155,22 @@ check "loss mask: half the targets counted" $?
 [ $? -eq 1 ] && grep -q "masked out" "$dir/err" && [ "$(wc -l <"$dir/err")" -eq 1 ]
 check "a mask with nothing to learn is refused in one line" $?
 
+# One micro-batch per step with the saved inputs on NVMe: spilled after
+# their forward and restored ahead of their backward, the same losses as
+# kept in memory, and the run says where they are.
+spill=(--model tiny --backend cpu --seq-len 32 --micro-batch 2 --steps 4 --data "$dir/data/train.bin"
+       --zero-stage 3 --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap_spill")
+"$strata" train "${spill[@]}" --activation-home device --metrics "$dir/kept.jsonl" >/dev/null 2>&1 &&
+  "$strata" train "${spill[@]}" --activation-home nvme --metrics "$dir/spilled.jsonl" \
+    >"$dir/spilled.out" 2>&1 &&
+  grep -q "^schedule: micro_batch: .*, saved inputs on NVMe (given)" "$dir/spilled.out" &&
+  python3 - "$dir/kept.jsonl" "$dir/spilled.jsonl" <<'PY'
+import json, sys
+kept, spilled = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
+assert [m["loss"] for m in kept] == [m["loss"] for m in spilled], (kept, spilled)
+PY
+check "one micro-batch's saved inputs on NVMe train to the same losses" $?
+
 # The small mixture preset, as the README's "Mixtures of experts" tries it:
 # parameters and optimizer state on NVMe, the layers in pieces, routed reads
 # and deferred updates; the loss falls and the load-balancing loss is reported.

@@ -301,9 +301,8 @@ class BufferListing {
     if (levels == 0) return;
     const int copies = plan.activation_copies();
     add(R::activation_spill, O::rank,
-        copies > 1
-            ? fmt::format("saved inputs spilled ({} levels x {} micro-batches)", levels, copies)
-            : fmt::format("saved inputs spilled ({} levels)", levels),
+        fmt::format("saved inputs spilled ({} level{}{})", levels, levels == 1 ? "" : "s",
+                    copies > 1 ? fmt::format(" x {} micro-batches", copies) : ""),
         plan.activation_home(), element, levels * copies, slot_elements(element_bytes));
     if (in.gpu && plan.activation_home() == Tier::nvme)
       add(R::activation_staging, O::rank, "saved input on its way to or from NVMe", Tier::host,

@@ -484,9 +484,10 @@ std::string format_training_plan(const TrainingPlan& plan) {
           : std::string("activations");
   if (plan.spilled_levels() > 0)
     out += fmt::format(
-        ": {} in device slots of 2 levels, {} levels spilled to {} and restored a unit ahead of "
+        ": {} in device slots of 2 levels, {} level{} spilled to {} and restored a unit ahead of "
         "their backward",
-        kept_of, plan.spilled_levels(), tiers::tier_name(plan.activation_home()));
+        kept_of, plan.spilled_levels(), plan.spilled_levels() == 1 ? "" : "s",
+        tiers::tier_name(plan.activation_home()));
   else if (plan.activations_spilled())
     out += fmt::format(": {} in device slots of 2 levels (all of them)", kept_of);
   else if (plan.activation_copies() > 1)
