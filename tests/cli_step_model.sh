@@ -147,6 +147,10 @@ check "train with an unusable cached probe probes again and predicts" $?
 "$strata" "${plan[@]}" >"$dir/out" 2>&1
 grep -q "^predicted on probe of" "$dir/out"
 check "the probe train wrote is the cache plan reads next" $?
+"$strata" "${plan[@]}" --hardware none >"$dir/out" 2>&1
+[ $? -eq 0 ] && grep -q "^(no step-time prediction" "$dir/out" && ! grep -q "^predicted on" "$dir/out"
+check "plan --hardware none predicts nothing, a cached probe or not" $?
+refuse "--tune with --hardware none" "--tune needs a hardware profile" "${plan[@]}" --tune --hardware none
 
 # The first run at new shapes probes its units with half the run's planned
 # memory: a model whose 8 probed layers alone (100 MiB each with their

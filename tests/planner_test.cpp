@@ -263,7 +263,8 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   const PlanReport plan = *plan_with_suggestion(in);
   ASSERT_FALSE(plan.fits);
   EXPECT_EQ(plan.suggestion.rfind("none: ", 0), 0u) << plan.suggestion;
-  EXPECT_NE(plan.suggestion.find("sized by the largest unit, layers.0 (2.49B parameters)"),
+  // (the leanest plan has the layers in pieces: the largest is a sparse MLP)
+  EXPECT_NE(plan.suggestion.find("sized by the largest unit, layers.0.mlp (2.42B parameters)"),
             std::string::npos)
       << plan.suggestion;
   EXPECT_NE(plan.suggestion.find("experts stay together in its MLP piece"), std::string::npos)
@@ -309,9 +310,11 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   if (cut.model.expert_groups > 1) {
     EXPECT_FALSE(plan_memory(cut)->verdicts[0].fits());
   }
-  // A dense model asked for in whole layers that fit in pieces: say so (the
-  // GPT-3-shaped Llama of 172B at 1 x 4096 tokens on 24 GB, its vocabulary
-  // in two chunks, its saved inputs spilled to host memory).
+  // A dense model asked for in whole layers that fit in pieces, on a GPU:
+  // say so (the GPT-3-shaped Llama of 172B at 1 x 4096 tokens on 24 GB, its
+  // vocabulary in two chunks, its saved inputs spilled to host memory); with
+  // its vocabulary asked for whole too, the pieces come with a vocabulary
+  // cut to their size.
   PlanInput dense = in;
   ModelConfig& m = dense.model;
   m = *load_model_config("llama3-8b");
@@ -332,9 +335,17 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   dense.budgets.host_per_node = 256LL << 30;
   const PlanReport whole = *plan_with_suggestion(dense);
   ASSERT_FALSE(whole.fits);
-  EXPECT_NE(whole.suggestion.find("--layer-pieces 2 (the layers were asked for whole"),
-            std::string::npos)
-      << whole.suggestion;
+  EXPECT_EQ(whole.suggestion,
+            "--layer-pieces 2 (each layer's attention and MLP as units of their own)");
+  m.vocab_chunks = 1;
+  const PlanReport whole_vocabulary = *plan_with_suggestion(dense);
+  ASSERT_FALSE(whole_vocabulary.fits);
+  EXPECT_EQ(whole_vocabulary.suggestion.rfind("--layer-pieces 2 --vocab-chunks 2 (", 0), 0u)
+      << whole_vocabulary.suggestion;
+  PlanInput cut_both = dense;
+  cut_both.model.layer_pieces = 2;
+  cut_both.model.vocab_chunks = 2;
+  EXPECT_TRUE(plan_memory(cut_both)->fits);
 }
 
 TEST(Planner, ShardSizesAreTheModelLayoutsOwn) {

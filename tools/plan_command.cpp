@@ -69,8 +69,8 @@ class PlanCommand : public Subcommand {
                     "under the NVMe paths)");
     cmd->add_option("--hardware", hardware_,
                     "Predict the step on this machine: a preset (h100-sxm, h200, a100-80gb, "
-                    "rtx-4090, l40s, each with /gen4xN or /gen5xN NVMe drives) or a profile "
-                    "file (default: this machine's cached probe, when there is one)");
+                    "rtx-4090, l40s, each with /gen4xN or /gen5xN NVMe drives), a profile "
+                    "file, or none (default: this machine's cached probe, when there is one)");
     cmd->add_flag("--probe", probe_,
                   "Measure this machine (the CPU backend's units at the model's shapes, or with "
                   "--backend cuda the GPU's matmuls, memory and PCIe; AdamW, host copies, NVMe "
@@ -443,7 +443,8 @@ class PlanCommand : public Subcommand {
   }
 
   // The profile to predict with: --hardware, a fresh --probe, or this
-  // machine's cached probe (for a CPU plan); the link flags override its figures.
+  // machine's cached probe (for a CPU plan); none for --hardware none, as
+  // `strata train` takes it. The link flags override its figures.
   Result<std::optional<HardwareProfile>> hardware_profile(const PlanInput& input,
                                                           const TrainConfig& config,
                                                           const ModelConfig& model) {
@@ -464,6 +465,8 @@ class PlanCommand : public Subcommand {
       if (Status s = write_profile(*probed, path); !s) return s;
       fmt::print(stderr, "probe: wrote {}\n", path);
       profile = std::move(*probed);
+    } else if (hardware_ == "none") {
+      return profile;
     } else if (!hardware_.empty()) {
       Result<HardwareProfile> loaded = load_hardware_profile(hardware_);
       if (!loaded) return loaded.status().with_context("--hardware");
