@@ -1,6 +1,7 @@
 // Routed expert fetch (core/plan/expert_fetch.h): a mixture with its
 // parameters on NVMe at stage 3, one rank, the layers in pieces, reads a
-// sparse layer's experts only when its micro-batches' tokens reach them.
+// sparse layer's experts only when its micro-batches' tokens reach them,
+// whether its MLP piece is whole or cut into groups of experts.
 // Training gives the bits of reading every expert, in both schedules, fp32
 // and bf16; the NVMe bytes each step reads are what the plan counts for that
 // step's routing, below its worst case and below what a dense model with as
@@ -106,8 +107,10 @@ void expect_backwards_read_ahead(const TrainingPlan& plan, const std::string& la
 
 TEST_F(EngineExpertFetch, RoutedReadsGiveTheBitsOfReadingEveryExpert) {
   for (const char* schedule : {"micro_batch", "layer"}) {
-    for (const char* precision : {"fp32", "bf16"}) {
+    for (auto [precision, groups] :
+         {std::pair{"fp32", 1}, std::pair{"bf16", 1}, std::pair{"fp32", 4}, std::pair{"bf16", 4}}) {
       EngineRun routed = routed_run(schedule, precision);
+      routed.expert_groups = groups;  // pieces of 4 experts read as their router piece routed
       EngineRun all = routed;
       all.expert_fetch = "all";
       const EngineOutcome a = train(all), r = train(routed);
@@ -123,13 +126,16 @@ TEST_F(EngineExpertFetch, RoutedReadsGiveTheBitsOfReadingEveryExpert) {
 }
 
 TEST_F(EngineExpertFetch, NvmeReadsAreWhatThePlanCountsForTheStepsRouting) {
-  for (const char* schedule : {"micro_batch", "layer"}) {
+  for (auto [schedule, groups] : {std::pair{"micro_batch", 1}, std::pair{"layer", 1},
+                                  std::pair{"micro_batch", 4}, std::pair{"layer", 4}}) {
     EngineRun routed = routed_run(schedule, "bf16");
+    routed.expert_groups = groups;
     EngineRun all = routed;
     all.expert_fetch = "all";
     // A dense model with the experts' MLP parameters (less the routers').
     EngineRun dense = all;
     dense.moe = false;
+    dense.expert_groups = 1;
     dense.experts = dense.experts_per_token = 0;
     dense.intermediate = routed.experts * routed.intermediate;
     const EngineOutcome r = train(routed), a = train(all), d = train(dense);

@@ -106,6 +106,10 @@ class CpuRankCompute final : public RankCompute {
   }
   Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
                                               const ComputeParams& params) override {
+    // A piece of experts takes the routing its router piece left in the chain.
+    if (plan_.layout.units[size_t(unit)].unit.piece == LayerPiece::experts)
+      return chain_routed_experts(plan_.layout, unit, with_logits({}, micro).experts,
+                                  plan_.tokens_per_micro);
     UnitParams p;
     p.flat = fp32(unit, params, 0);
     return strata::routed_experts(plan_.layout, unit, p, saved_input_at(unit - 1, micro),

@@ -144,7 +144,9 @@ class RankCompute {
   // Routed expert fetch (core/plan/expert_fetch.h): the experts sparse MLP
   // piece `unit` routes micro-batch `micro` to (routed_experts,
   // core/model/model.h), from its gathered parameters, of which only the
-  // norm and the router are read (the experts may not have arrived); and
+  // norm and the router are read (the experts may not have arrived); for a
+  // piece of experts, from its router piece's routing in the micro-batch's
+  // chain (chain_routed_experts; the CPU backend's); and
   // elements [begin, begin + count) of gather slot `slot` changed after
   // take_gathered (the experts read since), to be taken likewise.
   virtual Result<std::vector<uint8_t>> routed_experts(int unit, int micro,

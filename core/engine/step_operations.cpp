@@ -560,9 +560,12 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const
   // The next update of this step on this lane: its master, m and v are
   // written by nothing but that update, so they are read while this one's
   // write-backs finish and it waits for its gradients. One that goes unused
-  // (a failed step) is dropped.
+  // (a failed step) is dropped. Not where experts' updates are deferred: a
+  // replay of missed steps (the next step's forward, on the compute lane)
+  // runs its own pass in between and would drop it, reading it twice.
   StreamedOptimizerUnit next;
-  for (size_t i = size_t(&op - plan.ops.data()) + 1; i < plan.ops.size(); ++i) {
+  for (size_t i = size_t(&op - plan.ops.data()) + 1;
+       i < plan.ops.size() && !plan.deferred_expert_updates; ++i) {
     if (plan.ops[i].kind != OpKind::optimizer) continue;
     if (defers_expert_updates(plan, plan.ops[i].unit)) break;  // its windows are not chunks
     next.unit = plan.ops[i].unit;

@@ -773,6 +773,20 @@ std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const U
   return UnitKernels::route_only(model.config, model.units[size_t(u)], params.flat, input, ws);
 }
 
+std::vector<uint8_t> chain_routed_experts(const ModelLayout& model, int64_t u,
+                                          const ExpertChain& chain, int64_t N) {
+  const ModelConfig& c = model.config;
+  const ExpertBlocks experts = expert_blocks(model, u);
+  const int64_t K = c.num_experts_per_tok;
+  std::vector<uint8_t> routed(size_t(c.num_experts), 0);
+  const int32_t* chosen =
+      chain.top_expert + sparse_index(c, model.units[size_t(u)].unit.layer) * N * K;
+  for (int64_t i = 0; i < N * K; ++i)
+    if (chosen[i] >= experts.first && chosen[i] < experts.first + experts.count)
+      routed[size_t(chosen[i])] = 1;
+  return routed;
+}
+
 void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params,
                    const UnitBatch& batch, const float* input, const float* doutput, float* dinput,
                    const UnitGrads& grads, UnitWorkspace& ws, bool recompute) {

@@ -359,6 +359,13 @@ ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u);
 std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const UnitParams& params,
                                     const float* input, UnitWorkspace& ws);
 
+// The experts of piece of experts u (LayerPiece::experts) that its
+// micro-batch's N tokens are routed to: [E], 1 for each of the piece's
+// experts that gets a token, 0 elsewhere, from the routing the layer's
+// router piece left in `chain` (its forward runs first).
+std::vector<uint8_t> chain_routed_experts(const ModelLayout& model, int64_t u,
+                                          const ExpertChain& chain, int64_t N);
+
 // A sparse layer's N K routed rows grouped by expert (by token within an
 // expert), from each token's K chosen experts top_expert (N, K) in [0, E):
 // expert_begin (E + 1) where each expert's rows begin, row_of (N, K) the

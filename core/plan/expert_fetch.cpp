@@ -39,8 +39,6 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
     off =
         "the routing is known before the experts are read only when the MLP is a unit of its "
         "own (--layer-pieces 2)";
-  else if (in.model.expert_groups > 1)
-    off = "each group of experts is read whole: routed reads of groups are not built";
   if (off != nullptr) {
     why = std::string("all: every expert moves with its unit (") + off + ")";
     return false;
@@ -52,7 +50,9 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
 }
 
 bool routes_expert_reads(const TrainingPlan& plan, int unit) {
-  return plan.routed_expert_fetch && expert_blocks(plan.layout, unit).count > 0;
+  // (operations of no unit, the exchange and the decision, have unit -1)
+  return plan.routed_expert_fetch && unit >= 0 && unit < int(plan.layout.units.size()) &&
+         expert_blocks(plan.layout, unit).count > 0;
 }
 
 bool sums_routed_gradients(const TrainingPlan& plan, int unit) {
@@ -123,8 +123,9 @@ std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
   const uint64_t cb = uint64_t(plan.compute_bytes);
   std::vector<ByteRange> ranges;
   for (int64_t e = 0; e < experts.count; ++e) {
-    if (!needed[size_t(e)] || loaded[size_t(e)]) continue;
-    loaded[size_t(e)] = 1;
+    const size_t expert = size_t(experts.first + e);  // the layer's index
+    if (!needed[expert] || loaded[expert]) continue;
+    loaded[expert] = 1;
     const uint64_t first = uint64_t(experts.offset + e * experts.numel) * cb;
     const uint64_t begin = first / alignment * alignment;
     const uint64_t end = round_up(first + uint64_t(experts.numel) * cb, alignment);

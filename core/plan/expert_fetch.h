@@ -38,7 +38,9 @@ using StepRouting = std::vector<std::vector<std::vector<uint8_t>>>;
 // not (TrainingPlan::expert_fetch_reason); empty for a dense model.
 bool plan_routes_expert_reads(const PlanInput& input, const StateHomes& homes, std::string& why);
 
-// Unit u's experts are read as routed: the plan routes them and u is a sparse MLP piece.
+// Unit u's experts are read as routed: the plan routes them and u is a
+// sparse MLP piece or a piece of experts (false for -1, an operation of no
+// unit).
 bool routes_expert_reads(const TrainingPlan& plan, int unit);
 
 // Unit u's micro-batch gradients are added into their accumulator only

@@ -75,7 +75,7 @@ bool defers_expert_updates(const TrainingPlan& plan, int unit) {
 
 ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
-  const int64_t begin = experts.offset + expert * experts.numel;
+  const int64_t begin = experts.offset + (expert - experts.first) * experts.numel;
   const int64_t end = begin + experts.numel;
   if (plan.input.optimizer_state != OptimizerStateDtype::int8) return {begin, end};
   // An expert's tensors all decay (2-D), so no parameter group ends inside
@@ -92,10 +92,10 @@ std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int uni
   std::vector<ElementRange> ranges;
   int64_t rest = 0;  // where the part that never waits resumes
   for (int64_t e = 0; e < experts.count; ++e) {
-    const ElementRange waits = waiting_range(plan, unit, e);
+    const ElementRange waits = waiting_range(plan, unit, experts.first + e);
     if (waits.begin == waits.end) continue;
     if (with_rest) join(ranges, {rest, waits.begin});
-    if (chosen[size_t(e)]) join(ranges, waits);
+    if (chosen[size_t(experts.first + e)]) join(ranges, waits);
     rest = waits.end;
   }
   if (with_rest) join(ranges, {rest, numel});
@@ -178,9 +178,13 @@ std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int m
 
 ExpertUpdateLedger::ExpertUpdateLedger(const TrainingPlan& plan) {
   waiting_.resize(plan.units.size());
-  for (int u = 0; u < int(plan.units.size()); ++u)
-    if (defers_expert_updates(plan, u))
-      waiting_[size_t(u)].assign(size_t(plan.layout.config.num_experts), DeferredSteps{});
+  experts_.resize(plan.units.size());
+  for (int u = 0; u < int(plan.units.size()); ++u) {
+    if (!defers_expert_updates(plan, u)) continue;
+    waiting_[size_t(u)].assign(size_t(plan.layout.config.num_experts), DeferredSteps{});
+    const ExpertBlocks experts = expert_blocks(plan.layout, u);
+    experts_[size_t(u)] = {experts.first, experts.first + experts.count};
+  }
 }
 
 std::vector<DeferredSteps> ExpertUpdateLedger::take_due(int unit,
@@ -201,7 +205,8 @@ std::vector<DeferredSteps> ExpertUpdateLedger::take_all(int unit) {
 
 void ExpertUpdateLedger::defer_idle(int unit, const std::vector<uint8_t>& active, int64_t step) {
   std::vector<DeferredSteps>& experts = waiting_[size_t(unit)];
-  for (size_t e = 0; e < experts.size(); ++e) {
+  const auto [first, end] = experts_[size_t(unit)];
+  for (size_t e = size_t(first); e < size_t(end); ++e) {
     if (active[e]) continue;
     if (experts[e].first == 0) experts[e] = {int(e), step, step};
     experts[e].last = step;

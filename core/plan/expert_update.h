@@ -43,6 +43,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/plan/expert_fetch.h"
@@ -65,7 +66,8 @@ bool plan_defers_expert_updates(const PlanInput& input, bool routed, std::string
 // Unit u's idle experts wait: the plan defers and u routes its expert reads.
 bool defers_expert_updates(const TrainingPlan& plan, int unit);
 
-// The elements of expert `expert` of unit u whose step may wait: the whole
+// The elements of expert `expert` (the layer's index: a piece of experts
+// holds expert_blocks(...).first on) of unit u whose step may wait: the whole
 // expert; with int8 moments the 256-element int8 blocks wholly inside it (a
 // block's scale is the largest of its elements, so a block shared with a
 // neighbour is stepped every step, with the part that never waits). Empty
@@ -133,7 +135,8 @@ class ExpertUpdateLedger {
   std::vector<DeferredSteps> take_due(int unit, const std::vector<uint8_t>& needed);
   // Every waiting expert of `unit` (a checkpoint, an export, a read of the weights).
   std::vector<DeferredSteps> take_all(int unit);
-  // Applied step `step` updates `unit`: the experts not `active` ([E]) miss it.
+  // Applied step `step` updates `unit`: its experts not `active` ([E]) miss
+  // it (a piece of experts': those of its group only).
   void defer_idle(int unit, const std::vector<uint8_t>& active, int64_t step);
   // The oldest step any expert waits on; 0 when none waits.
   int64_t oldest_waited() const;
@@ -141,6 +144,8 @@ class ExpertUpdateLedger {
  private:
   // [unit][expert]: the steps it missed, first 0 when none.
   std::vector<std::vector<DeferredSteps>> waiting_;
+  // [unit]: the layer's experts it holds, [first, end) (expert_blocks).
+  std::vector<std::pair<int64_t, int64_t>> experts_;
 };
 
 // One step of a plan that reads experts as routed, for its routing, per
