@@ -199,6 +199,9 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
   int8.state_dtype = "int8";
   int8.intermediate = 38;
   expect_resumes_bitwise(int8, 2);
+  EngineRun groups = deferred_run("micro_batch", "bf16");
+  groups.expert_groups = 4;  // each group's waiting experts replayed before the save
+  expect_resumes_bitwise(groups, 2);
 }
 
 // A checkpoint holds no deferred step: saved while experts wait, it resumes
