@@ -263,7 +263,9 @@ TEST(Planner, ADeviceTooSmallForOneUnitNamesTheUnit) {
   const PlanReport plan = *plan_with_suggestion(in);
   ASSERT_FALSE(plan.fits);
   EXPECT_EQ(plan.suggestion.rfind("none: ", 0), 0u) << plan.suggestion;
-  // (the leanest plan has the layers in pieces: the largest is a sparse MLP)
+  // (the leanest plan has the layers in pieces, said as the flag: the largest is a sparse MLP)
+  EXPECT_NE(plan.suggestion.find("micro batch 1 (and --layer-pieces 2"), std::string::npos)
+      << plan.suggestion;
   EXPECT_NE(plan.suggestion.find("sized by the largest unit, layers.0.mlp (2.42B parameters)"),
             std::string::npos)
       << plan.suggestion;
@@ -476,6 +478,34 @@ TEST(PlannerSchedule, SavedInputsThatDoNotFitTheDeviceAreSpilledAndSaidSo) {
   EXPECT_TRUE(host.fits);
   EXPECT_NE(host.schedule.reason.find(", saved inputs in host memory (given)"), std::string::npos)
       << host.schedule.reason;
+}
+
+// The micro-batch order, asked for, plans where the layer-major one cannot
+// run (a tied embedding accumulating in GPU memory), with no home given,
+// and a given home is named in the reason.
+TEST(PlannerSchedule, AGivenMicroBatchOrderPlansWhereLayerMajorCannot) {
+  PlanInput in = bare(20'000'000, 1, 0, Precision::bf16);
+  in.model.tie_word_embeddings = true;
+  in.gpu = true;
+  in.grad_accum = 2;
+  in.schedule = Schedule::layer;
+  Result<TrainingPlan> refused = plan_training(in);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("--schedule micro_batch"), std::string::npos)
+      << refused.status().message();
+  in.schedule = Schedule::micro_batch;
+  std::string reason;
+  Result<TrainingPlan> planned = plan_training(in, &reason);
+  ASSERT_TRUE(planned.is_ok()) << planned.status().message();
+  EXPECT_EQ(reason, "micro_batch (given)");
+  Result<PlanReport> report = plan_memory(in);  // strata plan builds both orders
+  ASSERT_TRUE(report.is_ok()) << report.status().message();
+  EXPECT_EQ(report->input.schedule, Schedule::micro_batch);
+  in.activation_home = Tier::host;
+  planned = plan_training(in, &reason);
+  ASSERT_TRUE(planned.is_ok()) << planned.status().message();
+  EXPECT_TRUE(planned->activations_spilled());
+  EXPECT_EQ(reason, "micro_batch (given), saved inputs in host memory (given)");
 }
 
 // DeepSpeed's activation_checkpointing.cpu_checkpointing asks for the saved

@@ -44,7 +44,7 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
   app.add_option("--schedule", o.schedule,
                  "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule)");
   app.add_option("--activation-home", o.activation_home,
-                 "Where the layer-major order keeps saved inputs: auto | device | host | "
+                 "Where the saved inputs wait for their backward: auto | device | host | "
                  "nvme (strata.activation_home)");
   app.add_option("--vocab-chunks", o.vocab_chunks,
                  "Units the embedding and the head are cut into along the vocabulary, each "

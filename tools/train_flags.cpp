@@ -131,7 +131,7 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "Order of a step with --grad-accum: auto | micro_batch | layer (strata.schedule; "
        "default auto: the one moving fewer bytes over the slowest link)"},
       {"--activation-home", kZeroGroup,
-       "Where the layer-major order keeps saved inputs: auto | device | host | nvme "
+       "Where the saved inputs wait for their backward: auto | device | host | nvme "
        "(strata.activation_home; default auto: the first that fits)"},
       {"--vocab-chunks", kZeroGroup,
        "Units the embedding and the head are cut into along the vocabulary, each fetched on its "

@@ -112,7 +112,7 @@ struct Engine::Impl {
     float* grad_staging = nullptr;  // (largest gradient shard) an NVMe-homed gradient, read back
     float* grad_sum = nullptr;      // (largest padded) TrainingPlan::host_grads_summed
     // Spilled saved inputs (TrainingPlan::activations_spilled):
-    // [spilled level x G + micro] in host memory, or the NVMe extent holding
+    // [TrainingPlan::spill_copy] in host memory, or the NVMe extent holding
     // them (copy k at k x the plan buffer's copy bytes); a GPU's staging copy.
     std::vector<std::byte*> spilled_inputs;
     std::optional<tiers::NvmeExtent> spill_extent;

@@ -76,7 +76,7 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.activation_home = activation_tier(c.strata.activation_home);
   // DeepSpeed's activation_checkpointing.cpu_checkpointing keeps the
   // checkpoints (strata's saved inputs) in host memory; strata.activation_home
-  // decides when given.
+  // decides when it is not auto.
   if (!in.activation_home && c.activation_checkpointing.cpu_checkpointing)
     in.activation_home = tiers::Tier::host;
   in.fetch_slots = c.zero.offload_param.buffer_count;

@@ -118,17 +118,17 @@ struct PlanInput {
   // backward, and every micro-batch's unit inputs are kept to the backward.
   // auto_choice: the planner's choose_schedule picks; a built plan's is resolved.
   Schedule schedule = Schedule::auto_choice;
-  // Where the layer-major schedule keeps the saved inputs of its
-  // micro-batches until their backward (TrainingPlan::activations_spilled):
+  // Where either schedule keeps the saved inputs (each unit's input) until
+  // their backward, the layer-major one every micro-batch's, the
+  // micro-batch order one micro-batch's (TrainingPlan::activations_spilled):
   //  device  all of them in device memory;
   //  host    on the CPU backend all of them in host memory (the device tier is
   //          host memory too, so only the budget they count against changes);
   //          on the CUDA backend in pinned host memory, spilled and restored;
   //  nvme    spilled to NVMe through the tiers and restored (either backend).
-  // The micro-batch order keeps one micro-batch's, in the device tier (the
-  // CPU backend: in host memory when this says host). Unset: the first of
-  // device, host, NVMe (with a path known) that fits the budgets; a built
-  // plan's is set.
+  // Unset: the first of device, host, NVMe (with a path known) that fits
+  // the budgets (DeepSpeed's cpu_checkpointing sets host); a built plan's
+  // is set.
   std::optional<tiers::Tier> activation_home;
   // strata.vocab_chunks auto: the planner (resolve_unit_cuts, planner.h)
   // keeps model.vocab_chunks 1 unless the whole embedding and head keep the

@@ -179,11 +179,16 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
   Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
   const PlanReport& lean = *lean_plan;
+  // The cuts the leanest layout takes that the input asked otherwise.
+  std::string cuts;
+  if (input.model.layer_pieces < 2 && !input.layer_pieces_auto) cuts += " --layer-pieces 2";
+  if (leanest.model.vocab_chunks > input.model.vocab_chunks && !input.vocab_chunks_auto)
+    cuts += fmt::format(" --vocab-chunks {}", leanest.model.vocab_chunks);
   plan.suggestion = fmt::format(
-      "none: even ZeRO stage 3 with everything on NVMe and micro batch 1 needs {} device per rank, "
-      "{} host and {} NVMe on the node; ",
-      format_bytes(double(lean.verdicts[0].need)), format_bytes(double(lean.verdicts[1].need)),
-      format_bytes(double(lean.verdicts[2].need)));
+      "none: even ZeRO stage 3 with everything on NVMe and micro batch 1{} needs {} device per "
+      "rank, {} host and {} NVMe on the node; ",
+      cuts.empty() ? "" : " (and" + cuts + ")", format_bytes(double(lean.verdicts[0].need)),
+      format_bytes(double(lean.verdicts[1].need)), format_bytes(double(lean.verdicts[2].need)));
   if (lean.verdicts[0].fits()) {
     plan.suggestion += "add memory or disk, or spread the ranks over more nodes";
     return planned;

@@ -71,6 +71,12 @@ Result<TrainingPlan> plan_training(const PlanInput& given, std::string* schedule
     if (schedule_reason) *schedule_reason = choice->reason;
   } else if (schedule_reason) {
     *schedule_reason = fmt::format("{} (given)", schedule_name(input.schedule));
+    if (*input.activation_home != Tier::device)
+      *schedule_reason +=
+          fmt::format(", saved inputs {} (given)",
+                      input.activation_home == Tier::nvme
+                          ? std::string("on NVMe")
+                          : fmt::format("in {} memory", tier_name(*input.activation_home)));
   }
   return build_training_plan(resolved);
 }
@@ -281,16 +287,23 @@ std::string kept_where(Tier home) {
   return home == Tier::nvme ? "on NVMe" : fmt::format("in {} memory", tier_name(home));
 }
 
-// The choice among the options (micro-batch first), and why.
-Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
-  const std::vector<Schedule> schedules = {Schedule::micro_batch, Schedule::layer};
+// The choice among the options (micro-batch first), and why. With
+// `every_option` false a given schedule is the only option built (a run's
+// plan needs no other); `strata plan` shows both.
+Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in, bool every_option) {
+  const std::vector<Schedule> schedules =
+      every_option || in.schedule == Schedule::auto_choice
+          ? std::vector<Schedule>{Schedule::micro_batch, Schedule::layer}
+          : std::vector<Schedule>{in.schedule};
   ScheduleChoice choice;
   std::vector<PlanReport> plans;
   std::string unavailable;  // why the layer-major order cannot run here
   for (Schedule s : schedules) {
     auto option = schedule_option(in, s);
     if (!option) {
-      if (s == Schedule::layer && in.schedule == Schedule::auto_choice) {
+      // Unless it was asked for, the layer-major order not running here is
+      // only a reason to take the other.
+      if (s == Schedule::layer && in.schedule != Schedule::layer) {
         unavailable = option.status().message();
         continue;
       }
@@ -301,16 +314,16 @@ Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
   }
   size_t pick = 0;
   bool home_said = false;  // the reason names where the saved inputs are
-  if (!unavailable.empty()) {
-    choice.reason = "micro_batch: " + unavailable;
-  } else if (in.schedule != Schedule::auto_choice) {
+  if (in.schedule != Schedule::auto_choice) {
     pick = in.schedule == Schedule::layer && plans.size() > 1 ? 1 : 0;
     choice.reason = fmt::format("{} (given)", schedule_name(in.schedule));
-    if (pick == 1 && in.grad_accum > 1) {
+    if (choice.options[pick].schedule == Schedule::layer && in.grad_accum > 1) {
       choice.reason +=
-          fmt::format(", saved inputs {}", kept_where(choice.options[1].activation_home));
+          fmt::format(", saved inputs {}", kept_where(choice.options[pick].activation_home));
       home_said = true;
     }
+  } else if (!unavailable.empty()) {
+    choice.reason = "micro_batch: " + unavailable;
   } else if (plans.size() < 2 || in.grad_accum == 1) {
     choice.reason = "micro_batch: one micro-batch per step, where both orders are the same";
   } else {
@@ -365,7 +378,7 @@ Result<std::pair<ScheduleChoice, PlanReport>> resolve(const PlanInput& in) {
 }  // namespace
 
 Result<ScheduleChoice> choose_schedule(const PlanInput& input) {
-  auto resolved = resolve(input);
+  auto resolved = resolve(input, false);
   if (!resolved) return resolved.status();
   return std::move(resolved->first);
 }
@@ -375,7 +388,7 @@ Result<PlanReport> plan_memory(const PlanInput& given) {
   if (!chosen) return chosen.status();
   if (chosen->report) return std::move(*chosen->report);
   const PlanInput& input = chosen->input;
-  auto resolved = resolve(input);
+  auto resolved = resolve(input, true);
   if (!resolved) return resolved.status();
   PlanReport plan = std::move(resolved->second);
   plan.schedule = std::move(resolved->first);

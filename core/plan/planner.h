@@ -98,7 +98,9 @@ struct ScheduleChoice {
   Schedule schedule = Schedule::micro_batch;
   Tier activation_home = Tier::device;
   std::string reason;                   // one line: why
-  std::vector<ScheduleOption> options;  // both schedules (with a model), micro-batch first
+  // Both schedules (with a model), micro-batch first; from choose_schedule
+  // with a schedule given, that one only (plan_memory's report has both).
+  std::vector<ScheduleOption> options;
 };
 Result<ScheduleChoice> choose_schedule(const PlanInput& input);
 
