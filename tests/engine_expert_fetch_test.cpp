@@ -175,6 +175,25 @@ TEST_F(EngineExpertFetch, NvmeReadsAreWhatThePlanCountsForTheStepsRouting) {
     EXPECT_EQ(reads.worst, worst);
     EXPECT_EQ(reads.least, int64_t(std::min({r.steps[0].nvme_read_bytes, r.steps[1].nvme_read_bytes,
                                              r.steps[2].nvme_read_bytes})));
+    if (groups > 1) {  // a record of groups against the whole MLP pieces' plan, and back
+      const nlohmann::json record =
+          nlohmann::json::parse(routing_to_json(r.plan, r.steps[0].routing).dump());
+      EngineRun whole = routed;
+      whole.expert_groups = 1;
+      const TrainingPlan whole_plan = train(whole).plan;
+      for (const auto& [plan, from] :
+           {std::pair{&whole_plan, record},
+            std::pair{
+                &r.plan,
+                nlohmann::json::parse(
+                    routing_to_json(whole_plan, StepRouting(whole_plan.units.size())).dump())}}) {
+        Result<StepRouting> other = routing_from_json(*plan, from, "record");
+        ASSERT_FALSE(other.is_ok());
+        EXPECT_NE(other.status().message().find("the --expert-groups of the run"),
+                  std::string::npos)
+            << other.status().message();
+      }
+    }
     nlohmann::json wrong =
         nlohmann::json::parse(routing_to_json(r.plan, r.steps[0].routing).dump());
     wrong.begin()->at(0) = "01";

@@ -221,11 +221,21 @@ Result<StepRouting> routing_from_json(const TrainingPlan& plan, const nlohmann::
     if (!routes_expert_reads(plan, u)) continue;
     const std::string& name = plan.layout.units[size_t(u)].unit.name;
     const auto it = record.find(name);
-    if (it == record.end())
+    if (it == record.end()) {
+      // A run whose sparse layers were cut into another count of groups of experts.
+      bool other_groups = plan.layout.config.expert_groups > 1;
+      for (const auto& [recorded, masks] : record.items())
+        other_groups = other_groups || recorded.find(".experts.") != std::string::npos;
+      if (other_groups)
+        return Status::invalid_argument(fmt::format(
+            "{}: no routing of {}; the record's sparse layers are cut into other groups of "
+            "experts: plan with the --expert-groups of the run that recorded it",
+            origin, name));
       return Status::invalid_argument(fmt::format(
           "{}: no routing of {}; record it with a run of this model with its layers in pieces "
           "(--layer-pieces 2)",
           origin, name));
+    }
     if (!it->is_array() || it->size() != G)
       return Status::invalid_argument(fmt::format(
           "{}: {} has {} micro-batches, the plan {}; plan with --grad-accum {} or record a run "
