@@ -567,7 +567,6 @@ Status Engine::Impl::update_streamed(Rank& rank, const UnitUpdate& update, const
   for (size_t i = size_t(&op - plan.ops.data()) + 1;
        i < plan.ops.size() && !plan.deferred_expert_updates; ++i) {
     if (plan.ops[i].kind != OpKind::optimizer) continue;
-    if (defers_expert_updates(plan, plan.ops[i].unit)) break;  // its windows are not chunks
     next.unit = plan.ops[i].unit;
     next.shard.numel = plan.units[size_t(next.unit)].optimizer_numel;
     next.master_kind = master_kind;

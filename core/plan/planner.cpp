@@ -14,6 +14,11 @@
 namespace strata {
 namespace {
 
+// "on NVMe", "in host memory".
+std::string kept_where(Tier home) {
+  return home == Tier::nvme ? "on NVMe" : fmt::format("in {} memory", tier_name(home));
+}
+
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
@@ -73,10 +78,7 @@ Result<TrainingPlan> plan_training(const PlanInput& given, std::string* schedule
     *schedule_reason = fmt::format("{} (given)", schedule_name(input.schedule));
     if (*input.activation_home != Tier::device)
       *schedule_reason +=
-          fmt::format(", saved inputs {} (given)",
-                      input.activation_home == Tier::nvme
-                          ? std::string("on NVMe")
-                          : fmt::format("in {} memory", tier_name(*input.activation_home)));
+          fmt::format(", saved inputs {} (given)", kept_where(*input.activation_home));
   }
   return build_training_plan(resolved);
 }
@@ -280,11 +282,6 @@ std::string slowest_bytes(const Traffic& t) {
     return fmt::format("{} through NVMe",
                        format_bytes(double(t.nvme_read_bytes + t.nvme_write_bytes)));
   return "nothing";
-}
-
-// "on NVMe", "in host memory".
-std::string kept_where(Tier home) {
-  return home == Tier::nvme ? "on NVMe" : fmt::format("in {} memory", tier_name(home));
 }
 
 // The choice among the options (micro-batch first), and why. With
