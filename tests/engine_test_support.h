@@ -117,6 +117,7 @@ struct EngineRun {
   int64_t vocab_size = 0;                // the model's vocabulary; 0: small_gqa_model's
   int64_t layer_pieces = 1;              // strata.layer_pieces (0: auto)
   int64_t expert_groups = 1;             // strata.expert_groups
+  int64_t mlp_parts = 1;                 // strata.mlp_parts (0: auto)
   std::string expert_fetch = "routed";   // strata.expert_fetch
   std::string expert_update = "eager";   // strata.expert_update
   int64_t experts = 0;                   // a mixture's experts; 0: small_moe_model's
@@ -137,6 +138,7 @@ struct EngineRun {
            (vocab_chunks == 1 ? "" : " vocab chunks " + std::to_string(vocab_chunks)) +
            (layer_pieces == 1 ? "" : " layer pieces " + std::to_string(layer_pieces)) +
            (expert_groups == 1 ? "" : " expert groups " + std::to_string(expert_groups)) +
+           (mlp_parts == 1 ? "" : " mlp parts " + std::to_string(mlp_parts)) +
            (expert_fetch == "routed" ? "" : " expert fetch " + expert_fetch) +
            (expert_update == "eager" ? "" : " expert update " + expert_update);
   }
@@ -192,6 +194,8 @@ inline Result<TrainConfig> engine_config(const EngineRun& run, const std::string
   j["strata"]["layer_pieces"] =
       run.layer_pieces == 0 ? nlohmann::json("auto") : nlohmann::json(run.layer_pieces);
   j["strata"]["expert_groups"] = run.expert_groups;
+  j["strata"]["mlp_parts"] =
+      run.mlp_parts == 0 ? nlohmann::json("auto") : nlohmann::json(run.mlp_parts);
   j["strata"]["schedule"] = run.schedule;
   j["strata"]["expert_fetch"] = run.expert_fetch;
   j["strata"]["expert_update"] = run.expert_update;

@@ -59,6 +59,11 @@ void ConfigFlags::add_to(CLI::App& app, bool with_plan_names) {
                  "into: auto | 1 (one piece) | G > 1 (its router and G groups of experts, each "
                  "fetched on its own) (strata.expert_groups; default auto: one piece unless "
                  "groups are what makes the plan fit; CPU backend)");
+  app.add_option("--mlp-parts", o.mlp_parts,
+                 "Layers in pieces: the parts a dense layer's MLP is cut into along its "
+                 "intermediate dimension: auto | 1 (one piece) | P > 1 (P parts, each fetched on "
+                 "its own) (strata.mlp_parts; default auto: one piece unless parts are what "
+                 "makes the plan fit; CPU backend)");
   app.add_option("--expert-fetch", o.expert_fetch,
                  "Mixtures of experts: routed (read a sparse layer's experts from NVMe only "
                  "when tokens are routed to them) | all (strata.expert_fetch; default routed)");

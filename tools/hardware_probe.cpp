@@ -221,6 +221,7 @@ Status probe_units(const ProbeOptions& options, HardwareProfile& p) {
   m.vocab_chunks = 1;  // the whole head's rate: the step model gives a chunk its rows' share
   m.layer_pieces = 1;  // the whole layer's rate: likewise for a piece's products
   m.expert_groups = 1;
+  m.mlp_parts = 1;
   HostModel model = make_host_model(m);
   init_host_model(model, 1);
   UnitWorkspace ws(m, B, T);

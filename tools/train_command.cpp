@@ -611,6 +611,8 @@ class TrainCommand : public Subcommand {
       fmt::print("layer pieces: {}\n", layer_pieces_line(plan.input));
     if (plan.input.model.expert_groups > 1 || !plan.input.expert_groups_reason.empty())
       fmt::print("expert groups: {}\n", expert_groups_line(plan.input));
+    if (plan.input.model.mlp_parts > 1 || !plan.input.mlp_parts_reason.empty())
+      fmt::print("MLP parts: {}\n", mlp_parts_line(plan.input));
     if (!plan.expert_fetch_reason.empty())
       fmt::print("expert fetch: {}\n", plan.expert_fetch_reason);
     if (!plan.expert_update_reason.empty())

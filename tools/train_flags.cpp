@@ -136,20 +136,26 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
       {"--vocab-chunks", kZeroGroup,
        "Units the embedding and the head are cut into along the vocabulary, each fetched on its "
        "own, so neither sets the working set: auto | an integer >= 1 (strata.vocab_chunks; "
-       "default auto: whole unless cutting them is what makes the plan fit the budgets; CPU "
-       "backend, untied lm_head)"},
+       "default auto: whole unless cutting them is what makes the plan fit the budgets; "
+       "untied lm_head)"},
       {"--layer-pieces", kZeroGroup,
        "Units each decoder layer is cut into: auto | 1 (whole) | 2 (its attention and its MLP, "
        "each fetched on its own, so a layer's MLP alone sets the working set) "
        "(strata.layer_pieces; default auto: whole unless cutting them is what makes the plan fit "
-       "the budgets; CPU backend)"},
+       "the budgets)"},
       {"--expert-groups", kZeroGroup,
        "Mixtures of experts with --layer-pieces 2: the pieces a sparse layer's MLP is cut "
        "into: auto | 1 (one piece) | G > 1 (its router and G groups of experts, each fetched on "
        "its own, so a group of experts sets the working set, not the whole layer's) "
        "(strata.expert_groups; default auto: one piece unless groups are what makes the plan "
-       "fit the budgets, then the fewest that do; CPU backend; every expert read with its "
-       "group)"},
+       "fit the budgets, then the fewest that do; CPU backend)"},
+      {"--mlp-parts", kZeroGroup,
+       "Dense layers with --layer-pieces 2: the parts a layer's MLP is cut into along its "
+       "intermediate dimension: auto | 1 (one piece) | P > 1 (P parts of gate_proj and up_proj "
+       "rows and down_proj columns, each fetched on its own, so a part sets the working set; "
+       "the layer's output and input gradient then sum in parts, within the bound the README "
+       "states) (strata.mlp_parts; default auto: one piece unless parts are what makes the "
+       "plan fit the budgets, then the fewest that do; CPU backend)"},
       {"--expert-fetch", kZeroGroup,
        "Mixtures of experts: routed (a sparse layer's experts are read from NVMe only when "
        "the micro-batches' tokens are routed to them) | all (every expert with its unit) "

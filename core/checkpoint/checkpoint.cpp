@@ -378,6 +378,19 @@ int64_t stored_expert_groups(const nlohmann::json& units) {
   return std::max<int64_t>(1, groups);
 }
 
+int64_t stored_mlp_parts(const nlohmann::json& units) {
+  int64_t parts = 0;
+  std::string layer;  // the first cut dense layer's name, "layers.i."
+  for (const nlohmann::json& unit : units.is_array() ? units : nlohmann::json::array()) {
+    const std::string name = unit.is_object() ? unit.value("name", std::string()) : "";
+    const size_t at = name.find(".mlp.");
+    if (at == std::string::npos) continue;
+    if (layer.empty()) layer = name.substr(0, at + 1);
+    if (name.starts_with(layer)) ++parts;
+  }
+  return std::max<int64_t>(1, parts);
+}
+
 Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
                          uint64_t max_shard_bytes) {
   Result<CheckpointReader> reader = CheckpointReader::open(checkpoint);
@@ -388,6 +401,7 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
   config->vocab_chunks = stored_vocab_chunks(units);  // a cut run stored its chunks as units
   config->layer_pieces = stored_layer_pieces(units);  // and its layers' pieces
   config->expert_groups = stored_expert_groups(units);  // and its sparse layers' groups
+  config->mlp_parts = stored_mlp_parts(units);          // and its dense MLPs' parts
   const ModelLayout layout = model_layout(*config, 1);
   if (!units.is_array() || units.size() != layout.units.size())
     return Status::corruption(fmt::format("{}/state.json: {} units, the model has {}", checkpoint,
@@ -406,14 +420,17 @@ Status export_checkpoint(const std::string& checkpoint, const std::string& out_d
       out_dir, specs, dtype, max_shard_bytes, [&](size_t i) -> const float* {
         const CheckpointTensor& t = tensors[i];
         buffer.resize(size_t(t.numel()));
-        for (const NamedTensor& part : t.parts) {  // a vocabulary-cut tensor's rows in order
-          const uint64_t offset = (units[size_t(part.unit)].value("offset", uint64_t{0}) +
-                                   uint64_t(part.slot->offset)) *
-                                  4;
-          float* into = buffer.data() + (part.slot->is_part() ? part.slot->fused_first : 0);
-          if (Status s = reader->read(0, offset, into, uint64_t(part.slot->numel) * 4);
-              !s && read_status)
-            read_status = s;
+        for (const NamedTensor& part : t.parts) {  // a cut tensor's parts, run by run
+          const TensorSlot& slot = *part.slot;
+          const uint64_t offset =
+              (units[size_t(part.unit)].value("offset", uint64_t{0}) + uint64_t(slot.offset)) * 4;
+          const int64_t run = slot.is_part() ? slot.run_numel() : slot.numel;
+          for (int64_t r = 0; r < (slot.is_part() ? slot.runs() : 1); ++r) {
+            float* into = buffer.data() + (slot.is_part() ? slot.run_first(r) : 0);
+            if (Status s = reader->read(0, offset + uint64_t(r * run) * 4, into, uint64_t(run) * 4);
+                !s && read_status)
+              read_status = s;
+          }
         }
         return buffer.data();
       });

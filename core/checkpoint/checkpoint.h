@@ -119,6 +119,9 @@ int64_t stored_layer_pieces(const nlohmann::json& units);
 // The groups of experts a sparse layer was stored in (ModelConfig::expert_groups):
 // its "layers.i.experts.g" units, 1 when there are none.
 int64_t stored_expert_groups(const nlohmann::json& units);
+// The parts a dense layer's MLP was stored in (ModelConfig::mlp_parts): 1
+// when it stored no `layers.i.mlp.p` units.
+int64_t stored_mlp_parts(const nlohmann::json& units);
 
 // Streams a checkpoint's fp32 weights into a Hugging Face directory
 // (config.json + safetensors, sharded above max_shard_bytes with an index),

@@ -291,6 +291,7 @@ void read_strata_block(JsonReader in, StrataConfig& out, const nlohmann::json& b
   in.optional_int("vocab_chunks", out.vocab_chunks, 1);  // "auto" counts as not given: 0
   in.optional_int("layer_pieces", out.layer_pieces, 1);  // likewise
   in.optional_int("expert_groups", out.expert_groups, 1);  // likewise
+  in.optional_int("mlp_parts", out.mlp_parts, 1);          // likewise
   std::string expert_fetch;
   if (in.optional_choice("expert_fetch", expert_fetch, {"routed", "all"}))
     out.expert_fetch_all = expert_fetch == "all";
@@ -629,6 +630,19 @@ Status apply_shape_overrides(const ConfigOverrides& overrides, const std::string
 }
 
 // The flags for I/O, memory and strata's own settings.
+// A flag of "auto" (0) or a count of at least 1 into `target`, when given.
+Status auto_or_count(const std::optional<std::string>& flag, const char* name, int64_t& target) {
+  if (!flag) return Status::ok();
+  const std::string& given = *flag;
+  int64_t count = 0;
+  const auto [end, error] = std::from_chars(given.data(), given.data() + given.size(), count);
+  if (given != "auto" && (error != std::errc() || end != given.data() + given.size() || count < 1))
+    return Status::invalid_argument(
+        fmt::format("{}: expected auto or an integer >= 1, got '{}'", name, given));
+  target = given == "auto" ? 0 : count;
+  return Status::ok();
+}
+
 Status apply_strata_overrides(const ConfigOverrides& overrides, const std::string& origin,
                               TrainConfig& config) {
   if (overrides.aio_block_size) {
@@ -697,15 +711,10 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
                           origin, *config.strata.shuffle_seed));
   }
 
-  if (overrides.vocab_chunks) {
-    const std::string& given = *overrides.vocab_chunks;
-    int64_t chunks = 0;
-    const auto [end, error] = std::from_chars(given.data(), given.data() + given.size(), chunks);
-    if (given != "auto" && (error != std::errc() || end != given.data() + given.size() || chunks < 1))
-      return Status::invalid_argument(
-          fmt::format("--vocab-chunks: expected auto or an integer >= 1, got '{}'", given));
-    config.strata.vocab_chunks = given == "auto" ? 0 : chunks;
-  }
+  if (Status s =
+          auto_or_count(overrides.vocab_chunks, "--vocab-chunks", config.strata.vocab_chunks);
+      !s)
+    return s;
   if (overrides.layer_pieces) {
     const std::string& given = *overrides.layer_pieces;
     if (given != "auto" && given != "1" && given != "2")
@@ -713,16 +722,12 @@ Status apply_strata_overrides(const ConfigOverrides& overrides, const std::strin
           fmt::format("--layer-pieces: expected auto, 1 or 2, got '{}'", given));
     config.strata.layer_pieces = given == "auto" ? 0 : given == "1" ? 1 : 2;
   }
-  if (overrides.expert_groups) {
-    const std::string& given = *overrides.expert_groups;
-    int64_t groups = 0;
-    const auto [end, error] = std::from_chars(given.data(), given.data() + given.size(), groups);
-    if (given != "auto" &&
-        (error != std::errc() || end != given.data() + given.size() || groups < 1))
-      return Status::invalid_argument(
-          fmt::format("--expert-groups: expected auto or an integer >= 1, got '{}'", given));
-    config.strata.expert_groups = given == "auto" ? 0 : groups;
-  }
+  if (Status s =
+          auto_or_count(overrides.expert_groups, "--expert-groups", config.strata.expert_groups);
+      !s)
+    return s;
+  if (Status s = auto_or_count(overrides.mlp_parts, "--mlp-parts", config.strata.mlp_parts); !s)
+    return s;
   if (overrides.expert_fetch) {
     const std::string& given = *overrides.expert_fetch;
     if (given != "routed" && given != "all")
@@ -828,6 +833,7 @@ nlohmann::ordered_json train_config_to_json(const TrainConfig& c) {
       {"vocab_chunks", c.strata.vocab_chunks == 0 ? json("auto") : json(c.strata.vocab_chunks)},
       {"layer_pieces", c.strata.layer_pieces == 0 ? json("auto") : json(c.strata.layer_pieces)},
       {"expert_groups", c.strata.expert_groups == 0 ? json("auto") : json(c.strata.expert_groups)},
+      {"mlp_parts", c.strata.mlp_parts == 0 ? json("auto") : json(c.strata.mlp_parts)},
       {"expert_fetch", c.strata.expert_fetch_all ? "all" : "routed"},
       {"expert_update", c.strata.expert_update_deferred ? "deferred" : "eager"},
   };

@@ -173,6 +173,11 @@ struct StrataConfig {
   // piece and G pieces of experts; 0, auto (the default): the plan's choice
   // (PlanInput::expert_groups_auto).
   int64_t expert_groups = 0;
+  // Layers in pieces: the parts a dense layer's MLP piece is cut into along
+  // its intermediate dimension (ModelConfig::mlp_parts): 1, one MLP piece;
+  // P > 1, P parts; 0, auto (the default): the plan's choice
+  // (PlanInput::mlp_parts_auto).
+  int64_t mlp_parts = 0;
   // Mixtures of experts: a sparse layer's experts read from NVMe only when the
   // micro-batches' tokens are routed to them (false, "routed", the default;
   // TrainingPlan::routed_expert_fetch says where it applies), or all of them
@@ -239,6 +244,7 @@ struct ConfigOverrides {
   std::optional<std::string> vocab_chunks;     // strata.vocab_chunks: auto | an integer >= 1
   std::optional<std::string> layer_pieces;     // strata.layer_pieces: auto | 1 | 2
   std::optional<std::string> expert_groups;    // strata.expert_groups: auto | an integer >= 1
+  std::optional<std::string> mlp_parts;        // strata.mlp_parts: auto | an integer >= 1
   std::optional<std::string> expert_fetch;     // strata.expert_fetch: routed | all
   std::optional<std::string> expert_update;    // strata.expert_update: eager | deferred
   std::optional<std::string> optimizer_state_dtype;  // fp32 | bf16 | int8

@@ -46,12 +46,14 @@ Status check_data_order(const SequenceOrder& stored, const SequenceOrder& here) 
 }
 
 // The checkpoint's layout: this model with the cuts its units were stored
-// in (strata.vocab_chunks, strata.layer_pieces, strata.expert_groups).
+// in (strata.vocab_chunks, strata.layer_pieces, strata.expert_groups,
+// strata.mlp_parts).
 ModelLayout stored_layout(const nlohmann::json& stored, const ModelLayout& layout) {
   ModelConfig config = layout.config;
   config.vocab_chunks = stored_vocab_chunks(stored);
   config.layer_pieces = stored_layer_pieces(stored);
   config.expert_groups = stored_expert_groups(stored);
+  config.mlp_parts = stored_mlp_parts(stored);
   return model_layout(config, 1);
 }
 
@@ -85,33 +87,83 @@ Status check_stored_units(const nlohmann::json& stored, const ModelLayout& their
     return Status::ok();
   const ModelConfig& t = theirs.config;
   const ModelConfig& o = ours.config;
-  if (t.expert_groups == 1 && o.expert_groups == 1)
-    return Status::error(fmt::format(
-        "the checkpoint's int8 optimizer state is blocked per unit of its cut (strata.vocab_chunks "
-        "{}, strata.layer_pieces {}), and this run's is {} and {}; pass --vocab-chunks {} "
-        "--layer-pieces {} to resume it",
-        t.vocab_chunks, t.layer_pieces, o.vocab_chunks, o.layer_pieces, t.vocab_chunks,
-        t.layer_pieces));
-  return Status::error(fmt::format(
-      "the checkpoint's int8 optimizer state is blocked per unit of its cut (strata.vocab_chunks "
-      "{}, strata.layer_pieces {}, strata.expert_groups {}), and this run's is {}, {} and {}; "
-      "pass --vocab-chunks {} --layer-pieces {} --expert-groups {} to resume it",
-      t.vocab_chunks, t.layer_pieces, t.expert_groups, o.vocab_chunks, o.layer_pieces,
-      o.expert_groups, t.vocab_chunks, t.layer_pieces, t.expert_groups));
+  // The cuts either side uses, each named as its key and its flag.
+  struct Cut {
+    const char* key;
+    const char* flag;
+    int64_t theirs, ours;
+  };
+  std::vector<Cut> cuts = {{"vocab_chunks", "--vocab-chunks", t.vocab_chunks, o.vocab_chunks},
+                           {"layer_pieces", "--layer-pieces", t.layer_pieces, o.layer_pieces}};
+  if (t.expert_groups > 1 || o.expert_groups > 1)
+    cuts.push_back({"expert_groups", "--expert-groups", t.expert_groups, o.expert_groups});
+  if (t.mlp_parts > 1 || o.mlp_parts > 1)
+    cuts.push_back({"mlp_parts", "--mlp-parts", t.mlp_parts, o.mlp_parts});
+  std::string keys, here, flags;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    const char* sep = i == 0 ? "" : i + 1 == cuts.size() ? " and " : ", ";
+    keys += fmt::format("{}strata.{} {}", i == 0 ? "" : ", ", cuts[i].key, cuts[i].theirs);
+    here += fmt::format("{}{}", sep, cuts[i].ours);
+    flags += fmt::format("{}{} {}", i == 0 ? "" : " ", cuts[i].flag, cuts[i].theirs);
+  }
+  return Status::error(
+      fmt::format("the checkpoint's int8 optimizer state is blocked per unit of its cut ({}), and "
+                  "this run's is {}; pass {} to resume it",
+                  keys, here, flags));
 }
 
-// Where each tensor of the checkpoint's layout starts in its state files, in
-// elements (a vocabulary-cut tensor's parts lie where its rows do).
-std::unordered_map<std::string, int64_t> stored_tensor_offsets(const ModelLayout& stored) {
-  std::unordered_map<std::string, int64_t> at;
+// Where each tensor of the checkpoint's layout lies in its state files: its
+// runs of adjacent elements (a whole tensor is one, a vocabulary chunk's
+// rows one, an MLP part's columns one per row), by their first element in
+// the whole tensor.
+struct StoredRun {
+  int64_t first = 0;  // in the whole tensor
+  int64_t numel = 0;
+  int64_t at = 0;  // in the state files, in elements
+};
+using StoredRuns = std::unordered_map<std::string, std::vector<StoredRun>>;
+StoredRuns stored_tensor_runs(const ModelLayout& stored) {
+  StoredRuns runs;
   int64_t unit_offset = 0;
   for (const UnitLayout& unit : stored.units) {
-    for (const TensorSlot& slot : unit.tensors)
-      at.try_emplace(slot.name,
-                     unit_offset + slot.offset - (slot.is_part() ? slot.fused_first : 0));
+    for (const TensorSlot& slot : unit.tensors) {
+      std::vector<StoredRun>& list = runs[slot.name];
+      if (!slot.is_part()) {
+        list.push_back({0, slot.numel, unit_offset + slot.offset});
+        continue;
+      }
+      for (int64_t r = 0; r < slot.runs(); ++r)
+        list.push_back({slot.run_first(r), slot.run_numel(),
+                        unit_offset + slot.offset + r * slot.run_numel()});
+    }
     unit_offset += unit.numel;
   }
-  return at;
+  for (auto& [name, list] : runs)
+    std::sort(list.begin(), list.end(),
+              [](const StoredRun& a, const StoredRun& b) { return a.first < b.first; });
+  return runs;
+}
+
+// Calls read(at, numel, offset) for the stored pieces of elements [first,
+// first + numel) of a tensor: `at` in the state files, `offset` from
+// `first`. False when the checkpoint lacks some of them.
+template <typename Read>
+Status read_stored_range(const std::vector<StoredRun>& runs, int64_t first, int64_t numel,
+                         Read&& read) {
+  auto run = std::upper_bound(runs.begin(), runs.end(), first,
+                              [](int64_t x, const StoredRun& r) { return x < r.first; });
+  if (run == runs.begin()) return Status::corruption("");
+  --run;
+  for (int64_t done = 0; done < numel;) {
+    const int64_t element = first + done;
+    if (run == runs.end() || element < run->first || element >= run->first + run->numel)
+      return Status::corruption("");
+    const int64_t take = std::min(numel - done, run->first + run->numel - element);
+    if (Status s = read(run->at + element - run->first, take, done); !s) return s;
+    done += take;
+    ++run;
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -199,7 +251,7 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
   }
   const ModelLayout theirs = stored_layout(state["units"], plan.layout);
   if (Status s = check_stored_units(state["units"], theirs, plan.layout, format); !s) return s;
-  const std::unordered_map<std::string, int64_t> stored_at = stored_tensor_offsets(theirs);
+  const StoredRuns stored_runs = stored_tensor_runs(theirs);
   int64_t total = 0;
   for (const UnitLayout& unit : plan.layout.units) total += unit.numel;
   const MomentFiles files = moment_files(total);
@@ -217,23 +269,31 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
     }
     // Tensor by tensor, from where the checkpoint's layout keeps it.
     for (const TensorSlot& slot : unit.tensors) {
-      const auto found = stored_at.find(slot.name);
-      if (found == stored_at.end())
-        return Status::corruption(
-            fmt::format("state.json: the checkpoint has no {}; resume it with the model it was "
-                        "written for",
-                        slot.name));
-      const int64_t at = found->second + (slot.is_part() ? slot.fused_first : 0);
-      if (Status s = checkpoint.read(0, uint64_t(at) * 4, master.data() + slot.offset,
-                                     uint64_t(slot.numel) * 4);
-          !s)
-        return s;
-      if (int8) continue;
-      const uint64_t bytes = uint64_t(slot.numel * mb);
-      if (Status s = checkpoint.read(1, uint64_t(at * mb), m.data() + slot.offset * mb, bytes); !s)
-        return s;
-      if (Status s = checkpoint.read(2, uint64_t(at * mb), v.data() + slot.offset * mb, bytes); !s)
-        return s;
+      const auto found = stored_runs.find(slot.name);
+      const std::string missing = fmt::format(
+          "state.json: the checkpoint has no {}; resume it with the model it was written for",
+          slot.name);
+      if (found == stored_runs.end()) return Status::corruption(missing);
+      // Each run of this slot from the runs the checkpoint's layout stored it in.
+      const bool part = slot.is_part();
+      const int64_t run = part ? slot.run_numel() : slot.numel;
+      for (int64_t r = 0; r < (part ? slot.runs() : 1); ++r) {
+        const int64_t into = slot.offset + r * run;
+        Status s = read_stored_range(
+            found->second, part ? slot.run_first(r) : 0, run,
+            [&](int64_t at, int64_t numel, int64_t offset) -> Status {
+              const int64_t to = into + offset;
+              if (Status s =
+                      checkpoint.read(0, uint64_t(at) * 4, master.data() + to, uint64_t(numel) * 4);
+                  !s || int8)
+                return s;
+              const uint64_t bytes = uint64_t(numel * mb);
+              if (Status s = checkpoint.read(1, uint64_t(at * mb), m.data() + to * mb, bytes); !s)
+                return s;
+              return checkpoint.read(2, uint64_t(at * mb), v.data() + to * mb, bytes);
+            });
+        if (!s) return s.message().empty() ? Status::corruption(missing) : s;
+      }
     }
     for (auto& rank : ranks) {
       if (Status s = init_unit(*rank, u, master.data()); !s) return s;

@@ -116,7 +116,9 @@ const float* whole_tensor(const CheckpointTensor& t,
   scratch.resize(size_t(t.numel()));
   for (const NamedTensor& part : t.parts) {
     const float* data = unit_data(part.unit) + part.slot->offset;
-    std::copy(data, data + part.slot->numel, scratch.begin() + part.slot->fused_first);
+    const int64_t run = part.slot->run_numel();
+    for (int64_t r = 0; r < part.slot->runs(); ++r)
+      std::copy(data + r * run, data + (r + 1) * run, scratch.begin() + part.slot->run_first(r));
   }
   return scratch.data();
 }
@@ -173,9 +175,10 @@ void own_head_logits(const ModelConfig& config, UnitBatch& batch, std::vector<fl
   batch.head_logits = own.data();
 }
 
-// A mixture cut into expert groups: its chain, when the caller gave none.
+// A mixture cut into expert groups, or an MLP into parts: its chain, when
+// the caller gave none.
 void own_expert_chain(const ModelConfig& config, UnitBatch& batch, std::vector<float>& own) {
-  if (config.expert_groups <= 1 || !batch.experts.empty()) return;
+  if (!uses_expert_chain(config) || !batch.experts.empty()) return;
   own.resize(size_t(expert_chain_floats(config, batch.B * batch.T)));
   batch.experts = expert_chain_view(config, batch.B * batch.T, own.data());
 }
@@ -238,10 +241,16 @@ Status load_unit_parameters(const SafetensorsCheckpoint& checkpoint, const Model
     const bool fused =
         slot.is_part() || (!slot.fused_name.empty() && checkpoint.find(slot.name) == nullptr &&
                            checkpoint.find(slot.fused_name) != nullptr);
-    Status s = fused ? checkpoint.read_f32(slot.fused_name, slot.fused_shape, flat + slot.offset,
-                                           slot.fused_first, slot.numel)
-                     : checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset);
-    if (!s) return s;
+    if (!fused) {
+      if (Status s = checkpoint.read_f32(slot.name, slot.shape, flat + slot.offset); !s) return s;
+      continue;
+    }
+    const int64_t run = slot.run_numel();  // an MLP part's columns: one read per row
+    for (int64_t r = 0; r < slot.runs(); ++r)
+      if (Status s = checkpoint.read_f32(slot.fused_name, slot.fused_shape,
+                                         flat + slot.offset + r * run, slot.run_first(r), run);
+          !s)
+        return s;
   }
   return Status::ok();
 }

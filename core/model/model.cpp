@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/model/mlp_part_kernels.h"
 #include "core/model/moe_kernels.h"
 #include "core/model/vocab_chunks.h"
 #include "kernels/cpu/attention.h"
@@ -88,6 +89,23 @@ void add_layer_slots(UnitLayout& layout, const ModelConfig& c, const UnitShape& 
   if (unit.piece == LayerPiece::experts) {
     add_expert_slots(layout, c, p, false, c.expert_group_begin(unit.expert_group),
                      c.expert_group_begin(unit.expert_group + 1));
+    return;
+  }
+  if (unit.piece == LayerPiece::mlp_part) {
+    // Rows [b, e) of gate and up (adjacent: one product), columns [b, e) of down.
+    const int64_t b = c.mlp_part_begin(unit.mlp_part), e = c.mlp_part_begin(unit.mlp_part + 1);
+    for (const char* name : {"gate_proj", "up_proj"}) {
+      add_slot(layout, fmt::format("{}mlp.{}.weight", p, name), {e - b, C});
+      layout.tensors.back().fused_name = layout.tensors.back().name;
+      layout.tensors.back().fused_shape = {I, C};
+      layout.tensors.back().fused_first = b * C;
+    }
+    add_slot(layout, p + "mlp.down_proj.weight", {C, e - b});
+    layout.tensors.back().fused_name = layout.tensors.back().name;
+    layout.tensors.back().fused_shape = {C, I};
+    layout.tensors.back().fused_first = b;
+    layout.tensors.back().columns = true;
+    if (unit.mlp_part == 0) add_slot(layout, p + "post_attention_layernorm.weight", {C});
     return;
   }
   const bool attention = unit.piece != LayerPiece::mlp, mlp = unit.piece != LayerPiece::attention;
@@ -228,13 +246,14 @@ void init_unit_parameters(const ModelLayout& model, int64_t u, uint64_t seed, fl
       std::fill(out, out + slot.numel, bias ? 0.0f : 1.0f);
       continue;
     }
-    // A vocabulary chunk's rows draw the whole tensor's values: a cut model
-    // starts as the whole one does.
-    const int64_t first = slot.is_part() ? slot.fused_first : 0;
+    // A vocabulary chunk's rows, or an MLP part's, draw the whole tensor's
+    // values: a cut model starts as the whole one does.
+    const bool part = slot.is_part();
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, slot.numel, 4096),
                       [&](const tbb::blocked_range<int64_t>& range) {
                         for (int64_t i = range.begin(); i < range.end(); ++i) {
-                          out[i] = init_std * init_normal(seed, slot.name, first + i);
+                          out[i] = init_std *
+                                   init_normal(seed, slot.name, part ? slot.part_element(i) : i);
                         }
                       });
   }
@@ -727,6 +746,10 @@ double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& param
         expert_group_forward(model, u, params, batch, input, output, ws);
         return 0.0;
       }
+      if (layout.unit.piece == LayerPiece::mlp_part) {
+        MlpPartKernels::forward(model, u, params.flat, input, output, batch.experts, ws);
+        return 0.0;
+      }
       if (layout.unit.piece == LayerPiece::router)
         expert_router_forward(model, u, params, batch, input, output, ws);
       else
@@ -804,6 +827,11 @@ void unit_backward(const ModelLayout& model, int64_t u, const UnitParams& params
     case UnitKind::decoder_layer: {
       if (layout.unit.piece == LayerPiece::router || layout.unit.piece == LayerPiece::experts) {
         expert_piece_backward(model, u, params, batch, input, doutput, dinput, grads, ws);
+        return;
+      }
+      if (layout.unit.piece == LayerPiece::mlp_part) {
+        MlpPartKernels::backward(model, u, params.flat, grads.flat, input, doutput, dinput,
+                                 batch.experts, ws, recompute);
         return;
       }
       const std::vector<float> aux_grad = router_aux_grad(c, batch);

@@ -68,10 +68,25 @@ struct TensorSlot {
   // A vocabulary chunk's embed_tokens or lm_head (ModelConfig::vocab_chunks)
   // is a part of the tensor of its own name: fused_name is `name`, and its
   // rows are elements [fused_first, fused_first + numel) of it.
+  // A part of a dense MLP (ModelConfig::mlp_parts) holds rows of gate_proj
+  // and up_proj that way, and columns of down_proj: `columns` set, its row r
+  // is elements [fused_first + r W, fused_first + r W + shape[1]) of the
+  // tensor of W = fused_shape[1] columns.
   std::string fused_name;
   std::vector<int64_t> fused_shape;
   int64_t fused_first = 0;
+  bool columns = false;
   bool is_part() const { return !fused_name.empty() && fused_name == name; }
+  // A part's runs of adjacent elements in the whole tensor: run r is the
+  // slot's elements [r run_numel(), (r + 1) run_numel()), which start at
+  // element run_first(r) of the tensor (one run, unless `columns`).
+  int64_t runs() const { return columns ? shape[0] : 1; }
+  int64_t run_numel() const { return columns ? shape[1] : numel; }
+  int64_t run_first(int64_t r) const {
+    return fused_first + (columns ? r * fused_shape[1] : r * numel);
+  }
+  // The element of the whole tensor that a part's element i is.
+  int64_t part_element(int64_t i) const { return run_first(i / run_numel()) + i % run_numel(); }
 };
 
 struct UnitLayout {
@@ -161,7 +176,12 @@ struct ExpertChain {
   float* top_weight = nullptr;
   bool empty() const { return rows == nullptr; }
 };
+// A dense layer's MLP cut into parts (ModelConfig::mlp_parts) hands on the
+// same rows and sum (the residual x2, then the layer's output gradient; the
+// down products added so far), and nothing else.
 int64_t expert_chain_floats(const ModelConfig& config, int64_t N);
+// Whether a micro-batch of this model needs a chain: expert groups or MLP parts.
+bool uses_expert_chain(const ModelConfig& config);
 ExpertChain expert_chain_view(const ModelConfig& config, int64_t N, float* buffer);
 
 // One micro-batch: B sequences of T tokens.
@@ -190,8 +210,8 @@ struct UnitBatch {
   // turns every block into the logits' gradient, which the other chunks'
   // backwards read. Null for a whole head; a cut one needs it.
   float* head_logits = nullptr;
-  // A mixture cut into expert groups: the micro-batch's chain (ExpertChain);
-  // empty otherwise, where a cut one needs it.
+  // A mixture cut into expert groups, or a dense MLP into parts: the
+  // micro-batch's chain (ExpertChain); empty otherwise, where a cut one needs it.
   ExpertChain experts = {};
 };
 
@@ -208,6 +228,7 @@ class UnitWorkspace {
   friend struct UnitKernels;
   friend struct VocabChunkKernels;
   friend struct MoeKernels;
+  friend struct MlpPartKernels;
   int64_t B_, T_;
   std::vector<float> rope_cos, rope_sin;  // (T, D/2)
   // Decoder layer activations (N = B*T), recomputed in the backward.
@@ -274,6 +295,12 @@ class UnitWorkspace {
 // part added, and the router piece turns it into its input's gradient.
 // They hand the rest over in UnitBatch::experts, which a cut layer needs
 // (core/model/moe_kernels.h).
+// Cut into MLP parts (ModelConfig::mlp_parts), a dense layer's part 0 takes
+// x2 and outputs the normed rows, the later parts pass them on and the last
+// outputs the layer's output; backward, each passes on the normed rows'
+// gradient with its part added, and part 0 turns it into its input's
+// gradient; the chain carries x2 and the down products' sum
+// (core/model/mlp_part_kernels.h).
 double unit_forward(const ModelLayout& model, int64_t u, const UnitParams& params,
                     const UnitBatch& batch, const float* input, float* output, UnitWorkspace& ws);
 

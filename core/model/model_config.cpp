@@ -274,6 +274,16 @@ std::vector<UnitShape> model_units(const ModelConfig& config) {
     const int64_t attention = config.attention_parameter_count();
     units.push_back(
         {UnitKind::decoder_layer, i, layer + ".attention", attention, -1, LayerPiece::attention});
+    if (!config.layer_is_sparse(i) && config.mlp_parts > 1) {
+      for (int64_t p = 0; p < config.mlp_parts; ++p) {
+        const int64_t rows = config.mlp_part_begin(p + 1) - config.mlp_part_begin(p);
+        UnitShape part{UnitKind::decoder_layer,         i,  fmt::format("{}.mlp.{}", layer, p),
+                       3 * rows * C + (p == 0 ? C : 0), -1, LayerPiece::mlp_part};
+        part.mlp_part = p;
+        units.push_back(std::move(part));
+      }
+      continue;
+    }
     if (config.expert_groups <= 1 || !config.layer_is_sparse(i)) {
       units.push_back(
           {UnitKind::decoder_layer, i, layer + ".mlp", numel - attention, -1, LayerPiece::mlp});
@@ -344,6 +354,25 @@ Status check_expert_groups(const ModelConfig& config) {
         "strata.expert_groups {}: the groups cut a sparse layer's MLP piece, so the layers must "
         "be in pieces; add --layer-pieces 2",
         config.expert_groups));
+  return Status::ok();
+}
+
+Status check_mlp_parts(const ModelConfig& config) {
+  if (config.mlp_parts == 1) return Status::ok();
+  if (config.mlp_parts < 1 || config.sparse_layer_count() == config.num_hidden_layers ||
+      config.mlp_parts > config.intermediate_size)
+    return Status::invalid_argument(
+        fmt::format("strata.mlp_parts {}: expected 1, or 2 to the {} rows of a dense layer's MLP "
+                    "(intermediate_size){}",
+                    config.mlp_parts, config.intermediate_size,
+                    config.sparse_layer_count() == config.num_hidden_layers
+                        ? "; every layer of this mixture is sparse, so use strata.expert_groups"
+                        : ""));
+  if (config.layer_pieces != 2)
+    return Status::invalid_argument(fmt::format(
+        "strata.mlp_parts {}: the parts cut a dense layer's MLP piece, so the layers must be in "
+        "pieces; add --layer-pieces 2",
+        config.mlp_parts));
   return Status::ok();
 }
 

@@ -95,6 +95,14 @@ struct ModelConfig {
   // expert_group_begin(g + 1)). Dense layers keep their MLP piece.
   int64_t expert_groups = 1;
   int64_t expert_group_begin(int64_t group) const { return group * num_experts / expert_groups; }
+  // Not a Hugging Face key either: the parts a dense layer's MLP piece is cut
+  // into along its intermediate dimension (strata.mlp_parts; layers in
+  // pieces): 1, one MLP piece; P > 1, part p holding rows [mlp_part_begin(p),
+  // mlp_part_begin(p + 1)) of gate_proj and up_proj, the same columns of
+  // down_proj, and (part 0) the post-attention norm. Sparse layers keep
+  // their MLP piece or groups of experts.
+  int64_t mlp_parts = 1;
+  int64_t mlp_part_begin(int64_t part) const { return part * intermediate_size / mlp_parts; }
 
   bool is_moe() const { return num_experts > 0; }
   // Whether decoder layer `layer` has a router and experts (false for every
@@ -127,7 +135,8 @@ enum class UnitKind { embedding, decoder_layer, head };
 // The part of a decoder layer a unit holds (ModelConfig::layer_pieces).
 // (ModelConfig::expert_groups cuts a sparse layer's MLP into a router and
 // groups of experts.)
-enum class LayerPiece { whole, attention, mlp, router, experts };
+// (ModelConfig::mlp_parts cuts a dense layer's MLP into parts.)
+enum class LayerPiece { whole, attention, mlp, router, experts, mlp_part };
 
 struct UnitShape {
   UnitKind kind = UnitKind::embedding;
@@ -138,13 +147,16 @@ struct UnitShape {
   LayerPiece piece = LayerPiece::whole;  // a decoder layer's: "layers.3.attention", "layers.3.mlp"
   // A sparse layer's piece of experts: its group ("layers.3.experts.1"); -1 otherwise.
   int64_t expert_group = -1;
+  // A dense layer's part of its MLP: its part ("layers.3.mlp.1"); -1 otherwise.
+  int64_t mlp_part = -1;
 };
 
 // The units in forward order: embedding, layers.0 .. layers.{L-1}, head; with
 // vocab_chunks K > 1, embedding.0 .. embedding.{K-1} and head.0 .. head.{K-1};
 // with layer_pieces 2, layers.i.attention and layers.i.mlp for each layer;
 // with expert_groups G > 1 a sparse layer's MLP is layers.i.router and
-// layers.i.experts.0 .. layers.i.experts.{G-1}.
+// layers.i.experts.0 .. layers.i.experts.{G-1}; with mlp_parts P > 1 a
+// dense layer's MLP is layers.i.mlp.0 .. layers.i.mlp.{P-1}.
 std::vector<UnitShape> model_units(const ModelConfig& config);
 
 // OK for a dense model (num_experts 0), and for a mixture (mixtral or
@@ -157,6 +169,10 @@ Status check_layer_pieces(const ModelConfig& config);
 // OK when config.expert_groups is 1, or 2 to num_experts for a mixture in
 // layer pieces; the message names strata.expert_groups.
 Status check_expert_groups(const ModelConfig& config);
+
+// OK when config.mlp_parts is 1, or 2 to intermediate_size for a model with
+// a dense layer, in layer pieces; the message names strata.mlp_parts.
+Status check_mlp_parts(const ModelConfig& config);
 
 // OK when config.vocab_chunks can cut this model: 1 to vocab_size chunks, and
 // an untied lm_head when more than one (a tied head reads the embedding

@@ -300,6 +300,10 @@ int64_t expert_chain_floats(const ModelConfig& c, int64_t N) {
   return 2 * N * c.hidden_size + N * K + 2 * c.sparse_layer_count() * N * K;
 }
 
+bool uses_expert_chain(const ModelConfig& c) {
+  return c.expert_groups > 1 || c.mlp_parts > 1;
+}
+
 ExpertChain expert_chain_view(const ModelConfig& c, int64_t N, float* buffer) {
   const int64_t C = c.hidden_size, K = c.num_experts_per_tok, S = c.sparse_layer_count();
   ExpertChain chain;

@@ -203,10 +203,13 @@ class BufferListing {
           copies, N * in.model.vocab_size);
     // What a sparse layer's pieces hand on (ExpertChain): its residual, the
     // experts' sum and weights' gradients, and every sparse layer's routing,
-    // from a micro-batch's forwards to its backwards.
-    if (in.model.expert_groups > 1)
-      add(R::expert_chain, O::rank, copies_name("expert groups' chain and routing"), kept, f32,
-          copies, expert_chain_floats(in.model, N));
+    // from a micro-batch's forwards to its backwards; a dense layer's MLP
+    // parts, the residual and the sum.
+    if (uses_expert_chain(in.model))
+      add(R::expert_chain, O::rank,
+          copies_name(in.model.expert_groups > 1 ? "expert groups' chain and routing"
+                                                 : "MLP parts' residual and sum"),
+          kept, f32, copies, expert_chain_floats(in.model, N));
     add_spill_buffers(f32, 4);
     add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);

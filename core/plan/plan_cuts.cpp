@@ -1,6 +1,7 @@
 // The automatic cuts of the units (planner.h, choose_unit_cuts): the
 // embedding and the head along the vocabulary, each decoder layer into its
-// attention and its MLP, each chosen only where it is what makes the plan fit.
+// attention and its MLP, a sparse layer's MLP into groups of experts and a
+// dense one's into parts, each chosen only where it is what makes the plan fit.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,40 +21,50 @@ Result<PlanReport> plan_as_given(PlanInput in) {
   in.vocab_chunks_auto = false;
   in.layer_pieces_auto = false;
   in.expert_groups_auto = false;
+  in.mlp_parts_auto = false;
   return plan_memory(in);
 }
 
-// The fewest groups of experts (more than `in`'s, layers in pieces) for
-// which `fits` holds: that input and its plan; none when no count up to the
-// experts does. More groups
-// shrink the slots but add saved inputs (one per group), so the need is not
-// monotone in the count: double it until one fits, then try each count
-// between the last two.
-struct GroupsFit {
+// The most parts the automatic choice cuts a dense MLP into.
+constexpr int64_t kMostMlpParts = 64;
+
+// The fewest pieces of a layer's MLP (more than `in`'s, layers in pieces)
+// for which `fits` holds: groups of experts (ModelConfig::expert_groups, up
+// to the experts) or, with `parts`, parts of a dense MLP
+// (ModelConfig::mlp_parts, up to kMostMlpParts); that input and its plan,
+// none when no count does. More pieces shrink the slots but add saved
+// inputs (one per piece), so the need is not monotone in the count: double
+// it until one fits, then try each count between the last two.
+struct CutFit {
   PlanInput input;
   PlanReport report;
 };
 template <typename Fits>
-std::optional<GroupsFit> fewest_groups(const PlanInput& in, bool cut_vocab, const Fits& fits) {
-  const int64_t E = in.model.num_experts, given = in.model.expert_groups;
-  std::optional<GroupsFit> fit;
-  auto fits_in = [&](int64_t groups) {
+std::optional<CutFit> fewest_pieces(const PlanInput& in, bool parts, bool cut_vocab,
+                                    const Fits& fits) {
+  int64_t& (*count)(PlanInput&) = parts ? [](PlanInput& p) -> int64_t& { return p.model.mlp_parts; }
+  : [](PlanInput& p) -> int64_t& { return p.model.expert_groups; };
+  const int64_t most =
+      parts ? std::min(kMostMlpParts, in.model.intermediate_size) : in.model.num_experts;
+  const int64_t given = count(const_cast<PlanInput&>(in));
+  std::optional<CutFit> fit;
+  auto fits_in = [&](int64_t pieces) {
     PlanInput cut = in;
     cut.model.layer_pieces = 2;
-    cut.model.expert_groups = groups;
+    count(cut) = pieces;
     if (cut_vocab)
       cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
-    Result<PlanReport> in_groups = plan_as_given(cut);
-    if (!in_groups || !fits(*in_groups)) return false;
-    fit = GroupsFit{std::move(cut), std::move(*in_groups)};
+    Result<PlanReport> in_pieces = plan_as_given(cut);
+    if (!in_pieces || !fits(*in_pieces)) return false;
+    fit = CutFit{std::move(cut), std::move(*in_pieces)};
     return true;
   };
   int64_t below = given;  // the largest count tried that does not fit
-  for (int64_t g = std::min(E, 2 * given); g > below; g = std::min(E, 2 * g)) {
+  for (int64_t g = std::min(most, 2 * given); g > below; g = std::min(most, 2 * g)) {
     if (fits_in(g)) break;
     below = g;
   }
-  for (int64_t g = below + 1; fit && g < fit->input.model.expert_groups; ++g)
+  for (int64_t g = below + 1; fit && g < count(fit->input); ++g)
     if (fits_in(g)) break;
   return fit;
 }
@@ -78,13 +89,16 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
   PlanInput& in = choice.input;
   const bool vocab_auto = in.vocab_chunks_auto, pieces_auto = in.layer_pieces_auto;
   const bool may_group = in.expert_groups_auto && in.model.is_moe() && !in.gpu;
-  in.vocab_chunks_auto = in.layer_pieces_auto = in.expert_groups_auto = false;
+  const bool may_part = in.mlp_parts_auto && !in.gpu &&
+                        in.model.sparse_layer_count() < in.model.num_hidden_layers &&
+                        in.model.intermediate_size > 1;
+  in.vocab_chunks_auto = in.layer_pieces_auto = in.expert_groups_auto = in.mlp_parts_auto = false;
   if (vocab_auto) in.model.vocab_chunks = 1;
   if (pieces_auto) in.model.layer_pieces = 1;
   const int64_t chunks = vocab_auto ? vocab_chunks_for_layers(in) : 1;
   // Nothing to say where no cut could shrink a unit.
   const bool may_cut_layers = pieces_auto && in.model.num_hidden_layers > 0;
-  if (chunks <= 1 && !may_cut_layers && !may_group) return choice;
+  if (chunks <= 1 && !may_cut_layers && !may_group && !may_part) return choice;
   Result<PlanReport> whole = plan_as_given(in);
   if (!whole) return whole.status();
   PlanReport best = std::move(*whole);
@@ -148,8 +162,8 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
       // The layers in pieces, the vocabulary (when automatic) cut to a group's size.
       PlanInput base = in;
       base.model.layer_pieces = 2;
-      std::optional<GroupsFit> fit =
-          fewest_groups(base, vocab_auto, [](const PlanReport& p) { return p.fits; });
+      std::optional<CutFit> fit =
+          fewest_pieces(base, false, vocab_auto, [](const PlanReport& p) { return p.fits; });
       if (fit) {
         PlanInput& cut = fit->input;
         const int64_t groups = cut.model.expert_groups;
@@ -173,9 +187,44 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
       }
     }
   }
+  if (may_part) {
+    if (best.fits) {
+      in.mlp_parts_reason = "1 (auto: each dense layer's MLP as one piece fits the budgets)";
+    } else if (in.model.layer_pieces < 2 && !pieces_auto) {
+      in.mlp_parts_reason =
+          "1 (auto: the plan does not fit the budgets, and MLP parts need --layer-pieces 2)";
+    } else {
+      PlanInput base = in;
+      base.model.layer_pieces = 2;
+      std::optional<CutFit> fit =
+          fewest_pieces(base, true, vocab_auto, [](const PlanReport& p) { return p.fits; });
+      if (fit) {
+        PlanInput& cut = fit->input;
+        const int64_t parts = cut.model.mlp_parts;
+        cut.mlp_parts_reason = fmt::format(
+            "{} (auto: the plan does not fit the budgets with each dense layer's MLP as one "
+            "piece; in {} parts along its intermediate dimension, the fewest that fit)",
+            parts, parts);
+        if (in.model.layer_pieces < 2)
+          cut.layer_pieces_reason = "2 (auto: the MLP parts cut each layer's MLP piece)";
+        if (cut.model.vocab_chunks != in.model.vocab_chunks)
+          cut.vocab_chunks_reason =
+              fmt::format("{} (auto: the embedding and the head cut to an MLP part's size)",
+                          cut.model.vocab_chunks);
+        in = cut;
+        best = std::move(fit->report);
+      } else {
+        in.mlp_parts_reason = fmt::format(
+            "1 (auto: the plan does not fit the budgets, and with each dense MLP in any count "
+            "of parts up to {} it does not either)",
+            std::min(kMostMlpParts, in.model.intermediate_size));
+      }
+    }
+  }
   best.input.vocab_chunks_reason = in.vocab_chunks_reason;
   best.input.layer_pieces_reason = in.layer_pieces_reason;
   best.input.expert_groups_reason = in.expert_groups_reason;
+  best.input.mlp_parts_reason = in.mlp_parts_reason;
   choice.report = std::move(best);
   return choice;
 }
@@ -192,9 +241,20 @@ std::string vocabulary_chunks_line(const PlanInput& in) {
 }
 
 int64_t expert_groups_that_fit(const PlanInput& leanest) {
-  const std::optional<GroupsFit> fit =
-      fewest_groups(leanest, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  const std::optional<CutFit> fit =
+      fewest_pieces(leanest, false, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
   return fit ? fit->input.model.expert_groups : 0;
+}
+
+int64_t mlp_parts_that_fit(const PlanInput& leanest) {
+  const std::optional<CutFit> fit =
+      fewest_pieces(leanest, true, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  return fit ? fit->input.model.mlp_parts : 0;
+}
+
+std::string mlp_parts_line(const PlanInput& in) {
+  if (!in.mlp_parts_reason.empty()) return in.mlp_parts_reason;
+  return fmt::format("{} (given)", in.model.mlp_parts);
 }
 
 std::string expert_groups_line(const PlanInput& in) {

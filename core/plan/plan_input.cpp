@@ -60,6 +60,15 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
     in.layer_pieces_auto = false;
     in.layer_pieces_reason = "2 (strata.expert_groups cuts each sparse layer's MLP piece)";
   }
+  in.model.mlp_parts = std::max<int64_t>(1, c.strata.mlp_parts);
+  in.mlp_parts_auto = c.strata.mlp_parts == 0 &&
+                      model.sparse_layer_count() < model.num_hidden_layers && !target.gpu;
+  if (in.model.mlp_parts > 1 && in.layer_pieces_auto) {
+    // The parts cut a dense layer's MLP piece: the layers are in pieces.
+    in.model.layer_pieces = 2;
+    in.layer_pieces_auto = false;
+    in.layer_pieces_reason = "2 (strata.mlp_parts cuts each dense layer's MLP piece)";
+  }
   in.expert_fetch_all = c.strata.expert_fetch_all;
   in.expert_update_deferred = c.strata.expert_update_deferred;
   in.grad_accum = c.gradient_accumulation_steps;
@@ -173,6 +182,12 @@ Status validate_plan_input(const PlanInput& in) {
         "backend (the CUDA backend's router and expert pieces are not built); use --backend cpu "
         "or --expert-groups 1",
         in.model.expert_groups));
+  if (Status s = check_mlp_parts(in.model); !s) return s;
+  if (in.model.mlp_parts > 1 && in.gpu)
+    return Status::invalid_argument(fmt::format(
+        "strata.mlp_parts {}: a dense layer's MLP cut into parts runs on the CPU backend (the "
+        "CUDA backend's MLP parts are not built); use --backend cpu or --mlp-parts 1",
+        in.model.mlp_parts));
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));

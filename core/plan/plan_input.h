@@ -146,6 +146,11 @@ struct PlanInput {
   // groups that make the plan fit; the choice and why in expert_groups_reason.
   bool expert_groups_auto = false;
   std::string expert_groups_reason;
+  // strata.mlp_parts auto (a model with dense layers on the CPU backend):
+  // likewise for model.mlp_parts, tried after the groups: the fewest parts
+  // that make the plan fit; the choice and why in mlp_parts_reason.
+  bool mlp_parts_auto = false;
+  std::string mlp_parts_reason;
   // strata.expert_fetch all: a sparse layer's experts move with their unit
   // even where the plan could read only the routed ones
   // (TrainingPlan::routed_expert_fetch).

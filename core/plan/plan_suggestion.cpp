@@ -22,26 +22,51 @@ static std::string device_short_line(const PlanInput& input, const PlanInput& le
   // groups of experts that fit.
   const int64_t groups_fit =
       input.model.is_moe() && !input.gpu ? expert_groups_that_fit(leanest) : 0;
+  const bool dense = input.model.sparse_layer_count() < input.model.num_hidden_layers;
+  const int64_t parts_fit =
+      dense && !input.gpu && groups_fit == 0 ? mlp_parts_that_fit(leanest) : 0;
+  const char* pieces =
+      input.model.layer_pieces < 2 && !input.layer_pieces_auto ? "--layer-pieces 2 " : "";
   const std::string smaller =
-      groups_fit > 0
+      groups_fit > 0 ? fmt::format(
+                           ", or {}--expert-groups {} (each sparse layer's experts in that many "
+                           "pieces: the device has room)",
+                           pieces, groups_fit)
+      : parts_fit > 0
           ? fmt::format(
-                ", or {}--expert-groups {} (each sparse layer's experts in that many "
-                "pieces: the device has room)",
-                input.model.layer_pieces < 2 && !input.layer_pieces_auto ? "--layer-pieces 2 " : "",
-                groups_fit)
-      : input.model.is_moe()
-          ? std::string(input.gpu ? " (a sparse layer's experts stay together in its MLP piece "
-                                    "on the CUDA backend: groups of experts, --expert-groups, run "
-                                    "on the CPU backend)"
-                                  : "")
-          : " (a layer's MLP stays one piece: cutting it along its intermediate dimension is not "
-            "built)";
+                ", or {}--mlp-parts {} (each dense layer's MLP in that many parts along its "
+                "intermediate dimension: the device has room)",
+                pieces, parts_fit)
+      : input.gpu ? std::string(
+                        " (a layer's MLP stays one piece on the CUDA backend: groups of experts "
+                        "and MLP parts, --expert-groups and --mlp-parts, run on the CPU backend)")
+                  : "";
   return fmt::format(
       "{} of the device's need is its parameter slots and unit gradients, sized by the largest "
       "unit, {} ({:.2f}B parameters), whole on every rank at any rank count: a device with more "
       "memory{}",
       format_bytes(double(lean.device_staging_bytes)), lean.largest_unit,
       double(lean.largest_unit_elements) / 1e9, smaller);
+}
+
+// The leanest layout of `input`: stage 3, everything on NVMe, micro batch
+// 1, the layers in pieces and the vocabulary cut to a piece's size; the
+// saved inputs in the first home that fits.
+static PlanInput leanest_layout(const PlanInput& input) {
+  PlanInput leanest = input;
+  leanest.stage = 3;
+  leanest.offload_optimizer = OffloadDevice::nvme;
+  leanest.offload_param = OffloadDevice::nvme;
+  leanest.micro_batch = 1;
+  leanest.model.layer_pieces = 2;
+  leanest.layer_pieces_auto = false;
+  leanest.model.vocab_chunks =
+      std::max(leanest.model.vocab_chunks, vocab_chunks_for_layers(leanest));
+  leanest.vocab_chunks_auto = false;
+  leanest.expert_groups_auto = false;
+  leanest.mlp_parts_auto = false;
+  leanest.activation_home.reset();
+  return leanest;
 }
 
 Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
@@ -164,18 +189,7 @@ Result<PlanReport> plan_with_suggestion(const PlanInput& input) {
     }
   }
   // Nothing fits: say what the leanest layout still needs on this node.
-  PlanInput leanest = input;
-  leanest.stage = 3;
-  leanest.offload_optimizer = OffloadDevice::nvme;
-  leanest.offload_param = OffloadDevice::nvme;
-  leanest.micro_batch = 1;
-  leanest.model.layer_pieces = 2;  // then the vocabulary cut to a piece's size
-  leanest.layer_pieces_auto = false;
-  leanest.model.vocab_chunks =
-      std::max(leanest.model.vocab_chunks, vocab_chunks_for_layers(leanest));
-  leanest.vocab_chunks_auto = false;
-  leanest.expert_groups_auto = false;
-  leanest.activation_home.reset();  // the first home that fits
+  const PlanInput leanest = leanest_layout(input);
   Result<PlanReport> lean_plan = plan_memory(leanest);
   if (!lean_plan) return lean_plan.status();
   const PlanReport& lean = *lean_plan;

@@ -521,6 +521,8 @@ std::string format_plan_table(const PlanReport& plan, bool zero_accounting) {
     out << fmt::format("  layer pieces: {}\n", layer_pieces_line(in));
   if (in.model.expert_groups > 1 || !in.expert_groups_reason.empty())
     out << fmt::format("  expert groups: {}\n", expert_groups_line(in));
+  if (in.model.mlp_parts > 1 || !in.mlp_parts_reason.empty())
+    out << fmt::format("  MLP parts: {}\n", mlp_parts_line(in));
   if (!plan.expert_fetch_reason.empty())
     out << fmt::format("  expert fetch: {}\n", plan.expert_fetch_reason);
   if (!plan.expert_update_reason.empty())
@@ -632,6 +634,8 @@ nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting
   j["layer_pieces"] = {{"pieces", in.model.layer_pieces}, {"reason", layer_pieces_line(in)}};
   if (in.model.is_moe())
     j["expert_groups"] = {{"groups", in.model.expert_groups}, {"reason", expert_groups_line(in)}};
+  if (in.model.sparse_layer_count() < in.model.num_hidden_layers)
+    j["mlp_parts"] = {{"parts", in.model.mlp_parts}, {"reason", mlp_parts_line(in)}};
   j["world_size"] = in.world_size;
   j["nodes"] = in.budgets.nodes(in.world_size);
   j["ranks_per_node"] = in.budgets.node_ranks(in.world_size);

@@ -154,9 +154,11 @@ Result<PlanReport> plan_memory(const PlanInput& input);
 // layer_pieces_auto) resolved: each stays whole unless the plan without it
 // does not fit its budgets and the plan with it does. The vocabulary is
 // tried first (it adds no saved input); then each layer's attention and MLP
-// (with the vocabulary, when automatic, cut to a piece's size). A given
-// count is kept; the input says what was chosen and why in
-// vocab_chunks_reason and layer_pieces_reason. `report` is the plan the
+// (with the vocabulary, when automatic, cut to a piece's size); then a
+// mixture's groups of experts and a dense MLP's parts, the fewest that fit.
+// A given count is kept; the input says what was chosen and why in
+// vocab_chunks_reason, layer_pieces_reason, expert_groups_reason and
+// mlp_parts_reason. `report` is the plan the
 // choice was judged by, when the choice built the one it chose.
 struct UnitCutsChoice {
   PlanInput input;
@@ -193,6 +195,10 @@ std::string expert_groups_line(const PlanInput& input);
 // `leanest`'s) with which its plan, in layer pieces, fits the device's
 // budget; 0 when no count up to the experts does.
 int64_t expert_groups_that_fit(const PlanInput& leanest);
+// Likewise for the parts of a dense layer's MLP (ModelConfig::mlp_parts,
+// up to 64), and their line (PlanInput::mlp_parts_reason).
+int64_t mlp_parts_that_fit(const PlanInput& leanest);
+std::string mlp_parts_line(const PlanInput& input);
 nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting);
 
 }  // namespace strata

@@ -164,6 +164,10 @@ double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t l
   if (piece == LayerPiece::experts)
     return 2 * N * (active - attention_params - router_params) /
            double(std::max<int64_t>(1, m.expert_groups));
+  // A dense MLP's part: its share of the MLP's products (equal parts).
+  if (piece == LayerPiece::mlp_part)
+    return 2 * N * double(3 * m.hidden_size * m.intermediate_size) /
+           double(std::max<int64_t>(1, m.mlp_parts));
   return 2 * N * active + attention;
 }
 
