@@ -253,6 +253,43 @@ TEST(TieredStoreTest, OverBudgetRequestFailsWithTheNumbersBeforeAnythingMoves) {
   }
 }
 
+// Host copies of parameter shards of mixed sizes: three slots' worth of
+// pool, a copy of 768 KiB between two of 1 MiB released, and a 1 MiB copy
+// finds 1 MiB free in two ranges (first fit fragments); with
+// param_copy_bytes each copy takes a whole slot and it fits.
+TEST(TieredStoreTest, ParameterCopiesInSlotsDoNotFragmentThePool) {
+  for (uint64_t slot : {uint64_t{0}, uint64_t{1} << 20}) {
+    TemporaryDirectory directory;
+    STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+    Notices notices;
+    TieredStoreOptions options;
+    options.host_capacity = 3 << 20;
+    options.nvme_capacity = 16 << 20;
+    options.io.paths = {directory.path()};
+    options.io.block_size = 64 << 10;
+    options.io.queue_depth = 8;
+    options.use_gpu = false;
+    options.notice = notices.sink();
+    options.param_copy_bytes = slot;
+    auto opened = TieredStore::open(options);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+    TieredStore& store = **opened;
+    const uint64_t sizes[4] = {1 << 20, 768 << 10, 1 << 20, 1 << 20};
+    for (int unit = 0; unit < 4; ++unit)
+      ASSERT_TRUE(store.add_shard({unit, ShardKind::param}, sizes[unit], Tier::nvme).is_ok());
+    for (int unit = 0; unit < 3; ++unit)
+      ASSERT_TRUE(store.prefetch({unit, ShardKind::param}, Tier::host).is_ok()) << unit;
+    ASSERT_TRUE(store.release({1, ShardKind::param}, Tier::host).is_ok());
+    const Status fourth = store.prefetch({3, ShardKind::param}, Tier::host);
+    if (slot == 0) {
+      ASSERT_FALSE(fourth.is_ok()) << "the pool did not fragment: the check shows nothing";
+      EXPECT_NE(fourth.message().find("(fragmented)"), std::string::npos) << fourth.message();
+    } else {
+      EXPECT_TRUE(fourth.is_ok()) << fourth.message();
+    }
+  }
+}
+
 TEST(TieredStoreTest, ContractMisusesAreErrors) {
   TemporaryDirectory directory;
   STRATA_SKIP_WITHOUT_DIRECT_IO(directory);

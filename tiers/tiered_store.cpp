@@ -58,6 +58,7 @@ void print_notice(const std::string& line) {
 Result<std::unique_ptr<TieredStore>> TieredStore::open(TieredStoreOptions options) {
   std::unique_ptr<TieredStore> store(new TieredStore());
   store->notice_ = options.notice ? options.notice : print_notice;
+  store->param_copy_bytes_ = options.param_copy_bytes;
 
   HostTierOptions host;
   host.capacity = options.host_capacity;
@@ -336,6 +337,12 @@ Status TieredStore::remove_shard(ShardKey key) {
   return result;
 }
 
+Result<HostBlock> TieredStore::allocate_host_copy(ShardKey key, uint64_t bytes,
+                                                  const std::string& what) {
+  const bool slot = key.kind == ShardKind::param && bytes <= param_copy_bytes_;
+  return host_->allocate(slot ? param_copy_bytes_ : bytes, what);
+}
+
 Status TieredStore::prefetch(ShardKey key, Tier to) {
   if (Status status = check_tier(to, "prefetch", key); !status) return status;
   Result<ShardHold> held = hold(key);
@@ -360,7 +367,7 @@ Status TieredStore::prefetch(ShardKey key, Tier to) {
   const std::string what = shard_name(key);
   const Copy& from = shard.at(source);
   if (to == Tier::host) {  // from the NVMe home
-    Result<HostBlock> block = host_->allocate(shard.bytes, what);
+    Result<HostBlock> block = allocate_host_copy(key, shard.bytes, what);
     if (!block) return block.status();
     copy.host = *block;
     copy.present = true;
@@ -372,7 +379,8 @@ Status TieredStore::prefetch(ShardKey key, Tier to) {
     if (source == Tier::host) {
       copy.device_copy = device_->copy_to_device(*block, 0, from.host.data, shard.bytes);
     } else {  // NVMe -> host staging -> device
-      Result<HostBlock> staging = host_->allocate(shard.bytes, what + " (staging to the device)");
+      Result<HostBlock> staging =
+          allocate_host_copy(key, shard.bytes, what + " (staging to the device)");
       if (!staging) {
         device_->free(*block);
         return staging.status();
@@ -428,7 +436,7 @@ Status TieredStore::prefetch_ranges(ShardKey key, std::span<const ByteRange> ran
   Copy& copy = shard.at(Tier::host);
   if (copy.present) return Status::ok();  // there already, or on its way
   if (Status status = settle_writes(shard); !status) return status;
-  Result<HostBlock> block = host_->allocate(shard.bytes, shard_name(key));
+  Result<HostBlock> block = allocate_host_copy(key, shard.bytes, shard_name(key));
   if (!block) return block.status();
   copy.host = *block;
   copy.present = true;

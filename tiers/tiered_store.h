@@ -70,6 +70,14 @@ struct TieredStoreOptions {
   bool pin_host = true;
   std::optional<unsigned> numa_node;  // default: chosen with hwloc
   std::optional<uint64_t> memlock_limit_for_testing;
+  // Host copies of NVMe-homed parameter shards (fetches, range prefetches,
+  // staging to the device) come and go in every size of unit; first fit
+  // over mixed sizes fragments the pool until a copy finds no range long
+  // enough though the bytes are free. With this set, each such copy of a
+  // shard no larger takes exactly this many bytes (the plan's largest
+  // parameter shard), so the copies are interchangeable slots; 0: their
+  // own sizes.
+  uint64_t param_copy_bytes = 0;
   // One-line notices (fallbacks); default: stderr.
   std::function<void(const std::string&)> notice{};
 };
@@ -149,6 +157,9 @@ class TieredStore {
   Status settle_writes(Shard& shard);
 
   std::unique_ptr<HostTier> host_;
+  uint64_t param_copy_bytes_ = 0;  // TieredStoreOptions::param_copy_bytes
+  // A host copy of an NVMe-homed shard: a parameter shard's in a slot of param_copy_bytes_.
+  Result<HostBlock> allocate_host_copy(ShardKey key, uint64_t bytes, const std::string& what);
   std::unique_ptr<DeviceTier> device_;
   std::unique_ptr<NvmeTier> nvme_;
   bool host_registered_ = false;

@@ -49,6 +49,11 @@ tiers::TieredStoreOptions rank_store_options(const TrainingPlan& plan, const Eng
                               : device_need;
   store.host_capacity =
       host_budget ? std::min<uint64_t>(uint64_t(*host_budget), host_need) : host_need;
+  // The NVMe parameter copies the plan counts as slots of the largest shard
+  // take exactly that each, so units of other sizes cannot fragment them.
+  for (const PlanBuffer& buffer : plan.buffers)
+    if (buffer.role == BufferRole::nvme_parameter_copies)
+      store.param_copy_bytes = uint64_t(buffer.copy_bytes());
   // The CPU backend: host memory stands in for the device.
   store.use_gpu = in.gpu && !options.emulate_gpu;
   store.gpu_index = options.gpu_index;
