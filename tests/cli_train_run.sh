@@ -205,4 +205,32 @@ assert all(abs(x-y)<=1e-9*abs(y) for p,q in zip(a,b) for x,y in zip(p,q)), (a[-1
 " "$dir/moe.jsonl" "$dir/groups.jsonl"
 check "small-moe in groups: the losses and gradient norms of the uncut run" $?
 
+# A dense model's MLPs in 3 parts along the intermediate dimension: the
+# output and the input gradient sum in parts, so the losses stay within
+# 1e-6 of whole MLP pieces' (core/README.md, "MLP parts"); exported with
+# --export, the weights are the whole tensors that a run of whole MLP pieces
+# reads with --init and writes back byte for byte (in the same tensor order:
+# layer pieces list a layer's attention tensors first).
+parts=(--model small --backend cpu --seq-len 64 --micro-batch 2 --steps 20 --lr 3e-3
+       --zero-stage 3 --offload-param nvme --offload-optimizer nvme --layer-pieces 2
+       --data "$dir/data/train.bin" --hardware none)
+"$strata" train "${parts[@]}" --nvme-path "$dir/swap-mlp1" --mlp-parts 1 \
+    --metrics "$dir/mlp1.jsonl" >/dev/null 2>"$dir/err" &&
+  "$strata" train "${parts[@]}" --nvme-path "$dir/swap-mlp3" --mlp-parts 3 \
+    --metrics "$dir/mlp3.jsonl" --export "$dir/mlp3.safetensors" >"$dir/mlp3.out" 2>"$dir/err"
+check "small trains with its MLPs in 3 parts" $?
+grep -q "^MLP parts: 3 (given)" "$dir/mlp3.out"
+check "the run says its MLP parts" $?
+python3 -c "
+import json,sys
+a,b=([x['loss'] for x in map(json.loads,open(f))] for f in sys.argv[1:3])
+assert len(a)==len(b)==20 and all(abs(x-y)<=1e-6*abs(y) for x,y in zip(a,b)), (a[-1], b[-1])
+" "$dir/mlp1.jsonl" "$dir/mlp3.jsonl"
+check "small in MLP parts: the losses of whole MLP pieces within 1e-6" $?
+"$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 0 \
+    --layer-pieces 2 --mlp-parts 1 --init "$dir/mlp3.safetensors" --export "$dir/whole.safetensors" \
+    --data "$dir/data/train.bin" --hardware none >/dev/null 2>"$dir/err" &&
+  cmp -s "$dir/mlp3.safetensors" "$dir/whole.safetensors"
+check "the parts' export loads whole and writes back the same bytes" $?
+
 finish_checks

@@ -662,3 +662,68 @@ TEST(PlannerLayerPieces, AutoCutsLayersOnlyWhereThatIsWhatFits) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// A Llama-3.1-405B-shaped dense model on the CPU backend, everything on
+// NVMe, 1 x 2048 tokens, a 24 GiB budget for the compute's memory: a
+// layer's MLP (2.62B parameters) is more than the budget holds in two
+// pieces, and in parts along its intermediate dimension it fits. Given
+// whole layers and one MLP piece, the "none" line names the fewest parts
+// that give the device room; auto takes that count, and says why.
+TEST(Planner, ADenseMlpTooLargeForThePiecesTakesParts) {
+  PlanInput in;
+  ModelConfig& m = in.model;
+  m = *load_model_config("llama3-8b");
+  m.hidden_size = 16384;
+  m.intermediate_size = 53248;
+  m.num_hidden_layers = 126;
+  m.num_attention_heads = 128;
+  m.num_key_value_heads = 8;
+  m.head_dim = 128;
+  m.vocab_size = 128256;
+  m.tie_word_embeddings = false;
+  in.precision = Precision::bf16;
+  in.stage = 3;
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.micro_batch = 1;
+  in.seq_len = 2048;
+  in.nvme_path_known = true;
+  in.budgets.device_per_rank = 24LL << 30;
+  in.budgets.host_per_node = 256LL << 30;
+  in.budgets.nvme_per_node = 16LL << 40;
+  const PlanReport given = *plan_with_suggestion(in);
+  ASSERT_FALSE(given.fits);
+  const std::string named = ", or --layer-pieces 2 --mlp-parts ";
+  const size_t at = given.suggestion.find(named);
+  ASSERT_NE(at, std::string::npos) << given.suggestion;
+  const int64_t parts = std::stoll(given.suggestion.substr(at + named.size()));
+  EXPECT_GT(parts, 1);
+  PlanInput chosen = in;
+  chosen.vocab_chunks_auto = chosen.layer_pieces_auto = chosen.mlp_parts_auto = true;
+  const PlanReport automatic = *plan_memory(chosen);
+  EXPECT_TRUE(automatic.fits);
+  EXPECT_EQ(automatic.input.model.mlp_parts, parts);
+  EXPECT_EQ(automatic.input.model.layer_pieces, 2);
+  EXPECT_EQ(automatic.input.mlp_parts_reason.rfind(
+                std::to_string(parts) + " (auto: the plan does not fit", 0),
+            0u)
+      << automatic.input.mlp_parts_reason;
+  EXPECT_EQ(automatic.largest_unit.rfind("layers.0.mlp.", 0), 0u) << automatic.largest_unit;
+  // One part fewer does not fit; on a GPU parts are not built, and auto keeps one piece.
+  PlanInput fewer = automatic.input;
+  fewer.model.mlp_parts = parts - 1;
+  fewer.model.vocab_chunks = vocab_chunks_for_layers(fewer);
+  if (parts - 1 > 1) {
+    EXPECT_FALSE(plan_memory(fewer)->fits);
+  }
+  PlanInput gpu = chosen;
+  gpu.gpu = true;
+  gpu.mlp_parts_auto = false;
+  EXPECT_EQ(plan_memory(gpu)->input.model.mlp_parts, 1);
+}
+
+}  // namespace
+}  // namespace strata
