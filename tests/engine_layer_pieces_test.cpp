@@ -90,12 +90,7 @@ TEST_F(EngineLayerPieces, PiecesLowerTheSlotsAndTheRunKeepsToThePlan) {
     testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
     // The fetched and gathered parameter copies and the unit gradients are
     // sized by the largest unit: in pieces, a layer's MLP.
-    int64_t slots = 0;
-    for (const PlanBuffer& buffer : outcome.plan.buffers)
-      if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
-          buffer.role == BufferRole::gathered_unit_fp32 ||
-          buffer.role == BufferRole::nvme_parameter_copies)
-        slots += buffer.bytes;
+    const int64_t slots = testing::parameter_slot_bytes(outcome.plan);
     ASSERT_GT(slots, 0) << run.label();
     if (pieces == 1) {
       whole_slots = slots;

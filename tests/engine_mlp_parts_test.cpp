@@ -133,12 +133,7 @@ TEST_F(EngineMlpParts, PartsLowerTheSlotsAndTheRunKeepsToThePlan) {
     const EngineOutcome outcome = train(run);
     ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
     testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
-    int64_t slots = 0;
-    for (const PlanBuffer& buffer : outcome.plan.buffers)
-      if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
-          buffer.role == BufferRole::gathered_unit_fp32 ||
-          buffer.role == BufferRole::nvme_parameter_copies)
-        slots += buffer.bytes;
+    const int64_t slots = testing::parameter_slot_bytes(outcome.plan);
     ASSERT_GT(slots, 0) << run.label();
     if (parts == 1) {
       whole_slots = slots;

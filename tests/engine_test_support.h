@@ -509,6 +509,18 @@ inline std::vector<EngineRun> every_placement(int world, const std::string& prec
   return runs;
 }
 
+// The bytes of a plan's buffers sized by its largest unit: the fetched and
+// gathered parameter copies and the unit gradients.
+inline int64_t parameter_slot_bytes(const TrainingPlan& plan) {
+  int64_t slots = 0;
+  for (const PlanBuffer& buffer : plan.buffers)
+    if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
+        buffer.role == BufferRole::gathered_unit_fp32 ||
+        buffer.role == BufferRole::nvme_parameter_copies)
+      slots += buffer.bytes;
+  return slots;
+}
+
 // every_placement in fp32 with one cut of the model (`cut` sets it: vocabulary
 // chunks, layer pieces), two steps, the same global batch (6 micro-batches)
 // at every world size.

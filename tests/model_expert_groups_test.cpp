@@ -27,14 +27,15 @@
 
 #include "core/model/model.h"
 #include "kernels/cpu/gemm.h"
+#include "norm_bound_support.h"
 #include "tiers_test_support.h"
 
 namespace strata {
 namespace {
 
-constexpr double kUnit = 1.0 / 16777216.0;  // fp32's unit roundoff, 2^-24
+constexpr double kUnit = testing::kUnitRoundoff;
 double gamma(double n) {
-  return n * kUnit / (1 - n * kUnit);
+  return testing::gamma_bound(n);
 }
 
 bool same_bits(const float* a, const float* b, size_t n) {
@@ -310,17 +311,12 @@ TEST_F(ModelExpertGroups, TopKAboveTwoIsBitwiseButTheNormedRowsGradientWithinThe
           << slot.name << ", " << groups << " groups";
     }
     // The bound, in float64 from the inputs.
-    std::vector<double> xhat(size_t(N * C)), g(size_t(N * C)), cut(size_t(N * C));
-    std::vector<double> rstd(static_cast<size_t>(N));
+    const testing::NormBackwardBound nb(x2.data(), w.data(), N, C, c.rms_norm_eps);
+    const std::vector<double>& xhat = nb.xhat;
+    std::vector<double> g(size_t(N * C)), cut(size_t(N * C));
     for (int64_t t = 0; t < N; ++t) {
-      double ms = 0;
-      for (int64_t j = 0; j < C; ++j) ms += double(x2[t * C + j]) * x2[t * C + j];
-      rstd[t] = 1 / std::sqrt(ms / double(C) + c.rms_norm_eps);
       std::vector<double> row(static_cast<size_t>(C));
-      for (int64_t j = 0; j < C; ++j) {
-        xhat[t * C + j] = x2[t * C + j] * rstd[t];
-        row[size_t(j)] = xhat[t * C + j] * double(w[size_t(j)]);
-      }
+      for (int64_t j = 0; j < C; ++j) row[size_t(j)] = nb.normed(t, j);
       const NormedGradient r =
           reference_normed_gradient(b, row, dout.data() + t * C, batch.experts.top_expert + t * K,
                                     batch.experts.top_weight + t * K);
@@ -329,16 +325,6 @@ TEST_F(ModelExpertGroups, TopKAboveTwoIsBitwiseButTheNormedRowsGradientWithinThe
         cut[t * C + j] = 1.01 * 2 * gamma(double(K + c.num_experts)) * r.magnitude[size_t(j)];
       }
     }
-    // |J|^T applied to a gradient of the normed rows e (per row): the norm's
-    // backward is dx = rstd (w e - xhat mean(w e xhat)).
-    auto carried = [&](const std::vector<double>& e, int64_t t, int64_t j) {
-      double mean = 0;
-      for (int64_t i = 0; i < C; ++i)
-        mean += std::abs(double(w[size_t(i)])) * e[t * C + i] * std::abs(xhat[t * C + i]);
-      mean /= double(C);
-      return rstd[t] *
-             (std::abs(double(w[size_t(j)])) * e[t * C + j] + std::abs(xhat[t * C + j]) * mean);
-    };
     std::vector<double> g_abs(size_t(N * C));
     for (size_t i = 0; i < g.size(); ++i) g_abs[i] = std::abs(g[i]);
     double worst = 0;
@@ -347,7 +333,7 @@ TEST_F(ModelExpertGroups, TopKAboveTwoIsBitwiseButTheNormedRowsGradientWithinThe
       for (int64_t j = 0; j < C; ++j) {
         const double added = 1.01 * kUnit * (std::abs(dx_a[t * C + j]) + std::abs(dx_b[t * C + j]));
         const double bound =
-            carried(cut, t, j) + 2 * gamma(double(C + 8)) * carried(g_abs, t, j) + added;
+            nb.carried(cut, t, j) + 2 * gamma(double(C + 8)) * nb.carried(g_abs, t, j) + added;
         const double diff = std::abs(double(dx_b[t * C + j]) - dx_a[t * C + j]);
         differ += diff > 0 ? 1 : 0;
         worst = std::max(worst, diff / std::max(bound, 1e-300));

@@ -13,7 +13,9 @@
 //    add in pieces, so each pair differs by at most 2 gamma_n times the sum
 //    of the terms' magnitudes (n = I, 2 I), then the residual's addition
 //    and the norm's backward carry it as for the expert groups;
-//  - a whole model's loss and gradients stay near the uncut model's.
+//  - a whole model's loss and gradients stay near the uncut model's, in 4
+//    parts, in parts of one row each, and in a mixture whose dense layer
+//    is in parts and whose sparse layers are in groups of experts.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -270,11 +272,33 @@ TEST_F(ModelMlpParts, OneLayerIsBitwiseButTheSumsOverTheIntermediateDimensionWit
   }
 }
 
-TEST_F(ModelMlpParts, AWholeModelStaysNearTheUncutOne) {
-  const ModelConfig c = dense();
+// A whole model, its MLPs in 4 parts or in parts of one row each; and a
+// Qwen3-MoE mixture with a dense layer among its sparse ones, the dense
+// MLP in 3 parts and the sparse ones in 2 groups of experts.
+class ModelMlpPartsWhole : public ModelMlpParts, public ::testing::WithParamInterface<int> {};
+
+TEST_P(ModelMlpPartsWhole, StaysNearTheUncutModel) {
+  ModelConfig c = dense();
+  int64_t parts = GetParam() == 0 ? 4 : c.intermediate_size;
+  if (GetParam() == 2) {
+    c.family = ModelFamily::qwen3_moe;
+    c.qk_norm = true;
+    c.num_hidden_layers = 3;
+    c.mlp_only_layers = {1};
+    c.num_experts = 5;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = pick(9, 15) | 1;
+    parts = 3;
+  }
   const int64_t B = 2, T = 6, N = B * T;
   HostModel a = cut_model(c, 1, seed_ + 50);
-  HostModel b = cut_model(c, 4, seed_ + 50);
+  ModelConfig cut = c;
+  cut.expert_groups = c.is_moe() ? 2 : 1;
+  HostModel b = cut_model(cut, parts, seed_ + 50);
+  if (c.is_moe()) {  // layers.1 (dense) in parts, layers.0 and .2 a router and groups
+    EXPECT_EQ(b.layout.units[6].unit.name, "layers.1.mlp.0");
+    EXPECT_EQ(b.layout.units[3].unit.name, "layers.0.experts.0");
+  }
   std::uniform_int_distribution<int32_t> id(0, int32_t(c.vocab_size) - 1);
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   for (auto& x : tokens) x = id(rng_);
@@ -290,6 +314,9 @@ TEST_F(ModelMlpParts, AWholeModelStaysNearTheUncutOne) {
   Result<double> lb = model_forward_backward(b, batch, ws);
   ASSERT_TRUE(la.is_ok() && lb.is_ok());
   EXPECT_NEAR(*la, *lb, 1e-5 * std::abs(*la));
+  const auto wa = whole_tensors(a, false), wb = whole_tensors(b, false);
+  for (const auto& [name, values] : wa)
+    EXPECT_TRUE(same_bits(values.data(), wb.at(name).data(), values.size())) << name;
   const auto ga = whole_tensors(a, true), gb = whole_tensors(b, true);
   for (const auto& [name, values] : ga) {
     double scale = 0, diff = 0;
@@ -300,6 +327,13 @@ TEST_F(ModelMlpParts, AWholeModelStaysNearTheUncutOne) {
     EXPECT_LE(diff, 1e-4 * scale + 1e-12) << name;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(, ModelMlpPartsWhole, ::testing::Values(0, 1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == 0   ? "FourParts"
+                                              : info.param == 1 ? "OneRowEach"
+                                                                : "AMixtureWithGroups");
+                         });
 
 }  // namespace
 }  // namespace strata

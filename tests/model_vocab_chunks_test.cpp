@@ -21,14 +21,14 @@
 
 #include "core/model/model.h"
 #include "kernels/cpu/gemm.h"
+#include "norm_bound_support.h"
 #include "tiers_test_support.h"
 
 namespace strata {
 namespace {
 
-constexpr double kUnit = 1.0 / 16777216.0;  // fp32's unit roundoff, 2^-24
 double gamma(double n) {
-  return n * kUnit / (1 - n * kUnit);
+  return testing::gamma_bound(n);
 }
 
 class ModelVocabChunks : public ::testing::Test {
@@ -194,13 +194,10 @@ TEST_F(ModelVocabChunks, TheHeadsChunksGiveTheWholeHeadsBitsAndTheInputGradientW
 
     // The bound, in float64 from the inputs.
     const std::vector<float> W = whole(a, "lm_head.weight", false);
-    std::vector<double> xhat(size_t(N * C)), g(size_t(N * C), 0.0), cut(size_t(N * C), 0.0);
-    std::vector<double> rstd(static_cast<size_t>(N));
+    const testing::NormBackwardBound nb(h.data(), w.data(), N, C, c.rms_norm_eps);
+    const std::vector<double>& xhat = nb.xhat;
+    std::vector<double> g(size_t(N * C), 0.0), cut(size_t(N * C), 0.0);
     for (int64_t t = 0; t < N; ++t) {
-      double ms = 0;
-      for (int64_t j = 0; j < C; ++j) ms += double(h[t * C + j]) * h[t * C + j];
-      rstd[t] = 1 / std::sqrt(ms / double(C) + c.rms_norm_eps);
-      for (int64_t j = 0; j < C; ++j) xhat[t * C + j] = h[t * C + j] * rstd[t];
       if (targets[t] < 0) continue;
       double max = -INFINITY, sum = 0;
       for (int64_t v = 0; v < V; ++v) max = std::max(max, double(logits_a[t * V + v]));
@@ -215,22 +212,13 @@ TEST_F(ModelVocabChunks, TheHeadsChunksGiveTheWholeHeadsBitsAndTheInputGradientW
         }
       }
     }
-    // |J|^T applied to a gradient of the normed rows e (per row): the norm's
-    // backward is dx = rstd (w e - xhat mean(w e xhat)).
-    auto carried = [&](const std::vector<double>& e, int64_t t, int64_t j) {
-      double mean = 0;
-      for (int64_t i = 0; i < C; ++i)
-        mean += std::abs(double(w[size_t(i)])) * e[t * C + i] * std::abs(xhat[t * C + i]);
-      mean /= double(C);
-      return rstd[t] *
-             (std::abs(double(w[size_t(j)])) * e[t * C + j] + std::abs(xhat[t * C + j]) * mean);
-    };
     std::vector<double> g_abs(size_t(N * C));
     for (size_t i = 0; i < g.size(); ++i) g_abs[i] = std::abs(g[i]);
     double worst = 0;
     for (int64_t t = 0; t < N; ++t) {
       for (int64_t j = 0; j < C; ++j) {
-        const double bound = carried(cut, t, j) + 2 * gamma(double(C + 8)) * carried(g_abs, t, j);
+        const double bound =
+            nb.carried(cut, t, j) + 2 * gamma(double(C + 8)) * nb.carried(g_abs, t, j);
         const double diff = std::abs(double(dx_b[t * C + j]) - dx_a[t * C + j]);
         worst = std::max(worst, diff / std::max(bound, 1e-300));
         ASSERT_LE(diff, bound) << K << " chunks, row " << t << ", column " << j;

@@ -365,30 +365,27 @@ int64_t stored_layer_pieces(const nlohmann::json& units) {
   return 1;
 }
 
-int64_t stored_expert_groups(const nlohmann::json& units) {
-  int64_t groups = 0;
-  std::string layer;  // the first sparse layer's name, "layers.i."
+// The units of the first layer whose names hold `marker` ("layers.i" +
+// marker + "g"): how many pieces that cut made of a layer; 1 for none.
+static int64_t stored_pieces_of_first_layer(const nlohmann::json& units, const char* marker) {
+  int64_t pieces = 0;
+  std::string layer;  // the first such layer's name, "layers.i."
   for (const nlohmann::json& unit : units.is_array() ? units : nlohmann::json::array()) {
     const std::string name = unit.is_object() ? unit.value("name", std::string()) : "";
-    const size_t at = name.find(".experts.");
+    const size_t at = name.find(marker);
     if (at == std::string::npos) continue;
     if (layer.empty()) layer = name.substr(0, at + 1);
-    if (name.starts_with(layer)) ++groups;
+    if (name.starts_with(layer)) ++pieces;
   }
-  return std::max<int64_t>(1, groups);
+  return std::max<int64_t>(1, pieces);
+}
+
+int64_t stored_expert_groups(const nlohmann::json& units) {
+  return stored_pieces_of_first_layer(units, ".experts.");
 }
 
 int64_t stored_mlp_parts(const nlohmann::json& units) {
-  int64_t parts = 0;
-  std::string layer;  // the first cut dense layer's name, "layers.i."
-  for (const nlohmann::json& unit : units.is_array() ? units : nlohmann::json::array()) {
-    const std::string name = unit.is_object() ? unit.value("name", std::string()) : "";
-    const size_t at = name.find(".mlp.");
-    if (at == std::string::npos) continue;
-    if (layer.empty()) layer = name.substr(0, at + 1);
-    if (name.starts_with(layer)) ++parts;
-  }
-  return std::max<int64_t>(1, parts);
+  return stored_pieces_of_first_layer(units, ".mlp.");
 }
 
 Status export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,

@@ -372,12 +372,25 @@ Status CudaUnits::mlp_forward(const LayerOffsets& o, const void* w, const void* 
   return matmuls_.forward(out, b.mlp, at(w, o.down), N, I, C, type_, true, stream);
 }
 
+// The pieces of a layer the CUDA backend computes: whole, attention, MLP
+// (the plan refuses the others, expert groups and MLP parts, before a unit runs).
+static Status built_piece(const UnitShape& unit) {
+  if (unit.piece == LayerPiece::whole || unit.piece == LayerPiece::attention ||
+      unit.piece == LayerPiece::mlp)
+    return Status::ok();
+  return Status::error(fmt::format(
+      "{}: the CUDA backend computes whole layers and their attention and MLP pieces only; train "
+      "cuts of experts or MLP parts on the CPU backend",
+      unit.name));
+}
+
 // A whole layer, or its piece (as core/model/model.cpp computes them): the
 // attention piece's output is its x2, the MLP piece's input is. A whole
 // layer keeps x2 in b.x2. No `out`: recomputation for the backward.
 Status CudaUnits::layer_forward(int64_t u, const void* w, const void* x, void* out,
                                 cudaStream_t stream) {
   const UnitLayout& unit = layout_.units[size_t(u)];
+  if (Status s = built_piece(unit.unit); !s) return s;
   const LayerOffsets o = layer_offsets(unit);
   const LayerPiece piece = unit.unit.piece;
   if (piece == LayerPiece::mlp) return mlp_forward(o, w, x, out, stream);
@@ -457,6 +470,7 @@ Status CudaUnits::layer_backward(int64_t u, const void* w, float* g, const void*
                                  const void* dout, void* dx, bool recompute, const float* aux_grad,
                                  cudaStream_t stream) {
   const UnitLayout& unit = layout_.units[size_t(u)];
+  if (Status s = built_piece(unit.unit); !s) return s;
   const LayerOffsets o = layer_offsets(unit);
   const LayerPiece piece = unit.unit.piece;
   const size_t ts = cuda::dtype_size(type_);
