@@ -115,6 +115,7 @@ TEST_F(EngineExpertFetch, RoutedReadsGiveTheBitsOfReadingEveryExpert) {
       all.expert_fetch = "all";
       const EngineOutcome a = train(all), r = train(routed);
       ASSERT_EQ(r.steps.size(), 3u) << routed.label();
+      ASSERT_EQ(a.steps.size(), 3u) << all.label();
       EXPECT_FALSE(a.plan.routed_expert_fetch) << all.label();
       EXPECT_TRUE(r.plan.routed_expert_fetch) << routed.label();
       EXPECT_TRUE(a.steps[0].routing.empty());

@@ -616,7 +616,8 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
   // Through a bounded staging block, so a large shard needs little host budget.
   const uint64_t padded = nvme_->rounded(shard.bytes);
   const uint64_t step = std::min(padded, kShardStagingBytes);
-  Result<HostBlock> staging = host_->allocate(step, shard_name(key) + " (write_shard staging)");
+  Result<HostBlock> staging =
+      allocate_host_copy(key, step, shard_name(key) + " (write_shard staging)");
   if (!staging) return staging.status();
   Status status;
   for (uint64_t offset = 0; offset < padded && status; offset += step) {
@@ -650,7 +651,8 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
   }
   const uint64_t padded = nvme_->rounded(shard.bytes);
   const uint64_t step = std::min(padded, kShardStagingBytes);
-  Result<HostBlock> staging = host_->allocate(step, shard_name(key) + " (read_shard staging)");
+  Result<HostBlock> staging =
+      allocate_host_copy(key, step, shard_name(key) + " (read_shard staging)");
   if (!staging) return staging.status();
   Status status;
   for (uint64_t offset = 0; offset < padded && status; offset += step) {

@@ -71,7 +71,9 @@ struct TieredStoreOptions {
   std::optional<unsigned> numa_node;  // default: chosen with hwloc
   std::optional<uint64_t> memlock_limit_for_testing;
   // Host copies of NVMe-homed parameter shards (fetches, range prefetches,
-  // staging to the device) come and go in every size of unit; first fit
+  // staging to the device, the staging of write_shard and read_shard, which
+  // write each step's new parameters back) come and go in every size of
+  // unit; first fit
   // over mixed sizes fragments the pool until a copy finds no range long
   // enough though the bytes are free. With this set, each such copy of a
   // shard no larger takes exactly this many bytes (the plan's largest
