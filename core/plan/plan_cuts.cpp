@@ -42,16 +42,17 @@ struct CutFit {
 template <typename Fits>
 std::optional<CutFit> fewest_pieces(const PlanInput& in, bool parts, bool cut_vocab,
                                     const Fits& fits) {
-  int64_t& (*count)(PlanInput&) = parts ? [](PlanInput& p) -> int64_t& { return p.model.mlp_parts; }
-  : [](PlanInput& p) -> int64_t& { return p.model.expert_groups; };
+  auto count = [parts](const PlanInput& p) {
+    return parts ? p.model.mlp_parts : p.model.expert_groups;
+  };
   const int64_t most =
       parts ? std::min(kMostMlpParts, in.model.intermediate_size) : in.model.num_experts;
-  const int64_t given = count(const_cast<PlanInput&>(in));
+  const int64_t given = count(in);
   std::optional<CutFit> fit;
   auto fits_in = [&](int64_t pieces) {
     PlanInput cut = in;
     cut.model.layer_pieces = 2;
-    count(cut) = pieces;
+    (parts ? cut.model.mlp_parts : cut.model.expert_groups) = pieces;
     if (cut_vocab)
       cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
     Result<PlanReport> in_pieces = plan_as_given(cut);
