@@ -146,7 +146,8 @@ StoredRuns stored_tensor_runs(const ModelLayout& stored) {
 
 // Calls read(at, numel, offset) for the stored pieces of elements [first,
 // first + numel) of a tensor: `at` in the state files, `offset` from
-// `first`. False when the checkpoint lacks some of them.
+// `first`. A corruption with no message when the checkpoint lacks some of
+// them (the caller names the tensor), or the first failed read's status.
 template <typename Read>
 Status read_stored_range(const std::vector<StoredRun>& runs, int64_t first, int64_t numel,
                          Read&& read) {
