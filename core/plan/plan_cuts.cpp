@@ -70,6 +70,75 @@ std::optional<CutFit> fewest_pieces(const PlanInput& in, bool parts, bool cut_vo
   return fit;
 }
 
+// What the reasons of an automatic cut of a layer's MLP say: groups of a
+// sparse layer's experts, or parts of a dense MLP.
+struct MlpCutWords {
+  bool parts;
+  const char* fits;         // the reason when one piece fits
+  const char* needs_pieces; // when the layers were asked whole
+  const char* chosen;       // "{count} ... {count} ...": the fewest that fit
+  const char* pieces;       // the layer pieces' reason when the cut asked for them
+  const char* vocab;        // the vocabulary's, cut to this piece's size
+  const char* none;         // "... up to {most} ...": no count fits
+};
+constexpr MlpCutWords kGroupWords = {
+    false,
+    "1 (auto: each sparse layer's MLP as one piece fits the budgets)",
+    "1 (auto: the plan does not fit the budgets, and groups of experts need --layer-pieces 2)",
+    "{0} (auto: the plan does not fit the budgets with each sparse layer's MLP as one piece; its "
+    "router and {0} groups of experts, the fewest that fit)",
+    "2 (auto: the groups of experts cut each layer's MLP piece)",
+    "{} (auto: the embedding and the head cut to a group's size)",
+    "1 (auto: the plan does not fit the budgets, and with the experts in groups of any count up "
+    "to {} it does not either)"};
+constexpr MlpCutWords kPartWords = {
+    true,
+    "1 (auto: each dense layer's MLP as one piece fits the budgets)",
+    "1 (auto: the plan does not fit the budgets, and MLP parts need --layer-pieces 2)",
+    "{0} (auto: the plan does not fit the budgets with each dense layer's MLP as one piece; in "
+    "{0} parts along its intermediate dimension, the fewest that fit)",
+    "2 (auto: the MLP parts cut each layer's MLP piece)",
+    "{} (auto: the embedding and the head cut to an MLP part's size)",
+    "1 (auto: the plan does not fit the budgets, and with each dense MLP in any count of parts up "
+    "to {} it does not either)"};
+
+// The automatic cut of each layer's MLP `words` names, after the cuts
+// before it left `in` and its plan `best`: none where `best` fits, else the
+// fewest pieces that fit (the layers in pieces, the vocabulary, when
+// automatic, cut to a piece's size), said in the reasons.
+void choose_mlp_cut(PlanInput& in, PlanReport& best, bool pieces_auto, bool vocab_auto,
+                    const MlpCutWords& words) {
+  auto reason = [&](PlanInput& p) -> std::string& {
+    return words.parts ? p.mlp_parts_reason : p.expert_groups_reason;
+  };
+  if (best.fits) {
+    reason(in) = words.fits;
+    return;
+  }
+  if (in.model.layer_pieces < 2 && !pieces_auto) {
+    reason(in) = words.needs_pieces;
+    return;
+  }
+  PlanInput base = in;
+  base.model.layer_pieces = 2;
+  std::optional<CutFit> fit =
+      fewest_pieces(base, words.parts, vocab_auto, [](const PlanReport& p) { return p.fits; });
+  if (!fit) {
+    const int64_t most = words.parts ? std::min(kMostMlpParts, in.model.intermediate_size)
+                                     : in.model.num_experts;
+    reason(in) = fmt::format(fmt::runtime(words.none), most);
+    return;
+  }
+  PlanInput& cut = fit->input;
+  reason(cut) = fmt::format(fmt::runtime(words.chosen),
+                            words.parts ? cut.model.mlp_parts : cut.model.expert_groups);
+  if (in.model.layer_pieces < 2) cut.layer_pieces_reason = words.pieces;
+  if (cut.model.vocab_chunks != in.model.vocab_chunks)
+    cut.vocab_chunks_reason = fmt::format(fmt::runtime(words.vocab), cut.model.vocab_chunks);
+  in = cut;
+  best = std::move(fit->report);
+}
+
 }  // namespace
 
 int64_t vocab_chunks_for_layers(const PlanInput& in) {
@@ -152,76 +221,8 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
       }
     }
   }
-  if (may_group) {
-    if (best.fits) {
-      in.expert_groups_reason = "1 (auto: each sparse layer's MLP as one piece fits the budgets)";
-    } else if (in.model.layer_pieces < 2 && !pieces_auto) {
-      in.expert_groups_reason =
-          "1 (auto: the plan does not fit the budgets, and groups of experts need "
-          "--layer-pieces 2)";
-    } else {
-      // The layers in pieces, the vocabulary (when automatic) cut to a group's size.
-      PlanInput base = in;
-      base.model.layer_pieces = 2;
-      std::optional<CutFit> fit =
-          fewest_pieces(base, false, vocab_auto, [](const PlanReport& p) { return p.fits; });
-      if (fit) {
-        PlanInput& cut = fit->input;
-        const int64_t groups = cut.model.expert_groups;
-        cut.expert_groups_reason = fmt::format(
-            "{} (auto: the plan does not fit the budgets with each sparse layer's MLP as one "
-            "piece; its router and {} groups of experts, the fewest that fit)",
-            groups, groups);
-        if (in.model.layer_pieces < 2)
-          cut.layer_pieces_reason = "2 (auto: the groups of experts cut each layer's MLP piece)";
-        if (cut.model.vocab_chunks != in.model.vocab_chunks)
-          cut.vocab_chunks_reason =
-              fmt::format("{} (auto: the embedding and the head cut to a group's size)",
-                          cut.model.vocab_chunks);
-        in = cut;
-        best = std::move(fit->report);
-      } else {
-        in.expert_groups_reason = fmt::format(
-            "1 (auto: the plan does not fit the budgets, and with the experts in groups of any "
-            "count up to {} it does not either)",
-            in.model.num_experts);
-      }
-    }
-  }
-  if (may_part) {
-    if (best.fits) {
-      in.mlp_parts_reason = "1 (auto: each dense layer's MLP as one piece fits the budgets)";
-    } else if (in.model.layer_pieces < 2 && !pieces_auto) {
-      in.mlp_parts_reason =
-          "1 (auto: the plan does not fit the budgets, and MLP parts need --layer-pieces 2)";
-    } else {
-      PlanInput base = in;
-      base.model.layer_pieces = 2;
-      std::optional<CutFit> fit =
-          fewest_pieces(base, true, vocab_auto, [](const PlanReport& p) { return p.fits; });
-      if (fit) {
-        PlanInput& cut = fit->input;
-        const int64_t parts = cut.model.mlp_parts;
-        cut.mlp_parts_reason = fmt::format(
-            "{} (auto: the plan does not fit the budgets with each dense layer's MLP as one "
-            "piece; in {} parts along its intermediate dimension, the fewest that fit)",
-            parts, parts);
-        if (in.model.layer_pieces < 2)
-          cut.layer_pieces_reason = "2 (auto: the MLP parts cut each layer's MLP piece)";
-        if (cut.model.vocab_chunks != in.model.vocab_chunks)
-          cut.vocab_chunks_reason =
-              fmt::format("{} (auto: the embedding and the head cut to an MLP part's size)",
-                          cut.model.vocab_chunks);
-        in = cut;
-        best = std::move(fit->report);
-      } else {
-        in.mlp_parts_reason = fmt::format(
-            "1 (auto: the plan does not fit the budgets, and with each dense MLP in any count "
-            "of parts up to {} it does not either)",
-            std::min(kMostMlpParts, in.model.intermediate_size));
-      }
-    }
-  }
+  if (may_group) choose_mlp_cut(in, best, pieces_auto, vocab_auto, kGroupWords);
+  if (may_part) choose_mlp_cut(in, best, pieces_auto, vocab_auto, kPartWords);
   best.input.vocab_chunks_reason = in.vocab_chunks_reason;
   best.input.layer_pieces_reason = in.layer_pieces_reason;
   best.input.expert_groups_reason = in.expert_groups_reason;
