@@ -30,17 +30,6 @@ using testing::EngineRun;
 class EngineExpertGroups : public testing::EngineRunsTest {
  protected:
   EngineExpertGroups() : EngineRunsTest("engine_expert_groups") {}
-
-  // The refusal of `run`'s engine, one line holding `expected`.
-  void expect_refused(const EngineRun& run, const std::string& expected) {
-    Result<EngineOptions> options = testing::engine_options(run, dir_.path(), tokens_, seed_);
-    ASSERT_TRUE(options.is_ok()) << options.status().message();
-    Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
-    ASSERT_FALSE(engine.is_ok()) << run.label();
-    EXPECT_NE(engine.status().message().find(expected), std::string::npos)
-        << engine.status().message();
-    EXPECT_EQ(engine.status().message().find('\n'), std::string::npos);
-  }
 };
 
 // The mixture (5 experts, top 2) in layer pieces, its MLP pieces cut into `groups`.
@@ -101,26 +90,16 @@ TEST_F(EngineExpertGroups, TopThreeStaysWithinTolerance) {
 }
 
 TEST_F(EngineExpertGroups, GroupsLowerTheSlotsAndTheRunKeepsToThePlan) {
-  int64_t whole_slots = 0;
+  EngineRun runs[2];
   for (int64_t groups : {1, 5}) {
-    EngineRun run = groups_placements(1, "micro_batch", groups).back();
+    EngineRun& run = runs[groups == 1 ? 0 : 1];
+    run = groups_placements(1, "micro_batch", groups).back();
     run.intermediate = 96;  // experts large enough to set the largest unit
     // Every expert read with its unit (the uncut run would read as routed,
     // fewer bytes than the plan's worst case when an expert gets no token).
     run.expert_fetch = "all";
-    const EngineOutcome outcome = train(run);
-    ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
-    testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
-    const int64_t slots = testing::parameter_slot_bytes(outcome.plan);
-    ASSERT_GT(slots, 0) << run.label();
-    if (groups == 1) {
-      whole_slots = slots;
-      continue;
-    }
-    std::printf("parameter slots: %lld bytes with whole MLP pieces, %lld in groups\n",
-                static_cast<long long>(whole_slots), static_cast<long long>(slots));
-    EXPECT_LT(double(slots), 0.75 * double(whole_slots)) << run.label();
   }
+  expect_cut_lowers_the_slots(runs[0], runs[1], "with whole MLP pieces, {} in groups");
 }
 
 TEST_F(EngineExpertGroups, ACheckpointResumesBitwiseAndAcrossTheCut) {

@@ -82,24 +82,11 @@ TEST_F(EngineLayerPieces, WithClippingTheNormsGroupingIsAllThatDiffers) {
 }
 
 TEST_F(EngineLayerPieces, PiecesLowerTheSlotsAndTheRunKeepsToThePlan) {
-  int64_t whole_slots = 0;
-  for (int64_t pieces : {1, 2}) {
-    EngineRun run = pieces_placements(1, "micro_batch", pieces).back();
-    const EngineOutcome outcome = train(run);
-    ASSERT_EQ(outcome.steps.size(), 2u) << run.label();
-    testing::expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
-    // The fetched and gathered parameter copies and the unit gradients are
-    // sized by the largest unit: in pieces, a layer's MLP.
-    const int64_t slots = testing::parameter_slot_bytes(outcome.plan);
-    ASSERT_GT(slots, 0) << run.label();
-    if (pieces == 1) {
-      whole_slots = slots;
-      continue;
-    }
-    std::printf("parameter slots: %lld bytes with whole layers, %lld in pieces\n",
-                static_cast<long long>(whole_slots), static_cast<long long>(slots));
-    EXPECT_LT(double(slots), 0.75 * double(whole_slots)) << run.label();
-  }
+  // The fetched and gathered parameter copies and the unit gradients are
+  // sized by the largest unit: in pieces, a layer's MLP.
+  expect_cut_lowers_the_slots(pieces_placements(1, "micro_batch", 1).back(),
+                              pieces_placements(1, "micro_batch", 2).back(),
+                              "with whole layers, {} in pieces");
 }
 
 TEST_F(EngineLayerPieces, ACheckpointResumesBitwise) {

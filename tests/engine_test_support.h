@@ -4,6 +4,7 @@
 // tiers recorded.
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -365,6 +366,18 @@ inline void expect_identical(const EngineOutcome& a, const EngineOutcome& b,
 
 // A fixture that trains the small model on fresh random tokens in a temporary
 // NVMe directory; `seed_label` names the seed printed for reruns.
+// The bytes of a plan's buffers sized by its largest unit: the fetched and
+// gathered parameter copies and the unit gradients.
+inline int64_t parameter_slot_bytes(const TrainingPlan& plan) {
+  int64_t slots = 0;
+  for (const PlanBuffer& buffer : plan.buffers)
+    if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
+        buffer.role == BufferRole::gathered_unit_fp32 ||
+        buffer.role == BufferRole::nvme_parameter_copies)
+      slots += buffer.bytes;
+  return slots;
+}
+
 class EngineRunsTest : public ::testing::Test {
  protected:
   explicit EngineRunsTest(std::string seed_label) : seed_label_(std::move(seed_label)) {}
@@ -379,6 +392,34 @@ class EngineRunsTest : public ::testing::Test {
     EXPECT_TRUE(outcome.is_ok()) << run.label() << ": " << outcome.status().message();
     if (!outcome) return {};
     return std::move(*outcome);
+  }
+  // The engine of `run` is refused, in one line holding `expected`.
+  void expect_refused(const EngineRun& run, const std::string& expected) {
+    Result<EngineOptions> options = engine_options(run, dir_.path(), tokens_, seed_);
+    ASSERT_TRUE(options.is_ok()) << options.status().message();
+    Result<std::unique_ptr<Engine>> engine = Engine::create(*options);
+    ASSERT_FALSE(engine.is_ok()) << run.label();
+    EXPECT_NE(engine.status().message().find(expected), std::string::npos)
+        << engine.status().message();
+    EXPECT_EQ(engine.status().message().find('\n'), std::string::npos);
+  }
+  // `whole` and `cut` (the same run with a unit cut finer) train and keep
+  // to their plans, and the cut's parameter slots (parameter_slot_bytes)
+  // are under 3/4 of the whole run's; `what` names the cut in the print.
+  void expect_cut_lowers_the_slots(const EngineRun& whole, const EngineRun& cut,
+                                   const std::string& what) {
+    int64_t slots[2] = {0, 0};
+    for (int i = 0; i < 2; ++i) {
+      const EngineRun& run = i == 0 ? whole : cut;
+      const EngineOutcome outcome = train(run);
+      ASSERT_EQ(outcome.steps.size(), size_t(run.steps)) << run.label();
+      expect_run_keeps_to_its_plan(outcome, uint64_t(run.steps), run.label());
+      slots[i] = parameter_slot_bytes(outcome.plan);
+      ASSERT_GT(slots[i], 0) << run.label();
+    }
+    std::printf("parameter slots: %lld bytes %s\n", static_cast<long long>(slots[0]),
+                fmt::format(fmt::runtime(what), slots[1]).c_str());
+    EXPECT_LT(double(slots[1]), 0.75 * double(slots[0])) << cut.label();
   }
   // `runs_for(world, schedule)` at 1 and 2 ranks in both schedules: every
   // other (at 2 ranks every fourth) placement and the last give the first's
@@ -507,18 +548,6 @@ inline std::vector<EngineRun> every_placement(int world, const std::string& prec
     }
   }
   return runs;
-}
-
-// The bytes of a plan's buffers sized by its largest unit: the fetched and
-// gathered parameter copies and the unit gradients.
-inline int64_t parameter_slot_bytes(const TrainingPlan& plan) {
-  int64_t slots = 0;
-  for (const PlanBuffer& buffer : plan.buffers)
-    if (buffer.role == BufferRole::gathered_unit || buffer.role == BufferRole::unit_gradient ||
-        buffer.role == BufferRole::gathered_unit_fp32 ||
-        buffer.role == BufferRole::nvme_parameter_copies)
-      slots += buffer.bytes;
-  return slots;
 }
 
 // every_placement in fp32 with one cut of the model (`cut` sets it: vocabulary

@@ -28,6 +28,7 @@
 #include "core/model/model.h"
 #include "kernels/cpu/gemm.h"
 #include "norm_bound_support.h"
+#include "reference_products_test.h"
 #include "tiers_test_support.h"
 
 namespace strata {
@@ -38,23 +39,9 @@ double gamma(double n) {
   return testing::gamma_bound(n);
 }
 
-bool same_bits(const float* a, const float* b, size_t n) {
-  return std::memcmp(a, b, n * 4) == 0;
-}
-
-class ModelExpertGroups : public ::testing::Test {
+class ModelExpertGroups : public testing::ReferenceProductsTest {
  protected:
-  void SetUp() override {
-    seed_ = tiers::testing::fresh_seed("model_expert_groups");
-    rng_.seed(seed_);
-    fast_ = kernels::cpu::gemm_info().library_kernel;
-    ASSERT_TRUE(kernels::cpu::select_gemm_kernel(kernels::cpu::GemmKernel::reference).is_ok());
-  }
-  void TearDown() override { EXPECT_TRUE(kernels::cpu::select_gemm_kernel(fast_).is_ok()); }
-
-  int64_t pick(int64_t lo, int64_t hi) {
-    return std::uniform_int_distribution<int64_t>(lo, hi)(rng_);
-  }
+  ModelExpertGroups() : ReferenceProductsTest("model_expert_groups") {}
 
   ModelConfig mixture(ModelFamily family, int64_t experts, int64_t top) {
     ModelConfig c;
@@ -80,12 +67,6 @@ class ModelExpertGroups : public ::testing::Test {
     }
     return c;
   }
-  std::vector<float> normal(size_t n, float scale) {
-    std::normal_distribution<float> d(0.0f, scale);
-    std::vector<float> v(n);
-    for (float& x : v) x = d(rng_);
-    return v;
-  }
   std::vector<int32_t> tokens(size_t n, int64_t vocab) {
     std::uniform_int_distribution<int32_t> d(0, int32_t(vocab) - 1);
     std::vector<int32_t> t(n);
@@ -103,10 +84,6 @@ class ModelExpertGroups : public ::testing::Test {
       for (int64_t i = 0; i < t.slot->numel; ++i) w[i] *= 40.0f;
     }
   }
-
-  uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
-  kernels::cpu::GemmKernel fast_ = kernels::cpu::GemmKernel::baseline;
 };
 
 // The uncut model and the model cut into `groups`, both initialised from `seed`.

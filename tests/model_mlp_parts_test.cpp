@@ -28,6 +28,7 @@
 #include "io_test_support.h"
 #include "kernels/cpu/gemm.h"
 #include "norm_bound_support.h"
+#include "reference_products_test.h"
 #include "tiers_test_support.h"
 
 namespace strata {
@@ -36,23 +37,10 @@ namespace {
 using testing::gamma_bound;
 using testing::kUnitRoundoff;
 
-bool same_bits(const float* a, const float* b, size_t n) {
-  return std::memcmp(a, b, n * 4) == 0;
-}
-
-class ModelMlpParts : public ::testing::Test {
+class ModelMlpParts : public testing::ReferenceProductsTest {
  protected:
-  void SetUp() override {
-    seed_ = tiers::testing::fresh_seed("model_mlp_parts");
-    rng_.seed(seed_);
-    fast_ = kernels::cpu::gemm_info().library_kernel;
-    ASSERT_TRUE(kernels::cpu::select_gemm_kernel(kernels::cpu::GemmKernel::reference).is_ok());
-  }
-  void TearDown() override { EXPECT_TRUE(kernels::cpu::select_gemm_kernel(fast_).is_ok()); }
+  ModelMlpParts() : ReferenceProductsTest("model_mlp_parts") {}
 
-  int64_t pick(int64_t lo, int64_t hi) {
-    return std::uniform_int_distribution<int64_t>(lo, hi)(rng_);
-  }
   ModelConfig dense() {
     ModelConfig c;
     c.family = pick(0, 1) == 0 ? ModelFamily::llama : ModelFamily::qwen3;
@@ -68,16 +56,6 @@ class ModelMlpParts : public ::testing::Test {
     c.rms_norm_eps = 1e-5;
     return c;
   }
-  std::vector<float> normal(size_t n, float scale) {
-    std::normal_distribution<float> d(0.0f, scale);
-    std::vector<float> v(n);
-    for (float& x : v) x = d(rng_);
-    return v;
-  }
-
-  uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
-  kernels::cpu::GemmKernel fast_ = kernels::cpu::GemmKernel::baseline;
 };
 
 // A model of `c` in layer pieces, its dense MLPs in `parts`, from `seed`.

@@ -22,6 +22,7 @@
 #include "core/model/model.h"
 #include "kernels/cpu/gemm.h"
 #include "norm_bound_support.h"
+#include "reference_products_test.h"
 #include "tiers_test_support.h"
 
 namespace strata {
@@ -31,15 +32,9 @@ double gamma(double n) {
   return testing::gamma_bound(n);
 }
 
-class ModelVocabChunks : public ::testing::Test {
+class ModelVocabChunks : public testing::ReferenceProductsTest {
  protected:
-  void SetUp() override {
-    seed_ = tiers::testing::fresh_seed("model_vocab_chunks");
-    rng_.seed(seed_);
-    fast_ = kernels::cpu::gemm_info().library_kernel;
-    ASSERT_TRUE(kernels::cpu::select_gemm_kernel(kernels::cpu::GemmKernel::reference).is_ok());
-  }
-  void TearDown() override { EXPECT_TRUE(kernels::cpu::select_gemm_kernel(fast_).is_ok()); }
+  ModelVocabChunks() : ReferenceProductsTest("model_vocab_chunks") {}
 
   ModelConfig random_config() {
     ModelConfig c;
@@ -54,22 +49,12 @@ class ModelVocabChunks : public ::testing::Test {
     c.rms_norm_eps = 1e-5;
     return c;
   }
-  std::vector<float> normal(size_t n, float scale) {
-    std::normal_distribution<float> d(0.0f, scale);
-    std::vector<float> v(n);
-    for (float& x : v) x = d(rng_);
-    return v;
-  }
   std::vector<int32_t> tokens(size_t n, int64_t vocab, bool some_ignored) {
     std::uniform_int_distribution<int32_t> d(0, int32_t(vocab) - 1);
     std::vector<int32_t> t(n);
     for (size_t i = 0; i < n; ++i) t[i] = some_ignored && i % 5 == 3 ? -1 : d(rng_);
     return t;
   }
-
-  uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
-  kernels::cpu::GemmKernel fast_ = kernels::cpu::GemmKernel::baseline;
 };
 
 // Tensor `name` of a model's gradients (or parameters), whole.
@@ -105,10 +90,6 @@ UnitBatch batch_of(const std::vector<int32_t>& ids, const std::vector<int32_t>* 
   batch.T = T;
   batch.loss_scale = 1.0f / float(B * T);
   return batch;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
 TEST_F(ModelVocabChunks, ACutModelStartsAsTheWholeOne) {
