@@ -271,10 +271,12 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
     // Tensor by tensor, from where the checkpoint's layout keeps it.
     for (const TensorSlot& slot : unit.tensors) {
       const auto found = stored_runs.find(slot.name);
-      const std::string missing = fmt::format(
-          "state.json: the checkpoint has no {}; resume it with the model it was written for",
-          slot.name);
-      if (found == stored_runs.end()) return Status::corruption(missing);
+      auto missing = [&] {
+        return Status::corruption(fmt::format(
+            "state.json: the checkpoint has no {}; resume it with the model it was written for",
+            slot.name));
+      };
+      if (found == stored_runs.end()) return missing();
       // Each run of this slot from the runs the checkpoint's layout stored it in.
       const bool part = slot.is_part();
       const int64_t run = part ? slot.run_numel() : slot.numel;
@@ -293,7 +295,7 @@ Status Engine::Impl::resume(const CheckpointReader& checkpoint) {
                 return s;
               return checkpoint.read(2, uint64_t(at * mb), v.data() + to * mb, bytes);
             });
-        if (!s) return s.message().empty() ? Status::corruption(missing) : s;
+        if (!s) return s.message().empty() ? missing() : s;
       }
     }
     for (auto& rank : ranks) {
