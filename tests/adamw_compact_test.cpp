@@ -103,6 +103,14 @@ State random_state(AdamWStateType type, int64_t n, ElementType grad_type, std::m
     for (int64_t b = 0; b < blocks; ++b) {
       s.m_scale[b] = std::fabs(wide(rng, -5.0f, -1.0f));
       s.v_scale[b] = std::fabs(wide(rng, -5.0f, -2.0f));
+      // As the kernel encodes a block: its largest |m| is code 127, its
+      // largest sqrt(v) code 255. Otherwise (largest code 170, say) the small
+      // gradients leave sqrt(v) * 255 / largest at c * 1.5 for the old codes
+      // c, exact ties by construction, not the rare near ties of real states.
+      const int64_t begin = b * kAdamWInt8Block, end = std::min(n, begin + kAdamWInt8Block);
+      std::uniform_int_distribution<int64_t> element(begin, end - 1);
+      s.m8[element(rng)] = unit(rng) < 0.5f ? -127 : 127;
+      s.v8[element(rng)] = 255;
     }
   }
   // Gradients spanning seven orders of magnitude, within every block.
@@ -249,7 +257,6 @@ double round_even(double x) {
 
 void expect_int8_state_matches(const State& after, const Reference& r) {
   const int64_t n = after.size();
-  int64_t raised = 0, near_ties = 0;
   for (int64_t begin = 0; begin < n; begin += kAdamWInt8Block) {
     const int64_t end = std::min(begin + kAdamWInt8Block, n);
     const int64_t block = begin / kAdamWInt8Block;
@@ -278,7 +285,6 @@ void expect_int8_state_matches(const State& after, const Reference& r) {
       const double root_decoded = decoded_root(after, i);
       if (after.v8[i] == 1 && root <= 0.5 * root_step + root_tolerance) {
         ASSERT_GT(r.v[i], 0.0);  // raised from code 0: only a v > 0 is
-        ++raised;
       } else {
         ASSERT_LE(std::fabs(root_decoded - root), 0.5 * root_step + root_tolerance);
       }
@@ -293,7 +299,6 @@ void expect_int8_state_matches(const State& after, const Reference& r) {
         ASSERT_EQ(std::fabs(after.m8[i] - m_code), 1.0);
         const double tie_distance = std::fabs(std::fabs(m_exact - std::trunc(m_exact)) - 0.5);
         ASSERT_LE(tie_distance, (slop(r.m_magnitude[i]) + m_slop) / m_step + 512 * kUnitRoundoff);
-        ++near_ties;
       }
       const double root_exact = root_max > 0.0 ? root * 255.0 / root_max : 0.0;
       double root_code = std::clamp(round_even(root_exact), 0.0, 255.0);
@@ -303,13 +308,14 @@ void expect_int8_state_matches(const State& after, const Reference& r) {
         const double tie_distance = std::fabs(std::fabs(root_exact - std::trunc(root_exact)) - 0.5);
         ASSERT_LE(tie_distance,
                   (slop(r.root_magnitude(i)) + root_slop) / root_step + 512 * kUnitRoundoff);
-        ++near_ties;
       }
     }
   }
-  // Each differing code is next to a tie (asserted above); they are rare.
-  EXPECT_LE(near_ties, 3 + n / 200) << "codes off the float64 encoding";
-  (void)raised;
+  // No count of the differing codes is asserted: each is one off and next
+  // to a tie (above), and how many codes lie that near a tie depends on the
+  // data. bf16 gradients put many exactly on one: where they set sqrt(v),
+  // 255 * sqrt(v) / largest is 255 times a ratio of 8-bit mantissas, often
+  // a half-integer.
 }
 
 AdamWHyperparams random_hyper(std::mt19937_64& rng) {
