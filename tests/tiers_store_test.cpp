@@ -3,6 +3,7 @@
 // exceeded and a request that does not fit fails with the numbers before
 // anything moves; several threads at once; injected I/O faults surface as
 // errors and leave other shards intact.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -327,6 +328,71 @@ TEST(TieredStoreTest, WholeShardCopiesStageThroughABoundedBlock) {
   ASSERT_TRUE(read.is_ok()) << read.message();
   EXPECT_TRUE(back == bytes);
   EXPECT_EQ(store.usage(Tier::host).peak, 64u << 20);
+}
+
+// With staging blocks reserved, whole-shard copies of every kind and size
+// stage through them and allocate nothing: they go on though no byte of the
+// pool is free (where a block of their own is refused), and threads at once
+// take turns at the one block, each shard keeping its bytes.
+TEST(TieredStoreTest, ReservedStagingBlocksServeEveryWholeShardCopy) {
+  for (int blocks : {0, 1}) {
+    SCOPED_TRACE(::testing::Message() << blocks << " staging blocks reserved");
+    TemporaryDirectory directory;
+    STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
+    Notices notices;
+    TieredStoreOptions options;
+    options.host_capacity = 2 << 20;
+    options.nvme_capacity = 16 << 20;
+    options.io.paths = {directory.path()};
+    options.io.block_size = 64 << 10;
+    options.io.queue_depth = 8;
+    options.use_gpu = false;
+    options.notice = notices.sink();
+    options.staging_bytes = 200000;  // rounded up to the alignment
+    options.staging_blocks = blocks;
+    auto opened = TieredStore::open(options);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+    TieredStore& store = **opened;
+    const uint64_t reserved = store.usage(Tier::host).used;
+    EXPECT_EQ(reserved, blocks == 0 ? 0
+                                    : (200000 + store.nvme_alignment() - 1) /
+                                          store.nvme_alignment() * store.nvme_alignment());
+    std::mt19937_64 random(fresh_seed("tiers_store_staging"));
+    const ShardKey keys[4] = {
+        {0, ShardKind::grad}, {1, ShardKind::m}, {2, ShardKind::param}, {3, ShardKind::v}};
+    const size_t sizes[4] = {(1 << 20) + 123, 300001, 4096, 777};
+    std::vector<std::byte> bytes[4];
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_TRUE(store.add_shard(keys[i], sizes[i], Tier::nvme).is_ok());
+      bytes[i] = random_bytes(sizes[i], random);
+    }
+    // Nothing of the pool left beside the reserved blocks.
+    Result<HostBlock> rest =
+        store.host_tier().allocate(options.host_capacity - reserved, "the rest of the pool");
+    ASSERT_TRUE(rest.is_ok()) << rest.status().message();
+    if (blocks == 0) {
+      const Status refused = store.write_shard(keys[0], bytes[0]);
+      ASSERT_FALSE(refused.is_ok()) << "staged though the pool is full: the check shows nothing";
+      EXPECT_NE(refused.message().find("write_shard staging"), std::string::npos)
+          << refused.message();
+      continue;
+    }
+    std::vector<std::thread> threads;
+    Status results[4];
+    for (int i = 0; i < 4; ++i)
+      threads.emplace_back([&, i] {
+        std::vector<std::byte> back(sizes[i]);
+        for (int round = 0; round < 3 && results[i].is_ok(); ++round) {
+          results[i] = store.write_shard(keys[i], bytes[i]);
+          if (results[i].is_ok()) results[i] = store.read_shard(keys[i], back);
+          if (results[i].is_ok() && back != bytes[i])
+            results[i] = Status::error(fmt::format("shard {} read back other bytes", i));
+        }
+      });
+    for (std::thread& thread : threads) thread.join();
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].is_ok()) << results[i].message();
+    EXPECT_EQ(store.usage(Tier::host).peak, options.host_capacity);
+  }
 }
 
 // Ranges of an NVMe home, read ahead into a host copy or straight into a

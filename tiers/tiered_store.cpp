@@ -104,6 +104,16 @@ Result<std::unique_ptr<TieredStore>> TieredStore::open(TieredStoreOptions option
                         registered.message()));
       }
     }
+    if (options.staging_blocks > 0 && options.staging_bytes > 0) {
+      const uint64_t bytes = store->nvme_->rounded(options.staging_bytes);
+      for (int i = 0; i < options.staging_blocks; ++i) {
+        Result<HostBlock> block =
+            store->host_->allocate(bytes, fmt::format("NVMe shard staging block {}", i));
+        if (!block) return block.status();
+        store->staging_free_.push_back(*block);
+      }
+      store->staging_reserved_ = true;
+    }
   }
   return store;
 }
@@ -596,6 +606,29 @@ Status TieredStore::settle_for_whole_copy(Shard& shard, ShardKey key, size_t giv
   return Status::ok();
 }
 
+Result<HostBlock> TieredStore::take_staging(ShardKey key, uint64_t padded, const char* operation) {
+  if (!staging_reserved_)
+    return host_->allocate(std::min(padded, kShardStagingBytes),
+                           fmt::format("{} ({} staging)", shard_name(key), operation));
+  std::unique_lock lock(staging_mutex_);
+  staging_returned_.wait(lock, [&] { return !staging_free_.empty(); });
+  const HostBlock block = staging_free_.back();
+  staging_free_.pop_back();
+  return block;
+}
+
+void TieredStore::return_staging(const HostBlock& block) {
+  if (!staging_reserved_) {
+    host_->free(block);
+    return;
+  }
+  {
+    std::lock_guard lock(staging_mutex_);
+    staging_free_.push_back(block);
+  }
+  staging_returned_.notify_one();
+}
+
 Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) {
   Result<ShardHold> held = hold(key);
   if (!held) return held.status();
@@ -615,10 +648,9 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
   }
   // Through a bounded staging block, so a large shard needs little host budget.
   const uint64_t padded = nvme_->rounded(shard.bytes);
-  const uint64_t step = std::min(padded, kShardStagingBytes);
-  Result<HostBlock> staging =
-      allocate_host_copy(key, step, shard_name(key) + " (write_shard staging)");
+  Result<HostBlock> staging = take_staging(key, padded, "write_shard");
   if (!staging) return staging.status();
+  const uint64_t step = std::min(padded, staging->size);
   Status status;
   for (uint64_t offset = 0; offset < padded && status; offset += step) {
     const uint64_t length = std::min(step, padded - offset);
@@ -628,7 +660,7 @@ Status TieredStore::write_shard(ShardKey key, std::span<const std::byte> bytes) 
     std::memset(staging->data + given, 0, length - given);
     status = nvme_->write(home.nvme, offset, staging->data, length).wait();
   }
-  host_->free(*staging);
+  return_staging(*staging);
   return status.with_context(fmt::format("tiers: write_shard {}", shard_name(key)));
 }
 
@@ -650,10 +682,9 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
       break;
   }
   const uint64_t padded = nvme_->rounded(shard.bytes);
-  const uint64_t step = std::min(padded, kShardStagingBytes);
-  Result<HostBlock> staging =
-      allocate_host_copy(key, step, shard_name(key) + " (read_shard staging)");
+  Result<HostBlock> staging = take_staging(key, padded, "read_shard");
   if (!staging) return staging.status();
+  const uint64_t step = std::min(padded, staging->size);
   Status status;
   for (uint64_t offset = 0; offset < padded && status; offset += step) {
     const uint64_t length = std::min(step, padded - offset);
@@ -662,7 +693,7 @@ Status TieredStore::read_shard(ShardKey key, std::span<std::byte> bytes) {
       std::memcpy(bytes.data() + offset, staging->data,
                   std::min<uint64_t>(length, bytes.size() - offset));
   }
-  host_->free(*staging);
+  return_staging(*staging);
   return status.with_context(fmt::format("tiers: read_shard {}", shard_name(key)));
 }
 

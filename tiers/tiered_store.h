@@ -71,15 +71,22 @@ struct TieredStoreOptions {
   std::optional<unsigned> numa_node;  // default: chosen with hwloc
   std::optional<uint64_t> memlock_limit_for_testing;
   // Host copies of NVMe-homed parameter shards (fetches, range prefetches,
-  // staging to the device, the staging of write_shard and read_shard, which
-  // write each step's new parameters back) come and go in every size of
-  // unit; first fit
+  // staging to the device) come and go in every size of unit; first fit
   // over mixed sizes fragments the pool until a copy finds no range long
   // enough though the bytes are free. With this set, each such copy of a
   // shard no larger takes exactly this many bytes (the plan's largest
   // parameter shard), so the copies are interchangeable slots; 0: their
   // own sizes.
   uint64_t param_copy_bytes = 0;
+  // write_shard and read_shard stage an NVMe home through a host block.
+  // With staging_blocks > 0 they take one of that many blocks of
+  // staging_bytes (rounded up to the NVMe alignment), reserved from the host
+  // pool when the store opens, and wait while all are in use: the staging of
+  // every step's writes (new parameters, gradients, moments) then never
+  // allocates, so it neither fragments the pool nor takes more than the plan
+  // counts. 0: each call allocates min(shard, kShardStagingBytes) while it lasts.
+  uint64_t staging_bytes = 0;
+  int staging_blocks = 0;
   // One-line notices (fallbacks); default: stderr.
   std::function<void(const std::string&)> notice{};
 };
@@ -125,8 +132,8 @@ class TieredStore {
   Status release(ShardKey key, Tier at);
 
   // Whole-shard copies into / out of the home, for NVMe homes through a host
-  // staging block of at most 64 MiB (charged to the host budget while it
-  // lasts). Synchronous.
+  // staging block (TieredStoreOptions::staging_blocks; else one of at most
+  // 64 MiB charged to the host budget while it lasts). Synchronous.
   Status write_shard(ShardKey key, std::span<const std::byte> bytes);
   Status read_shard(ShardKey key, std::span<std::byte> bytes);
 
@@ -162,6 +169,14 @@ class TieredStore {
   uint64_t param_copy_bytes_ = 0;  // TieredStoreOptions::param_copy_bytes
   // A host copy of an NVMe-homed shard: a parameter shard's in a slot of param_copy_bytes_.
   Result<HostBlock> allocate_host_copy(ShardKey key, uint64_t bytes, const std::string& what);
+  // write_shard / read_shard's block: a reserved one (waiting for it) or,
+  // with none reserved, one of min(padded, kShardStagingBytes) allocated.
+  Result<HostBlock> take_staging(ShardKey key, uint64_t padded, const char* operation);
+  void return_staging(const HostBlock& block);
+  bool staging_reserved_ = false;
+  std::mutex staging_mutex_;
+  std::condition_variable staging_returned_;
+  std::vector<HostBlock> staging_free_;  // the reserved blocks not in use
   std::unique_ptr<DeviceTier> device_;
   std::unique_ptr<NvmeTier> nvme_;
   bool host_registered_ = false;

@@ -50,11 +50,16 @@ tiers::TieredStoreOptions rank_store_options(const TrainingPlan& plan, const Eng
   store.host_capacity =
       host_budget ? std::min<uint64_t>(uint64_t(*host_budget), host_need) : host_need;
   // The NVMe parameter copies the plan counts as slots of the largest shard
-  // take exactly that each, and so does a parameter shard's write-back
-  // staging, so copies of units of other sizes do not fragment the pool.
-  for (const PlanBuffer& buffer : plan.buffers)
+  // take exactly that each, so copies of units of other sizes do not
+  // fragment the pool; the NVMe shard staging it counts is reserved once.
+  for (const PlanBuffer& buffer : plan.buffers) {
     if (buffer.role == BufferRole::nvme_parameter_copies)
       store.param_copy_bytes = uint64_t(buffer.copy_bytes());
+    if (buffer.role == BufferRole::nvme_shard_staging) {
+      store.staging_bytes = uint64_t(buffer.copy_bytes());
+      store.staging_blocks = int(buffer.copies);
+    }
+  }
   // The CPU backend: host memory stands in for the device.
   store.use_gpu = in.gpu && !options.emulate_gpu;
   store.gpu_index = options.gpu_index;
