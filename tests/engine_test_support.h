@@ -403,6 +403,30 @@ class EngineRunsTest : public ::testing::Test {
         << engine.status().message();
     EXPECT_EQ(engine.status().message().find('\n'), std::string::npos);
   }
+  // `run` with its saved inputs kept (in host memory) keeps `shared` fewer
+  // levels than one per unit, as the pieces passing their input on share
+  // their input's (TrainingPlan::level_storage); it keeps to that plan and
+  // gives the bits of the run keeping each level (spilled to NVMe, a slot
+  // and a spill of its own each).
+  void expect_pieces_share_saved_inputs(EngineRun run, int64_t shared) {
+    run.activation_home = "host";
+    EngineRun spilled = run;
+    spilled.activation_home = "nvme";
+    const EngineOutcome kept = train(run), each = train(spilled);
+    ASSERT_EQ(kept.steps.size(), size_t(run.steps)) << run.label();
+    const TrainingPlan& plan = kept.plan;
+    ASSERT_FALSE(plan.activations_spilled()) << run.label();
+    ASSERT_TRUE(each.plan.activations_spilled()) << spilled.label();
+    const int64_t levels = int64_t(plan.units.size()) - 1 - shared;
+    EXPECT_EQ(plan.saved_input_levels(), levels) << run.label();
+    const PlanBuffer* saved = plan.buffer(BufferRole::saved_inputs);
+    ASSERT_NE(saved, nullptr);
+    EXPECT_EQ(saved->bytes, levels * plan.activation_copies() * plan.tokens_per_micro *
+                                plan.input.model.hidden_size * 4)
+        << run.label();
+    expect_run_keeps_to_its_plan(kept, uint64_t(run.steps), run.label());
+    expect_identical(kept, each, run.label() + ": sharing saved inputs vs keeping each level");
+  }
   // `whole` and `cut` (the same run with a unit cut finer) train and keep
   // to their plans, and the cut's parameter slots (parameter_slot_bytes)
   // are under 3/4 of the whole run's; `what` names the cut in the print.

@@ -357,6 +357,11 @@ Status check_expert_groups(const ModelConfig& config) {
   return Status::ok();
 }
 
+bool unit_passes_input(const ModelConfig& config, const UnitShape& unit) {
+  if (unit.expert_group >= 0) return unit.expert_group < config.expert_groups - 1;
+  return unit.mlp_part >= 1 && unit.mlp_part < config.mlp_parts - 1;
+}
+
 Status check_mlp_parts(const ModelConfig& config) {
   if (config.mlp_parts == 1) return Status::ok();
   if (config.mlp_parts < 1 || config.sparse_layer_count() == config.num_hidden_layers ||

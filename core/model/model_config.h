@@ -174,6 +174,11 @@ Status check_expert_groups(const ModelConfig& config);
 // a dense layer, in layer pieces; the message names strata.mlp_parts.
 Status check_mlp_parts(const ModelConfig& config);
 
+// Whether `unit`'s output is its input, bit for bit: a group of experts
+// before the last and an MLP part between the first and the last add into
+// the layer's chain (ExpertChain) and hand the normed rows on unchanged.
+bool unit_passes_input(const ModelConfig& config, const UnitShape& unit);
+
 // OK when config.vocab_chunks can cut this model: 1 to vocab_size chunks, and
 // an untied lm_head when more than one (a tied head reads the embedding
 // unit's whole table). The message names strata.vocab_chunks.

@@ -92,7 +92,6 @@ class BufferListing {
         compute(compute_element(plan.input.precision)),
         N(plan.tokens_per_micro),
         C(plan.input.model.hidden_size),
-        units(static_cast<int>(plan.units.size())),
         embedding_padded(plan.units[0].padded_numel),
         copies(plan.activation_copies()),
         scatter_output(plan.input.stage >= 2 && plan.input.reduce_scatter &&
@@ -152,7 +151,7 @@ class BufferListing {
           plan.saved_input_copies(), slot_elements(cb));
     else
       add(R::gpu_saved_inputs, O::gpu, copies_name("saved unit inputs"), Tier::device, compute,
-          copies, (units - 1) * N * C);
+          copies, plan.saved_input_levels() * N * C);
     add(R::gpu_activation_gradient, O::gpu, copies_name("activation gradient"), Tier::device,
         compute, copies, N * C);
     add(R::gpu_tokens_and_targets, O::gpu, "device tokens and targets", Tier::device, i32, 1,
@@ -194,7 +193,7 @@ class BufferListing {
           slot_elements(4));
     else
       add(R::saved_inputs, O::rank, copies_name("saved unit inputs (fp32)"), kept, f32, copies,
-          (units - 1) * N * C);
+          plan.saved_input_levels() * N * C);
     add(R::activation_gradient, O::rank, copies_name("activation gradient"), kept, f32, copies,
         N * C);
     // A vocabulary-cut head's logits live from its chunks' forwards to their backwards.
@@ -290,7 +289,6 @@ class BufferListing {
   const int64_t largest_padded, largest_shard, largest_optimizer, cb;
   const BufferElement compute;
   const int64_t N, C;
-  const int units;
   const int64_t embedding_padded;
   const int copies;  // of what a micro-batch keeps to its backward
   const bool scatter_output;

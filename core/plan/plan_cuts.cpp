@@ -32,9 +32,11 @@ constexpr int64_t kMostMlpParts = 64;
 // for which `fits` holds: groups of experts (ModelConfig::expert_groups, up
 // to the experts) or, with `parts`, parts of a dense MLP
 // (ModelConfig::mlp_parts, up to kMostMlpParts); that input and its plan,
-// none when no count does. More pieces shrink the slots but add saved
-// inputs (one per piece), so the need is not monotone in the count: double
-// it until one fits, then try each count between the last two.
+// none when no count does. More pieces shrink the slots but, where the
+// saved inputs are spilled, add one each (kept whole, the middle pieces
+// share one: TrainingPlan::level_storage), so the need is not monotone in
+// the count: double it until one fits, then try each count between the
+// last two.
 struct CutFit {
   PlanInput input;
   PlanReport report;

@@ -429,6 +429,11 @@ Result<TrainingPlan> build_training_plan(const PlanInput& in) {
     largest_shard = std::max(largest_shard, p.shard_numel);
     largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
   }
+  for (size_t level = 0; level + 1 < plan.layout.units.size(); ++level) {
+    const bool shared = level > 0 && !plan.activations_spilled() &&
+                        unit_passes_input(in.model, plan.layout.units[level].unit);
+    plan.level_storage.push_back(level == 0 ? 0 : plan.level_storage.back() + (shared ? 0 : 1));
+  }
   plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);
   // Compact m and v: chunks start at multiples of 4096 elements, so their
   // pieces of bf16 or int8 stay on the I/O alignment (and int8 blocks whole).

@@ -305,12 +305,18 @@ struct TrainingPlan {
     return activations_spilled() ? std::max(0, int(units.size()) - 3) : 0;
   }
   bool spills(int level) const { return level >= 0 && level < spilled_levels(); }
+  // Where each level is kept when all are (not activations_spilled): in a
+  // place of its own, except that a unit passing its input on unchanged
+  // (unit_passes_input: the middle groups of experts and MLP parts) keeps
+  // its output where its input is, so a layer's pieces share one copy of
+  // the normed rows. Spilled levels each keep their own slot and spill.
+  std::vector<int64_t> level_storage;  // per level, from 0; filled with the units
   // The saved-inputs buffer: copies of levels of (B*T, C) each.
   int saved_input_copies() const {
     return activations_spilled() ? 2 * activation_copies() : activation_copies();
   }
   int64_t saved_input_levels() const {
-    return activations_spilled() ? 1 : int64_t(units.size()) - 1;
+    return activations_spilled() ? 1 : level_storage.back() + 1;
   }
   // Level `level` of micro-batch `micro`: its copy, and its place in levels.
   struct SavedInputPlace {
@@ -320,7 +326,7 @@ struct TrainingPlan {
   SavedInputPlace saved_input_place(int level, int micro) const {
     if (activations_spilled())
       return {(level % 2) * activation_copies() + activation_copy(micro), 0};
-    return {activation_copy(micro), level};
+    return {activation_copy(micro), level_storage[size_t(level)]};
   }
   // Where level `level` of micro-batch `micro` goes when spilled: its copy
   // of the activation_spill buffer (one per spilled level and activation copy).
