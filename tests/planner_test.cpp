@@ -727,3 +727,76 @@ TEST(Planner, ADenseMlpTooLargeForThePiecesTakesParts) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// A Qwen3-MoE-shaped mixture whose two dense layers' MLPs (805M parameters
+// each) and sparse layers' experts (1.6B per layer) are both too large for
+// a 16 GiB budget: groups of experts alone leave the dense MLPs whole, and
+// MLP parts alone the experts; auto takes both, the fewest groups that fit
+// with the dense MLPs cut to a group's size, then the fewest parts, and
+// says why in both reasons.
+TEST(Planner, AMixtureWithBothMlpsTooLargeTakesGroupsAndParts) {
+  PlanInput in;
+  ModelConfig& m = in.model;
+  m = *load_model_config("qwen3-30b-a3b");
+  m.hidden_size = 4096;
+  m.intermediate_size = 65536;
+  m.moe_intermediate_size = 2048;
+  m.num_experts = 64;
+  m.num_experts_per_tok = 8;
+  m.mlp_only_layers = {0, 1};
+  m.num_hidden_layers = 48;
+  m.num_attention_heads = 32;
+  m.num_key_value_heads = 4;
+  m.head_dim = 128;
+  m.vocab_size = 151936;
+  m.tie_word_embeddings = false;
+  in.precision = Precision::bf16;
+  in.stage = 3;
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.micro_batch = 1;
+  in.seq_len = 1024;
+  in.nvme_path_known = true;
+  in.budgets.device_per_rank = 16LL << 30;
+  in.budgets.host_per_node = 256LL << 30;
+  in.budgets.nvme_per_node = 16LL << 40;
+  in.vocab_chunks_auto = in.layer_pieces_auto = true;
+  PlanInput groups_only = in, parts_only = in, both = in;
+  groups_only.expert_groups_auto = true;
+  parts_only.mlp_parts_auto = true;
+  both.expert_groups_auto = both.mlp_parts_auto = true;
+  EXPECT_FALSE(plan_memory(groups_only)->fits);
+  EXPECT_FALSE(plan_memory(parts_only)->fits);
+  const PlanReport chosen = *plan_memory(both);
+  ASSERT_TRUE(chosen.fits) << chosen.input.expert_groups_reason;
+  const int64_t groups = chosen.input.model.expert_groups, parts = chosen.input.model.mlp_parts;
+  EXPECT_GT(groups, 1);
+  EXPECT_GT(parts, 1);
+  EXPECT_EQ(chosen.input.model.layer_pieces, 2);
+  EXPECT_EQ(chosen.input.expert_groups_reason.rfind(
+                std::to_string(groups) + " (auto: the plan fits the budgets neither", 0),
+            0u)
+      << chosen.input.expert_groups_reason;
+  EXPECT_EQ(chosen.input.mlp_parts_reason.rfind(
+                fmt::format("{} (auto: with the experts in {} groups", parts, groups), 0),
+            0u)
+      << chosen.input.mlp_parts_reason;
+  // One part fewer, or one group fewer with any parts up to the most, does not fit.
+  auto fits_with = [&](int64_t g, int64_t p) {
+    PlanInput cut = chosen.input;
+    cut.model.expert_groups = g;
+    cut.model.mlp_parts = p;
+    cut.model.vocab_chunks = 1;
+    cut.model.vocab_chunks = vocab_chunks_for_layers(cut);
+    return plan_memory(cut)->fits;
+  };
+  EXPECT_TRUE(fits_with(groups, parts));
+  EXPECT_FALSE(fits_with(groups, parts - 1));
+  for (int64_t p = 1; p <= 64; p *= 2) EXPECT_FALSE(fits_with(groups - 1, p)) << p << " parts";
+}
+
+}  // namespace
+}  // namespace strata

@@ -28,38 +28,48 @@ Result<PlanReport> plan_as_given(PlanInput in) {
 // The most parts the automatic choice cuts a dense MLP into.
 constexpr int64_t kMostMlpParts = 64;
 
+// The count a search of a layer's MLP cut moves: groups of a sparse layer's
+// experts (ModelConfig::expert_groups, up to the experts) or parts of a
+// dense one (ModelConfig::mlp_parts, up to kMostMlpParts).
+struct MlpCutCount {
+  bool parts;
+  int64_t& of(PlanInput& in) const { return parts ? in.model.mlp_parts : in.model.expert_groups; }
+  int64_t most(const PlanInput& in) const {
+    return parts ? std::min(kMostMlpParts, in.model.intermediate_size) : in.model.num_experts;
+  }
+};
+
 // The fewest pieces of a layer's MLP (more than `in`'s, layers in pieces)
-// for which `fits` holds: groups of experts (ModelConfig::expert_groups, up
-// to the experts) or, with `parts`, parts of a dense MLP
-// (ModelConfig::mlp_parts, up to kMostMlpParts); that input and its plan,
-// none when no count does. More pieces shrink the slots but, where the
-// saved inputs are spilled, add one each (kept whole, the middle pieces
-// share one: TrainingPlan::level_storage), so the need is not monotone in
-// the count: double it until one fits, then try each count between the
-// last two.
+// for which `fits` holds, `also` shaping each input tried after the count
+// is set (by default nothing); that input and its plan, none when no count
+// does. More pieces shrink the slots but, where the saved inputs are
+// spilled, add one each (kept whole, the middle pieces share one:
+// TrainingPlan::level_storage), so the need is not monotone in the count:
+// double it until one fits, then try each count between the last two.
 struct CutFit {
   PlanInput input;
   PlanReport report;
 };
-template <typename Fits>
-std::optional<CutFit> fewest_pieces(const PlanInput& in, bool parts, bool cut_vocab,
-                                    const Fits& fits) {
-  auto count = [parts](const PlanInput& p) {
-    return parts ? p.model.mlp_parts : p.model.expert_groups;
-  };
-  const int64_t most =
-      parts ? std::min(kMostMlpParts, in.model.intermediate_size) : in.model.num_experts;
-  const int64_t given = count(in);
+template <typename Fits, typename Also = void (*)(PlanInput&)>
+std::optional<CutFit> fewest_pieces(
+    const PlanInput& in, MlpCutCount count, bool cut_vocab, const Fits& fits,
+    const Also& also = [](PlanInput&) {}) {
+  const int64_t most = count.most(in);
+  PlanInput given_input = in;
+  const int64_t given = count.of(given_input);
   std::optional<CutFit> fit;
+  int64_t fit_count = 0;
   auto fits_in = [&](int64_t pieces) {
     PlanInput cut = in;
     cut.model.layer_pieces = 2;
-    (parts ? cut.model.mlp_parts : cut.model.expert_groups) = pieces;
+    count.of(cut) = pieces;
+    also(cut);
     if (cut_vocab)
       cut.model.vocab_chunks = std::max(cut.model.vocab_chunks, vocab_chunks_for_layers(cut));
     Result<PlanReport> in_pieces = plan_as_given(cut);
     if (!in_pieces || !fits(*in_pieces)) return false;
     fit = CutFit{std::move(cut), std::move(*in_pieces)};
+    fit_count = pieces;
     return true;
   };
   int64_t below = given;  // the largest count tried that does not fit
@@ -67,9 +77,27 @@ std::optional<CutFit> fewest_pieces(const PlanInput& in, bool parts, bool cut_vo
     if (fits_in(g)) break;
     below = g;
   }
-  for (int64_t g = below + 1; fit && g < count(fit->input); ++g)
+  for (int64_t g = below + 1; fit && g < fit_count; ++g)
     if (fits_in(g)) break;
   return fit;
+}
+
+// The parts that cut `in`'s dense MLP pieces no larger than its largest
+// piece of a sparse layer's MLP (its router or a group of experts), within
+// the most a search takes.
+int64_t parts_matching_groups(const PlanInput& in) {
+  ModelConfig m = in.model;
+  m.layer_pieces = 2;
+  m.mlp_parts = 1;
+  int64_t sparse = 0, dense = 0;
+  for (const UnitShape& unit : model_units(m)) {
+    if (unit.piece == LayerPiece::router || unit.piece == LayerPiece::experts)
+      sparse = std::max(sparse, unit.numel);
+    else if (unit.piece == LayerPiece::mlp && unit.layer >= 0)
+      dense = std::max(dense, unit.numel);
+  }
+  if (sparse <= 0 || dense <= sparse) return 1;
+  return std::min(MlpCutCount{true}.most(in), ceil_div(dense, sparse));
 }
 
 // What the reasons of an automatic cut of a layer's MLP say: groups of a
@@ -123,12 +151,11 @@ void choose_mlp_cut(PlanInput& in, PlanReport& best, bool pieces_auto, bool voca
   }
   PlanInput base = in;
   base.model.layer_pieces = 2;
+  const MlpCutCount count{words.parts};
   std::optional<CutFit> fit =
-      fewest_pieces(base, words.parts, vocab_auto, [](const PlanReport& p) { return p.fits; });
+      fewest_pieces(base, count, vocab_auto, [](const PlanReport& p) { return p.fits; });
   if (!fit) {
-    const int64_t most = words.parts ? std::min(kMostMlpParts, in.model.intermediate_size)
-                                     : in.model.num_experts;
-    reason(in) = fmt::format(fmt::runtime(words.none), most);
+    reason(in) = fmt::format(fmt::runtime(words.none), count.most(in));
     return;
   }
   PlanInput& cut = fit->input;
@@ -139,6 +166,48 @@ void choose_mlp_cut(PlanInput& in, PlanReport& best, bool pieces_auto, bool voca
     cut.vocab_chunks_reason = fmt::format(fmt::runtime(words.vocab), cut.model.vocab_chunks);
   in = cut;
   best = std::move(fit->report);
+}
+
+// Both cuts of the layers' MLPs, where each alone leaves `best` over the
+// budgets (a mixture whose dense MLPs and experts are both too large): the
+// fewest groups of experts that fit with the dense MLPs in parts of a
+// group's size (parts_matching_groups), then the fewest parts that fit with
+// those groups, said in both reasons. Nothing changes where none fits.
+void choose_both_mlp_cuts(PlanInput& in, PlanReport& best, bool vocab_auto) {
+  PlanInput base = in;
+  base.model.layer_pieces = 2;
+  base.model.expert_groups = base.model.mlp_parts = 1;
+  auto fits = [](const PlanReport& p) { return p.fits; };
+  std::optional<CutFit> grouped =
+      fewest_pieces(base, MlpCutCount{false}, vocab_auto, fits,
+                    [](PlanInput& cut) { cut.model.mlp_parts = parts_matching_groups(cut); });
+  if (!grouped) return;
+  PlanInput with_groups = grouped->input;
+  with_groups.model.mlp_parts = 1;
+  with_groups.model.vocab_chunks = in.model.vocab_chunks;
+  std::optional<CutFit> parted = fewest_pieces(with_groups, MlpCutCount{true}, vocab_auto, fits);
+  CutFit& fit = parted ? *parted : *grouped;
+  PlanInput& cut = fit.input;
+  const int64_t groups = cut.model.expert_groups, parts = cut.model.mlp_parts;
+  cut.expert_groups_reason = fmt::format(
+      "{} (auto: the plan fits the budgets neither with groups of experts alone nor with MLP "
+      "parts alone; the sparse layers' MLPs in {} groups, the fewest that fit with the dense "
+      "ones in parts)",
+      groups, groups);
+  cut.mlp_parts_reason = fmt::format(
+      "{} (auto: with the experts in {} groups, each dense layer's MLP in {} parts along its "
+      "intermediate dimension, the fewest that fit)",
+      parts, groups, parts);
+  if (in.model.layer_pieces < 2)
+    cut.layer_pieces_reason =
+        "2 (auto: the groups of experts and the MLP parts cut each layer's "
+        "MLP piece)";
+  if (cut.model.vocab_chunks != in.model.vocab_chunks)
+    cut.vocab_chunks_reason =
+        fmt::format("{} (auto: the embedding and the head cut to the size of a group and a part)",
+                    cut.model.vocab_chunks);
+  in = cut;
+  best = std::move(fit.report);
 }
 
 }  // namespace
@@ -225,6 +294,8 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
   }
   if (may_group) choose_mlp_cut(in, best, pieces_auto, vocab_auto, kGroupWords);
   if (may_part) choose_mlp_cut(in, best, pieces_auto, vocab_auto, kPartWords);
+  if (may_group && may_part && !best.fits && (in.model.layer_pieces >= 2 || pieces_auto))
+    choose_both_mlp_cuts(in, best, vocab_auto);
   best.input.vocab_chunks_reason = in.vocab_chunks_reason;
   best.input.layer_pieces_reason = in.layer_pieces_reason;
   best.input.expert_groups_reason = in.expert_groups_reason;
@@ -245,14 +316,14 @@ std::string vocabulary_chunks_line(const PlanInput& in) {
 }
 
 int64_t expert_groups_that_fit(const PlanInput& leanest) {
-  const std::optional<CutFit> fit =
-      fewest_pieces(leanest, false, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  const std::optional<CutFit> fit = fewest_pieces(
+      leanest, MlpCutCount{false}, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
   return fit ? fit->input.model.expert_groups : 0;
 }
 
 int64_t mlp_parts_that_fit(const PlanInput& leanest) {
-  const std::optional<CutFit> fit =
-      fewest_pieces(leanest, true, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  const std::optional<CutFit> fit = fewest_pieces(
+      leanest, MlpCutCount{true}, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
   return fit ? fit->input.model.mlp_parts : 0;
 }
 
