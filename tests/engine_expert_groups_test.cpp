@@ -12,8 +12,8 @@
 //    its last bits move the update, as with the vocabulary chunks);
 //  - the groups lower the parameter slots the plan sizes by its largest
 //    unit, and the run keeps to its plan (NVMe bytes, peaks);
-//  - the groups before the last keep no saved input of their own, with the
-//    bits of the run keeping one per group;
+//  - the groups before the last keep no saved input of their own and
+//    spill none, kept or spilled to the same bits;
 //  - a checkpoint resumes bitwise, and from groups into the whole MLP piece
 //    and back; int8 state, blocked per unit, is refused in one line naming
 //    the flags;
@@ -105,13 +105,19 @@ TEST_F(EngineExpertGroups, GroupsLowerTheSlotsAndTheRunKeepsToThePlan) {
 }
 
 // Groups 0 and 1 of 3 hand the normed rows on unchanged: 2 sparse layers
-// keep 4 saved inputs fewer, in both schedules (every expert read, so the
-// NVMe bytes are the plan's, not fewer as routed).
+// keep 4 saved inputs fewer and spill 3 fewer (the last layer's group 1 is
+// among the last two levels), in both schedules (every expert read, so the
+// NVMe bytes are the plan's, not fewer as routed), and sharing, the run
+// keeps the uncut bits.
 TEST_F(EngineExpertGroups, TheGroupsBeforeTheLastShareTheSavedNormedRows) {
   for (const char* schedule : {"micro_batch", "layer"}) {
     EngineRun run = groups_placements(1, schedule, 3).back();
     run.expert_fetch = "all";
-    expect_pieces_share_saved_inputs(run, 2 * 2);
+    expect_pieces_share_saved_inputs(run, 2 * 2, 2 * 2 - 1);
+    EngineRun uncut = run;
+    uncut.expert_groups = 1;
+    run.activation_home = "host";
+    expect_same_bits(train(run), train(uncut), run.label());
   }
 }
 

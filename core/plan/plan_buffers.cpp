@@ -293,12 +293,13 @@ class BufferListing {
   const int copies;  // of what a micro-batch keeps to its backward
   const bool scatter_output;
 
-  // Spilled inputs: the levels below the last two, one copy per
-  // activation copy each (TrainingPlan::spill_copy), in their home (host
+  // Spilled inputs: the levels below the last two, one copy per place
+  // (levels passed on unchanged share their input's) and activation copy
+  // (TrainingPlan::spill_copy), in their home (host
   // memory or NVMe; the engine rank moves them), and on a GPU with NVMe one
   // host staging copy between the two.
   void add_spill_buffers(BufferElement element, int64_t element_bytes) {
-    const int levels = plan.spilled_levels();
+    const int levels = int(plan.spilled_places());
     if (levels == 0) return;
     const int copies = plan.activation_copies();
     add(R::activation_spill, O::rank,

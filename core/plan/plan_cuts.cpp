@@ -42,10 +42,10 @@ struct MlpCutCount {
 // The fewest pieces of a layer's MLP (more than `in`'s, layers in pieces)
 // for which `fits` holds, `also` shaping each input tried after the count
 // is set (by default nothing); that input and its plan, none when no count
-// does. More pieces shrink the slots but, where the saved inputs are
-// spilled, add one each (kept whole, the middle pieces share one:
-// TrainingPlan::level_storage), so the need is not monotone in the count:
-// double it until one fits, then try each count between the last two.
+// does. More pieces shrink the slots but add units (their working sets,
+// the vocabulary cut to their size), so the need is not always monotone in
+// the count: double it until one fits, then try each count between the
+// last two.
 struct CutFit {
   PlanInput input;
   PlanReport report;

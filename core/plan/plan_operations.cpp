@@ -292,6 +292,11 @@ class PlanBuilder {
       spill_op_.assign(level_index(plan_.spilled_levels(), 0), -1);
       restore_op_.assign(spill_op_.size(), -1);
     }
+    if (cu.kind == OpKind::forward && plan_.shares_spill(cu.unit)) {
+      // Its input's spill holds its bytes: the restore reads that copy.
+      spill_op_[level_index(cu.unit, cu.micro)] = spill_op_[level_index(cu.unit - 1, cu.micro)];
+      return;
+    }
     if (cu.kind == OpKind::forward && cu.unit < head_ && plan_.spills(cu.unit)) {
       PlanOp spill = make_op(OpKind::spill, Lane::activations, cu.unit, cu.micro,
                              plan_.saved_input_place(cu.unit, cu.micro).copy);

@@ -430,8 +430,7 @@ Result<TrainingPlan> build_training_plan(const PlanInput& in) {
     largest_optimizer = std::max(largest_optimizer, p.optimizer_numel);
   }
   for (size_t level = 0; level + 1 < plan.layout.units.size(); ++level) {
-    const bool shared = level > 0 && !plan.activations_spilled() &&
-                        unit_passes_input(in.model, plan.layout.units[level].unit);
+    const bool shared = level > 0 && unit_passes_input(in.model, plan.layout.units[level].unit);
     plan.level_storage.push_back(level == 0 ? 0 : plan.level_storage.back() + (shared ? 0 : 1));
   }
   plan.optimizer_chunk_elements = std::min(in.optimizer_chunk_elements, largest_optimizer);

@@ -305,11 +305,22 @@ struct TrainingPlan {
     return activations_spilled() ? std::max(0, int(units.size()) - 3) : 0;
   }
   bool spills(int level) const { return level >= 0 && level < spilled_levels(); }
-  // Where each level is kept when all are (not activations_spilled): in a
-  // place of its own, except that a unit passing its input on unchanged
-  // (unit_passes_input: the middle groups of experts and MLP parts) keeps
-  // its output where its input is, so a layer's pieces share one copy of
-  // the normed rows. Spilled levels each keep their own slot and spill.
+  // A spilled level whose bytes its input's spilled copy already holds.
+  bool shares_spill(int level) const {
+    return spills(level) && level > 0 &&
+           level_storage[size_t(level)] == level_storage[size_t(level) - 1];
+  }
+  // The distinct spilled copies of one micro-batch's levels.
+  int64_t spilled_places() const {
+    return spilled_levels() > 0 ? level_storage[size_t(spilled_levels()) - 1] + 1 : 0;
+  }
+  // Where each level is kept: in a place of its own, except that a unit
+  // passing its input on unchanged (unit_passes_input: the middle groups of
+  // experts and MLP parts) keeps its output where its input is, so a
+  // layer's pieces share one copy of the normed rows. Kept whole (not
+  // activations_spilled), the place is in the saved-inputs buffer; spilled,
+  // each level still takes its device slot, but a shared one is not spilled
+  // again: its restore reads its input's spilled copy (spill_copy).
   std::vector<int64_t> level_storage;  // per level, from 0; filled with the units
   // The saved-inputs buffer: copies of levels of (B*T, C) each.
   int saved_input_copies() const {
@@ -329,9 +340,9 @@ struct TrainingPlan {
     return {activation_copy(micro), level_storage[size_t(level)]};
   }
   // Where level `level` of micro-batch `micro` goes when spilled: its copy
-  // of the activation_spill buffer (one per spilled level and activation copy).
+  // of the activation_spill buffer (one per spilled place and activation copy).
   int spill_copy(int level, int micro) const {
-    return level * activation_copies() + activation_copy(micro);
+    return int(level_storage[size_t(level)]) * activation_copies() + activation_copy(micro);
   }
   // Bytes of one saved input, (B*T, C) in their element type (fp32
   // on the CPU backend, the compute precision on the GPU's), and of one spill
