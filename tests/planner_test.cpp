@@ -796,6 +796,15 @@ TEST(Planner, AMixtureWithBothMlpsTooLargeTakesGroupsAndParts) {
   EXPECT_TRUE(fits_with(groups, parts));
   EXPECT_FALSE(fits_with(groups, parts - 1));
   for (int64_t p = 1; p <= 64; p *= 2) EXPECT_FALSE(fits_with(groups - 1, p)) << p << " parts";
+  // Given whole layers and MLPs, the "none" line names both counts.
+  PlanInput whole = in;
+  whole.layer_pieces_auto = false;
+  const PlanReport given = *plan_with_suggestion(whole);
+  ASSERT_FALSE(given.fits);
+  EXPECT_NE(given.suggestion.find(fmt::format(
+                ", or --layer-pieces 2 --expert-groups {} --mlp-parts {} (", groups, parts)),
+            std::string::npos)
+      << given.suggestion;
 }
 
 }  // namespace

@@ -168,26 +168,35 @@ void choose_mlp_cut(PlanInput& in, PlanReport& best, bool pieces_auto, bool voca
   best = std::move(fit->report);
 }
 
-// Both cuts of the layers' MLPs, where each alone leaves `best` over the
-// budgets (a mixture whose dense MLPs and experts are both too large): the
-// fewest groups of experts that fit with the dense MLPs in parts of a
-// group's size (parts_matching_groups), then the fewest parts that fit with
-// those groups, said in both reasons. Nothing changes where none fits.
-void choose_both_mlp_cuts(PlanInput& in, PlanReport& best, bool vocab_auto) {
+// Both cuts of the layers' MLPs (a mixture whose dense MLPs and experts
+// are both too large for either cut alone): the fewest groups of experts
+// for which `fits` holds with the dense MLPs in parts of a group's size
+// (parts_matching_groups), then the fewest parts with those groups; none
+// when no count of groups does.
+template <typename Fits>
+std::optional<CutFit> fewest_groups_and_parts(const PlanInput& in, bool cut_vocab,
+                                              const Fits& fits) {
   PlanInput base = in;
   base.model.layer_pieces = 2;
   base.model.expert_groups = base.model.mlp_parts = 1;
-  auto fits = [](const PlanReport& p) { return p.fits; };
   std::optional<CutFit> grouped =
-      fewest_pieces(base, MlpCutCount{false}, vocab_auto, fits,
+      fewest_pieces(base, MlpCutCount{false}, cut_vocab, fits,
                     [](PlanInput& cut) { cut.model.mlp_parts = parts_matching_groups(cut); });
-  if (!grouped) return;
+  if (!grouped) return std::nullopt;
   PlanInput with_groups = grouped->input;
   with_groups.model.mlp_parts = 1;
   with_groups.model.vocab_chunks = in.model.vocab_chunks;
-  std::optional<CutFit> parted = fewest_pieces(with_groups, MlpCutCount{true}, vocab_auto, fits);
-  CutFit& fit = parted ? *parted : *grouped;
-  PlanInput& cut = fit.input;
+  std::optional<CutFit> parted = fewest_pieces(with_groups, MlpCutCount{true}, cut_vocab, fits);
+  return parted ? parted : grouped;
+}
+
+// Both cuts where each alone leaves `best` over the budgets, said in both
+// reasons; nothing changes where no count fits.
+void choose_both_mlp_cuts(PlanInput& in, PlanReport& best, bool vocab_auto) {
+  std::optional<CutFit> fit =
+      fewest_groups_and_parts(in, vocab_auto, [](const PlanReport& p) { return p.fits; });
+  if (!fit) return;
+  PlanInput& cut = fit->input;
   const int64_t groups = cut.model.expert_groups, parts = cut.model.mlp_parts;
   cut.expert_groups_reason = fmt::format(
       "{} (auto: the plan fits the budgets neither with groups of experts alone nor with MLP "
@@ -207,7 +216,7 @@ void choose_both_mlp_cuts(PlanInput& in, PlanReport& best, bool vocab_auto) {
         fmt::format("{} (auto: the embedding and the head cut to the size of a group and a part)",
                     cut.model.vocab_chunks);
   in = cut;
-  best = std::move(fit.report);
+  best = std::move(fit->report);
 }
 
 }  // namespace
@@ -325,6 +334,13 @@ int64_t mlp_parts_that_fit(const PlanInput& leanest) {
   const std::optional<CutFit> fit = fewest_pieces(
       leanest, MlpCutCount{true}, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
   return fit ? fit->input.model.mlp_parts : 0;
+}
+
+std::pair<int64_t, int64_t> groups_and_parts_that_fit(const PlanInput& leanest) {
+  const std::optional<CutFit> fit = fewest_groups_and_parts(
+      leanest, true, [](const PlanReport& p) { return p.verdicts[0].fits(); });
+  if (!fit) return {0, 0};
+  return {fit->input.model.expert_groups, fit->input.model.mlp_parts};
 }
 
 std::string mlp_parts_line(const PlanInput& in) {

@@ -25,13 +25,21 @@ static std::string device_short_line(const PlanInput& input, const PlanInput& le
   const bool dense = input.model.sparse_layer_count() < input.model.num_hidden_layers;
   const int64_t parts_fit =
       dense && !input.gpu && groups_fit == 0 ? mlp_parts_that_fit(leanest) : 0;
+  const auto [both_groups, both_parts] =
+      dense && input.model.is_moe() && !input.gpu && groups_fit == 0 && parts_fit == 0
+          ? groups_and_parts_that_fit(leanest)
+          : std::pair<int64_t, int64_t>{0, 0};
   const char* pieces =
       input.model.layer_pieces < 2 && !input.layer_pieces_auto ? "--layer-pieces 2 " : "";
   const std::string smaller =
-      groups_fit > 0 ? fmt::format(
-                           ", or {}--expert-groups {} (each sparse layer's experts in that many "
-                           "pieces: the device has room)",
-                           pieces, groups_fit)
+      both_groups > 0 ? fmt::format(
+                            ", or {}--expert-groups {} --mlp-parts {} (each sparse layer's experts "
+                            "and each dense layer's MLP in that many pieces: the device has room)",
+                            pieces, both_groups, both_parts)
+      : groups_fit > 0 ? fmt::format(
+                             ", or {}--expert-groups {} (each sparse layer's experts in that many "
+                             "pieces: the device has room)",
+                             pieces, groups_fit)
       : parts_fit > 0
           ? fmt::format(
                 ", or {}--mlp-parts {} (each dense layer's MLP in that many parts along its "

@@ -20,6 +20,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config/config.h"
@@ -198,6 +199,10 @@ int64_t expert_groups_that_fit(const PlanInput& leanest);
 // Likewise for the parts of a dense layer's MLP (ModelConfig::mlp_parts,
 // up to 64), and their line (PlanInput::mlp_parts_reason).
 int64_t mlp_parts_that_fit(const PlanInput& leanest);
+// Both, for a mixture with dense layers where neither alone fits: the
+// fewest groups that fit with the dense MLPs cut to a group's size, then
+// the fewest parts; {0, 0} when none does.
+std::pair<int64_t, int64_t> groups_and_parts_that_fit(const PlanInput& leanest);
 std::string mlp_parts_line(const PlanInput& input);
 nlohmann::ordered_json plan_to_json(const PlanReport& plan, bool zero_accounting);
 
