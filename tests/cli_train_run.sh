@@ -233,4 +233,35 @@ check "small in MLP parts: the losses of whole MLP pieces within 1e-6" $?
   cmp -s "$dir/mlp3.safetensors" "$dir/whole.safetensors"
 check "the parts' export loads whole and writes back the same bytes" $?
 
+# A Qwen3-MoE mixture whose dense layer's MLP and experts are both too large
+# for 20 MiB of compute memory: auto takes groups of experts and MLP parts
+# together, keeps to the budget, and stays within 1e-6 of the uncut run.
+cat > "$dir/moe-dense.json" <<'JSON'
+{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+ "intermediate_size": 4096, "moe_intermediate_size": 256, "num_experts": 16,
+ "num_experts_per_tok": 2, "norm_topk_prob": true, "decoder_sparse_step": 1,
+ "mlp_only_layers": [0], "num_hidden_layers": 3, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": false,
+ "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+ "hidden_act": "silu", "torch_dtype": "float32"}
+JSON
+both=(--model "$dir/moe-dense.json" --backend cpu --seq-len 64 --micro-batch 2 --steps 20
+      --zero-stage 3 --offload-param nvme --offload-optimizer nvme
+      --data "$dir/data/train.bin" --hardware none)
+"$strata" train "${both[@]}" --nvme-path "$dir/swap-uncut" --device-mem-limit 64M \
+    --metrics "$dir/uncut.jsonl" >"$dir/uncut.out" 2>"$dir/err" &&
+  "$strata" train "${both[@]}" --nvme-path "$dir/swap-both" --device-mem-limit 20M \
+    --metrics "$dir/both.jsonl" >"$dir/both.out" 2>"$dir/err"
+check "a mixture too large for either cut alone trains in 20 MiB" $?
+grep -q "^expert groups: 1 (auto" "$dir/uncut.out" && grep -q "^MLP parts: 1 (auto" "$dir/uncut.out" &&
+  grep -Eq "^expert groups: [2-9][0-9]* \(auto: the plan fits the budgets neither" "$dir/both.out" &&
+  grep -Eq "^MLP parts: [2-9][0-9]* \(auto: with the experts in" "$dir/both.out"
+check "auto takes both cuts, and says why" $?
+python3 -c "
+import json,sys
+a,b=([x['loss'] for x in map(json.loads,open(f))] for f in sys.argv[1:3])
+assert len(a)==len(b)==20 and all(abs(x-y)<=1e-6*abs(y) for x,y in zip(a,b)), (a[-1], b[-1])
+" "$dir/uncut.jsonl" "$dir/both.jsonl"
+check "in both cuts: the losses of the uncut run within 1e-6" $?
+
 finish_checks
