@@ -36,8 +36,10 @@ struct ByteRange {
   friend bool operator==(const ByteRange&, const ByteRange&) = default;
 };
 
-// TieredStore::write_shard / read_shard stage NVMe homes through one host
-// block of at most this many bytes (charged to the host budget while the call lasts).
+// TieredStore::write_shard / read_shard stage NVMe homes through a host
+// block: without reserved blocks (TieredStoreOptions::staging_blocks), one
+// of at most this many bytes, charged to the host budget while the call
+// lasts; the plan sizes the reserved ones no larger.
 inline constexpr uint64_t kShardStagingBytes = uint64_t{64} << 20;
 
 // Bytes a tier holds now, the most it ever held, and its budget.

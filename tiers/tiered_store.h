@@ -82,7 +82,7 @@ struct TieredStoreOptions {
   // With staging_blocks > 0 they take one of that many blocks of
   // staging_bytes (rounded up to the NVMe alignment), reserved from the host
   // pool when the store opens, and wait while all are in use: the staging of
-  // every step's writes (new parameters, gradients, moments) then never
+  // every step's writes (new parameters, gradients homed on NVMe) then never
   // allocates, so it neither fragments the pool nor takes more than the plan
   // counts. 0: each call allocates min(shard, kShardStagingBytes) while it lasts.
   uint64_t staging_bytes = 0;

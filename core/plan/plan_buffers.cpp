@@ -241,7 +241,8 @@ class BufferListing {
           plan.homes.param == Tier::nvme ? "new parameter shard on its way to NVMe"
                                          : "new parameters on their way to the GPU",
           Tier::host, compute, 1, largest_optimizer);
-    // write_shard / read_shard stage NVMe homes through one block (tiers/tiered_store.h).
+    // write_shard / read_shard stage NVMe homes through blocks the store
+    // reserves (tiers/tiered_store.h), each on the I/O alignment.
     int64_t largest_nvme_shard = 0;
     if (plan.homes.param == Tier::nvme)
       largest_nvme_shard = std::max(largest_nvme_shard, largest_shard * cb);
@@ -265,7 +266,8 @@ class BufferListing {
     // the reductions writing gradients homed on NVMe.
     add(R::nvme_shard_staging, O::store, "NVMe shard staging", Tier::host, byte,
         plan.homes.grad == Tier::nvme ? 2 : 1,
-        std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard));
+        round_up(std::min<int64_t>(int64_t(tiers::kShardStagingBytes), largest_nvme_shard),
+                 int64_t(in.nvme_alignment)));
   }
 
  private:

@@ -34,6 +34,9 @@ constexpr int64_t kMostMlpParts = 64;
 struct MlpCutCount {
   bool parts;
   int64_t& of(PlanInput& in) const { return parts ? in.model.mlp_parts : in.model.expert_groups; }
+  int64_t of(const PlanInput& in) const {
+    return parts ? in.model.mlp_parts : in.model.expert_groups;
+  }
   int64_t most(const PlanInput& in) const {
     return parts ? std::min(kMostMlpParts, in.model.intermediate_size) : in.model.num_experts;
   }
@@ -55,8 +58,7 @@ std::optional<CutFit> fewest_pieces(
     const PlanInput& in, MlpCutCount count, bool cut_vocab, const Fits& fits,
     const Also& also = [](PlanInput&) {}) {
   const int64_t most = count.most(in);
-  PlanInput given_input = in;
-  const int64_t given = count.of(given_input);
+  const int64_t given = count.of(in);
   std::optional<CutFit> fit;
   int64_t fit_count = 0;
   auto fits_in = [&](int64_t pieces) {
@@ -186,16 +188,24 @@ std::optional<CutFit> fewest_groups_and_parts(const PlanInput& in, bool cut_voca
   PlanInput with_groups = grouped->input;
   with_groups.model.mlp_parts = 1;
   with_groups.model.vocab_chunks = in.model.vocab_chunks;
+  // The search skips counts below a doubling that does not fit, so it may
+  // land above the count matched to the groups: take the fewer.
   std::optional<CutFit> parted = fewest_pieces(with_groups, MlpCutCount{true}, cut_vocab, fits);
-  return parted ? parted : grouped;
+  return parted && parted->input.model.mlp_parts < grouped->input.model.mlp_parts ? parted
+                                                                                  : grouped;
 }
 
 // Both cuts where each alone leaves `best` over the budgets, said in both
-// reasons; nothing changes where no count fits.
+// reasons; where no count fits, only the groups' reason says so.
 void choose_both_mlp_cuts(PlanInput& in, PlanReport& best, bool vocab_auto) {
   std::optional<CutFit> fit =
       fewest_groups_and_parts(in, vocab_auto, [](const PlanReport& p) { return p.fits; });
-  if (!fit) return;
+  if (!fit) {
+    std::string& groups_reason = in.expert_groups_reason;
+    if (!groups_reason.empty() && groups_reason.back() == ')')
+      groups_reason.insert(groups_reason.size() - 1, ", nor with the dense MLPs in parts too");
+    return;
+  }
   PlanInput& cut = fit->input;
   const int64_t groups = cut.model.expert_groups, parts = cut.model.mlp_parts;
   cut.expert_groups_reason = fmt::format(

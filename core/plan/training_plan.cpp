@@ -486,13 +486,16 @@ std::string format_training_plan(const TrainingPlan& plan) {
       plan.activation_copies() > 1
           ? fmt::format("activations of {} micro-batches", plan.activation_copies())
           : std::string("activations");
-  if (plan.spilled_levels() > 0)
+  if (plan.spilled_levels() > 0) {
+    const int64_t shared = plan.spilled_levels() - plan.spilled_places();
     out += fmt::format(
         ": {} in device slots of 2 levels, {} level{} spilled to {} and restored a unit ahead of "
         "their backward",
-        kept_of, plan.spilled_levels(), plan.spilled_levels() == 1 ? "" : "s",
+        kept_of, plan.spilled_places(), plan.spilled_places() == 1 ? "" : "s",
         tiers::tier_name(plan.activation_home()));
-  else if (plan.activations_spilled())
+    if (shared > 0)
+      out += fmt::format(" ({} more restored from the copy of the input they pass on)", shared);
+  } else if (plan.activations_spilled())
     out += fmt::format(": {} in device slots of 2 levels (all of them)", kept_of);
   else if (plan.activation_copies() > 1)
     out +=
