@@ -211,6 +211,14 @@ check "small-moe in groups: the losses and gradient norms of the uncut run" $?
 # --export, the weights are the whole tensors that a run of whole MLP pieces
 # reads with --init and writes back byte for byte (in the same tensor order:
 # layer pieces list a layer's attention tensors first).
+# The 20 losses of two metrics files agree within 1e-6, relative.
+losses_within_1e6() {
+  python3 -c "
+import json,sys
+a,b=([x['loss'] for x in map(json.loads,open(f))] for f in sys.argv[1:3])
+assert len(a)==len(b)==20 and all(abs(x-y)<=1e-6*abs(y) for x,y in zip(a,b)), (a[-1], b[-1])
+" "$1" "$2"
+}
 parts=(--model small --backend cpu --seq-len 64 --micro-batch 2 --steps 20 --lr 3e-3
        --zero-stage 3 --offload-param nvme --offload-optimizer nvme --layer-pieces 2
        --data "$dir/data/train.bin" --hardware none)
@@ -221,11 +229,7 @@ parts=(--model small --backend cpu --seq-len 64 --micro-batch 2 --steps 20 --lr 
 check "small trains with its MLPs in 3 parts" $?
 grep -q "^MLP parts: 3 (given)" "$dir/mlp3.out"
 check "the run says its MLP parts" $?
-python3 -c "
-import json,sys
-a,b=([x['loss'] for x in map(json.loads,open(f))] for f in sys.argv[1:3])
-assert len(a)==len(b)==20 and all(abs(x-y)<=1e-6*abs(y) for x,y in zip(a,b)), (a[-1], b[-1])
-" "$dir/mlp1.jsonl" "$dir/mlp3.jsonl"
+losses_within_1e6 "$dir/mlp1.jsonl" "$dir/mlp3.jsonl"
 check "small in MLP parts: the losses of whole MLP pieces within 1e-6" $?
 "$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 0 \
     --layer-pieces 2 --mlp-parts 1 --init "$dir/mlp3.safetensors" --export "$dir/whole.safetensors" \
@@ -257,11 +261,7 @@ grep -q "^expert groups: 1 (auto" "$dir/uncut.out" && grep -q "^MLP parts: 1 (au
   grep -Eq "^expert groups: [2-9][0-9]* \(auto: the plan fits the budgets neither" "$dir/both.out" &&
   grep -Eq "^MLP parts: [2-9][0-9]* \(auto: with the experts in" "$dir/both.out"
 check "auto takes both cuts, and says why" $?
-python3 -c "
-import json,sys
-a,b=([x['loss'] for x in map(json.loads,open(f))] for f in sys.argv[1:3])
-assert len(a)==len(b)==20 and all(abs(x-y)<=1e-6*abs(y) for x,y in zip(a,b)), (a[-1], b[-1])
-" "$dir/uncut.jsonl" "$dir/both.jsonl"
+losses_within_1e6 "$dir/uncut.jsonl" "$dir/both.jsonl"
 check "in both cuts: the losses of the uncut run within 1e-6" $?
 
 finish_checks

@@ -666,6 +666,21 @@ TEST(PlannerLayerPieces, AutoCutsLayersOnlyWhereThatIsWhatFits) {
 namespace strata {
 namespace {
 
+// bf16 at stage 3 with the parameters and the optimizer on NVMe, 1 x
+// `tokens`, `device_gib` for the compute's memory, 256 GiB of host, 16 TiB of NVMe.
+void everything_on_nvme(PlanInput& in, int64_t tokens, int64_t device_gib) {
+  in.precision = Precision::bf16;
+  in.stage = 3;
+  in.offload_param = OffloadDevice::nvme;
+  in.offload_optimizer = OffloadDevice::nvme;
+  in.micro_batch = 1;
+  in.seq_len = tokens;
+  in.nvme_path_known = true;
+  in.budgets.device_per_rank = device_gib << 30;
+  in.budgets.host_per_node = 256LL << 30;
+  in.budgets.nvme_per_node = 16LL << 40;
+}
+
 // A Llama-3.1-405B-shaped dense model on the CPU backend, everything on
 // NVMe, 1 x 2048 tokens, a 24 GiB budget for the compute's memory: a
 // layer's MLP (2.62B parameters) is more than the budget holds in two
@@ -684,16 +699,7 @@ TEST(Planner, ADenseMlpTooLargeForThePiecesTakesParts) {
   m.head_dim = 128;
   m.vocab_size = 128256;
   m.tie_word_embeddings = false;
-  in.precision = Precision::bf16;
-  in.stage = 3;
-  in.offload_param = OffloadDevice::nvme;
-  in.offload_optimizer = OffloadDevice::nvme;
-  in.micro_batch = 1;
-  in.seq_len = 2048;
-  in.nvme_path_known = true;
-  in.budgets.device_per_rank = 24LL << 30;
-  in.budgets.host_per_node = 256LL << 30;
-  in.budgets.nvme_per_node = 16LL << 40;
+  everything_on_nvme(in, 2048, 24);
   const PlanReport given = *plan_with_suggestion(in);
   ASSERT_FALSE(given.fits);
   const std::string named = ", or --layer-pieces 2 --mlp-parts ";
@@ -753,16 +759,7 @@ TEST(Planner, AMixtureWithBothMlpsTooLargeTakesGroupsAndParts) {
   m.head_dim = 128;
   m.vocab_size = 151936;
   m.tie_word_embeddings = false;
-  in.precision = Precision::bf16;
-  in.stage = 3;
-  in.offload_param = OffloadDevice::nvme;
-  in.offload_optimizer = OffloadDevice::nvme;
-  in.micro_batch = 1;
-  in.seq_len = 1024;
-  in.nvme_path_known = true;
-  in.budgets.device_per_rank = 16LL << 30;
-  in.budgets.host_per_node = 256LL << 30;
-  in.budgets.nvme_per_node = 16LL << 40;
+  everything_on_nvme(in, 1024, 16);
   in.vocab_chunks_auto = in.layer_pieces_auto = true;
   PlanInput groups_only = in, parts_only = in, both = in;
   groups_only.expert_groups_auto = true;

@@ -254,6 +254,20 @@ TEST(TieredStoreTest, OverBudgetRequestFailsWithTheNumbersBeforeAnythingMoves) {
   }
 }
 
+// A store of `host` bytes of pool and 16 MiB of swap in `directory`, on the CPU.
+TieredStoreOptions small_nvme_store(const TemporaryDirectory& directory, uint64_t host,
+                                    Notices& notices) {
+  TieredStoreOptions options;
+  options.host_capacity = host;
+  options.nvme_capacity = 16 << 20;
+  options.io.paths = {directory.path()};
+  options.io.block_size = 64 << 10;
+  options.io.queue_depth = 8;
+  options.use_gpu = false;
+  options.notice = notices.sink();
+  return options;
+}
+
 // Host copies of parameter shards of mixed sizes: three slots' worth of
 // pool, a copy of 768 KiB between two of 1 MiB released, and a 1 MiB copy
 // finds 1 MiB free in two ranges (first fit fragments); with
@@ -263,14 +277,7 @@ TEST(TieredStoreTest, ParameterCopiesInSlotsDoNotFragmentThePool) {
     TemporaryDirectory directory;
     STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
     Notices notices;
-    TieredStoreOptions options;
-    options.host_capacity = 3 << 20;
-    options.nvme_capacity = 16 << 20;
-    options.io.paths = {directory.path()};
-    options.io.block_size = 64 << 10;
-    options.io.queue_depth = 8;
-    options.use_gpu = false;
-    options.notice = notices.sink();
+    TieredStoreOptions options = small_nvme_store(directory, 3 << 20, notices);
     options.param_copy_bytes = slot;
     auto opened = TieredStore::open(options);
     ASSERT_TRUE(opened.is_ok()) << opened.status().message();
@@ -340,14 +347,7 @@ TEST(TieredStoreTest, ReservedStagingBlocksServeEveryWholeShardCopy) {
     TemporaryDirectory directory;
     STRATA_SKIP_WITHOUT_DIRECT_IO(directory);
     Notices notices;
-    TieredStoreOptions options;
-    options.host_capacity = 2 << 20;
-    options.nvme_capacity = 16 << 20;
-    options.io.paths = {directory.path()};
-    options.io.block_size = 64 << 10;
-    options.io.queue_depth = 8;
-    options.use_gpu = false;
-    options.notice = notices.sink();
+    TieredStoreOptions options = small_nvme_store(directory, 2 << 20, notices);
     options.staging_bytes = 200000;  // rounded up to the alignment
     options.staging_blocks = blocks;
     auto opened = TieredStore::open(options);
