@@ -41,6 +41,25 @@ struct NormBackwardBound {
     return rstd[size_t(t)] * (std::abs(double(w[size_t(j)])) * e[size_t(t * C + j)] +
                               std::abs(xhat[size_t(t * C + j)]) * mean);
   }
+  // The bound on the difference of two computations of the norm's input
+  // gradient at (t, j), whose gradients of the normed rows g (magnitudes
+  // g_abs) differ within `cut`: `cut` carried through, plus each side's
+  // rounding of the backward (gamma_(C+8) of the map applied to |g|).
+  double input_gradient(const std::vector<double>& cut, const std::vector<double>& g_abs, int64_t t,
+                        int64_t j) const {
+    return carried(cut, t, j) + 2 * gamma_bound(double(C + 8)) * carried(g_abs, t, j);
+  }
+  // Likewise for the norm weight's gradient sum_t g_tj xhat_tj at column j.
+  double weight_gradient(const std::vector<double>& cut, const std::vector<double>& g_abs,
+                         int64_t j) const {
+    const int64_t N = int64_t(rstd.size());
+    double bound = 0;
+    for (int64_t t = 0; t < N; ++t)
+      bound += cut[size_t(t * C + j)] * std::abs(xhat[size_t(t * C + j)]) +
+               2 * gamma_bound(double(N + 8)) * g_abs[size_t(t * C + j)] *
+                   std::abs(xhat[size_t(t * C + j)]);
+    return bound;
+  }
 
   int64_t C;
   std::vector<float> w;
