@@ -5,7 +5,8 @@
 # exported weights and the checkpoint's state files. A run launched as
 # processes resumes from a checkpoint written by threads; SIGTERM stops every
 # rank after the same step with a checkpoint and no swap files left; a
-# --world-size that disagrees with the launcher is refused in one line.
+# --world-size that disagrees with the launcher is refused in one line; a
+# mixture reading its experts as routed gives the same bits as processes.
 # On a machine with two GPUs or more: one process per GPU (NCCL) gives the
 # losses of two ranks as threads sharing GPU 0, in ZeRO-Offload (stage 2,
 # optimizer in host memory) and with everything on the GPUs.
@@ -108,6 +109,36 @@ WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 \
   "$strata" train "${base[@]}" --world-size 3 --steps 1 --nvme-path "$dir/swap-x" >/dev/null 2>"$dir/err"
 [ $? -eq 2 ] && [ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--world-size 3 but launched as 2" "$dir/err"
 check "a --world-size other than the launcher's is refused in one line" $?
+
+# A mixture with its experts read as routed: the ranks join their routings
+# (core/plan/expert_fetch.h), as processes and as threads, bitwise, and as
+# reading every expert; both record the joined routing.
+cat > "$dir/moe.json" <<'JSON'
+{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+ "intermediate_size": 128, "moe_intermediate_size": 64, "num_experts": 16,
+ "num_experts_per_tok": 1, "norm_topk_prob": true, "decoder_sparse_step": 1,
+ "mlp_only_layers": [], "num_hidden_layers": 2, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": false,
+ "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+ "hidden_act": "silu", "torch_dtype": "float32"}
+JSON
+moe=(--model "$dir/moe.json" --backend cpu --seq-len 4 --micro-batch 1 --grad-accum 2 --lr 3e-3
+     --data "$dir/data/train.bin" --zero-stage 3 --offload-param nvme --offload-optimizer nvme
+     --layer-pieces 2 --steps 3 --hardware none)
+routings() { python3 -c 'import json,sys; print(" ".join(json.dumps(j["routing"], sort_keys=True) for j in map(json.loads, open(sys.argv[1]))))' "$1"; }
+"$strata" train "${moe[@]}" --world-size 2 --nvme-path "$dir/swap-mt" --metrics "$dir/moe-t.jsonl" \
+    >"$dir/moe-t.out" 2>&1 &&
+  timeout 300 "$strata" launch -n 2 -- "$strata" train "${moe[@]}" --nvme-path "$dir/swap-mp" \
+    --metrics "$dir/moe-p.jsonl" >"$dir/moe-p.out" 2>&1 &&
+  "$strata" train "${moe[@]}" --world-size 2 --nvme-path "$dir/swap-ma" --expert-fetch all \
+    --metrics "$dir/moe-a.jsonl" >/dev/null 2>&1
+check "a routed mixture at 2 ranks, as threads, as processes and reading every expert" $?
+grep -q "^expert fetch: routed" "$dir/moe-p.out"; check "the processes read the experts as routed" $?
+[ -n "$(losses "$dir/moe-t.jsonl")" ] && [ "$(losses "$dir/moe-t.jsonl")" = "$(losses "$dir/moe-p.jsonl")" ] &&
+  [ "$(losses "$dir/moe-t.jsonl")" = "$(losses "$dir/moe-a.jsonl")" ]
+check "routed at 2 ranks: the losses of reading every expert, threads and processes bitwise" $?
+[ -n "$(routings "$dir/moe-t.jsonl")" ] && [ "$(routings "$dir/moe-t.jsonl")" = "$(routings "$dir/moe-p.jsonl")" ]
+check "threads and processes record the same joined routing" $?
 
 # Several GPUs: a process per GPU through NCCL against threads sharing one GPU.
 # Two ranks add each element once, so the sums and the results are bitwise equal.

@@ -1,7 +1,8 @@
 // Routed expert fetch (core/plan/expert_fetch.h): a mixture with its
-// parameters on NVMe at stage 3, one rank, the layers in pieces, reads a
-// sparse layer's experts only when its micro-batches' tokens reach them,
-// whether its MLP piece is whole or cut into groups of experts.
+// parameters on NVMe at stage 3, the layers in pieces, reads a sparse
+// layer's experts only when its micro-batches' tokens reach them (at
+// several ranks, any rank's tokens), whether its MLP piece is whole or cut
+// into groups of experts.
 // Training gives the bits of reading every expert, in both schedules, fp32
 // and bf16; the NVMe bytes each step reads are what the plan counts for that
 // step's routing, below its worst case and below what a dense model with as
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "core/plan/expert_fetch.h"
 #include "engine_test_support.h"
@@ -205,6 +207,78 @@ TEST_F(EngineExpertFetch, NvmeReadsAreWhatThePlanCountsForTheStepsRouting) {
   }
 }
 
+// Several ranks: each forward of a routed unit has a route and a share, and
+// nothing else does; a routed gather sends less than the whole shard.
+void expect_routes_and_shares(const TrainingPlan& plan, const std::string& label) {
+  const int W = plan.input.world_size;
+  int forwards = 0, routes = 0, shares = 0;
+  for (int i = 0; i < int(plan.ops.size()); ++i) {
+    const PlanOp& op = plan.ops[size_t(i)];
+    routes += op.kind == OpKind::route;
+    shares += op.kind == OpKind::share;
+    if (op.kind != OpKind::forward || !routes_expert_reads(plan, op.unit)) continue;
+    ++forwards;
+    int share = -1;
+    for (int d : op.deps)
+      if (plan.ops[size_t(d)].kind == OpKind::share) share = d;
+    ASSERT_GE(share, 0) << label << ": " << op.text();
+    const PlanOp& s = plan.ops[size_t(share)];
+    EXPECT_EQ(s.unit, op.unit) << label;
+    EXPECT_EQ(s.micro, op.micro) << label;
+    EXPECT_EQ(plan.ops[size_t(s.deps[0])].kind, OpKind::route) << label;
+  }
+  EXPECT_EQ(forwards > 0, plan.routed_expert_fetch) << label;
+  EXPECT_EQ(routes, W > 1 ? forwards : 0) << label;
+  EXPECT_EQ(shares, W > 1 ? forwards : 0) << label;
+}
+
+TEST_F(EngineExpertFetch, AtSeveralRanksTheRanksShareTheirRoutings) {
+  for (int world : {2, 3}) {
+    for (auto [schedule, precision, groups] :
+         {std::tuple{"micro_batch", "bf16", 1}, std::tuple{"layer", "bf16", 4},
+          std::tuple{"layer", "fp32", 1}, std::tuple{"micro_batch", "fp32", 4}}) {
+      EngineRun routed = routed_run(schedule, precision);
+      routed.world = world;
+      routed.expert_groups = groups;
+      EngineRun all = routed;
+      all.expert_fetch = "all";
+      const std::string label = routed.label();
+      const EngineOutcome r = train(routed), a = train(all);
+      ASSERT_EQ(r.steps.size(), 3u) << label;
+      ASSERT_EQ(a.steps.size(), 3u) << all.label();
+      ASSERT_TRUE(r.plan.routed_expert_fetch) << label << ": " << r.plan.expert_fetch_reason;
+      EXPECT_FALSE(r.plan.deferred_expert_updates) << label;
+      expect_routes_and_shares(r.plan, label);
+      expect_routes_and_shares(a.plan, all.label());  // none: not routed
+      ASSERT_FALSE(r.steps[0].routing.empty());
+      EXPECT_GT(unrouted(r.steps[0].routing), 0) << "every expert reached: the test shows nothing";
+      testing::expect_identical(r, a, label + " vs " + all.label());
+      for (size_t s = 0; s < r.steps.size(); ++s) {
+        const StepResult& step = r.steps[s];
+        // Every rank reads its shard's part of what the joined routing reaches.
+        int64_t counted = 0;
+        for (int rank = 0; rank < world; ++rank) {
+          const int64_t of_rank = routed_parameter_reads(r.plan, step.routing, rank);
+          EXPECT_LE(of_rank, r.plan.traffic_per_step.nvme_read) << label << " rank " << rank;
+          EXPECT_LE(of_rank, routed_parameter_reads(r.plan, step.routing)) << label;
+          counted += of_rank;
+        }
+        EXPECT_EQ(int64_t(step.nvme_read_bytes), counted) << label << " step " << s;
+        EXPECT_LT(step.nvme_read_bytes, a.steps[s].nvme_read_bytes) << label << " step " << s;
+        // The gathers send what was read, the shares what was routed: less
+        // than every expert's shard, within the plan's worst case.
+        EXPECT_LT(step.network_bytes, a.steps[s].network_bytes) << label << " step " << s;
+        EXPECT_LE(step.network_bytes,
+                  uint64_t(r.plan.traffic_per_step.collective()) * uint64_t(world))
+            << label << " step " << s;
+        EXPECT_EQ(a.steps[s].network_bytes,
+                  uint64_t(a.plan.traffic_per_step.collective()) * uint64_t(world))
+            << all.label() << " step " << s;
+      }
+    }
+  }
+}
+
 TEST_F(EngineExpertFetch, ThePlanSaysWhyItReadsEveryExpert) {
   auto reason = [](EngineRun run) {
     Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
@@ -230,8 +304,8 @@ TEST_F(EngineExpertFetch, ThePlanSaysWhyItReadsEveryExpert) {
   run.offload_param = "cpu";
   EXPECT_NE(reason(run).second.find("not on NVMe"), std::string::npos);
   run.offload_param = "nvme";
-  run.world = 2;
-  EXPECT_NE(reason(run).second.find("one rank"), std::string::npos);
+  run.world = 2;  // the ranks share their routings
+  EXPECT_TRUE(reason(run).first) << reason(run).second;
   run.world = 1;
   run.expert_fetch = "all";
   EXPECT_NE(reason(run).second.find("strata.expert_fetch all"), std::string::npos);

@@ -367,7 +367,7 @@ std::string format_run_summary(const RunSummary& s) {
   static constexpr OpKind kinds[] = {
       OpKind::fetch,  OpKind::gather,   OpKind::forward, OpKind::release,   OpKind::backward,
       OpKind::reduce, OpKind::exchange, OpKind::decide,  OpKind::optimizer, OpKind::writeback,
-      OpKind::sync,   OpKind::spill,    OpKind::restore};
+      OpKind::sync,   OpKind::spill,    OpKind::restore, OpKind::route,     OpKind::share};
   for (OpKind kind : kinds) {
     const double seconds = s.lanes.kind_seconds[static_cast<size_t>(kind)] / std::max(1, s.world);
     if (seconds <= 0) continue;

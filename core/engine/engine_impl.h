@@ -216,8 +216,21 @@ struct Engine::Impl {
   void publish_params(Rank& rank, int unit, int64_t step_index);
 
   Status gather(Rank& rank, const PlanOp& op);
-  // Routed expert fetch: reads the experts op's micro-batch needs that its gather has not.
+  // Routed expert fetch (core/engine/routed_experts.cpp): at one rank reads
+  // the experts op's micro-batch needs that its gather has not; at several
+  // checks that its share or gather brought them.
   Status read_routed_experts(Rank& rank, const PlanOp& op, const ComputeParams& params);
+  // A routed unit's shard must be whole NVMe blocks to be read in ranges.
+  Status check_expert_alignment(Rank& rank, int unit) const;
+  // Several ranks: this rank's routing of op's micro-batch (`route`); the
+  // ranks' routings joined and the experts they reach read and sent (`share`).
+  Status route(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
+  Status share(Rank& rank, const PlanOp& op);
+  // Each of `pieces` (elements of the unit, the same on every rank) sent from
+  // the rank whose shard holds it into its place in every rank's `gathered`
+  // copy; the owner's bytes come from `own` (its shard) or are in place (null).
+  Status broadcast_pieces(Rank& rank, int unit, std::byte* gathered, const std::byte* own,
+                          const std::vector<ElementRange>& pieces);
   Status forward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   Status backward(Rank& rank, StepRun& run, int op_index, const PlanOp& op);
   // The units compute straight from the parameters' home at stages 0-2, and on

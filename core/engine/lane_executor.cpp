@@ -21,7 +21,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 
 bool is_collective(OpKind kind) {
   return kind == OpKind::gather || kind == OpKind::reduce || kind == OpKind::exchange ||
-         kind == OpKind::sync;
+         kind == OpKind::sync || kind == OpKind::share;
 }
 
 }  // namespace

@@ -151,8 +151,11 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
       if (routes_expert_reads(plan, op.unit))
         return rank.store->prefetch_ranges(
             {op.unit, ShardKind::param},
-            fetch_ranges(plan, op.unit, experts_read_ahead(plan, op_index, &rank.routing),
-                         rank.store->nvme_alignment()));
+            rank_ranges(
+                plan, op.unit,
+                fetch_ranges(plan, op.unit, experts_read_ahead(plan, op_index, &rank.routing),
+                             rank.store->nvme_alignment()),
+                rank.rank));
       return rank.store->prefetch({op.unit, ShardKind::param}, tiers::Tier::host);
     case OpKind::gather:
       return gather(rank, op);
@@ -188,6 +191,10 @@ Status Engine::Impl::execute(Rank& rank, StepRun& run, int op_index) {
       return spill(rank, op);
     case OpKind::restore:
       return restore(rank, op);
+    case OpKind::route:
+      return route(rank, run, op_index, op);
+    case OpKind::share:
+      return share(rank, op);
   }
   return Status::ok();
 }

@@ -107,59 +107,34 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
     source = home_data(rank, key);
   }
   if (source == nullptr) source = target;
-  const comm::DataType type = plan.compute_bytes == 4 ? comm::DataType::fp32 : comm::DataType::bf16;
-  Status gathered = rank.comm->all_gather(source, target, size_t(p.shard_numel), type);
+  std::vector<uint8_t> loaded;
+  if (routes_expert_reads(plan, op.unit)) {  // the experts its fetch read ahead are in
+    loaded.assign(size_t(plan.layout.config.num_experts), 0);
+    for (int d : op.deps)
+      if (plan.ops[size_t(d)].kind == OpKind::fetch && plan.ops[size_t(d)].unit == op.unit)
+        loaded = experts_read_ahead(plan, d, &rank.routing);
+  }
+  Status gathered = Status::ok();
+  if (shares_routing(plan, op.unit)) {
+    // Several ranks (expert_fetch.h): only what the fetches read moves, the
+    // rest and the experts read ahead, each piece from its owner.
+    std::vector<ElementRange> pieces = fetched_elements(plan, op.unit);
+    std::vector<uint8_t> none(loaded.size(), 0);
+    for (const ElementRange& piece : expert_elements(plan, op.unit, loaded, none))
+      pieces.push_back(piece);
+    std::sort(pieces.begin(), pieces.end(),
+              [](const ElementRange& a, const ElementRange& b) { return a.begin < b.begin; });
+    gathered = broadcast_pieces(rank, op.unit, target, status ? source : nullptr, pieces);
+  } else {
+    const comm::DataType type =
+        plan.compute_bytes == 4 ? comm::DataType::fp32 : comm::DataType::bf16;
+    gathered = rank.comm->all_gather(source, target, size_t(p.shard_numel), type);
+  }
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
-  if (routes_expert_reads(plan, op.unit)) {  // the experts its fetch read ahead are in
-    rank.experts_loaded[size_t(op.slot)].assign(size_t(plan.layout.config.num_experts), 0);
-    for (int d : op.deps)
-      if (plan.ops[size_t(d)].kind == OpKind::fetch && plan.ops[size_t(d)].unit == op.unit)
-        rank.experts_loaded[size_t(op.slot)] = experts_read_ahead(plan, d, &rank.routing);
-  }
+  if (!loaded.empty()) rank.experts_loaded[size_t(op.slot)] = std::move(loaded);
   return rank.compute->take_gathered(op.unit, op.slot, target);
-}
-
-Status Engine::Impl::read_routed_experts(Rank& rank, const PlanOp& op,
-                                         const ComputeParams& params) {
-  const int u = op.unit, slot = params.gathered_slot;
-  if (slot < 0) return Status::error("routed experts without a gathered copy (plan error)");
-  std::vector<uint8_t>& needed = rank.routing[size_t(u)][size_t(op.micro)];
-  if (op.kind == OpKind::forward) {  // the backward reads what its forward routed
-    Result<std::vector<uint8_t>> routed = rank.compute->routed_experts(u, op.micro, params);
-    if (!routed) return routed.status();
-    needed = std::move(*routed);
-  }
-  if (op.kind == OpKind::forward && defers_expert_updates(plan, u)) {
-    // Experts whose steps wait take them before their parameters are read.
-    // With the state in host memory the copy's windows are put together in
-    // the gathered copy, which the read below then fills.
-    std::lock_guard lock(rank.streamed_mutex);
-    if (Status s = replay_deferred(rank, u, rank.deferred.take_due(u, needed),
-                                   rank.gathered[size_t(slot)]);
-        !s)
-      return s;
-  }
-  const uint64_t alignment = rank.store->nvme_alignment();
-  const int64_t cb = plan.compute_bytes;
-  if ((plan.units[size_t(u)].param_numel * cb) % int64_t(alignment) != 0)
-    return Status::error(fmt::format(
-        "routed expert reads: {}'s parameters are not a whole number of {}-byte NVMe blocks; use "
-        "--expert-fetch all",
-        plan.layout.units[size_t(u)].unit.name, alignment));
-  const std::vector<tiers::ByteRange> ranges =
-      expert_reads(plan, u, needed, rank.experts_loaded[size_t(slot)], alignment);
-  if (ranges.empty()) return Status::ok();
-  std::byte* gathered = rank.gathered[size_t(slot)];
-  if (Status s = rank.store->read_home_ranges({u, ShardKind::param}, ranges, gathered); !s)
-    return s;
-  for (const tiers::ByteRange& range : ranges) {
-    Status s = rank.compute->take_gathered_range(u, slot, gathered, int64_t(range.offset) / cb,
-                                                 int64_t(range.bytes) / cb);
-    if (!s) return s;
-  }
-  return Status::ok();
 }
 
 ComputeParams Engine::Impl::unit_params(Rank& rank, StepRun& run, int op_index, int unit) {

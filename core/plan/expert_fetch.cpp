@@ -20,8 +20,9 @@ int gather_of(const TrainingPlan& plan, const PlanOp& op) {
   return -1;
 }
 
-// The fetches' bytes and the routed experts' for `routing` (null: every expert).
-int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing);
+// The fetches' bytes and the routed experts' for `routing` (null: every
+// expert) at `rank` (-1: the most any rank reads).
+int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank);
 
 }  // namespace
 
@@ -31,8 +32,10 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
   const char* off = nullptr;
   if (in.expert_fetch_all)
     off = "strata.expert_fetch all";
-  else if (in.stage != 3 || in.world_size != 1)
-    off = "it needs stage 3 at one rank (a gather of several ranks moves every expert)";
+  else if (in.stage != 3)
+    off = "it needs stage 3, where a unit is gathered from its shards";
+  else if (in.world_size > 1 && in.gpu)
+    off = "several ranks share their routings on the CPU backend only";
   else if (homes.param != tiers::Tier::nvme)
     off = "the parameters are not on NVMe";
   else if (in.model.layer_pieces != 2)
@@ -55,6 +58,50 @@ bool routes_expert_reads(const TrainingPlan& plan, int unit) {
          expert_blocks(plan.layout, unit).count > 0;
 }
 
+bool shares_routing(const TrainingPlan& plan, int unit) {
+  return plan.input.world_size > 1 && routes_expert_reads(plan, unit);
+}
+
+std::vector<ByteRange> rank_ranges(const TrainingPlan& plan, int unit,
+                                   const std::vector<ByteRange>& ranges, int rank) {
+  const uint64_t shard = uint64_t(plan.units[size_t(unit)].shard_numel * plan.compute_bytes);
+  const uint64_t begin = uint64_t(rank) * shard, end = begin + shard;
+  std::vector<ByteRange> out;
+  for (const ByteRange& r : ranges) {
+    const uint64_t from = std::max(r.offset, begin), to = std::min(r.offset + r.bytes, end);
+    if (from < to) out.push_back({from - begin, to - from});
+  }
+  return out;
+}
+
+std::vector<ElementRange> fetched_elements(const TrainingPlan& plan, int unit) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  const int64_t end = experts.offset + experts.count * experts.numel;
+  std::vector<ElementRange> ranges;
+  if (experts.offset > 0) ranges.push_back({0, experts.offset});
+  if (end < plan.units[size_t(unit)].padded_numel)
+    ranges.push_back({end, plan.units[size_t(unit)].padded_numel});
+  return ranges;
+}
+
+std::vector<ElementRange> expert_elements(const TrainingPlan& plan, int unit,
+                                          const std::vector<uint8_t>& needed,
+                                          std::vector<uint8_t>& loaded) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, unit);
+  std::vector<ElementRange> ranges;
+  for (int64_t e = 0; e < experts.count; ++e) {
+    const size_t expert = size_t(experts.first + e);  // the layer's index
+    if (!needed[expert] || loaded[expert]) continue;
+    loaded[expert] = 1;
+    const int64_t begin = experts.offset + e * experts.numel, end = begin + experts.numel;
+    if (!ranges.empty() && ranges.back().end == begin)
+      ranges.back().end = end;
+    else
+      ranges.push_back({begin, end});
+  }
+  return ranges;
+}
+
 bool sums_routed_gradients(const TrainingPlan& plan, int unit) {
   const PlanInput& in = plan.input;
   const bool host_memory = !in.gpu || plan.homes.grad != tiers::Tier::device;
@@ -68,7 +115,7 @@ std::vector<ByteRange> fetched_ahead(const TrainingPlan& plan, int unit, uint64_
   const uint64_t begin = round_up(uint64_t(experts.offset) * cb, alignment);
   const uint64_t end =
       uint64_t(experts.offset + experts.count * experts.numel) * cb / alignment * alignment;
-  const uint64_t size = round_up(uint64_t(plan.units[size_t(unit)].param_numel) * cb, alignment);
+  const uint64_t size = round_up(uint64_t(plan.units[size_t(unit)].padded_numel) * cb, alignment);
   std::vector<ByteRange> ranges;
   if (begin > 0) ranges.push_back({0, begin});
   if (end < size) ranges.push_back({end, size - end});
@@ -138,10 +185,17 @@ std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
 }
 
 std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
-                                                const StepRouting* routing) {
+                                                const StepRouting* routing, int rank) {
   std::vector<int64_t> bytes(plan.ops.size(), 0);
   if (!plan.routed_expert_fetch) return bytes;
   const uint64_t alignment = plan.input.nvme_alignment;
+  const bool one_rank = plan.input.world_size == 1;
+  auto rank_bytes = [&](int unit, const std::vector<ByteRange>& ranges) {
+    int64_t sum = 0;
+    for (const ByteRange& range : rank_ranges(plan, unit, ranges, rank))
+      sum += int64_t(range.bytes);
+    return sum;
+  };
   std::vector<std::vector<uint8_t>> loaded(plan.ops.size());  // by gather op
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
@@ -151,15 +205,15 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
         if (plan.ops[size_t(d)].kind == OpKind::fetch && plan.ops[size_t(d)].unit == op.unit)
           loaded[i] = experts_read_ahead(plan, d, routing);
     }
-    if (op.kind == OpKind::fetch && !micros_read_ahead(plan, int(i)).empty()) {
+    if (op.kind == OpKind::fetch && routes_expert_reads(plan, op.unit)) {
       const std::vector<uint8_t> ahead = experts_read_ahead(plan, int(i), routing);
-      for (const ByteRange& range : fetch_ranges(plan, op.unit, ahead, alignment))
-        bytes[i] += int64_t(range.bytes);
-      bytes[i] -= op.bytes;  // fetched_ahead's, counted by the fetch itself
+      // fetched_ahead's fewest bytes are counted by the fetch itself
+      bytes[i] = rank_bytes(op.unit, fetch_ranges(plan, op.unit, ahead, alignment)) - op.bytes;
     }
-    if ((op.kind != OpKind::forward && op.kind != OpKind::backward) ||
-        !routes_expert_reads(plan, op.unit))
-      continue;
+    // One rank's computations read their experts; several ranks' shares do.
+    const bool reads = one_rank ? op.kind == OpKind::forward || op.kind == OpKind::backward
+                                : op.kind == OpKind::share;
+    if (!reads || !routes_expert_reads(plan, op.unit)) continue;
     const int gather = gather_of(plan, op);
     if (gather < 0) continue;
     const size_t E = size_t(plan.layout.config.num_experts);
@@ -168,30 +222,35 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
     const std::vector<uint8_t> every(E, 1);
     const std::vector<uint8_t>& needed =
         routing != nullptr ? (*routing)[size_t(op.unit)][size_t(op.micro)] : every;
-    for (const ByteRange& range : expert_reads(plan, op.unit, needed, have, alignment))
-      bytes[i] += int64_t(range.bytes);
+    bytes[i] = rank_bytes(op.unit, expert_reads(plan, op.unit, needed, have, alignment));
   }
   return bytes;
 }
 
 namespace {
 
-int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing) {
+int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank) {
+  if (rank < 0) {
+    int64_t most = 0;
+    for (int r = 0; r < plan.input.world_size; ++r)
+      most = std::max(most, parameter_reads(plan, routing, r));
+    return most;
+  }
   int64_t total = 0;
   for (const PlanOp& op : plan.ops)
     if (op.kind == OpKind::fetch) total += op.bytes;
-  for (int64_t b : routed_expert_reads_per_op(plan, routing)) total += b;
+  for (int64_t b : routed_expert_reads_per_op(plan, routing, rank)) total += b;
   return total;
 }
 
 }  // namespace
 
-int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing) {
-  return parameter_reads(plan, &routing);
+int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing, int rank) {
+  return parameter_reads(plan, &routing, rank);
 }
 
-int64_t worst_parameter_reads(const TrainingPlan& plan) {
-  return parameter_reads(plan, nullptr);
+int64_t worst_parameter_reads(const TrainingPlan& plan, int rank) {
+  return parameter_reads(plan, nullptr, rank);
 }
 
 nlohmann::ordered_json routing_to_json(const TrainingPlan& plan, const StepRouting& routing) {

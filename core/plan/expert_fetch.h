@@ -9,11 +9,23 @@
 // read) and its traffic counts the worst case; given a step's routing,
 // routed_parameter_reads counts what the step reads.
 //
-// Ranges are byte ranges of the unit's compute-precision parameter shard
-// (one rank: the whole unit), aligned to the NVMe alignment: an expert's
-// range is widened to whole alignment blocks, neighbouring experts read by
-// one computation are one range, and a block shared with an expert read
-// earlier is read again.
+// Several ranks (shares_routing): each rank holds a shard of the unit, so
+// the routing of a micro-batch is the union of the ranks'. Before a routed
+// forward, `route` (compute lane) takes this rank's routing and `share` (the
+// collectives' lane) joins the ranks' routings (an all-reduce of E numbers),
+// reads this rank's part of the experts the union reaches and sends each
+// piece from its owner to every rank (broadcasts, in one order every rank
+// computes from the union); the forward then reads nothing. A routed unit's
+// gather sends only what its fetches read (fetched_elements and the experts
+// read ahead), not the whole shard. Backwards read nothing: their fetch read
+// their forwards' experts ahead.
+//
+// Ranges are byte ranges of the unit's compute-precision parameters (the
+// unit's coordinates: rank r's shard is [r S, (r + 1) S) of them), aligned to
+// the NVMe alignment: an expert's range is widened to whole alignment
+// blocks, neighbouring experts read by one computation are one range, and a
+// block shared with an expert read earlier is read again. rank_ranges turns
+// them into the ranges of one rank's shard.
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -34,6 +46,13 @@ namespace strata {
 // u; empty for units that do not route their reads.
 using StepRouting = std::vector<std::vector<std::vector<uint8_t>>>;
 
+// Elements [begin, end) of a unit's range (parameters, gradient or optimizer state).
+struct ElementRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  bool operator==(const ElementRange&) const = default;
+};
+
 // Whether the plan can read experts as routed, and the one line why or why
 // not (TrainingPlan::expert_fetch_reason); empty for a dense model.
 bool plan_routes_expert_reads(const PlanInput& input, const StateHomes& homes, std::string& why);
@@ -42,6 +61,25 @@ bool plan_routes_expert_reads(const PlanInput& input, const StateHomes& homes, s
 // sparse MLP piece or a piece of experts (false for -1, an operation of no
 // unit).
 bool routes_expert_reads(const TrainingPlan& plan, int unit);
+
+// Unit u reads its experts as routed at several ranks: its routed forwards
+// have a `route` and a `share` before them (above).
+bool shares_routing(const TrainingPlan& plan, int unit);
+
+// The part of the unit's byte `ranges` (sorted) in rank `rank`'s shard, as
+// offsets in that shard; the ranges themselves at one rank.
+std::vector<tiers::ByteRange> rank_ranges(const TrainingPlan& plan, int unit,
+                                          const std::vector<tiers::ByteRange>& ranges, int rank);
+
+// The elements of unit u that are not its experts (what its fetch reads
+// ahead, exactly), within the padded unit.
+std::vector<ElementRange> fetched_elements(const TrainingPlan& plan, int unit);
+
+// The elements of the `needed` experts not yet `loaded` (both [E]), the
+// neighbours' merged; marks them loaded.
+std::vector<ElementRange> expert_elements(const TrainingPlan& plan, int unit,
+                                          const std::vector<uint8_t>& needed,
+                                          std::vector<uint8_t>& loaded);
 
 // Unit u's micro-batch gradients are added into their accumulator only
 // where the micro-batch's tokens went (the experts they reached and what is
@@ -76,19 +114,21 @@ std::vector<tiers::ByteRange> expert_reads(const TrainingPlan& plan, int unit,
                                            const std::vector<uint8_t>& needed,
                                            std::vector<uint8_t>& loaded, uint64_t alignment);
 
-// Per operation of plan.ops, the NVMe bytes it reads of routed experts for
-// `routing`, or for the worst case (every expert routed) when null: a
-// computation's reads, and a fetch's reads ahead beyond its own bytes (the
-// fetches' bytes are the rest, fetched_ahead).
+// Per operation of plan.ops, the NVMe bytes rank `rank` reads of routed
+// experts for `routing`, or for the worst case (every expert routed) when
+// null: a computation's (one rank) or a share's (several) reads, and a
+// fetch's reads beyond its own bytes. A routed fetch's bytes are the fewest
+// any rank's fetch reads of the rest (fetched_ahead; at one rank all of it).
 std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
-                                                const StepRouting* routing);
+                                                const StepRouting* routing, int rank = 0);
 
 // The parameter bytes a step reads from NVMe for `routing`: the fetches'
-// and the routed experts'.
-int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing);
+// and the routed experts', at rank `rank`, or (-1) the most any rank reads.
+int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing, int rank = -1);
 
-// The parameter bytes a step reads from NVMe when every expert is routed to.
-int64_t worst_parameter_reads(const TrainingPlan& plan);
+// The parameter bytes a step reads from NVMe when every expert is routed
+// to, at rank `rank`, or (-1) the most any rank reads.
+int64_t worst_parameter_reads(const TrainingPlan& plan, int rank = -1);
 
 // A step's routing as the metrics file records it ("routing"): {unit name:
 // [per micro-batch a string of E characters, '1' at e when expert e got a

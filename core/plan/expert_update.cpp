@@ -57,6 +57,8 @@ bool plan_defers_expert_updates(const PlanInput& in, bool routed, std::string& w
     off = "strata.expert_update eager";
   else if (!routed)
     off = "the experts are not read as routed (see expert fetch)";
+  else if (in.world_size > 1)
+    off = "deferred updates are built for one rank";
   else if (in.gpu && in.offload_optimizer == OffloadDevice::none)
     off = "the optimizer state is on the GPU, whose update steps every element";
   if (off != nullptr) {

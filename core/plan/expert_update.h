@@ -51,13 +51,6 @@
 
 namespace strata {
 
-// Elements [begin, end) of a unit's optimizer range.
-struct ElementRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-  bool operator==(const ElementRange&) const = default;
-};
-
 // Whether the plan defers idle experts' updates, and the one line why or why
 // not (TrainingPlan::expert_update_reason); empty for a dense model. `routed`:
 // the plan reads experts as routed.

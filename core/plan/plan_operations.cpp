@@ -150,13 +150,26 @@ class PlanBuilder {
       op.bytes = plan_.units[size_t(uses_[i].unit)].param_numel * plan_.compute_bytes;
       if (routes_expert_reads(plan_, uses_[i].unit)) {  // the rest when routed (expert_fetch.h)
         read_ahead(uses_[i], op.deps);
-        op.bytes = 0;
-        for (const tiers::ByteRange& range :
-             fetched_ahead(plan_, uses_[i].unit, plan_.input.nvme_alignment))
-          op.bytes += int64_t(range.bytes);
+        op.bytes = fetched_ahead_bytes(uses_[i].unit);
       }
       fetch_op_[i] = add(std::move(op));
     }
+  }
+
+  // What a routed unit's fetch reads of the rest (fetched_ahead): at several
+  // ranks the fewest any rank reads of its shard (expert_fetch.h counts the
+  // others' more as routed reads).
+  int64_t fetched_ahead_bytes(int unit) const {
+    const std::vector<tiers::ByteRange> rest =
+        fetched_ahead(plan_, unit, plan_.input.nvme_alignment);
+    int64_t fewest = -1;
+    for (int r = 0; r < in_.world_size; ++r) {
+      int64_t bytes = 0;
+      for (const tiers::ByteRange& range : rank_ranges(plan_, unit, rest, r))
+        bytes += int64_t(range.bytes);
+      fewest = fewest < 0 ? bytes : std::min(fewest, bytes);
+    }
+    return fewest;
   }
 
   // Reads ahead (expert_fetch.h): a routed backward use's fetch is emitted
@@ -189,6 +202,14 @@ class PlanBuilder {
       if (fetch_op_[i] >= 0) op.deps.push_back(fetch_op_[i]);
       op.bytes = plan_.units[size_t(uses_[i].unit)].shard_numel * plan_.compute_bytes *
                  (in_.world_size - 1);
+      if (shares_routing(plan_, uses_[i].unit)) {
+        // What the fetches read goes (Engine::gather): the rest, and for a
+        // backward's every expert at worst (read ahead).
+        std::vector<ElementRange> pieces = fetched_elements(plan_, uses_[i].unit);
+        if (compute_[uses_[i].first].kind == OpKind::backward)
+          pieces.push_back(every_expert(uses_[i].unit));
+        op.bytes = most_sent(uses_[i].unit, pieces);
+      }
       gather_op_[i] = add(std::move(op));
       ++next_gather_;
       if (in_.offload_param == OffloadDevice::nvme) emit_fetches();
@@ -257,6 +278,7 @@ class PlanBuilder {
       op.deps.push_back(spill_op_[level_index(cu.unit - 2, cu.micro)]);
     if (cu.kind == OpKind::backward && plan_.spills(cu.unit - 1))
       op.deps.push_back(restore_op_[level_index(cu.unit - 1, cu.micro)]);
+    if (cu.kind == OpKind::forward && shares_routing(plan_, cu.unit)) emit_route_and_share(op);
     compute_op_[c] = add(std::move(op));
     if (stage3_ && in_.offload_param == OffloadDevice::nvme) emit_fetches();  // reads ahead
     emit_spill_or_restore(c);
@@ -274,6 +296,42 @@ class PlanBuilder {
       }
     }
     if (fills_grad) emit_reduce(c, uses_rotating_grad);
+  }
+
+  // Several ranks reading experts as routed (expert_fetch.h): before the
+  // forward, its routing on the compute lane (with the forward's
+  // dependencies), then the ranks' routings joined and the experts sent, on
+  // the collectives' lane; the forward waits for both. Worst case: every
+  // expert read and sent by its owner.
+  void emit_route_and_share(PlanOp& forward) {
+    PlanOp route = forward;
+    route.kind = OpKind::route;
+    const int route_index = add(std::move(route));
+    PlanOp share = make_op(OpKind::share, comm_lane_, forward.unit, forward.micro);
+    share.deps.push_back(route_index);
+    for (int d : forward.deps)
+      if (plan_.ops[size_t(d)].kind == OpKind::gather) share.deps.push_back(d);
+    share.bytes = most_sent(forward.unit, {every_expert(forward.unit)});
+    forward.deps.push_back(add(std::move(share)));
+  }
+
+  ElementRange every_expert(int unit) const {
+    const ExpertBlocks experts = expert_blocks(plan_.layout, unit);
+    return {experts.offset, experts.offset + experts.count * experts.numel};
+  }
+
+  // The bytes the rank owning the most of `pieces` sends of them to the others.
+  int64_t most_sent(int unit, const std::vector<ElementRange>& pieces) const {
+    const int64_t S = plan_.units[size_t(unit)].shard_numel;
+    int64_t most = 0;
+    for (int r = 0; r < in_.world_size; ++r) {
+      int64_t owned = 0;
+      for (const ElementRange& piece : pieces)
+        owned += std::max<int64_t>(
+            0, std::min(piece.end, (r + 1) * S) - std::max(piece.begin, int64_t(r) * S));
+      most = std::max(most, owned);
+    }
+    return most * plan_.compute_bytes * (in_.world_size - 1);
   }
 
   size_t level_index(int level, int micro) const {

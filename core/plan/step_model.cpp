@@ -236,6 +236,10 @@ double compute_seconds(const TrainingPlan& plan, const HardwareProfile& hw, cons
 
 }  // namespace
 
+// A share (expert_fetch.h) costs as a fetch, its NVMe reads this rank's part
+// of the experts the ranks' routings reach, then as a collective, each part
+// sent by its owner; its `route`, a small product (the router's), as
+// bookkeeping.
 std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw,
                                     const RoutedStep* routed) {
   std::vector<StepTraffic> own;
@@ -302,8 +306,10 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
       }
       case OpKind::fetch:
       case OpKind::writeback:
+      case OpKind::share:
         c.seconds = nvme_seconds(t);
         c.resources = uint32_t(Resource::nvme);
+        if (op.kind == OpKind::share) cost_collective(plan, hw, t, c);
         break;
       case OpKind::spill:
       case OpKind::restore: {

@@ -42,6 +42,10 @@ const char* op_kind_name(OpKind kind) {
       return "spill";
     case OpKind::restore:
       return "restore";
+    case OpKind::route:
+      return "route";
+    case OpKind::share:
+      return "share";
   }
   return "?";
 }

@@ -93,8 +93,10 @@ enum class OpKind {
   sync,
   spill,    // a saved input leaves the device for its home (host or NVMe)
   restore,  // and comes back to its device slot ahead of its backward
+  route,    // a routed unit's micro-batch takes its experts (several ranks; expert_fetch.h)
+  share,    // the ranks' routings joined, the experts read and sent by their owners
 };
-inline constexpr int kOpKindCount = 13;
+inline constexpr int kOpKindCount = 15;
 enum class Lane { io, comm, compute, optimizer, activations };
 inline constexpr int kLaneCount = 5;
 const char* op_kind_name(OpKind kind);
