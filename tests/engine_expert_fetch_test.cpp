@@ -2,7 +2,9 @@
 // parameters on NVMe at stage 3, the layers in pieces, reads a sparse
 // layer's experts only when its micro-batches' tokens reach them (at
 // several ranks, any rank's tokens), whether its MLP piece is whole or cut
-// into groups of experts.
+// into groups of experts. At several ranks the ranks join their routings:
+// the bits of reading every expert, through the emulated GPU's data paths
+// too, and each rank reads its shard's part of what the plan counts.
 // Training gives the bits of reading every expert, in both schedules, fp32
 // and bf16; the NVMe bytes each step reads are what the plan counts for that
 // step's routing, below its worst case and below what a dense model with as
@@ -253,6 +255,17 @@ TEST_F(EngineExpertFetch, AtSeveralRanksTheRanksShareTheirRoutings) {
       ASSERT_FALSE(r.steps[0].routing.empty());
       EXPECT_GT(unrouted(r.steps[0].routing), 0) << "every expert reached: the test shows nothing";
       testing::expect_identical(r, a, label + " vs " + all.label());
+      if (groups == 1) {  // the GPU's data paths (emulated): the CPU backend's bits and routing
+        EngineRun gpu = routed;
+        gpu.emulate_gpu = true;
+        const EngineOutcome g = train(gpu);
+        ASSERT_TRUE(g.plan.input.gpu && g.plan.routed_expert_fetch) << gpu.label();
+        testing::expect_identical(g, r, gpu.label() + " vs the CPU backend");
+        for (size_t s = 0; s < g.steps.size(); ++s) {
+          EXPECT_EQ(g.steps[s].routing, r.steps[s].routing) << gpu.label();
+          EXPECT_EQ(g.steps[s].nvme_read_bytes, r.steps[s].nvme_read_bytes) << gpu.label();
+        }
+      }
       for (size_t s = 0; s < r.steps.size(); ++s) {
         const StepResult& step = r.steps[s];
         // Every rank reads its shard's part of what the joined routing reaches.

@@ -127,6 +127,9 @@ struct Engine::Impl {
     // each gather slot's experts read so far (reset by its gather).
     StepRouting routing;
     std::vector<std::vector<uint8_t>> experts_loaded;      // [gather slot] (E)
+    // Several ranks: the pieces a share put in a gathered copy that the
+    // computation has not taken yet (its forward takes them, on the compute lane).
+    std::vector<std::vector<ElementRange>> shared_pieces;  // [gather slot]
     // Deferred expert updates (core/plan/expert_update.h): the experts that
     // wait for their steps, and those steps' decisions by Adam's t. Guarded
     // by streamed_mutex, which also makes the compute lane's replays and the

@@ -200,6 +200,7 @@ Status Engine::Impl::open_rank(Rank& rank) {
       rank.routing[size_t(u)].assign(size_t(in.grad_accum),
                                      std::vector<uint8_t>(size_t(in.model.num_experts), 0));
   rank.experts_loaded.assign(size_t(plan.gather_slots), {});
+  rank.shared_pieces.assign(size_t(plan.gather_slots), {});
   rank.deferred = ExpertUpdateLedger(plan);
   rank.partials.assign(size_t(units()), {});
   rank.params_ready = std::make_unique<std::atomic<int64_t>[]>(size_t(units()));

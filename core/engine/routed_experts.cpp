@@ -14,13 +14,20 @@ Status Engine::Impl::read_routed_experts(Rank& rank, const PlanOp& op,
   std::vector<uint8_t>& needed = rank.routing[size_t(u)][size_t(op.micro)];
   if (shares_routing(plan, u)) {
     // Several ranks: the share before a forward, the gather before a
-    // backward (its fetch read ahead) brought every expert of the union.
+    // backward (its fetch read ahead) brought every expert of the union;
+    // the computation takes what the share brought (here, on its lane).
     const std::vector<uint8_t>& loaded = rank.experts_loaded[size_t(slot)];
     for (size_t e = 0; e < needed.size(); ++e)
       if (needed[e] && (e >= loaded.size() || !loaded[e]))
         return Status::error(fmt::format(
             "{} of {} micro-batch {}: expert {} was routed to but not shared (plan error)",
             op_kind_name(op.kind), plan.layout.units[size_t(u)].unit.name, op.micro, e));
+    std::vector<ElementRange> pieces = std::exchange(rank.shared_pieces[size_t(slot)], {});
+    for (const ElementRange& piece : pieces) {
+      Status s = rank.compute->take_gathered_range(u, slot, rank.gathered[size_t(slot)],
+                                                   piece.begin, piece.end - piece.begin);
+      if (!s) return s;
+    }
     return Status::ok();
   }
   if (op.kind == OpKind::forward) {  // the backward reads what its forward routed
@@ -108,12 +115,10 @@ Status Engine::Impl::share(Rank& rank, const PlanOp& op) {
                                             gathered + int64_t(rank.rank) * p.shard_numel * cb);
   }
   if (Status s = broadcast_pieces(rank, u, gathered, nullptr, pieces); status && !s) status = s;
-  for (const ElementRange& piece : pieces) {
-    if (!status) break;
-    status =
-        rank.compute->take_gathered_range(u, slot, gathered, piece.begin, piece.end - piece.begin);
-  }
-  return status;
+  if (!status) return status;
+  std::vector<ElementRange>& untaken = rank.shared_pieces[size_t(slot)];
+  untaken.insert(untaken.end(), pieces.begin(), pieces.end());
+  return Status::ok();
 }
 
 Status Engine::Impl::broadcast_pieces(Rank& rank, int unit, std::byte* gathered,

@@ -134,6 +134,7 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
   if (!loaded.empty()) rank.experts_loaded[size_t(op.slot)] = std::move(loaded);
+  rank.shared_pieces[size_t(op.slot)].clear();  // the whole copy is taken below
   return rank.compute->take_gathered(op.unit, op.slot, target);
 }
 

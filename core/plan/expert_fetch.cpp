@@ -34,8 +34,6 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
     off = "strata.expert_fetch all";
   else if (in.stage != 3)
     off = "it needs stage 3, where a unit is gathered from its shards";
-  else if (in.world_size > 1 && in.gpu)
-    off = "several ranks share their routings on the CPU backend only";
   else if (homes.param != tiers::Tier::nvme)
     off = "the parameters are not on NVMe";
   else if (in.model.layer_pieces != 2)
