@@ -5,6 +5,7 @@
                             [--micro-batch 4 --seq-len 128 --grad-accum 1] [--experts 8 --top-k 2]
                             [--gradient-home auto|host|nvme] [--offload-optimizer nvme|cpu]
                             [--optimizer-state fp32|bf16|int8] [--backend cpu|cuda]
+                            [--world-size 1]
 
 Models of the same attention (hidden 256, 4 layers, 8 heads, byte
 vocabulary) trained side by side in one command on the CPU backend, stage 3,
@@ -25,7 +26,8 @@ parameters and optimizer state on NVMe (`--offload-param nvme
 
 Printed per model: parameters (total, active), median step time after the
 first two steps, the time relative to each dense model, NVMe bytes read and
-written per step (the engine's counters, `--metrics`), and the last loss.
+written per step (the engine's counters, `--metrics`; the mean over every
+step), and the last loss.
 Routed reads cut the parameters' reads only: with the eager update an
 expert's gradient and optimizer state are read and written whole each step.
 With 512 tokens a step a layer's tokens reach every expert, so the mixture
@@ -40,6 +42,11 @@ or int8 (`--optimizer-state-dtype`); with int8 the deferred update waits in
 whole 256-element blocks of an expert. `--backend cuda` trains every model
 on the GPU: the mixture routes there, and with the optimizer state off the
 GPU (here always) its updates defer on the CPU as on the CPU backend.
+`--world-size N` trains every model at N ranks (threads of one process):
+there the ranks join their routings before each sparse forward and read and
+send only the experts some rank's tokens reached; updates are eager (the
+moe-deferred row is moe-routed). The network column is the bytes the ranks
+sent each step (all ranks together).
 """
 import argparse
 import json
@@ -103,6 +110,8 @@ def main():
                         help="every model's Adam moments (--optimizer-state-dtype)")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
                         help="strata train --backend for every model (cuda: moe and the dense rows)")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="ranks every model trains at (threads of one process)")
     args = parser.parse_args()
     strata = os.path.abspath(args.strata)
     os.makedirs(args.out, exist_ok=True)
@@ -116,7 +125,7 @@ def main():
           f"{args.experts} experts, {args.top_k} per token; gradients {args.gradient_home}; "
           f"optimizer state {'on NVMe' if args.offload_optimizer == 'nvme' else 'in host memory'}, "
           f"{args.optimizer_state} moments; "
-          f"backend {args.backend}")
+          f"backend {args.backend}; {args.world_size} rank(s)")
     for name, (cfg, flags) in models(args.experts, args.top_k).items():
         model_dir = os.path.join(args.out, name)
         os.makedirs(model_dir, exist_ok=True)
@@ -128,22 +137,26 @@ def main():
              "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--lr", "3e-3",
              "--zero-stage", "3", "--offload-param", "nvme", "--offload-optimizer", args.offload_optimizer,
              "--nvme-path", os.path.join(args.out, "swap"), "--hardware", "none", "--metrics", metrics,
-             "--gradient-home", args.gradient_home, "--optimizer-state-dtype", args.optimizer_state] + flags,
+             "--gradient-home", args.gradient_home, "--optimizer-state-dtype", args.optimizer_state,
+             "--world-size", str(args.world_size)] + flags,
             stdout=subprocess.DEVNULL)
         with open(metrics) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         steady = lines[2:] or lines
         rows[name] = {"params": counts(cfg), "seconds": statistics.median(l["step_time_s"] for l in steady),
-                      "read": statistics.median(l["nvme_read_bytes"] for l in steady),
-                      "written": statistics.median(l["nvme_written_bytes"] for l in steady),
+                      # Bytes: the mean over every step (an update's writes may land in
+                      # the next step's count, so single steps jitter; the sum does not).
+                      "read": statistics.mean(l["nvme_read_bytes"] for l in lines),
+                      "written": statistics.mean(l["nvme_written_bytes"] for l in lines),
+                      "network": statistics.mean(l.get("network_bytes", 0) for l in lines),
                       "loss": lines[-1]["loss"], "aux": lines[-1].get("aux_loss")}
     print(f"\n{'model':>13} {'params':>10} {'active':>10} {'s/step':>8} {'/ active':>9} {'/ total':>8} "
-          f"{'NVMe read/step':>15} {'written/step':>13} {'last loss':>10}")
+          f"{'NVMe read/step':>15} {'written/step':>13} {'network/step':>13} {'last loss':>10}")
     for name, r in rows.items():
         aux = f" (aux {r['aux']:.3f})" if r["aux"] is not None else ""
         print(f"{name:>13} {r['params'][0]:>10,} {r['params'][1]:>10,} {r['seconds']:>8.3f} "
               f"{r['seconds'] / rows['dense-active']['seconds']:>9.2f} {r['seconds'] / rows['dense-total']['seconds']:>8.2f} "
-              f"{r['read']:>15,.0f} {r['written']:>13,.0f} {r['loss']:>10.4f}{aux}")
+              f"{r['read']:>15,.0f} {r['written']:>13,.0f} {r['network']:>13,.0f} {r['loss']:>10.4f}{aux}")
 
 
 if __name__ == "__main__":
