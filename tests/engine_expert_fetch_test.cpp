@@ -17,6 +17,7 @@
 #include "core/plan/expert_fetch.h"
 #include "engine_test_support.h"
 #include "io/base/sizes.h"
+#include "io/fault_injection.h"
 
 namespace strata {
 namespace {
@@ -228,6 +229,19 @@ void expect_routes_and_shares(const TrainingPlan& plan, const std::string& label
     EXPECT_EQ(s.unit, op.unit) << label;
     EXPECT_EQ(s.micro, op.micro) << label;
     EXPECT_EQ(plan.ops[size_t(s.deps[0])].kind, OpKind::route) << label;
+    // No gather for a later computation comes before the share on its lane.
+    for (int g = 0; g < share; ++g) {
+      if (plan.ops[size_t(g)].kind != OpKind::gather) continue;
+      int first = int(plan.ops.size());
+      for (int k = g + 1; k < int(plan.ops.size()) && first == int(plan.ops.size()); ++k) {
+        const OpKind kind = plan.ops[size_t(k)].kind;
+        const std::vector<int>& deps = plan.ops[size_t(k)].deps;
+        if ((kind == OpKind::forward || kind == OpKind::backward) &&
+            std::find(deps.begin(), deps.end(), g) != deps.end())
+          first = k;
+      }
+      EXPECT_LE(first, i) << label << ": " << plan.ops[size_t(g)].text() << " before " << s.text();
+    }
   }
   EXPECT_EQ(forwards > 0, plan.routed_expert_fetch) << label;
   EXPECT_EQ(routes, W > 1 ? forwards : 0) << label;
@@ -292,6 +306,39 @@ TEST_F(EngineExpertFetch, AtSeveralRanksTheRanksShareTheirRoutings) {
   }
 }
 
+// A read that fails at one rank fails the step, and no rank waits forever:
+// the shares after the failure (collectives, which still run) send the same
+// pieces on every rank, since what a gather loaded follows from the joined
+// routing whatever failed. Every third read of the second step is failed in
+// turn (which rank's it is depends on the lanes' timing).
+TEST_F(EngineExpertFetch, AFailedReadAtOneRankFailsTheStepWithoutAHang) {
+  EngineRun run = routed_run("micro_batch", "bf16");
+  run.world = 2;
+  run.steps = 1;
+  auto counter = std::make_shared<io::FaultInjector>();
+  run.fault_injector = counter;
+  ASSERT_EQ(train(run).steps.size(), 1u);
+  const uint64_t reads = counter->calls(io::RingOp::kRead);  // set-up and one step
+  ASSERT_GT(reads, 0u);
+  run.steps = 2;
+  int failed = 0;
+  for (uint64_t n = reads + 1; n <= 2 * reads; n += 3) {
+    auto injector = std::make_shared<io::FaultInjector>();
+    io::Fault fault;
+    fault.op = io::RingOp::kRead;
+    fault.nth_call = n;
+    fault.error_number = EIO;
+    injector->add(fault);
+    run.fault_injector = injector;
+    Result<EngineOutcome> outcome = testing::train_engine(run, dir_.path(), tokens_, seed_);
+    if (outcome) continue;  // the read came after the last step's
+    ++failed;
+    EXPECT_NE(outcome.status().message().find("Input/output error"), std::string::npos)
+        << "read " << n << ": " << outcome.status().message();
+  }
+  EXPECT_GT(failed, 0) << "no read of the second step failed: the test shows nothing";
+}
+
 TEST_F(EngineExpertFetch, ThePlanSaysWhyItReadsEveryExpert) {
   auto reason = [](EngineRun run) {
     Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
@@ -319,6 +366,7 @@ TEST_F(EngineExpertFetch, ThePlanSaysWhyItReadsEveryExpert) {
   run.offload_param = "nvme";
   run.world = 2;  // the ranks share their routings
   EXPECT_TRUE(reason(run).first) << reason(run).second;
+  EXPECT_NE(reason(run).second.find("joining their routings"), std::string::npos);
   run.world = 1;
   run.expert_fetch = "all";
   EXPECT_NE(reason(run).second.find("strata.expert_fetch all"), std::string::npos);

@@ -130,11 +130,14 @@ Status Engine::Impl::gather(Rank& rank, const PlanOp& op) {
         plan.compute_bytes == 4 ? comm::DataType::fp32 : comm::DataType::bf16;
     gathered = rank.comm->all_gather(source, target, size_t(p.shard_numel), type);
   }
+  // What is loaded follows from the joined routing alone: every rank marks
+  // it, failed or not, so that the shares after a failure (collectives,
+  // which still run) send the same pieces on every rank.
+  if (!loaded.empty()) rank.experts_loaded[size_t(op.slot)] = std::move(loaded);
+  rank.shared_pieces[size_t(op.slot)].clear();  // the whole copy is taken below
   if (status && !gathered) status = gathered;
   if (fetched && status) status = rank.store->release(key, tiers::Tier::host);
   if (!status) return status;
-  if (!loaded.empty()) rank.experts_loaded[size_t(op.slot)] = std::move(loaded);
-  rank.shared_pieces[size_t(op.slot)].clear();  // the whole copy is taken below
   return rank.compute->take_gathered(op.unit, op.slot, target);
 }
 

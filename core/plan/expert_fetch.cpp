@@ -21,7 +21,7 @@ int gather_of(const TrainingPlan& plan, const PlanOp& op) {
 }
 
 // The fetches' bytes and the routed experts' for `routing` (null: every
-// expert) at `rank` (-1: the most any rank reads).
+// expert) at `rank` (-1: at each operation the most any rank reads).
 int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank);
 
 }  // namespace
@@ -44,9 +44,12 @@ bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std:
     why = std::string("all: every expert moves with its unit (") + off + ")";
     return false;
   }
-  why =
-      "routed: a sparse layer's experts are read from NVMe only when its micro-batches' tokens "
-      "reach them (worst case counted)";
+  why = in.world_size > 1
+            ? "routed: a sparse layer's experts are read from NVMe only when some rank's "
+              "micro-batch tokens reach them, the ranks joining their routings first (worst case "
+              "counted)"
+            : "routed: a sparse layer's experts are read from NVMe only when its micro-batches' "
+              "tokens reach them (worst case counted)";
   return true;
 }
 
@@ -186,6 +189,14 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
                                                 const StepRouting* routing, int rank) {
   std::vector<int64_t> bytes(plan.ops.size(), 0);
   if (!plan.routed_expert_fetch) return bytes;
+  if (rank < 0) {  // at each operation the rank that reads the most
+    bytes = routed_expert_reads_per_op(plan, routing, 0);
+    for (int r = 1; r < plan.input.world_size; ++r) {
+      const std::vector<int64_t> of_rank = routed_expert_reads_per_op(plan, routing, r);
+      for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::max(bytes[i], of_rank[i]);
+    }
+    return bytes;
+  }
   const uint64_t alignment = plan.input.nvme_alignment;
   const bool one_rank = plan.input.world_size == 1;
   auto rank_bytes = [&](int unit, const std::vector<ByteRange>& ranges) {
@@ -228,12 +239,6 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
 namespace {
 
 int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank) {
-  if (rank < 0) {
-    int64_t most = 0;
-    for (int r = 0; r < plan.input.world_size; ++r)
-      most = std::max(most, parameter_reads(plan, routing, r));
-    return most;
-  }
   int64_t total = 0;
   for (const PlanOp& op : plan.ops)
     if (op.kind == OpKind::fetch) total += op.bytes;

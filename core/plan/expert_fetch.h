@@ -119,15 +119,18 @@ std::vector<tiers::ByteRange> expert_reads(const TrainingPlan& plan, int unit,
 // null: a computation's (one rank) or a share's (several) reads, and a
 // fetch's reads beyond its own bytes. A routed fetch's bytes are the fewest
 // any rank's fetch reads of the rest (fetched_ahead; at one rank all of it).
+// rank -1: at each operation the most any rank reads, as the plan's traffic
+// counts it (at several ranks a bound on every rank's sum, not one rank's).
 std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
-                                                const StepRouting* routing, int rank = 0);
+                                                const StepRouting* routing, int rank = -1);
 
 // The parameter bytes a step reads from NVMe for `routing`: the fetches'
-// and the routed experts', at rank `rank`, or (-1) the most any rank reads.
+// and the routed experts', at rank `rank`, or (-1) at each operation the
+// most any rank reads (the traffic's count).
 int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing, int rank = -1);
 
 // The parameter bytes a step reads from NVMe when every expert is routed
-// to, at rank `rank`, or (-1) the most any rank reads.
+// to, at rank `rank`, or (-1) as routed_parameter_reads counts.
 int64_t worst_parameter_reads(const TrainingPlan& plan, int rank = -1);
 
 // A step's routing as the metrics file records it ("routing"): {unit name:

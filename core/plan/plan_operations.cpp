@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "core/plan/expert_fetch.h"
 #include "core/plan/expert_update.h"
@@ -191,9 +192,10 @@ class PlanBuilder {
   }
 
   // gather(i) reuses the slot of use i - K, free once that use's last compute op released it.
-  void emit_gathers_before(size_t c) {
+  // `through`: at most up to that use (a routed forward's, emit_compute).
+  void emit_gathers_before(size_t c, size_t through = SIZE_MAX) {
     const int K = plan_.gather_slots;
-    while (next_gather_ < uses_.size()) {
+    while (next_gather_ < uses_.size() && next_gather_ <= through) {
       const size_t i = next_gather_;
       if (int(i) >= K && uses_[i - size_t(K)].last >= c) break;
       PlanOp op = make_op(OpKind::gather, comm_lane_, uses_[i].unit, compute_[uses_[i].first].micro,
@@ -253,7 +255,14 @@ class PlanBuilder {
   // Compute operation c with its gathers before it, its release and its reduction after it.
   void emit_compute(size_t c) {
     const ComputeUse& cu = compute_[c];
-    if (stage3_) emit_gathers_before(c);
+    // A routed forward at several ranks: its share goes on the collectives'
+    // lane right after its own gather, and the next uses' gathers after the
+    // share of its use's last forward, so no share waits for a later
+    // unit's fetch.
+    const bool shares = cu.kind == OpKind::forward && shares_routing(plan_, cu.unit);
+    size_t own = 0;
+    for (size_t i : compute_uses_[c]) own = std::max(own, i);
+    if (stage3_) emit_gathers_before(c, shares ? own : SIZE_MAX);
     PlanOp op = make_op(cu.kind, Lane::compute, cu.unit, cu.micro);
     if (stage3_) {
       for (size_t i : compute_uses_[c]) op.deps.push_back(gather_op_[i]);
@@ -278,7 +287,10 @@ class PlanBuilder {
       op.deps.push_back(spill_op_[level_index(cu.unit - 2, cu.micro)]);
     if (cu.kind == OpKind::backward && plan_.spills(cu.unit - 1))
       op.deps.push_back(restore_op_[level_index(cu.unit - 1, cu.micro)]);
-    if (cu.kind == OpKind::forward && shares_routing(plan_, cu.unit)) emit_route_and_share(op);
+    if (shares) {
+      emit_route_and_share(op, uses_[own].first == c);
+      if (uses_[own].last == c) emit_gathers_before(c);
+    }
     compute_op_[c] = add(std::move(op));
     if (stage3_ && in_.offload_param == OffloadDevice::nvme) emit_fetches();  // reads ahead
     emit_spill_or_restore(c);
@@ -301,9 +313,10 @@ class PlanBuilder {
   // Several ranks reading experts as routed (expert_fetch.h): before the
   // forward, its routing on the compute lane (with the forward's
   // dependencies), then the ranks' routings joined and the experts sent, on
-  // the collectives' lane; the forward waits for both. Worst case: every
-  // expert read and sent by its owner.
-  void emit_route_and_share(PlanOp& forward) {
+  // the collectives' lane; the forward waits for both. Worst case: the
+  // all-reduce of E numbers, and at the use's first forward every expert
+  // sent by its owner (the later ones find them loaded).
+  void emit_route_and_share(PlanOp& forward, bool first_of_use) {
     PlanOp route = forward;
     route.kind = OpKind::route;
     const int route_index = add(std::move(route));
@@ -311,7 +324,14 @@ class PlanBuilder {
     share.deps.push_back(route_index);
     for (int d : forward.deps)
       if (plan_.ops[size_t(d)].kind == OpKind::gather) share.deps.push_back(d);
-    share.bytes = most_sent(forward.unit, {every_expert(forward.unit)});
+    share.bytes = first_of_use ? most_sent(forward.unit, {every_expert(forward.unit)}) : 0;
+    const int64_t W = in_.world_size, E = plan_.layout.config.num_experts;
+    int64_t joined = 0;  // comm::bytes_sent_by's all-reduce: segment r of E is rank r's
+    for (int64_t r = 0; r < W; ++r) {
+      const int64_t own = E * (r + 1) / W - E * r / W;
+      joined = std::max(joined, (E - own + (W - 1) * own) * 4);
+    }
+    share.bytes += joined;
     forward.deps.push_back(add(std::move(share)));
   }
 

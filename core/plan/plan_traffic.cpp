@@ -161,11 +161,7 @@ std::vector<StepTraffic> traffic_per_op(const TrainingPlan& plan) {
   }
   add_nvme_gradient_traffic(plan, traffic);
   // The worst case, at each operation the rank that reads the most.
-  std::vector<int64_t> experts = routed_expert_reads_per_op(plan, nullptr, 0);
-  for (int r = 1; r < in.world_size && plan.routed_expert_fetch; ++r) {
-    const std::vector<int64_t> of_rank = routed_expert_reads_per_op(plan, nullptr, r);
-    for (size_t i = 0; i < plan.ops.size(); ++i) experts[i] = std::max(experts[i], of_rank[i]);
-  }
+  const std::vector<int64_t> experts = routed_expert_reads_per_op(plan, nullptr);
   for (size_t i = 0; i < plan.ops.size(); ++i) traffic[i].nvme_read += experts[i];
   const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);  // worst case
   for (size_t i = 0; i < plan.ops.size(); ++i) {
