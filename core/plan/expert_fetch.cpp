@@ -21,7 +21,7 @@ int gather_of(const TrainingPlan& plan, const PlanOp& op) {
 }
 
 // The fetches' bytes and the routed experts' for `routing` (null: every
-// expert) at `rank` (-1: at each operation the most any rank reads).
+// expert) at `rank` (-1: the most any one rank reads).
 int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank);
 
 }  // namespace
@@ -239,6 +239,12 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
 namespace {
 
 int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank) {
+  if (rank < 0) {
+    int64_t most = 0;
+    for (int r = 0; r < plan.input.world_size; ++r)
+      most = std::max(most, parameter_reads(plan, routing, r));
+    return most;
+  }
   int64_t total = 0;
   for (const PlanOp& op : plan.ops)
     if (op.kind == OpKind::fetch) total += op.bytes;

@@ -125,12 +125,13 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
                                                 const StepRouting* routing, int rank = -1);
 
 // The parameter bytes a step reads from NVMe for `routing`: the fetches'
-// and the routed experts', at rank `rank`, or (-1) at each operation the
-// most any rank reads (the traffic's count).
+// and the routed experts', at rank `rank`, or (-1) the most any one rank
+// reads. (At several ranks the traffic's count, the most at each
+// operation, may be more: ranks read most at different operations.)
 int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing, int rank = -1);
 
 // The parameter bytes a step reads from NVMe when every expert is routed
-// to, at rank `rank`, or (-1) as routed_parameter_reads counts.
+// to, at rank `rank`, or (-1) the most any one rank reads.
 int64_t worst_parameter_reads(const TrainingPlan& plan, int rank = -1);
 
 // A step's routing as the metrics file records it ("routing"): {unit name:
