@@ -306,6 +306,28 @@ TEST_F(EngineExpertFetch, AtSeveralRanksTheRanksShareTheirRoutings) {
   }
 }
 
+// With the collectives on the compute lane (overlap_comm false) the shares
+// and gathers run between the computations, in plan order: the same bits.
+TEST_F(EngineExpertFetch, AtSeveralRanksWithoutOverlapTheSharesRunOnTheComputeLane) {
+  for (int world : {2, 3}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      EngineRun routed = routed_run(schedule, "bf16");
+      routed.world = world;
+      routed.overlap_comm = false;
+      EngineRun all = routed;
+      all.expert_fetch = "all";
+      all.overlap_comm = true;
+      const EngineOutcome r = train(routed), a = train(all);
+      ASSERT_EQ(r.steps.size(), 3u) << routed.label();
+      for (const PlanOp& op : r.plan.ops)
+        if (op.kind == OpKind::share || op.kind == OpKind::gather)
+          EXPECT_EQ(op.lane, Lane::compute) << routed.label() << ": " << op.text();
+      expect_routes_and_shares(r.plan, routed.label());
+      testing::expect_identical(r, a, routed.label() + " vs " + all.label());
+    }
+  }
+}
+
 // A read that fails at one rank fails the step, and no rank waits forever:
 // the shares after the failure (collectives, which still run) send the same
 // pieces on every rank, since what a gather loaded follows from the joined
