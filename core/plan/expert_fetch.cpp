@@ -75,6 +75,13 @@ std::vector<ByteRange> rank_ranges(const TrainingPlan& plan, int unit,
   return out;
 }
 
+int64_t rank_bytes(const TrainingPlan& plan, int unit, const std::vector<ByteRange>& ranges,
+                   int rank) {
+  int64_t sum = 0;
+  for (const ByteRange& range : rank_ranges(plan, unit, ranges, rank)) sum += int64_t(range.bytes);
+  return sum;
+}
+
 std::vector<ElementRange> fetched_elements(const TrainingPlan& plan, int unit) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   const int64_t end = experts.offset + experts.count * experts.numel;
@@ -199,12 +206,6 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
   }
   const uint64_t alignment = plan.input.nvme_alignment;
   const bool one_rank = plan.input.world_size == 1;
-  auto rank_bytes = [&](int unit, const std::vector<ByteRange>& ranges) {
-    int64_t sum = 0;
-    for (const ByteRange& range : rank_ranges(plan, unit, ranges, rank))
-      sum += int64_t(range.bytes);
-    return sum;
-  };
   std::vector<std::vector<uint8_t>> loaded(plan.ops.size());  // by gather op
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
@@ -217,7 +218,8 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
     if (op.kind == OpKind::fetch && routes_expert_reads(plan, op.unit)) {
       const std::vector<uint8_t> ahead = experts_read_ahead(plan, int(i), routing);
       // fetched_ahead's fewest bytes are counted by the fetch itself
-      bytes[i] = rank_bytes(op.unit, fetch_ranges(plan, op.unit, ahead, alignment)) - op.bytes;
+      bytes[i] =
+          rank_bytes(plan, op.unit, fetch_ranges(plan, op.unit, ahead, alignment), rank) - op.bytes;
     }
     // One rank's computations read their experts; several ranks' shares do.
     const bool reads = one_rank ? op.kind == OpKind::forward || op.kind == OpKind::backward
@@ -231,7 +233,8 @@ std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
     const std::vector<uint8_t> every(E, 1);
     const std::vector<uint8_t>& needed =
         routing != nullptr ? (*routing)[size_t(op.unit)][size_t(op.micro)] : every;
-    bytes[i] = rank_bytes(op.unit, expert_reads(plan, op.unit, needed, have, alignment));
+    bytes[i] =
+        rank_bytes(plan, op.unit, expert_reads(plan, op.unit, needed, have, alignment), rank);
   }
   return bytes;
 }

@@ -71,6 +71,10 @@ bool shares_routing(const TrainingPlan& plan, int unit);
 std::vector<tiers::ByteRange> rank_ranges(const TrainingPlan& plan, int unit,
                                           const std::vector<tiers::ByteRange>& ranges, int rank);
 
+// The bytes of those ranges in rank `rank`'s shard.
+int64_t rank_bytes(const TrainingPlan& plan, int unit, const std::vector<tiers::ByteRange>& ranges,
+                   int rank);
+
 // The elements of unit u that are not its experts (what its fetch reads
 // ahead, exactly), within the padded unit.
 std::vector<ElementRange> fetched_elements(const TrainingPlan& plan, int unit);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "comm/communicator.h"
 #include "core/plan/expert_fetch.h"
 #include "core/plan/expert_update.h"
 #include "core/plan/training_plan_parts.h"
@@ -163,13 +164,9 @@ class PlanBuilder {
   int64_t fetched_ahead_bytes(int unit) const {
     const std::vector<tiers::ByteRange> rest =
         fetched_ahead(plan_, unit, plan_.input.nvme_alignment);
-    int64_t fewest = -1;
-    for (int r = 0; r < in_.world_size; ++r) {
-      int64_t bytes = 0;
-      for (const tiers::ByteRange& range : rank_ranges(plan_, unit, rest, r))
-        bytes += int64_t(range.bytes);
-      fewest = fewest < 0 ? bytes : std::min(fewest, bytes);
-    }
+    int64_t fewest = rank_bytes(plan_, unit, rest, 0);
+    for (int r = 1; r < in_.world_size; ++r)
+      fewest = std::min(fewest, rank_bytes(plan_, unit, rest, r));
     return fewest;
   }
 
@@ -325,13 +322,12 @@ class PlanBuilder {
     for (int d : forward.deps)
       if (plan_.ops[size_t(d)].kind == OpKind::gather) share.deps.push_back(d);
     share.bytes = first_of_use ? most_sent(forward.unit, {every_expert(forward.unit)}) : 0;
-    const int64_t W = in_.world_size, E = plan_.layout.config.num_experts;
-    int64_t joined = 0;  // comm::bytes_sent_by's all-reduce: segment r of E is rank r's
-    for (int64_t r = 0; r < W; ++r) {
-      const int64_t own = E * (r + 1) / W - E * r / W;
-      joined = std::max(joined, (E - own + (W - 1) * own) * 4);
-    }
-    share.bytes += joined;
+    uint64_t joined = 0;  // the all-reduce of E counts, at the rank that sends the most
+    for (int r = 0; r < in_.world_size; ++r)
+      joined = std::max(joined, comm::bytes_sent_by(comm::CollectiveKind::all_reduce,
+                                                    size_t(plan_.layout.config.num_experts),
+                                                    comm::DataType::fp32, in_.world_size, r));
+    share.bytes += int64_t(joined);
     forward.deps.push_back(add(std::move(share)));
   }
 
