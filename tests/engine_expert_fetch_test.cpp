@@ -319,9 +319,11 @@ TEST_F(EngineExpertFetch, AtSeveralRanksWithoutOverlapTheSharesRunOnTheComputeLa
       all.overlap_comm = true;
       const EngineOutcome r = train(routed), a = train(all);
       ASSERT_EQ(r.steps.size(), 3u) << routed.label();
-      for (const PlanOp& op : r.plan.ops)
-        if (op.kind == OpKind::share || op.kind == OpKind::gather)
+      for (const PlanOp& op : r.plan.ops) {
+        if (op.kind == OpKind::share || op.kind == OpKind::gather) {
           EXPECT_EQ(op.lane, Lane::compute) << routed.label() << ": " << op.text();
+        }
+      }
       expect_routes_and_shares(r.plan, routed.label());
       testing::expect_identical(r, a, routed.label() + " vs " + all.label());
     }
