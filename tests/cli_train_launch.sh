@@ -139,6 +139,14 @@ grep -q "^expert fetch: routed" "$dir/moe-p.out"; check "the processes read the 
 check "routed at 2 ranks: the losses of reading every expert, threads and processes bitwise" $?
 [ -n "$(routings "$dir/moe-t.jsonl")" ] && [ "$(routings "$dir/moe-t.jsonl")" = "$(routings "$dir/moe-p.jsonl")" ]
 check "threads and processes record the same joined routing" $?
+# Deferred expert updates at 2 processes: each replays its shard's part of
+# the experts its share brings (core/plan/expert_update.h), the eager bits.
+timeout 300 "$strata" launch -n 2 -- "$strata" train "${moe[@]}" --nvme-path "$dir/swap-md" \
+  --expert-update deferred --metrics "$dir/moe-d.jsonl" >"$dir/moe-d.out" 2>&1
+check "deferred expert updates at 2 processes" $?
+grep -q "^expert update: deferred" "$dir/moe-d.out"; check "the processes defer idle experts' updates" $?
+[ -n "$(losses "$dir/moe-d.jsonl")" ] && [ "$(losses "$dir/moe-d.jsonl")" = "$(losses "$dir/moe-t.jsonl")" ]
+check "deferred at 2 processes: the eager threads' losses and norms, bitwise" $?
 
 # Several GPUs: a process per GPU through NCCL against threads sharing one GPU.
 # Two ranks add each element once, so the sums and the results are bitwise equal.

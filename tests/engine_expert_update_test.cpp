@@ -184,6 +184,112 @@ TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
   }
 }
 
+// At several ranks each rank steps its shard of the experts the joined
+// routing reached and replays its part of the others when a share next
+// brings them: the eager update's bits at the same world size (both
+// schedules, fp32, bf16 and int8 moments with experts that share int8
+// blocks and shard boundaries, gradients in host memory or on NVMe, the
+// state on NVMe or in host memory, groups of experts, the emulated GPU).
+TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
+  struct Variant {
+    int world;
+    const char* schedule;
+    const char* precision;
+    const char* state;
+    const char* gradients;
+    const char* optimizer;
+    int64_t intermediate;
+    int64_t groups;
+    bool gpu = false;
+  };
+  for (const Variant& v :
+       {Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1},
+        Variant{2, "layer", "fp32", "bf16", "nvme", "nvme", 64, 1},
+        Variant{3, "micro_batch", "bf16", "int8", "nvme", "nvme", 38, 1},
+        Variant{3, "layer", "bf16", "fp32", "host", "cpu", 64, 4},
+        Variant{2, "layer", "fp32", "int8", "auto", "cpu", 38, 1},
+        Variant{2, "micro_batch", "bf16", "bf16", "nvme", "nvme", 64, 4},
+        Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1, true}}) {
+    EngineRun deferred = deferred_run(v.schedule, v.precision);
+    deferred.world = v.world;
+    deferred.state_dtype = v.state;
+    deferred.gradient_home = v.gradients;
+    deferred.offload_optimizer = v.optimizer;
+    deferred.intermediate = v.intermediate;
+    deferred.expert_groups = v.groups;
+    deferred.emulate_gpu = v.gpu;
+    deferred.scheduler = "WarmupLR";
+    EngineRun eager = deferred;
+    eager.expert_update = "eager";
+    const EngineOutcome e = train(eager), d = train(deferred);
+    ASSERT_EQ(d.steps.size(), 4u) << deferred.label();
+    ASSERT_TRUE(d.plan.deferred_expert_updates)
+        << deferred.label() << ": " << d.plan.expert_update_reason;
+    EXPECT_FALSE(e.plan.deferred_expert_updates) << eager.label();
+    EXPECT_GT(idle_twice(d), 0) << "no expert waited two steps: the test shows little";
+    testing::expect_identical(d, e, deferred.label() + " vs eager");
+  }
+}
+
+// At several ranks each rank's NVMe bytes are what its ledger counts for
+// the joined routing in its shard, each step within the plan's worst case;
+// the run moves fewer than the eager run.
+TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) {
+  for (const int world : {2, 3}) {
+    for (const char* gradients : {"host", "nvme"}) {
+      EngineRun deferred = deferred_run(world == 2 ? "micro_batch" : "layer", "bf16");
+      deferred.world = world;
+      deferred.gradient_home = gradients;
+      deferred.state_dtype = world == 2 ? "int8" : "fp32";
+      deferred.intermediate = world == 2 ? 38 : 64;
+      // The joined routing reaches up to `world` times the experts one
+      // rank's does: with 16 most are reached every step, and the windows
+      // (the copy read and written with the state) then move more than
+      // the eager update.
+      deferred.experts = 32;
+      EngineRun eager = deferred;
+      eager.expert_update = "eager";
+      const EngineOutcome d = train(deferred), e = train(eager);
+      const std::string label = deferred.label();
+      ASSERT_EQ(d.steps.size(), 4u) << label;
+      EXPECT_GT(idle_twice(d), 0) << "no expert waited two steps: the test shows little";
+      const TrainingPlan& plan = d.plan;
+      int64_t read = 0, written = 0;
+      for (int r = 0; r < world; ++r) {
+        ExpertUpdateLedger ledger(plan);
+        for (size_t s = 0; s < d.steps.size(); ++s) {
+          const WindowBytes counted = deferred_step_nvme_bytes(plan, d.steps[s].routing, ledger, r);
+          const std::string at = fmt::format("{} rank {} step {}", label, r, s + 1);
+          EXPECT_LE(counted.read, plan.traffic_per_step.nvme_read) << at;
+          EXPECT_LE(counted.written, plan.traffic_per_step.nvme_written) << at;
+          read += counted.read;
+          written += counted.written;
+        }
+      }
+      EXPECT_EQ(int64_t(d.nvme_read), read) << label;
+      EXPECT_EQ(int64_t(d.nvme_written), written) << label;
+      EXPECT_LT(d.nvme_read + d.nvme_written, e.nvme_read + e.nvme_written) << label;
+      // The plan's per-rank bound is reached: every expert waiting, then routed to.
+      StepRouting none = d.steps[0].routing, every = d.steps[0].routing;
+      for (auto& unit : none)
+        for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{0});
+      for (auto& unit : every)
+        for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{1});
+      WindowBytes most;
+      for (int r = 0; r < world; ++r) {
+        ExpertUpdateLedger waiting(plan);
+        (void)deferred_step_nvme_bytes(plan, none, waiting, r);
+        const WindowBytes worst = deferred_step_nvme_bytes(plan, every, waiting, r);
+        most.read = std::max(most.read, worst.read);
+        most.written = std::max(most.written, worst.written);
+      }
+      EXPECT_LE(most.read, plan.traffic_per_step.nvme_read) << label;
+      EXPECT_LE(most.written, plan.traffic_per_step.nvme_written) << label;
+      EXPECT_GT(most.read, plan.traffic_per_step.nvme_read * 9 / 10) << label;
+    }
+  }
+}
+
 TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
   for (const char* schedule : {"micro_batch", "layer"}) {
     EngineRun run = deferred_run(schedule, "bf16");
@@ -202,6 +308,9 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesBitwise) {
   EngineRun groups = deferred_run("micro_batch", "bf16");
   groups.expert_groups = 4;  // each group's waiting experts replayed before the save
   expect_resumes_bitwise(groups, 2);
+  EngineRun ranks = deferred_run("layer", "bf16");
+  ranks.world = 2;  // every rank replays its part before the save
+  expect_resumes_bitwise(ranks, 2);
 }
 
 // A checkpoint holds no deferred step: saved while experts wait, it resumes
@@ -215,64 +324,82 @@ TEST_F(EngineExpertUpdate, ACheckpointOfWaitingExpertsResumesUnderTheEagerUpdate
 
 // With int8 moments an expert waits in the int8 blocks wholly inside it; the
 // rest (router, norm, blocks neighbours share) is stepped every step, so
-// every element is in exactly one of the two, and each piece starts on a block.
+// every element is in exactly one of the two, and each piece starts on a
+// block. At several ranks, each rank's shard alike: an expert's part in it
+// waits in the shard's blocks (counted from the shard's first element).
 TEST_F(EngineExpertUpdate, Int8ExpertsWaitInWholeBlocks) {
-  for (const int64_t intermediate : {38, 64, 1}) {
-    EngineRun run = deferred_run("layer", "bf16");
-    run.state_dtype = "int8";
-    run.intermediate = intermediate;
-    Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
-    ASSERT_TRUE(config.is_ok()) << config.status().message();
-    ModelConfig model = testing::small_moe_model();
-    model.num_experts = run.experts;
-    model.num_experts_per_tok = run.experts_per_token;
-    model.intermediate_size = model.moe_intermediate_size = intermediate;
-    PlanInput in = plan_input_from_config(*config, model);
-    in.model.layer_pieces = 2;
-    in.layer_pieces_auto = false;
-    Result<TrainingPlan> plan = build_training_plan(in);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
-    const size_t E = size_t(model.num_experts);
-    int routed = 0;
-    for (int u = 0; u < int(plan->units.size()); ++u) {
-      if (!defers_expert_updates(*plan, u)) continue;
-      ++routed;
-      const ExpertBlocks experts = expert_blocks(plan->layout, u);
-      const int64_t numel = plan->units[size_t(u)].optimizer_numel;
-      std::vector<int> covered(size_t(numel), 0);
-      for (const ElementRange& r : expert_update_ranges(*plan, u, std::vector<uint8_t>(E, 0), true))
-        for (int64_t i = r.begin; i < r.end; ++i) ++covered[size_t(i)];
-      int64_t waiting = 0;
-      for (size_t e = 0; e < E; ++e) {
-        const ElementRange w = waiting_range(*plan, u, int64_t(e));
-        const int64_t begin = experts.offset + int64_t(e) * experts.numel;
-        EXPECT_EQ(w.begin % 256, 0) << intermediate << " expert " << e;
-        EXPECT_EQ(w.end % 256, 0) << intermediate << " expert " << e;
-        EXPECT_GE(w.begin, begin);
-        EXPECT_LE(w.end, begin + experts.numel);
-        // Every block wholly inside the expert waits.
-        EXPECT_LT(w.begin - begin, 256) << intermediate << " expert " << e;
-        EXPECT_LT(begin + experts.numel - w.end, 256) << intermediate << " expert " << e;
-        std::vector<uint8_t> one(E, 0);
-        one[e] = 1;
-        const std::vector<ElementRange> alone = expert_update_ranges(*plan, u, one, false);
-        if (w.begin == w.end) {
-          EXPECT_TRUE(alone.empty());
-        } else {
-          EXPECT_EQ(alone, (std::vector<ElementRange>{w}));
+  for (const int world : {1, 2, 3}) {
+    for (const int64_t intermediate : {38, 64, 1}) {
+      EngineRun run = deferred_run("layer", "bf16");
+      run.state_dtype = "int8";
+      run.intermediate = intermediate;
+      Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
+      ASSERT_TRUE(config.is_ok()) << config.status().message();
+      ModelConfig model = testing::small_moe_model();
+      model.num_experts = run.experts;
+      model.num_experts_per_tok = run.experts_per_token;
+      model.intermediate_size = model.moe_intermediate_size = intermediate;
+      PlanInput in = plan_input_from_config(*config, model);
+      in.model.layer_pieces = 2;
+      in.layer_pieces_auto = false;
+      in.world_size = world;
+      Result<TrainingPlan> plan = build_training_plan(in);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
+      const size_t E = size_t(model.num_experts);
+      const std::string at = fmt::format("{} ranks, intermediate {}", world, intermediate);
+      int routed = 0;
+      for (int u = 0; u < int(plan->units.size()); ++u) {
+        if (!defers_expert_updates(*plan, u)) continue;
+        ++routed;
+        const ExpertBlocks experts = expert_blocks(plan->layout, u);
+        const int64_t numel = plan->units[size_t(u)].optimizer_numel;
+        int64_t waiting = 0;
+        for (int r = 0; r < world; ++r) {
+          const int64_t shard = plan->optimizer_offset(u, r);
+          std::vector<int> covered(size_t(numel), 0);
+          for (const ElementRange& range :
+               expert_update_ranges(*plan, u, std::vector<uint8_t>(E, 0), true, r))
+            for (int64_t i = range.begin; i < range.end; ++i) ++covered[size_t(i)];
+          for (size_t e = 0; e < E; ++e) {
+            const std::string expert = fmt::format("{}: rank {} expert {}", at, r, e);
+            const ElementRange w = waiting_range(*plan, u, int64_t(e), r);
+            // The expert's part of the shard, in the shard's elements.
+            const int64_t in_unit = experts.offset + int64_t(e) * experts.numel;
+            const int64_t begin = std::clamp(in_unit - shard, int64_t{0}, numel);
+            const int64_t end = std::clamp(in_unit + experts.numel - shard, int64_t{0}, numel);
+            if (w.begin == w.end) {
+              EXPECT_LT((end - begin), 256 + 256) << expert;
+            } else {
+              EXPECT_EQ(w.begin % 256, 0) << expert;
+              EXPECT_EQ(w.end % 256, 0) << expert;
+              EXPECT_GE(w.begin, begin) << expert;
+              EXPECT_LE(w.end, end) << expert;
+              // Every block wholly inside the expert's part waits.
+              EXPECT_LT(w.begin - begin, 256) << expert;
+              EXPECT_LT(end - w.end, 256) << expert;
+            }
+            std::vector<uint8_t> one(E, 0);
+            one[e] = 1;
+            const std::vector<ElementRange> alone = expert_update_ranges(*plan, u, one, false, r);
+            if (w.begin == w.end) {
+              EXPECT_TRUE(alone.empty()) << expert;
+            } else {
+              EXPECT_EQ(alone, (std::vector<ElementRange>{w})) << expert;
+            }
+            for (int64_t i = w.begin; i < w.end; ++i) ++covered[size_t(i)];
+            waiting += w.end - w.begin;
+          }
+          EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), numel) << at << " rank " << r;
         }
-        for (int64_t i = w.begin; i < w.end; ++i) ++covered[size_t(i)];
-        waiting += w.end - w.begin;
+        if (intermediate == 1) {  // 192-element experts: no block is wholly inside one
+          EXPECT_EQ(waiting, 0) << at;
+        } else {
+          EXPECT_GT(waiting, 0) << at;
+        }
       }
-      EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), numel) << intermediate;
-      if (intermediate == 1) {  // 192-element experts: no block is wholly inside one
-        EXPECT_EQ(waiting, 0) << intermediate;
-      } else {
-        EXPECT_GT(waiting, 0) << intermediate;
-      }
+      EXPECT_EQ(routed, 2) << at;
     }
-    EXPECT_EQ(routed, 2) << intermediate;
   }
 }
 
@@ -305,6 +432,8 @@ TEST_F(EngineExpertUpdate, ThePlanSaysWhyItDefersOrNot) {
   }
   run.offload_optimizer = "nvme";
   run.state_dtype = "int8";  // whole int8 blocks wait (waiting_range)
+  EXPECT_TRUE(reason(run).first) << reason(run).second;
+  run.world = 2;  // the ranks join their routings: their ledgers are alike
   EXPECT_TRUE(reason(run).first) << reason(run).second;
   PlanInput dense;
   std::string why = "stale";

@@ -235,63 +235,71 @@ TEST(StepModel, ASparseLayerCostsTheExpertsItsTokensRead) {
 // routing costs that routing's bytes (the engine's count, routed_step) and
 // AdamW elements. Every expert routed is the worst case, bit for bit; a
 // routing that reaches few experts is cheaper, its NVMe bytes those
-// deferred_step_nvme_bytes counts.
+// deferred_step_nvme_bytes counts. At two ranks the shares replay (the
+// most of either rank's), not the forwards.
 TEST(StepModel, ARecordedRoutingCostsItsOwnBytesAndUpdates) {
-  PlanInput in = nvme_input();
-  in.model.family = ModelFamily::mixtral;
-  in.model.num_experts = 16;
-  in.model.num_experts_per_tok = 1;
-  in.model.moe_intermediate_size = in.model.intermediate_size;
-  in.model.layer_pieces = 2;
-  in.layer_pieces_auto = false;
-  in.offload_optimizer = OffloadDevice::cpu;
-  in.expert_update_deferred = true;
-  Result<TrainingPlan> plan = plan_training(in);
-  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-  ASSERT_TRUE(plan->routed_expert_fetch) << plan->expert_fetch_reason;
-  ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
-  const HardwareProfile hw = *hardware_preset("h100-sxm/gen4x1");
-  StepRouting every(plan->units.size()), none(plan->units.size()), few(plan->units.size());
-  for (int u = 0; u < int(plan->units.size()); ++u) {
-    if (!routes_expert_reads(*plan, u)) continue;
-    every[size_t(u)].assign(size_t(in.grad_accum), std::vector<uint8_t>(16, 1));
-    none[size_t(u)].assign(size_t(in.grad_accum), std::vector<uint8_t>(16, 0));
-    few[size_t(u)] = none[size_t(u)];
-    few[size_t(u)][0][3] = few[size_t(u)][1][3] = 1;  // one expert reached
-  }
-  const StepPrediction worst = predict_step(*plan, hw);
-  // Every expert waiting and then routed to: the worst step.
-  ExpertUpdateLedger ledger(*plan);
-  (void)routed_step(*plan, none, ledger, 1);
-  const RoutedStep all = routed_step(*plan, every, ledger, 2);
-  const StepPrediction routed_all = predict_step(*plan, hw, &all);
-  EXPECT_EQ(routed_all.traffic.nvme_read, worst.traffic.nvme_read);
-  EXPECT_EQ(routed_all.traffic.nvme_written, worst.traffic.nvme_written);
-  EXPECT_DOUBLE_EQ(routed_all.steady_seconds, worst.steady_seconds);
-  // Its replays step each expert for the one step it missed.
-  int64_t replayed = 0;
-  for (size_t i = 0; i < plan->ops.size(); ++i)
-    if (plan->ops[i].kind == OpKind::forward)
-      replayed += std::max<int64_t>(0, all.adamw_elements[i]);
-  EXPECT_GT(replayed, 0);
-  // Few experts reached, with nothing waiting before: fewer bytes and elements, a shorter step.
-  ExpertUpdateLedger fresh(*plan);
-  const RoutedStep one = routed_step(*plan, few, fresh, 1);
-  ExpertUpdateLedger counted(*plan);
-  const WindowBytes bytes = deferred_step_nvme_bytes(*plan, few, counted);
-  const StepPrediction sparse = predict_step(*plan, hw, &one);
-  EXPECT_EQ(sparse.traffic.nvme_read, bytes.read);
-  EXPECT_EQ(sparse.traffic.nvme_written, bytes.written);
-  EXPECT_LT(sparse.traffic.nvme_read, worst.traffic.nvme_read);
-  EXPECT_LT(sparse.steady_seconds, worst.steady_seconds);
-  for (size_t i = 0; i < plan->ops.size(); ++i) {
-    const PlanOp& op = plan->ops[i];
-    if (op.kind == OpKind::optimizer && defers_expert_updates(*plan, op.unit)) {
-      EXPECT_GT(one.adamw_elements[i], 0);
-      EXPECT_LT(one.adamw_elements[i], plan->units[size_t(op.unit)].optimizer_numel);
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE(std::to_string(world) + " ranks");
+    const OpKind replays = world > 1 ? OpKind::share : OpKind::forward;
+    PlanInput in = nvme_input();
+    in.world_size = world;
+    in.model.family = ModelFamily::mixtral;
+    in.model.num_experts = 16;
+    in.model.num_experts_per_tok = 1;
+    in.model.moe_intermediate_size = in.model.intermediate_size;
+    in.model.layer_pieces = 2;
+    in.layer_pieces_auto = false;
+    in.offload_optimizer = OffloadDevice::cpu;
+    in.expert_update_deferred = true;
+    Result<TrainingPlan> plan = plan_training(in);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    ASSERT_TRUE(plan->routed_expert_fetch) << plan->expert_fetch_reason;
+    ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
+    const HardwareProfile hw = *hardware_preset("h100-sxm/gen4x1");
+    StepRouting every(plan->units.size()), none(plan->units.size()), few(plan->units.size());
+    for (int u = 0; u < int(plan->units.size()); ++u) {
+      if (!routes_expert_reads(*plan, u)) continue;
+      every[size_t(u)].assign(size_t(in.grad_accum), std::vector<uint8_t>(16, 1));
+      none[size_t(u)].assign(size_t(in.grad_accum), std::vector<uint8_t>(16, 0));
+      few[size_t(u)] = none[size_t(u)];
+      few[size_t(u)][0][3] = few[size_t(u)][1][3] = 1;  // one expert reached
     }
-    if (op.kind == OpKind::forward) {
-      EXPECT_LE(one.adamw_elements[i], 0) << "nothing waited: nothing replayed";
+    const StepPrediction worst = predict_step(*plan, hw);
+    // Every expert waiting and then routed to: the worst step.
+    ExpertUpdateLedger ledger(*plan);
+    (void)routed_step(*plan, none, ledger, 1);
+    const RoutedStep all = routed_step(*plan, every, ledger, 2);
+    const StepPrediction routed_all = predict_step(*plan, hw, &all);
+    EXPECT_EQ(routed_all.traffic.nvme_read, worst.traffic.nvme_read);
+    EXPECT_EQ(routed_all.traffic.nvme_written, worst.traffic.nvme_written);
+    EXPECT_DOUBLE_EQ(routed_all.steady_seconds, worst.steady_seconds);
+    // Its replays step each expert for the one step it missed.
+    int64_t replayed = 0;
+    for (size_t i = 0; i < plan->ops.size(); ++i)
+      if (plan->ops[i].kind == replays)
+        replayed += std::max<int64_t>(0, all.adamw_elements[i]);
+      else if (plan->ops[i].kind != OpKind::optimizer)
+        EXPECT_EQ(all.adamw_elements[i], -1) << plan->ops[i].text();
+    EXPECT_GT(replayed, 0);
+    // Few experts reached, with nothing waiting before: fewer bytes and elements, a shorter step.
+    ExpertUpdateLedger fresh(*plan);
+    const RoutedStep one = routed_step(*plan, few, fresh, 1);
+    ExpertUpdateLedger counted(*plan);
+    const WindowBytes bytes = deferred_step_nvme_bytes(*plan, few, counted);
+    const StepPrediction sparse = predict_step(*plan, hw, &one);
+    EXPECT_EQ(sparse.traffic.nvme_read, bytes.read);
+    EXPECT_EQ(sparse.traffic.nvme_written, bytes.written);
+    EXPECT_LT(sparse.traffic.nvme_read, worst.traffic.nvme_read);
+    EXPECT_LT(sparse.steady_seconds, worst.steady_seconds);
+    for (size_t i = 0; i < plan->ops.size(); ++i) {
+      const PlanOp& op = plan->ops[i];
+      if (op.kind == OpKind::optimizer && defers_expert_updates(*plan, op.unit)) {
+        EXPECT_GT(one.adamw_elements[i], 0);
+        EXPECT_LT(one.adamw_elements[i], plan->units[size_t(op.unit)].optimizer_numel);
+      }
+      if (op.kind == replays) {
+        EXPECT_LE(one.adamw_elements[i], 0) << "nothing waited: nothing replayed";
+      }
     }
   }
 }

@@ -2,7 +2,9 @@
 // each forward and backward reads the experts its micro-batch needs that its
 // gather has not; at several, `route` takes this rank's routing, `share`
 // joins the ranks' and sends the experts the union reaches, each piece from
-// the rank whose shard holds it.
+// the rank whose shard holds it. Where expert updates are deferred
+// (expert_update.h), the forward, or at several ranks the share, first
+// replays the missed steps of the experts it is about to read.
 #include "core/engine/engine_impl.h"
 
 namespace strata {
@@ -106,13 +108,21 @@ Status Engine::Impl::share(Rank& rank, const PlanOp& op) {
   std::byte* gathered = rank.gathered[size_t(slot)];
   const UnitPlacement& p = plan.units[size_t(u)];
   const int64_t cb = plan.compute_bytes;
+  std::byte* own = gathered + int64_t(rank.rank) * p.shard_numel * cb;
   Status status = check_expert_alignment(rank, u);
+  if (status && defers_expert_updates(plan, u)) {
+    // Experts whose steps wait take them, each rank on its shard (every
+    // rank's ledger is the same), before the read below brings them. With
+    // the state in host memory the copy's windows are put together in this
+    // rank's part of the gathered copy: the bytes already there, but for
+    // the replayed experts', which nothing has read yet.
+    std::lock_guard lock(rank.streamed_mutex);
+    status = replay_deferred(rank, u, rank.deferred.take_due(u, routing), own);
+  }
   if (status) {
     const std::vector<tiers::ByteRange> ranges = rank_ranges(
         plan, u, expert_reads(plan, u, routing, read, rank.store->nvme_alignment()), rank.rank);
-    if (!ranges.empty())
-      status = rank.store->read_home_ranges({u, ShardKind::param}, ranges,
-                                            gathered + int64_t(rank.rank) * p.shard_numel * cb);
+    if (!ranges.empty()) status = rank.store->read_home_ranges({u, ShardKind::param}, ranges, own);
   }
   if (Status s = broadcast_pieces(rank, u, gathered, nullptr, pieces); status && !s) status = s;
   if (!status) return status;

@@ -267,7 +267,7 @@ Status Engine::Impl::reduce_and_accumulate(Rank& rank, const PlanOp& op) {
                                                  ? touched_through(rank.routing, u, op.micro)
                                                  : rank.routing[size_t(u)][size_t(op.micro)];
         accumulate_one_rank_sum_in(grad_home(rank, u), buffer, count,
-                                   expert_update_ranges(plan, u, reached, true), first);
+                                   expert_update_ranges(plan, u, reached, true, r), first);
         return Status::ok();
       }
       accumulate_one_rank_sum(grad_home(rank, u), buffer, count, first);
@@ -369,7 +369,8 @@ Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int6
     if (windows) {
       std::memset(stored.data(), 0, stored.size());
       if (Status s = rank.store->read_home_ranges(
-              key, gradient_windows(plan, u, touched_through(rank.routing, u, micro - 1)),
+              key,
+              gradient_windows(plan, u, touched_through(rank.routing, u, micro - 1), rank.rank),
               stored.data());
           !s)
         return s;
@@ -391,7 +392,8 @@ Status Engine::Impl::accumulate_gradient(Rank& rank, int u, float* reduced, int6
   if (reinterpret_cast<uintptr_t>(reduced) % rank.store->nvme_alignment() != 0)
     return Status::error("a gradient written in windows is not NVMe-aligned (plan error)");
   return rank.store->write_home_ranges(
-      key, gradient_windows(plan, u, touched_through(rank.routing, u, micro)), bytes.data());
+      key, gradient_windows(plan, u, touched_through(rank.routing, u, micro), rank.rank),
+      bytes.data());
 }
 
 Status Engine::Impl::exchange(Rank& rank, StepRun& run) {
@@ -567,7 +569,7 @@ Status Engine::Impl::update_deferring(Rank& rank, const UnitUpdate& update, cons
   streamed.master_kind = master_kind;
   const UnitPlacement& p = plan.units[size_t(u)];
   streamed.grad_offset = p.grad_numel == p.padded_numel ? plan.optimizer_offset(u, rank.rank) : 0;
-  const std::vector<ElementRange> ranges = expert_update_ranges(plan, u, active, true);
+  const std::vector<ElementRange> ranges = expert_update_ranges(plan, u, active, true, rank.rank);
   std::vector<RangeUpdate> updates;
   for (const ElementRange& range : ranges) updates.push_back({range, {update.decision}});
   std::lock_guard lock(rank.streamed_mutex);
@@ -620,7 +622,7 @@ Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<Def
   std::vector<uint8_t> chosen(size_t(plan.layout.config.num_experts), 0);
   for (const DeferredSteps& d : due) {
     RangeUpdate update;
-    update.elements = waiting_range(plan, unit, d.expert);
+    update.elements = waiting_range(plan, unit, d.expert, rank.rank);
     if (update.elements.begin == update.elements.end) continue;  // stepped every step
     for (int64_t t = d.first; t <= d.last; ++t) {
       const auto found = rank.deferred_decisions.find(t);
@@ -646,7 +648,7 @@ Status Engine::Impl::replay_deferred(Rank& rank, int unit, const std::vector<Def
   shard.exp_avg_sq_scale = rank.v_scales.empty() ? nullptr : rank.v_scales[size_t(unit)];
   streamed.master_kind = plan.homes.separate_master ? ShardKind::master : ShardKind::param;
   const std::vector<ElementRange> windows =
-      update_windows(plan, unit, expert_update_ranges(plan, unit, chosen, false));
+      update_windows(plan, unit, expert_update_ranges(plan, unit, chosen, false, rank.rank));
   Status status = Status::ok();
   if (plan.homes.optimizer == tiers::Tier::nvme) {
     status = rank.streamed->step_ranges(*rank.optimizer, streamed, windows, updates, true);

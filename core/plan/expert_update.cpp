@@ -21,13 +21,13 @@ void join(std::vector<ElementRange>& ranges, ElementRange next) {
     ranges.push_back(next);
 }
 
-// The first forward of each deferring unit in the step, by op index.
-std::vector<uint8_t> first_forwards(const TrainingPlan& plan) {
+// The first replaying operation of each deferring unit in the step, by op index.
+std::vector<uint8_t> first_replays(const TrainingPlan& plan) {
   std::vector<uint8_t> first(plan.ops.size(), 0);
   std::vector<uint8_t> seen(plan.units.size(), 0);
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
-    if (op.kind != OpKind::forward || !defers_expert_updates(plan, op.unit)) continue;
+    if (!replays_expert_updates(plan, op)) continue;
     if (seen[size_t(op.unit)]) continue;
     seen[size_t(op.unit)] = 1;
     first[i] = 1;
@@ -47,6 +47,28 @@ std::vector<uint8_t> chosen_of(const std::vector<DeferredSteps>& due, size_t exp
   return chosen;
 }
 
+// count(r) for `rank`; for -1 the most of any rank's.
+template <typename Count>
+auto most_of_ranks(const TrainingPlan& plan, int rank, Count count) {
+  if (rank >= 0) return count(rank);
+  auto most = count(0);
+  for (int r = 1; r < plan.input.world_size; ++r) most = std::max(most, count(r));
+  return most;
+}
+
+WindowBytes most(WindowBytes a, WindowBytes b) {
+  return {std::max(a.read, b.read), std::max(a.written, b.written)};
+}
+
+// The same for window bytes, read and written each the most of any rank's.
+template <typename Count>
+WindowBytes most_bytes(const TrainingPlan& plan, int rank, Count count) {
+  if (rank >= 0) return count(rank);
+  WindowBytes bytes = count(0);
+  for (int r = 1; r < plan.input.world_size; ++r) bytes = most(bytes, count(r));
+  return bytes;
+}
+
 }  // namespace
 
 bool plan_defers_expert_updates(const PlanInput& in, bool routed, std::string& why) {
@@ -57,8 +79,6 @@ bool plan_defers_expert_updates(const PlanInput& in, bool routed, std::string& w
     off = "strata.expert_update eager";
   else if (!routed)
     off = "the experts are not read as routed (see expert fetch)";
-  else if (in.world_size > 1)
-    off = "deferred updates are built for one rank";
   else if (in.gpu && in.offload_optimizer == OffloadDevice::none)
     off = "the optimizer state is on the GPU, whose update steps every element";
   if (off != nullptr) {
@@ -75,26 +95,31 @@ bool defers_expert_updates(const TrainingPlan& plan, int unit) {
   return plan.deferred_expert_updates && routes_expert_reads(plan, unit);
 }
 
-ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert) {
+ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert, int rank) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
-  const int64_t begin = experts.offset + (expert - experts.first) * experts.numel;
-  const int64_t end = begin + experts.numel;
-  if (plan.input.optimizer_state != OptimizerStateDtype::int8) return {begin, end};
+  const int64_t shard = plan.optimizer_offset(unit, rank);
+  const int64_t numel = plan.units[size_t(unit)].optimizer_numel;
+  // The expert's part of the shard, in the shard's elements.
+  const int64_t in_unit = experts.offset + (expert - experts.first) * experts.numel;
+  const int64_t begin = std::clamp(in_unit - shard, int64_t{0}, numel);
+  const int64_t end = std::clamp(in_unit + experts.numel - shard, int64_t{0}, numel);
+  if (begin == end || plan.input.optimizer_state != OptimizerStateDtype::int8) return {begin, end};
   // An expert's tensors all decay (2-D), so no parameter group ends inside
-  // it and its int8 blocks are the 256-element windows of the unit's range.
+  // it and its int8 blocks are the 256-element windows of the shard's range.
   const int64_t block = kernels::cpu::kAdamWInt8Block;
   const int64_t first = round_up(begin, block), last = end / block * block;
   return first < last ? ElementRange{first, last} : ElementRange{first, first};
 }
 
 std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int unit,
-                                               const std::vector<uint8_t>& chosen, bool with_rest) {
+                                               const std::vector<uint8_t>& chosen, bool with_rest,
+                                               int rank) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   const int64_t numel = plan.units[size_t(unit)].optimizer_numel;
   std::vector<ElementRange> ranges;
   int64_t rest = 0;  // where the part that never waits resumes
   for (int64_t e = 0; e < experts.count; ++e) {
-    const ElementRange waits = waiting_range(plan, unit, experts.first + e);
+    const ElementRange waits = waiting_range(plan, unit, experts.first + e, rank);
     if (waits.begin == waits.end) continue;
     if (with_rest) join(ranges, {rest, waits.begin});
     if (chosen[size_t(experts.first + e)]) join(ranges, waits);
@@ -145,10 +170,12 @@ WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRang
   return bytes;
 }
 
-WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit) {
+WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit, int rank) {
   const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
-  return window_bytes(
-      plan, update_windows(plan, unit, expert_update_ranges(plan, unit, every, true)), false);
+  return most_bytes(plan, rank, [&](int r) {
+    return window_bytes(
+        plan, update_windows(plan, unit, expert_update_ranges(plan, unit, every, true, r)), false);
+  });
 }
 
 bool moves_gradient_windows(const TrainingPlan& plan, int unit) {
@@ -165,9 +192,9 @@ std::vector<tiers::ByteRange> byte_windows(const std::vector<ElementRange>& wind
 }
 
 std::vector<tiers::ByteRange> gradient_windows(const TrainingPlan& plan, int unit,
-                                               const std::vector<uint8_t>& touched) {
-  return byte_windows(update_windows(plan, unit, expert_update_ranges(plan, unit, touched, true)),
-                      4);
+                                               const std::vector<uint8_t>& touched, int rank) {
+  return byte_windows(
+      update_windows(plan, unit, expert_update_ranges(plan, unit, touched, true, rank)), 4);
 }
 
 std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int micro) {
@@ -223,22 +250,29 @@ int64_t ExpertUpdateLedger::oldest_waited() const {
   return oldest;
 }
 
-std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan) {
+bool replays_expert_updates(const TrainingPlan& plan, const PlanOp& op) {
+  if (op.unit < 0 || !defers_expert_updates(plan, op.unit)) return false;
+  return op.kind == (shares_routing(plan, op.unit) ? OpKind::share : OpKind::forward);
+}
+
+std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan, int rank) {
   std::vector<WindowBytes> bytes(plan.ops.size());
   if (!plan.deferred_expert_updates) return bytes;
-  const std::vector<uint8_t> first = first_forwards(plan);
+  const std::vector<uint8_t> first = first_replays(plan);
   const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     if (!first[i]) continue;
     const int u = plan.ops[i].unit;
-    bytes[i] = window_bytes(
-        plan, update_windows(plan, u, expert_update_ranges(plan, u, every, false)), false);
+    bytes[i] = most_bytes(plan, rank, [&](int r) {
+      return window_bytes(
+          plan, update_windows(plan, u, expert_update_ranges(plan, u, every, false, r)), false);
+    });
   }
   return bytes;
 }
 
 RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
-                       ExpertUpdateLedger& ledger, int64_t step) {
+                       ExpertUpdateLedger& ledger, int64_t step, int rank) {
   RoutedStep out;
   out.traffic = traffic_per_op(plan);
   out.adamw_elements.assign(plan.ops.size(), -1);
@@ -247,20 +281,32 @@ RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
   if (!plan.routed_expert_fetch) return out;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
+    // (one rank only: its shard is the unit)
     if (op.kind != OpKind::reduce || !sums_routed_gradients(plan, op.unit)) continue;
     const std::vector<uint8_t> reached = plan.gpu_grads_summed_on_device()
                                              ? touched_through(routing, op.unit, op.micro)
                                              : routing[size_t(op.unit)][size_t(op.micro)];
-    out.summed_elements[i] = elements_in(expert_update_ranges(plan, op.unit, reached, true));
+    out.summed_elements[i] = elements_in(expert_update_ranges(plan, op.unit, reached, true, 0));
   }
-  // The routed computations' expert reads of this routing instead of the worst case's.
+  // The routed computations' expert reads of this routing instead of the
+  // worst case's (traffic_per_op's: at each operation the most of any rank).
   const std::vector<int64_t> worst = routed_expert_reads_per_op(plan, nullptr);
-  const std::vector<int64_t> routed = routed_expert_reads_per_op(plan, &routing);
+  const std::vector<int64_t> routed = routed_expert_reads_per_op(plan, &routing, rank);
   for (size_t i = 0; i < plan.ops.size(); ++i) traffic[i].nvme_read += routed[i] - worst[i];
   if (!plan.deferred_expert_updates) return out;
+  // Likewise below: the worst case traffic_per_op counted out, this
+  // routing's at `rank` counted in.
   const std::vector<WindowBytes> replays = deferred_replay_bytes_per_op(plan);
   const size_t E = size_t(plan.layout.config.num_experts);
   const std::vector<uint8_t> every(E, 1);
+  auto windows_of = [&](int u, const std::vector<uint8_t>& chosen, bool with_rest,
+                        bool with_gradient) {
+    return most_bytes(plan, rank, [&](int r) {
+      return window_bytes(
+          plan, update_windows(plan, u, expert_update_ranges(plan, u, chosen, with_rest, r)),
+          with_gradient);
+    });
+  };
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
     if (!defers_expert_updates(plan, op.unit)) continue;
@@ -274,64 +320,67 @@ RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
       if (plan.layer_major() && !last) continue;
       const int64_t whole =
           round_up(plan.units[size_t(u)].grad_numel * 4, int64_t(in.nvme_alignment));
-      auto bytes = [](const std::vector<tiers::ByteRange>& ranges) {
-        int64_t sum = 0;
-        for (const tiers::ByteRange& r : ranges) sum += int64_t(r.bytes);
-        return sum;
+      auto bytes = [&](int micro) {
+        const std::vector<uint8_t> touched = touched_through(routing, u, micro);
+        return most_of_ranks(plan, rank, [&](int r) {
+          int64_t sum = 0;
+          for (const tiers::ByteRange& w : gradient_windows(plan, u, touched, r))
+            sum += int64_t(w.bytes);
+          return sum;
+        });
       };
-      t.nvme_written +=
-          bytes(gradient_windows(plan, u, touched_through(routing, u, op.micro))) - whole;
-      if (op.micro > 0 && !plan.layer_major())
-        t.nvme_read +=
-            bytes(gradient_windows(plan, u, touched_through(routing, u, op.micro - 1))) - whole;
-    } else if (op.kind == OpKind::forward) {
+      t.nvme_written += bytes(op.micro) - whole;
+      if (op.micro > 0 && !plan.layer_major()) t.nvme_read += bytes(op.micro - 1) - whole;
+    } else if (replays_expert_updates(plan, op)) {
       t.nvme_read -= replays[i].read;
       t.nvme_written -= replays[i].written;
       const std::vector<DeferredSteps> due =
           ledger.take_due(u, routing[size_t(u)][size_t(op.micro)]);
       if (due.empty()) continue;
-      const WindowBytes replayed = window_bytes(
-          plan, update_windows(plan, u, expert_update_ranges(plan, u, chosen_of(due, E), false)),
-          false);
+      const WindowBytes replayed = windows_of(u, chosen_of(due, E), false, false);
       t.nvme_read += replayed.read;
       t.nvme_written += replayed.written;
-      int64_t& replays_elements = out.adamw_elements[i];
-      replays_elements = 0;
-      for (const DeferredSteps& d : due) {
-        const ElementRange w = waiting_range(plan, u, d.expert);
-        replays_elements += (w.end - w.begin) * (d.last - d.first + 1);
-      }
+      out.adamw_elements[i] = most_of_ranks(plan, rank, [&](int r) {
+        int64_t elements = 0;
+        for (const DeferredSteps& d : due) {
+          const ElementRange w = waiting_range(plan, u, d.expert, r);
+          elements += (w.end - w.begin) * (d.last - d.first + 1);
+        }
+        return elements;
+      });
     } else if (op.kind == OpKind::optimizer) {
       const std::vector<uint8_t> active =
           touched_through(routing, u, int(plan.input.grad_accum) - 1);
-      const WindowBytes all = window_bytes(
-          plan, update_windows(plan, u, expert_update_ranges(plan, u, every, true)), true);
-      const WindowBytes updated = window_bytes(
-          plan, update_windows(plan, u, expert_update_ranges(plan, u, active, true)), true);
+      const WindowBytes all = windows_of(u, every, true, true);
+      const WindowBytes updated = windows_of(u, active, true, true);
       t.nvme_read += updated.read - all.read;
       t.nvme_written += updated.written - all.written;
-      out.adamw_elements[i] = elements_in(expert_update_ranges(plan, u, active, true));
+      out.adamw_elements[i] = most_of_ranks(plan, rank, [&](int r) {
+        return elements_in(expert_update_ranges(plan, u, active, true, r));
+      });
       ledger.defer_idle(u, active, step);
     }
   }
   return out;
 }
 
-std::vector<int64_t> deferred_replay_elements_per_op(const TrainingPlan& plan) {
+std::vector<int64_t> deferred_replay_elements_per_op(const TrainingPlan& plan, int rank) {
   std::vector<int64_t> elements(plan.ops.size(), -1);
   if (!plan.deferred_expert_updates) return elements;
-  const std::vector<uint8_t> first = first_forwards(plan);
+  const std::vector<uint8_t> first = first_replays(plan);
   const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
   for (size_t i = 0; i < plan.ops.size(); ++i)
     if (first[i])
-      elements[i] = elements_in(expert_update_ranges(plan, plan.ops[i].unit, every, false));
+      elements[i] = most_of_ranks(plan, rank, [&](int r) {
+        return elements_in(expert_update_ranges(plan, plan.ops[i].unit, every, false, r));
+      });
   return elements;
 }
 
 WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
-                                     ExpertUpdateLedger& ledger) {
+                                     ExpertUpdateLedger& ledger, int rank) {
   // The bytes need only whether an expert waits: each step is marked as step 1.
-  const StepTraffic step = total_traffic(routed_step(plan, routing, ledger, 1).traffic);
+  const StepTraffic step = total_traffic(routed_step(plan, routing, ledger, 1, rank).traffic);
   return {step.nvme_read, step.nvme_written};
 }
 
@@ -346,7 +395,16 @@ RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,
     WindowBytes step{
         out.worst_read - worst_parameter_reads(plan) + routed_parameter_reads(plan, routing),
         out.worst_written};
-    if (plan.deferred_expert_updates) step = deferred_step_nvme_bytes(plan, routing, ledger);
+    if (plan.deferred_expert_updates) {
+      // Every rank's ledger is the same (the ranks join their routings):
+      // each rank's step from one copy of it, the most of any rank's.
+      ExpertUpdateLedger before = ledger;
+      step = deferred_step_nvme_bytes(plan, routing, ledger, 0);
+      for (int r = 1; r < plan.input.world_size; ++r) {
+        ExpertUpdateLedger of_rank = before;
+        step = most(step, deferred_step_nvme_bytes(plan, routing, of_rank, r));
+      }
+    }
     read += step.read;
     written += step.written;
     out.read_most = std::max(out.read_most, step.read);

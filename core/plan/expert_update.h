@@ -59,21 +59,32 @@ bool plan_defers_expert_updates(const PlanInput& input, bool routed, std::string
 // Unit u's idle experts wait: the plan defers and u routes its expert reads.
 bool defers_expert_updates(const TrainingPlan& plan, int unit);
 
+// Ranks: each rank steps its own shard of a unit (elements
+// [optimizer_offset(u, rank), + optimizer_numel)), and the ranges and
+// windows below are in that shard's elements, 0 at its start; at one rank
+// the shard is the unit. The ranks join their routings (expert_fetch.h
+// shares_routing), so every rank's ledger is the same and an expert cut
+// by a shard boundary waits, and is replayed, on both ranks at once.
+// Counts that take a `rank` of -1 are the most any one rank moves (at each
+// operation, for the per-operation counts): a bound on every rank.
+
 // The elements of expert `expert` (the layer's index: a piece of experts
-// holds expert_blocks(...).first on) of unit u whose step may wait: the whole
-// expert; with int8 moments the 256-element int8 blocks wholly inside it (a
-// block's scale is the largest of its elements, so a block shared with a
-// neighbour is stepped every step, with the part that never waits). Empty
-// (begin == end) when no block is wholly inside.
-ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert);
+// holds expert_blocks(...).first on) of unit u in `rank`'s shard whose step
+// may wait: the expert's part in the shard; with int8 moments the
+// 256-element int8 blocks wholly inside that part (a block's scale is the
+// largest of its elements, so a block shared with a neighbour is stepped
+// every step, with the part that never waits). Empty (begin == end) when
+// no block is wholly inside.
+ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert, int rank);
 
-// Unit u's element ranges of the `chosen` experts' waiting ranges ([E],
-// != 0 chosen) and, with `with_rest`, of everything in u that never waits;
-// sorted, neighbours joined.
+// Unit u's element ranges, in `rank`'s shard, of the `chosen` experts'
+// waiting ranges ([E], != 0 chosen) and, with `with_rest`, of everything
+// in the shard that never waits; sorted, neighbours joined.
 std::vector<ElementRange> expert_update_ranges(const TrainingPlan& plan, int unit,
-                                               const std::vector<uint8_t>& chosen, bool with_rest);
+                                               const std::vector<uint8_t>& chosen, bool with_rest,
+                                               int rank);
 
-// The windows a ranged update of unit u reads and writes for `ranges`:
+// The windows a ranged update of unit u reads and writes for `ranges` (of one rank's shard):
 // each range widened to whole blocks of nvme_alignment elements, overlaps
 // joined, cut at multiples of the optimizer chunk.
 std::vector<ElementRange> update_windows(const TrainingPlan& plan, int unit,
@@ -91,7 +102,7 @@ std::vector<tiers::ByteRange> byte_windows(const std::vector<ElementRange>& wind
 // micro-batch's windows are the optimizer's. Byte ranges of the fp32 shard.
 bool moves_gradient_windows(const TrainingPlan& plan, int unit);
 std::vector<tiers::ByteRange> gradient_windows(const TrainingPlan& plan, int unit,
-                                               const std::vector<uint8_t>& touched);
+                                               const std::vector<uint8_t>& touched, int rank);
 // The experts of unit u that micro-batches 0..micro of `routing` reached.
 std::vector<uint8_t> touched_through(const StepRouting& routing, int unit, int micro);
 
@@ -107,7 +118,7 @@ WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRang
                          bool with_gradient);
 // The worst case of a deferring unit's optimizer operation: every element's
 // window (the compute copy in them; such a unit has no writeback).
-WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit);
+WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit, int rank = -1);
 
 // One expert's missed steps: Adam's t of the first and last applied step it
 // did not take (every applied step between them included).
@@ -162,19 +173,21 @@ struct RoutedStep {
 };
 // Advances `ledger` (the experts that waited before the step) past the step,
 // taken as applied step `step` (Adam's t, so that replays count the steps
-// each expert missed).
+// each expert missed). `rank`'s bytes and elements; -1: at each operation
+// the most any one rank's.
 RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
-                       ExpertUpdateLedger& ledger, int64_t step);
+                       ExpertUpdateLedger& ledger, int64_t step, int rank = -1);
 
 // The NVMe bytes one step of a plan that defers expert updates moves for its
-// routing: routed_step's traffic summed.
+// routing at `rank`: routed_step's traffic summed.
 WindowBytes deferred_step_nvme_bytes(const TrainingPlan& plan, const StepRouting& routing,
-                                     ExpertUpdateLedger& ledger);
+                                     ExpertUpdateLedger& ledger, int rank = -1);
 
 // A step's NVMe bytes, read and written, replayed from recorded routings in
 // their order (deferred_step_nvme_bytes where the plan defers; else the
-// plan's traffic with its routed parameter reads those of the routing):
-// what `strata plan --routing` prints beside the parameter reads.
+// plan's traffic with its routed parameter reads those of the routing), at
+// several ranks the most any one rank moves in that step: what
+// `strata plan --routing` prints beside the parameter reads.
 struct RecordedStepBytes {
   int64_t steps = 0;
   int64_t read_mean = 0;  // rounded down
@@ -188,12 +201,16 @@ RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,
                                       const std::vector<StepRouting>& steps);
 
 // Per operation of plan.ops, the worst case of the replays: on the first
-// forward of each deferring unit in the step, every expert. (A deferring
-// unit's optimizer operation counts its worst case, every element, in its
-// own bytes.)
-std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan);
+// operation that reads each deferring unit's experts in the step (its
+// first forward; at several ranks, its first share), every expert. (A
+// deferring unit's optimizer operation counts its worst case, every
+// element, in its own bytes.)
+std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan, int rank = -1);
 // The elements those worst-case replays step (every expert's waiting range,
 // one missed step each) on the same operations; -1 elsewhere.
-std::vector<int64_t> deferred_replay_elements_per_op(const TrainingPlan& plan);
+std::vector<int64_t> deferred_replay_elements_per_op(const TrainingPlan& plan, int rank = -1);
+// The operation that replays a deferring unit's missed steps before its
+// experts are read: a forward; at several ranks, a share.
+bool replays_expert_updates(const TrainingPlan& plan, const PlanOp& op);
 
 }  // namespace strata

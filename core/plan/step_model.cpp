@@ -132,6 +132,17 @@ void cost_collective(const TrainingPlan& plan, const HardwareProfile& hw, const 
   c.seconds += c.intra_node_seconds + c.inter_node_seconds;
 }
 
+// The exchange: a few numbers, all-reduced: twice the hops of each level, latency alone.
+void cost_exchange(const TrainingPlan& plan, const HardwareProfile& hw, OpCost& c) {
+  const PlanInput& in = plan.input;
+  const int g = in.budgets.node_ranks(in.world_size), n = in.budgets.nodes(in.world_size);
+  c.intra_node_seconds = 2.0 * (g - 1) * hw.intra_node_latency_us * 1e-6;
+  c.inter_node_seconds = 2.0 * (n - 1) * hw.inter_node_latency_us * 1e-6;
+  c.seconds = c.intra_node_seconds + c.inter_node_seconds;
+  c.resources =
+      (g > 1 ? uint32_t(Resource::intra_node) : 0u) | (n > 1 ? uint32_t(Resource::inter_node) : 0u);
+}
+
 }  // namespace
 
 double layer_forward_flops(const ModelConfig& m, int64_t B, int64_t T, int64_t layer,
@@ -237,8 +248,9 @@ double compute_seconds(const TrainingPlan& plan, const HardwareProfile& hw, cons
 }  // namespace
 
 // A share (expert_fetch.h) costs as a fetch, its NVMe reads this rank's part
-// of the experts the ranks' routings reach, then as a collective, each part
-// sent by its owner; its `route`, a small product (the router's), as
+// of the experts the ranks' routings reach (and, where expert updates are
+// deferred, the replays of those that waited), then as a collective, each
+// part sent by its owner; its `route`, a small product (the router's), as
 // bookkeeping.
 std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw,
                                     const RoutedStep* routed) {
@@ -250,6 +262,11 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
       routed == nullptr ? deferred_replay_elements_per_op(plan) : std::vector<int64_t>();
   auto adamw_elements = [&](size_t i) {
     return routed != nullptr ? routed->adamw_elements[i] : worst_replays[i];
+  };
+  // A replay of missed steps (expert_update.h): AdamW over the replayed elements.
+  auto replay_seconds = [&](size_t i) {
+    const double rate = hw.adamw_params_per_second(plan.input.optimizer_state);
+    return adamw_elements(i) > 0 && rate > 0 ? double(adamw_elements(i)) / rate : 0.0;
   };
   const PlanInput& in = plan.input;
   const bool gpu = in.gpu;
@@ -299,16 +316,15 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
           c.seconds += nvme_seconds(t);
           c.resources |= uint32_t(Resource::nvme);
         }
-        if (const int64_t replayed = adamw_elements(i);
-            replayed > 0 && hw.adamw_params_per_second(in.optimizer_state) > 0)
-          c.seconds += double(replayed) / hw.adamw_params_per_second(in.optimizer_state);
+        c.seconds += replay_seconds(i);
         break;
       }
       case OpKind::fetch:
       case OpKind::writeback:
       case OpKind::share:
-        c.seconds = nvme_seconds(t);
-        c.resources = uint32_t(Resource::nvme);
+        c.seconds = nvme_seconds(t) + replay_seconds(i);
+        c.resources =
+            uint32_t(Resource::nvme) | (replay_seconds(i) > 0 ? uint32_t(Resource::cores) : 0u);
         if (op.kind == OpKind::share) cost_collective(plan, hw, t, c);
         break;
       case OpKind::spill:
@@ -377,16 +393,9 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
                       pcie_bits(t);
         break;
       }
-      case OpKind::exchange: {
-        // A few numbers, all-reduced: twice the hops of each level, latency alone.
-        const int g = in.budgets.node_ranks(in.world_size), n = in.budgets.nodes(in.world_size);
-        c.intra_node_seconds = 2.0 * (g - 1) * hw.intra_node_latency_us * 1e-6;
-        c.inter_node_seconds = 2.0 * (n - 1) * hw.inter_node_latency_us * 1e-6;
-        c.seconds = c.intra_node_seconds + c.inter_node_seconds;
-        c.resources = (g > 1 ? uint32_t(Resource::intra_node) : 0u) |
-                      (n > 1 ? uint32_t(Resource::inter_node) : 0u);
+      case OpKind::exchange:
+        cost_exchange(plan, hw, c);
         break;
-      }
       default:  // decide, release: bookkeeping
         break;
     }
