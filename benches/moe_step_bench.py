@@ -44,9 +44,9 @@ on the GPU: the mixture routes there, and with the optimizer state off the
 GPU (here always) its updates defer on the CPU as on the CPU backend.
 `--world-size N` trains every model at N ranks (threads of one process):
 there the ranks join their routings before each sparse forward and read and
-send only the experts some rank's tokens reached; updates are eager (the
-moe-deferred row is moe-routed). The network column is the bytes the ranks
-sent each step (all ranks together).
+send only the experts some rank's tokens reached, and moe-deferred's ranks
+each step and replay their shard's part of the experts. The network column
+is the bytes the ranks sent each step (all ranks together).
 """
 import argparse
 import json
