@@ -7,7 +7,8 @@
 // bias-corrected update) waits, and the steps it missed are replayed, the
 // same kernel on the same elements with the same decisions in the same
 // order, before its parameters are next read (the forward that routes a
-// token to it), checkpointed or exported. So the bits are those of the
+// token to it; at several ranks the share before that forward),
+// checkpointed or exported. So the bits are those of the
 // eager update, and an expert's state (on NVMe) or copy crosses the drive
 // once per run of idle steps instead of once per step.
 //
