@@ -201,6 +201,7 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
     int64_t intermediate;
     int64_t groups;
     bool gpu = false;
+    double clipping = 1.0;  // 0: no global norm to wait for, the optimizer runs during backward
   };
   for (const Variant& v :
        {Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1},
@@ -209,7 +210,9 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
         Variant{3, "layer", "bf16", "fp32", "host", "cpu", 64, 4},
         Variant{2, "layer", "fp32", "int8", "auto", "cpu", 38, 1},
         Variant{2, "micro_batch", "bf16", "bf16", "nvme", "nvme", 64, 4},
-        Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1, true}}) {
+        Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1, true},
+        Variant{3, "layer", "bf16", "bf16", "nvme", "nvme", 64, 1, false, 0.0},
+        Variant{2, "micro_batch", "fp32", "int8", "host", "cpu", 38, 4, false, 0.0}}) {
     EngineRun deferred = deferred_run(v.schedule, v.precision);
     deferred.world = v.world;
     deferred.state_dtype = v.state;
@@ -218,6 +221,7 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
     deferred.intermediate = v.intermediate;
     deferred.expert_groups = v.groups;
     deferred.emulate_gpu = v.gpu;
+    deferred.clipping = v.clipping;
     deferred.scheduler = "WarmupLR";
     EngineRun eager = deferred;
     eager.expert_update = "eager";
