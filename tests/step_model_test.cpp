@@ -275,11 +275,13 @@ TEST(StepModel, ARecordedRoutingCostsItsOwnBytesAndUpdates) {
     EXPECT_DOUBLE_EQ(routed_all.steady_seconds, worst.steady_seconds);
     // Its replays step each expert for the one step it missed.
     int64_t replayed = 0;
-    for (size_t i = 0; i < plan->ops.size(); ++i)
-      if (plan->ops[i].kind == replays)
+    for (size_t i = 0; i < plan->ops.size(); ++i) {
+      if (plan->ops[i].kind == replays) {
         replayed += std::max<int64_t>(0, all.adamw_elements[i]);
-      else if (plan->ops[i].kind != OpKind::optimizer)
+      } else if (plan->ops[i].kind != OpKind::optimizer) {
         EXPECT_EQ(all.adamw_elements[i], -1) << plan->ops[i].text();
+      }
+    }
     EXPECT_GT(replayed, 0);
     // Few experts reached, with nothing waiting before: fewer bytes and elements, a shorter step.
     ExpertUpdateLedger fresh(*plan);

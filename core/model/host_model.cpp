@@ -290,8 +290,11 @@ Status save_host_model(const HostModel& model, const std::string& dir, DType dty
 }
 
 ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u) {
-  const ModelConfig& c = model.config;
-  const UnitShape& unit = model.units[size_t(u)].unit;
+  return model.units[size_t(u)].experts;
+}
+
+ExpertBlocks locate_experts(const ModelConfig& c, const UnitLayout& layout) {
+  const UnitShape& unit = layout.unit;
   if (unit.kind != UnitKind::decoder_layer || unit.piece == LayerPiece::attention ||
       unit.piece == LayerPiece::router || !c.layer_is_sparse(unit.layer))
     return {};
@@ -299,7 +302,7 @@ ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u) {
   const int64_t first = group ? c.expert_group_begin(unit.expert_group) : 0;
   const int64_t end = group ? c.expert_group_begin(unit.expert_group + 1) : c.num_experts;
   const std::string first_name = fmt::format(".experts.{}.", first);
-  for (const TensorSlot& slot : model.units[size_t(u)].tensors) {
+  for (const TensorSlot& slot : layout.tensors) {
     if (slot.name.find(first_name) == std::string::npos) continue;
     return {slot.offset, 3 * c.moe_intermediate_size * c.hidden_size, end - first, first};
   }

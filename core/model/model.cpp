@@ -221,6 +221,7 @@ ModelLayout model_layout(const ModelConfig& c, int world_size) {
     const int64_t granule = model.world_size * kShardAlignElements;
     layout.padded_numel = (layout.numel + granule - 1) / granule * granule;
     layout.shard_numel = layout.padded_numel / model.world_size;
+    layout.experts = locate_experts(c, layout);
     model.units.push_back(std::move(layout));
   }
   return model;

@@ -89,12 +89,24 @@ struct TensorSlot {
   int64_t part_element(int64_t i) const { return run_first(i / run_numel()) + i % run_numel(); }
 };
 
+// The experts of a sparse layer's unit (whole, its MLP piece, or a piece of
+// experts): its expert e (the layer's expert first + e) has its gate, up
+// and down at elements [offset + e numel, offset + (e + 1) numel) of the
+// unit's flat buffer; count 0 for any other unit (a router piece too).
+struct ExpertBlocks {
+  int64_t offset = 0;
+  int64_t numel = 0;
+  int64_t count = 0;
+  int64_t first = 0;  // the layer's index of the unit's expert 0
+};
+
 struct UnitLayout {
   UnitShape unit;
   std::vector<TensorSlot> tensors;  // in flat-buffer order
   int64_t numel = 0;                // parameters, without padding
   int64_t padded_numel = 0;         // a multiple of world_size * kShardAlignElements
   int64_t shard_numel = 0;          // padded_numel / world_size
+  ExpertBlocks experts;             // locate_experts(config, *this), kept by model_layout
   const TensorSlot* find(const std::string& name) const;
 };
 
@@ -367,17 +379,11 @@ const float* whole_tensor(const CheckpointTensor& t,
                           const std::function<const float*(int64_t)>& unit_data,
                           std::vector<float>& scratch);
 
-// The experts of a sparse layer's unit (whole, its MLP piece, or a piece of
-// experts): its expert e (the layer's expert first + e) has its gate, up
-// and down at elements [offset + e numel, offset + (e + 1) numel) of the
-// unit's flat buffer; count 0 for any other unit (a router piece too).
-struct ExpertBlocks {
-  int64_t offset = 0;
-  int64_t numel = 0;
-  int64_t count = 0;
-  int64_t first = 0;  // the layer's index of the unit's expert 0
-};
+// Unit u's experts (UnitLayout::experts: found once, when the layout is made,
+// since the planner asks for them per expert and operation).
 ExpertBlocks expert_blocks(const ModelLayout& model, int64_t u);
+// Where a unit's experts lie, found from its tensors' names.
+ExpertBlocks locate_experts(const ModelConfig& config, const UnitLayout& unit);
 
 // The experts unit u (a sparse layer's, whole or its MLP piece) routes the
 // micro-batch's tokens to: [E], 1 for each expert that gets a token. The
