@@ -169,7 +169,8 @@ TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
       const uint64_t deferred_total = d.nvme_read + d.nvme_written;
       const uint64_t eager_total = e.nvme_read + e.nvme_written;
       EXPECT_LT(deferred_total, eager_total) << deferred.label();
-      // Every expert waiting and then routed to in one step is the worst case.
+      // Every expert waiting and then routed to in one step: within the
+      // worst case (NoStepMovesMoreThanThePlansWorstCase tries others).
       ExpertUpdateLedger waiting(plan);
       StepRouting none = d.steps[0].routing, every = d.steps[0].routing;
       for (auto& unit : none)
@@ -178,8 +179,8 @@ TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
         for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{1});
       (void)deferred_step_nvme_bytes(plan, none, waiting);
       const WindowBytes worst = deferred_step_nvme_bytes(plan, every, waiting);
-      EXPECT_EQ(worst.read, plan.traffic_per_step.nvme_read) << deferred.label();
-      EXPECT_EQ(worst.written, plan.traffic_per_step.nvme_written) << deferred.label();
+      EXPECT_LE(worst.read, plan.traffic_per_step.nvme_read) << deferred.label();
+      EXPECT_LE(worst.written, plan.traffic_per_step.nvme_written) << deferred.label();
     }
   }
 }
@@ -273,7 +274,7 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) 
       EXPECT_EQ(int64_t(d.nvme_read), read) << label;
       EXPECT_EQ(int64_t(d.nvme_written), written) << label;
       EXPECT_LT(d.nvme_read + d.nvme_written, e.nvme_read + e.nvme_written) << label;
-      // The plan's per-rank bound is reached: every expert waiting, then routed to.
+      // Every expert waiting, then routed to: within the plan's per-rank bound.
       StepRouting none = d.steps[0].routing, every = d.steps[0].routing;
       for (auto& unit : none)
         for (auto& micro : unit) std::fill(micro.begin(), micro.end(), uint8_t{0});
@@ -289,7 +290,6 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) 
       }
       EXPECT_LE(most.read, plan.traffic_per_step.nvme_read) << label;
       EXPECT_LE(most.written, plan.traffic_per_step.nvme_written) << label;
-      EXPECT_GT(most.read, plan.traffic_per_step.nvme_read * 9 / 10) << label;
     }
   }
 }
@@ -403,6 +403,78 @@ TEST_F(EngineExpertUpdate, Int8ExpertsWaitInWholeBlocks) {
         }
       }
       EXPECT_EQ(routed, 2) << at;
+    }
+  }
+}
+
+// The plan's traffic bounds every step's at every rank: after a step that
+// reached no expert, every expert replayed at once, or split over the
+// micro-batches (expert e at micro-batch e % G: neighbours sharing a block
+// replayed apart, the block moved twice, more than at once), moves at most
+// the plan's worst step, and not far below it.
+TEST_F(EngineExpertUpdate, NoStepMovesMoreThanThePlansWorstCase) {
+  for (const int world : {1, 2, 3}) {
+    for (const int G : {1, 2, 3}) {
+      for (const int64_t intermediate : {64, 38}) {
+        for (const char* gradients : {"host", "nvme"}) {
+          EngineRun run = deferred_run("micro_batch", "bf16");
+          run.gradient_home = gradients;
+          run.intermediate = intermediate;
+          run.grad_accum = G;
+          run.state_dtype = intermediate == 38 ? "int8" : "fp32";
+          Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
+          ASSERT_TRUE(config.is_ok()) << config.status().message();
+          ModelConfig model = testing::small_moe_model();
+          model.num_experts = run.experts;
+          model.num_experts_per_tok = run.experts_per_token;
+          model.intermediate_size = model.moe_intermediate_size = intermediate;
+          PlanInput in = plan_input_from_config(*config, model);
+          in.model.layer_pieces = 2;
+          in.layer_pieces_auto = false;
+          in.world_size = world;
+          Result<TrainingPlan> plan = build_training_plan(in);
+          ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+          ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
+          const size_t E = size_t(model.num_experts);
+          StepRouting none(plan->units.size()), every(plan->units.size()),
+              split(plan->units.size());
+          for (int u = 0; u < int(plan->units.size()); ++u) {
+            if (!routes_expert_reads(*plan, u)) continue;
+            none[size_t(u)].assign(size_t(G), std::vector<uint8_t>(E, 0));
+            every[size_t(u)].assign(size_t(G), std::vector<uint8_t>(E, 1));
+            split[size_t(u)] = none[size_t(u)];
+            for (size_t e = 0; e < E; ++e) split[size_t(u)][e % size_t(G)][e] = 1;
+          }
+          const StepTraffic& worst = plan->traffic_per_step;
+          WindowBytes most, at_once, apart;
+          for (int r = 0; r < world; ++r) {
+            for (const StepRouting* routing : {&every, &split}) {
+              ExpertUpdateLedger ledger(*plan);
+              (void)deferred_step_nvme_bytes(*plan, none, ledger, r);
+              const WindowBytes step = deferred_step_nvme_bytes(*plan, *routing, ledger, r);
+              const std::string at = fmt::format(
+                  "{} ranks, {} micro-batches, intermediate {}, gradients {}, rank {}, "
+                  "{}: {} / {} bytes, the plan {} / {}",
+                  world, G, intermediate, gradients, r,
+                  routing == &every ? "every expert at once" : "split", step.read, step.written,
+                  worst.nvme_read, worst.nvme_written);
+              EXPECT_LE(step.read, worst.nvme_read) << at;
+              EXPECT_LE(step.written, worst.nvme_written) << at;
+              most.read = std::max(most.read, step.read);
+              most.written = std::max(most.written, step.written);
+              WindowBytes& of = routing == &every ? at_once : apart;
+              of.written = std::max(of.written, step.written);
+            }
+          }
+          const std::string at =
+              fmt::format("{} ranks, {} micro-batches, intermediate {}", world, G, intermediate);
+          EXPECT_GT(most.read, worst.nvme_read * 8 / 10) << at;
+          EXPECT_GT(most.written, worst.nvme_written * 8 / 10) << at;
+          if (G > 1) {
+            EXPECT_GT(apart.written, at_once.written) << at << ": the split shows nothing";
+          }
+        }
+      }
     }
   }
 }

@@ -104,8 +104,10 @@ ElementRange waiting_range(const TrainingPlan& plan, int unit, int64_t expert, i
   const int64_t begin = std::clamp(in_unit - shard, int64_t{0}, numel);
   const int64_t end = std::clamp(in_unit + experts.numel - shard, int64_t{0}, numel);
   if (begin == end || plan.input.optimizer_state != OptimizerStateDtype::int8) return {begin, end};
-  // An expert's tensors all decay (2-D), so no parameter group ends inside
-  // it and its int8 blocks are the 256-element windows of the shard's range.
+  // The shard's int8 blocks are its 256-element windows, cut where a
+  // segment (a tensor) ends: every block between the expert's part's first
+  // and last multiples of 256 lies wholly inside it, its scale the largest
+  // of the expert's own elements.
   const int64_t block = kernels::cpu::kAdamWInt8Block;
   const int64_t first = round_up(begin, block), last = end / block * block;
   return first < last ? ElementRange{first, last} : ElementRange{first, first};
@@ -255,18 +257,40 @@ bool replays_expert_updates(const TrainingPlan& plan, const PlanOp& op) {
   return op.kind == (shares_routing(plan, op.unit) ? OpKind::share : OpKind::forward);
 }
 
+namespace {
+
+// The most one step's replays of unit u move at `rank`: every expert
+// replayed (each at most once a step). With one micro-batch a step they are
+// one operation's, their windows joined. With several, experts replayed at
+// different micro-batches are widened to whole blocks apart (two neighbours
+// that share a block, replayed at two micro-batches, move it twice): the
+// bound is each expert's own windows, summed.
+WindowBytes worst_replay_bytes(const TrainingPlan& plan, int u, int rank) {
+  const ExpertBlocks experts = expert_blocks(plan.layout, u);
+  if (plan.input.grad_accum == 1) {
+    const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
+    return window_bytes(
+        plan, update_windows(plan, u, expert_update_ranges(plan, u, every, false, rank)), false);
+  }
+  std::vector<ElementRange> apart;
+  for (int64_t e = 0; e < experts.count; ++e) {
+    const ElementRange waits = waiting_range(plan, u, experts.first + e, rank);
+    if (waits.begin == waits.end) continue;
+    for (const ElementRange& w : update_windows(plan, u, {waits})) apart.push_back(w);
+  }
+  return window_bytes(plan, apart, false);
+}
+
+}  // namespace
+
 std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan, int rank) {
   std::vector<WindowBytes> bytes(plan.ops.size());
   if (!plan.deferred_expert_updates) return bytes;
   const std::vector<uint8_t> first = first_replays(plan);
-  const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     if (!first[i]) continue;
     const int u = plan.ops[i].unit;
-    bytes[i] = most_bytes(plan, rank, [&](int r) {
-      return window_bytes(
-          plan, update_windows(plan, u, expert_update_ranges(plan, u, every, false, r)), false);
-    });
+    bytes[i] = most_bytes(plan, rank, [&](int r) { return worst_replay_bytes(plan, u, r); });
   }
   return bytes;
 }

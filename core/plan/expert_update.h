@@ -33,11 +33,12 @@
 //    the compute precision. That is the copy's every element as stored:
 //    every parameter strata writes is its master rounded, at
 //    initialisation, by the kernel's copy and on resume. Nothing is read.
-// The plan's traffic counts the worst step: every expert replayed at its
-// unit's first forward and every element updated by its optimizer
-// operation. ExpertUpdateLedger keeps which steps each expert waits on;
-// deferred_step_nvme_bytes counts a step's bytes for its routing with the
-// same ledger the engine keeps.
+// The plan's traffic counts a bound on any step: every expert replayed
+// (each in its own windows where a step has several micro-batches:
+// deferred_replay_bytes_per_op) at its unit's first forward and every
+// element updated by its optimizer operation. ExpertUpdateLedger keeps which steps each expert
+// waits on; deferred_step_nvme_bytes counts a step's bytes for its routing with the same ledger the
+// engine keeps.
 //
 // Pure functions; the ledger is a value (not thread-safe: the engine guards it).
 #pragma once
@@ -203,7 +204,10 @@ RecordedStepBytes recorded_step_bytes(const TrainingPlan& plan,
 
 // Per operation of plan.ops, the worst case of the replays: on the first
 // operation that reads each deferring unit's experts in the step (its
-// first forward; at several ranks, its first share), every expert. (A
+// first forward; at several ranks, its first share), every expert, each
+// in its own windows where a step has several micro-batches (experts
+// replayed at two micro-batches move a block they share twice): a bound
+// on a step's replays, all counted on that one operation. (A
 // deferring unit's optimizer operation counts its worst case, every
 // element, in its own bytes.)
 std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan, int rank = -1);
