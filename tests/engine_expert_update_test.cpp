@@ -202,7 +202,7 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
     int64_t intermediate;
     int64_t groups;
     bool gpu = false;
-    double clipping = 1.0;  // 0: no global norm to wait for, the optimizer runs during backward
+    double clipping = 1.0;  // 0 (and fp32): the optimizer runs during backward
   };
   for (const Variant& v :
        {Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1},
@@ -212,7 +212,7 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
         Variant{2, "layer", "fp32", "int8", "auto", "cpu", 38, 1},
         Variant{2, "micro_batch", "bf16", "bf16", "nvme", "nvme", 64, 4},
         Variant{2, "micro_batch", "bf16", "fp32", "auto", "nvme", 64, 1, true},
-        Variant{3, "layer", "bf16", "bf16", "nvme", "nvme", 64, 1, false, 0.0},
+        Variant{3, "layer", "fp32", "bf16", "nvme", "nvme", 64, 1, false, 0.0},
         Variant{2, "micro_batch", "fp32", "int8", "host", "cpu", 38, 4, false, 0.0}}) {
     EngineRun deferred = deferred_run(v.schedule, v.precision);
     deferred.world = v.world;
@@ -231,6 +231,9 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksDeferredUpdatesGiveTheEagerBits) {
     ASSERT_TRUE(d.plan.deferred_expert_updates)
         << deferred.label() << ": " << d.plan.expert_update_reason;
     EXPECT_FALSE(e.plan.deferred_expert_updates) << eager.label();
+    EXPECT_EQ(d.plan.input.optimizer_during_backward,
+              v.clipping == 0.0 && v.precision == std::string("fp32"))
+        << deferred.label();
     EXPECT_GT(idle_twice(d), 0) << "no expert waited two steps: the test shows little";
     testing::expect_identical(d, e, deferred.label() + " vs eager");
   }
