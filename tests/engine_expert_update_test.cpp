@@ -39,6 +39,22 @@ EngineRun deferred_run(const std::string& schedule, const std::string& precision
   return run;
 }
 
+// The plan of `run`'s small mixture (its experts, top k and intermediate
+// size) at `world` ranks, its MLP in pieces, without training it.
+Result<TrainingPlan> plan_of(const EngineRun& run, int world) {
+  Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
+  if (!config) return config.status();
+  ModelConfig model = testing::small_moe_model();
+  model.num_experts = run.experts;
+  model.num_experts_per_tok = run.experts_per_token;
+  model.intermediate_size = model.moe_intermediate_size = run.intermediate;
+  PlanInput in = plan_input_from_config(*config, model);
+  in.model.layer_pieces = 2;
+  in.layer_pieces_auto = false;
+  in.world_size = world;
+  return build_training_plan(in);
+}
+
 // The experts of some routed unit that no micro-batch of two steps in a row reached.
 int64_t idle_twice(const EngineOutcome& outcome) {
   int64_t idle = 0;
@@ -340,20 +356,10 @@ TEST_F(EngineExpertUpdate, Int8ExpertsWaitInWholeBlocks) {
       EngineRun run = deferred_run("layer", "bf16");
       run.state_dtype = "int8";
       run.intermediate = intermediate;
-      Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
-      ASSERT_TRUE(config.is_ok()) << config.status().message();
-      ModelConfig model = testing::small_moe_model();
-      model.num_experts = run.experts;
-      model.num_experts_per_tok = run.experts_per_token;
-      model.intermediate_size = model.moe_intermediate_size = intermediate;
-      PlanInput in = plan_input_from_config(*config, model);
-      in.model.layer_pieces = 2;
-      in.layer_pieces_auto = false;
-      in.world_size = world;
-      Result<TrainingPlan> plan = build_training_plan(in);
+      Result<TrainingPlan> plan = plan_of(run, world);
       ASSERT_TRUE(plan.is_ok()) << plan.status().message();
       ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
-      const size_t E = size_t(model.num_experts);
+      const size_t E = size_t(run.experts);
       const std::string at = fmt::format("{} ranks, intermediate {}", world, intermediate);
       int routed = 0;
       for (int u = 0; u < int(plan->units.size()); ++u) {
@@ -425,20 +431,10 @@ TEST_F(EngineExpertUpdate, NoStepMovesMoreThanThePlansWorstCase) {
           run.intermediate = intermediate;
           run.grad_accum = G;
           run.state_dtype = intermediate == 38 ? "int8" : "fp32";
-          Result<TrainConfig> config = testing::engine_config(run, "nvme-dir");
-          ASSERT_TRUE(config.is_ok()) << config.status().message();
-          ModelConfig model = testing::small_moe_model();
-          model.num_experts = run.experts;
-          model.num_experts_per_tok = run.experts_per_token;
-          model.intermediate_size = model.moe_intermediate_size = intermediate;
-          PlanInput in = plan_input_from_config(*config, model);
-          in.model.layer_pieces = 2;
-          in.layer_pieces_auto = false;
-          in.world_size = world;
-          Result<TrainingPlan> plan = build_training_plan(in);
+          Result<TrainingPlan> plan = plan_of(run, world);
           ASSERT_TRUE(plan.is_ok()) << plan.status().message();
           ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
-          const size_t E = size_t(model.num_experts);
+          const size_t E = size_t(run.experts);
           StepRouting none(plan->units.size()), every(plan->units.size()),
               split(plan->units.size());
           for (int u = 0; u < int(plan->units.size()); ++u) {
