@@ -280,6 +280,14 @@ TEST_F(EngineExpertFetch, AtSeveralRanksTheRanksShareTheirRoutings) {
           EXPECT_EQ(g.steps[s].nvme_read_bytes, r.steps[s].nvme_read_bytes) << gpu.label();
         }
       }
+      // Each rank reads its shard's part of what the joined routing reaches.
+      ASSERT_EQ(r.rank_nvme_read.size(), size_t(world)) << label;
+      for (int rank = 0; rank < world; ++rank) {
+        int64_t of_rank = 0;
+        for (const StepResult& step : r.steps)
+          of_rank += routed_parameter_reads(r.plan, step.routing, rank);
+        EXPECT_EQ(int64_t(r.rank_nvme_read[size_t(rank)]), of_rank) << label << " rank " << rank;
+      }
       for (size_t s = 0; s < r.steps.size(); ++s) {
         const StepResult& step = r.steps[s];
         // Every rank reads its shard's part of what the joined routing reaches.

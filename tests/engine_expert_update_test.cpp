@@ -278,9 +278,10 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) 
       ASSERT_EQ(d.steps.size(), 4u) << label;
       EXPECT_GT(idle_twice(d), 0) << "no expert waited two steps: the test shows little";
       const TrainingPlan& plan = d.plan;
-      int64_t read = 0, written = 0;
+      ASSERT_EQ(d.rank_nvme_read.size(), size_t(world)) << label;
       for (int r = 0; r < world; ++r) {
         ExpertUpdateLedger ledger(plan);
+        int64_t read = 0, written = 0;
         for (size_t s = 0; s < d.steps.size(); ++s) {
           const WindowBytes counted = deferred_step_nvme_bytes(plan, d.steps[s].routing, ledger, r);
           const std::string at = fmt::format("{} rank {} step {}", label, r, s + 1);
@@ -289,9 +290,10 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) 
           read += counted.read;
           written += counted.written;
         }
+        // Each rank moves what its ledger counts in its shard.
+        EXPECT_EQ(int64_t(d.rank_nvme_read[size_t(r)]), read) << label << " rank " << r;
+        EXPECT_EQ(int64_t(d.rank_nvme_written[size_t(r)]), written) << label << " rank " << r;
       }
-      EXPECT_EQ(int64_t(d.nvme_read), read) << label;
-      EXPECT_EQ(int64_t(d.nvme_written), written) << label;
       EXPECT_LT(d.nvme_read + d.nvme_written, e.nvme_read + e.nvme_written) << label;
       // Every expert waiting, then routed to: within the plan's per-rank bound.
       StepRouting none = d.steps[0].routing, every = d.steps[0].routing;

@@ -150,6 +150,7 @@ struct EngineOutcome {
   HostModel weights;
   TrainingPlan plan;
   uint64_t nvme_read = 0, nvme_written = 0;        // during the steps, after initialisation
+  std::vector<uint64_t> rank_nvme_read, rank_nvme_written;  // the same, per rank
   tiers::TierUsage rank_usage[tiers::kTierCount];  // the largest peak over the ranks
 };
 
@@ -248,6 +249,11 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   EngineOutcome outcome;
   outcome.plan = (*engine)->plan();
   const uint64_t read0 = (*engine)->nvme_bytes_read(), written0 = (*engine)->nvme_bytes_written();
+  const int ranks = (*engine)->local_rank_count();
+  for (int r = 0; r < ranks; ++r) {
+    outcome.rank_nvme_read.push_back((*engine)->nvme_bytes_read(r));
+    outcome.rank_nvme_written.push_back((*engine)->nvme_bytes_written(r));
+  }
   for (int s = 0; s < run.steps; ++s) {
     Result<StepResult> step = (*engine)->step();
     if (!step) return step.status();
@@ -256,6 +262,12 @@ inline Result<EngineOutcome> train_engine(const EngineRun& run, const std::strin
   if (Status s = (*engine)->finish(); !s) return s;
   outcome.nvme_read = (*engine)->nvme_bytes_read() - read0;
   outcome.nvme_written = (*engine)->nvme_bytes_written() - written0;
+  for (int r = 0; r < ranks; ++r) {
+    outcome.rank_nvme_read[size_t(r)] =
+        (*engine)->nvme_bytes_read(r) - outcome.rank_nvme_read[size_t(r)];
+    outcome.rank_nvme_written[size_t(r)] =
+        (*engine)->nvme_bytes_written(r) - outcome.rank_nvme_written[size_t(r)];
+  }
   for (int t = 0; t < tiers::kTierCount; ++t) {
     for (int r = 0; r < run.world; ++r) {
       tiers::TierUsage u = (*engine)->rank_usage(r, static_cast<tiers::Tier>(t));

@@ -271,9 +271,11 @@ tiers::TierUsage Engine::usage(tiers::Tier tier) const {
   return total;
 }
 
-io::IoCounters Engine::Impl::nvme_counters() const {
+io::IoCounters Engine::Impl::nvme_counters(int only) const {
   io::IoCounters total;
-  for (const auto& rank : ranks) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const auto& rank = ranks[r];
+    if (only >= 0 && size_t(only) != r) continue;
     if (!rank->store || !rank->store->nvme_tier()) continue;
     const io::IoCounters c = rank->store->nvme_tier()->engine().counters();
     total.bytes_read += c.bytes_read;
@@ -282,12 +284,12 @@ io::IoCounters Engine::Impl::nvme_counters() const {
   return total;
 }
 
-uint64_t Engine::nvme_bytes_read() const {
-  return impl_->nvme_counters().bytes_read;
+uint64_t Engine::nvme_bytes_read(int rank) const {
+  return impl_->nvme_counters(rank).bytes_read;
 }
 
-uint64_t Engine::nvme_bytes_written() const {
-  return impl_->nvme_counters().bytes_written;
+uint64_t Engine::nvme_bytes_written(int rank) const {
+  return impl_->nvme_counters(rank).bytes_written;
 }
 
 std::vector<OpTiming> Engine::take_timings() {

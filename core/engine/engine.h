@@ -208,9 +208,9 @@ class Engine {
   // True on every process when `flag` is true on any (with process_comm; else `flag`).
   Result<bool> any_rank(bool flag);
   // NVMe bytes read and written by every rank's I/O engine since create() (initialisation
-  // included).
-  uint64_t nvme_bytes_read() const;
-  uint64_t nvme_bytes_written() const;
+  // included); with `rank` (counting the ranks this process holds), that rank's alone.
+  uint64_t nvme_bytes_read(int rank = -1) const;
+  uint64_t nvme_bytes_written(int rank = -1) const;
   // Timings of every operation since the last call (needs finish() for the last step's optimizer).
   std::vector<OpTiming> take_timings();
   const OptimizerState& optimizer_state() const;

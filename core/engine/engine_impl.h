@@ -184,8 +184,8 @@ struct Engine::Impl {
   Status init_unit(Rank& rank, int u, const float* full);
   // Compact m and v: the kernel's zero state, and the rank's int8 scale pointers.
   Status zero_moments(Rank& rank);
-  // The NVMe I/O engines' counters, summed over the ranks.
-  io::IoCounters nvme_counters() const;
+  // The NVMe I/O engines' counters, summed over the ranks (-1), or one rank's.
+  io::IoCounters nvme_counters(int rank = -1) const;
   // m and v of unit u (padded, fp32 or bf16 as stored) into the rank's range.
   Status load_moments(Rank& rank, int u, const std::byte* m, const std::byte* v);
   // m.bin and v.bin: their size, and for int8 where each rank range's codes
