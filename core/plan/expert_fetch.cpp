@@ -20,10 +20,6 @@ int gather_of(const TrainingPlan& plan, const PlanOp& op) {
   return -1;
 }
 
-// The fetches' bytes and the routed experts' for `routing` (null: every
-// expert) at `rank` (-1: the most any one rank reads).
-int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank);
-
 }  // namespace
 
 bool plan_routes_expert_reads(const PlanInput& in, const StateHomes& homes, std::string& why) {
@@ -192,70 +188,91 @@ std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
   return ranges;
 }
 
-std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
-                                                const StepRouting* routing, int rank) {
-  std::vector<int64_t> bytes(plan.ops.size(), 0);
-  if (!plan.routed_expert_fetch) return bytes;
-  if (rank < 0) {  // at each operation the rank that reads the most
-    bytes = routed_expert_reads_per_op(plan, routing, 0);
-    for (int r = 1; r < plan.input.world_size; ++r) {
-      const std::vector<int64_t> of_rank = routed_expert_reads_per_op(plan, routing, r);
-      for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::max(bytes[i], of_rank[i]);
-    }
-    return bytes;
-  }
+namespace {
+
+// Per operation, the byte ranges of its unit that a routed read moves (the
+// same at every rank: each rank reads its shard's part, rank_bytes), and
+// what the operation counts already (a fetch's fewest bytes of fetched_ahead).
+struct OpReads {
+  std::vector<std::vector<ByteRange>> ranges;
+  std::vector<uint8_t> reads;
+};
+
+OpReads routed_reads(const TrainingPlan& plan, const StepRouting* routing) {
+  OpReads out;
+  out.ranges.resize(plan.ops.size());
+  out.reads.assign(plan.ops.size(), 0);
   const uint64_t alignment = plan.input.nvme_alignment;
   const bool one_rank = plan.input.world_size == 1;
+  const size_t E = size_t(plan.layout.config.num_experts);
+  const std::vector<uint8_t> every(E, 1);
   std::vector<std::vector<uint8_t>> loaded(plan.ops.size());  // by gather op
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
-    if (op.kind == OpKind::gather && routes_expert_reads(plan, op.unit)) {
+    if (op.unit < 0 || !routes_expert_reads(plan, op.unit)) continue;
+    if (op.kind == OpKind::gather) {
       // What its fetch read ahead is loaded (gather marks it; Engine::gather).
       for (int d : op.deps)
         if (plan.ops[size_t(d)].kind == OpKind::fetch && plan.ops[size_t(d)].unit == op.unit)
           loaded[i] = experts_read_ahead(plan, d, routing);
     }
-    if (op.kind == OpKind::fetch && routes_expert_reads(plan, op.unit)) {
-      const std::vector<uint8_t> ahead = experts_read_ahead(plan, int(i), routing);
-      // fetched_ahead's fewest bytes are counted by the fetch itself
-      bytes[i] =
-          rank_bytes(plan, op.unit, fetch_ranges(plan, op.unit, ahead, alignment), rank) - op.bytes;
+    if (op.kind == OpKind::fetch) {
+      out.ranges[i] =
+          fetch_ranges(plan, op.unit, experts_read_ahead(plan, int(i), routing), alignment);
+      out.reads[i] = 1;
     }
     // One rank's computations read their experts; several ranks' shares do.
     const bool reads = one_rank ? op.kind == OpKind::forward || op.kind == OpKind::backward
                                 : op.kind == OpKind::share;
-    if (!reads || !routes_expert_reads(plan, op.unit)) continue;
+    if (!reads) continue;
     const int gather = gather_of(plan, op);
     if (gather < 0) continue;
-    const size_t E = size_t(plan.layout.config.num_experts);
     std::vector<uint8_t>& have = loaded[size_t(gather)];
     if (have.empty()) have.assign(E, 0);
-    const std::vector<uint8_t> every(E, 1);
     const std::vector<uint8_t>& needed =
         routing != nullptr ? (*routing)[size_t(op.unit)][size_t(op.micro)] : every;
-    bytes[i] =
-        rank_bytes(plan, op.unit, expert_reads(plan, op.unit, needed, have, alignment), rank);
+    out.ranges[i] = expert_reads(plan, op.unit, needed, have, alignment);
+    out.reads[i] = 1;
+  }
+  return out;
+}
+
+// `reads`' bytes per operation at `rank` (-1: at each operation the most of any rank's).
+std::vector<int64_t> reads_per_op(const TrainingPlan& plan, const OpReads& reads, int rank) {
+  std::vector<int64_t> bytes(plan.ops.size(), 0);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    if (!reads.reads[i]) continue;
+    const PlanOp& op = plan.ops[i];
+    // fetched_ahead's fewest bytes are counted by the fetch itself
+    const int64_t counted = op.kind == OpKind::fetch ? op.bytes : 0;
+    for (int r = rank < 0 ? 0 : rank; r < (rank < 0 ? plan.input.world_size : rank + 1); ++r)
+      bytes[i] = std::max(bytes[i], rank_bytes(plan, op.unit, reads.ranges[i], r) - counted);
   }
   return bytes;
 }
 
-namespace {
-
 int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, int rank) {
-  if (rank < 0) {
-    int64_t most = 0;
-    for (int r = 0; r < plan.input.world_size; ++r)
-      most = std::max(most, parameter_reads(plan, routing, r));
-    return most;
-  }
-  int64_t total = 0;
+  int64_t fetched = 0;
   for (const PlanOp& op : plan.ops)
-    if (op.kind == OpKind::fetch) total += op.bytes;
-  for (int64_t b : routed_expert_reads_per_op(plan, routing, rank)) total += b;
-  return total;
+    if (op.kind == OpKind::fetch) fetched += op.bytes;
+  if (!plan.routed_expert_fetch) return fetched;
+  const OpReads reads = routed_reads(plan, routing);
+  int64_t most = 0;
+  for (int r = rank < 0 ? 0 : rank; r < (rank < 0 ? plan.input.world_size : rank + 1); ++r) {
+    int64_t total = fetched;
+    for (int64_t b : reads_per_op(plan, reads, r)) total += b;
+    most = std::max(most, total);
+  }
+  return most;
 }
 
 }  // namespace
+
+std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
+                                                const StepRouting* routing, int rank) {
+  if (!plan.routed_expert_fetch) return std::vector<int64_t>(plan.ops.size(), 0);
+  return reads_per_op(plan, routed_reads(plan, routing), rank);
+}
 
 int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& routing, int rank) {
   return parameter_reads(plan, &routing, rank);
