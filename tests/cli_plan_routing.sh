@@ -89,6 +89,28 @@ check "deferred updates move fewer bytes for the recorded routing" $?
   grep -q "with --expert-update deferred instead: NVMe per step read mean .*% of this plan's" \
     "$dir/etable"
 check "the eager plan's table prints what deferred updates would move" $?
+# At two ranks (threads) each rank moves its shard's part: the plan's
+# recorded steps, the most any one rank moves, lie between the run's mean
+# per rank and its mean for both ranks, and within the worst step.
+"$strata" train "${deferred[@]}" --expert-update deferred --data "$dir/data/train.bin" --steps 4 \
+  --hardware none --world-size 2 --metrics "$dir/d2.jsonl" >"$dir/d2out" 2>"$dir/err" &&
+  "$strata" plan "${deferred[@]}" --expert-update deferred --world-size 2 \
+    --routing "$dir/d2.jsonl" --json >"$dir/d2plan.json" 2>"$dir/err"
+check "deferred updates at 2 ranks train, and strata plan --routing replays them" $?
+python3 - "$dir/d2out" "$dir/d2plan.json" <<'PY'
+import json, re, sys
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+m = re.search(r"^nvme: read ([0-9.]+) (\w+), written ([0-9.]+) (\w+)", open(sys.argv[1]).read(), re.M)
+read, written = float(m[1]) * units[m[2]] / 4, float(m[3]) * units[m[4]] / 4  # a step, both ranks
+r = json.load(open(sys.argv[2]))["recorded_routing"]
+assert r["steps"] == 4, r
+for mean, worst, run in (("mean_nvme_read_bytes", "worst_nvme_read_bytes", read),
+                         ("mean_nvme_written_bytes", "worst_nvme_written_bytes", written)):
+    # one rank's: about half the two ranks' bytes, not their sum
+    assert run / 2 * 0.99 <= r[mean] <= run * 0.75, (mean, r[mean], run)
+    assert r[mean] <= r[worst], (mean, r)
+PY
+check "at 2 ranks the recorded steps' bytes are one rank's part of the run's" $?
 # Where the flag would change nothing the plan says so, with the reason.
 if ! "$strata" --version | grep -q "CUDA backend: not built"; then
   "$strata" plan --model "$dir/moe.json" --backend cuda --seq-len 8 --micro-batch 1 \
