@@ -78,6 +78,10 @@ int64_t rank_bytes(const TrainingPlan& plan, int unit, const std::vector<ByteRan
   return sum;
 }
 
+RankSpan counted_ranks(const TrainingPlan& plan, int rank) {
+  return rank < 0 ? RankSpan{0, plan.input.world_size} : RankSpan{rank, rank + 1};
+}
+
 std::vector<ElementRange> fetched_elements(const TrainingPlan& plan, int unit) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   const int64_t end = experts.offset + experts.count * experts.numel;
@@ -240,12 +244,13 @@ OpReads routed_reads(const TrainingPlan& plan, const StepRouting* routing) {
 // `reads`' bytes per operation at `rank` (-1: at each operation the most of any rank's).
 std::vector<int64_t> reads_per_op(const TrainingPlan& plan, const OpReads& reads, int rank) {
   std::vector<int64_t> bytes(plan.ops.size(), 0);
+  const RankSpan ranks = counted_ranks(plan, rank);
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     if (!reads.reads[i]) continue;
     const PlanOp& op = plan.ops[i];
     // fetched_ahead's fewest bytes are counted by the fetch itself
     const int64_t counted = op.kind == OpKind::fetch ? op.bytes : 0;
-    for (int r = rank < 0 ? 0 : rank; r < (rank < 0 ? plan.input.world_size : rank + 1); ++r)
+    for (int r = ranks.first; r < ranks.end; ++r)
       bytes[i] = std::max(bytes[i], rank_bytes(plan, op.unit, reads.ranges[i], r) - counted);
   }
   return bytes;
@@ -258,7 +263,8 @@ int64_t parameter_reads(const TrainingPlan& plan, const StepRouting* routing, in
   if (!plan.routed_expert_fetch) return fetched;
   const OpReads reads = routed_reads(plan, routing);
   int64_t most = 0;
-  for (int r = rank < 0 ? 0 : rank; r < (rank < 0 ? plan.input.world_size : rank + 1); ++r) {
+  const RankSpan ranks = counted_ranks(plan, rank);
+  for (int r = ranks.first; r < ranks.end; ++r) {
     int64_t total = fetched;
     for (int64_t b : reads_per_op(plan, reads, r)) total += b;
     most = std::max(most, total);

@@ -75,6 +75,14 @@ std::vector<tiers::ByteRange> rank_ranges(const TrainingPlan& plan, int unit,
 int64_t rank_bytes(const TrainingPlan& plan, int unit, const std::vector<tiers::ByteRange>& ranges,
                    int rank);
 
+// The ranks [first, end) a count that takes a `rank` covers: that rank, or
+// for -1 every rank (of which it keeps the most).
+struct RankSpan {
+  int first = 0;
+  int end = 1;
+};
+RankSpan counted_ranks(const TrainingPlan& plan, int rank);
+
 // The elements of unit u that are not its experts (what its fetch reads
 // ahead, exactly), within the padded unit.
 std::vector<ElementRange> fetched_elements(const TrainingPlan& plan, int unit);

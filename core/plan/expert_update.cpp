@@ -47,26 +47,22 @@ std::vector<uint8_t> chosen_of(const std::vector<DeferredSteps>& due, size_t exp
   return chosen;
 }
 
-// count(r) for `rank`; for -1 the most of any rank's.
-template <typename Count>
-auto most_of_ranks(const TrainingPlan& plan, int rank, Count count) {
-  if (rank >= 0) return count(rank);
-  auto most = count(0);
-  for (int r = 1; r < plan.input.world_size; ++r) most = std::max(most, count(r));
-  return most;
+int64_t most(int64_t a, int64_t b) {
+  return std::max(a, b);
 }
 
+// Window bytes: read and written each the most of either.
 WindowBytes most(WindowBytes a, WindowBytes b) {
   return {std::max(a.read, b.read), std::max(a.written, b.written)};
 }
 
-// The same for window bytes, read and written each the most of any rank's.
+// count(r) for `rank`; for -1 the most of any rank's (counted_ranks).
 template <typename Count>
-WindowBytes most_bytes(const TrainingPlan& plan, int rank, Count count) {
-  if (rank >= 0) return count(rank);
-  WindowBytes bytes = count(0);
-  for (int r = 1; r < plan.input.world_size; ++r) bytes = most(bytes, count(r));
-  return bytes;
+auto most_of_ranks(const TrainingPlan& plan, int rank, Count count) {
+  const RankSpan ranks = counted_ranks(plan, rank);
+  auto result = count(ranks.first);
+  for (int r = ranks.first + 1; r < ranks.end; ++r) result = most(result, count(r));
+  return result;
 }
 
 }  // namespace
@@ -174,7 +170,7 @@ WindowBytes window_bytes(const TrainingPlan& plan, const std::vector<ElementRang
 
 WindowBytes worst_update_bytes(const TrainingPlan& plan, int unit, int rank) {
   const std::vector<uint8_t> every(size_t(plan.layout.config.num_experts), 1);
-  return most_bytes(plan, rank, [&](int r) {
+  return most_of_ranks(plan, rank, [&](int r) {
     return window_bytes(
         plan, update_windows(plan, unit, expert_update_ranges(plan, unit, every, true, r)), false);
   });
@@ -290,7 +286,7 @@ std::vector<WindowBytes> deferred_replay_bytes_per_op(const TrainingPlan& plan, 
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     if (!first[i]) continue;
     const int u = plan.ops[i].unit;
-    bytes[i] = most_bytes(plan, rank, [&](int r) { return worst_replay_bytes(plan, u, r); });
+    bytes[i] = most_of_ranks(plan, rank, [&](int r) { return worst_replay_bytes(plan, u, r); });
   }
   return bytes;
 }
@@ -325,7 +321,7 @@ RoutedStep routed_step(const TrainingPlan& plan, const StepRouting& routing,
   const std::vector<uint8_t> every(E, 1);
   auto windows_of = [&](int u, const std::vector<uint8_t>& chosen, bool with_rest,
                         bool with_gradient) {
-    return most_bytes(plan, rank, [&](int r) {
+    return most_of_ranks(plan, rank, [&](int r) {
       return window_bytes(
           plan, update_windows(plan, u, expert_update_ranges(plan, u, chosen, with_rest, r)),
           with_gradient);
