@@ -942,6 +942,118 @@ TEST_F(CudaKernels, MoeBackwardMatchesCpu) {
   }
 }
 
+// A sparse layer cut into groups of experts (strata.expert_groups): the
+// groups' kernels over their slots add up to the whole layer's. The combine,
+// group after group into an fp32 sum, gives moe_combine's bits; each group's
+// weights' backward writes its slots as moe_weight_backward does, and leaves
+// the others; the rows' sums, the last group first, round to moe_sum_rows's
+// bits at top 2 (one addition commutes) and within fp32 rounding of float64
+// at top 3.
+TEST_F(CudaKernels, MoeGroupsOfExpertsAddUpToTheWholeLayer) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t N = 37, C = 45;
+  for (const auto& [E, K] : {std::pair<int64_t, int64_t>{12, 3}, {7, 2}}) {
+    SCOPED_TRACE(moe_case(E, K, true));
+    const int64_t R = N * K, G = 3;
+    auto first = [&](int64_t g) { return g * E / G; };
+    const MoeRouting routing = moe_routing(N, E, K, true, rng_);
+    const auto x2 = random_floats(N * C, rng_), y = random_floats(R * C, rng_);
+    const auto dout = random_floats(N * C, rng_), d_rows = random_floats(R * C, rng_);
+    auto d_expert = upload_raw(routing.top_expert), d_row_of = upload_raw(routing.row_of);
+    auto d_weight = upload(routing.top_weight, DType::f32);
+    auto d_x2 = upload(x2, DType::f32), d_y = upload(y, DType::f32);
+    auto d_dout = upload(dout, DType::f32), d_d_rows = upload(d_rows, DType::f32);
+    const auto* expert = static_cast<const int32_t*>(d_expert->get());
+    const auto* row_of = static_cast<const int32_t*>(d_row_of->get());
+    DeviceBuffer d_sum(N * C * 4), d_out(N * C * 4), d_dx(N * C * 4);
+    expect_ok(cuda::check_cuda(cudaMemset(d_sum.get(), 0, size_t(N * C) * 4), "zeroing"));
+    for (int64_t g = 0; g < G; ++g)
+      expect_ok(cuda::moe_combine_experts(d_sum.f32(), g == G - 1 ? d_out.get() : nullptr,
+                                          d_x2->get(), d_y->get(), expert, row_of, d_weight->f32(),
+                                          first(g), first(g + 1), N, C, K, DType::f32, nullptr));
+    EXPECT_EQ(download(d_out, N * C, DType::f32), moe_combine_cpu(x2, y, routing, N, C, K));
+
+    // The weights' backward, group by group, against the whole kernel's.
+    auto d_y_whole = upload(y, DType::f32);
+    DeviceBuffer d_dw_whole(N * K * 4), d_dw(N * K * 4);
+    expect_ok(cuda::moe_weight_backward(d_dw_whole.f32(), d_y_whole->get(), d_dout->get(), row_of,
+                                        d_weight->f32(), N, C, K, DType::f32, nullptr));
+    const std::vector<float> unset(size_t(N * K), -7.0f);
+    auto d_dw_groups = upload(unset, DType::f32);
+    for (int64_t g = 0; g < G; ++g) {
+      expect_ok(cuda::moe_weight_backward_experts(d_dw_groups->f32(), d_y->get(), d_dout->get(),
+                                                  expert, row_of, d_weight->f32(), first(g),
+                                                  first(g + 1), N, C, K, DType::f32, nullptr));
+      // After group g, exactly the slots of experts below its end are written.
+      const std::vector<float> dw = download(*d_dw_groups, N * K, DType::f32);
+      for (int64_t slot = 0; slot < N * K; ++slot)
+        EXPECT_EQ(dw[size_t(slot)] == -7.0f, routing.top_expert[size_t(slot)] >= first(g + 1))
+            << "group " << g << ", slot " << slot;
+    }
+    EXPECT_EQ(download(*d_dw_groups, N * K, DType::f32), download(d_dw_whole, N * K, DType::f32));
+    EXPECT_EQ(download(*d_y, R * C, DType::f32), download(*d_y_whole, R * C, DType::f32));
+
+    // The rows' input gradients, the last group first, into one fp32 sum.
+    for (int64_t g = G - 1; g >= 0; --g)
+      expect_ok(cuda::moe_add_rows(d_sum.f32(), g != G - 1, d_d_rows->get(), expert, row_of,
+                                   first(g), first(g + 1), N, C, K, DType::f32, nullptr));
+    const std::vector<float> summed = download(d_sum, N * C, DType::f32);
+    if (K <= 2) {
+      EXPECT_EQ(summed, moe_sum_rows_cpu(d_rows, routing, N, C, K));
+    }
+    EXPECT_LE(relative_error(summed, moe_sum_rows_reference(d_rows, routing, N, C, K, exact())),
+              kFp32Tolerance);
+  }
+}
+
+// The fp32 sums an MLP cut into parts adds its products into: parts added
+// in turn, then the residual, one rounding; in fp32 the host's fp32
+// arithmetic in the same order, in bf16 and fp16 within one rounding of the
+// float64 sum of the values as stored.
+TEST_F(CudaKernels, PartsSumInFp32AndRoundOnce) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const int64_t n = 1000, parts = 3;
+  for (const DType type : {DType::f32, DType::bf16, DType::f16}) {
+    SCOPED_TRACE(type_label(type));
+    std::vector<std::vector<float>> products;
+    for (int64_t p = 0; p < parts; ++p) products.push_back(random_floats(n, rng_));
+    const auto x2 = random_floats(n, rng_);
+    DeviceBuffer d_sum(n * 4), d_out(n * cuda::dtype_size(type));
+    for (int64_t p = 0; p < parts; ++p) {
+      auto d_product = upload(products[size_t(p)], type);
+      expect_ok(cuda::accumulate_f32(d_sum.f32(), d_product->get(), n, p > 0, type, nullptr));
+    }
+    auto d_x2 = upload(x2, type);
+    expect_ok(cuda::residual_add_f32(d_out.get(), d_x2->get(), d_sum.f32(), n, type, nullptr));
+    // The inputs as the type holds them (upload rounds), then fp32 and float64 sums.
+    std::vector<std::vector<float>> stored;
+    for (const auto& product : products) {
+      auto d = upload(product, type);
+      stored.push_back(download(*d, n, type));
+    }
+    auto d_x2_stored = upload(x2, type);
+    const std::vector<float> x2_stored = download(*d_x2_stored, n, type);
+    std::vector<float> sum(static_cast<size_t>(n), 0.0f), out_fp32(static_cast<size_t>(n));
+    std::vector<double> reference(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      double exact_sum = x2_stored[size_t(i)];
+      for (int64_t p = 0; p < parts; ++p) {
+        sum[size_t(i)] =
+            p == 0 ? stored[0][size_t(i)] : sum[size_t(i)] + stored[size_t(p)][size_t(i)];
+        exact_sum += stored[size_t(p)][size_t(i)];
+      }
+      out_fp32[size_t(i)] = x2_stored[size_t(i)] + sum[size_t(i)];
+      reference[size_t(i)] = exact_sum;
+    }
+    EXPECT_EQ(download(d_sum, n, DType::f32), sum);
+    const std::vector<float> out = download(d_out, n, type);
+    if (type == DType::f32) {
+      EXPECT_EQ(out, out_fp32);
+    }
+    EXPECT_LE(relative_error(out, reference), type == DType::f32 ? kFp32Tolerance : 1e-2);
+  }
+}
+
 // Routing from logits of the type: the softmax is fp32 arithmetic on values
 // exact in the type, as PyTorch's softmax(dtype=float), so the same experts
 // and fp32 rounding of float64.

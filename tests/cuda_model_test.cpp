@@ -15,7 +15,11 @@
 // their load-balancing gradient, the routers scaled up so that no token's
 // choice is within rounding of a tie (the same routing is checked: every
 // expert's token count; in layer pieces, each sparse MLP piece's route(),
-// the routed expert fetch's routing, against the CPU's routed_experts).
+// the routed expert fetch's routing, against the CPU's routed_experts); and
+// with the sparse layers' MLP pieces cut into a router piece and groups of
+// experts (strata.expert_groups; each group's route_from_chain against the
+// CPU's routing of its router piece's input) and the dense layers' into
+// parts (strata.mlp_parts), against the CPU backend's cuts.
 //
 // GpuUnits below drives core/model/cuda_units.h (the units the engine's CUDA backend
 // runs: the same fused qkv and gate/up products as core/model/model.cpp's
@@ -153,6 +157,7 @@ class GpuUnits {
     grad_ = buffer(N * C, type);
     losses_ = buffer(N, DType::f32);
     if (c.vocab_chunks > 1) head_logits_ = buffer(N * c.vocab_size, type);
+    if (uses_expert_chain(c)) chain_ = buffer(expert_chain_floats(c, N), DType::f32);
   }
 
   // One micro-batch, as core/model/model.cpp's model_forward_backward: returns the
@@ -168,6 +173,8 @@ class GpuUnits {
     batch.targets = static_cast<const int32_t*>(d_targets->get());
     batch.loss_scale = loss_scale;
     if (head_logits_) batch.head_logits = head_logits_->get();
+    if (chain_) batch.expert_chain = chain_->f32();
+    batch_ = batch;
     if (layout_.config.is_moe()) {
       batch.router = &router_;
       batch.aux_loss_scale = aux_loss_scale;
@@ -221,6 +228,24 @@ class GpuUnits {
           << layout_.units[u].unit.name;
     }
     EXPECT_GT(routed, 0);
+    // A piece of experts: the experts of its group its router piece's
+    // routing reaches, as the CPU routes that piece's input.
+    for (size_t u = 1; u + 1 < layout_.units.size(); ++u) {
+      if (layout_.units[u].unit.piece != LayerPiece::experts) continue;
+      size_t router = u;
+      while (layout_.units[router].unit.piece != LayerPiece::router) --router;
+      const ExpertBlocks group = expert_blocks(layout_, int64_t(u));
+      std::vector<uint8_t> used(size_t(c.num_experts), 7);
+      expect_ok(units_->route_from_chain(int64_t(u), batch_, used.data(), nullptr));
+      const std::vector<float> input =
+          download(*units_in_[router - 1], size_t(N * c.hidden_size), type);
+      UnitParams p;
+      p.flat = model.params[router].data();
+      std::vector<uint8_t> expected = routed_experts(layout_, int64_t(router), p, input.data(), ws);
+      for (int64_t e = 0; e < c.num_experts; ++e)
+        if (e < group.first || e >= group.first + group.count) expected[size_t(e)] = 0;
+      EXPECT_EQ(used, expected) << layout_.units[u].unit.name;
+    }
     // A unit that is not a sparse MLP piece is refused.
     std::vector<uint8_t> used(size_t(c.num_experts));
     const Status refused =
@@ -240,6 +265,8 @@ class GpuUnits {
   std::unique_ptr<CudaUnits> units_;
   std::vector<std::unique_ptr<DeviceBuffer>> params_, grads_, units_in_;
   std::unique_ptr<DeviceBuffer> grad_, losses_, head_logits_;
+  std::unique_ptr<DeviceBuffer> chain_;  // expert groups' or MLP parts' (ExpertChain)
+  CudaUnitBatch batch_;                  // the last forward_backward's
   RouterStats router_;
 };
 
@@ -249,6 +276,8 @@ struct ModelCase {
   ModelFamily family = ModelFamily::llama;
   int64_t layer_pieces = 1;
   int64_t vocab_chunks = 1;
+  int64_t expert_groups = 1;
+  int64_t mlp_parts = 1;
 };
 
 class CudaModel : public CudaTestWithParam<ModelCase> {};
@@ -260,6 +289,8 @@ TEST_P(CudaModel, ForwardBackwardMatchesTheCpuBackend) {
   ModelConfig config = family_config(param.tied, param.family);
   config.layer_pieces = param.layer_pieces;
   config.vocab_chunks = param.vocab_chunks;
+  config.expert_groups = param.expert_groups;
+  config.mlp_parts = param.mlp_parts;
   HostModel model = make_host_model(config);
   init_host_model(model, seed, /*init_std=*/0.05f);
   randomize_vectors(model, seed + 1);
@@ -339,12 +370,19 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{true, DType::bf16, ModelFamily::qwen3_moe},
                       ModelCase{false, DType::f32, ModelFamily::mixtral, 2},
                       ModelCase{false, DType::bf16, ModelFamily::mixtral, 2},
-                      ModelCase{false, DType::f32, ModelFamily::qwen3_moe, 2, 2}),
+                      ModelCase{false, DType::f32, ModelFamily::qwen3_moe, 2, 2},
+                      ModelCase{false, DType::f32, ModelFamily::mixtral, 2, 1, 3},
+                      ModelCase{false, DType::bf16, ModelFamily::mixtral, 2, 1, 7},
+                      ModelCase{false, DType::f32, ModelFamily::qwen3_moe, 2, 1, 4, 2},
+                      ModelCase{false, DType::f32, ModelFamily::llama, 2, 1, 1, 3},
+                      ModelCase{true, DType::bf16, ModelFamily::llama, 2, 1, 1, 2}),
     [](const auto& info) {
       return fmt::format("{}_{}_{}{}", model_family_name(info.param.family),
                          info.param.tied ? "tied" : "untied", type_label(info.param.type),
                          std::string(info.param.layer_pieces > 1 ? "_pieces" : "") +
-                             (info.param.vocab_chunks > 1 ? "_chunks" : ""));
+                             (info.param.vocab_chunks > 1 ? "_chunks" : "") +
+                             (info.param.expert_groups > 1 ? "_groups" : "") +
+                             (info.param.mlp_parts > 1 ? "_parts" : ""));
     });
 
 class CudaModelWindow : public CudaTest {};

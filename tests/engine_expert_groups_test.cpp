@@ -17,8 +17,9 @@
 //  - a checkpoint resumes bitwise, and from groups into the whole MLP piece
 //    and back; int8 state, blocked per unit, is refused in one line naming
 //    the flags;
-//  - the CUDA backend, whole layers and a count above the experts are
-//    refused in one line.
+//  - the CUDA backend's data paths (emulated) carry the groups to the
+//    uncut bits too;
+//  - whole layers and a count above the experts are refused in one line.
 #include <gtest/gtest.h>
 
 #include "engine_test_support.h"
@@ -138,12 +139,28 @@ TEST_F(EngineExpertGroups, ACheckpointResumesBitwiseAndAcrossTheCut) {
       run, whole, "pass --vocab-chunks 1 --layer-pieces 2 --expert-groups 2 to resume it");
 }
 
+// The CUDA backend's data paths (EngineOptions::emulate_gpu: plans for a
+// GPU, the chain in its device tier, computed by the CPU units) carry the
+// groups as the CPU backend does: the uncut run's bits, in both schedules,
+// at one and two ranks, and each expert read as routed.
+TEST_F(EngineExpertGroups, OnTheGpuPathsTopTwoGivesTheUncutBits) {
+  for (int world : {1, 2}) {
+    for (const char* schedule : {"micro_batch", "layer"}) {
+      EngineRun cut = groups_placements(world, schedule, 2).back();  // everything on NVMe
+      cut.emulate_gpu = true;
+      EngineRun whole = cut;
+      whole.expert_groups = 1;
+      const EngineOutcome a = train(cut), b = train(whole);
+      EXPECT_TRUE(a.plan.input.gpu) << cut.label();
+      EXPECT_NE(a.plan.buffer(BufferRole::gpu_expert_chain), nullptr) << cut.label();
+      EXPECT_EQ(b.plan.buffer(BufferRole::gpu_expert_chain), nullptr) << cut.label();
+      expect_same_bits(a, b, cut.label());
+      if (world == 1) testing::expect_run_keeps_to_its_plan(a, uint64_t(cut.steps), cut.label());
+    }
+  }
+}
+
 TEST_F(EngineExpertGroups, WhatIsNotBuiltIsRefused) {
-  EngineRun gpu = groups_placements(1, "auto", 2).back();
-  gpu.emulate_gpu = true;
-  expect_refused(gpu,
-                 "runs on the CPU backend (the CUDA backend's router and expert pieces are "
-                 "not built); use --backend cpu or --expert-groups 1");
   EngineRun whole_layers = groups_placements(1, "auto", 2).back();
   whole_layers.layer_pieces = 1;
   expect_refused(whole_layers, "the layers must be in pieces; add --layer-pieces 2");

@@ -18,8 +18,9 @@
 //    is the whole tensors; int8 state, blocked per unit, is refused in one line naming
 //    the flags;
 //  - automatic parts where the MLP piece is what does not fit;
-//  - the CUDA backend, whole layers and a count above the rows are refused
-//    in one line.
+//  - the CUDA backend's data paths (emulated) carry the parts as the CPU
+//    backend does (its bits);
+//  - whole layers and a count above the rows are refused in one line.
 #include <gtest/gtest.h>
 
 #include "core/checkpoint/checkpoint.h"
@@ -213,12 +214,29 @@ TEST_F(EngineMlpParts, AutomaticPartsWhereTheMlpPieceDoesNotFit) {
       << cut->input.mlp_parts_reason;
 }
 
+// The CUDA backend's data paths (EngineOptions::emulate_gpu: plans for a
+// GPU, the chain in its device tier, computed by the CPU units) carry the
+// parts as the CPU backend does: near the whole MLP as above, and the CPU
+// backend's cut run's bits (both compute with the CPU units in fp32).
+TEST_F(EngineMlpParts, OnTheGpuPathsPartsStayNearTheWholeMlp) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun cpu = parts_placements(1, schedule, 3).back();  // stage 3, everything on NVMe
+    EngineRun cut = cpu;
+    cut.emulate_gpu = true;
+    EngineRun whole = cut;
+    whole.mlp_parts = 1;
+    const EngineOutcome a = train(cut), b = train(whole), c = train(cpu);
+    EXPECT_TRUE(a.plan.input.gpu) << cut.label();
+    EXPECT_NE(a.plan.buffer(BufferRole::gpu_expert_chain), nullptr) << cut.label();
+    expect_near(a, b, cut.label());
+    for (size_t s = 0; s < a.steps.size(); ++s)
+      EXPECT_EQ(a.steps[s].loss, c.steps[s].loss) << cut.label() << ", step " << s + 1;
+    EXPECT_TRUE(testing::weights_bitwise_equal(a.weights, c.weights)) << cut.label();
+    testing::expect_run_keeps_to_its_plan(a, uint64_t(cut.steps), cut.label());
+  }
+}
+
 TEST_F(EngineMlpParts, WhatIsNotBuiltIsRefused) {
-  EngineRun gpu = parts_placements(1, "auto", 2).back();
-  gpu.emulate_gpu = true;
-  expect_refused(gpu,
-                 "runs on the CPU backend (the CUDA backend's MLP parts are not built); use "
-                 "--backend cpu or --mlp-parts 1");
   EngineRun whole_layers = parts_placements(1, "auto", 2).back();
   whole_layers.layer_pieces = 1;
   expect_refused(whole_layers, "the layers must be in pieces; add --layer-pieces 2");

@@ -148,14 +148,14 @@ void add_steps_and_shared_flags(CLI::App& cmd, TrainFlags& flags) {
        "into: auto | 1 (one piece) | G > 1 (its router and G groups of experts, each fetched on "
        "its own, so a group of experts sets the working set, not the whole layer's) "
        "(strata.expert_groups; default auto: one piece unless groups are what makes the plan "
-       "fit the budgets, then the fewest that do; CPU backend)"},
+       "fit the budgets, then the fewest that do)"},
       {"--mlp-parts", kZeroGroup,
        "Dense layers with --layer-pieces 2: the parts a layer's MLP is cut into along its "
        "intermediate dimension: auto | 1 (one piece) | P > 1 (P parts of gate_proj and up_proj "
        "rows and down_proj columns, each fetched on its own, so a part sets the working set; "
        "the layer's output and input gradient then sum in parts, within the bound the README "
        "states) (strata.mlp_parts; default auto: one piece unless parts are what makes the "
-       "plan fit the budgets, then the fewest that do; CPU backend)"},
+       "plan fit the budgets, then the fewest that do)"},
       {"--expert-fetch", kZeroGroup,
        "Mixtures of experts: routed (a sparse layer's experts are read from NVMe only when "
        "the micro-batches' tokens are routed to them) | all (every expert with its unit) "

@@ -116,6 +116,8 @@ struct CudaGpuRank::Impl {
   std::vector<std::byte*> activation_grads;  // [activation copies] (N, C) compute type
   // [activation copies] (N, V) compute type: a vocabulary-cut head's logits; none for a whole head
   std::vector<std::byte*> head_logits;
+  // [activation copies] expert_chain_floats words: expert groups' or MLP parts' chain; none uncut
+  std::vector<float*> expert_chains;
   std::byte* saved_input(int unit, int micro) const {
     const TrainingPlan::SavedInputPlace place = plan.saved_input_place(unit, micro);
     return saved_input_copies[size_t(place.copy)] + place.level * N * C * type_bytes;
@@ -230,6 +232,7 @@ struct CudaGpuRank::Impl {
     b.router = host.router;
     b.aux_loss_scale = host.aux_loss_scale;
     if (!head_logits.empty()) b.head_logits = head_logits[size_t(plan.activation_copy(micro))];
+    if (!expert_chains.empty()) b.expert_chain = expert_chains[size_t(plan.activation_copy(micro))];
     return b;
   }
   int64_t unit_bytes(int unit) const { return plan.units[size_t(unit)].padded_numel * type_bytes; }
@@ -477,6 +480,7 @@ Result<std::unique_ptr<GpuRank>> GpuRank::create(const TrainingPlan& plan, int g
   g.saved_input_copies = b.all_as<std::byte>(R::gpu_saved_inputs);
   g.activation_grads = b.all_as<std::byte>(R::gpu_activation_gradient);
   g.head_logits = b.all_as<std::byte>(R::gpu_head_logits);
+  g.expert_chains = b.all_as<float>(R::gpu_expert_chain);
   g.tokens = b.as<int32_t>(R::gpu_tokens_and_targets);
   g.targets = g.tokens + g.N * in.grad_accum;
   g.losses = b.as<float>(R::gpu_token_losses);
@@ -517,10 +521,15 @@ Result<std::vector<uint8_t>> CudaGpuRank::routed_experts(int unit, int micro,
                                                          const std::byte* params) {
   Impl& g = *impl_;
   if (Status s = g.select(); !s) return s;
+  std::vector<uint8_t> used(size_t(g.plan.layout.config.num_experts), 0);
+  // A piece of experts takes the routing its router piece left in the chain.
+  if (g.plan.layout.units[size_t(unit)].unit.piece == LayerPiece::experts) {
+    Status status = g.units->route_from_chain(unit, g.batch(micro, {}), used.data(), g.compute);
+    return status ? Result<std::vector<uint8_t>>(std::move(used)) : status;
+  }
   int slot = -1;
   Result<const std::byte*> device_params = g.unit_params(unit, params, &slot);
   if (!device_params) return device_params.status();
-  std::vector<uint8_t> used(size_t(g.plan.layout.config.num_experts), 0);
   Status status =
       g.units->route(unit, *device_params, g.saved_input(unit - 1, micro), used.data(), g.compute);
   if (slot < 0) return status ? Result<std::vector<uint8_t>>(std::move(used)) : status;

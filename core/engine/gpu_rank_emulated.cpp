@@ -35,6 +35,8 @@ class EmulatedGpuRank final : public GpuRank {
     for (auto& w : widened_) w.resize(size_t(largest_padded));
     if (plan.input.model.vocab_chunks > 1)
       head_logits_.resize(size_t(copies) * size_t(N_ * plan.input.model.vocab_size));
+    if (uses_expert_chain(plan.input.model))
+      expert_chains_.resize(size_t(copies) * size_t(expert_chain_floats(plan.input.model, N_)));
     if (!plan.gpu_grads_in_place()) {
       grads_.resize(size_t(largest_padded));
       if (plan.gpu_grads_summed_on_device()) grad_sum_.resize(size_t(largest_padded));
@@ -119,6 +121,9 @@ class EmulatedGpuRank final : public GpuRank {
 
   Result<std::vector<uint8_t>> routed_experts(int unit, int micro,
                                               const std::byte* params) override {
+    // A piece of experts takes the routing its router piece left in the chain.
+    if (plan_.layout.units[size_t(unit)].unit.piece == LayerPiece::experts)
+      return chain_routed_experts(plan_.layout, unit, batch(micro, {}).experts, N_);
     UnitParams p;
     p.flat = widen(unit, params, 0);
     return strata::routed_experts(plan_.layout, unit, p, saved_input_at(unit - 1, micro), ws_);
@@ -200,7 +205,7 @@ class EmulatedGpuRank final : public GpuRank {
     return tied_grads_.data() + int64_t(copy) * plan_.units[0].padded_numel;
   }
   // The micro-batch as the device holds it: its ids, the head's logits
-  // store; the loss scale and a mixture's router statistics (host memory on
+  // store and the pieces' chain; the loss scale and a mixture's router statistics (host memory on
   // a GPU too) are the engine's.
   UnitBatch batch(int micro, const UnitBatch& host) {
     UnitBatch b;
@@ -214,6 +219,11 @@ class EmulatedGpuRank final : public GpuRank {
     if (!head_logits_.empty())
       b.head_logits = head_logits_.data() +
                       int64_t(plan_.activation_copy(micro)) * N_ * plan_.input.model.vocab_size;
+    if (!expert_chains_.empty()) {
+      const int64_t floats = expert_chain_floats(plan_.input.model, N_);
+      b.experts = expert_chain_view(plan_.input.model, N_,
+                                    expert_chains_.data() + plan_.activation_copy(micro) * floats);
+    }
     return b;
   }
   // Unit `unit`'s compute-precision parameters in fp32 (buffer `which`).
@@ -229,6 +239,8 @@ class EmulatedGpuRank final : public GpuRank {
   UnitWorkspace ws_;
   std::vector<float> saved_inputs_, activation_grad_;
   std::vector<float> head_logits_;  // [activation copies] (N, V): a vocabulary-cut head's
+  // [activation copies] ExpertChain: expert groups' or MLP parts'; none uncut
+  std::vector<float> expert_chains_;
   std::vector<int32_t> tokens_, targets_;
   std::vector<float> widened_[2];
   std::vector<float> grads_, tied_grads_;

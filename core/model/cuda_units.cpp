@@ -372,16 +372,16 @@ Status CudaUnits::mlp_forward(const LayerOffsets& o, const void* w, const void* 
   return matmuls_.forward(out, b.mlp, at(w, o.down), N, I, C, type_, true, stream);
 }
 
-// The pieces of a layer the CUDA backend computes: whole, attention, MLP
-// (the plan refuses the others, expert groups and MLP parts, before a unit runs).
+// The pieces layer_forward and layer_backward compute: whole, attention,
+// MLP (the finer ones run in piece_forward and piece_backward).
+static bool cut_finer(const UnitShape& unit) {
+  return unit.piece == LayerPiece::router || unit.piece == LayerPiece::experts ||
+         unit.piece == LayerPiece::mlp_part;
+}
 static Status built_piece(const UnitShape& unit) {
-  if (unit.piece == LayerPiece::whole || unit.piece == LayerPiece::attention ||
-      unit.piece == LayerPiece::mlp)
-    return Status::ok();
-  return Status::error(fmt::format(
-      "{}: the CUDA backend computes whole layers and their attention and MLP pieces only; train "
-      "cuts of experts or MLP parts on the CPU backend",
-      unit.name));
+  if (!cut_finer(unit)) return Status::ok();
+  return Status::error(
+      fmt::format("{}: a piece of an MLP runs in piece_forward and piece_backward", unit.name));
 }
 
 // A whole layer, or its piece (as core/model/model.cpp computes them): the
@@ -499,9 +499,13 @@ Status CudaUnits::forward(int64_t u, const void* params, const CudaUnitBatch& ba
       return cuda::embedding_forward(output, batch.tokens, params, B_ * T_, c.hidden_size, type_,
                                      stream);
     case UnitKind::decoder_layer:
-      STRATA_CHECK(layer_forward(u, params, input, output, stream));
+      if (cut_finer(unit))
+        STRATA_CHECK(piece_forward(u, params, batch, input, output, stream));
+      else
+        STRATA_CHECK(layer_forward(u, params, input, output, stream));
+      // The layer's routing: a whole layer's, its MLP piece's or its router piece's.
       if (batch.router != nullptr && c.layer_is_sparse(unit.layer) &&
-          unit.piece != LayerPiece::attention)
+          unit.piece != LayerPiece::attention && unit.piece != LayerPiece::experts)
         add_router_stats(*batch.router);
       return Status::ok();
     case UnitKind::head:
@@ -526,11 +530,15 @@ Status CudaUnits::backward(int64_t u, const void* params, const CudaUnitBatch& b
                                       stream);
     case UnitKind::decoder_layer: {
       const float* aux_grad = nullptr;
-      if (c.layer_is_sparse(unit.layer) && unit.piece != LayerPiece::attention) {
+      if (c.layer_is_sparse(unit.layer) && unit.piece != LayerPiece::attention &&
+          unit.piece != LayerPiece::experts) {
         Result<const float*> uploaded = upload_aux_grad(batch, stream);
         if (!uploaded) return uploaded.status();
         aux_grad = *uploaded;
       }
+      if (cut_finer(unit))
+        return piece_backward(u, params, grads, batch, input, doutput, dinput, recompute, aux_grad,
+                              stream);
       return layer_backward(u, params, grads, input, doutput, dinput, recompute, aux_grad, stream);
     }
     case UnitKind::head:

@@ -17,7 +17,16 @@
 // the whole rows, and every chunk's backward reads its block. A mixture's
 // sparse layers (mixtral, qwen3_moe) route, run each expert over its rows
 // and add the weighted outputs as core/model/model.h defines, with the
-// router statistics in host memory (CudaUnitBatch::router).
+// router statistics in host memory (CudaUnitBatch::router). A sparse
+// layer's MLP piece may be cut into a router piece and groups of experts
+// (ModelConfig::expert_groups), a dense layer's into parts along its
+// intermediate dimension (ModelConfig::mlp_parts), handing on what the CPU
+// units hand on in the micro-batch's chain (CudaUnitBatch::expert_chain), with
+// one difference: backward, the pieces pass the layer's output gradient on
+// unchanged and add the normed rows' gradient into the chain's fp32 sum,
+// which the router piece (or part 0) takes, so that no sum is rounded to
+// the compute type between pieces (core/README.md, "Expert groups" and "MLP
+// parts", states what stays bitwise and the bound).
 //
 // Contract. Every call enqueues work on `stream` and returns at once, but
 // for a sparse layer: its forward waits for the stream once, to group the
@@ -81,6 +90,11 @@ struct CudaUnitBatch {
   // adds to, and d(objective)/d(its load-balancing loss) for the backwards.
   RouterStats* router = nullptr;
   float aux_loss_scale = 0.0f;
+  // A sparse layer cut into groups of experts, or a dense MLP into parts:
+  // the micro-batch's chain, expert_chain_floats 4-byte words viewed as
+  // expert_chain_view lays them out, its rows (N, C) of the compute type.
+  // Null otherwise; a cut layer needs it.
+  float* expert_chain = nullptr;
 };
 
 class CudaUnits {
@@ -125,6 +139,11 @@ class CudaUnits {
   // forward that follows recomputes it.
   Status route(int64_t u, const void* params, const void* input, uint8_t* used,
                cudaStream_t stream);
+  // The same for a piece of experts: the experts of its group that the
+  // routing its router piece recorded in the batch's chain reaches. Waits
+  // for the stream.
+  Status route_from_chain(int64_t u, const CudaUnitBatch& batch, uint8_t* used,
+                          cudaStream_t stream);
 
  private:
   struct Buffers;
@@ -170,6 +189,34 @@ class CudaUnits {
   // The load-balancing gradient of `batch` for a sparse layer's backward,
   // uploaded: the device pointer, or null when the batch takes none.
   Result<const float*> upload_aux_grad(const CudaUnitBatch& batch, cudaStream_t stream);
+  // A layer cut finer than its MLP piece (cuda_units_pieces.cpp): a sparse
+  // layer's router piece and groups of experts, a dense layer's MLP parts,
+  // over the micro-batch's chain. No `out`: recomputation for the backward.
+  Status piece_forward(int64_t u, const void* w, const CudaUnitBatch& batch, const void* x,
+                       void* out, cudaStream_t stream);
+  Status piece_backward(int64_t u, const void* w, float* g, const CudaUnitBatch& batch,
+                        const void* x, const void* dout, void* dx, bool recompute,
+                        const float* aux_grad, cudaStream_t stream);
+  Status router_piece_forward(const UnitLayout& unit, const void* w, const ExpertChain& chain,
+                              const void* x2, void* out, cudaStream_t stream);
+  Status router_piece_backward(const UnitLayout& unit, const void* w, float* g,
+                               const ExpertChain& chain, const void* x2, const void* dout, void* dx,
+                               const float* aux_grad, cudaStream_t stream);
+  Status expert_group_forward(int64_t u, const void* w, const ExpertChain& chain, const void* xn,
+                              void* out, cudaStream_t stream);
+  Status expert_group_backward(int64_t u, const void* w, float* g, const ExpertChain& chain,
+                               const void* xn, const void* dout, void* dx, cudaStream_t stream);
+  Status mlp_part_forward(const UnitLayout& unit, const void* w, const ExpertChain& chain,
+                          const void* x, void* out, cudaStream_t stream);
+  Status mlp_part_backward(const UnitLayout& unit, const void* w, float* g,
+                           const ExpertChain& chain, const void* x, const void* dout, void* dx,
+                           bool recompute, cudaStream_t stream);
+  // Sparse layer `sparse`'s routing as its router piece recorded it in the
+  // chain, grouped on the host (which waits for the stream) and uploaded.
+  Status load_chain_routing(int64_t sparse, const ExpertChain& chain, cudaStream_t stream);
+  // A group's experts over their routed rows of xn: inputs, products, outputs.
+  Status group_rows_forward(const ExpertBlocks& group, const void* w, const void* xn,
+                            cudaStream_t stream);
   // Qwen3's RMSNorm on each head of q and k, in place in the qkv rows (the inputs
   // and rstd kept), and its backward in place in d_qkv; the norms' flat offsets.
   Status qk_norm_forward(const void* params, int64_t q_norm, int64_t k_norm, cudaStream_t stream);

@@ -661,15 +661,16 @@ struct UnitKernels {
   }
 };
 
-namespace {
-
-// A sparse layer cut into expert groups (moe_kernels.h): its router piece's
-// and its pieces of experts' weights and chain.
-int64_t sparse_index(const ModelConfig& c, int64_t layer) {
+int64_t sparse_layer_index(const ModelConfig& c, int64_t layer) {
   int64_t index = 0;
   for (int64_t i = 0; i < layer; ++i) index += c.layer_is_sparse(i) ? 1 : 0;
   return index;
 }
+
+namespace {
+
+// A sparse layer cut into expert groups (moe_kernels.h): its router piece's
+// and its pieces of experts' weights and chain.
 struct ExpertPiece {
   const float* router = nullptr;  // router piece: the router (E, C) and the post-attention norm
   const float* norm = nullptr;
@@ -682,7 +683,7 @@ ExpertPiece expert_piece(const ModelLayout& model, int64_t u, const float* flat)
   const ModelConfig& c = model.config;
   const UnitLayout& layout = model.units[size_t(u)];
   ExpertPiece piece;
-  piece.sparse = sparse_index(c, layout.unit.layer);
+  piece.sparse = sparse_layer_index(c, layout.unit.layer);
   if (layout.unit.piece == LayerPiece::experts) {
     piece.experts = expert_blocks(model, u);
     piece.last = layout.unit.expert_group == c.expert_groups - 1;
@@ -804,7 +805,7 @@ std::vector<uint8_t> chain_routed_experts(const ModelLayout& model, int64_t u,
   const int64_t K = c.num_experts_per_tok;
   std::vector<uint8_t> routed(size_t(c.num_experts), 0);
   const int32_t* chosen =
-      chain.top_expert + sparse_index(c, model.units[size_t(u)].unit.layer) * N * K;
+      chain.top_expert + sparse_layer_index(c, model.units[size_t(u)].unit.layer) * N * K;
   for (int64_t i = 0; i < N * K; ++i)
     if (chosen[i] >= experts.first && chosen[i] < experts.first + experts.count)
       routed[size_t(chosen[i])] = 1;

@@ -195,6 +195,9 @@ int64_t expert_chain_floats(const ModelConfig& config, int64_t N);
 // Whether a micro-batch of this model needs a chain: expert groups or MLP parts.
 bool uses_expert_chain(const ModelConfig& config);
 ExpertChain expert_chain_view(const ModelConfig& config, int64_t N, float* buffer);
+// Layer `layer`'s index among the sparse layers before it (its routing's
+// place in ExpertChain::top_expert and top_weight).
+int64_t sparse_layer_index(const ModelConfig& config, int64_t layer);
 
 // One micro-batch: B sequences of T tokens.
 struct UnitBatch {

@@ -161,6 +161,13 @@ class BufferListing {
     if (in.model.vocab_chunks > 1)
       add(R::gpu_head_logits, O::gpu, copies_name("logits of the vocabulary-cut head"),
           Tier::device, compute, copies, N * in.model.vocab_size);
+    // A sparse layer's expert groups, or a dense MLP's parts, hand on their
+    // chain (ExpertChain) from a micro-batch's forwards to its backwards.
+    if (uses_expert_chain(in.model))
+      add(R::gpu_expert_chain, O::gpu,
+          copies_name(in.model.expert_groups > 1 ? "expert groups' chain and routing"
+                                                 : "MLP parts' residual and sum"),
+          Tier::device, f32, copies, expert_chain_floats(in.model, N));
     add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
         kGpuMatmulWorkspaceBytes);
     add_spill_buffers(compute, cb);

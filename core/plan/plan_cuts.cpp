@@ -248,8 +248,8 @@ Result<UnitCutsChoice> choose_unit_cuts(const PlanInput& input) {
   UnitCutsChoice choice{input, std::nullopt};
   PlanInput& in = choice.input;
   const bool vocab_auto = in.vocab_chunks_auto, pieces_auto = in.layer_pieces_auto;
-  const bool may_group = in.expert_groups_auto && in.model.is_moe() && !in.gpu;
-  const bool may_part = in.mlp_parts_auto && !in.gpu &&
+  const bool may_group = in.expert_groups_auto && in.model.is_moe();
+  const bool may_part = in.mlp_parts_auto &&
                         in.model.sparse_layer_count() < in.model.num_hidden_layers &&
                         in.model.intermediate_size > 1;
   in.vocab_chunks_auto = in.layer_pieces_auto = in.expert_groups_auto = in.mlp_parts_auto = false;

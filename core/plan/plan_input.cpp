@@ -53,7 +53,7 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
   in.model.layer_pieces = std::max<int64_t>(1, c.strata.layer_pieces);
   in.layer_pieces_auto = c.strata.layer_pieces == 0;
   in.model.expert_groups = std::max<int64_t>(1, c.strata.expert_groups);
-  in.expert_groups_auto = c.strata.expert_groups == 0 && model.is_moe() && !target.gpu;
+  in.expert_groups_auto = c.strata.expert_groups == 0 && model.is_moe();
   if (in.model.expert_groups > 1 && in.layer_pieces_auto && model.is_moe()) {
     // The groups cut a sparse layer's MLP piece: the layers are in pieces.
     in.model.layer_pieces = 2;
@@ -61,8 +61,8 @@ PlanInput plan_input_from_config(const TrainConfig& c, const ModelConfig& model,
     in.layer_pieces_reason = "2 (strata.expert_groups cuts each sparse layer's MLP piece)";
   }
   in.model.mlp_parts = std::max<int64_t>(1, c.strata.mlp_parts);
-  in.mlp_parts_auto = c.strata.mlp_parts == 0 &&
-                      model.sparse_layer_count() < model.num_hidden_layers && !target.gpu;
+  in.mlp_parts_auto =
+      c.strata.mlp_parts == 0 && model.sparse_layer_count() < model.num_hidden_layers;
   if (in.model.mlp_parts > 1 && in.layer_pieces_auto) {
     // The parts cut a dense layer's MLP piece: the layers are in pieces.
     in.model.layer_pieces = 2;
@@ -176,18 +176,7 @@ Status validate_plan_input(const PlanInput& in) {
   if (Status s = check_vocab_chunks(in.model); !s) return s;
   if (Status s = check_layer_pieces(in.model); !s) return s;
   if (Status s = check_expert_groups(in.model); !s) return s;
-  if (in.model.expert_groups > 1 && in.gpu)
-    return Status::invalid_argument(fmt::format(
-        "strata.expert_groups {}: a sparse layer cut into groups of experts runs on the CPU "
-        "backend (the CUDA backend's router and expert pieces are not built); use --backend cpu "
-        "or --expert-groups 1",
-        in.model.expert_groups));
   if (Status s = check_mlp_parts(in.model); !s) return s;
-  if (in.model.mlp_parts > 1 && in.gpu)
-    return Status::invalid_argument(fmt::format(
-        "strata.mlp_parts {}: a dense layer's MLP cut into parts runs on the CPU backend (the "
-        "CUDA backend's MLP parts are not built); use --backend cpu or --mlp-parts 1",
-        in.model.mlp_parts));
   if (in.fetch_slots < 1)
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.buffer_count must be at least 1, got {}", in.fetch_slots));

@@ -18,15 +18,12 @@ static std::string device_short_line(const PlanInput& input, const PlanInput& le
                                      const PlanReport& lean) {
   // More ranks shard the state, not a gathered unit: the device's working
   // set is the largest unit's, whole on every rank (the leanest plan has the
-  // layers in pieces already). A mixture on the CPU backend: the fewest
-  // groups of experts that fit.
-  const int64_t groups_fit =
-      input.model.is_moe() && !input.gpu ? expert_groups_that_fit(leanest) : 0;
+  // layers in pieces already). A mixture: the fewest groups of experts that fit.
+  const int64_t groups_fit = input.model.is_moe() ? expert_groups_that_fit(leanest) : 0;
   const bool dense = input.model.sparse_layer_count() < input.model.num_hidden_layers;
-  const int64_t parts_fit =
-      dense && !input.gpu && groups_fit == 0 ? mlp_parts_that_fit(leanest) : 0;
+  const int64_t parts_fit = dense && groups_fit == 0 ? mlp_parts_that_fit(leanest) : 0;
   const auto [both_groups, both_parts] =
-      dense && input.model.is_moe() && !input.gpu && groups_fit == 0 && parts_fit == 0
+      dense && input.model.is_moe() && groups_fit == 0 && parts_fit == 0
           ? groups_and_parts_that_fit(leanest)
           : std::pair<int64_t, int64_t>{0, 0};
   const char* pieces =
@@ -45,10 +42,7 @@ static std::string device_short_line(const PlanInput& input, const PlanInput& le
                 ", or {}--mlp-parts {} (each dense layer's MLP in that many parts along its "
                 "intermediate dimension: the device has room)",
                 pieces, parts_fit)
-      : input.gpu ? std::string(
-                        " (a layer's MLP stays one piece on the CUDA backend: groups of experts "
-                        "and MLP parts, --expert-groups and --mlp-parts, run on the CPU backend)")
-                  : "";
+          : "";
   return fmt::format(
       "{} of the device's need is its parameter slots and unit gradients, sized by the largest "
       "unit, {} ({:.2f}B parameters), whole on every rank at any rank count: a device with more "

@@ -145,6 +145,7 @@ BufferKind buffer_kind(BufferRole role) {
     case BufferRole::gpu_tokens_and_targets:
     case BufferRole::gpu_token_losses:
     case BufferRole::gpu_head_logits:
+    case BufferRole::gpu_expert_chain:
     case BufferRole::activation_spill:
       return BufferKind::activation;
     case BufferRole::unit_working_set:

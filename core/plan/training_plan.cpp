@@ -161,6 +161,8 @@ const char* buffer_role_name(BufferRole role) {
       return "gpu_token_losses";
     case BufferRole::gpu_head_logits:
       return "gpu_head_logits";
+    case BufferRole::gpu_expert_chain:
+      return "gpu_expert_chain";
     case BufferRole::gpu_matmul_workspace:
       return "gpu_matmul_workspace";
     case BufferRole::gpu_unit_working_set:

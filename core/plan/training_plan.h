@@ -182,6 +182,8 @@ enum class BufferRole {
   gpu_tokens_and_targets,   // (2, G, B*T) int32
   gpu_token_losses,         // (B*T) fp32
   gpu_head_logits,       // [activation copies] (B*T, V) compute precision: a vocabulary-cut head's
+  gpu_expert_chain,      // [activation copies] (expert_chain_floats) 4-byte words: the device's
+                         // ExpertChain (its rows in compute precision)
   gpu_matmul_workspace,  // bytes, cuBLASLt's
   gpu_unit_working_set,  // bytes, CudaUnits' working set
   // Taken by the store and the streamed optimizer from the host budget.

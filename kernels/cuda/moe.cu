@@ -117,6 +117,7 @@ __global__ void moe_gather_rows_kernel(T* rows,                   // (R, C), =
 // shared memory for the whole block.
 __device__ __forceinline__ void slots_by_expert(int64_t* rows,              // (K), =
                                                 float* weights,             // (K), =, or null
+                                                int32_t* experts,           // (K), =
                                                 const int32_t* top_expert,  // (K): token n's
                                                 const int32_t* row_of,      // (K): token n's
                                                 const float* top_weight,    // (K): token n's
@@ -129,43 +130,63 @@ __device__ __forceinline__ void slots_by_expert(int64_t* rows,              // (
       if (top_expert[j] < expert || (top_expert[j] == expert && j < k)) ++position;
     }
     rows[position] = row_of[k];
+    experts[position] = expert;
     if (weights != nullptr) weights[position] = top_weight[k];
   }
   __syncthreads();
 }
 
+// The slots of experts [first, end) only (every slot: 0 and INT32_MAX);
+// their sum starts from `sum` (fp32, or 0 when null) and is written back
+// there, and with `out`, out = x2 + that sum, one rounding.
 template <typename T>
-__global__ void moe_combine_kernel(T* out,                     // (N, C), =
+__global__ void moe_combine_kernel(T* out,                     // (N, C), =, or null
+                                   float* sum,                 // (N, C), +=, or null
                                    const T* x2,                // (N, C)
                                    const T* y,                 // (R, C)
                                    const int32_t* top_expert,  // (N, K)
                                    const int32_t* row_of,      // (N, K)
                                    const float* top_weight,    // (N, K)
-                                   int64_t C, int64_t K) {
+                                   int64_t C, int64_t K, int32_t first, int32_t end) {
   __shared__ int64_t rows[kMoeMaxTopK];
   __shared__ float weights[kMoeMaxTopK];
+  __shared__ int32_t experts[kMoeMaxTopK];
   const int64_t n = blockIdx.x;
-  slots_by_expert(rows, weights, top_expert + n * K, row_of + n * K, top_weight + n * K, K);
+  slots_by_expert(rows, weights, experts, top_expert + n * K, row_of + n * K, top_weight + n * K,
+                  K);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < K; ++j) sum += __fmul_rn(weights[j], to_float(y[rows[j] * C + i]));
-    out[n * C + i] = from_float<T>(to_float(x2[n * C + i]) + sum);
+    float total = sum != nullptr ? sum[n * C + i] : 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      if (experts[j] >= first && experts[j] < end)
+        total += __fmul_rn(weights[j], to_float(y[rows[j] * C + i]));
+    }
+    if (sum != nullptr) sum[n * C + i] = total;
+    if (out != nullptr) out[n * C + i] = from_float<T>(to_float(x2[n * C + i]) + total);
   }
 }
 
+// The slots of experts [first, end) only; their sum starts from `sum` when
+// `accumulate` (else 0) and is written back there (when not null), and
+// rounded into dx (when not null).
 template <typename T>
-__global__ void moe_sum_rows_kernel(T* dx,                      // (N, C), =
+__global__ void moe_sum_rows_kernel(T* dx,                      // (N, C), =, or null
+                                    float* sum,                 // (N, C), = or +=, or null
+                                    bool accumulate,            //
                                     const T* d_rows,            // (R, C)
                                     const int32_t* top_expert,  // (N, K)
                                     const int32_t* row_of,      // (N, K)
-                                    int64_t C, int64_t K) {
+                                    int64_t C, int64_t K, int32_t first, int32_t end) {
   __shared__ int64_t rows[kMoeMaxTopK];
+  __shared__ int32_t experts[kMoeMaxTopK];
   const int64_t n = blockIdx.x;
-  slots_by_expert(rows, nullptr, top_expert + n * K, row_of + n * K, nullptr, K);
+  slots_by_expert(rows, nullptr, experts, top_expert + n * K, row_of + n * K, nullptr, K);
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < K; ++j) sum += to_float(d_rows[rows[j] * C + i]);
-    dx[n * C + i] = from_float<T>(sum);
+    float total = sum != nullptr && accumulate ? sum[n * C + i] : 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      if (experts[j] >= first && experts[j] < end) total += to_float(d_rows[rows[j] * C + i]);
+    }
+    if (sum != nullptr) sum[n * C + i] = total;
+    if (dx != nullptr) dx[n * C + i] = from_float<T>(total);
   }
 }
 
@@ -174,15 +195,19 @@ __global__ void moe_sum_rows_kernel(T* dx,                      // (N, C), =
 // One block per slot (n, k). Each element of the slot's row is read and then
 // overwritten by the one thread that owns it, and no other slot shares the
 // row, so the gradient may replace the output in place.
+// With top_expert, only the slots of experts [first, end): the others' blocks
+// return at once, every thread alike.
 template <typename T>
-__global__ void moe_weight_backward_kernel(float* d_top_weight,      // (N, K), =
-                                           T* y,                     // (R, C): in, then =
-                                           const T* dout,            // (N, C)
-                                           const int32_t* row_of,    // (N, K)
-                                           const float* top_weight,  // (N, K)
-                                           int64_t C, int64_t K) {
+__global__ void moe_weight_backward_kernel(float* d_top_weight,        // (N, K), =
+                                           T* y,                       // (R, C): in, then =
+                                           const T* dout,              // (N, C)
+                                           const int32_t* top_expert,  // (N, K), or null
+                                           const int32_t* row_of,      // (N, K)
+                                           const float* top_weight,    // (N, K)
+                                           int64_t C, int64_t K, int32_t first, int32_t end) {
   __shared__ double reduce[32];
   const int64_t slot = blockIdx.x, n = slot / K;
+  if (top_expert != nullptr && (top_expert[slot] < first || top_expert[slot] >= end)) return;
   T* row = y + static_cast<int64_t>(row_of[slot]) * C;
   const T* dy = dout + n * C;
   const float weight = top_weight[slot];
@@ -301,43 +326,112 @@ Status moe_gather_rows(void* rows, const void* x, const int32_t* row_token, int6
   });
 }
 
-Status moe_combine(void* out, const void* x2, const void* y, const int32_t* top_expert,
-                   const int32_t* row_of, const float* top_weight, int64_t N, int64_t C, int64_t K,
-                   DType type, cudaStream_t stream) {
+// The launches of the combine, the weights' backward and the rows' sum,
+// whole or over a group of experts.
+namespace {
+
+Status combine(const char* kernel, void* out, float* sum, const void* x2, const void* y,
+               const int32_t* top_expert, const int32_t* row_of, const float* top_weight,
+               int64_t first, int64_t end, int64_t N, int64_t C, int64_t K, DType type,
+               cudaStream_t stream) {
   const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
-  if (N < 0 || C <= 0 || N > INT32_MAX) {
-    return argument_error("moe_combine", type, shape, "bad shape");
+  if (N < 0 || C <= 0 || N > INT32_MAX || first < 0 || end < first || end > INT32_MAX) {
+    return argument_error(kernel, type, shape, "bad shape");
   }
-  if (Status status = check_top_k("moe_combine", type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+  if (Status status = check_top_k(kernel, type, shape, K, kMoeMaxTopK); !status.is_ok()) {
     return status;
   }
   if (N == 0) return Status::ok();
   return dispatch_type(type, [&](auto tag) {
     using T = decltype(tag);
     moe_combine_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(x2), static_cast<const T*>(y), top_expert,
-        row_of, top_weight, C, K);
-    return check_launch("moe_combine", type, shape);
+        static_cast<T*>(out), sum, static_cast<const T*>(x2), static_cast<const T*>(y), top_expert,
+        row_of, top_weight, C, K, static_cast<int32_t>(first), static_cast<int32_t>(end));
+    return check_launch(kernel, type, shape);
   });
+}
+
+Status weight_backward(const char* kernel, float* d_top_weight, void* y, const void* dout,
+                       const int32_t* top_expert, const int32_t* row_of, const float* top_weight,
+                       int64_t first, int64_t end, int64_t N, int64_t C, int64_t K, DType type,
+                       cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
+  if (N < 0 || C <= 0 || first < 0 || end < first || end > INT32_MAX) {
+    return argument_error(kernel, type, shape, "bad shape");
+  }
+  if (Status status = check_top_k(kernel, type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+    return status;
+  }
+  if (N > INT32_MAX / K) return argument_error(kernel, type, shape, "bad shape");
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_weight_backward_kernel<T><<<static_cast<unsigned>(N * K), kThreads, 0, stream>>>(
+        d_top_weight, static_cast<T*>(y), static_cast<const T*>(dout), top_expert, row_of,
+        top_weight, C, K, static_cast<int32_t>(first), static_cast<int32_t>(end));
+    return check_launch(kernel, type, shape);
+  });
+}
+
+Status sum_rows(const char* kernel, void* dx, float* sum, bool accumulate, const void* d_rows,
+                const int32_t* top_expert, const int32_t* row_of, int64_t first, int64_t end,
+                int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream) {
+  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
+  if (N < 0 || C <= 0 || N > INT32_MAX || first < 0 || end < first || end > INT32_MAX) {
+    return argument_error(kernel, type, shape, "bad shape");
+  }
+  if (Status status = check_top_k(kernel, type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+    return status;
+  }
+  if (N == 0) return Status::ok();
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    moe_sum_rows_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
+        static_cast<T*>(dx), sum, accumulate, static_cast<const T*>(d_rows), top_expert, row_of, C,
+        K, static_cast<int32_t>(first), static_cast<int32_t>(end));
+    return check_launch(kernel, type, shape);
+  });
+}
+
+constexpr int64_t kEveryExpert = INT32_MAX;
+
+}  // namespace
+
+Status moe_combine(void* out, const void* x2, const void* y, const int32_t* top_expert,
+                   const int32_t* row_of, const float* top_weight, int64_t N, int64_t C, int64_t K,
+                   DType type, cudaStream_t stream) {
+  return combine("moe_combine", out, nullptr, x2, y, top_expert, row_of, top_weight, 0,
+                 kEveryExpert, N, C, K, type, stream);
+}
+
+Status moe_combine_experts(float* sum, void* out, const void* x2, const void* y,
+                           const int32_t* top_expert, const int32_t* row_of,
+                           const float* top_weight, int64_t first, int64_t end, int64_t N,
+                           int64_t C, int64_t K, DType type, cudaStream_t stream) {
+  if (sum == nullptr) {
+    return argument_error("moe_combine_experts", type, shape_text({{"N", N}, {"C", C}}), "no sum");
+  }
+  return combine("moe_combine_experts", out, sum, x2, y, top_expert, row_of, top_weight, first, end,
+                 N, C, K, type, stream);
 }
 
 Status moe_weight_backward(float* d_top_weight, void* y, const void* dout, const int32_t* row_of,
                            const float* top_weight, int64_t N, int64_t C, int64_t K, DType type,
                            cudaStream_t stream) {
-  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
-  if (N < 0 || C <= 0) return argument_error("moe_weight_backward", type, shape, "bad shape");
-  if (Status status = check_top_k("moe_weight_backward", type, shape, K, kMoeMaxTopK);
-      !status.is_ok()) {
-    return status;
+  return weight_backward("moe_weight_backward", d_top_weight, y, dout, nullptr, row_of, top_weight,
+                         0, kEveryExpert, N, C, K, type, stream);
+}
+
+Status moe_weight_backward_experts(float* d_top_weight, void* y, const void* dout,
+                                   const int32_t* top_expert, const int32_t* row_of,
+                                   const float* top_weight, int64_t first, int64_t end, int64_t N,
+                                   int64_t C, int64_t K, DType type, cudaStream_t stream) {
+  if (top_expert == nullptr) {
+    return argument_error("moe_weight_backward_experts", type, shape_text({{"N", N}, {"C", C}}),
+                          "no experts");
   }
-  if (N > INT32_MAX / K) return argument_error("moe_weight_backward", type, shape, "bad shape");
-  if (N == 0) return Status::ok();
-  return dispatch_type(type, [&](auto tag) {
-    using T = decltype(tag);
-    moe_weight_backward_kernel<T><<<static_cast<unsigned>(N * K), kThreads, 0, stream>>>(
-        d_top_weight, static_cast<T*>(y), static_cast<const T*>(dout), row_of, top_weight, C, K);
-    return check_launch("moe_weight_backward", type, shape);
-  });
+  return weight_backward("moe_weight_backward_experts", d_top_weight, y, dout, top_expert, row_of,
+                         top_weight, first, end, N, C, K, type, stream);
 }
 
 Status moe_router_backward(void* d_logits, const float* probs, const int32_t* top_expert,
@@ -362,20 +456,18 @@ Status moe_router_backward(void* d_logits, const float* probs, const int32_t* to
 
 Status moe_sum_rows(void* dx, const void* d_rows, const int32_t* top_expert, const int32_t* row_of,
                     int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream) {
-  const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
-  if (N < 0 || C <= 0 || N > INT32_MAX) {
-    return argument_error("moe_sum_rows", type, shape, "bad shape");
+  return sum_rows("moe_sum_rows", dx, nullptr, false, d_rows, top_expert, row_of, 0, kEveryExpert,
+                  N, C, K, type, stream);
+}
+
+Status moe_add_rows(float* sum, bool accumulate, const void* d_rows, const int32_t* top_expert,
+                    const int32_t* row_of, int64_t first, int64_t end, int64_t N, int64_t C,
+                    int64_t K, DType type, cudaStream_t stream) {
+  if (sum == nullptr) {
+    return argument_error("moe_add_rows", type, shape_text({{"N", N}, {"C", C}}), "no sum");
   }
-  if (Status status = check_top_k("moe_sum_rows", type, shape, K, kMoeMaxTopK); !status.is_ok()) {
-    return status;
-  }
-  if (N == 0) return Status::ok();
-  return dispatch_type(type, [&](auto tag) {
-    using T = decltype(tag);
-    moe_sum_rows_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(
-        static_cast<T*>(dx), static_cast<const T*>(d_rows), top_expert, row_of, C, K);
-    return check_launch("moe_sum_rows", type, shape);
-  });
+  return sum_rows("moe_add_rows", nullptr, sum, accumulate, d_rows, top_expert, row_of, first, end,
+                  N, C, K, type, stream);
 }
 
 }  // namespace strata::kernels::cuda

@@ -228,6 +228,22 @@ Status moe_combine(void* out,                  // (N, C) of type, =
                    const float* top_weight,    // (N, K) fp32
                    int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream);
 
+// A sparse layer cut into groups of experts (strata.expert_groups): group
+// [first, end)'s part of moe_combine. sum (fp32) += the weighted outputs of
+// the token's slots whose experts lie in [first, end), in increasing order of
+// their experts; with `out` (the last group), out = x2 + sum, one rounding.
+// Groups run in expert order from a zeroed sum, so the last one's out is
+// moe_combine's bits.
+Status moe_combine_experts(float* sum,                 // (N, C) fp32, +=
+                           void* out,                  // (N, C) of type, =, or null
+                           const void* x2,             // (N, C) of type (with out)
+                           const void* y,              // (R, C) of type: the group's rows
+                           const int32_t* top_expert,  // (N, K)
+                           const int32_t* row_of,      // (N, K)
+                           const float* top_weight,    // (N, K) fp32
+                           int64_t first, int64_t end, int64_t N, int64_t C, int64_t K, DType type,
+                           cudaStream_t stream);
+
 // The weights' gradient d_top_weight[n, k] = dout[n] . y[row_of[n, k]]
 // (summed in float64, stored as fp32), then each row's output gradient in place: y[row] =
 // top_weight * dout[n], rounded to type.
@@ -237,6 +253,17 @@ Status moe_weight_backward(float* d_top_weight,      // (N, K) fp32, =
                            const int32_t* row_of,    // (N, K)
                            const float* top_weight,  // (N, K) fp32
                            int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream);
+
+// moe_weight_backward for the slots whose experts lie in [first, end) (a
+// group of experts); the other slots' weights' gradients and rows untouched.
+Status moe_weight_backward_experts(float* d_top_weight,        // (N, K) fp32, = (the group's)
+                                   void* y,                    // (R, C) of type, as above
+                                   const void* dout,           // (N, C) of type
+                                   const int32_t* top_expert,  // (N, K)
+                                   const int32_t* row_of,      // (N, K)
+                                   const float* top_weight,    // (N, K) fp32
+                                   int64_t first, int64_t end, int64_t N, int64_t C, int64_t K,
+                                   DType type, cudaStream_t stream);
 
 // The router's backward to its logits: dp_e = aux_grad[e] (0 when null)
 // plus, for each slot k in order, d_top_weight's share (through the
@@ -258,6 +285,19 @@ Status moe_sum_rows(void* dx,                   // (N, C) of type, =
                     const int32_t* top_expert,  // (N, K)
                     const int32_t* row_of,      // (N, K)
                     int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream);
+
+// moe_sum_rows for the slots whose experts lie in [first, end), into an
+// fp32 sum: sum[n] = (accumulate ? sum[n] : 0) + those rows in increasing
+// order of their experts. Groups of experts add their rows in turn (the
+// last group first); with k <= 2 slots per token the sum is moe_sum_rows's
+// before its rounding (one addition commutes).
+Status moe_add_rows(float* sum,  // (N, C) fp32, = or +=
+                    bool accumulate,
+                    const void* d_rows,         // (R, C) of type
+                    const int32_t* top_expert,  // (N, K)
+                    const int32_t* row_of,      // (N, K)
+                    int64_t first, int64_t end, int64_t N, int64_t C, int64_t K, DType type,
+                    cudaStream_t stream);
 
 // --- softmax cross-entropy (kernels/cuda/cross_entropy.cu) ---------------------------
 
@@ -286,6 +326,18 @@ Status cross_entropy_forward_backward(float* losses,           // (N), =; or nul
 Status residual_forward(void* out,      // (n) of type
                         const void* a,  // (n) of type
                         const void* b,  // (n) of type
+                        int64_t n, DType type, cudaStream_t stream);
+
+// An fp32 sum of values of the type, for sums that pieces of a layer add
+// in turn (an MLP cut into parts): sum = (accumulate ? sum : 0) + x.
+Status accumulate_f32(float* sum,     // (n) fp32, = or +=
+                      const void* x,  // (n) of type
+                      int64_t n, bool accumulate, DType type, cudaStream_t stream);
+
+// out = a + b with b in fp32, rounded once; out may alias a.
+Status residual_add_f32(void* out,       // (n) of type
+                        const void* a,   // (n) of type
+                        const float* b,  // (n) fp32
                         int64_t n, DType type, cudaStream_t stream);
 
 // Converts n elements (round to nearest even when narrowing). src and dst must
