@@ -22,7 +22,8 @@
 // backend's pieces, within the plan's device peak; the embedding and head cut
 // along the vocabulary stay close to whole units and to the CPU backend's
 // chunks; a mixture's routed expert reads and deferred expert updates give
-// the bits of reading and updating every expert.
+// the bits of reading and updating every expert; expert groups and MLP
+// parts stay close to the uncut runs and to the CPU backend's cuts.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -564,6 +565,47 @@ TEST_F(CudaEngine, VocabChunksStayCloseToWholeUnitsAndTheCpuBackend) {
     expect_close(a, train(whole), 1e-5, 1e-4, cut.label() + " against whole units");
     expect_close(a, train(cpu), 1e-5, 1e-4, cut.label() + " against the CPU backend");
     EXPECT_LE(a.rank_usage[0].peak, a.plan.peak(tiers::Tier::device) + (1 << 20)) << cut.label();
+  }
+}
+
+// A mixture's sparse MLP pieces cut into groups of experts, and a dense
+// model's MLP pieces cut into parts, on the GPU: in fp32 close to the
+// uncut run and to the CPU backend's cut run (the products come in other
+// shapes and alignments, so cuBLAS may pick other algorithms), in both
+// schedules, within the plan's device peak; and with the experts read as
+// routed, each step's NVMe reads what the plan counts for its routing.
+TEST_F(CudaEngine, ExpertGroupsAndMlpPartsStayCloseToUncutRunsAndTheCpuBackend) {
+  for (const char* schedule : {"micro_batch", "layer"}) {
+    EngineRun groups = testing::routed_moe_run(schedule, "fp32");
+    groups.experts_per_token = 2;
+    groups.expert_groups = 4;
+    EngineRun parts = offloaded_placements(1, "fp32").back();  // everything on NVMe
+    parts.layer_pieces = 2;
+    parts.mlp_parts = 3;
+    parts.schedule = schedule;
+    for (EngineRun* cut : {&groups, &parts}) {
+      cut->backend = kernels::BackendKind::cuda;
+      cut->grad_accum = 2;
+      cut->steps = 3;
+      cut->lr = 1e-3;
+      cut->eps = 1e-6;
+      EngineRun whole = *cut, cpu = *cut;
+      whole.expert_groups = 1;
+      whole.mlp_parts = 1;
+      cpu.backend = kernels::BackendKind::cpu;
+      const EngineOutcome a = train(*cut);
+      ASSERT_EQ(a.steps.size(), 3u) << cut->label();
+      EXPECT_NE(a.plan.buffer(BufferRole::gpu_expert_chain), nullptr) << cut->label();
+      expect_close(a, train(whole), 1e-5, 1e-4, cut->label() + " against the uncut run");
+      expect_close(a, train(cpu), 1e-5, 1e-4, cut->label() + " against the CPU backend");
+      EXPECT_LE(a.rank_usage[0].peak, a.plan.peak(tiers::Tier::device) + (1 << 20)) << cut->label();
+      if (cut == &groups) EXPECT_TRUE(a.plan.routed_expert_fetch) << a.plan.expert_fetch_reason;
+      if (!a.plan.routed_expert_fetch) continue;
+      for (size_t s = 0; s < a.steps.size(); ++s)
+        EXPECT_EQ(int64_t(a.steps[s].nvme_read_bytes),
+                  routed_parameter_reads(a.plan, a.steps[s].routing))
+            << cut->label() << ", step " << s + 1;
+    }
   }
 }
 
