@@ -599,7 +599,9 @@ TEST_F(CudaEngine, ExpertGroupsAndMlpPartsStayCloseToUncutRunsAndTheCpuBackend) 
       expect_close(a, train(whole), 1e-5, 1e-4, cut->label() + " against the uncut run");
       expect_close(a, train(cpu), 1e-5, 1e-4, cut->label() + " against the CPU backend");
       EXPECT_LE(a.rank_usage[0].peak, a.plan.peak(tiers::Tier::device) + (1 << 20)) << cut->label();
-      if (cut == &groups) EXPECT_TRUE(a.plan.routed_expert_fetch) << a.plan.expert_fetch_reason;
+      if (cut == &groups) {
+        EXPECT_TRUE(a.plan.routed_expert_fetch) << a.plan.expert_fetch_reason;
+      }
       if (!a.plan.routed_expert_fetch) continue;
       for (size_t s = 0; s < a.steps.size(); ++s)
         EXPECT_EQ(int64_t(a.steps[s].nvme_read_bytes),

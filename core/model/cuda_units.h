@@ -32,8 +32,11 @@
 // for a sparse layer: its forward waits for the stream once, to group the
 // routed rows on the host (each expert's product needs its row count) and
 // take the router statistics, its backward to upload the load-balancing
-// gradient when it is not the one the device holds already; route (routed
-// expert fetch) waits for the stream too. Every pointer is a device pointer.
+// gradient when it is not the one the device holds already; route and
+// route_from_chain (routed expert fetch) wait for the stream too. Cut into
+// groups, the router piece's forward waits once (the statistics), and each
+// group's forward and backward once (its routing, read from the chain): G + 1
+// waits per layer each way. Every pointer is a device pointer.
 // Parameters and activations are in the compute type (bf16, fp16, or fp32 for testing); parameter
 // gradients are fp32. A CudaUnits object is the working set of one (model, B, T, type): the
 // activations of one decoder layer, the backward's scratch and the head's

@@ -264,11 +264,14 @@ Status CudaUnits::router_piece_backward(const UnitLayout& unit, const void* w, f
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
   const int64_t router = unit.tensors[0].offset, norm = unit.tensors[1].offset;
+  const int64_t s = sparse_layer_index(c, unit.unit.layer);
   Buffers& b = *b_;
+  // The norm, the logits and the probabilities recomputed; the slots those
+  // the groups took their weights' gradients for, recorded in the chain.
   STRATA_CHECK(router_piece_forward(unit, w, chain, x2, nullptr, stream));
-  STRATA_CHECK(cuda::moe_router_backward(b.router_logits, b.probs, b.top_expert, b.top_weight,
-                                         chain.d_weight, aux_grad, N, E, K, c.norm_topk_prob, type_,
-                                         stream));
+  STRATA_CHECK(cuda::moe_router_backward(b.router_logits, b.probs, chain.top_expert + s * N * K,
+                                         chain.top_weight + s * N * K, chain.d_weight, aux_grad, N,
+                                         E, K, c.norm_topk_prob, type_, stream));
   STRATA_CHECK(cuda::cast(b.d_xn, type_, chain.sum, cuda::DType::f32, N * C, stream));
   STRATA_CHECK(matmuls_.backward(b.d_xn, g + router, b.router_logits, b.xn2, at(w, router), N, C, E,
                                  type_, stream));
@@ -287,15 +290,14 @@ Status CudaUnits::route_from_chain(int64_t u, const CudaUnitBatch& batch, uint8_
   const int64_t N = B_ * T_;
   Result<ExpertChain> chain = chain_of(c, N, batch, unit.unit);
   if (!chain) return chain.status();
-  // Every sparse layer's routing comes down, so the host reads it as the CPU's chain.
-  std::vector<int32_t> chosen(size_t(c.sparse_layer_count() * N * c.num_experts_per_tok));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(chosen.data(), chain->top_expert, chosen.size() * 4,
-                                                cudaMemcpyDeviceToHost, stream),
+  // The layer's routing alone comes down.
+  const int64_t K = c.num_experts_per_tok, s = sparse_layer_index(c, unit.unit.layer);
+  std::vector<int32_t> chosen(size_t(N * K));
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(chosen.data(), chain->top_expert + s * N * K,
+                                                chosen.size() * 4, cudaMemcpyDeviceToHost, stream),
                                 "reading the recorded routing"));
   STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
-  ExpertChain host;
-  host.top_expert = chosen.data();
-  const std::vector<uint8_t> routed = chain_routed_experts(layout_, u, host, N);
+  const std::vector<uint8_t> routed = group_routed_experts(layout_, u, chosen.data(), N);
   std::copy(routed.begin(), routed.end(), used);
   return Status::ok();
 }

@@ -801,11 +801,16 @@ std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const U
 std::vector<uint8_t> chain_routed_experts(const ModelLayout& model, int64_t u,
                                           const ExpertChain& chain, int64_t N) {
   const ModelConfig& c = model.config;
+  const int64_t sparse = sparse_layer_index(c, model.units[size_t(u)].unit.layer);
+  return group_routed_experts(model, u, chain.top_expert + sparse * N * c.num_experts_per_tok, N);
+}
+
+std::vector<uint8_t> group_routed_experts(const ModelLayout& model, int64_t u,
+                                          const int32_t* chosen, int64_t N) {
+  const ModelConfig& c = model.config;
   const ExpertBlocks experts = expert_blocks(model, u);
   const int64_t K = c.num_experts_per_tok;
   std::vector<uint8_t> routed(size_t(c.num_experts), 0);
-  const int32_t* chosen =
-      chain.top_expert + sparse_layer_index(c, model.units[size_t(u)].unit.layer) * N * K;
   for (int64_t i = 0; i < N * K; ++i)
     if (chosen[i] >= experts.first && chosen[i] < experts.first + experts.count)
       routed[size_t(chosen[i])] = 1;

@@ -401,6 +401,9 @@ std::vector<uint8_t> routed_experts(const ModelLayout& model, int64_t u, const U
 // router piece left in `chain` (its forward runs first).
 std::vector<uint8_t> chain_routed_experts(const ModelLayout& model, int64_t u,
                                           const ExpertChain& chain, int64_t N);
+// The same from the layer's routing alone: chosen (N, K), each token's experts.
+std::vector<uint8_t> group_routed_experts(const ModelLayout& model, int64_t u,
+                                          const int32_t* chosen, int64_t N);
 
 // A sparse layer's N K routed rows grouped by expert (by token within an
 // expert), from each token's K chosen experts top_expert (N, K) in [0, E):
