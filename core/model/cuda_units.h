@@ -217,9 +217,18 @@ class CudaUnits {
   // Sparse layer `sparse`'s routing as its router piece recorded it in the
   // chain, grouped on the host (which waits for the stream) and uploaded.
   Status load_chain_routing(int64_t sparse, const ExpertChain& chain, cudaStream_t stream);
-  // A group's experts over their routed rows of xn: inputs, products, outputs.
-  Status group_rows_forward(const ExpertBlocks& group, const void* w, const void* xn,
-                            cudaStream_t stream);
+  // The routing just computed (b.top_expert) and its probabilities' sums to
+  // the host (one wait), its rows grouped there; and the grouped rows uploaded.
+  Status routing_to_host(cudaStream_t stream);
+  Status upload_routed_rows(cudaStream_t stream);
+  // Experts [first, first + count) of `experts` (offset: expert first's
+  // gate in w and g) over their routed rows of xn: inputs, products,
+  // outputs; and their backward from the rows' output gradients in moe_y:
+  // their gradients (+=) and the rows' input gradients (d_moe_x).
+  Status expert_rows_forward(const ExpertBlocks& experts, const void* w, const void* xn,
+                             cudaStream_t stream);
+  Status expert_rows_backward(const ExpertBlocks& experts, const void* w, float* g,
+                              cudaStream_t stream);
   // Qwen3's RMSNorm on each head of q and k, in place in the qkv rows (the inputs
   // and rstd kept), and its backward in place in d_qkv; the norms' flat offsets.
   Status qk_norm_forward(const void* params, int64_t q_norm, int64_t k_norm, cudaStream_t stream);

@@ -19,7 +19,6 @@ Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* 
                               cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
-  const int64_t I = c.moe_intermediate_size, R = N * K;
   Buffers& b = *b_;
   // The router (its logits in the compute type, as transformers' gate), then
   // each token's experts and weights.
@@ -30,6 +29,39 @@ Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* 
   // The rows grouped by expert on the host: each expert's product needs its
   // row count there. The probabilities' sums (the router statistics') come
   // down in the same wait. The copies down and up keep the stream's order.
+  STRATA_CHECK(routing_to_host(stream));
+  STRATA_CHECK(upload_routed_rows(stream));
+  STRATA_CHECK(
+      expert_rows_forward(ExpertBlocks{.offset = o.experts, .count = E}, w, b.xn2, stream));
+  if (out == nullptr) return Status::ok();
+  return cuda::moe_combine(out, x2, b.moe_y, b.top_expert, b.row_of, b.top_weight, N, C, K, type_,
+                           stream);
+}
+
+Status CudaUnits::moe_backward(const LayerOffsets& o, const void* w, float* g, const void* dout,
+                               const float* aux_grad, cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
+  Buffers& b = *b_;
+  // The weights' gradient; the experts' outputs become their gradient.
+  STRATA_CHECK(cuda::moe_weight_backward(b.d_top_weight, b.moe_y, dout, b.row_of, b.top_weight, N,
+                                         C, K, type_, stream));
+  STRATA_CHECK(expert_rows_backward(ExpertBlocks{.offset = o.experts, .count = E}, w, g, stream));
+  // The router: the logits' gradient (in the logits' buffer), then d(xn2):
+  // the rows' input gradients in expert order, plus the router's product.
+  STRATA_CHECK(cuda::moe_router_backward(b.router_logits, b.probs, b.top_expert, b.top_weight,
+                                         b.d_top_weight, aux_grad, N, E, K, c.norm_topk_prob, type_,
+                                         stream));
+  STRATA_CHECK(
+      cuda::moe_sum_rows(b.d_xn, b.d_moe_x, b.top_expert, b.row_of, N, C, K, type_, stream));
+  return matmuls_.backward(b.d_xn, g + o.router, b.router_logits, b.xn2, at(w, o.router), N, C, E,
+                           type_, stream);
+}
+
+Status CudaUnits::routing_to_host(cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, E = c.num_experts, K = c.num_experts_per_tok;
+  Buffers& b = *b_;
   STRATA_CHECK(cuda::moe_prob_sums(b.prob_sums, b.probs, N, E, stream));
   STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), b.top_expert,
                                                 size_t(N * K) * 4, cudaMemcpyDeviceToHost, stream),
@@ -40,19 +72,37 @@ Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* 
   STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
   group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
                     b.host_row_token.data());
+  return Status::ok();
+}
+
+Status CudaUnits::upload_routed_rows(cudaStream_t stream) {
+  const int64_t R = B_ * T_ * layout_.config.num_experts_per_tok;
+  Buffers& b = *b_;
   // The host copies stay until the next routing, which waits for the stream
   // (so for these uploads) before it replaces them.
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_of, b.host_row_of.data(), size_t(N * K) * 4,
+  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_of, b.host_row_of.data(), size_t(R) * 4,
                                                 cudaMemcpyHostToDevice, stream),
                                 "uploading the routed rows"));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_token, b.host_row_token.data(), size_t(R) * 4,
-                                                cudaMemcpyHostToDevice, stream),
-                                "uploading the routed rows"));
-  STRATA_CHECK(cuda::moe_gather_rows(b.moe_x, b.xn2, b.row_token, R, N, C, type_, stream));
-  for (int64_t e = 0; e < E; ++e) {
+  return cuda::check_cuda(cudaMemcpyAsync(b.row_token, b.host_row_token.data(), size_t(R) * 4,
+                                          cudaMemcpyHostToDevice, stream),
+                          "uploading the routed rows");
+}
+
+Status CudaUnits::expert_rows_forward(const ExpertBlocks& experts, const void* w, const void* xn,
+                                      cudaStream_t stream) {
+  const ModelConfig& c = layout_.config;
+  const int64_t N = B_ * T_, C = c.hidden_size, I = c.moe_intermediate_size;
+  Buffers& b = *b_;
+  const int64_t end = experts.first + experts.count;
+  const int64_t r_begin = b.expert_begin[size_t(experts.first)];
+  const int64_t r_end = b.expert_begin[size_t(end)];
+  STRATA_CHECK(cuda::moe_gather_rows(at(b.moe_x, r_begin * C), xn, b.row_token + r_begin,
+                                     r_end - r_begin, N, C, type_, stream));
+  for (int64_t e = experts.first; e < end; ++e) {
     const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
     if (n == 0) continue;
-    const int64_t gate_up = o.experts + e * 3 * I * C, down = gate_up + 2 * I * C;
+    const int64_t gate_up = experts.offset + (e - experts.first) * 3 * I * C;
+    const int64_t down = gate_up + 2 * I * C;
     STRATA_CHECK(matmuls_.forward(at(b.moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
                                   at(w, gate_up), n, C, 2 * I, type_, false, stream));
     STRATA_CHECK(cuda::swiglu_forward(at(b.moe_act, r0 * I), at(b.moe_gate_up, r0 * 2 * I), n, I,
@@ -60,31 +110,29 @@ Status CudaUnits::moe_forward(const LayerOffsets& o, const void* w, const void* 
     STRATA_CHECK(matmuls_.forward(at(b.moe_y, r0 * C), at(b.moe_act, r0 * I), at(w, down), n, I, C,
                                   type_, false, stream));
   }
-  if (out == nullptr) return Status::ok();
-  return cuda::moe_combine(out, x2, b.moe_y, b.top_expert, b.row_of, b.top_weight, N, C, K, type_,
-                           stream);
+  return Status::ok();
 }
 
-Status CudaUnits::moe_backward(const LayerOffsets& o, const void* w, float* g, const void* dout,
-                               const float* aux_grad, cudaStream_t stream) {
+Status CudaUnits::expert_rows_backward(const ExpertBlocks& experts, const void* w, float* g,
+                                       cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, C = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
-  const int64_t I = c.moe_intermediate_size, R = N * K;
+  const int64_t C = c.hidden_size, I = c.moe_intermediate_size;
   const size_t ts = cuda::dtype_size(type_);
   Buffers& b = *b_;
-  auto zero = [&](void* buffer, int64_t elements) {
-    return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),
-                            "zeroing a gradient buffer");
-  };
-  // The weights' gradient; the experts' outputs become their gradient.
-  STRATA_CHECK(cuda::moe_weight_backward(b.d_top_weight, b.moe_y, dout, b.row_of, b.top_weight, N,
-                                         C, K, type_, stream));
-  STRATA_CHECK(zero(b.d_moe_act, R * I));
-  STRATA_CHECK(zero(b.d_moe_x, R * C));
-  for (int64_t e = 0; e < E; ++e) {
+  const int64_t end = experts.first + experts.count;
+  const int64_t r_begin = b.expert_begin[size_t(experts.first)];
+  const int64_t rows = b.expert_begin[size_t(end)] - r_begin;
+  STRATA_CHECK(cuda::check_cuda(
+      cudaMemsetAsync(at(b.d_moe_act, r_begin * I), 0, size_t(rows * I) * ts, stream),
+      "zeroing a gradient buffer"));
+  STRATA_CHECK(cuda::check_cuda(
+      cudaMemsetAsync(at(b.d_moe_x, r_begin * C), 0, size_t(rows * C) * ts, stream),
+      "zeroing a gradient buffer"));
+  for (int64_t e = experts.first; e < end; ++e) {
     const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
     if (n == 0) continue;  // its gradient stays as it was: zero from this micro-batch
-    const int64_t gate_up = o.experts + e * 3 * I * C, down = gate_up + 2 * I * C;
+    const int64_t gate_up = experts.offset + (e - experts.first) * 3 * I * C;
+    const int64_t down = gate_up + 2 * I * C;
     STRATA_CHECK(matmuls_.backward(at(b.d_moe_act, r0 * I), g + down, at(b.moe_y, r0 * C),
                                    at(b.moe_act, r0 * I), at(w, down), n, I, C, type_, stream));
     STRATA_CHECK(cuda::swiglu_backward(at(b.d_moe_gate_up, r0 * 2 * I), at(b.d_moe_act, r0 * I),
@@ -93,15 +141,7 @@ Status CudaUnits::moe_backward(const LayerOffsets& o, const void* w, float* g, c
                                    at(b.d_moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
                                    at(w, gate_up), n, C, 2 * I, type_, stream));
   }
-  // The router: the logits' gradient (in the logits' buffer), then d(xn2):
-  // the rows' input gradients in expert order, plus the router's product.
-  STRATA_CHECK(cuda::moe_router_backward(b.router_logits, b.probs, b.top_expert, b.top_weight,
-                                         b.d_top_weight, aux_grad, N, E, K, c.norm_topk_prob, type_,
-                                         stream));
-  STRATA_CHECK(
-      cuda::moe_sum_rows(b.d_xn, b.d_moe_x, b.top_expert, b.row_of, N, C, K, type_, stream));
-  return matmuls_.backward(b.d_xn, g + o.router, b.router_logits, b.xn2, at(w, o.router), N, C, E,
-                           type_, stream);
+  return Status::ok();
 }
 
 Status CudaUnits::route(int64_t u, const void* w, const void* input, uint8_t* used,

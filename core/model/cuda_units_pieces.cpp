@@ -124,17 +124,7 @@ Status CudaUnits::router_piece_forward(const UnitLayout& unit, const void* w,
                                 "zeroing the experts' sum"));
   STRATA_CHECK(copy_on(out, b.xn2, N * C * ts, stream, "handing on the normed rows"));
   // The router statistics, as moe_forward takes them: one wait.
-  STRATA_CHECK(cuda::moe_prob_sums(b.prob_sums, b.probs, N, E, stream));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), b.top_expert,
-                                                size_t(N * K) * 4, cudaMemcpyDeviceToHost, stream),
-                                "reading the routing"));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.host_prob_sums.data(), b.prob_sums, size_t(E) * 8,
-                                                cudaMemcpyDeviceToHost, stream),
-                                "reading the router's statistics"));
-  STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
-  group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
-                    b.host_row_token.data());
-  return Status::ok();
+  return routing_to_host(stream);
 }
 
 Status CudaUnits::load_chain_routing(int64_t sparse, const ExpertChain& chain,
@@ -150,36 +140,7 @@ Status CudaUnits::load_chain_routing(int64_t sparse, const ExpertChain& chain,
   STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
   group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
                     b.host_row_token.data());
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_of, b.host_row_of.data(), size_t(N * K) * 4,
-                                                cudaMemcpyHostToDevice, stream),
-                                "uploading the routed rows"));
-  return cuda::check_cuda(cudaMemcpyAsync(b.row_token, b.host_row_token.data(), size_t(N * K) * 4,
-                                          cudaMemcpyHostToDevice, stream),
-                          "uploading the routed rows");
-}
-
-Status CudaUnits::group_rows_forward(const ExpertBlocks& group, const void* w, const void* xn,
-                                     cudaStream_t stream) {
-  const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, C = c.hidden_size, I = c.moe_intermediate_size;
-  Buffers& b = *b_;
-  const int64_t end = group.first + group.count;
-  const int64_t r_begin = b.expert_begin[size_t(group.first)], r_end = b.expert_begin[size_t(end)];
-  STRATA_CHECK(cuda::moe_gather_rows(at(b.moe_x, r_begin * C), xn, b.row_token + r_begin,
-                                     r_end - r_begin, N, C, type_, stream));
-  for (int64_t e = group.first; e < end; ++e) {
-    const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
-    if (n == 0) continue;
-    const int64_t gate_up = group.offset + (e - group.first) * 3 * I * C,
-                  down = gate_up + 2 * I * C;
-    STRATA_CHECK(matmuls_.forward(at(b.moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
-                                  at(w, gate_up), n, C, 2 * I, type_, false, stream));
-    STRATA_CHECK(cuda::swiglu_forward(at(b.moe_act, r0 * I), at(b.moe_gate_up, r0 * 2 * I), n, I,
-                                      type_, stream));
-    STRATA_CHECK(matmuls_.forward(at(b.moe_y, r0 * C), at(b.moe_act, r0 * I), at(w, down), n, I, C,
-                                  type_, false, stream));
-  }
-  return Status::ok();
+  return upload_routed_rows(stream);
 }
 
 // A group: its experts' weighted outputs added to the chain's sum (the
@@ -194,7 +155,7 @@ Status CudaUnits::expert_group_forward(int64_t u, const void* w, const ExpertCha
   const int64_t s = sparse_layer_index(c, unit.unit.layer);
   const bool last = unit.unit.expert_group == c.expert_groups - 1;
   STRATA_CHECK(load_chain_routing(s, chain, stream));
-  STRATA_CHECK(group_rows_forward(group, w, xn, stream));
+  STRATA_CHECK(expert_rows_forward(group, w, xn, stream));
   if (out == nullptr) return Status::ok();
   STRATA_CHECK(cuda::moe_combine_experts(chain.sum, last ? out : nullptr, chain.rows, b_->moe_y,
                                          chain.top_expert + s * N * K, b_->row_of,
@@ -215,7 +176,6 @@ Status CudaUnits::expert_group_backward(int64_t u, const void* w, float* g,
   const ModelConfig& c = layout_.config;
   const UnitLayout& unit = layout_.units[size_t(u)];
   const int64_t N = B_ * T_, C = c.hidden_size, K = c.num_experts_per_tok;
-  const int64_t I = c.moe_intermediate_size;
   const size_t ts = cuda::dtype_size(type_);
   const ExpertBlocks group = expert_blocks(layout_, u);
   const int64_t s = sparse_layer_index(c, unit.unit.layer), end = group.first + group.count;
@@ -224,31 +184,12 @@ Status CudaUnits::expert_group_backward(int64_t u, const void* w, float* g,
   // The rows' activations, recomputed whatever `recompute` says: the
   // workspace holds one routing, and the last forward's may be another layer's.
   STRATA_CHECK(load_chain_routing(s, chain, stream));
-  STRATA_CHECK(group_rows_forward(group, w, xn, stream));
+  STRATA_CHECK(expert_rows_forward(group, w, xn, stream));
   const int32_t* top = chain.top_expert + s * N * K;
   STRATA_CHECK(cuda::moe_weight_backward_experts(chain.d_weight, b.moe_y, dout, top, b.row_of,
                                                  chain.top_weight + s * N * K, group.first, end, N,
                                                  C, K, type_, stream));
-  const int64_t r_begin = b.expert_begin[size_t(group.first)], r_end = b.expert_begin[size_t(end)];
-  STRATA_CHECK(cuda::check_cuda(
-      cudaMemsetAsync(at(b.d_moe_act, r_begin * I), 0, size_t((r_end - r_begin) * I) * ts, stream),
-      "zeroing a gradient buffer"));
-  STRATA_CHECK(cuda::check_cuda(
-      cudaMemsetAsync(at(b.d_moe_x, r_begin * C), 0, size_t((r_end - r_begin) * C) * ts, stream),
-      "zeroing a gradient buffer"));
-  for (int64_t e = group.first; e < end; ++e) {
-    const int64_t r0 = b.expert_begin[size_t(e)], n = b.expert_begin[size_t(e) + 1] - r0;
-    if (n == 0) continue;  // its gradient stays as it was: zero from this micro-batch
-    const int64_t gate_up = group.offset + (e - group.first) * 3 * I * C,
-                  down = gate_up + 2 * I * C;
-    STRATA_CHECK(matmuls_.backward(at(b.d_moe_act, r0 * I), g + down, at(b.moe_y, r0 * C),
-                                   at(b.moe_act, r0 * I), at(w, down), n, I, C, type_, stream));
-    STRATA_CHECK(cuda::swiglu_backward(at(b.d_moe_gate_up, r0 * 2 * I), at(b.d_moe_act, r0 * I),
-                                       at(b.moe_gate_up, r0 * 2 * I), n, I, type_, stream));
-    STRATA_CHECK(matmuls_.backward(at(b.d_moe_x, r0 * C), g + gate_up,
-                                   at(b.d_moe_gate_up, r0 * 2 * I), at(b.moe_x, r0 * C),
-                                   at(w, gate_up), n, C, 2 * I, type_, stream));
-  }
+  STRATA_CHECK(expert_rows_backward(group, w, g, stream));
   STRATA_CHECK(cuda::moe_add_rows(chain.sum, !last, b.d_moe_x, top, b.row_of, group.first, end, N,
                                   C, K, type_, stream));
   return copy_on(dx, dout, N * C * int64_t(ts), stream, "handing on the output gradient");

@@ -330,15 +330,22 @@ Status moe_gather_rows(void* rows, const void* x, const int32_t* row_token, int6
 // whole or over a group of experts.
 namespace {
 
+// The shape of a launch of one block per token over experts [first, end).
+Status check_token_blocks(const char* kernel, DType type, const std::string& shape, int64_t N,
+                          int64_t C, int64_t K, int64_t first, int64_t end) {
+  if (N < 0 || C <= 0 || N > INT32_MAX || first < 0 || end < first || end > INT32_MAX) {
+    return argument_error(kernel, type, shape, "bad shape");
+  }
+  return check_top_k(kernel, type, shape, K, kMoeMaxTopK);
+}
+
 Status combine(const char* kernel, void* out, float* sum, const void* x2, const void* y,
                const int32_t* top_expert, const int32_t* row_of, const float* top_weight,
                int64_t first, int64_t end, int64_t N, int64_t C, int64_t K, DType type,
                cudaStream_t stream) {
   const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
-  if (N < 0 || C <= 0 || N > INT32_MAX || first < 0 || end < first || end > INT32_MAX) {
-    return argument_error(kernel, type, shape, "bad shape");
-  }
-  if (Status status = check_top_k(kernel, type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+  if (Status status = check_token_blocks(kernel, type, shape, N, C, K, first, end);
+      !status.is_ok()) {
     return status;
   }
   if (N == 0) return Status::ok();
@@ -377,10 +384,8 @@ Status sum_rows(const char* kernel, void* dx, float* sum, bool accumulate, const
                 const int32_t* top_expert, const int32_t* row_of, int64_t first, int64_t end,
                 int64_t N, int64_t C, int64_t K, DType type, cudaStream_t stream) {
   const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
-  if (N < 0 || C <= 0 || N > INT32_MAX || first < 0 || end < first || end > INT32_MAX) {
-    return argument_error(kernel, type, shape, "bad shape");
-  }
-  if (Status status = check_top_k(kernel, type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+  if (Status status = check_token_blocks(kernel, type, shape, N, C, K, first, end);
+      !status.is_ok()) {
     return status;
   }
   if (N == 0) return Status::ok();
