@@ -152,11 +152,13 @@ std::vector<uint8_t> experts_read_ahead(const TrainingPlan& plan, int fetch,
 }
 
 std::vector<ByteRange> fetch_ranges(const TrainingPlan& plan, int unit,
-                                    const std::vector<uint8_t>& experts, uint64_t alignment) {
+                                    const std::vector<uint8_t>& experts, uint64_t alignment,
+                                    bool apart) {
   std::vector<ByteRange> ranges = fetched_ahead(plan, unit, alignment);
   std::vector<uint8_t> loaded(experts.size(), 0);
-  for (const ByteRange& r : expert_reads(plan, unit, experts, loaded, alignment))
+  for (const ByteRange& r : expert_reads(plan, unit, experts, loaded, alignment, apart))
     ranges.push_back(r);
+  if (apart) return ranges;
   std::sort(ranges.begin(), ranges.end(),
             [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
   std::vector<ByteRange> merged;
@@ -173,7 +175,7 @@ std::vector<ByteRange> fetch_ranges(const TrainingPlan& plan, int unit,
 
 std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
                                     const std::vector<uint8_t>& needed,
-                                    std::vector<uint8_t>& loaded, uint64_t alignment) {
+                                    std::vector<uint8_t>& loaded, uint64_t alignment, bool apart) {
   const ExpertBlocks experts = expert_blocks(plan.layout, unit);
   const uint64_t cb = uint64_t(plan.compute_bytes);
   std::vector<ByteRange> ranges;
@@ -184,7 +186,7 @@ std::vector<ByteRange> expert_reads(const TrainingPlan& plan, int unit,
     const uint64_t first = uint64_t(experts.offset + e * experts.numel) * cb;
     const uint64_t begin = first / alignment * alignment;
     const uint64_t end = round_up(first + uint64_t(experts.numel) * cb, alignment);
-    if (!ranges.empty() && ranges.back().offset + ranges.back().bytes >= begin)
+    if (!apart && !ranges.empty() && ranges.back().offset + ranges.back().bytes >= begin)
       ranges.back().bytes = end - ranges.back().offset;
     else
       ranges.push_back({begin, end - begin});
@@ -208,6 +210,7 @@ OpReads routed_reads(const TrainingPlan& plan, const StepRouting* routing) {
   out.reads.assign(plan.ops.size(), 0);
   const uint64_t alignment = plan.input.nvme_alignment;
   const bool one_rank = plan.input.world_size == 1;
+  const bool apart = routing == nullptr;  // the worst case: each expert's blocks apart
   const size_t E = size_t(plan.layout.config.num_experts);
   const std::vector<uint8_t> every(E, 1);
   std::vector<std::vector<uint8_t>> loaded(plan.ops.size());  // by gather op
@@ -222,7 +225,7 @@ OpReads routed_reads(const TrainingPlan& plan, const StepRouting* routing) {
     }
     if (op.kind == OpKind::fetch) {
       out.ranges[i] =
-          fetch_ranges(plan, op.unit, experts_read_ahead(plan, int(i), routing), alignment);
+          fetch_ranges(plan, op.unit, experts_read_ahead(plan, int(i), routing), alignment, apart);
       out.reads[i] = 1;
     }
     // One rank's computations read their experts; several ranks' shares do.
@@ -235,7 +238,7 @@ OpReads routed_reads(const TrainingPlan& plan, const StepRouting* routing) {
     if (have.empty()) have.assign(E, 0);
     const std::vector<uint8_t>& needed =
         routing != nullptr ? (*routing)[size_t(op.unit)][size_t(op.micro)] : every;
-    out.ranges[i] = expert_reads(plan, op.unit, needed, have, alignment);
+    out.ranges[i] = expert_reads(plan, op.unit, needed, have, alignment, apart);
     out.reads[i] = 1;
   }
   return out;

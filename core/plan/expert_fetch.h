@@ -116,23 +116,32 @@ std::vector<uint8_t> experts_read_ahead(const TrainingPlan& plan, int fetch,
                                         const StepRouting* routing);
 
 // The ranges unit u's fetch reads: fetched_ahead and the `experts` ([E])
-// read ahead, merged (a block the two share is read once).
+// read ahead, merged (a block the two share is read once). `apart`: each
+// expert's whole blocks and fetched_ahead's as ranges of their own, a block
+// they share in each (the counts of the worst case, below).
 std::vector<tiers::ByteRange> fetch_ranges(const TrainingPlan& plan, int unit,
-                                           const std::vector<uint8_t>& experts, uint64_t alignment);
+                                           const std::vector<uint8_t>& experts, uint64_t alignment,
+                                           bool apart = false);
 
 // The ranges a computation reads for the `needed` experts not yet `loaded`
-// (both [E]); marks them loaded.
+// (both [E]); marks them loaded. Adjacent experts' blocks merge (a block
+// two of them share is read once), unless `apart`.
 std::vector<tiers::ByteRange> expert_reads(const TrainingPlan& plan, int unit,
                                            const std::vector<uint8_t>& needed,
-                                           std::vector<uint8_t>& loaded, uint64_t alignment);
+                                           std::vector<uint8_t>& loaded, uint64_t alignment,
+                                           bool apart = false);
 
 // Per operation of plan.ops, the NVMe bytes rank `rank` reads of routed
-// experts for `routing`, or for the worst case (every expert routed) when
-// null: a computation's (one rank) or a share's (several) reads, and a
-// fetch's reads beyond its own bytes. A routed fetch's bytes are the fewest
-// any rank's fetch reads of the rest (fetched_ahead; at one rank all of it).
-// rank -1: at each operation the most any rank reads, as the plan's traffic
-// counts it (at several ranks a bound on every rank's sum, not one rank's).
+// experts for `routing`, or for the worst case when null: every expert
+// routed, each expert's blocks counted apart. (Where experts do not fill
+// whole NVMe blocks, a block two experts share, or an expert and the
+// fetch's read-ahead, is read once by each when they are read at different
+// operations, and a routing that spreads them over a gather's micro-batches
+// reads it twice; counted apart, the worst case bounds every routing.) a computation's (one rank)
+// or a share's (several) reads, and a fetch's reads beyond its own bytes. A routed fetch's bytes
+// are the fewest any rank's fetch reads of the rest (fetched_ahead; at one rank all of it). rank
+// -1: at each operation the most any rank reads, as the plan's traffic counts it (at several ranks
+// a bound on every rank's sum, not one rank's).
 std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
                                                 const StepRouting* routing, int rank = -1);
 
