@@ -435,7 +435,9 @@ TEST_F(EngineExpertUpdate, NoStepMovesMoreThanThePlansWorstCase) {
           }
           const std::string at =
               fmt::format("{} ranks, {} micro-batches, intermediate {}", world, G, intermediate);
-          EXPECT_GT(most.read, worst.nvme_read * 8 / 10) << at;
+          // (The reads' worst case counts each expert's blocks apart, a block
+          // two of these experts share twice: within 7/10, not 8/10.)
+          EXPECT_GT(most.read, worst.nvme_read * 7 / 10) << at;
           EXPECT_GT(most.written, worst.nvme_written * 8 / 10) << at;
           if (G > 1) {
             EXPECT_GT(apart.written, at_once.written) << at << ": the split shows nothing";
