@@ -132,16 +132,18 @@ std::vector<tiers::ByteRange> expert_reads(const TrainingPlan& plan, int unit,
                                            bool apart = false);
 
 // Per operation of plan.ops, the NVMe bytes rank `rank` reads of routed
-// experts for `routing`, or for the worst case when null: every expert
-// routed, each expert's blocks counted apart. (Where experts do not fill
-// whole NVMe blocks, a block two experts share, or an expert and the
-// fetch's read-ahead, is read once by each when they are read at different
-// operations, and a routing that spreads them over a gather's micro-batches
-// reads it twice; counted apart, the worst case bounds every routing.) a computation's (one rank)
-// or a share's (several) reads, and a fetch's reads beyond its own bytes. A routed fetch's bytes
-// are the fewest any rank's fetch reads of the rest (fetched_ahead; at one rank all of it). rank
-// -1: at each operation the most any rank reads, as the plan's traffic counts it (at several ranks
-// a bound on every rank's sum, not one rank's).
+// experts for `routing`, or for the worst case when null: a computation's
+// (one rank) or a share's (several) reads, and a fetch's reads beyond its
+// own bytes. A routed fetch's bytes are the fewest any rank's fetch reads
+// of the rest (fetched_ahead; at one rank all of it). rank -1: at each
+// operation the most any rank reads, as the plan's traffic counts it (at
+// several ranks a bound on every rank's sum, not one rank's).
+// The worst case: every expert routed, each expert's blocks counted apart.
+// Where experts do not fill whole NVMe blocks, a block two experts share
+// (or an expert and the fetch's read-ahead) is read once by each when they
+// are read at different operations, so a routing that spreads them over a
+// gather's micro-batches reads it twice; counted apart, the worst case
+// bounds every routing.
 std::vector<int64_t> routed_expert_reads_per_op(const TrainingPlan& plan,
                                                 const StepRouting* routing, int rank = -1);
 
