@@ -209,13 +209,15 @@ class CudaUnits {
                               void* out, cudaStream_t stream);
   Status expert_group_backward(int64_t u, const void* w, float* g, const ExpertChain& chain,
                                const void* xn, const void* dout, void* dx, cudaStream_t stream);
-  Status mlp_part_forward(const UnitLayout& unit, const void* w, const ExpertChain& chain,
-                          const void* x, void* out, cudaStream_t stream);
-  Status mlp_part_backward(const UnitLayout& unit, const void* w, float* g,
-                           const ExpertChain& chain, const void* x, const void* dout, void* dx,
-                           bool recompute, cudaStream_t stream);
+  Status mlp_part_forward(int64_t u, const void* w, const ExpertChain& chain, const void* x,
+                          void* out, cudaStream_t stream);
+  Status mlp_part_backward(int64_t u, const void* w, float* g, const ExpertChain& chain,
+                           const void* x, const void* dout, void* dx, bool recompute,
+                           cudaStream_t stream);
   // Sparse layer `sparse`'s routing as its router piece recorded it in the
-  // chain, grouped on the host (which waits for the stream) and uploaded.
+  // chain, in b.host_top_expert (the host waits for the stream); and
+  // besides grouped there and the grouped rows uploaded.
+  Status read_chain_routing(int64_t sparse, const ExpertChain& chain, cudaStream_t stream);
   Status load_chain_routing(int64_t sparse, const ExpertChain& chain, cudaStream_t stream);
   // The routing just computed (b.top_expert) and its probabilities' sums to
   // the host (one wait), its rows grouped there; and the grouped rows uploaded.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/model/cuda_units_buffers.h"
+#include "core/model/mlp_part_kernels.h"
 
 namespace strata {
 namespace cuda = kernels::cuda;
@@ -37,25 +38,6 @@ Status copy_on(void* to, const void* from, int64_t bytes, cudaStream_t stream, c
       cudaMemcpyAsync(to, from, size_t(bytes), cudaMemcpyDeviceToDevice, stream), what);
 }
 
-// Where an MLP part's tensors lie in its flat buffer (add_layer_slots: gate,
-// up, down, then part 0's norm), as core/model/mlp_parts.cpp reads them.
-struct MlpPart {
-  int64_t rows = 0;  // of gate_proj (and up_proj, and columns of down_proj)
-  int64_t gate_up = 0, down = 0, norm = -1;
-  bool first = false, last = false;
-};
-
-MlpPart mlp_part(const ModelConfig& c, const UnitLayout& unit) {
-  MlpPart part;
-  part.rows = unit.tensors[0].shape[0];
-  part.gate_up = unit.tensors[0].offset;
-  part.down = unit.tensors[2].offset;
-  part.first = unit.unit.mlp_part == 0;
-  part.last = unit.unit.mlp_part == c.mlp_parts - 1;
-  if (part.first) part.norm = unit.tensors[3].offset;
-  return part;
-}
-
 }  // namespace
 
 Status CudaUnits::piece_forward(int64_t u, const void* w, const CudaUnitBatch& batch, const void* x,
@@ -69,7 +51,7 @@ Status CudaUnits::piece_forward(int64_t u, const void* w, const CudaUnitBatch& b
     case LayerPiece::experts:
       return expert_group_forward(u, w, *chain, x, out, stream);
     case LayerPiece::mlp_part:
-      return mlp_part_forward(unit, w, *chain, x, out, stream);
+      return mlp_part_forward(u, w, *chain, x, out, stream);
     default:
       return Status::error(fmt::format("{}: not a piece of an MLP", unit.unit.name));
   }
@@ -87,7 +69,7 @@ Status CudaUnits::piece_backward(int64_t u, const void* w, float* g, const CudaU
     case LayerPiece::experts:
       return expert_group_backward(u, w, g, *chain, x, dout, dx, stream);
     case LayerPiece::mlp_part:
-      return mlp_part_backward(unit, w, g, *chain, x, dout, dx, recompute, stream);
+      return mlp_part_backward(u, w, g, *chain, x, dout, dx, recompute, stream);
     default:
       return Status::error(fmt::format("{}: not a piece of an MLP", unit.unit.name));
   }
@@ -127,19 +109,25 @@ Status CudaUnits::router_piece_forward(const UnitLayout& unit, const void* w,
   return routing_to_host(stream);
 }
 
+Status CudaUnits::read_chain_routing(int64_t sparse, const ExpertChain& chain,
+                                     cudaStream_t stream) {
+  const int64_t NK = B_ * T_ * layout_.config.num_experts_per_tok;
+  Buffers& b = *b_;
+  // The wait also covers the last uploads from the host copies grouped from it.
+  STRATA_CHECK(
+      cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), chain.top_expert + sparse * NK,
+                                       size_t(NK) * 4, cudaMemcpyDeviceToHost, stream),
+                       "reading the recorded routing"));
+  return cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing");
+}
+
 Status CudaUnits::load_chain_routing(int64_t sparse, const ExpertChain& chain,
                                      cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
-  const int64_t N = B_ * T_, E = c.num_experts, K = c.num_experts_per_tok;
   Buffers& b = *b_;
-  // The wait also covers the last uploads from the host copies replaced here.
-  STRATA_CHECK(
-      cuda::check_cuda(cudaMemcpyAsync(b.host_top_expert.data(), chain.top_expert + sparse * N * K,
-                                       size_t(N * K) * 4, cudaMemcpyDeviceToHost, stream),
-                       "reading the recorded routing"));
-  STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
-  group_routed_rows(b.host_top_expert.data(), N, K, E, b.expert_begin.data(), b.host_row_of.data(),
-                    b.host_row_token.data());
+  STRATA_CHECK(read_chain_routing(sparse, chain, stream));
+  group_routed_rows(b.host_top_expert.data(), B_ * T_, c.num_experts_per_tok, c.num_experts,
+                    b.expert_begin.data(), b.host_row_of.data(), b.host_row_token.data());
   return upload_routed_rows(stream);
 }
 
@@ -232,13 +220,9 @@ Status CudaUnits::route_from_chain(int64_t u, const CudaUnitBatch& batch, uint8_
   Result<ExpertChain> chain = chain_of(c, N, batch, unit.unit);
   if (!chain) return chain.status();
   // The layer's routing alone comes down.
-  const int64_t K = c.num_experts_per_tok, s = sparse_layer_index(c, unit.unit.layer);
-  std::vector<int32_t> chosen(size_t(N * K));
-  STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(chosen.data(), chain->top_expert + s * N * K,
-                                                chosen.size() * 4, cudaMemcpyDeviceToHost, stream),
-                                "reading the recorded routing"));
-  STRATA_CHECK(cuda::check_cuda(cudaStreamSynchronize(stream), "waiting for the routing"));
-  const std::vector<uint8_t> routed = group_routed_experts(layout_, u, chosen.data(), N);
+  STRATA_CHECK(read_chain_routing(sparse_layer_index(c, unit.unit.layer), *chain, stream));
+  const std::vector<uint8_t> routed =
+      group_routed_experts(layout_, u, b_->host_top_expert.data(), N);
   std::copy(routed.begin(), routed.end(), used);
   return Status::ok();
 }
@@ -249,12 +233,12 @@ Status CudaUnits::route_from_chain(int64_t u, const CudaUnitBatch& batch, uint8_
 // every part computes its rows' SwiGLU and adds its down product, rounded
 // to the compute type, to the chain's fp32 sum (part 0 from zero); the last
 // outputs x2 + sum, one rounding.
-Status CudaUnits::mlp_part_forward(const UnitLayout& unit, const void* w, const ExpertChain& chain,
+Status CudaUnits::mlp_part_forward(int64_t u, const void* w, const ExpertChain& chain,
                                    const void* x, void* out, cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size;
   const int64_t ts = int64_t(cuda::dtype_size(type_));
-  const MlpPart p = mlp_part(c, unit);
+  const MlpPart p = mlp_part(layout_, u);
   Buffers& b = *b_;
   const void* xn = x;
   if (p.first) {
@@ -278,15 +262,15 @@ Status CudaUnits::mlp_part_forward(const UnitLayout& unit, const void* w, const 
 // unchanged from the last part down): its gradients, and its part of the
 // normed rows' gradient added to the chain's fp32 sum (the last part's from
 // zero); part 0 rounds the sum once and takes it through the norm into dx.
-Status CudaUnits::mlp_part_backward(const UnitLayout& unit, const void* w, float* g,
-                                    const ExpertChain& chain, const void* x, const void* dout,
-                                    void* dx, bool recompute, cudaStream_t stream) {
+Status CudaUnits::mlp_part_backward(int64_t u, const void* w, float* g, const ExpertChain& chain,
+                                    const void* x, const void* dout, void* dx, bool recompute,
+                                    cudaStream_t stream) {
   const ModelConfig& c = layout_.config;
   const int64_t N = B_ * T_, C = c.hidden_size;
   const size_t ts = cuda::dtype_size(type_);
-  const MlpPart p = mlp_part(c, unit);
+  const MlpPart p = mlp_part(layout_, u);
   Buffers& b = *b_;
-  if (recompute) STRATA_CHECK(mlp_part_forward(unit, w, chain, x, nullptr, stream));
+  if (recompute) STRATA_CHECK(mlp_part_forward(u, w, chain, x, nullptr, stream));
   const void* xn = p.first ? b.xn2 : x;
   auto zero = [&](void* buffer, int64_t elements) {
     return cuda::check_cuda(cudaMemsetAsync(buffer, 0, size_t(elements) * ts, stream),

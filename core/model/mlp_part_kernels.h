@@ -25,6 +25,15 @@
 
 namespace strata {
 
+// Where a part's tensors lie in its flat buffer (add_layer_slots: gate, up,
+// down, then part 0's norm), in elements; both backends' parts read it.
+struct MlpPart {
+  int64_t rows = 0;  // of gate_proj (and up_proj, and columns of down_proj)
+  int64_t gate_up = 0, down = 0, norm = -1;
+  bool first = false, last = false;
+};
+MlpPart mlp_part(const ModelLayout& model, int64_t u);
+
 struct MlpPartKernels {
   // Unit u's forward from `input` (part 0: x2; the others: the normed
   // rows). No `out`: the recomputation of a backward, which leaves the

@@ -9,15 +9,6 @@
 
 namespace strata {
 namespace cpu = kernels::cpu;
-namespace {
-
-// Where a part's tensors lie in its flat buffer (add_layer_slots: gate, up,
-// down, then part 0's norm).
-struct MlpPart {
-  int64_t rows = 0;  // of gate_proj (and up_proj, and columns of down_proj)
-  int64_t gate_up = 0, down = 0, norm = -1;
-  bool first = false, last = false;
-};
 
 MlpPart mlp_part(const ModelLayout& model, int64_t u) {
   const UnitLayout& layout = model.units[size_t(u)];
@@ -30,8 +21,6 @@ MlpPart mlp_part(const ModelLayout& model, int64_t u) {
   if (part.first) part.norm = layout.tensors[3].offset;
   return part;
 }
-
-}  // namespace
 
 void MlpPartKernels::forward(const ModelLayout& model, int64_t u, const float* flat,
                              const float* input, float* out, const ExpertChain& chain,

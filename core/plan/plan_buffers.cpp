@@ -164,10 +164,8 @@ class BufferListing {
     // A sparse layer's expert groups, or a dense MLP's parts, hand on their
     // chain (ExpertChain) from a micro-batch's forwards to its backwards.
     if (uses_expert_chain(in.model))
-      add(R::gpu_expert_chain, O::gpu,
-          copies_name(in.model.expert_groups > 1 ? "expert groups' chain and routing"
-                                                 : "MLP parts' residual and sum"),
-          Tier::device, f32, copies, expert_chain_floats(in.model, N));
+      add(R::gpu_expert_chain, O::gpu, chain_name(), Tier::device, f32, copies,
+          expert_chain_floats(in.model, N));
     add(R::gpu_matmul_workspace, O::gpu, "cuBLASLt workspace", Tier::device, byte, 1,
         kGpuMatmulWorkspaceBytes);
     add_spill_buffers(compute, cb);
@@ -212,10 +210,8 @@ class BufferListing {
     // from a micro-batch's forwards to its backwards; a dense layer's MLP
     // parts, the residual and the sum.
     if (uses_expert_chain(in.model))
-      add(R::expert_chain, O::rank,
-          copies_name(in.model.expert_groups > 1 ? "expert groups' chain and routing"
-                                                 : "MLP parts' residual and sum"),
-          kept, f32, copies, expert_chain_floats(in.model, N));
+      add(R::expert_chain, O::rank, chain_name(), kept, f32, copies,
+          expert_chain_floats(in.model, N));
     add_spill_buffers(f32, 4);
     add(R::tokens_and_targets, O::rank, "tokens and targets", Tier::device, i32, 1,
         2 * N * in.grad_accum);
@@ -344,6 +340,11 @@ class BufferListing {
   // "activation gradient (8 micro-batches)" in the layer-major schedule.
   std::string copies_name(const char* what) const {
     return copies == 1 ? std::string(what) : fmt::format("{} ({} micro-batches)", what, copies);
+  }
+  // The chain a sparse layer's pieces, or a dense MLP's parts, hand on (ExpertChain).
+  std::string chain_name() const {
+    return copies_name(in.model.expert_groups > 1 ? "expert groups' chain and routing"
+                                                  : "MLP parts' residual and sum");
   }
 };
 
