@@ -1,9 +1,11 @@
 // The step-time model (core/plan/step_model.h): the simulator on hand-made
 // DAGs whose step times are worked out by hand in each test, the lane
 // executor's order on a real plan, the cost of an operation from its bytes
-// and FLOPs, and hardware profiles (presets, files, one-line errors).
+// and FLOPs, the CUDA units' launches and host waits (gpu_launches.h), and
+// hardware profiles (presets, files, one-line errors).
 #include "core/plan/step_model.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <map>
@@ -11,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/engine/lane_executor.h"
+#include "core/plan/gpu_launches.h"
 #include "core/plan/planner.h"
 
 namespace strata {
@@ -328,6 +331,158 @@ TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
 
 // Ranks of one process share the CPU's cores at the probe's measured shares,
 // the last one's aggregate split further beyond them, evenly without them.
+// A small mixture on the CUDA backend: 16 experts of 32 rows, top 2, its
+// micro-batch of 64 tokens; `groups` groups of experts (1: the MLP piece
+// whole), the load-balancing loss in the objective.
+Result<TrainingPlan> gpu_mixture_plan(int64_t groups, int64_t tokens = 64) {
+  PlanInput in = tiny_input(0, 1, Schedule::micro_batch);
+  ModelConfig& m = in.model;
+  m.family = ModelFamily::qwen3_moe;
+  m.num_experts = 16;
+  m.num_experts_per_tok = 2;
+  m.moe_intermediate_size = 32;
+  m.output_router_logits = true;
+  m.router_aux_loss_coef = 0.01;
+  m.layer_pieces = 2;
+  m.expert_groups = groups;
+  in.layer_pieces_auto = in.expert_groups_auto = false;
+  in.seq_len = tokens / in.micro_batch;
+  in.gpu = true;
+  in.precision = Precision::bf16;
+  return plan_training(in);
+}
+
+TEST(GpuLaunches, AnEvenRoutingReachesWhatOneTokenAndManyTokensReach) {
+  ModelConfig m = *load_model_config("tiny");
+  m.num_experts = 16;
+  m.num_experts_per_tok = 2;
+  // One token reaches exactly k experts: a piece of e of the E, k e / E of them.
+  EXPECT_DOUBLE_EQ(expected_experts_reached(m, 1, 16), 2.0);
+  EXPECT_DOUBLE_EQ(expected_experts_reached(m, 1, 4), 0.5);
+  // Two tokens: each expert missed by both with probability (7/8)^2.
+  EXPECT_DOUBLE_EQ(expected_experts_reached(m, 2, 16), 16 * (1 - 49.0 / 64));
+  // Many tokens reach every expert; a dense model none.
+  EXPECT_NEAR(expected_experts_reached(m, 4096, 16), 16.0, 1e-9);
+  m.num_experts = 0;
+  EXPECT_EQ(expected_experts_reached(m, 4096, 16), 0.0);
+}
+
+// The CUDA units wait for the routing once per sparse layer forward, and
+// in expert groups once per piece: G + 1 forward, G backward (the router
+// piece recomputes its routing without a wait), the load-balancing
+// gradient's upload once per micro-batch; the unit before the head keeps
+// its forward's routing. The experts' products are the
+// same whole or in groups; the groups add their chain's copies.
+TEST(GpuLaunches, ASparseLayerWaitsOncePerPieceThatNeedsItsRouting) {
+  for (const int64_t groups : {1, 4}) {
+    Result<TrainingPlan> plan = gpu_mixture_plan(groups);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    const ModelConfig& m = plan->layout.config;
+    const int64_t layers = m.num_hidden_layers;
+    std::vector<int> forward_waits(size_t(layers), 0), backward_waits(size_t(layers), 0);
+    std::vector<double> forward_kernels(size_t(layers), 0);
+    for (const PlanOp& op : plan->ops) {
+      const UnitShape& unit = plan->layout.units[size_t(op.unit < 0 ? 0 : op.unit)].unit;
+      const GpuLaunches l = gpu_launches(*plan, op);
+      if (op.kind != OpKind::forward && op.kind != OpKind::backward) {
+        EXPECT_EQ(l.kernels, 0) << op.text();
+        EXPECT_EQ(l.waits, 0) << op.text();
+        continue;
+      }
+      EXPECT_GT(l.kernels, 0) << op.text();
+      if (unit.kind != UnitKind::decoder_layer) {
+        EXPECT_EQ(l.waits, 0) << op.text();
+        continue;
+      }
+      if (unit.piece == LayerPiece::attention) {
+        EXPECT_EQ(l.waits, 0) << op.text();
+      }
+      if (op.kind == OpKind::forward) {
+        forward_waits[size_t(unit.layer)] += l.waits;
+        if (unit.piece != LayerPiece::attention) forward_kernels[size_t(unit.layer)] += l.kernels;
+      } else {
+        backward_waits[size_t(unit.layer)] += l.waits;
+      }
+    }
+    const double R = expected_experts_reached(m, plan->tokens_per_micro, 16);
+    EXPECT_GT(R, 14.0);  // 64 tokens at top 2 reach nearly all 16
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const std::string at = fmt::format("{} groups, layer {}", groups, layer);
+      EXPECT_EQ(forward_waits[size_t(layer)], groups == 1 ? 1 : groups + 1) << at;
+      // The last layer's backward uploads the load-balancing gradient first,
+      // and (its MLP piece the unit before the head) takes its forward's
+      // routing without computing it again.
+      const bool last = layer == layers - 1;
+      EXPECT_EQ(backward_waits[size_t(layer)], (groups == 1 ? (last ? 0 : 1) : groups) + last)
+          << at;
+      // The MLP's forward: three products per expert reached, and a few more.
+      EXPECT_GE(forward_kernels[size_t(layer)], 3 * R + 10) << at;
+      EXPECT_LE(forward_kernels[size_t(layer)], 3 * R + 10 + 8 * double(groups)) << at;
+    }
+  }
+}
+
+// The launches cost nothing while the device's FLOPs cover them (a dense
+// layer of llama3-8b at 4096 tokens) and set the time where the kernels are
+// small (128 experts of 768 rows at 512 tokens: qwen3-30b-a3b's); each wait
+// adds host_wait_us. The CPU backend's costs do not depend on them.
+TEST(GpuLaunches, LaunchesCostOnlyWhereTheKernelsAreTooSmallToCoverThem) {
+  Result<HardwareProfile> h100 = hardware_preset("h100-sxm");
+  ASSERT_TRUE(h100.is_ok());
+  HardwareProfile free_launches = *h100;
+  free_launches.launch_us = free_launches.host_wait_us = 0;
+  auto forward_of_layer_1 = [](const TrainingPlan& plan, const HardwareProfile& hw) {
+    const std::vector<OpCost> costs = cost_operations(plan, hw);
+    for (size_t i = 0; i < plan.ops.size(); ++i)
+      if (plan.ops[i].kind == OpKind::forward && plan.ops[i].unit == 2) return costs[i].seconds;
+    ADD_FAILURE() << "no forward of layer 1";
+    return 0.0;
+  };
+  for (const char* model : {"llama3-8b", "qwen3-30b-a3b"}) {
+    PlanInput in;
+    in.model = *load_model_config(model);
+    in.precision = Precision::bf16;
+    in.gpu = true;
+    in.micro_batch = 1;
+    in.seq_len = model == std::string("llama3-8b") ? 4096 : 512;
+    in.budgets.device_per_rank = 1LL << 40;
+    in.budgets.host_per_node = 1LL << 40;
+    Result<TrainingPlan> plan = plan_training(in);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    const double with = forward_of_layer_1(*plan, *h100);
+    const double without = forward_of_layer_1(*plan, free_launches);
+    const PlanOp* forward = nullptr;
+    for (const PlanOp& op : plan->ops)
+      if (op.kind == OpKind::forward && op.unit == 2) forward = &op;
+    ASSERT_NE(forward, nullptr);
+    const GpuLaunches l = gpu_launches(*plan, *forward);
+    const double flops = operation_flops(*plan, *forward) / h100->matmul_flops(Precision::bf16);
+    EXPECT_NEAR(without, flops, 1e-12) << model;
+    EXPECT_NEAR(
+        with,
+        std::max(flops, l.kernels * h100->launch_us * 1e-6) + l.waits * h100->host_wait_us * 1e-6,
+        1e-12)
+        << model;
+    if (model == std::string("llama3-8b")) {
+      EXPECT_EQ(l.waits, 0);
+      EXPECT_DOUBLE_EQ(with, without);  // the FLOPs cover the launches
+    } else {
+      EXPECT_EQ(l.waits, 1);
+      EXPECT_GT(l.kernels, 3 * 128);
+      EXPECT_GT(with, 2 * without);  // launch-bound
+    }
+  }
+  // The CPU backend: the same plan on the CPU costs the same whatever the launches.
+  Result<TrainingPlan> cpu = plan_training(nvme_input());
+  ASSERT_TRUE(cpu.is_ok());
+  HardwareProfile cpu_hw = *h100;
+  cpu_hw.gpu = false;
+  HardwareProfile cpu_free = cpu_hw;
+  cpu_free.launch_us = cpu_free.host_wait_us = 0;
+  const std::vector<OpCost> a = cost_operations(*cpu, cpu_hw), b = cost_operations(*cpu, cpu_free);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].seconds, b[i].seconds) << i;
+}
+
 TEST(HardwareProfile, EachRanksShareOfTheCores) {
   HardwareProfile hw;
   hw.cores = 2;
@@ -381,6 +536,10 @@ TEST(HardwareProfile, PresetsAndFilesRoundTripAndBadOnesAreOneLine) {
        "cpu_units.rank_shares"},
       {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "cpu_units": {"rank_shares": []}})",
        "cpu_units.rank_shares"},
+      {R"({"kind": "gpu", "compute": {"matmul_tflops": {"fp32": 1}, "launch_us": -4}})",
+       "compute.launch_us"},
+      {R"({"kind": "gpu", "compute": {"matmul_tflops": {"fp32": 1}, "host_wait_us": "x"}})",
+       "compute.host_wait_us"},
   };
   for (const Case& c : bad) {
     Result<HardwareProfile> p = parse_hardware_profile(c.text, "profile.json");

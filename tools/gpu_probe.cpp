@@ -1,11 +1,14 @@
 // The GPU part of `strata plan --probe --backend cuda` (tools/hardware_probe.h):
 // the first GPU's matmul rates at the model's linear-layer shapes (cuBLASLt,
 // as the CUDA backend runs them), its memory's copy bandwidth, and PCIe each
-// way between pinned host memory and the device. Timed with CUDA events, the
+// way between pinned host memory and the device, a launch's and a host wait's
+// time (core/plan/gpu_launches.h). Timed with CUDA events (the launches and
+// waits by the host's clock), the
 // median of several runs after a warm-up.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -79,6 +82,22 @@ Result<double> median_on_device(cudaStream_t stream, Events& events, int runs, W
         !s)
       return s;
     times.push_back(double(ms) * 1e-3);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// The median seconds of `runs` runs of `work` (which waits for what it
+// enqueues) by the host's clock, after one warm-up.
+template <typename Work>
+Result<double> median_on_host(int runs, Work&& work) {
+  if (Status s = work(); !s) return s;
+  std::vector<double> times;
+  for (int i = 0; i < runs; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    if (Status s = work(); !s) return s;
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
@@ -184,15 +203,41 @@ Status probe_gpu(const ProbeOptions& options, HardwareProfile& p) {
   });
   if (!small) return small.status();
   p.pcie_latency_us = *small * 1e6;
+  // A launch and a host wait, timed from the host as the units' loops meet
+  // them (core/plan/gpu_launches.h): small products (8 rows) back to back,
+  // then one wait, per product; a small copy down and the wait for it.
+  constexpr int kLaunches = 256;
+  Result<double> launch = median_on_host(5, [&]() -> Status {
+    for (int i = 0; i < kLaunches; ++i)
+      if (Status s = (*matmuls)->forward(output.data, input.data, weight.data, 8, shapes[0].in,
+                                         shapes[0].out, DType::bf16, false, stream.stream);
+          !s)
+        return s;
+    return check_cuda(cudaStreamSynchronize(stream.stream), "GPU probe: small products");
+  });
+  if (!launch) return launch.status();
+  p.launch_us = *launch / kLaunches * 1e6;
+  Result<double> wait = median_on_host(21, [&]() -> Status {
+    if (Status s = check_cuda(
+            cudaMemcpyAsync(host.data, from.data, 4, cudaMemcpyDeviceToHost, stream.stream),
+            "GPU probe: a small copy down");
+        !s)
+      return s;
+    return check_cuda(cudaStreamSynchronize(stream.stream), "GPU probe: a host wait");
+  });
+  if (!wait) return wait.status();
+  p.host_wait_us = *wait * 1e6;
   // Ranks of one process share this GPU: their collectives are device copies.
   p.intra_node_gbps = p.memory_gbps / 2;
   p.intra_node_latency_us = p.pcie_latency_us;
   if (options.progress)
     options.progress(fmt::format(
         "{}: matmuls at {} tokens {:.0f} TFLOP/s bf16, {:.0f} fp16, {:.1f} fp32; memory {:.0f} "
-        "GB/s (read + written), {:.0f} GiB; PCIe {:.1f} GB/s up, {:.1f} down, {:.0f} us a copy",
+        "GB/s (read + written), {:.0f} GiB; PCIe {:.1f} GB/s up, {:.1f} down, {:.0f} us a copy; "
+        "{:.1f} us a launch, {:.0f} us a host wait",
         gpu.name, N, p.matmul_tflops_bf16, p.matmul_tflops_fp16, p.matmul_tflops_fp32,
-        p.memory_gbps, p.memory_gib, p.pcie_h2d_gbps, p.pcie_d2h_gbps, p.pcie_latency_us));
+        p.memory_gbps, p.memory_gib, p.pcie_h2d_gbps, p.pcie_d2h_gbps, p.pcie_latency_us,
+        p.launch_us, p.host_wait_us));
   return Status::ok();
 }
 

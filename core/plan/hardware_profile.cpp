@@ -74,6 +74,11 @@ constexpr NvmeDrive kGen5{14.5, 12.7, 60, 1200};
 // The share of the dense peak strata's units are assumed to reach on a GPU,
 // until a GPU run measures it.
 constexpr double kGpuMatmulEfficiency = 0.45;
+// A launch and a host wait on a GPU (gpu_launches.h), until the GPU probe
+// measures them: a few microseconds to issue a kernel or a cuBLASLt product,
+// and a wait's wake-up, the rows' grouping and the next launch.
+constexpr double kGpuLaunchUs = 4;
+constexpr double kGpuHostWaitUs = 20;
 // Effective PCIe bandwidth as a share of the link's rate (protocol overhead).
 constexpr double kPcieEfficiency = 0.85;
 
@@ -111,6 +116,8 @@ Result<HardwareProfile> hardware_preset(const std::string& spec) {
   p.matmul_tflops_fp32 = gpu->fp32_tflops;
   p.matmul_tflops_bf16 = p.matmul_tflops_fp16 = gpu->bf16_tflops;
   p.matmul_efficiency = kGpuMatmulEfficiency;
+  p.launch_us = kGpuLaunchUs;
+  p.host_wait_us = kGpuHostWaitUs;
   p.memory_gbps = gpu->memory_gbps;
   p.memory_gib = gpu->memory_gib;
   p.memcpy_gbps = 20;
@@ -161,6 +168,8 @@ Result<HardwareProfile> parse_hardware_profile(const std::string& text, const st
     compute.optional_double("attention_tflops", p.attention_tflops, 0);
     compute.optional_double("memory_gbps", p.memory_gbps, 0);
     compute.optional_double("memory_gib", p.memory_gib, 0);
+    compute.optional_double("launch_us", p.launch_us, 0);
+    compute.optional_double("host_wait_us", p.host_wait_us, 0);
   }
   {
     JsonReader units = in.object("cpu_units");
@@ -262,6 +271,10 @@ std::string hardware_profile_json(const HardwareProfile& p) {
                   {"attention_tflops", p.attention_tflops},
                   {"memory_gbps", p.memory_gbps},
                   {"memory_gib", p.memory_gib}};
+  if (p.gpu) {
+    j["compute"]["launch_us"] = p.launch_us;
+    j["compute"]["host_wait_us"] = p.host_wait_us;
+  }
   if (!p.gpu)
     j["cpu_units"] = {{"layer_forward_gflops", p.layer_forward_gflops},
                       {"layer_backward_gflops", p.layer_backward_gflops},

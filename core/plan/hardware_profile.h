@@ -8,7 +8,10 @@
 //    "compute": {"matmul_tflops": {"fp32": F, "bf16": F, "fp16": F},
 //                "matmul_efficiency": E,     // share of the peak the units reach
 //                "attention_tflops": F,      // cpu: the attention kernel's rate
-//                "memory_gbps": F, "memory_gib": F},
+//                "memory_gbps": F, "memory_gib": F,
+//                "launch_us": F,             // gpu: one launch (core/plan/gpu_launches.h)
+//                "host_wait_us": F},         // gpu: the host's wait for the stream, to launching
+//                again
 //    "cpu_units": {"layer_forward_gflops": F, "layer_backward_gflops": F,
 //                  "head_gflops": F,         // cpu: the units' measured rates
 //                  "rank_shares": [F, ...],  // per rank with 1, 2, ... ranks at once
@@ -54,6 +57,12 @@ struct HardwareProfile {
   double attention_tflops = 0;     // 0: as the matmuls
   double memory_gbps = 0;          // the device's memory (a GPU's HBM; the host's for the CPU)
   double memory_gib = 0;
+  // A GPU's cost of one launch (a kernel, a product, a copy on the stream:
+  // the host's time to issue it or the device's least time to run it,
+  // whichever is longer) and of a host wait for the stream (the device idle
+  // until the host launches again). Presets assume them; the GPU probe
+  // measures them. The CPU backend ignores them.
+  double launch_us = 4, host_wait_us = 20;
   // The CPU backend's units, measured at the probed model's shapes (0: from the GEMM rate).
   double layer_forward_gflops = 0, layer_backward_gflops = 0, head_gflops = 0;
   // The units' rate per rank while 1, 2, ... ranks of one process compute at

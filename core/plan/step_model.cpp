@@ -7,6 +7,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "core/plan/gpu_launches.h"
 #include "io/base/sizes.h"
 
 namespace strata {
@@ -221,6 +222,17 @@ double operation_flops(const TrainingPlan& plan, const PlanOp& op) {
 
 namespace {
 
+// On a GPU, an operation of `seconds` on the device with its launches and
+// waits (gpu_launches.h): the host launches ahead, so the launches cost
+// nothing until the kernels are too small to cover them; each wait empties
+// the stream.
+double with_launches(const TrainingPlan& plan, const HardwareProfile& hw, const PlanOp& op,
+                     double seconds) {
+  const GpuLaunches launches = gpu_launches(plan, op);
+  return std::max(seconds, launches.kernels * hw.launch_us * 1e-6) +
+         launches.waits * hw.host_wait_us * 1e-6;
+}
+
 // A forward's or backward's seconds for its FLOPs (on the CPU backend at
 // the probe's measured rate for its kind of unit, the rank's share of the
 // cores) and, for the embedding, its activations' traffic.
@@ -237,12 +249,13 @@ double compute_seconds(const TrainingPlan& plan, const HardwareProfile& hw, cons
     if (measured > 0) rate = measured * 1e9;
     rate *= unit_share;
   }
+  double seconds = rate > 0 ? flops / rate : 0;
+  if (in.gpu) seconds = with_launches(plan, hw, op, seconds);
   // The embedding and the element-wise work move (B*T, C) activations a few times.
   const double activations = double(plan.tokens_per_micro) * double(in.model.hidden_size) * 4;
-  return (rate > 0 ? flops / rate : 0) +
-         (plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::embedding
-              ? seconds_for(3 * activations, hw.memory_gbps, 0)
-              : 0);
+  return seconds + (plan.layout.units[size_t(op.unit)].unit.kind == UnitKind::embedding
+                        ? seconds_for(3 * activations, hw.memory_gbps, 0)
+                        : 0);
 }
 
 }  // namespace
@@ -251,7 +264,7 @@ double compute_seconds(const TrainingPlan& plan, const HardwareProfile& hw, cons
 // of the experts the ranks' routings reach (and, where expert updates are
 // deferred, the replays of those that waited), then as a collective, each
 // part sent by its owner; its `route`, a small product (the router's), as
-// bookkeeping.
+// bookkeeping on the CPU and as its launches and wait on a GPU.
 std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProfile& hw,
                                     const RoutedStep* routed) {
   std::vector<StepTraffic> own;
@@ -396,6 +409,9 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
       case OpKind::exchange:
         cost_exchange(plan, hw, c);
         break;
+      case OpKind::route:  // on the CPU a small product; on a GPU its launches and wait
+        if (gpu) c = OpCost{with_launches(plan, hw, op, 0), uint32_t(Resource::device)};
+        break;
       default:  // decide, release: bookkeeping
         break;
     }
@@ -461,6 +477,16 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw,
     const double peak = hw.matmul_flops(plan.input.precision) / hw.matmul_efficiency;
     out.mfu = flops / (peak * out.steady_seconds);
   }
+  if (plan.input.gpu) {
+    const double rate = hw.matmul_flops(plan.input.precision);
+    for (const PlanOp& op : plan.ops) {
+      const GpuLaunches launches = gpu_launches(plan, op);
+      const double flops = rate > 0 ? operation_flops(plan, op) / rate : 0;
+      out.gpu_launches += launches.kernels;
+      out.gpu_host_waits += launches.waits;
+      out.gpu_launch_seconds += with_launches(plan, hw, op, flops) - flops;
+    }
+  }
   out.traffic = routed != nullptr ? total_traffic(routed->traffic) : plan.traffic_per_step;
   out.nvme_unknown = hw.nvme.empty() && out.traffic.nvme_read + out.traffic.nvme_written > 0;
   out.inter_node_unknown = hw.inter_node_gbps <= 0 && out.traffic.inter_node > 0;
@@ -499,6 +525,10 @@ std::string format_prediction(const StepPrediction& p) {
     out +=
         "\n  (the profile has no inter-node link: the bytes across nodes are not counted; "
         "--internode-bw gives its bandwidth)";
+  if (p.gpu_launches > 0)
+    out += fmt::format(
+        "\n  GPU launches per step: {:.0f} kernels and {} host waits, {} beyond the FLOPs' time",
+        p.gpu_launches, p.gpu_host_waits, seconds_text(p.gpu_launch_seconds));
   out += fmt::format("\n  bound by the {} lane and the {}; the compute lane waits {} per step",
                      lane_name(p.bound_lane), resource_name(p.bound_resource),
                      seconds_text(p.compute_stall));
@@ -547,6 +577,11 @@ nlohmann::ordered_json prediction_to_json(const StepPrediction& p) {
   if (p.nvme_unknown) j["nvme_unknown"] = true;
   if (p.inter_node_unknown) j["inter_node_unknown"] = true;
   if (p.drive_years) j["rated_tbw_years"] = *p.drive_years;
+  if (p.gpu_launches > 0) {
+    j["gpu_launches_per_step"] = p.gpu_launches;
+    j["gpu_host_waits_per_step"] = p.gpu_host_waits;
+    j["gpu_launch_seconds"] = p.gpu_launch_seconds;
+  }
   return j;
 }
 

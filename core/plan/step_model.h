@@ -5,7 +5,8 @@
 // it holds: a unit's forward and backward their FLOPs (matmuls from the
 // shapes, causal attention, the backward's recomputation) at the device's
 // rate (the CPU backend's measured unit rates, a GPU's peak times its
-// efficiency) plus its PCIe uploads; a transfer its bytes (traffic_per_op,
+// efficiency; on a GPU at least its launches' time, and a time per host
+// wait, core/plan/gpu_launches.h) plus its PCIe uploads; a transfer its bytes (traffic_per_op,
 // the plan's own account) over its link with a latency per transfer; a
 // collective its two levels one after the other (StepTraffic: a ring within
 // the node on the intra-node link, then one across the nodes on the
@@ -130,6 +131,12 @@ struct StepPrediction {
   std::optional<double> drive_years;  // rated TBW / bytes written per year of steps, when rated
   bool nvme_unknown = false;          // the plan moves NVMe bytes the profile has no drive for
   bool inter_node_unknown = false;    // the plan crosses nodes and the profile has no such link
+  // On a GPU, per step and rank (gpu_launches.h): the units' launches and
+  // host waits, and the seconds they add to the compute operations beyond
+  // their FLOPs' time.
+  double gpu_launches = 0;
+  int64_t gpu_host_waits = 0;
+  double gpu_launch_seconds = 0;
   Simulation simulation;              // three steps, for a timeline
 };
 
