@@ -1662,7 +1662,8 @@ TEST(CudaKernelErrors, NameTheKernelTypeAndShape) {
 }
 
 // A token's top k must lie in [1, min(E, kMoeMaxTopK)] ([1, kMoeMaxTopK] where
-// the call has no E); checked before any CUDA call.
+// the call has no E), and a group's combine needs its sum; checked before any
+// CUDA call.
 TEST(CudaKernelErrors, MoeRefusesATopKOutsideItsRange) {
   const Status above_experts =
       cuda::moe_route(nullptr, nullptr, nullptr, nullptr, 37, 12, 13, true, DType::bf16, nullptr);
@@ -1702,6 +1703,22 @@ TEST(CudaKernelErrors, MoeRefusesATopKOutsideItsRange) {
   ASSERT_FALSE(sum_rows.is_ok());
   EXPECT_NE(sum_rows.message().find("moe_sum_rows<bf16> (N=37 C=45 K=0)"), std::string::npos)
       << sum_rows.message();
+
+  // A group's combine needs its fp32 sum, and x2 where it outputs (the last group).
+  const Status no_sum =
+      cuda::moe_combine_experts(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4,
+                                37, 45, 2, DType::bf16, nullptr);
+  ASSERT_FALSE(no_sum.is_ok());
+  EXPECT_NE(no_sum.message().find("moe_combine_experts<bf16> (N=37 C=45): no sum"),
+            std::string::npos)
+      << no_sum.message();
+  float sum = 0, out = 0;
+  const Status no_x2 = cuda::moe_combine_experts(&sum, &out, nullptr, nullptr, nullptr, nullptr,
+                                                 nullptr, 0, 4, 37, 45, 2, DType::f32, nullptr);
+  ASSERT_FALSE(no_x2.is_ok());
+  EXPECT_NE(no_x2.message().find("moe_combine_experts<fp32> (N=37 C=45): an output without x2"),
+            std::string::npos)
+      << no_x2.message();
 }
 
 }  // namespace

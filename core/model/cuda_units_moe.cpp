@@ -79,7 +79,9 @@ Status CudaUnits::upload_routed_rows(cudaStream_t stream) {
   const int64_t R = B_ * T_ * layout_.config.num_experts_per_tok;
   Buffers& b = *b_;
   // The host copies stay until the next routing, which waits for the stream
-  // (so for these uploads) before it replaces them.
+  // (so for these uploads) before it replaces them: the uploads and that
+  // wait must stay on one stream (were the copies pinned and the uploads on
+  // another stream, the wait would not cover them).
   STRATA_CHECK(cuda::check_cuda(cudaMemcpyAsync(b.row_of, b.host_row_of.data(), size_t(R) * 4,
                                                 cudaMemcpyHostToDevice, stream),
                                 "uploading the routed rows"));

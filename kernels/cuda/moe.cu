@@ -4,7 +4,7 @@
 // products are matrix products (kernels/cuda/matmul.h) over each expert's rows.
 //
 // Every kernel performs the CPU backend's floating-point operations in its
-// order (core/model/model.cpp: moe_route, moe_combine, moe_backward): a
+// order (core/model/moe.cpp: MoeKernels::route, combine, backward): a
 // token's slots in increasing order of their experts, the softmax's sum and
 // the router's dot in float64 in expert order, and __fmul_rn where a product
 // feeds a sum, so that nvcc contracts no multiply-add (the CPU build has
@@ -415,6 +415,10 @@ Status moe_combine_experts(float* sum, void* out, const void* x2, const void* y,
                            int64_t C, int64_t K, DType type, cudaStream_t stream) {
   if (sum == nullptr) {
     return argument_error("moe_combine_experts", type, shape_text({{"N", N}, {"C", C}}), "no sum");
+  }
+  if (out != nullptr && x2 == nullptr) {
+    return argument_error("moe_combine_experts", type, shape_text({{"N", N}, {"C", C}}),
+                          "an output without x2");
   }
   return combine("moe_combine_experts", out, sum, x2, y, top_expert, row_of, top_weight, first, end,
                  N, C, K, type, stream);
