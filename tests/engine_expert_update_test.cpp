@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "core/plan/expert_update.h"
 #include "engine_test_support.h"
@@ -223,7 +224,8 @@ TEST_F(EngineExpertUpdate, NvmeBytesAreWhatTheLedgerCountsForTheRouting) {
 
 // At several ranks each rank's NVMe bytes are what its ledger counts for
 // the joined routing in its shard, each step within the plan's worst case;
-// the run moves fewer than the eager run.
+// the run moves fewer than the eager run, whose ranks each move their
+// plan's bytes for the routing.
 TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) {
   for (const int world : {2, 3}) {
     for (const char* gradients : {"host", "nvme"}) {
@@ -261,6 +263,25 @@ TEST_F(EngineExpertUpdate, AtSeveralRanksNvmeBytesAreWhatEachRanksLedgerCounts) 
         EXPECT_EQ(int64_t(d.rank_nvme_written[size_t(r)]), written) << label << " rank " << r;
       }
       EXPECT_LT(d.nvme_read + d.nvme_written, e.nvme_read + e.nvme_written) << label;
+      // The eager run: each rank reads its plan's bytes with the routed
+      // reads' worst case (at each operation the most any rank reads, which
+      // traffic_per_step counts) replaced by what the joined routing reaches
+      // in its shard, and writes its plan's.
+      ASSERT_EQ(e.rank_nvme_read.size(), size_t(world)) << label;
+      auto sum = [](const std::vector<int64_t>& v) {
+        return std::accumulate(v.begin(), v.end(), int64_t{0});
+      };
+      const int64_t unrouted =
+          e.plan.traffic_per_step.nvme_read - sum(routed_expert_reads_per_op(e.plan, nullptr));
+      for (int r = 0; r < world; ++r) {
+        int64_t read = 0;
+        for (const StepResult& step : e.steps)
+          read += unrouted + sum(routed_expert_reads_per_op(e.plan, &step.routing, r));
+        EXPECT_EQ(int64_t(e.rank_nvme_read[size_t(r)]), read) << eager.label() << " rank " << r;
+        EXPECT_EQ(int64_t(e.rank_nvme_written[size_t(r)]),
+                  e.plan.traffic_per_step.nvme_written * int64_t(e.steps.size()))
+            << eager.label() << " rank " << r;
+      }
       // Every expert waiting, then routed to: within the plan's per-rank bound.
       StepRouting none = d.steps[0].routing, every = d.steps[0].routing;
       for (auto& unit : none)
