@@ -5,7 +5,8 @@
 # their flags and DeepSpeed config, --probe writes a profile that --hardware
 # reads back, a bad preset or profile is one line naming it and the key, and
 # `strata train --hardware FILE` reports the prediction beside the
-# measurement in its summary and its metrics. No timing is checked.
+# measurement in its summary and its metrics; a mixture read as routed is
+# predicted for an even routing too. No timing is checked.
 # Usage: cli_step_model.sh STRATA_BINARY REPO_ROOT
 set -uo pipefail
 strata="$1"
@@ -124,6 +125,29 @@ lines = [json.loads(l) for l in open(sys.argv[1])]
 assert len(lines) == 4 and all(l["predicted_step_time_s"] > 0 and l["predicted_by"] for l in lines)
 PY
 check "every metrics line holds the predicted step time and the profile" $?
+# A mixture read as routed, its updates deferred, 8 tokens a micro-batch: the
+# plan predicts its worst case and an even routing's step; the run predicts
+# an even routing's and, at the end, its own routing's.
+moe=(--model small-moe --backend cpu --seq-len 8 --micro-batch 1 --grad-accum 4 --zero-stage 3
+     --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --layer-pieces 2
+     --expert-update deferred --hardware "$dir/profile.json")
+"$strata" plan "${moe[@]}" >"$dir/out" 2>&1 &&
+  grep -q "^predicted on probe of " "$dir/out" &&
+  grep -q "^predicted with an even routing (each token's 2 experts drawn uniformly, 8 steps): .* per step on average (least .*, most .*), NVMe .* read and .* written per step; the prediction above is the worst case" "$dir/out"
+check "plan predicts a routed mixture's worst case and an even routing's step" $?
+"$strata" plan "${moe[@]}" --json >"$dir/moe.json" 2>"$dir/err"
+python3 - "$dir/moe.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+even, worst = j["even_routing"], j["prediction"]
+assert even["steps"] == 8 and 0 < even["predicted_seconds_per_step"]["mean"] <= worst["step_seconds"], (even, worst)
+assert 0 < even["nvme_read_per_step"] and 0 < even["nvme_written_per_step"], even
+PY
+check "--json holds the even routing's prediction, within the worst case" $?
+"$strata" train "${moe[@]}" --steps 4 --data "$dir/data/train.bin" >"$dir/out" 2>&1 &&
+  grep -q "^step-time model ($dir/profile.json, an even routing's step): predicted" "$dir/out" &&
+  grep -q "^  (that prediction is an even routing's; with this run's routing, step by step: .*, [-+][0-9.]*%)" "$dir/out"
+check "train predicts a routed mixture's even routing, then its own routing's step" $?
 "$strata" train --model small --backend cpu --seq-len 64 --micro-batch 2 --steps 1 \
   --data "$dir/data/train.bin" --hardware none >"$dir/out" 2>&1
 ! grep -q "step-time model" "$dir/out"

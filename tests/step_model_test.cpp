@@ -8,6 +8,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -309,6 +311,106 @@ TEST(StepModel, ARecordedRoutingCostsItsOwnBytesAndUpdates) {
       }
     }
   }
+}
+
+// The mixture of ARecordedRoutingCostsItsOwnBytesAndUpdates (16 experts,
+// top 1, two micro-batches of 64 tokens) at `world` ranks, its updates
+// deferred or not, `tokens` a micro-batch.
+Result<TrainingPlan> routed_plan(int world, bool deferred, int64_t tokens = 64) {
+  PlanInput in = nvme_input();
+  in.world_size = world;
+  in.model.family = ModelFamily::mixtral;
+  in.model.num_experts = 16;
+  in.model.num_experts_per_tok = 1;
+  in.model.moe_intermediate_size = in.model.intermediate_size;
+  in.model.layer_pieces = 2;
+  in.layer_pieces_auto = false;
+  in.offload_optimizer = OffloadDevice::cpu;
+  in.expert_update_deferred = deferred;
+  in.micro_batch = 1;
+  in.seq_len = tokens;
+  return plan_training(in);
+}
+
+// An even routing: each token k experts of E, drawn the same way every
+// time; the units of one layer share its routing, the others have none.
+// One token a micro-batch reaches exactly k experts; many reach them all;
+// in between, about E (1 - (1 - k/E)^N), at several ranks with N the
+// ranks' tokens together (they join their routings).
+TEST(StepModel, AnEvenRoutingReachesWhatTokensDrawnUniformlyReach) {
+  for (const int world : {1, 2}) {
+    for (const int64_t tokens : {1, 4, 256}) {
+      Result<TrainingPlan> plan = routed_plan(world, true, tokens);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      const std::vector<StepRouting> steps = even_routings(*plan, 40);
+      ASSERT_EQ(steps.size(), 40u);
+      EXPECT_TRUE(even_routings(*plan, 40) == steps);  // the same draws every time
+      if (tokens * world < 16) {
+        EXPECT_TRUE(even_routings(*plan, 40, 2) != steps);  // another seed, others
+      }
+      const double N = double(tokens * world);
+      double reached = 0, counted = 0;
+      for (const StepRouting& routing : steps) {
+        ASSERT_EQ(routing.size(), plan->units.size());
+        for (int u = 0; u < int(plan->units.size()); ++u) {
+          if (!routes_expert_reads(*plan, u)) {
+            EXPECT_TRUE(routing[size_t(u)].empty()) << u;
+            continue;
+          }
+          ASSERT_EQ(routing[size_t(u)].size(), size_t(plan->input.grad_accum));
+          for (const std::vector<uint8_t>& used : routing[size_t(u)]) {
+            ASSERT_EQ(used.size(), 16u);
+            const int64_t n = std::count(used.begin(), used.end(), uint8_t{1});
+            if (N == 1) {
+              EXPECT_EQ(n, 1);
+            } else if (N >= 256) {
+              EXPECT_EQ(n, 16);
+            }
+            reached += double(n);
+            counted += 1;
+          }
+        }
+      }
+      const double expected = 16 * (1 - std::pow(15.0 / 16, N));
+      EXPECT_NEAR(reached / counted, expected, 0.05 * expected) << world << " ranks, " << tokens;
+    }
+  }
+}
+
+// The expected step of a mixture read as routed is an even routing's: no
+// slower than the worst case the plan counts, and, where few tokens leave
+// experts idle and their updates wait, faster; with every expert reached
+// every step, the updates deferred or not cost alike. A dense model's is
+// predict_step's.
+TEST(StepModel, TheExpectedStepOfARoutedMixtureIsAnEvenRoutings) {
+  const HardwareProfile hw = *hardware_preset("h100-sxm/gen4x1");
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE(std::to_string(world) + " ranks");
+    Result<TrainingPlan> few = routed_plan(world, true, 2);
+    ASSERT_TRUE(few.is_ok()) << few.status().message();
+    const StepPrediction worst = predict_step(*few, hw);
+    const StepPrediction expected = predict_expected_step(*few, hw);
+    EXPECT_LT(expected.traffic.nvme_read, worst.traffic.nvme_read);
+    EXPECT_LT(expected.steady_seconds, worst.steady_seconds);
+    // It is the median of the drawn steps after the ledger filled.
+    const RoutedPrediction drawn =
+        predict_routed_steps(*few, hw, even_routings(*few, kEvenRoutingSteps), kEvenRoutingWarmup);
+    EXPECT_EQ(drawn.steps, kEvenRoutingSteps - kEvenRoutingWarmup);
+    EXPECT_DOUBLE_EQ(expected.steady_seconds, drawn.median.steady_seconds);
+    EXPECT_LE(drawn.least, drawn.mean);
+    EXPECT_LE(drawn.mean, drawn.most);
+    Result<TrainingPlan> many = routed_plan(world, true, 512);
+    Result<TrainingPlan> eager = routed_plan(world, false, 512);
+    ASSERT_TRUE(many.is_ok() && eager.is_ok());
+    EXPECT_LE(predict_expected_step(*many, hw).steady_seconds,
+              predict_step(*many, hw).steady_seconds);
+    EXPECT_LE(predict_expected_step(*eager, hw).steady_seconds,
+              predict_step(*eager, hw).steady_seconds);
+  }
+  Result<TrainingPlan> dense = plan_training(nvme_input());
+  ASSERT_TRUE(dense.is_ok());
+  EXPECT_EQ(predict_expected_step(*dense, hw).steady_seconds,
+            predict_step(*dense, hw).steady_seconds);
 }
 
 TEST(StepModel, APredictionNamesWhatBoundsTheStep) {

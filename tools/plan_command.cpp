@@ -238,16 +238,21 @@ class PlanCommand : public Subcommand {
       steps = std::move(*built);
       if (hardware && plan.fits) prediction = predict_step(*steps, *hardware);
     }
+    // A mixture read as routed: the worst case above, and what an even routing costs.
+    std::optional<RoutedPrediction> even;
+    if (prediction && steps->routed_expert_fetch)
+      even = predict_routed_steps(*steps, *hardware, even_routings(*steps, kEvenRoutingSteps),
+                                  kEvenRoutingWarmup);
     std::optional<RecordedReads> recorded;
     std::optional<RecordedStepBytes> recorded_steps;
-    std::optional<RecordedPrediction> recorded_prediction;
+    std::optional<RoutedPrediction> recorded_prediction;
     std::optional<OtherUpdate> other;
     if (!routing_.empty()) {
       Result<std::vector<StepRouting>> routings = recorded_routings(*steps);
       if (!routings) return routings.status();
       recorded = recorded_parameter_reads(*steps, *routings);
       recorded_steps = recorded_step_bytes(*steps, *routings);
-      if (prediction) recorded_prediction = predict_recorded(*steps, *hardware, *routings);
+      if (prediction) recorded_prediction = predict_routed_steps(*steps, *hardware, *routings);
       Result<OtherUpdate> flipped = other_update(input, *steps, hardware, *routings);
       if (!flipped) return flipped.status();
       other = std::move(*flipped);
@@ -255,6 +260,11 @@ class PlanCommand : public Subcommand {
     if (json_) {
       nlohmann::ordered_json j = plan_to_json(plan, zero);
       if (prediction) j["prediction"] = prediction_to_json(*prediction);
+      if (even)
+        j["even_routing"] = {{"steps", even->steps},
+                             {"predicted_seconds_per_step", prediction_range_json(*even)},
+                             {"nvme_read_per_step", even->median.traffic.nvme_read},
+                             {"nvme_written_per_step", even->median.traffic.nvme_written}};
       if (recorded) {
         j["recorded_routing"] = recorded_to_json(*recorded, *recorded_steps);
         if (recorded_prediction)
@@ -267,6 +277,15 @@ class PlanCommand : public Subcommand {
       fmt::print("{}", format_plan_table(plan, zero));
       if (recorded) fmt::print("{}", recorded_line(*recorded, *recorded_steps, *steps));
       if (prediction) fmt::print("{}", format_prediction(*prediction));
+      if (even)
+        fmt::print(
+            "predicted with an even routing (each token's {} experts drawn uniformly, {} steps): "
+            "{} per step on average (least {}, most {}), NVMe {} read and {} written per step; "
+            "the prediction above is the worst case\n",
+            steps->layout.config.num_experts_per_tok, even->steps, seconds_text(even->mean),
+            seconds_text(even->least), seconds_text(even->most),
+            format_bytes(even->median.traffic.nvme_read),
+            format_bytes(even->median.traffic.nvme_written));
       if (recorded_prediction)
         fmt::print(
             "predicted with that routing: {} per step on average (least {}, most {}) over {} "
@@ -296,32 +315,7 @@ class PlanCommand : public Subcommand {
     return read_recorded_routing(plan, routing_);
   }
 
-  // The step-time model's steady step for each recorded step's routing (its
-  // bytes and AdamW elements, routed_step), the ledger of waiting experts
-  // carried from step to step as the run carried it.
-  struct RecordedPrediction {
-    int64_t steps = 0;
-    double mean = 0, least = 0, most = 0;
-  };
-  static RecordedPrediction predict_recorded(const TrainingPlan& plan,
-                                             const HardwareProfile& hardware,
-                                             const std::vector<StepRouting>& routings) {
-    RecordedPrediction out;
-    ExpertUpdateLedger ledger(plan);
-    double sum = 0;
-    for (const StepRouting& routing : routings) {
-      const RoutedStep step = routed_step(plan, routing, ledger, out.steps + 1);
-      const double seconds = predict_step(plan, hardware, &step).steady_seconds;
-      out.least = out.steps == 0 ? seconds : std::min(out.least, seconds);
-      out.most = std::max(out.most, seconds);
-      sum += seconds;
-      ++out.steps;
-    }
-    if (out.steps > 0) out.mean = sum / double(out.steps);
-    return out;
-  }
-
-  static nlohmann::ordered_json prediction_range_json(const RecordedPrediction& p) {
+  static nlohmann::ordered_json prediction_range_json(const RoutedPrediction& p) {
     return {{"mean", p.mean}, {"least", p.least}, {"most", p.most}};
   }
 
@@ -335,7 +329,7 @@ class PlanCommand : public Subcommand {
     std::string why;
     bool fits = false;
     RecordedStepBytes bytes;
-    std::optional<RecordedPrediction> prediction;
+    std::optional<RoutedPrediction> prediction;
   };
   static Result<OtherUpdate> other_update(const PlanInput& input, const TrainingPlan& plan,
                                           const std::optional<HardwareProfile>& hardware,
@@ -363,7 +357,7 @@ class PlanCommand : public Subcommand {
     if (!memory) return memory.status();
     out.fits = memory->fits;
     out.bytes = recorded_step_bytes(*built, routings);
-    if (hardware && out.fits) out.prediction = predict_recorded(*built, *hardware, routings);
+    if (hardware && out.fits) out.prediction = predict_routed_steps(*built, *hardware, routings);
     return out;
   }
 
@@ -385,7 +379,7 @@ class PlanCommand : public Subcommand {
   }
 
   static std::string other_update_line(const OtherUpdate& o, const RecordedStepBytes& mine,
-                                       const std::optional<RecordedPrediction>& my_time) {
+                                       const std::optional<RoutedPrediction>& my_time) {
     if (!o.why.empty())
       return fmt::format("--expert-update {} would not change this plan: {}\n", o.name, o.why);
     const int64_t moved = mine.read_mean + mine.written_mean;

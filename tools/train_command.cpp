@@ -325,7 +325,10 @@ class TrainCommand : public Subcommand {
         source = path;
       }
     }
-    run.prediction = predict_step(*run.plan, *profile);
+    // A mixture read as routed: an even routing's expected step, not the plan's worst case.
+    run.prediction = predict_expected_step(*run.plan, *profile);
+    run.profile = *profile;
+    if (run.plan->routed_expert_fetch) source += ", an even routing's step";
     run.summary.predicted_seconds = run.prediction->steady_seconds;
     run.summary.predicted_first_seconds = run.prediction->cold_seconds;
     run.summary.predicted_by = profile->name;
@@ -659,6 +662,14 @@ class TrainCommand : public Subcommand {
         return run_error(step.status());
       }
       StepReport report = account_step(run.summary, s, *step, run.tokens_per_step, fp16);
+      if (run.profile && run.plan->routed_expert_fetch) {
+        // The last kKeptRoutings steps' (a long run's would fill memory).
+        if (run.routings.size() == 2 * kKeptRoutings) {
+          run.routings.erase(run.routings.begin(), run.routings.begin() + kKeptRoutings);
+          run.routings_trimmed = true;
+        }
+        run.routings.push_back(step->routing);
+      }
       // Every process stops after the same step (a signal may reach them at different times).
       Result<bool> stop = engine.any_rank(stop_requested.load());
       if (!stop) return run_error(stop.status());
@@ -730,6 +741,12 @@ class TrainCommand : public Subcommand {
     summary.budget[int(tiers::Tier::host)] =
         uint64_t(*budgets.host_per_rank(run.plan->input.world_size));
     summary.budget[int(tiers::Tier::nvme)] = summary.usage[int(tiers::Tier::nvme)].capacity;
+    // The steps after the first, as measured; where the first were let go,
+    // a few more, while the ledger of waiting experts fills again.
+    const int warmup = run.routings_trimmed ? 8 : 1;
+    if (int(run.routings.size()) > warmup)
+      summary.predicted_with_run_routing =
+          predict_routed_steps(*run.plan, *run.profile, run.routings, warmup).median.steady_seconds;
     progress_->end();
     if (stop_requested.load())
       fmt::print("stopped by {} after step {}{}\n", stop_name(), engine.steps_done(),

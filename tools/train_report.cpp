@@ -339,6 +339,12 @@ std::string format_run_summary(const RunSummary& s) {
         format_seconds(measured), format_seconds(*s.predicted_seconds), s.predicted_by,
         100.0 * (*s.predicted_seconds - measured) / measured, format_seconds(s.step_seconds[0]),
         format_seconds(s.predicted_first_seconds.value_or(0)));
+    if (s.predicted_with_run_routing)
+      out += fmt::format(
+          "  (that prediction is an even routing's; with this run's routing, step by step: {}, "
+          "{:+.1f}%)\n",
+          format_seconds(*s.predicted_with_run_routing),
+          100.0 * (*s.predicted_with_run_routing - measured) / measured);
   }
   out += "peak memory per rank:";
   for (int t = 0; t < tiers::kTierCount; ++t) {

@@ -133,6 +133,9 @@ struct RunSummary {
   std::optional<double> predicted_seconds;  // the step-time model's steady step
   std::optional<double> predicted_first_seconds;
   std::string predicted_by;
+  // A mixture read as routed: the prediction above is an even routing's; this
+  // one the median step of the run's own routings after the first.
+  std::optional<double> predicted_with_run_routing;
 };
 
 // Several lines: throughput, memory per tier, NVMe traffic, stall, time per lane.

@@ -90,6 +90,8 @@ ChosenBudgets choose_budgets(const TrainConfig& config, const TrainingPlan& plan
 
 // What a run builds, step by step, in the order TrainCommand::train builds it;
 // members are destroyed in reverse, so the trace and the engine go first.
+inline constexpr size_t kKeptRoutings = 64;
+
 struct TrainingRun {
   // Set when this process is one of several launched ones (strata launch,
   // torchrun, SLURM, Open MPI): it trains one rank, and the world size is the launcher's.
@@ -117,6 +119,12 @@ struct TrainingRun {
   std::optional<TraceWriter> trace;
   int64_t tokens_per_step = 0;
   std::optional<StepPrediction> prediction;  // the step-time model's, when a profile is known
+  std::optional<HardwareProfile> profile;    // the profile it used
+  // A mixture read as routed, predicted: each step's routing (the last
+  // kKeptRoutings to 2 kKeptRoutings), for the summary's prediction with
+  // the run's own routing.
+  std::vector<StepRouting> routings;
+  bool routings_trimmed = false;
   RunSummary summary;
   Clock::time_point start;  // of the first step
   int64_t saved_at = -1;    // the step of the last checkpoint written

@@ -5,6 +5,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
 
 #include "io/base/sizes.h"
 
@@ -289,6 +292,45 @@ int64_t routed_parameter_reads(const TrainingPlan& plan, const StepRouting& rout
 
 int64_t worst_parameter_reads(const TrainingPlan& plan, int rank) {
   return parameter_reads(plan, nullptr, rank);
+}
+
+std::vector<StepRouting> even_routings(const TrainingPlan& plan, int steps, uint64_t seed) {
+  const ModelConfig& m = plan.layout.config;
+  const int64_t E = m.num_experts, K = m.num_experts_per_tok;
+  const int64_t tokens = plan.tokens_per_micro * plan.input.world_size;
+  const size_t G = size_t(plan.input.grad_accum);
+  std::mt19937_64 draw(seed);
+  std::vector<StepRouting> out;
+  std::vector<int64_t> order(size_t(std::max<int64_t>(E, 0)));
+  for (int s = 0; s < steps; ++s) {
+    StepRouting routing(plan.units.size());
+    std::map<int64_t, std::vector<std::vector<uint8_t>>> layers;  // layer -> per micro-batch
+    for (int u = 0; u < int(plan.units.size()); ++u) {
+      if (!routes_expert_reads(plan, u)) continue;
+      const int64_t layer = plan.layout.units[size_t(u)].unit.layer;
+      auto [it, drawn] = layers.try_emplace(layer);
+      if (drawn) {
+        for (size_t g = 0; g < G; ++g) {
+          std::vector<uint8_t> used(size_t(E), 0);
+          int64_t reached = 0;
+          // Each token's k distinct experts (a partial shuffle), until every expert is reached.
+          for (int64_t n = 0; n < tokens && reached < E; ++n) {
+            std::iota(order.begin(), order.end(), int64_t{0});
+            for (int64_t k = 0; k < K; ++k) {
+              const int64_t pick = k + int64_t(draw() % uint64_t(E - k));
+              std::swap(order[size_t(k)], order[size_t(pick)]);
+              reached += used[size_t(order[size_t(k)])] == 0;
+              used[size_t(order[size_t(k)])] = 1;
+            }
+          }
+          it->second.push_back(std::move(used));
+        }
+      }
+      routing[size_t(u)] = it->second;
+    }
+    out.push_back(std::move(routing));
+  }
+  return out;
 }
 
 nlohmann::ordered_json routing_to_json(const TrainingPlan& plan, const StepRouting& routing) {

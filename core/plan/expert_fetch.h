@@ -168,6 +168,14 @@ nlohmann::ordered_json routing_to_json(const TrainingPlan& plan, const StepRouti
 Result<StepRouting> routing_from_json(const TrainingPlan& plan, const nlohmann::json& record,
                                       const std::string& origin);
 
+// `steps` steps of an even routing, where no run has recorded one: each
+// token of a micro-batch (at several ranks, of every rank's micro-batch:
+// the ranks join their routings) picks k of the E experts uniformly, drawn
+// from `seed` (the same draws on every machine); every routed unit of a
+// layer takes its layer's. The step-time model's expected case
+// (predict_routed_steps, core/plan/step_model.h).
+std::vector<StepRouting> even_routings(const TrainingPlan& plan, int steps, uint64_t seed = 1);
+
 // The parameter reads of recorded steps' routings (routed_parameter_reads)
 // against the worst case: what `strata plan --routing` prints.
 struct RecordedReads {

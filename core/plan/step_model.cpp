@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "core/plan/gpu_launches.h"
 #include "io/base/sizes.h"
@@ -499,6 +500,39 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw,
     out.drive_years = rated * 1e12 / node_bytes_per_second / (365.25 * 86400);
   }
   return out;
+}
+
+RoutedPrediction predict_routed_steps(const TrainingPlan& plan, const HardwareProfile& hw,
+                                      const std::vector<StepRouting>& routings, int warmup) {
+  RoutedPrediction out;
+  ExpertUpdateLedger ledger(plan);
+  std::vector<StepPrediction> predictions;
+  double sum = 0;
+  for (size_t s = 0; s < routings.size(); ++s) {
+    const RoutedStep step = routed_step(plan, routings[s], ledger, int64_t(s) + 1);
+    if (int(s) < warmup) continue;
+    predictions.push_back(predict_step(plan, hw, &step));
+    const double seconds = predictions.back().steady_seconds;
+    out.least = out.steps == 0 ? seconds : std::min(out.least, seconds);
+    out.most = std::max(out.most, seconds);
+    sum += seconds;
+    ++out.steps;
+  }
+  if (out.steps == 0) return out;
+  out.mean = sum / double(out.steps);
+  std::vector<size_t> order(predictions.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return predictions[a].steady_seconds < predictions[b].steady_seconds;
+  });
+  out.median = std::move(predictions[order[order.size() / 2]]);
+  return out;
+}
+
+StepPrediction predict_expected_step(const TrainingPlan& plan, const HardwareProfile& hw) {
+  if (!plan.routed_expert_fetch) return predict_step(plan, hw);
+  return predict_routed_steps(plan, hw, even_routings(plan, kEvenRoutingSteps), kEvenRoutingWarmup)
+      .median;
 }
 
 std::string seconds_text(double s) {

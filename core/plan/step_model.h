@@ -145,6 +145,28 @@ struct StepPrediction {
 StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hardware,
                             const RoutedStep* routed = nullptr);
 
+// Steps of a mixture read as routed, one per routing in order (recorded,
+// or drawn: even_routings), each costed as routed_step gives it with the
+// ledger of waiting experts carried from step to step as a run carries it:
+// the steady step's mean, least and most seconds, and the prediction of the
+// step whose time is the median. The first `warmup` routings only advance
+// the ledger.
+struct RoutedPrediction {
+  int64_t steps = 0;
+  double mean = 0, least = 0, most = 0;
+  StepPrediction median;
+};
+RoutedPrediction predict_routed_steps(const TrainingPlan& plan, const HardwareProfile& hardware,
+                                      const std::vector<StepRouting>& routings, int warmup = 0);
+
+// The step a run is expected to take: predict_step's, or for a mixture
+// read as routed (whose plan counts the worst case: every expert read,
+// replayed and updated) the median step of an even routing
+// (kEvenRoutingSteps drawn, the first kEvenRoutingWarmup left out while
+// the ledger fills).
+inline constexpr int kEvenRoutingSteps = 10, kEvenRoutingWarmup = 2;
+StepPrediction predict_expected_step(const TrainingPlan& plan, const HardwareProfile& hardware);
+
 // Seconds as `strata plan` prints them: "1.2 min", "3.45 s", "297.3 ms", "80 us".
 std::string seconds_text(double seconds);
 
