@@ -236,6 +236,26 @@ TEST(StepModel, ASparseLayerCostsTheExpertsItsTokensRead) {
   }
 }
 
+// A mixture read as routed: 16 experts, top 1, two micro-batches of
+// `micro_batch` x `seq_len` tokens, at `world` ranks, its updates deferred
+// or not, the optimizer in host memory.
+Result<TrainingPlan> routed_plan(int world, bool deferred, int64_t micro_batch = 2,
+                                 int64_t seq_len = 32) {
+  PlanInput in = nvme_input();
+  in.world_size = world;
+  in.model.family = ModelFamily::mixtral;
+  in.model.num_experts = 16;
+  in.model.num_experts_per_tok = 1;
+  in.model.moe_intermediate_size = in.model.intermediate_size;
+  in.model.layer_pieces = 2;
+  in.layer_pieces_auto = false;
+  in.offload_optimizer = OffloadDevice::cpu;
+  in.expert_update_deferred = deferred;
+  in.micro_batch = micro_batch;
+  in.seq_len = seq_len;
+  return plan_training(in);
+}
+
 // A mixture read as routed, its updates deferred: a step predicted with a
 // routing costs that routing's bytes (the engine's count, routed_step) and
 // AdamW elements. Every expert routed is within the worst case; a
@@ -246,17 +266,7 @@ TEST(StepModel, ARecordedRoutingCostsItsOwnBytesAndUpdates) {
   for (const int world : {1, 2}) {
     SCOPED_TRACE(std::to_string(world) + " ranks");
     const OpKind replays = world > 1 ? OpKind::share : OpKind::forward;
-    PlanInput in = nvme_input();
-    in.world_size = world;
-    in.model.family = ModelFamily::mixtral;
-    in.model.num_experts = 16;
-    in.model.num_experts_per_tok = 1;
-    in.model.moe_intermediate_size = in.model.intermediate_size;
-    in.model.layer_pieces = 2;
-    in.layer_pieces_auto = false;
-    in.offload_optimizer = OffloadDevice::cpu;
-    in.expert_update_deferred = true;
-    Result<TrainingPlan> plan = plan_training(in);
+    Result<TrainingPlan> plan = routed_plan(world, true);
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();
     ASSERT_TRUE(plan->routed_expert_fetch) << plan->expert_fetch_reason;
     ASSERT_TRUE(plan->deferred_expert_updates) << plan->expert_update_reason;
@@ -264,8 +274,8 @@ TEST(StepModel, ARecordedRoutingCostsItsOwnBytesAndUpdates) {
     StepRouting every(plan->units.size()), none(plan->units.size()), few(plan->units.size());
     for (int u = 0; u < int(plan->units.size()); ++u) {
       if (!routes_expert_reads(*plan, u)) continue;
-      every[size_t(u)].assign(size_t(in.grad_accum), std::vector<uint8_t>(16, 1));
-      none[size_t(u)].assign(size_t(in.grad_accum), std::vector<uint8_t>(16, 0));
+      every[size_t(u)].assign(size_t(plan->input.grad_accum), std::vector<uint8_t>(16, 1));
+      none[size_t(u)].assign(size_t(plan->input.grad_accum), std::vector<uint8_t>(16, 0));
       few[size_t(u)] = none[size_t(u)];
       few[size_t(u)][0][3] = few[size_t(u)][1][3] = 1;  // one expert reached
     }
@@ -313,25 +323,6 @@ TEST(StepModel, ARecordedRoutingCostsItsOwnBytesAndUpdates) {
   }
 }
 
-// The mixture of ARecordedRoutingCostsItsOwnBytesAndUpdates (16 experts,
-// top 1, two micro-batches of 64 tokens) at `world` ranks, its updates
-// deferred or not, `tokens` a micro-batch.
-Result<TrainingPlan> routed_plan(int world, bool deferred, int64_t tokens = 64) {
-  PlanInput in = nvme_input();
-  in.world_size = world;
-  in.model.family = ModelFamily::mixtral;
-  in.model.num_experts = 16;
-  in.model.num_experts_per_tok = 1;
-  in.model.moe_intermediate_size = in.model.intermediate_size;
-  in.model.layer_pieces = 2;
-  in.layer_pieces_auto = false;
-  in.offload_optimizer = OffloadDevice::cpu;
-  in.expert_update_deferred = deferred;
-  in.micro_batch = 1;
-  in.seq_len = tokens;
-  return plan_training(in);
-}
-
 // An even routing: each token k experts of E, drawn the same way every
 // time; the units of one layer share its routing, the others have none.
 // One token a micro-batch reaches exactly k experts; many reach them all;
@@ -340,7 +331,7 @@ Result<TrainingPlan> routed_plan(int world, bool deferred, int64_t tokens = 64) 
 TEST(StepModel, AnEvenRoutingReachesWhatTokensDrawnUniformlyReach) {
   for (const int world : {1, 2}) {
     for (const int64_t tokens : {1, 4, 256}) {
-      Result<TrainingPlan> plan = routed_plan(world, true, tokens);
+      Result<TrainingPlan> plan = routed_plan(world, true, 1, tokens);
       ASSERT_TRUE(plan.is_ok()) << plan.status().message();
       const std::vector<StepRouting> steps = even_routings(*plan, 40);
       ASSERT_EQ(steps.size(), 40u);
@@ -386,7 +377,7 @@ TEST(StepModel, TheExpectedStepOfARoutedMixtureIsAnEvenRoutings) {
   const HardwareProfile hw = *hardware_preset("h100-sxm/gen4x1");
   for (const int world : {1, 2}) {
     SCOPED_TRACE(std::to_string(world) + " ranks");
-    Result<TrainingPlan> few = routed_plan(world, true, 2);
+    Result<TrainingPlan> few = routed_plan(world, true, 1, 2);
     ASSERT_TRUE(few.is_ok()) << few.status().message();
     const StepPrediction worst = predict_step(*few, hw);
     const StepPrediction expected = predict_expected_step(*few, hw);
@@ -399,8 +390,8 @@ TEST(StepModel, TheExpectedStepOfARoutedMixtureIsAnEvenRoutings) {
     EXPECT_DOUBLE_EQ(expected.steady_seconds, drawn.median.steady_seconds);
     EXPECT_LE(drawn.least, drawn.mean);
     EXPECT_LE(drawn.mean, drawn.most);
-    Result<TrainingPlan> many = routed_plan(world, true, 512);
-    Result<TrainingPlan> eager = routed_plan(world, false, 512);
+    Result<TrainingPlan> many = routed_plan(world, true, 1, 512);
+    Result<TrainingPlan> eager = routed_plan(world, false, 1, 512);
     ASSERT_TRUE(many.is_ok() && eager.is_ok());
     EXPECT_LE(predict_expected_step(*many, hw).steady_seconds,
               predict_step(*many, hw).steady_seconds);
