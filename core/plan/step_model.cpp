@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <numeric>
+#include <utility>
 
 #include "core/plan/gpu_launches.h"
 #include "io/base/sizes.h"
@@ -505,27 +505,31 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw,
 RoutedPrediction predict_routed_steps(const TrainingPlan& plan, const HardwareProfile& hw,
                                       const std::vector<StepRouting>& routings, int warmup) {
   RoutedPrediction out;
-  ExpertUpdateLedger ledger(plan);
-  std::vector<StepPrediction> predictions;
-  double sum = 0;
-  for (size_t s = 0; s < routings.size(); ++s) {
-    const RoutedStep step = routed_step(plan, routings[s], ledger, int64_t(s) + 1);
-    if (int(s) < warmup) continue;
-    predictions.push_back(predict_step(plan, hw, &step));
-    const double seconds = predictions.back().steady_seconds;
-    out.least = out.steps == 0 ? seconds : std::min(out.least, seconds);
-    out.most = std::max(out.most, seconds);
-    sum += seconds;
-    ++out.steps;
+  // Each step's seconds, then the median step's prediction again (a
+  // prediction holds its simulation: one is kept, not one per step).
+  std::vector<std::pair<double, size_t>> seconds;
+  {
+    ExpertUpdateLedger ledger(plan);
+    for (size_t s = 0; s < routings.size(); ++s) {
+      const RoutedStep step = routed_step(plan, routings[s], ledger, int64_t(s) + 1);
+      if (int(s) >= warmup) seconds.emplace_back(predict_step(plan, hw, &step).steady_seconds, s);
+    }
   }
-  if (out.steps == 0) return out;
+  if (seconds.empty()) return out;
+  out.steps = int64_t(seconds.size());
+  double sum = 0;
+  for (const auto& [t, s] : seconds) sum += t;
   out.mean = sum / double(out.steps);
-  std::vector<size_t> order(predictions.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return predictions[a].steady_seconds < predictions[b].steady_seconds;
-  });
-  out.median = std::move(predictions[order[order.size() / 2]]);
+  std::stable_sort(seconds.begin(), seconds.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  out.least = seconds.front().first;
+  out.most = seconds.back().first;
+  const size_t median = seconds[seconds.size() / 2].second;
+  ExpertUpdateLedger ledger(plan);
+  for (size_t s = 0; s <= median; ++s) {
+    const RoutedStep step = routed_step(plan, routings[s], ledger, int64_t(s) + 1);
+    if (s == median) out.median = predict_step(plan, hw, &step);
+  }
   return out;
 }
 
