@@ -3,8 +3,7 @@
 // as the CUDA backend runs them), its memory's copy bandwidth, and PCIe each
 // way between pinned host memory and the device, a launch's and a host wait's
 // time (core/plan/gpu_launches.h). Timed with CUDA events (the launches and
-// waits by the host's clock), the
-// median of several runs after a warm-up.
+// waits by the host's clock), the median of several runs after a warm-up.
 #include <fmt/format.h>
 
 #include <algorithm>
