@@ -16,33 +16,42 @@ namespace {
 
 using tiers::Tier;
 
-// The units a compute operation reads: its own, and a tied head the embedding's.
-bool compute_reads(const TrainingPlan& plan, const PlanOp& op, int unit) {
-  if (op.kind != OpKind::forward && op.kind != OpKind::backward) return false;
-  const int head = int(plan.units.size()) - 1;
-  return op.unit == unit ||
-         (op.unit == head && unit == 0 && plan.layout.config.tie_word_embeddings);
-}
-
 // On a GPU without the parameters in place, a run of consecutive compute
 // operations reading a unit (one gather's use) uploads it once, at the first
 // of them; a run that is only the embedding's backward reads nothing of it.
+// A compute operation reads its own unit, and a tied head the embedding's.
+// One pass over the operations (a plan of many units is costed often).
 void add_gathered_uploads(const TrainingPlan& plan, std::vector<StepTraffic>& traffic) {
-  std::vector<size_t> compute;
-  for (size_t i = 0; i < plan.ops.size(); ++i)
-    if (plan.ops[i].kind == OpKind::forward || plan.ops[i].kind == OpKind::backward)
-      compute.push_back(i);
-  for (int u = 0; u < int(plan.units.size()); ++u) {
-    for (size_t c = 0; c < compute.size(); ++c) {
-      const PlanOp& op = plan.ops[compute[c]];
-      if (!compute_reads(plan, op, u)) continue;
-      if (c > 0 && compute_reads(plan, plan.ops[compute[c - 1]], u)) continue;  // not a run's first
-      bool reads = false;
-      for (size_t k = c; k < compute.size() && compute_reads(plan, plan.ops[compute[k]], u); ++k)
-        reads = reads || !(plan.ops[compute[k]].kind == OpKind::backward && u == 0);
-      if (reads) traffic[compute[c]].h2d += plan.units[size_t(u)].padded_numel * plan.compute_bytes;
+  const int head = int(plan.units.size()) - 1;
+  const bool tied = plan.layout.config.tie_word_embeddings;
+  struct Run {
+    int unit = -1;
+    size_t first = 0;  // the run's first operation
+    bool reads = false;
+  };
+  auto close = [&](const Run& run) {
+    if (run.reads)
+      traffic[run.first].h2d += plan.units[size_t(run.unit)].padded_numel * plan.compute_bytes;
+  };
+  std::vector<Run> open;  // the runs the last compute operation continued (at most two)
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if (op.kind != OpKind::forward && op.kind != OpKind::backward) continue;
+    std::vector<Run> next;
+    for (const int u : {op.unit, op.unit == head && tied ? 0 : -1}) {
+      if (u < 0) continue;
+      Run run{u, i, false};
+      for (const Run& r : open)
+        if (r.unit == u) run = r;
+      run.reads = run.reads || !(op.kind == OpKind::backward && u == 0);
+      next.push_back(run);
     }
+    for (const Run& r : open)
+      if (std::none_of(next.begin(), next.end(), [&](const Run& n) { return n.unit == r.unit; }))
+        close(r);
+    open = std::move(next);
   }
+  for (const Run& r : open) close(r);
 }
 
 // A gradient on NVMe: written after each reduce, read back to add to from
