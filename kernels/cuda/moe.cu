@@ -330,7 +330,7 @@ Status moe_gather_rows(void* rows, const void* x, const int32_t* row_token, int6
 // whole or over a group of experts.
 namespace {
 
-// The shape of a launch of one block per token over experts [first, end).
+// The shape of a launch of one block per token (or per slot) over experts [first, end).
 Status check_token_blocks(const char* kernel, DType type, const std::string& shape, int64_t N,
                           int64_t C, int64_t K, int64_t first, int64_t end) {
   if (N < 0 || C <= 0 || N > INT32_MAX || first < 0 || end < first || end > INT32_MAX) {
@@ -363,12 +363,11 @@ Status weight_backward(const char* kernel, float* d_top_weight, void* y, const v
                        int64_t first, int64_t end, int64_t N, int64_t C, int64_t K, DType type,
                        cudaStream_t stream) {
   const std::string shape = shape_text({{"N", N}, {"C", C}, {"K", K}});
-  if (N < 0 || C <= 0 || first < 0 || end < first || end > INT32_MAX) {
-    return argument_error(kernel, type, shape, "bad shape");
-  }
-  if (Status status = check_top_k(kernel, type, shape, K, kMoeMaxTopK); !status.is_ok()) {
+  if (Status status = check_token_blocks(kernel, type, shape, N, C, K, first, end);
+      !status.is_ok()) {
     return status;
   }
+  // One block per slot.
   if (N > INT32_MAX / K) return argument_error(kernel, type, shape, "bad shape");
   if (N == 0) return Status::ok();
   return dispatch_type(type, [&](auto tag) {
