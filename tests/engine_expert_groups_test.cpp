@@ -9,7 +9,11 @@
 //    1e-6 and the weights within 1e-4 over three steps (each token's rows'
 //    gradients are summed in another order, core/README.md "Expert
 //    groups"; AdamW divides each gradient by its own magnitude, so near eps
-//    its last bits move the update, as with the vocabulary chunks);
+//    its last bits move the update, as with the vocabulary chunks: eps 1e-6
+//    damps that, and testing::expect_weights_near allows the few weights it
+//    still flips. With eps 1e-8 a flipped weight moved the routers' logits
+//    enough to tip a token's third expert in about 1 seed in 20, and then
+//    thousands of weights and the loss moved);
 //  - the groups lower the parameter slots the plan sizes by its largest
 //    unit, and the run keeps to its plan (NVMe bytes, peaks);
 //  - the groups before the last keep no saved input of their own and
@@ -80,17 +84,17 @@ TEST_F(EngineExpertGroups, TopThreeStaysWithinTolerance) {
   EngineRun cut = groups_placements(1, "layer", 3).back();  // stage 3, everything on NVMe
   cut.experts_per_token = 3;
   cut.steps = 3;
+  cut.eps = 1e-6;  // as the vocabulary chunks': near-cancelled gradients damped
   EngineRun whole = cut;
   whole.expert_groups = 1;
   const EngineOutcome a = train(cut), b = train(whole);
   ASSERT_EQ(a.steps.size(), 3u) << cut.label();
   EXPECT_EQ(a.steps[0].loss, b.steps[0].loss) << cut.label();  // the first forward is bitwise
   testing::expect_steps_near(a, b, 1e-6, 1e-6, cut.label());
-  std::string worst;
-  const double error = testing::weights_relative_error(a.weights, b.weights, &worst);
-  std::printf("expert groups against the MLP piece, top 3: worst weight error %.2e (%s)\n", error,
-              worst.c_str());
-  EXPECT_LT(error, 1e-4) << cut.label() << ", worst tensor " << worst;
+  const testing::WeightsDrift drift = testing::expect_weights_near(a, b, cut.lr, 1e-4, cut.label());
+  std::printf(
+      "expert groups against the MLP piece, top 3: worst weight error %.2e (%s), %lld flipped\n",
+      drift.relative, drift.where.c_str(), static_cast<long long>(drift.flipped));
 }
 
 TEST_F(EngineExpertGroups, GroupsLowerTheSlotsAndTheRunKeepsToThePlan) {
