@@ -1539,6 +1539,42 @@ TEST_F(CudaKernels, MatmulMatchesCpu) {
   expect_matches_cpu(download(*d_dw, OC * C, DType::f32), dw, "dweight (+=)");
 }
 
+// The plan cache keeps the most recently used shapes up to its limit (a
+// mixture's experts see a new row count almost every step); a dropped shape
+// is planned again and gives the same product.
+TEST_F(CudaKernels, MatmulPlanCacheKeepsTheMostRecentShapes) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  auto matmuls = cuda::Matmuls::create();
+  ASSERT_TRUE(matmuls.is_ok()) << matmuls.status().message();
+  cuda::Matmuls& mm = **matmuls;
+  EXPECT_EQ(mm.plan_limit(), cuda::Matmuls::kDefaultPlanLimit);
+  mm.set_plan_limit(2);
+  const int64_t C = 40, OC = 24;
+  const auto weight = random_floats(OC * C, rng_);
+  auto d_weight = upload(weight, DType::f32);
+  auto product = [&](int64_t N) {
+    const auto inp = random_floats(N * C, rng_);
+    std::vector<float> out(size_t(N * OC));
+    cpu::matmul_forward(out.data(), inp.data(), weight.data(), N, C, OC);
+    auto d_inp = upload(inp, DType::f32);
+    DeviceBuffer d_out(N * OC * 4);
+    expect_ok(mm.forward(d_out.get(), d_inp->get(), d_weight->get(), N, C, OC, DType::f32, false,
+                         nullptr));
+    expect_matches_cpu(download(d_out, N * OC, DType::f32), out, "rows " + std::to_string(N));
+  };
+  product(7);
+  product(9);
+  product(7);   // the most recent again
+  product(11);  // drops 9, the least recently used
+  EXPECT_EQ(mm.cached_plans(), 2u);
+  product(9);  // planned again
+  EXPECT_EQ(mm.cached_plans(), 2u);
+  mm.set_plan_limit(0);  // at least one is kept
+  EXPECT_EQ(mm.plan_limit(), 1u);
+  EXPECT_EQ(mm.cached_plans(), 1u);
+  product(7);
+}
+
 // PyTorch's bf16 linear: cuBLAS with fp32 accumulation, each output rounded
 // once; a bf16 model's weight gradient is bf16 [round], ours stays fp32.
 TEST_P(CudaKernelsLowPrecision, Matmul) {

@@ -231,6 +231,10 @@ Result<std::unique_ptr<CudaUnits>> CudaUnits::create(const ModelLayout& layout, 
                            "uploading the RoPE tables");
       !s)
     return s;
+  // cudaMemcpy from pageable memory may return before its copy lands, and
+  // the units' streams do not wait for the legacy default stream it ran on.
+  if (Status s = cuda::check_cuda(cudaDeviceSynchronize(), "uploading the RoPE tables"); !s)
+    return s;
   units->b_ = std::move(b);
   return units;
 }

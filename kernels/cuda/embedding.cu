@@ -70,13 +70,20 @@ std::size_t align_up(std::size_t bytes) {
   return (bytes + 255) / 256 * 256;
 }
 
+// CUB's temporary storage for sorting N (token, position) pairs. CUB asks
+// the current device; where there is none (a plan for a GPU made on a
+// machine without one) it cannot answer, and this estimates what its
+// one-sweep sort takes: a third key and value buffer, a look-back word per
+// digit per tile of at least 256 items, and its per-pass bins and counters.
 std::size_t sort_temp_bytes(int64_t N, int64_t V) {
   std::size_t bytes = 0;
-  cub::DeviceRadixSort::SortPairs(
+  const cudaError_t asked = cub::DeviceRadixSort::SortPairs(
       nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
       static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(N), 0,
       key_bits(V));
-  return bytes;
+  if (asked == cudaSuccess) return bytes;
+  cudaGetLastError();  // no device: not an error of a later call
+  return 12 * static_cast<std::size_t>(N) + (std::size_t{64} << 10);
 }
 
 }  // namespace

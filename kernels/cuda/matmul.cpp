@@ -109,12 +109,37 @@ std::size_t Matmuls::cached_plans() const {
   return plans_.size();
 }
 
-Result<Matmuls::Plan*> Matmuls::plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k,
-                                         bool accumulate, uint32_t alignment) {
+std::size_t Matmuls::plan_limit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return plan_limit_;
+}
+
+void Matmuls::set_plan_limit(std::size_t limit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  plan_limit_ = limit < 1 ? 1 : limit;
+  while (plans_.size() > plan_limit_) drop_least_recent_locked();
+}
+
+// A scan of the cache: it runs only when a new shape is planned, which costs
+// a heuristic call far above it.
+void Matmuls::drop_least_recent_locked() {
+  auto oldest = plans_.begin();
+  for (auto it = plans_.begin(); it != plans_.end(); ++it)
+    if (it->second.used < oldest->second.used) oldest = it;
+  if (oldest != plans_.end()) plans_.erase(oldest);
+}
+
+Result<std::shared_ptr<const Matmuls::Plan>> Matmuls::plan_for(Op op, DType type, int64_t m,
+                                                               int64_t n, int64_t k,
+                                                               bool accumulate,
+                                                               uint32_t alignment) {
   const bool tf32 = type == DType::f32 && allow_tf32_;
   const Key key{static_cast<int>(op), static_cast<int>(type), m, n, k, accumulate, tf32, alignment};
   std::lock_guard<std::mutex> lock(mutex_);
-  if (auto found = plans_.find(key); found != plans_.end()) return found->second.get();
+  if (auto found = plans_.find(key); found != plans_.end()) {
+    found->second.used = ++use_clock_;
+    return found->second.plan;
+  }
 
   const char* name = op_name(static_cast<int>(op));
   const std::string shape = detail::shape_text({{"m", m}, {"n", n}, {"k", k}});
@@ -160,14 +185,17 @@ Result<Matmuls::Plan*> Matmuls::plan_for(Op op, DType type, int64_t m, int64_t n
     return detail::argument_error(name, type, shape, "cuBLASLt has no algorithm for this product");
   }
   plan->algo = result.algo;
-  Plan* raw = plan.get();
-  plans_.emplace(key, std::move(plan));
-  return raw;
+  while (plans_.size() >= plan_limit_) drop_least_recent_locked();
+  std::shared_ptr<const Plan> kept = std::move(plan);
+  plans_.emplace(key, Cached{kept, ++use_clock_});
+  return kept;
 }
 
 Status Matmuls::run(Op op, DType type, int64_t m, int64_t n, int64_t k, const void* a,
                     const void* b, void* d, bool accumulate, cudaStream_t stream) {
-  Result<Plan*> plan = plan_for(op, type, m, n, k, accumulate, alignment_of({a, b, d}));
+  // Held to the end of the call: another thread may drop it from the cache meanwhile.
+  Result<std::shared_ptr<const Plan>> plan =
+      plan_for(op, type, m, n, k, accumulate, alignment_of({a, b, d}));
   if (!plan) return plan.status();
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const Plan& p = **plan;

@@ -13,9 +13,14 @@
 // that was current when it was created. The first product of each (operation,
 // type, shape, accumulate, tf32, pointer alignment) builds the descriptors and asks cuBLASLt's
 // heuristic for an algorithm; the choice is cached and reused, so later calls
-// only enqueue the product. Calls may come from several threads (the cache is
-// locked); a call's work runs on its `stream`, and products that share the
-// workspace must be ordered (one stream, or streams the caller serialises).
+// only enqueue the product. The cache keeps the plan_limit() most recently
+// used shapes and drops the least recently used beyond them: a mixture's
+// expert products see a new row count almost every step, and an unbounded
+// cache would grow with the run. Calls may come from several threads (the
+// cache is locked, and a plan dropped while another thread's call uses it
+// lives until that call returns); a call's work runs on its `stream`, and
+// products that share the workspace must be ordered (one stream, or streams
+// the caller serialises).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -35,6 +40,9 @@ namespace strata::kernels::cuda {
 class Matmuls {
  public:
   static constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{32} << 20;
+  // Plans kept: a dense model uses a few per layer shape; a mixture's experts
+  // at most six per distinct row count in flight.
+  static constexpr std::size_t kDefaultPlanLimit = 1024;
 
   // Creates the handle and allocates the workspace on the current device.
   static Result<std::unique_ptr<Matmuls>> create(
@@ -62,8 +70,11 @@ class Matmuls {
                   const void* weight,  // (OC, C) of type
                   int64_t N, int64_t C, int64_t OC, DType type, cudaStream_t stream);
 
-  // Distinct product shapes seen so far (each planned once).
+  // Product shapes whose plans are kept (at most plan_limit()).
   std::size_t cached_plans() const;
+  std::size_t plan_limit() const;
+  // At least 1; drops the least recently used plans beyond it.
+  void set_plan_limit(std::size_t limit);
 
  private:
   struct Plan;  // descriptors and the chosen algorithm of one product shape
@@ -75,8 +86,9 @@ class Matmuls {
   // D (m, n) = alpha op(A) op(B) + beta C in cuBLAS's column-major terms.
   Status run(Op op, DType type, int64_t m, int64_t n, int64_t k, const void* a, const void* b,
              void* d, bool accumulate, cudaStream_t stream);
-  Result<Plan*> plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k, bool accumulate,
-                         uint32_t alignment);
+  Result<std::shared_ptr<const Plan>> plan_for(Op op, DType type, int64_t m, int64_t n, int64_t k,
+                                               bool accumulate, uint32_t alignment);
+  void drop_least_recent_locked();
 
   void* handle_ = nullptr;     // cublasLtHandle_t
   void* workspace_ = nullptr;  // device, workspace_bytes_
@@ -84,7 +96,13 @@ class Matmuls {
   std::size_t workspace_bytes_ = 0;
   bool allow_tf32_ = false;
   mutable std::mutex mutex_;
-  std::map<Key, std::unique_ptr<Plan>> plans_;
+  struct Cached {
+    std::shared_ptr<const Plan> plan;
+    uint64_t used = 0;  // use_clock_ at its last use
+  };
+  std::map<Key, Cached> plans_;
+  uint64_t use_clock_ = 0;
+  std::size_t plan_limit_ = kDefaultPlanLimit;
 };
 
 }  // namespace strata::kernels::cuda
