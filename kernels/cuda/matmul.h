@@ -40,8 +40,8 @@ namespace strata::kernels::cuda {
 class Matmuls {
  public:
   static constexpr std::size_t kDefaultWorkspaceBytes = std::size_t{32} << 20;
-  // Plans kept: a dense model uses a few per layer shape; a mixture's experts
-  // at most six per distinct row count in flight.
+  // Plans kept: a dense model needs a few per layer shape; a mixture's
+  // experts one per product and row count, and meet new row counts every step.
   static constexpr std::size_t kDefaultPlanLimit = 1024;
 
   // Creates the handle and allocates the workspace on the current device.
