@@ -1757,6 +1757,24 @@ TEST(CudaKernelErrors, MoeRefusesATopKOutsideItsRange) {
       << no_x2.message();
 }
 
+// The embedding's backward scratch holds its four index buffers and CUB's
+// sort. A plan for a GPU made where there is none sizes it too: CUB cannot
+// answer without a device (it once gave 0), so the sort is estimated there.
+TEST(CudaKernelErrors, TheEmbeddingScratchHoldsTheSortWithOrWithoutADevice) {
+  int devices = 0;
+  const bool gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+  cudaGetLastError();
+  for (int64_t N : {int64_t{1}, int64_t{4096}, int64_t{16384}}) {
+    const std::size_t indices = 4 * ((std::size_t(N) * 4 + 255) / 256 * 256);
+    const std::size_t bytes = cuda::embedding_backward_scratch_bytes(N, 152064);
+    EXPECT_GT(bytes, indices) << "N " << N;
+    if (!gpu)
+      EXPECT_GE(bytes, indices + 12 * std::size_t(N) + (std::size_t{64} << 10)) << "N " << N;
+  }
+  // Where there is no driver every call reports that again; with a GPU none is left behind.
+  if (gpu) EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the size query leaves no error behind";
+}
+
 }  // namespace
 }  // namespace strata::testing
 
