@@ -1768,11 +1768,14 @@ TEST(CudaKernelErrors, TheEmbeddingScratchHoldsTheSortWithOrWithoutADevice) {
     const std::size_t indices = 4 * ((std::size_t(N) * 4 + 255) / 256 * 256);
     const std::size_t bytes = cuda::embedding_backward_scratch_bytes(N, 152064);
     EXPECT_GT(bytes, indices) << "N " << N;
-    if (!gpu)
+    if (!gpu) {
       EXPECT_GE(bytes, indices + 12 * std::size_t(N) + (std::size_t{64} << 10)) << "N " << N;
+    }
   }
   // Where there is no driver every call reports that again; with a GPU none is left behind.
-  if (gpu) EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the size query leaves no error behind";
+  if (gpu) {
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the size query leaves no error behind";
+  }
 }
 
 }  // namespace
