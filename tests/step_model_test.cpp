@@ -422,8 +422,6 @@ TEST(StepModel, APredictionNamesWhatBoundsTheStep) {
   EXPECT_LE(four.steady_seconds, one.steady_seconds);
 }
 
-// Ranks of one process share the CPU's cores at the probe's measured shares,
-// the last one's aggregate split further beyond them, evenly without them.
 // A small mixture on the CUDA backend: 16 experts of 32 rows, top 2, its
 // micro-batch of 64 tokens; `groups` groups of experts (1: the MLP piece
 // whole), the load-balancing loss in the objective.
@@ -576,6 +574,8 @@ TEST(GpuLaunches, LaunchesCostOnlyWhereTheKernelsAreTooSmallToCoverThem) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].seconds, b[i].seconds) << i;
 }
 
+// Ranks of one process share the CPU's cores at the probe's measured shares,
+// the last one's aggregate split further beyond them, evenly without them.
 TEST(HardwareProfile, EachRanksShareOfTheCores) {
   HardwareProfile hw;
   hw.cores = 2;

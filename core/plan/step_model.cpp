@@ -227,11 +227,13 @@ namespace {
 // waits (gpu_launches.h): the host launches ahead, so the launches cost
 // nothing until the kernels are too small to cover them; each wait empties
 // the stream.
-double with_launches(const TrainingPlan& plan, const HardwareProfile& hw, const PlanOp& op,
-                     double seconds) {
-  const GpuLaunches launches = gpu_launches(plan, op);
+double with_launches(const GpuLaunches& launches, const HardwareProfile& hw, double seconds) {
   return std::max(seconds, launches.kernels * hw.launch_us * 1e-6) +
          launches.waits * hw.host_wait_us * 1e-6;
+}
+double with_launches(const TrainingPlan& plan, const HardwareProfile& hw, const PlanOp& op,
+                     double seconds) {
+  return with_launches(gpu_launches(plan, op), hw, seconds);
 }
 
 // A forward's or backward's seconds for its FLOPs (on the CPU backend at
@@ -485,7 +487,7 @@ StepPrediction predict_step(const TrainingPlan& plan, const HardwareProfile& hw,
       const double flops = rate > 0 ? operation_flops(plan, op) / rate : 0;
       out.gpu_launches += launches.kernels;
       out.gpu_host_waits += launches.waits;
-      out.gpu_launch_seconds += with_launches(plan, hw, op, flops) - flops;
+      out.gpu_launch_seconds += with_launches(launches, hw, flops) - flops;
     }
   }
   out.traffic = routed != nullptr ? total_traffic(routed->traffic) : plan.traffic_per_step;
