@@ -303,7 +303,8 @@ inline bool for_each_tensor_pair(
   return true;
 }
 
-// Largest per-tensor relative error |a - b| / |b| over the model; `where` gets its tensor.
+// Largest per-tensor relative error |a - b| / |b| over the model (infinite
+// where a weight is NaN); `where` gets its tensor.
 inline double weights_relative_error(const HostModel& a, const HostModel& b,
                                      std::string* where = nullptr) {
   double worst = 0;
@@ -314,7 +315,8 @@ inline double weights_relative_error(const HostModel& a, const HostModel& b,
           diff += (double(x[e]) - y[e]) * (double(x[e]) - y[e]);
           norm += double(y[e]) * y[e];
         }
-        const double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+        double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+        if (std::isnan(error)) error = INFINITY;  // a NaN weight is as far as it gets
         if (error > worst && where) *where = name;
         worst = std::max(worst, error);
       });
@@ -356,7 +358,8 @@ inline WeightsDrift weights_drift(const HostModel& a, const HostModel& b, double
           }
           diff += d * d;
         }
-        const double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+        double error = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+        if (std::isnan(error)) error = INFINITY;  // a NaN in `b`'s tensor
         if (error > drift.relative) drift.where = name;
         drift.relative = std::max(drift.relative, error);
         drift.elements += numel;
