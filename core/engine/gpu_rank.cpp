@@ -176,11 +176,13 @@ struct CudaGpuRank::Impl {
     }
     return cuda::check_cuda(cudaEventSynchronize(saved_input_copied), what);
   }
-  // Uploads `bytes` of host parameters into the next slot; returns the slot.
-  Result<int> upload(const std::byte* params, int64_t bytes);
+  // Uploads `bytes` of host parameters into the next slot but `keep` (a slot
+  // the same computation reads: the head's beside its tied embedding);
+  // returns the slot.
+  Result<int> upload(const std::byte* params, int64_t bytes, int keep = -1);
   // The unit's parameters on the device: `params` in place, else uploaded
-  // into a slot (*slot; -1 when in place).
-  Result<const std::byte*> unit_params(int unit, const std::byte* params, int* slot);
+  // into a slot (*slot; -1 when in place) other than `keep`.
+  Result<const std::byte*> unit_params(int unit, const std::byte* params, int* slot, int keep = -1);
   // The slot still holding `unit` uploaded from `params`, or -1.
   int uploaded_slot(int unit, const std::byte* params) {
     std::lock_guard lock(slot_mutex);
@@ -264,9 +266,10 @@ CudaGpuRank::Impl::~Impl() {
     if (s) cudaStreamDestroy(s);
 }
 
-Result<int> CudaGpuRank::Impl::upload(const std::byte* params, int64_t bytes) {
-  const int k = next_param_slot;
-  next_param_slot = (next_param_slot + 1) % kGpuParamSlots;
+Result<int> CudaGpuRank::Impl::upload(const std::byte* params, int64_t bytes, int keep) {
+  int k = next_param_slot;
+  if (k == keep) k = (k + 1) % kGpuParamSlots;
+  next_param_slot = (k + 1) % kGpuParamSlots;
   {
     std::lock_guard lock(slot_mutex);
     slot_source[size_t(k)] = nullptr;
@@ -303,7 +306,7 @@ Status CudaGpuRank::Impl::computed_with(int slot) {
 }
 
 Result<const std::byte*> CudaGpuRank::Impl::unit_params(int unit, const std::byte* params,
-                                                        int* slot) {
+                                                        int* slot, int keep) {
   *slot = -1;
   if (params_in_place) return params;
   // Still there from an earlier computation: the compute stream is already past its upload.
@@ -311,7 +314,7 @@ Result<const std::byte*> CudaGpuRank::Impl::unit_params(int unit, const std::byt
     *slot = k;
     return param_slots[size_t(k)];
   }
-  Result<int> taken = upload(params, unit_bytes(unit));
+  Result<int> taken = upload(params, unit_bytes(unit), keep);
   if (!taken) return taken.status();
   *slot = *taken;
   std::lock_guard lock(slot_mutex);
@@ -564,7 +567,9 @@ Result<double> CudaGpuRank::head(int micro, const std::byte* params, const std::
   Result<const std::byte*> device_params = g.unit_params(head, params, &slot);
   if (!device_params) return device_params.status();
   Result<const std::byte*> device_tied = static_cast<const std::byte*>(nullptr);
-  if (tied_params != nullptr) device_tied = g.unit_params(0, tied_params, &tied_slot);
+  // The embedding's upload must not land in the slot the head's parameters
+  // were found in (the oldest upload is the next slot taken).
+  if (tied_params != nullptr) device_tied = g.unit_params(0, tied_params, &tied_slot, slot);
   if (!device_tied) {
     // The head's upload may be in flight: the slot is released only once it is done.
     if (slot >= 0) (void)g.computed_with(slot);

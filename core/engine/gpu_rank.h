@@ -30,8 +30,11 @@
 // copies run asynchronously.
 //
 // Thread-safety: forward, head and backward come from one thread (the
-// compute lane). The other calls may come from any lane; they take turns,
-// and run in stream order after the computation enqueued before them.
+// compute lane), and so do routed_experts and take_gathered_range (the
+// route operation is on the compute lane): they share the parameter slots'
+// rotation and the units' workspace unlocked. The other calls may come from
+// any lane; they take turns, and run in stream order after the computation
+// enqueued before them.
 #pragma once
 
 #include <cstddef>

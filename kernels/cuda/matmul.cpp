@@ -152,8 +152,13 @@ Result<std::shared_ptr<const Matmuls::Plan>> Matmuls::plan_for(Op op, DType type
   if (s != CUBLAS_STATUS_SUCCESS) return cublas_error(name, type, shape, "MatmulDescCreate", s);
   const cublasOperation_t trans_a = op == Op::forward ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t trans_b = op == Op::backward_weight ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof trans_a);
-  cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof trans_b);
+  // A transpose not set would multiply the stored matrices as they are, silently.
+  if ((s = cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
+                                          sizeof trans_a)) ||
+      (s = cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
+                                          sizeof trans_b))) {
+    return cublas_error(name, type, shape, "MatmulDescSetAttribute", s);
+  }
   // Stored (rows, cols, ld) of A and B in column-major terms, before the transposes.
   const int64_t a_rows = trans_a == CUBLAS_OP_N ? m : k, a_cols = trans_a == CUBLAS_OP_N ? k : m;
   const int64_t b_rows = trans_b == CUBLAS_OP_N ? k : n, b_cols = trans_b == CUBLAS_OP_N ? n : k;
@@ -166,14 +171,19 @@ Result<std::shared_ptr<const Matmuls::Plan>> Matmuls::plan_for(Op op, DType type
   if ((s = cublasLtMatmulPreferenceCreate(&preference))) {
     return cublas_error(name, type, shape, "MatmulPreferenceCreate", s);
   }
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                       &workspace_bytes_, sizeof workspace_bytes_);
+  s = cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes_, sizeof workspace_bytes_);
   // The heuristic otherwise assumes 256-byte aligned pointers; tensors inside a
   // unit's flat buffer may sit at smaller alignments.
   for (const auto attribute :
        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment, sizeof alignment);
+    if (s == CUBLAS_STATUS_SUCCESS)
+      s = cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment, sizeof alignment);
+  }
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    cublasLtMatmulPreferenceDestroy(preference);
+    return cublas_error(name, type, shape, "MatmulPreferenceSetAttribute", s);
   }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
