@@ -3,6 +3,7 @@
 
     python3 benches/predict_vs_measure.py --strata build/tools/strata --nvme-path DIR
             [--steps 10] [--rounds 2] [--only N,M] [--profile FILE | --probe-once] [--json OUT]
+            [--keep-profiles DIR]
 
 Each round starts with `strata plan --probe`, which measures this machine
 into a profile (the units at the bench's shapes, AdamW per state format, host
@@ -14,11 +15,16 @@ takes; the probes' unit rates are printed, so the drift shows.
 parameters and optimizer state on the device, in host memory or on NVMe,
 accumulation 1-8, both schedules, the activation homes, fp32/bf16/int8
 optimizer state, 1-3 in-process ranks; the `small` preset at 8 x 128 tokens a
-micro-batch) it runs `strata train --hardware PROFILE --trace --metrics` and
+micro-batch; and the `small-moe` mixture, everything on NVMe, with whole
+layers, routed expert reads and deferred expert updates, its own probe at its
+shapes) it runs `strata train --hardware PROFILE --trace --metrics` and
 compares:
 
   step time   the median of the measured steps after the first, against the
-              prediction in the metrics (predicted_step_time_s)
+              prediction in the metrics (predicted_step_time_s); for a mixture
+              that reads only its routed experts, against the prediction with
+              the run's recorded routing (`strata plan --routing METRICS`: the
+              plan's own is the worst case, every expert read and updated)
   lane busy   each lane's busy time per step in the trace (steps after the
               first), against `strata plan --hardware PROFILE --json`'s
 
@@ -31,12 +37,14 @@ Python's standard library only.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 
-BASE = ["--model", "small", "--backend", "cpu", "--seq-len", "128", "--micro-batch", "8"]
+MODEL = "small"  # unless a configuration names its own --model
+BASE = ["--backend", "cpu", "--seq-len", "128", "--micro-batch", "8"]
 
 # name, flags. Each is a distinct placement, schedule or size of the step.
 CONFIGS = [
@@ -76,7 +84,23 @@ CONFIGS = [
     ("s1 W3", ["--zero-stage", "1", "--world-size", "3"]),
     ("s3 W3 nvme/nvme", ["--zero-stage", "3", "--world-size", "3", "--offload-param", "nvme",
                          "--offload-optimizer", "nvme"]),
+    ("moe s3 nvme/nvme", ["--model", "small-moe", "--zero-stage", "3", "--offload-param", "nvme",
+                          "--offload-optimizer", "nvme"]),
+    ("moe s3 nvme/nvme routed", ["--model", "small-moe", "--zero-stage", "3", "--offload-param", "nvme",
+                                 "--offload-optimizer", "nvme", "--layer-pieces", "2"]),
+    ("moe s3 nvme/nvme deferred", ["--model", "small-moe", "--zero-stage", "3", "--offload-param", "nvme",
+                                   "--offload-optimizer", "nvme", "--layer-pieces", "2",
+                                   "--expert-update", "deferred"]),
 ]
+
+
+def model_of(flags):
+    """The configuration's model: its own --model, else MODEL."""
+    return flags[flags.index("--model") + 1] if "--model" in flags else MODEL
+
+
+def with_model(flags):
+    return flags if "--model" in flags else ["--model", MODEL, *flags]
 LANES = ["io", "comm", "compute", "optimizer", "activations"]
 
 
@@ -113,6 +137,7 @@ def main():
     parser.add_argument("--profile", help="use this profile instead of probing")
     parser.add_argument("--probe-once", action="store_true", help="probe before the first round only")
     parser.add_argument("--json", help="write the table as JSON here")
+    parser.add_argument("--keep-profiles", help="copy each round's probed profiles into this directory")
     args = parser.parse_args()
     chosen = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
     version = run([args.strata, "--version"]).stdout.strip().splitlines()
@@ -124,19 +149,27 @@ def main():
         predicted_steps = {name: [] for name, _ in chosen}
         lane_rounds = {name: [] for name, _ in chosen}
         planned_rounds = {name: [] for name, _ in chosen}
+        models = sorted({model_of(flags) for _, flags in chosen}, key=lambda m: m != MODEL)
         for round_ in range(args.rounds):
-            profile = args.profile
-            if not profile:
-                profile = os.path.join(work, f"profile-{round_ if not args.probe_once else 0}.json")
+            profiles = {}
+            for model in models:  # each model's units probed at its own shapes
+                profiles[model] = args.profile
+                if args.profile:
+                    continue
+                profiles[model] = os.path.join(work, f"profile-{round_ if not args.probe_once else 0}-{model}.json")
                 if round_ == 0 or not args.probe_once:
-                    probe = run([args.strata, "plan", *BASE, "--zero-stage", "3", "--offload-param", "nvme",
-                                 "--offload-optimizer", "nvme", "--nvme-path", args.nvme_path, "--probe",
-                                 "--probe-out", profile])
+                    probe = run([args.strata, "plan", "--model", model, *BASE, "--zero-stage", "3",
+                                 "--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path",
+                                 args.nvme_path, "--probe", "--probe-out", profiles[model]])
                     print(f"round {round_ + 1}: " + probe.stderr.strip().replace("\n", f"\nround {round_ + 1}: "),
                           flush=True)
+                    if args.keep_profiles:
+                        os.makedirs(args.keep_profiles, exist_ok=True)
+                        shutil.copy(profiles[model], args.keep_profiles)
             order = chosen if round_ % 2 == 0 else list(reversed(chosen))
             for name, flags in order:
-                common = [*BASE, *flags, "--nvme-path", args.nvme_path, "--hardware", profile]
+                common = [*BASE, *with_model(flags), "--nvme-path", args.nvme_path, "--hardware",
+                          profiles[model_of(flags)]]
                 planned_rounds[name].append(
                     json.loads(run([args.strata, "plan", *common, "--json"]).stdout)["prediction"])
                 metrics, trace = os.path.join(work, "m.jsonl"), os.path.join(work, "t.json")
@@ -144,7 +177,12 @@ def main():
                      str(args.steps), "--lr", "1e-3", "--metrics", metrics, "--trace", trace])
                 lines = [json.loads(line) for line in open(metrics)]
                 measured_steps[name].append(statistics.median(line["step_time_s"] for line in lines[1:]))
-                predicted_steps[name].append(lines[-1]["predicted_step_time_s"])
+                if "--layer-pieces" in flags:  # routed reads: the run's routing, not the worst case
+                    replay = json.loads(run([args.strata, "plan", *common, "--routing", metrics,
+                                             "--json"]).stdout)["recorded_routing"]
+                    predicted_steps[name].append(replay["predicted_seconds_per_step"]["mean"])
+                else:
+                    predicted_steps[name].append(lines[-1]["predicted_step_time_s"])
                 lane_rounds[name].append(trace_lane_busy(trace, args.steps))
         rows = []
         for name, flags in chosen:

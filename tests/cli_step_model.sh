@@ -25,6 +25,22 @@ check "--probe says what it measured and where it wrote the profile" $?
 grep -q "^predicted on probe of " "$dir/out"
 check "--probe predicts with the profile it made" $?
 
+# With an NVMe path the probe measures the drive three ways: reads, writes,
+# and both at once (the streamed optimizer's pattern), each a rate above 0.
+mkdir -p "$dir/swap"
+"$strata" plan --model small --backend cpu --seq-len 64 --micro-batch 2 --zero-stage 3 \
+  --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --probe \
+  --probe-out "$dir/nvme-profile.json" >"$dir/out" 2>"$dir/err"
+[ $? -eq 0 ] && grep -q "probe: NVMe under $dir/swap: read .* GB/s, write .* GB/s, both at once .* GB/s" \
+  "$dir/err"
+check "--probe with --nvme-path measures reads, writes and both at once" $?
+python3 - "$dir/nvme-profile.json" <<'PY'
+import json, sys
+drives = json.load(open(sys.argv[1]))["nvme"]
+assert len(drives) == 1 and all(drives[0][k] > 0 for k in ("read_gbps", "write_gbps", "mixed_gbps")), drives
+PY
+check "the probed profile holds the drive's read, write and mixed rates" $?
+
 "$strata" "${plan[@]}" --hardware "$dir/profile.json" --json >"$dir/plan.json" 2>"$dir/err"
 python3 - "$dir/plan.json" <<'PY'
 import json, sys

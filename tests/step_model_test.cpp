@@ -205,6 +205,58 @@ TEST(StepModel, OperationsCostTheirBytesOverTheirLinkAndTheirFlopsOnTheDevice) {
   EXPECT_EQ(sum.inter_node, plan->traffic_per_step.inter_node);
 }
 
+// The streamed optimizer reads its next chunk while it updates one and writes
+// the last: bound by the drives, its time is their bytes (in turn, or both
+// at once at the profile's mixed rate, never faster than either way alone),
+// and it shares the cores, working them only its AdamW's time; bound by
+// AdamW, it holds them.
+TEST(StepModel, AStreamedOptimizerBoundByTheDrivesSharesTheCores) {
+  Result<TrainingPlan> plan = plan_training(nvme_input());
+  ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+  HardwareProfile hw;
+  hw.name = "by hand";
+  hw.matmul_tflops_fp32 = 1;
+  hw.memory_gbps = hw.memcpy_gbps = 1000;
+  hw.adamw_mparams_fp32 = 1e6;                   // 1e12 parameters/s: the drives bound it
+  hw.nvme = {NvmeDrive{2, 1, 0, std::nullopt}};  // 2 GB/s read, 1 GB/s written, no latency
+  const std::vector<StepTraffic> traffic = traffic_per_op(*plan);
+  const uint32_t cores = uint32_t(Resource::cores);
+  const int cores_index = 1;  // resource_name(1)
+  ASSERT_STREQ(resource_name(cores_index), "cores");
+  auto check = [&](double mixed_gbps, double adamw_mparams) {
+    hw.nvme[0].mixed_gbps = mixed_gbps;
+    hw.adamw_mparams_fp32 = adamw_mparams;
+    const std::vector<OpCost> costs = cost_operations(*plan, hw);
+    int seen = 0;
+    for (size_t i = 0; i < plan->ops.size(); ++i) {
+      const PlanOp& op = plan->ops[i];
+      const StepTraffic& t = traffic[i];
+      if (op.kind != OpKind::optimizer || t.nvme_read == 0 || t.nvme_written == 0) continue;
+      ++seen;
+      const double r = double(t.nvme_read), w = double(t.nvme_written);
+      const double update =
+          double(plan->units[size_t(op.unit)].optimizer_numel) / (adamw_mparams * 1e6);
+      const double io = mixed_gbps > 0 ? std::max({r / 2e9, w / 1e9, (r + w) / (mixed_gbps * 1e9)})
+                                       : r / 2e9 + w / 1e9;
+      SCOPED_TRACE(fmt::format("op {} mixed {} adamw {}", i, mixed_gbps, adamw_mparams));
+      EXPECT_NEAR(costs[i].seconds, std::max(io, update), 1e-15);
+      EXPECT_TRUE(costs[i].resources & kNvme);
+      if (update < io) {
+        EXPECT_FALSE(costs[i].resources & cores);
+        EXPECT_NEAR(costs[i].busy_seconds(cores_index), update, 1e-15);
+      } else {
+        EXPECT_TRUE(costs[i].resources & cores);
+        EXPECT_DOUBLE_EQ(costs[i].busy_seconds(cores_index), costs[i].seconds);
+      }
+    }
+    EXPECT_GT(seen, 0);
+  };
+  check(0, 1e6);     // in turn
+  check(2.5, 1e6);   // both at once, 2.5 GB/s together: above either way alone
+  check(10, 1e6);    // a mixed rate above the sum: each way's own rate bounds it
+  check(2.5, 1e-3);  // 1000 parameters/s: AdamW bounds it and holds the cores
+}
+
 TEST(StepModel, ASparseLayerCostsTheExpertsItsTokensRead) {
   // A qwen3_moe shape with a dense layer 0 among sparse ones: each layer's
   // forward counts its own active parameters (the router and k of E experts).
@@ -614,6 +666,23 @@ TEST(HardwareProfile, PresetsAndFilesRoundTripAndBadOnesAreOneLine) {
     Result<HardwareProfile> back = parse_hardware_profile(hardware_profile_json(*p), "x.json");
     ASSERT_TRUE(back.is_ok()) << back.status().message();
     EXPECT_EQ(hardware_profile_json(*back), hardware_profile_json(*p));
+    EXPECT_EQ(p->nvme_mixed_gbps(), 0.0) << name;  // a preset's drives have no measured mixed rate
+  }
+  {
+    // A probed drive's mixed rate round-trips; the drives' sum is the node's,
+    // and unknown where one drive lacks it.
+    Result<HardwareProfile> p = parse_hardware_profile(
+        R"({"compute": {"matmul_tflops": {"fp32": 1}},
+            "nvme": [{"read_gbps": 2, "write_gbps": 1.5, "mixed_gbps": 2.5},
+                     {"read_gbps": 2, "write_gbps": 1.5, "mixed_gbps": 3}]})",
+        "mixed.json");
+    ASSERT_TRUE(p.is_ok()) << p.status().message();
+    EXPECT_DOUBLE_EQ(p->nvme_mixed_gbps(), 5.5);
+    Result<HardwareProfile> back = parse_hardware_profile(hardware_profile_json(*p), "x.json");
+    ASSERT_TRUE(back.is_ok()) << back.status().message();
+    EXPECT_DOUBLE_EQ(back->nvme_mixed_gbps(), 5.5);
+    p->nvme[1].mixed_gbps = 0;
+    EXPECT_EQ(p->nvme_mixed_gbps(), 0.0);
   }
   struct Case {
     std::string text, names;
@@ -621,6 +690,9 @@ TEST(HardwareProfile, PresetsAndFilesRoundTripAndBadOnesAreOneLine) {
   const std::vector<Case> bad = {
       {R"({"compute": {"matmul_tflops": {"fp32": -1}}})", "compute.matmul_tflops.fp32"},
       {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "nvme": [{"read_gbps": 1}]})", "nvme[0]"},
+      {R"({"compute": {"matmul_tflops": {"fp32": 1}},
+           "nvme": [{"read_gbps": 1, "write_gbps": 1, "mixed_gbps": 0}]})",
+       "nvme[0].mixed_gbps"},
       {R"({"compute": {"matmul_tflops": {"fp32": 1}}, "netwrok": {}})", "netwrok"},
       {R"({"kind": "tpu", "compute": {"matmul_tflops": {"fp32": 1}}})", "kind"},
       {R"({"name": "no rates"})", "compute.matmul_tflops.fp32"},

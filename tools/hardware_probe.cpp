@@ -117,8 +117,11 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
   if (!file) return file.status().with_context("probing NVMe");
   io::AlignedBuffer buffer(size_t(16 * block), (*engine)->alignment());
   std::memset(buffer.data(), 0x5a, buffer.size());
-  // Whole passes over the file, 16 blocks in flight.
-  auto pass = [&](bool write) -> Result<double> {
+  // Whole passes over the file, 16 blocks in flight: reads, writes, or both
+  // at once (mixed: even blocks read, odd ones written, as the streamed
+  // optimizer reads its next chunk while it writes the last).
+  enum class Pass { read, write, mixed };
+  auto pass = [&](Pass kind) -> Result<double> {
     const auto start = Clock::now();
     std::vector<io::IoHandle> flight;
     for (uint64_t at = 0; at < total; at += block) {
@@ -127,6 +130,7 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
         if (Status s = flight.front().wait(); !s) return s;
         flight.erase(flight.begin());
       }
+      const bool write = kind == Pass::write || (kind == Pass::mixed && (at / block) % 2 == 1);
       flight.push_back(write ? (*engine)->write(*file, at, data, block)
                              : (*engine)->read(*file, at, data, block));
     }
@@ -134,8 +138,9 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
       if (Status s = h.wait(); !s) return s;
     return seconds_since(start);
   };
-  Result<double> written = pass(true);
-  Result<double> read = written ? pass(false) : written;
+  Result<double> written = pass(Pass::write);
+  Result<double> read = written ? pass(Pass::read) : written;
+  Result<double> mixed = read ? pass(Pass::mixed) : read;
   (void)(*engine)->take_request_latencies_us();
   // One block at a time: the latency of a request.
   const auto one = Clock::now();
@@ -144,16 +149,18 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
   (void)(*engine)->remove_file(*file);
   if (!written) return written.status().with_context("probing NVMe");
   if (!read) return read.status().with_context("probing NVMe");
+  if (!mixed) return mixed.status().with_context("probing NVMe");
   NvmeDrive drive;
   drive.read_gbps = double(total) / *read / 1e9;
   drive.write_gbps = double(total) / *written / 1e9;
+  drive.mixed_gbps = double(total) / *mixed / 1e9;
   drive.latency_us = latency_us;
   p.nvme.push_back(drive);
   say(options,
-      fmt::format("NVMe under {}: read {:.2f} GB/s, write {:.2f} GB/s, {:.0f} us a "
-                  "request ({} MiB, {} KiB blocks, {} in flight, {})",
-                  options.nvme_paths.front(), drive.read_gbps, drive.write_gbps, latency_us,
-                  total >> 20, block >> 10, 16, (*engine)->backend_description()));
+      fmt::format("NVMe under {}: read {:.2f} GB/s, write {:.2f} GB/s, both at once {:.2f} "
+                  "GB/s, {:.0f} us a request ({} MiB, {} KiB blocks, {} in flight, {})",
+                  options.nvme_paths.front(), drive.read_gbps, drive.write_gbps, drive.mixed_gbps,
+                  latency_us, total >> 20, block >> 10, 16, (*engine)->backend_description()));
   return Status::ok();
 }
 

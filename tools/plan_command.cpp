@@ -491,7 +491,12 @@ class PlanCommand : public Subcommand {
       const double each =
           input.links.nvme / 1e9 / double(std::max<size_t>(1, profile->nvme.size()));
       if (profile->nvme.empty()) profile->nvme.push_back({});
-      for (NvmeDrive& d : profile->nvme) d.read_gbps = d.write_gbps = each;
+      // The drives' given bandwidth each way; reads and writes take turns
+      // (a mixed rate measured on other drives says nothing of these).
+      for (NvmeDrive& d : profile->nvme) {
+        d.read_gbps = d.write_gbps = each;
+        d.mixed_gbps = 0;
+      }
     }
     return profile;
   }

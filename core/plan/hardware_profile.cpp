@@ -22,6 +22,15 @@ double HardwareProfile::nvme_write_gbps() const {
   return sum;
 }
 
+double HardwareProfile::nvme_mixed_gbps() const {
+  double sum = 0;
+  for (const NvmeDrive& d : nvme) {
+    if (d.mixed_gbps <= 0) return 0;
+    sum += d.mixed_gbps;
+  }
+  return sum;
+}
+
 double HardwareProfile::matmul_flops(Precision precision) const {
   const double peak = precision == Precision::bf16   ? matmul_tflops_bf16
                       : precision == Precision::fp16 ? matmul_tflops_fp16
@@ -206,14 +215,15 @@ Result<HardwareProfile> parse_hardware_profile(const std::string& text, const st
       if (!drive.optional_double("read_gbps", d.read_gbps, 0.001) ||
           !drive.optional_double("write_gbps", d.write_gbps, 0.001))
         drive.fail("read_gbps", "each drive needs read_gbps and write_gbps above 0");
+      drive.optional_double("mixed_gbps", d.mixed_gbps, 0.001);
       drive.optional_double("latency_us", d.latency_us, 0);
       double tbw = 0;
       if (drive.optional_double("rated_tbw", tbw, 0.001)) d.rated_tbw = tbw;
       if (!drive.status()) return drive.status();
       for (const std::string& key : drive.unread_keys())
         return Status::invalid_argument(
-            fmt::format("{}: {}: not a key of a drive (read_gbps, write_gbps, latency_us, "
-                        "rated_tbw)",
+            fmt::format("{}: {}: not a key of a drive (read_gbps, write_gbps, mixed_gbps, "
+                        "latency_us, rated_tbw)",
                         origin, key));
       p.nvme.push_back(d);
     }
@@ -275,12 +285,14 @@ std::string hardware_profile_json(const HardwareProfile& p) {
     j["compute"]["launch_us"] = p.launch_us;
     j["compute"]["host_wait_us"] = p.host_wait_us;
   }
-  if (!p.gpu)
+  if (!p.gpu) {
     j["cpu_units"] = {{"layer_forward_gflops", p.layer_forward_gflops},
                       {"layer_backward_gflops", p.layer_backward_gflops},
-                      {"head_gflops", p.head_gflops},
-                      {"rank_shares", p.rank_shares},
-                      {"shapes", p.unit_shapes}};
+                      {"head_gflops", p.head_gflops}};
+    // Unmeasured (a profile written by hand): left out, as read (an even split).
+    if (!p.rank_shares.empty()) j["cpu_units"]["rank_shares"] = p.rank_shares;
+    j["cpu_units"]["shapes"] = p.unit_shapes;
+  }
   j["host"] = {{"memcpy_gbps", p.memcpy_gbps},
                {"cores", p.cores},
                {"adamw_mparams_per_s",
@@ -292,8 +304,9 @@ std::string hardware_profile_json(const HardwareProfile& p) {
                {"latency_us", p.pcie_latency_us}};
   nlohmann::ordered_json drives = nlohmann::ordered_json::array();
   for (const NvmeDrive& d : p.nvme) {
-    nlohmann::ordered_json drive = {
-        {"read_gbps", d.read_gbps}, {"write_gbps", d.write_gbps}, {"latency_us", d.latency_us}};
+    nlohmann::ordered_json drive = {{"read_gbps", d.read_gbps}, {"write_gbps", d.write_gbps}};
+    if (d.mixed_gbps > 0) drive["mixed_gbps"] = d.mixed_gbps;
+    drive["latency_us"] = d.latency_us;
     if (d.rated_tbw) drive["rated_tbw"] = *d.rated_tbw;
     drives.push_back(drive);
   }

@@ -19,7 +19,8 @@
 //    "host": {"memcpy_gbps": F, "cores": N,
 //             "adamw_mparams_per_s": {"fp32": F, "bf16": F, "int8": F}},
 //    "pcie": {"h2d_gbps": F, "d2h_gbps": F, "latency_us": F},
-//    "nvme": [{"read_gbps": F, "write_gbps": F, "latency_us": F, "rated_tbw": F}, ...],
+//    "nvme": [{"read_gbps": F, "write_gbps": F, "mixed_gbps": F, "latency_us": F,
+//              "rated_tbw": F}, ...],
 //    "network": {"gbps": F, "latency_us": F},
 //    "internode": {"gbps": F, "latency_us": F}}
 // "network" is the link between the ranks of a node (NVLink, PCIe peer to
@@ -45,6 +46,10 @@ struct NvmeDrive {
   double write_gbps = 0;
   double latency_us = 100;
   std::optional<double> rated_tbw;  // terabytes written over the drive's warranty
+  // Reads and writes in flight at once, half each: the bytes both move per
+  // second together (`strata plan --probe` measures it). 0: unknown, and
+  // the model lets them take turns (read_gbps, then write_gbps).
+  double mixed_gbps = 0;
 };
 
 struct HardwareProfile {
@@ -89,6 +94,9 @@ struct HardwareProfile {
   // The node's NVMe read and write bandwidth: the drives striped.
   double nvme_read_gbps() const;
   double nvme_write_gbps() const;
+  // Reads and writes at once, the bytes of both per second: the drives'
+  // mixed_gbps striped, 0 when a drive's is unknown.
+  double nvme_mixed_gbps() const;
   // The matmul rate in FLOP/s of a precision, efficiency applied.
   double matmul_flops(Precision precision) const;
   // The CPU optimizer's parameters per second for a state format.

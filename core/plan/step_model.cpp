@@ -21,6 +21,7 @@ const char* resource_name(int index) {
 
 double OpCost::busy_seconds(int index) const {
   const uint32_t bit = 1u << index;
+  if (bit == uint32_t(Resource::cores) && cores_seconds >= 0) return cores_seconds;
   if (!(resources & bit)) return 0;
   if (bit == uint32_t(Resource::intra_node)) return intra_node_seconds;
   if (bit == uint32_t(Resource::inter_node)) return inter_node_seconds;
@@ -135,6 +136,42 @@ void cost_collective(const TrainingPlan& plan, const HardwareProfile& hw, const 
 }
 
 // The exchange: a few numbers, all-reduced: twice the hops of each level, latency alone.
+// The node's NVMe drives as one rank sees them: `share` of their bandwidth
+// each way and both at once, and a latency per transfer.
+struct DriveTimes {
+  DriveTimes(const HardwareProfile& hw, double share)
+      : read_gbps(hw.nvme_read_gbps() * share),
+        write_gbps(hw.nvme_write_gbps() * share),
+        mixed_gbps(hw.nvme_mixed_gbps() * share),
+        latency_us(hw.nvme.empty() ? 100 : hw.nvme.front().latency_us) {}
+  // The reads, then the writes.
+  double in_turn(const StepTraffic& t) const {
+    return seconds_for(double(t.nvme_read), read_gbps, latency_us) +
+           seconds_for(double(t.nvme_written), write_gbps, latency_us);
+  }
+  // Reads and writes in flight at once (the streamed optimizer's chunks): at
+  // the mixed rate, never faster than either way alone; in turn without one.
+  double at_once(const StepTraffic& t) const {
+    if (mixed_gbps <= 0 || t.nvme_read == 0 || t.nvme_written == 0) return in_turn(t);
+    return std::max({seconds_for(double(t.nvme_read), read_gbps, 0),
+                     seconds_for(double(t.nvme_written), write_gbps, 0),
+                     seconds_for(double(t.nvme_read + t.nvme_written), mixed_gbps, 0)}) +
+           2 * latency_us * 1e-6;
+  }
+  double read_gbps, write_gbps, mixed_gbps, latency_us;
+};
+
+// `cores` seconds of work on the cores in an operation that waits `waited`
+// on NVMe beside it: shorter, it shares the cores (OpCost::cores_seconds);
+// else it holds them.
+void work_cores(OpCost& c, double cores, double waited) {
+  if (cores <= 0) return;
+  if (cores < waited)
+    c.cores_seconds = cores;
+  else
+    c.resources |= uint32_t(Resource::cores);
+}
+
 void cost_exchange(const TrainingPlan& plan, const HardwareProfile& hw, OpCost& c) {
   const PlanInput& in = plan.input;
   const int g = in.budgets.node_ranks(in.world_size), n = in.budgets.nodes(in.world_size);
@@ -287,15 +324,11 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
   const PlanInput& in = plan.input;
   const bool gpu = in.gpu;
   const uint32_t compute = uint32_t(gpu ? Resource::device : Resource::cores);
-  const double nvme_latency = hw.nvme.empty() ? 100 : hw.nvme.front().latency_us;
   // Every rank of the node streams through the node's drives at once (the
   // ranks run the same plan): each has its share of their bandwidth, on
   // either backend, as the planner's NVMe time counts it.
-  const double nvme_share = 1.0 / double(std::max(1, in.budgets.node_ranks(in.world_size)));
-  auto nvme_seconds = [&](const StepTraffic& t) {
-    return seconds_for(double(t.nvme_read), hw.nvme_read_gbps() * nvme_share, nvme_latency) +
-           seconds_for(double(t.nvme_written), hw.nvme_write_gbps() * nvme_share, nvme_latency);
-  };
+  const DriveTimes drives(hw, 1.0 / double(std::max(1, in.budgets.node_ranks(in.world_size))));
+  auto nvme_seconds = [&](const StepTraffic& t) { return drives.in_turn(t); };
   auto pcie_seconds = [&](const StepTraffic& t) {
     return seconds_for(double(t.h2d), hw.pcie_h2d_gbps, hw.pcie_latency_us) +
            seconds_for(double(t.d2h), hw.pcie_d2h_gbps, hw.pcie_latency_us);
@@ -339,8 +372,8 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
       case OpKind::writeback:
       case OpKind::share:
         c.seconds = nvme_seconds(t) + replay_seconds(i);
-        c.resources =
-            uint32_t(Resource::nvme) | (replay_seconds(i) > 0 ? uint32_t(Resource::cores) : 0u);
+        c.resources = uint32_t(Resource::nvme);
+        work_cores(c, replay_seconds(i), nvme_seconds(t));
         if (op.kind == OpKind::share) cost_collective(plan, hw, t, c);
         break;
       case OpKind::spill:
@@ -402,11 +435,15 @@ std::vector<OpCost> cost_operations(const TrainingPlan& plan, const HardwareProf
                 : (hw.adamw_params_per_second(in.optimizer_state) > 0
                        ? params / (hw.adamw_params_per_second(in.optimizer_state) * optimizer_share)
                        : 0);
-        // The streamed optimizer reads and writes its chunks while it updates.
-        c.seconds = std::max(update, nvme_seconds(t)) + pcie_seconds(t);
-        c.resources = (on_gpu ? uint32_t(Resource::device) : uint32_t(Resource::cores)) |
-                      (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u) |
-                      pcie_bits(t);
+        // The streamed optimizer reads its next chunk while it updates one
+        // and writes the last back: its bytes both ways at the drives'
+        // mixed rate where the profile has one (never faster than either
+        // way alone). Bound by the drives, it shares the cores.
+        const double io = drives.at_once(t);
+        c.seconds = std::max(update, io) + pcie_seconds(t);
+        c.resources = (on_gpu ? uint32_t(Resource::device) : 0u) | pcie_bits(t) |
+                      (t.nvme_read + t.nvme_written > 0 ? uint32_t(Resource::nvme) : 0u);
+        if (!on_gpu) work_cores(c, update, io);
         break;
       }
       case OpKind::exchange:

@@ -11,7 +11,8 @@
 // collective its two levels one after the other (StepTraffic: a ring within
 // the node on the intra-node link, then one across the nodes on the
 // inter-node link, each at its own bandwidth with a latency per hop); the optimizer its
-// parameters at the state format's rate, its streamed state over NVMe alongside.
+// parameters at the state format's rate, its streamed state over NVMe alongside (reads
+// and writes at once, at the drives' mixed rate where the profile has one).
 //
 // Simulation. The rules are the lane executor's (core/engine/lane_executor.h)
 // and the engine's, from the same definitions: each lane runs its operations
@@ -20,7 +21,9 @@
 // the parameters it reads is published (reads_parameters,
 // parameter_publishers), and the resources it holds are free (one NVMe set,
 // the intra-node and the inter-node link, PCIe each way, the device; on the CPU backend the cores,
-// which compute, the optimizer and host copies share). A step is handed to the lanes when the
+// which compute, the optimizer and host copies share; an operation that works them for less
+// time than it waits on NVMe shares them instead, OpCost::cores_seconds). A step is handed to
+// the lanes when the
 // previous one's step() returns: its exchange done and the step before it complete. The first
 // (cold) step and the steady one come apart.
 //
@@ -58,6 +61,12 @@ struct OpCost {
   // A collective's two levels, of `seconds`: it holds both links while it
   // runs (one lane runs every collective), each busy for its own level only.
   double intra_node_seconds = 0, inter_node_seconds = 0;
+  // An operation that works the cores for less time than it waits on NVMe
+  // (the streamed optimizer's AdamW between its chunks, a replay of missed
+  // steps beside its reads) shares them: it neither waits for nor holds
+  // the cores (no Resource::cores bit), and works them this long, counted
+  // in their busy time. Negative: it holds them if its bits say so.
+  double cores_seconds = -1;
   // The seconds resource `index` works during the operation.
   double busy_seconds(int index) const;
 };
