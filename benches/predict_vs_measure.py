@@ -101,6 +101,8 @@ def model_of(flags):
 
 def with_model(flags):
     return flags if "--model" in flags else ["--model", MODEL, *flags]
+
+
 LANES = ["io", "comm", "compute", "optimizer", "activations"]
 
 

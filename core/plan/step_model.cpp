@@ -135,7 +135,6 @@ void cost_collective(const TrainingPlan& plan, const HardwareProfile& hw, const 
   c.seconds += c.intra_node_seconds + c.inter_node_seconds;
 }
 
-// The exchange: a few numbers, all-reduced: twice the hops of each level, latency alone.
 // The node's NVMe drives as one rank sees them: `share` of their bandwidth
 // each way and both at once, and a latency per transfer.
 struct DriveTimes {
@@ -172,6 +171,7 @@ void work_cores(OpCost& c, double cores, double waited) {
     c.resources |= uint32_t(Resource::cores);
 }
 
+// The exchange: a few numbers, all-reduced: twice the hops of each level, latency alone.
 void cost_exchange(const TrainingPlan& plan, const HardwareProfile& hw, OpCost& c) {
   const PlanInput& in = plan.input;
   const int g = in.budgets.node_ranks(in.world_size), n = in.budgets.nodes(in.world_size);

@@ -23,9 +23,8 @@
 // the intra-node and the inter-node link, PCIe each way, the device; on the CPU backend the cores,
 // which compute, the optimizer and host copies share; an operation that works them for less
 // time than it waits on NVMe shares them instead, OpCost::cores_seconds). A step is handed to
-// the lanes when the
-// previous one's step() returns: its exchange done and the step before it complete. The first
-// (cold) step and the steady one come apart.
+// the lanes when the previous one's step() returns: its exchange done and the step before it
+// complete. The first (cold) step and the steady one come apart.
 //
 // Pure functions; thread-safe.
 #pragma once
