@@ -11,6 +11,7 @@
 #include <memory>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "core/model/model.h"
 #include "core/plan/step_model.h"
@@ -140,12 +141,20 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
   };
   Result<double> written = pass(Pass::write);
   Result<double> read = written ? pass(Pass::read) : written;
+  // One 4 KiB read at a time, over the file: the latency of a request, the
+  // median of 31 (a mean takes in whatever else the drive is doing). Before
+  // the mixed pass, whose writes a drive may still be flushing after it.
+  std::vector<double> waits;
+  const uint64_t blocks = total / block;
+  for (uint64_t i = 0; i < 31 && read; ++i) {
+    const auto one = Clock::now();
+    (void)(*engine)->read(*file, (i * 37 % blocks) * block, buffer.data(), 4096).wait();
+    waits.push_back(seconds_since(one));
+  }
+  std::nth_element(waits.begin(), waits.begin() + ptrdiff_t(waits.size() / 2), waits.end());
+  const double latency_us = waits.empty() ? 0 : waits[waits.size() / 2] * 1e6;
   Result<double> mixed = read ? pass(Pass::mixed) : read;
   (void)(*engine)->take_request_latencies_us();
-  // One block at a time: the latency of a request.
-  const auto one = Clock::now();
-  for (int i = 0; i < 16 && read; ++i) (void)(*engine)->read(*file, 0, buffer.data(), 4096).wait();
-  const double latency_us = seconds_since(one) / 16 * 1e6;
   (void)(*engine)->remove_file(*file);
   if (!written) return written.status().with_context("probing NVMe");
   if (!read) return read.status().with_context("probing NVMe");
