@@ -45,6 +45,16 @@ std::vector<float> random_floats(size_t count, std::mt19937_64& rng) {
   return values;
 }
 
+// A finite float's value in float64, decoded from its bits: exact for a
+// subnormal too, which a conversion (cvtss2sd) reads as zero in the mode
+// the kernels run in (kernels/cpu/float_mode.h: denormals are zero).
+double exact_double(uint32_t bits) {
+  const double sign = (bits & 0x80000000u) ? -1.0 : 1.0;
+  const uint32_t exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  if (exponent == 0) return sign * std::ldexp(double(mantissa), -149);
+  return sign * std::ldexp(double(mantissa | 0x800000u), int(exponent) - 150);
+}
+
 // bf16 nearest-even by comparing the two neighbouring bf16 values in float64.
 uint16_t bf16_reference(float x) {
   if (std::isnan(x)) return 0x7fc0;
@@ -52,12 +62,12 @@ uint16_t bf16_reference(float x) {
   const uint32_t low = bits & 0xffff0000u;  // truncation toward zero
   if (low == bits) return static_cast<uint16_t>(bits >> 16);
   const uint32_t high = low + 0x10000u;  // next bf16 away from zero (may be inf)
-  const double d_low = std::fabs(double(x) - double(bits_float(low)));
+  const double d_low = std::fabs(exact_double(bits) - exact_double(low));
   // Past the largest bf16, the next value up is 2^128, which the format writes as infinity.
   const double high_value = (high & 0x7fffffffu) == 0x7f800000u
-                                ? std::ldexp(x < 0 ? -1.0 : 1.0, 128)
-                                : double(bits_float(high));
-  const double d_high = std::fabs(high_value - double(x));
+                                ? std::ldexp((bits & 0x80000000u) ? -1.0 : 1.0, 128)
+                                : exact_double(high);
+  const double d_high = std::fabs(high_value - exact_double(bits));
   if (d_low < d_high) return static_cast<uint16_t>(low >> 16);
   if (d_high < d_low) return static_cast<uint16_t>(high >> 16);
   return static_cast<uint16_t>(((low >> 16) & 1u) ? high >> 16 : low >> 16);

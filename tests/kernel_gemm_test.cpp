@@ -8,8 +8,10 @@
 // (tests/CMakeLists.txt); a class the CPU cannot run skips them.
 #include <gtest/gtest.h>
 #include <tbb/global_control.h>
+#include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/float_mode.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/simd.h"
 #include "tests/kernel_reference.h"
@@ -280,6 +283,32 @@ TEST(KernelGemm, FastPathIsTheSameBitsWhicheverThreadsRunItsBlocks) {
 }
 
 // Run once per class by ctest with STRATA_GEMM=<class>.
+// float_mode.h: every thread that computes flushes subnormals, from before
+// main() on the main thread, by inheritance on the threads started after it
+// (a std::thread as the engine's lanes are, TBB's workers); and a product
+// reads a subnormal operand as zero and flushes a subnormal result to zero,
+// on the fast path and the reference alike.
+TEST(KernelFloatMode, EveryThreadThatComputesFlushesSubnormals) {
+  EXPECT_TRUE(kernels::cpu::flushes_subnormals());
+  bool started = false;
+  std::thread([&] { started = kernels::cpu::flushes_subnormals(); }).join();
+  EXPECT_TRUE(started);
+  std::atomic<int> runs{0}, flushing{0};
+  tbb::parallel_for(0, 4096, [&](int) {
+    runs.fetch_add(1);
+    if (kernels::cpu::flushes_subnormals()) flushing.fetch_add(1);
+  });
+  EXPECT_EQ(flushing.load(), runs.load());
+  for (bool reference : {false, true}) {
+    // (1e-39 x 1) + (1e-20 x 1e-20): a subnormal operand and a subnormal product.
+    const std::vector<float> a = {1e-39f, 1e-20f}, b = {1.0f, 1e-20f};
+    float c = 1.0f;
+    auto f = reference ? kernels::cpu::sgemm_reference : kernels::cpu::sgemm;
+    f(false, false, 1, 1, 2, 1.0f, a.data(), 2, b.data(), 1, 0.0f, &c, 1);
+    EXPECT_EQ(c, 0.0f) << (reference ? "reference" : "fast path");
+  }
+}
+
 TEST(KernelGemmForced, TheForcedClassRunsWithinTheBound) {
   const char* forced = std::getenv("STRATA_GEMM");
   if (forced == nullptr) GTEST_SKIP() << "STRATA_GEMM is not set";

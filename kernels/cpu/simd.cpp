@@ -2,6 +2,7 @@
 
 #include <cpuid.h>
 #include <tbb/parallel_for.h>
+#include <xmmintrin.h>
 
 #include <atomic>
 #include <cstdio>
@@ -9,8 +10,31 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cpu/float_mode.h"
+
 namespace strata::kernels::cpu {
+
 namespace {
+constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;  // MXCSR bits
+}  // namespace
+
+void flush_subnormals_on_this_thread() {
+  _mm_setcsr(_mm_getcsr() | kFlushToZero | kDenormalsAreZero);
+}
+
+bool flushes_subnormals() {
+  const unsigned both = kFlushToZero | kDenormalsAreZero;
+  return (_mm_getcsr() & both) == both;
+}
+
+namespace {
+
+// float_mode.h: the thread that loads the kernels flushes subnormals from
+// before main(), and every thread it starts inherits the mode.
+[[maybe_unused]] const bool flushing_from_the_start = [] {
+  flush_subnormals_on_this_thread();
+  return true;
+}();
 
 // -1: automatic; otherwise a SimdLevel forced by force_simd_level().
 std::atomic<int> forced_level{-1};
