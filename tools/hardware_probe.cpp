@@ -145,7 +145,7 @@ Status probe_nvme(const ProbeOptions& options, HardwareProfile& p) {
   // median of 31 (a mean takes in whatever else the drive is doing). Before
   // the mixed pass, whose writes a drive may still be flushing after it.
   std::vector<double> waits;
-  const uint64_t blocks = total / block;
+  const uint64_t blocks = std::max<uint64_t>(1, total / block);
   for (uint64_t i = 0; i < 31 && read; ++i) {
     const auto one = Clock::now();
     (void)(*engine)->read(*file, (i * 37 % blocks) * block, buffer.data(), 4096).wait();
